@@ -1,0 +1,93 @@
+"""Attention over the KV cache: GQA (Llama, MiniMax-M2) and MLA (DeepSeek-V3 / Kimi).
+
+Each block projects the new tokens, writes their K/V (or MLA latents) into the stacked cache at
+`layer`, then attends over all cache slots with a precomputed visibility mask [B, T, S]. Scores
+and softmax run in float32.
+
+MLA has two mathematically equal forms over the same latent cache:
+- expanded (prefill, many queries): per-head K/V = kv_b_proj(c_kv) for every slot;
+- absorbed (decode / verify, few queries): W_UK is folded into q, so scores are q_lat . c_kv, and
+  W_UV is applied after attention; nothing per-head is materialised per slot.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from . import kv_cache
+from .config import ModelConfig
+from .layers import apply_rotary, rms_norm, rotary_cos_sin
+
+_NEG = -1e30  # finite "minus infinity": every query sees at least itself, so no row is empty
+
+
+def _masked_softmax(scores: jax.Array, mask: jax.Array) -> jax.Array:
+    """scores [B, ..., T, S] float32; mask [B, T, S] broadcast over the middle (head) axes."""
+    m = mask.reshape(mask.shape[:1] + (1,) * (scores.ndim - 3) + mask.shape[1:])
+    return jax.nn.softmax(jnp.where(m, scores, _NEG), axis=-1)
+
+
+def gqa_block(p: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Array, cache: kv_cache.KVCache,
+              layer: jax.Array, mask: jax.Array) -> tuple[jax.Array, kv_cache.KVCache]:
+    """x [B, T, H] -> attention output [B, T, H]; K/V of the T tokens written to the cache."""
+    b, t, _ = x.shape
+    nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    q, k, v = x @ p["q_proj"], x @ p["k_proj"], x @ p["v_proj"]
+    if cfg.qk_norm:  # MiniMax-M2: one RMSNorm over the whole projected vector, before rotary
+        q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
+        k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
+    q, k, v = q.reshape(b, t, nh, d), k.reshape(b, t, nkv, d), v.reshape(b, t, nkv, d)
+    cos, sin = rotary_cos_sin(cfg.rope, positions)
+    q, k = apply_rotary(q, cos, sin, cfg.rope), apply_rotary(k, cos, sin, cfg.rope)
+
+    cache = cache.replace(k=kv_cache.write(cache.k, layer, k, cache.lengths),
+                          v=kv_cache.write(cache.v, layer, v, cache.lengths))
+    keys, values = cache.k[layer], cache.v[layer]  # [B, S, nkv, d]
+
+    qg = q.reshape(b, t, nkv, nh // nkv, d)
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg, keys, preferred_element_type=jnp.float32)
+    probs = _masked_softmax(scores * (d ** -0.5), mask)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(values.dtype), values)
+    return out.reshape(b, t, nh * d) @ p["o_proj"], cache
+
+
+def _mla_query(p: dict, cfg: ModelConfig, x: jax.Array) -> jax.Array:
+    if cfg.q_lora_rank is None:
+        return x @ p["q_proj"]
+    return rms_norm(x @ p["q_a_proj"], p["q_a_norm"], cfg.rms_norm_eps) @ p["q_b_proj"]
+
+
+def mla_block(p: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Array, cache: kv_cache.KVCache,
+              layer: jax.Array, mask: jax.Array, absorb: bool) -> tuple[jax.Array, kv_cache.KVCache]:
+    """Multi-head latent attention; caches kv_a_layernorm(c_kv) and the roped k_pe only."""
+    b, t, _ = x.shape
+    nh, dn, dr, dv, r = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+    q = _mla_query(p, cfg, x).reshape(b, t, nh, dn + dr)
+    q_nope, q_pe = q[..., :dn], q[..., dn:]
+    kv_a = x @ p["kv_a_proj"]
+    c_kv = rms_norm(kv_a[..., :r], p["kv_a_norm"], cfg.rms_norm_eps)
+    k_pe = kv_a[..., r:][:, :, None, :]  # one rope key shared by all heads
+    cos, sin = rotary_cos_sin(cfg.rope, positions)
+    q_pe, k_pe = apply_rotary(q_pe, cos, sin, cfg.rope), apply_rotary(k_pe, cos, sin, cfg.rope)[:, :, 0]
+
+    cache = cache.replace(k=kv_cache.write(cache.k, layer, c_kv, cache.lengths),
+                          v=kv_cache.write(cache.v, layer, k_pe, cache.lengths))
+    latents, rope_keys = cache.k[layer], cache.v[layer]  # [B, S, r], [B, S, dr]
+
+    kv_b = p["kv_b_proj"].reshape(r, nh, dn + dv)
+    w_uk, w_uv = kv_b[..., :dn], kv_b[..., dn:]  # [r, nh, dn], [r, nh, dv]
+    rope_scores = jnp.einsum("bthd,bsd->bhts", q_pe, rope_keys, preferred_element_type=jnp.float32)
+    if absorb:
+        q_lat = jnp.einsum("bthd,rhd->bthr", q_nope, w_uk)
+        nope_scores = jnp.einsum("bthr,bsr->bhts", q_lat, latents, preferred_element_type=jnp.float32)
+        probs = _masked_softmax((nope_scores + rope_scores) * cfg.softmax_scale, mask)
+        out_lat = jnp.einsum("bhts,bsr->bthr", probs.astype(latents.dtype), latents)
+        out = jnp.einsum("bthr,rhd->bthd", out_lat, w_uv)
+    else:
+        k_nope = jnp.einsum("bsr,rhd->bshd", latents, w_uk)
+        values = jnp.einsum("bsr,rhd->bshd", latents, w_uv)
+        nope_scores = jnp.einsum("bthd,bshd->bhts", q_nope, k_nope, preferred_element_type=jnp.float32)
+        probs = _masked_softmax((nope_scores + rope_scores) * cfg.softmax_scale, mask)
+        out = jnp.einsum("bhts,bshd->bthd", probs.astype(values.dtype), values)
+    return out.reshape(b, t, nh * dv) @ p["o_proj"], cache

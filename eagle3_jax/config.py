@@ -1,0 +1,383 @@
+"""HF `config.json` -> frozen, hashable dataclasses.
+
+Configs are passed to jitted functions as static arguments, so every field is an immutable
+scalar, string or tuple. One `ModelConfig` covers the three target families; which branches a
+model uses is decided by `family`, `attention` and the MoE fields.
+
+Supported `model_type`s: see `SUPPORTED_MODEL_TYPES`. Both rope spellings found in the wild are
+accepted: `rope_scaling` (+ top-level `rope_theta`) and transformers-5 `rope_parameters`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from typing import Any, Mapping
+
+# model_type -> family. kimi_k2 is the DeepSeek-V3 architecture under another name; kimi_k25 wraps
+# a DeepSeek-V3 `text_config` plus a vision tower we do not serve.
+SUPPORTED_MODEL_TYPES: dict[str, str] = {
+    "llama": "llama",
+    "deepseek_v3": "deepseek_v3",
+    "kimi_k2": "deepseek_v3",
+    "kimi_k25": "deepseek_v3",
+    "minimax_m2": "minimax_m2",
+}
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+class ConfigError(ValueError):
+    """A config.json this project cannot serve, with the reason and the fix."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding parameters; `dim` is the number of rotated channels per head."""
+
+    theta: float
+    dim: int
+    rope_type: str = "default"
+    factor: float = 1.0
+    # llama3
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 0
+    # yarn
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 0.0
+    mscale_all_dim: float = 0.0
+    attention_factor: float | None = None
+    truncate: bool = True
+    # DeepSeek rotates interleaved channel pairs (x0, x1), (x2, x3)...; Llama/MiniMax rotate halves.
+    interleaved: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantConfig:
+    """How the checkpoint's weights are stored; they are dequantized on load."""
+
+    method: str  # "fp8_block" | "int4_pack"
+    block_size: tuple[int, int] = (128, 128)  # fp8_block
+    group_size: int = 32  # int4_pack
+    num_bits: int = 4
+    ignore: tuple[str, ...] = ()  # module names / "re:" patterns stored unquantized
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """One target model (Llama, DeepSeek-V3/Kimi, MiniMax-M2)."""
+
+    model_type: str
+    family: str  # "llama" | "deepseek_v3" | "minimax_m2"
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope: RopeConfig
+    max_position_embeddings: int
+    tie_word_embeddings: bool = False
+    attention: str = "gqa"  # "gqa" | "mla"
+    qk_norm: bool = False  # MiniMax-M2: RMSNorm over the whole projected q / k vector
+    # MLA
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    # MoE
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_intermediate_size: int = 0  # total width of the shared expert(s); 0 = none
+    scoring_func: str = "softmax"  # "softmax" | "sigmoid"
+    use_routing_bias: bool = False  # e_score_correction_bias, for selection only
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.0
+    first_k_dense_replace: int = 0
+    moe_layer_freq: int = 1
+    # checkpoint
+    key_prefix: str = ""  # "language_model." for Kimi-K2.5
+    quant: QuantConfig | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    aux_layer_ids: tuple[int, ...] = ()  # hidden_states indices captured for the draft
+
+    # ---- derived -----------------------------------------------------------------------------
+    def is_moe_layer(self, i: int) -> bool:
+        return (
+            self.num_experts > 0
+            and i >= self.first_k_dense_replace
+            and i % self.moe_layer_freq == 0
+        )
+
+    @property
+    def segments(self) -> tuple[tuple[str, int, int], ...]:
+        """Runs of consecutive same-kind layers, as (kind, start, stop); each run is one scan."""
+        runs: list[tuple[str, int, int]] = []
+        for i in range(self.num_layers):
+            kind = "moe" if self.is_moe_layer(i) else "dense"
+            if runs and runs[-1][0] == kind:
+                runs[-1] = (kind, runs[-1][1], i + 1)
+            else:
+                runs.append((kind, i, i + 1))
+        return tuple(runs)
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim if self.attention == "mla" else self.head_dim
+
+    @property
+    def softmax_scale(self) -> float:
+        scale = self.qk_head_dim ** -0.5
+        r = self.rope
+        if self.attention == "mla" and r.rope_type == "yarn" and r.mscale_all_dim:
+            m = yarn_mscale(r.factor, r.mscale_all_dim)
+            scale *= m * m
+        return scale
+
+    def with_aux_layers(self, ids: tuple[int, ...]) -> "ModelConfig":
+        for i in ids:
+            if not 0 <= i < self.num_layers:
+                raise ConfigError(
+                    f"aux hidden-state index {i} is out of range for a {self.num_layers}-layer "
+                    f"target (valid: 0..{self.num_layers - 1}, the residual stream entering that layer)"
+                )
+        return dataclasses.replace(self, aux_layer_ids=tuple(int(i) for i in ids))
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def default_aux_layer_ids(num_layers: int) -> tuple[int, int, int]:
+    """EAGLE-3 default: the residual stream entering layers 2, L//2, L-3 (HF hidden_states idx)."""
+    return (min(2, num_layers), num_layers // 2, max(num_layers - 3, 0))
+
+
+# ---- parsing ------------------------------------------------------------------------------------
+
+
+def _require(d: Mapping[str, Any], key: str, model_type: str) -> Any:
+    if key not in d or d[key] is None:
+        raise ConfigError(f"config.json for model_type={model_type!r} is missing required field {key!r}")
+    return d[key]
+
+
+def _parse_rope(d: Mapping[str, Any], dim: int, interleaved: bool, model_type: str) -> RopeConfig:
+    params = d.get("rope_parameters")
+    scaling = d.get("rope_scaling")
+    if isinstance(params, Mapping) and params:
+        rp = dict(params)
+    elif isinstance(scaling, Mapping) and scaling:
+        rp = dict(scaling)
+    else:
+        rp = {}
+    theta = rp.get("rope_theta", d.get("rope_theta", 10000.0))
+    rope_type = rp.get("rope_type", rp.get("type", "default")) or "default"
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ConfigError(
+            f"rope type {rope_type!r} in {model_type!r} config is not supported; "
+            f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
+    kw: dict[str, Any] = {}
+    if rope_type in ("linear", "llama3", "yarn"):
+        kw["factor"] = float(_require(rp, "factor", model_type))
+    if rope_type == "llama3":
+        kw["low_freq_factor"] = float(rp.get("low_freq_factor", 1.0))
+        kw["high_freq_factor"] = float(rp.get("high_freq_factor", 4.0))
+        kw["original_max_position_embeddings"] = int(_require(rp, "original_max_position_embeddings", model_type))
+    if rope_type == "yarn":
+        kw["original_max_position_embeddings"] = int(_require(rp, "original_max_position_embeddings", model_type))
+        kw["beta_fast"] = float(rp.get("beta_fast") or 32.0)
+        kw["beta_slow"] = float(rp.get("beta_slow") or 1.0)
+        kw["mscale"] = float(rp.get("mscale") or 0.0)
+        kw["mscale_all_dim"] = float(rp.get("mscale_all_dim") or 0.0)
+        af = rp.get("attention_factor")
+        kw["attention_factor"] = None if af is None else float(af)
+        kw["truncate"] = bool(rp.get("truncate", True))
+    return RopeConfig(theta=float(theta), dim=int(dim), rope_type=rope_type, interleaved=interleaved, **kw)
+
+
+def _parse_quant(q: Mapping[str, Any] | None) -> QuantConfig | None:
+    if not q:
+        return None
+    method = q.get("quant_method")
+    if method == "fp8":
+        block = q.get("weight_block_size")
+        if not block or len(block) != 2:
+            raise ConfigError("fp8 quantization_config needs weight_block_size [128, 128]; per-tensor fp8 is not supported")
+        ignore = tuple(q.get("modules_to_not_convert") or ())
+        return QuantConfig(method="fp8_block", block_size=(int(block[0]), int(block[1])), ignore=ignore)
+    if method == "compressed-tensors":
+        fmt = q.get("format")
+        groups = q.get("config_groups") or {}
+        if fmt != "pack-quantized" or len(groups) != 1:
+            raise ConfigError(
+                f"compressed-tensors format {fmt!r} with {len(groups)} groups is not supported; "
+                "supported: pack-quantized int4, one config group"
+            )
+        w = next(iter(groups.values()))["weights"]
+        if w.get("num_bits") != 4 or w.get("type") != "int" or not w.get("symmetric") or w.get("strategy") != "group":
+            raise ConfigError(f"compressed-tensors weights {w} not supported; supported: symmetric int4 group quantization")
+        return QuantConfig(method="int4_pack", group_size=int(w["group_size"]), num_bits=4, ignore=tuple(q.get("ignore") or ()))
+    raise ConfigError(
+        f"quantization method {method!r} is not supported; supported: fp8 (128x128 block), compressed-tensors int4 pack-quantized"
+    )
+
+
+def _eos_ids(v: Any) -> tuple[int, ...]:
+    if v is None:
+        return ()
+    return tuple(int(x) for x in v) if isinstance(v, (list, tuple)) else (int(v),)
+
+
+def parse_model_config(raw: Mapping[str, Any]) -> ModelConfig:
+    """Build a `ModelConfig` from a parsed HF config.json dict."""
+    model_type = raw.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ConfigError(
+            f"unsupported model_type {model_type!r}; supported: {', '.join(sorted(SUPPORTED_MODEL_TYPES))}"
+        )
+    family = SUPPORTED_MODEL_TYPES[model_type]
+    d = dict(raw)
+    key_prefix = ""
+    quant_raw = d.get("quantization_config")
+    if model_type == "kimi_k25":
+        text = d.get("text_config")
+        if not isinstance(text, Mapping):
+            raise ConfigError("kimi_k25 config.json is missing required field 'text_config'")
+        d = dict(text)
+        quant_raw = quant_raw or d.get("quantization_config")
+        key_prefix = "language_model."
+        inner = d.get("model_type", "deepseek_v3")
+        if SUPPORTED_MODEL_TYPES.get(inner) != "deepseek_v3":
+            raise ConfigError(f"kimi_k25 text_config has model_type {inner!r}; expected deepseek_v3 or kimi_k2")
+
+    act = d.get("hidden_act", "silu")
+    if act != "silu":
+        raise ConfigError(f"hidden_act {act!r} is not supported; supported: silu")
+    if d.get("attention_bias") or d.get("mlp_bias"):
+        raise ConfigError("attention_bias / mlp_bias = true is not supported by the target models here")
+
+    req = lambda k: _require(d, k, model_type)  # noqa: E731
+    hidden = int(req("hidden_size"))
+    heads = int(req("num_attention_heads"))
+    num_layers = int(req("num_hidden_layers"))
+    common = dict(
+        model_type=model_type,
+        family=family,
+        vocab_size=int(req("vocab_size")),
+        hidden_size=hidden,
+        num_layers=num_layers,
+        num_heads=heads,
+        num_kv_heads=int(d.get("num_key_value_heads") or heads),
+        rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+        max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", d.get("tie_word_embeddings", False)))
+        if model_type != "kimi_k25"
+        else bool(d.get("tie_word_embeddings", False)),
+        key_prefix=key_prefix,
+        quant=_parse_quant(quant_raw),
+        bos_token_id=d.get("bos_token_id"),
+        eos_token_ids=_eos_ids(d.get("eos_token_id")),
+        aux_layer_ids=default_aux_layer_ids(num_layers),
+    )
+
+    if family == "llama":
+        head_dim = int(d.get("head_dim") or hidden // heads)
+        return ModelConfig(
+            **common,
+            head_dim=head_dim,
+            intermediate_size=int(req("intermediate_size")),
+            rope=_parse_rope(d, head_dim, interleaved=False, model_type=model_type),
+        )
+
+    if family == "deepseek_v3":
+        topk_method = d.get("topk_method", "noaux_tc")
+        scoring = d.get("scoring_func", "sigmoid")
+        if topk_method != "noaux_tc" or scoring != "sigmoid":
+            raise ConfigError(
+                f"DeepSeek routing topk_method={topk_method!r}, scoring_func={scoring!r} is not supported; "
+                "supported: noaux_tc with sigmoid (DeepSeek-V3, Kimi-K2/K2.5)"
+            )
+        nope, rope_dim = int(req("qk_nope_head_dim")), int(req("qk_rope_head_dim"))
+        n_experts = int(d.get("n_routed_experts") or 0)
+        n_group = int(d.get("n_group") or 1)
+        if n_experts and n_experts % n_group:
+            raise ConfigError(f"n_routed_experts={n_experts} is not divisible by n_group={n_group}")
+        moe_inter = int(d.get("moe_intermediate_size") or 0)
+        q_lora = d.get("q_lora_rank")
+        return ModelConfig(
+            **common,
+            head_dim=nope + rope_dim,
+            intermediate_size=int(req("intermediate_size")),
+            rope=_parse_rope(d, rope_dim, interleaved=bool(d.get("rope_interleave", True)), model_type=model_type),
+            attention="mla",
+            q_lora_rank=None if q_lora is None else int(q_lora),
+            kv_lora_rank=int(req("kv_lora_rank")),
+            qk_nope_head_dim=nope,
+            qk_rope_head_dim=rope_dim,
+            v_head_dim=int(req("v_head_dim")),
+            num_experts=n_experts,
+            num_experts_per_tok=int(d.get("num_experts_per_tok") or 0),
+            moe_intermediate_size=moe_inter,
+            shared_intermediate_size=moe_inter * int(d.get("n_shared_experts") or 0),
+            scoring_func="sigmoid",
+            use_routing_bias=True,
+            n_group=n_group,
+            topk_group=int(d.get("topk_group") or 1),
+            norm_topk_prob=bool(d.get("norm_topk_prob", True)),
+            routed_scaling_factor=float(d.get("routed_scaling_factor", 1.0)),
+            first_k_dense_replace=int(d.get("first_k_dense_replace", 0)),
+            moe_layer_freq=int(d.get("moe_layer_freq", 1)),
+        )
+
+    # minimax_m2
+    head_dim = int(d.get("head_dim") or hidden // heads)
+    rp = d.get("rope_parameters") or {}
+    rotary_dim = d.get("rotary_dim")
+    if rotary_dim is None:
+        rotary_dim = int(head_dim * float(rp.get("partial_rotary_factor", 1.0)))
+    if d.get("shared_intermediate_size"):
+        raise ConfigError("minimax_m2 with shared_intermediate_size > 0 is not supported (no shared expert in MiniMax-M2)")
+    scoring = d.get("scoring_func", "sigmoid")
+    if scoring != "sigmoid":
+        raise ConfigError(f"minimax_m2 scoring_func {scoring!r} is not supported; supported: sigmoid")
+    inter = int(req("intermediate_size"))
+    return ModelConfig(
+        **common,
+        head_dim=head_dim,
+        intermediate_size=inter,
+        rope=_parse_rope(d, int(rotary_dim), interleaved=False, model_type=model_type),
+        qk_norm=bool(d.get("use_qk_norm", True)),
+        num_experts=int(req("num_local_experts")),
+        num_experts_per_tok=int(req("num_experts_per_tok")),
+        moe_intermediate_size=inter,
+        scoring_func="sigmoid",
+        use_routing_bias=bool(d.get("use_routing_bias", True)),
+        norm_topk_prob=True,
+    )
+
+
+def load_model_config(path: str | os.PathLike) -> ModelConfig:
+    """Parse `path` (a config.json file or a folder holding one)."""
+    p = os.fspath(path)
+    if os.path.isdir(p):
+        p = os.path.join(p, "config.json")
+    if not os.path.isfile(p):
+        raise ConfigError(f"no config.json at {p}; pass an HF model folder or an Orbax folder made by scripts/convert.py")
+    try:
+        with open(p) as f:
+            raw = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{p} is not valid JSON: {e}") from e
+    return parse_model_config(raw)

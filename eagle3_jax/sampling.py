@@ -1,0 +1,95 @@
+"""Sampling parameters and on-device token sampling with per-request PRNG keys.
+
+A request's key for its n-th generated token is `fold_in(PRNGKey(seed), n)`, so a seeded request
+samples the same tokens whatever else shares its batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """Per-request decoding settings (vLLM semantics; temperature 0 = greedy)."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = no top-k
+    max_tokens: int = 64
+    seed: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.temperature, (int, float)) and self.temperature >= 0 and np.isfinite(self.temperature)):
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy); got {self.temperature!r}")
+        if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
+            raise ValueError(f"top_p must be in (0, 1]; got {self.top_p!r}")
+        if not (isinstance(self.top_k, (int, np.integer)) and self.top_k >= 0):
+            raise ValueError(f"top_k must be an integer >= 0 (0 disables it); got {self.top_k!r}")
+        if not (isinstance(self.max_tokens, (int, np.integer)) and self.max_tokens >= 1):
+            raise ValueError(f"max_tokens must be an integer >= 1; got {self.max_tokens!r}")
+        if not (isinstance(self.seed, (int, np.integer)) and 0 <= self.seed < 2**32):
+            raise ValueError(f"seed must be an integer in [0, 2**32); got {self.seed!r}")
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class SamplingArrays:
+    """SamplingParams of a batch as device arrays (rows of padding are greedy)."""
+
+    temperature: jax.Array  # [B] float32
+    top_k: jax.Array  # [B] int32
+    top_p: jax.Array  # [B] float32
+    seed: jax.Array  # [B] uint32
+
+    @staticmethod
+    def from_params(params: Sequence[SamplingParams], batch: int) -> "SamplingArrays":
+        pad = batch - len(params)
+        params = list(params) + [SamplingParams()] * pad
+        return SamplingArrays(
+            temperature=jnp.asarray([p.temperature for p in params], jnp.float32),
+            top_k=jnp.asarray([p.top_k for p in params], jnp.int32),
+            top_p=jnp.asarray([p.top_p for p in params], jnp.float32),
+            seed=jnp.asarray([p.seed for p in params], jnp.uint32),
+        )
+
+
+def filtered_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """Temperature-scaled logits [B, V] with tokens outside top-k / top-p set to -inf.
+
+    softmax of the result is the distribution a request samples from. Rows with temperature 0
+    are returned unscaled (callers take their argmax).
+    """
+    v = logits.shape[-1]
+    t = jnp.where(temperature > 0, temperature, 1.0)[:, None]
+    scaled = logits.astype(jnp.float32) / t
+    order = jnp.argsort(-scaled, axis=-1, stable=True)  # ties broken by token id
+    sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
+    rank = jnp.arange(v)[None, :]
+    keep = jnp.where(top_k[:, None] > 0, rank < top_k[:, None], True)
+    probs = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf), axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    keep &= mass_before < top_p[:, None]
+    keep_orig = jnp.zeros_like(keep).at[jnp.arange(logits.shape[0])[:, None], order].set(keep)
+    return jnp.where(keep_orig, scaled, -jnp.inf)
+
+
+def request_keys(seed: jax.Array, counter: jax.Array) -> jax.Array:
+    """Per-row PRNG keys: fold_in(PRNGKey(seed[b]), counter[b])."""
+    return jax.vmap(lambda s, n: jax.random.fold_in(jax.random.PRNGKey(s), n))(seed, counter)
+
+
+def sample(logits: jax.Array, sp: SamplingArrays, counter: jax.Array) -> jax.Array:
+    """Next token per row [B] int32: argmax where temperature is 0, else a seeded draw."""
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    filtered = filtered_logits(logits, sp.temperature, sp.top_k, sp.top_p)
+    keys = request_keys(sp.seed, counter)
+    drawn = jax.vmap(jax.random.categorical)(keys, filtered).astype(jnp.int32)
+    return jnp.where(sp.temperature > 0, drawn, greedy)

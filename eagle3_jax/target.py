@@ -1,0 +1,167 @@
+"""The target model: a pure decoder-stack forward over the KV cache, and the `Target` handle.
+
+`forward` runs every layer segment (a run of same-kind layers, see `ModelConfig.segments`) as one
+`lax.scan`, so a 61-layer model compiles two layer bodies, not 61. The stacked cache rides in the
+scan carry and each layer scatters only its new tokens into it, which keeps cache updates in place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import kv_cache, params as params_lib
+from .attention import gqa_block, mla_block
+from .config import ModelConfig, load_model_config
+from .layers import rms_norm, swiglu
+from .moe import moe_block
+
+# Below this many new tokens per row, MLA uses the absorbed form (decode, verify); above, expanded.
+ABSORB_MAX_TOKENS = 16
+
+
+def _layer(p: dict, cfg: ModelConfig, kind: str, x: jax.Array, positions: jax.Array, cache: kv_cache.KVCache,
+           layer: jax.Array, mask: jax.Array, absorb: bool) -> tuple[jax.Array, kv_cache.KVCache]:
+    h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
+    if cfg.attention == "mla":
+        attn, cache = mla_block(p, cfg, h, positions, cache, layer, mask, absorb)
+    else:
+        attn, cache = gqa_block(p, cfg, h, positions, cache, layer, mask)
+    x = x + attn
+    h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
+    mlp = moe_block(p, cfg, h) if kind == "moe" else swiglu(h, p["gate_proj"], p["up_proj"], p["down_proj"])
+    return x + mlp, cache
+
+
+def final_logits(params: dict, cfg: ModelConfig, x: jax.Array) -> jax.Array:
+    """Final norm + LM head, float32 logits."""
+    h = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+    head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
+    return jnp.dot(h, head, preferred_element_type=jnp.float32)
+
+
+def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array, cache: kv_cache.KVCache,
+            tree_mask: jax.Array | None = None, absorb: bool | None = None,
+            ) -> tuple[jax.Array, jax.Array, kv_cache.KVCache]:
+    """Run T new tokens per row through the target.
+
+    tokens, positions: int [B, T] (positions are RoPE positions: for a draft tree, length + depth).
+    tree_mask: bool [B, T, T], which new tokens each new token sees (None = causal).
+    Returns float32 logits [B, T, V], aux features [B, T, len(aux_layer_ids) * H] (the residual
+    stream entering each aux layer, concatenated in `cfg.aux_layer_ids` order), and the cache with
+    the new tokens' K/V written at slots `lengths[b] + t` (lengths unchanged: see kv_cache.advance).
+    """
+    b, t = tokens.shape
+    if tree_mask is None:
+        tree_mask = kv_cache.causal_mask(b, t)
+    if absorb is None:
+        absorb = t <= ABSORB_MAX_TOKENS
+    mask = kv_cache.visibility(cache.lengths, tree_mask, cache.max_len)
+    x = params["embed"][tokens]
+    aux_ids = jnp.asarray(cfg.aux_layer_ids or (0,), jnp.int32)
+    aux = jnp.zeros((len(aux_ids),) + x.shape, x.dtype)
+
+    for (kind, start, stop), seg in zip(cfg.segments, params["segments"]):
+        def body(carry, xs, kind=kind):
+            x, cache, aux = carry
+            p, layer = xs
+            aux = jnp.where((aux_ids == layer)[:, None, None, None], x[None], aux)
+            x, cache = _layer(p, cfg, kind, x, positions, cache, layer, mask, absorb)
+            return (x, cache, aux), None
+
+        layers = jnp.arange(start, stop, dtype=jnp.int32)
+        (x, cache, aux), _ = jax.lax.scan(body, (x, cache, aux), (seg, layers))
+
+    logits = final_logits(params, cfg, x)
+    aux = jnp.moveaxis(aux, 0, 2).reshape(b, t, -1) if cfg.aux_layer_ids else aux[:0].reshape(b, t, 0)
+    return logits, aux, cache
+
+
+# ---- the public handle ------------------------------------------------------------------------------
+
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+def resolve_dtype(dtype) -> jnp.dtype:
+    if isinstance(dtype, str):
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype {dtype!r} is not supported; use one of {', '.join(_DTYPES)}")
+        return jnp.dtype(_DTYPES[dtype])
+    return jnp.dtype(dtype)
+
+
+def cast_flat(flat: dict[str, np.ndarray], cfg: ModelConfig, dtype: jnp.dtype) -> dict[str, np.ndarray]:
+    """Cast float tensors to the compute dtype; routers and their bias stay float32."""
+    specs = params_lib.flat_specs(cfg)
+    return {k: np.asarray(v, np.float32 if specs[k].float32 else dtype) for k, v in flat.items()}
+
+
+@dataclasses.dataclass
+class Target:
+    """A loaded target model: config, params (stacked tree of jax.Array) and an optional mesh."""
+
+    config: ModelConfig
+    params: dict
+    dtype: jnp.dtype
+    mesh: jax.sharding.Mesh | None = None
+    path: str | None = None
+
+    def logits(self, token_ids, return_aux: bool = False):
+        """Full causal forward without a persistent cache.
+
+        token_ids int [B, T] -> float32 np.ndarray [B, T, V]; with return_aux also the aux features
+        [B, T, len(aux_layer_ids) * H] (float32).
+        """
+        ids = np.asarray(token_ids)
+        if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer):
+            raise ValueError(f"token_ids must be an integer array [batch, tokens]; got shape {ids.shape}, dtype {ids.dtype}")
+        if ids.size and (ids.min() < 0 or ids.max() >= self.config.vocab_size):
+            raise ValueError(f"token ids must be in [0, {self.config.vocab_size}); got range [{ids.min()}, {ids.max()}]")
+        logits, aux = _full_forward(self.params, self.config, jnp.asarray(ids, jnp.int32), self.dtype)
+        logits = np.asarray(logits, np.float32)
+        return (logits, np.asarray(aux, np.float32)) if return_aux else logits
+
+    def init_cache(self, batch: int, max_len: int) -> kv_cache.KVCache:
+        from .sharding import shard_cache
+
+        cache = kv_cache.init_cache(self.config, batch, max_len, self.dtype)
+        return shard_cache(cache, self.config, self.mesh) if self.mesh is not None else cache
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "dtype"))
+def _full_forward(params, cfg, ids, dtype):
+    b, t = ids.shape
+    cache = kv_cache.init_cache(cfg, b, t, dtype)
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    logits, aux, _ = forward(params, cfg, ids, positions, cache)
+    return logits, aux
+
+
+def load_target(path: str | os.PathLike, dtype="bfloat16", mesh: jax.sharding.Mesh | None = None,
+                aux_layer_ids: Sequence[int] | None = None) -> Target:
+    """Load a target from an HF folder (safetensors) or an Orbax folder made by scripts/convert.py.
+
+    Quantized checkpoints (FP8 block, int4 pack-quantized experts) are dequantized on load. With a
+    `mesh` (see sharding.make_mesh) params are placed by the logical-axis rules.
+    `aux_layer_ids` overrides which hidden states are captured for a draft (default 2, L//2, L-3).
+    """
+    from .checkpoint import read_flat_params
+    from .sharding import shard_params
+
+    path = os.fspath(path)
+    cfg = load_model_config(path)
+    if aux_layer_ids is not None:
+        cfg = cfg.with_aux_layers(tuple(aux_layer_ids))
+    dt = resolve_dtype(dtype)
+    flat = cast_flat(read_flat_params(path, cfg), cfg, dt)
+    tree = params_lib.stack_flat(flat, cfg)
+    del flat
+    params = shard_params(tree, cfg, mesh) if mesh is not None else jax.tree.map(jnp.asarray, tree)
+    return Target(config=cfg, params=params, dtype=dt, mesh=mesh, path=path)
