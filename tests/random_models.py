@@ -1,0 +1,48 @@
+"""Tiny random targets built straight from the parameter spec (no torch, no files)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from eagle3_jax import params as params_lib
+from eagle3_jax.config import parse_model_config
+from eagle3_jax.target import Target, cast_flat
+
+LLAMA = dict(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+DEEPSEEK = dict(model_type="deepseek_v3", vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+                num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8,
+                num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1, n_shared_experts=1,
+                q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
+                max_position_embeddings=256,
+                rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
+                              "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0})
+MINIMAX = dict(model_type="minimax_m2", vocab_size=64, hidden_size=32, intermediate_size=16, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, head_dim=8, rotary_dim=4, num_local_experts=8,
+               num_experts_per_tok=2, max_position_embeddings=256)
+FAMILIES = {"llama": LLAMA, "deepseek_v3": DEEPSEEK, "minimax_m2": MINIMAX}
+
+
+def random_flat(cfg, seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    flat = {}
+    for name, spec in params_lib.flat_specs(cfg).items():
+        if len(spec.shape) == 1:
+            flat[name] = (1 + 0.1 * rng.standard_normal(spec.shape)).astype(np.float32)
+            if name.endswith("router_bias"):
+                flat[name] = (0.3 * rng.standard_normal(spec.shape)).astype(np.float32)
+        else:
+            fan_in = spec.shape[-2] if name != "embed" else spec.shape[-1]
+            flat[name] = (rng.standard_normal(spec.shape) * (1.0 / np.sqrt(fan_in))).astype(np.float32)
+    return flat
+
+
+def random_target(raw: dict, dtype=jnp.float32, seed: int = 0, mesh=None) -> Target:
+    from eagle3_jax.sharding import shard_params
+
+    cfg = parse_model_config(raw)
+    tree = params_lib.stack_flat(cast_flat(random_flat(cfg, seed), cfg, jnp.dtype(dtype)), cfg)
+    params = shard_params(tree, cfg, mesh) if mesh is not None else jax.tree.map(jnp.asarray, tree)
+    return Target(config=cfg, params=params, dtype=jnp.dtype(dtype), mesh=mesh)

@@ -1,0 +1,55 @@
+"""The same programs on 1 device and on an 8-device mesh give equal results."""
+
+import jax
+import numpy as np
+import pytest
+
+import eagle3_jax as e3
+from eagle3_jax.sharding import partition_spec
+from random_models import FAMILIES, random_target
+
+needs_8 = pytest.mark.skipif(jax.device_count() < 8, reason="needs XLA_FLAGS=--xla_force_host_platform_device_count=8 (make test sets it)")
+
+MESHES = [(2, 2, 2), (1, 8, 1), (1, 2, 4)]
+
+
+@needs_8
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("mesh_shape", MESHES, ids=lambda s: "x".join(map(str, s)))
+def test_sharded_logits_equal_unsharded(family, mesh_shape):
+    ids = np.random.default_rng(0).integers(0, 64, (4, 10))
+    ref = random_target(FAMILIES[family]).logits(ids)
+    sharded = random_target(FAMILIES[family], mesh=e3.make_mesh(*mesh_shape))
+    leaves = jax.tree.leaves(sharded.params)
+    assert any(len(leaf.sharding.device_set) == 8 for leaf in leaves)
+    assert any(not leaf.sharding.is_fully_replicated for leaf in leaves)
+    np.testing.assert_allclose(sharded.logits(ids), ref, atol=1e-5 * np.abs(ref).max())
+
+
+@needs_8
+@pytest.mark.parametrize("family", ["deepseek_v3", "minimax_m2"])
+def test_sharded_generation_equals_unsharded(family):
+    prompts = [[1, 5, 9], [3, 4, 5, 6, 7, 8, 9]]
+    sp = e3.SamplingParams(max_tokens=8)
+    ref = e3.Engine(random_target(FAMILIES[family]), max_batch_size=2, max_seq_len=64).generate(prompts, sp)
+    mesh = e3.make_mesh(2, 2, 2)
+    out = e3.Engine(random_target(FAMILIES[family], mesh=mesh), max_batch_size=2, max_seq_len=64).generate(prompts, sp)
+    assert [o.token_ids for o in out] == [o.token_ids for o in ref]
+
+
+def test_experts_and_heads_follow_the_rules():
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1, 1), ("data", "tensor", "expert"))
+    assert partition_spec(("experts", "embed", "expert_mlp"), (8, 32, 16), mesh) == jax.sharding.PartitionSpec("expert", None, "tensor")
+
+
+@needs_8
+def test_indivisible_dims_are_replicated():
+    mesh = e3.make_mesh(1, 8, 1)
+    # 12 heads' columns over 8 devices do not divide: replicate rather than fail.
+    assert partition_spec(("embed", "q_heads"), (32, 12), mesh) == jax.sharding.PartitionSpec(None, None)
+    assert partition_spec(("embed", "q_heads"), (32, 16), mesh) == jax.sharding.PartitionSpec(None, "tensor")
+
+
+def test_bad_mesh_size_is_rejected():
+    with pytest.raises(ValueError, match="devices"):
+        e3.make_mesh(3, 5, 7)
