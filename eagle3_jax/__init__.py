@@ -1,17 +1,23 @@
 """eagle3-jax: EAGLE-3 speculative decoding for large MoE models, in pure JAX.
 
 Public API (kept stable):
-    load_target, Target, Engine, SamplingParams, RequestOutput, make_mesh, initialize_distributed
+    load_target, Target, load_draft, Draft, Engine, SpecConfig, SamplingParams, RequestOutput,
+    make_mesh, initialize_distributed
 """
 
 from .config import ConfigError, ModelConfig, load_model_config
+from .draft import Draft, load_draft
 from .engine import Engine, RequestOutput
 from .sampling import SamplingParams
 from .sharding import initialize_distributed, make_mesh
+from .spec import SpecConfig
 from .target import Target, load_target
 
 __all__ = [
     "ConfigError",
+    "Draft",
+    "SpecConfig",
+    "load_draft",
     "Engine",
     "ModelConfig",
     "RequestOutput",

@@ -20,7 +20,10 @@ import numpy as np
 
 from . import kv_cache
 from .config import ModelConfig
+from .draft import Draft
 from .sampling import SamplingArrays, SamplingParams, sample
+from .spec.step import spec_prefill, spec_step
+from .spec.tree import SpecConfig
 from .target import Target, forward
 
 MIN_PROMPT_BUCKET = 16
@@ -59,15 +62,33 @@ def _decode(params, cfg: ModelConfig, cache: kv_cache.KVCache, tokens, counter, 
     return nxt, kv_cache.advance(cache, jnp.ones_like(cache.lengths)), counter + 1
 
 
-class Engine:
-    """Batched generation over a target (plain autoregressive decoding when draft is None)."""
+_spec_prefill = jax.jit(spec_prefill, static_argnames=("tcfg", "dcfg", "spec"), donate_argnames=("tcache", "dcache"))
+_spec_step = jax.jit(spec_step, static_argnames=("tcfg", "dcfg", "spec"), donate_argnames=("tcache", "dcache"))
 
-    def __init__(self, target: Target, draft=None, spec=None, max_batch_size: int = 8, max_seq_len: int = 2048):
-        if draft is not None or spec is not None:
-            raise ValueError("speculative decoding (draft / spec) is not available in this version; pass draft=None")
+
+class Engine:
+    """Batched generation over a target: EAGLE-3 speculation with a draft, plain decoding without."""
+
+    def __init__(self, target: Target, draft: Draft | None = None, spec: SpecConfig | None = None,
+                 max_batch_size: int = 8, max_seq_len: int = 2048):
         if max_batch_size < 1 or max_seq_len < 2:
             raise ValueError(f"max_batch_size must be >= 1 and max_seq_len >= 2; got {max_batch_size}, {max_seq_len}")
+        if spec is not None and draft is None:
+            raise ValueError("a SpecConfig needs a draft: pass draft=e3.load_draft(...), or drop spec for plain decoding")
+        if draft is not None:
+            if not isinstance(draft, Draft):
+                raise TypeError(f"draft must be an eagle3_jax Draft (from e3.load_draft); got {type(draft).__name__}")
+            spec = spec or SpecConfig()
+            if spec.topk > draft.config.draft_vocab_size:
+                raise ValueError(f"SpecConfig.topk={spec.topk} exceeds the draft vocabulary ({draft.config.draft_vocab_size})")
+            if tuple(target.config.aux_layer_ids) != tuple(draft.aux_layer_ids):
+                raise ValueError(
+                    f"the target captures hidden states {target.config.aux_layer_ids} but the draft reads "
+                    f"{draft.aux_layer_ids}; load the draft with e3.load_draft(path, target=target)"
+                )
         self.target = target
+        self.draft = draft
+        self.spec = spec
         self.max_batch_size = int(max_batch_size)
         self.max_seq_len = int(max_seq_len)
 
@@ -107,6 +128,40 @@ class Engine:
             outs.extend(self._run_wave(prompts[start:stop], sampling[start:stop]))
         return outs
 
+    # ---- programs ------------------------------------------------------------------------------
+    def _lookahead(self) -> int:
+        """Cache slots a step may write past the committed length (tree nodes, draft scratch)."""
+        if self.spec is None:
+            return 1
+        return self.spec.num_draft_tokens + (self.spec.num_steps - 1) * self.spec.topk + self.spec.max_accept + 1
+
+    def _start(self, tokens, plens, sp, cache_len):
+        """Prefill; returns (first tokens [B] on device, program state)."""
+        cfg, params = self.target.config, self.target.params
+        batch = tokens.shape[0]
+        tcache = self.target.init_cache(batch, cache_len)
+        if self.draft is None:
+            first, tcache = _prefill(params, cfg, tcache, tokens, plens, sp)
+            return first, (tcache, first, jnp.ones((batch,), jnp.int32))
+        d = self.draft
+        dcache = kv_cache.init_cache(d.config.layers, batch, cache_len, d.dtype)
+        first, tcache, dcache, tree = _spec_prefill(params, cfg, d.params, d.config, self.spec, tcache, dcache,
+                                                    tokens, plens, sp)
+        return first, (tcache, dcache, tree, jnp.ones((batch,), jnp.int32))
+
+    def _step(self, state, sp):
+        """One decode step; returns ((tokens [B, D+1], counts [B]) on device, new state)."""
+        cfg, params = self.target.config, self.target.params
+        if self.draft is None:
+            cache, tok, counter = state
+            nxt, cache, counter = _decode(params, cfg, cache, tok, counter, sp)
+            return (nxt[:, None], jnp.ones_like(counter)), (cache, nxt, counter)
+        tcache, dcache, tree, counter = state
+        d = self.draft
+        out, count, tcache, dcache, tree, counter = _spec_step(params, cfg, d.params, d.config, self.spec,
+                                                               tcache, dcache, tree, sp, counter)
+        return (out, count), (tcache, dcache, tree, counter)
+
     # ---- one wave ------------------------------------------------------------------------------
     def _run_wave(self, prompts: list[list[int]], sampling: list[SamplingParams]) -> list[RequestOutput]:
         t0 = time.perf_counter()
@@ -115,8 +170,8 @@ class Engine:
         budgets = [min(sp.max_tokens, self.max_seq_len - ln) for sp, ln in zip(sampling, lens)]
         batch = _bucket(n, 1, self.max_batch_size)
         prompt_len = _bucket(max(lens), MIN_PROMPT_BUCKET, self.max_seq_len)
-        cache_len = _bucket(max(ln + b for ln, b in zip(lens, budgets)), MIN_PROMPT_BUCKET, self.max_seq_len)
-        cache_len = max(cache_len, prompt_len)
+        need = max(ln + b for ln, b in zip(lens, budgets)) + self._lookahead()
+        cache_len = max(_bucket(need, MIN_PROMPT_BUCKET, 1 << 62), prompt_len)
 
         tokens = np.zeros((batch, prompt_len), np.int32)
         for i, p in enumerate(prompts):
@@ -124,50 +179,67 @@ class Engine:
         plens = np.ones((batch,), np.int32)
         plens[:n] = lens
         sp = SamplingArrays.from_params(sampling, batch)
-        cfg, params = self.target.config, self.target.params
-        cache = self.target.init_cache(batch, cache_len)
 
-        tok, cache = _prefill(params, cfg, cache, jnp.asarray(tokens), jnp.asarray(plens), sp)
-        counter = jnp.ones((batch,), jnp.int32)
-        generated: list[list[int]] = [[] for _ in range(n)]
-        arrival: list[list[float]] = [[] for _ in range(n)]
-        finish = [""] * n
-        passes = 1
+        first, state = self._start(jnp.asarray(tokens), jnp.asarray(plens), sp, cache_len)
+        chunk = (first[:, None], jnp.ones((batch,), jnp.int32))
+        records = [_Record() for _ in range(n)]
+        is_prefill = True
         while True:
             # Launch the next step before reading this one's tokens (async dispatch overlaps them).
-            nxt, cache, counter = _decode(params, cfg, cache, tok, counter, sp)
-            host = np.asarray(tok)
+            next_chunk, state = self._step(state, sp)
+            out, counts = np.asarray(chunk[0]), np.asarray(chunk[1])
             now = time.perf_counter()
-            for i in range(n):
-                if finish[i]:
-                    continue
-                generated[i].append(int(host[i]))
-                arrival[i].append(now)
-                if host[i] in sampling[i].stop_token_ids:
-                    finish[i] = "stop"
-                elif len(generated[i]) >= budgets[i]:
-                    finish[i] = "length"
-            if all(finish):
+            for i, rec in enumerate(records):
+                if not rec.finish:
+                    rec.take(out[i, : counts[i]], int(counts[i]), now, is_prefill, sampling[i], budgets[i])
+            if all(rec.finish for rec in records):
                 break
-            tok = nxt
-            passes += 1
-        return [self._output(generated[i], finish[i], arrival[i], t0, passes) for i in range(n)]
+            chunk, is_prefill = next_chunk, False
+        return [rec.output(t0, self) for rec in records]
 
-    @staticmethod
-    def _output(ids: list[int], finish: str, arrival: list[float], t0: float, passes: int) -> RequestOutput:
-        steps = len(ids)
+
+class _Record:
+    """Host-side bookkeeping of one request."""
+
+    def __init__(self):
+        self.ids: list[int] = []
+        self.arrival: list[float] = []
+        self.accept_lengths: list[int] = []
+        self.finish = ""
+
+    def take(self, tokens, count: int, now: float, is_prefill: bool, sp: SamplingParams, budget: int) -> None:
+        if not is_prefill:
+            self.accept_lengths.append(count)
+        for tok in tokens:
+            self.ids.append(int(tok))
+            self.arrival.append(now)
+            if int(tok) in sp.stop_token_ids:
+                self.finish = "stop"
+            elif len(self.ids) >= budget:
+                self.finish = "length"
+            if self.finish:
+                return
+
+    def output(self, t0: float, engine: "Engine") -> RequestOutput:
+        steps = len(self.accept_lengths)
+        spec = engine.spec
+        depth = spec.max_accept if spec else 0
+        per_position = [
+            float(np.mean([a - 1 >= d for a in self.accept_lengths])) if steps else 0.0 for d in range(1, depth + 1)
+        ]
+        draft_passes = (steps + 1) * spec.num_steps if spec else 0
         return RequestOutput(
-            token_ids=ids,
-            finish_reason=finish,
+            token_ids=self.ids,
+            finish_reason=self.finish,
             metrics={
-                "mean_accept_length": 1.0,
-                "accept_lengths": [1] * steps,
-                "num_target_passes": steps,
-                "num_draft_passes": 0,
-                "ttft_s": arrival[0] - t0,
-                "itl_s": list(np.diff(arrival)),
-                "num_output_tokens": steps,
-                "e2e_latency_s": arrival[-1] - t0,
-                "wave_target_passes": passes,
+                "mean_accept_length": float(np.mean(self.accept_lengths)) if steps else 1.0,
+                "accept_lengths": list(self.accept_lengths),
+                "per_position_acceptance": per_position,
+                "num_target_passes": steps + 1,
+                "num_draft_passes": draft_passes,
+                "ttft_s": self.arrival[0] - t0,
+                "itl_s": [float(x) for x in np.diff(self.arrival)],
+                "num_output_tokens": len(self.ids),
+                "e2e_latency_s": self.arrival[-1] - t0,
             },
         )

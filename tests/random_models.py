@@ -46,3 +46,34 @@ def random_target(raw: dict, dtype=jnp.float32, seed: int = 0, mesh=None) -> Tar
     tree = params_lib.stack_flat(cast_flat(random_flat(cfg, seed), cfg, jnp.dtype(dtype)), cfg)
     params = shard_params(tree, cfg, mesh) if mesh is not None else jax.tree.map(jnp.asarray, tree)
     return Target(config=cfg, params=params, dtype=jnp.dtype(dtype), mesh=mesh)
+
+
+def draft_config_dict(target_cfg, draft_vocab_size=None, num_layers=1, **extra) -> dict:
+    """An EAGLE-3 draft config.json dict sized for `target_cfg`."""
+    raw = dict(architectures=["LlamaForCausalLMEagle3"], model_type="llama", hidden_size=target_cfg.hidden_size,
+               intermediate_size=48, num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
+               vocab_size=target_cfg.vocab_size, max_position_embeddings=64, rms_norm_eps=1e-6)
+    if draft_vocab_size:
+        raw["draft_vocab_size"] = draft_vocab_size
+    raw.update(extra)
+    return raw
+
+
+def random_draft(target: Target, raw: dict | None = None, seed: int = 1, with_embed: bool = True, d2t=None):
+    """A random EAGLE-3 draft bound to `target` (d2t: offsets when the draft vocab is reduced)."""
+    from eagle3_jax.draft import Draft, _assemble, draft_specs, parse_draft_config
+
+    cfg = parse_draft_config(raw or draft_config_dict(target.config))
+    rng = np.random.default_rng(seed)
+    flat = {}
+    for name, spec in draft_specs(cfg, with_embed).items():
+        if len(spec.shape) == 1:
+            flat[name] = (1 + 0.1 * rng.standard_normal(spec.shape)).astype(np.float32)
+        else:
+            fan_in = spec.shape[-2] if name != "embed" else spec.shape[-1]
+            flat[name] = (rng.standard_normal(spec.shape) / np.sqrt(fan_in)).astype(np.float32)
+    if cfg.has_draft_vocab:
+        flat["d2t"] = np.asarray(d2t if d2t is not None else np.zeros(cfg.draft_vocab_size), np.int64)
+    if cfg.aux_layer_ids is not None:
+        target.config = target.config.with_aux_layers(cfg.aux_layer_ids)
+    return Draft(config=cfg, params=_assemble(flat, cfg, target.dtype, target), dtype=target.dtype, target=target)

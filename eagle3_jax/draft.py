@@ -1,0 +1,338 @@
+"""EAGLE-3 draft model (HF `LlamaForCausalLMEagle3` layout, as SGLang and vLLM load it).
+
+The draft sees three target feature layers concatenated, `fc` projects them to its width, and one
+decoder layer (the "midlayer") whose attention input is
+`concat(input_layernorm(embed(token)), hidden_norm(hidden))` (width 2H) predicts the next token
+over a reduced draft vocabulary; `target_id = draft_id + d2t[draft_id]`. Extra layers, when a
+draft has `num_hidden_layers > 1`, are ordinary Llama layers on the hidden stream.
+
+Alignment: draft position t pairs the target feature at t with the embedding of token x_{t+1}
+and predicts x_{t+2}. Its output hidden (before the final norm) stands in for the target feature
+at t+1 when the draft runs ahead of the target.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import kv_cache
+from .attention import gqa_block
+from .config import ConfigError, ModelConfig, parse_model_config
+from .layers import rms_norm, swiglu
+from .params import ParamSpec
+from .target import Target, resolve_dtype
+
+DRAFT_ARCHITECTURES = ("LlamaForCausalLMEagle3",)
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftConfig:
+    """An EAGLE-3 draft: a Llama-shaped `layers` config plus the EAGLE-specific fields."""
+
+    layers: ModelConfig  # hidden size, heads, rope, number of decoder layers (Llama family)
+    draft_vocab_size: int
+    target_hidden_size: int
+    aux_layer_ids: tuple[int, ...] | None  # target hidden_states indices; None = target's default
+    norm_before_residual: bool = False
+
+    @property
+    def hidden_size(self) -> int:
+        return self.layers.hidden_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.layers.vocab_size
+
+    @property
+    def has_draft_vocab(self) -> bool:
+        return self.draft_vocab_size != self.vocab_size
+
+
+def parse_draft_config(raw: dict) -> DraftConfig:
+    """Parse an EAGLE-3 draft config.json.
+
+    `eagle_config.eagle_aux_hidden_state_layer_ids` is read in the SpecForge / vLLM convention:
+    id i means "output of target layer i", i.e. HF `hidden_states[i + 1]`.
+    """
+    arch = (raw.get("architectures") or ["LlamaForCausalLMEagle3"])[0]
+    if arch not in DRAFT_ARCHITECTURES:
+        raise ConfigError(
+            f"draft architecture {arch!r} is not supported; supported: {', '.join(DRAFT_ARCHITECTURES)} "
+            "(Llama-layer EAGLE-3 drafts)"
+        )
+    body = dict(raw, model_type="llama")
+    body.pop("quantization_config", None)
+    layers = parse_model_config(body)
+    vocab = layers.vocab_size
+    draft_vocab = int(raw.get("draft_vocab_size") or vocab)
+    if not 0 < draft_vocab <= vocab:
+        raise ConfigError(f"draft_vocab_size={draft_vocab} must be in [1, vocab_size={vocab}]")
+    eagle = raw.get("eagle_config") or {}
+    ids = eagle.get("eagle_aux_hidden_state_layer_ids")
+    if ids is not None:
+        if len(ids) != 3:
+            raise ConfigError(f"eagle_aux_hidden_state_layer_ids must list 3 target layers; got {ids}")
+        ids = tuple(int(i) + 1 for i in ids)
+    return DraftConfig(
+        layers=layers,
+        draft_vocab_size=draft_vocab,
+        target_hidden_size=int(raw.get("target_hidden_size") or layers.hidden_size),
+        aux_layer_ids=ids,
+        norm_before_residual=bool(raw.get("norm_before_residual", False)),
+    )
+
+
+def draft_specs(cfg: DraftConfig, with_embed: bool) -> dict[str, ParamSpec]:
+    """Flat param layout of a draft; matrices [in, out] like the target's."""
+    lc = cfg.layers
+    h, nh, nkv, d, i = lc.hidden_size, lc.num_heads, lc.num_kv_heads, lc.head_dim, lc.intermediate_size
+    s = {
+        "fc": ParamSpec((3 * cfg.target_hidden_size, h), (None, "embed")),
+        "final_norm": ParamSpec((h,), ("norm",)),
+        "lm_head": ParamSpec((h, cfg.draft_vocab_size), ("embed", "vocab")),
+    }
+    if with_embed:
+        s["embed"] = ParamSpec((cfg.vocab_size, h), ("vocab", "embed"))
+    for layer in range(lc.num_layers):
+        width = 2 * h if layer == 0 else h
+        p = f"layers.{layer}."
+        s[p + "attn_norm"] = ParamSpec((h,), ("norm",))
+        if layer == 0:
+            s[p + "hidden_norm"] = ParamSpec((h,), ("norm",))
+        s[p + "q_proj"] = ParamSpec((width, nh * d), ("embed", "q_heads"))
+        s[p + "k_proj"] = ParamSpec((width, nkv * d), ("embed", "kv_heads"))
+        s[p + "v_proj"] = ParamSpec((width, nkv * d), ("embed", "kv_heads"))
+        s[p + "o_proj"] = ParamSpec((nh * d, h), ("q_heads", "embed"))
+        s[p + "mlp_norm"] = ParamSpec((h,), ("norm",))
+        s[p + "gate_proj"] = ParamSpec((h, i), ("embed", "mlp"))
+        s[p + "up_proj"] = ParamSpec((h, i), ("embed", "mlp"))
+        s[p + "down_proj"] = ParamSpec((i, h), ("mlp", "embed"))
+    return s
+
+
+# ---- forward ----------------------------------------------------------------------------------------
+
+
+def draft_forward(params: dict, cfg: DraftConfig, embeds: jax.Array, hidden: jax.Array, positions: jax.Array,
+                  cache: kv_cache.KVCache, mask: jax.Array) -> tuple[jax.Array, jax.Array, kv_cache.KVCache]:
+    """One draft pass over T new pairs per row.
+
+    embeds [B, T, H]: embeddings of the tokens x_{t+1}; hidden [B, T, H]: fc(target features) or
+    the draft's own previous output hidden; positions [B, T]; mask [B, T, S] cache visibility
+    (K/V of the new pairs are written at slots cache.lengths[b] + t).
+    Returns draft-vocab logits [B, T, Vd] (float32), output hidden [B, T, H], cache.
+    """
+    lc = cfg.layers
+    layers = params["layers"]
+    p0 = layers[0]
+    normed_hidden = rms_norm(hidden, p0["hidden_norm"], lc.rms_norm_eps)
+    residual = normed_hidden if cfg.norm_before_residual else hidden
+    x = jnp.concatenate([rms_norm(embeds, p0["attn_norm"], lc.rms_norm_eps), normed_hidden], axis=-1)
+    for layer, p in enumerate(layers):
+        if layer > 0:
+            x = rms_norm(residual, p["attn_norm"], lc.rms_norm_eps)
+        attn, cache = gqa_block(p, lc, x, positions, cache, jnp.int32(layer), mask)
+        h = residual + attn
+        residual = h + swiglu(rms_norm(h, p["mlp_norm"], lc.rms_norm_eps), p["gate_proj"], p["up_proj"], p["down_proj"])
+    logits = jnp.dot(rms_norm(residual, params["final_norm"], lc.rms_norm_eps), params["lm_head"],
+                     preferred_element_type=jnp.float32)
+    return logits, residual, cache
+
+
+def project_features(params: dict, aux: jax.Array) -> jax.Array:
+    """fc: concatenated target features [.., 3 * Ht] -> draft hidden [.., H]."""
+    return aux.astype(params["fc"].dtype) @ params["fc"]
+
+
+def draft_to_target_ids(params: dict, draft_ids: jax.Array) -> jax.Array:
+    return draft_ids + params["d2t"][draft_ids] if "d2t" in params else draft_ids
+
+
+# ---- the public handle ----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Draft:
+    """A loaded EAGLE-3 draft bound to its target (shares the target's embedding if it has none)."""
+
+    config: DraftConfig
+    params: dict
+    dtype: jnp.dtype
+    target: Target | None = None
+
+    @property
+    def aux_layer_ids(self) -> tuple[int, ...]:
+        return self.config.aux_layer_ids or self.target.config.aux_layer_ids
+
+    def logits(self, token_ids, aux) -> np.ndarray:
+        """Causal draft forward: position t uses embed(token_ids[t]) and fc(aux[t]) (caller aligns).
+
+        token_ids int [B, T], aux [B, T, 3 * target_hidden] -> float32 [B, T, draft_vocab].
+        """
+        ids = np.asarray(token_ids)
+        aux = np.asarray(aux)
+        if ids.ndim != 2 or aux.shape[:2] != ids.shape or aux.shape[-1] != 3 * self.config.target_hidden_size:
+            raise ValueError(
+                f"draft.logits needs token_ids [B, T] and aux [B, T, {3 * self.config.target_hidden_size}]; "
+                f"got {ids.shape} and {aux.shape}"
+            )
+        return np.asarray(_causal_draft_logits(self.params, self.config, jnp.asarray(ids, jnp.int32),
+                                               jnp.asarray(aux, self.dtype), self.dtype))
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "dtype"))
+def _causal_draft_logits(params, cfg: DraftConfig, ids, aux, dtype):
+    b, t = ids.shape
+    cache = kv_cache.init_cache(cfg.layers, b, t, dtype)
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    mask = kv_cache.visibility(cache.lengths, kv_cache.causal_mask(b, t), t)
+    logits, _, _ = draft_forward(params, cfg, params["embed"][ids], project_features(params, aux), positions, cache, mask)
+    return logits
+
+
+def _map_draft_key(key: str) -> str | None:
+    """HF draft key -> flat name (None = not a weight we use)."""
+    for prefix in ("model.",):
+        if key.startswith(prefix):
+            key = key[len(prefix):]
+    if key.startswith("midlayer."):
+        key = "layers.0." + key[len("midlayer."):]
+    renames = {
+        "embed_tokens.weight": "embed", "fc.weight": "fc", "norm.weight": "final_norm", "lm_head.weight": "lm_head",
+        "d2t": "d2t", "t2d": "t2d",
+    }
+    if key in renames:
+        return renames[key]
+    if key.startswith("layers."):
+        _, idx, rest = key.split(".", 2)
+        sub = {
+            "input_layernorm.weight": "attn_norm", "hidden_norm.weight": "hidden_norm",
+            "post_attention_layernorm.weight": "mlp_norm",
+            "self_attn.q_proj.weight": "q_proj", "self_attn.k_proj.weight": "k_proj",
+            "self_attn.v_proj.weight": "v_proj", "self_attn.o_proj.weight": "o_proj",
+            "mlp.gate_proj.weight": "gate_proj", "mlp.up_proj.weight": "up_proj", "mlp.down_proj.weight": "down_proj",
+        }.get(rest)
+        return f"layers.{idx}.{sub}" if sub else None
+    return None
+
+
+def _read_draft_tensors(path: str) -> dict[str, np.ndarray]:
+    """HF key -> array from model.safetensors (any sharding) or, with torch, pytorch_model.bin."""
+    from .checkpoint import CheckpointError
+    from .checkpoint.safetensors_io import find_pickles, open_hf_checkpoint
+
+    if not any(f.endswith(".safetensors") for f in os.listdir(path)) and find_pickles(path):
+        bins = [os.path.join(path, f) for f in find_pickles(path) if f.endswith(".bin")]
+        try:
+            import torch
+        except ImportError:
+            raise CheckpointError(
+                f"{path} holds only pytorch_model.bin; reading it safely needs torch (torch.load with "
+                "weights_only=True). Install torch, or convert the draft to model.safetensors"
+            ) from None
+        out = {}
+        for b in bins:
+            try:
+                sd = torch.load(b, map_location="cpu", weights_only=True)  # never executes pickled code
+            except Exception as e:  # noqa: BLE001 - torch raises many types for unsafe/corrupt pickles
+                raise CheckpointError(f"could not read {b} safely (weights_only=True): {e}") from e
+            out.update({k: v.float().numpy() if v.is_floating_point() else v.numpy() for k, v in sd.items()})
+        return out
+    ckpt = open_hf_checkpoint(path)
+    return {k: np.array(ckpt.read(k)) for k in ckpt.keys()}
+
+
+def load_draft(path: str | os.PathLike, target: Target, dtype="bfloat16") -> Draft:
+    """Load an EAGLE-3 draft folder (config.json + safetensors or pytorch_model.bin) for `target`.
+
+    The target is switched to capture the draft's feature layers (`eagle_aux_hidden_state_layer_ids`
+    when the draft config names them, else the default 2, L//2, L-3).
+    """
+    from .checkpoint import CheckpointError
+
+    path = os.fspath(path)
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise ConfigError(f"no config.json in draft folder {path}")
+    with open(cfg_path) as f:
+        try:
+            cfg = parse_draft_config(json.load(f))
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{cfg_path} is not valid JSON: {e}") from e
+    check_fits_target(cfg, target.config)
+    if cfg.aux_layer_ids is not None:
+        target.config = target.config.with_aux_layers(cfg.aux_layer_ids)
+
+    raw = _read_draft_tensors(path)
+    flat: dict[str, np.ndarray] = {}
+    unknown = []
+    for key, arr in raw.items():
+        name = _map_draft_key(key)
+        if name is None:
+            unknown.append(key)
+        else:
+            flat[name] = arr
+    if unknown:
+        raise CheckpointError(f"draft {path} has tensors this loader does not know: {sorted(unknown)[:8]}")
+    specs = draft_specs(cfg, with_embed="embed" in flat)
+    for name, spec in specs.items():
+        if name not in flat:
+            raise CheckpointError(f"draft {path} is missing tensor {name!r} (expected shape {spec.shape})")
+        arr = flat[name]
+        if name not in ("embed",) and arr.ndim == 2:
+            arr = arr.T  # HF [out, in] -> [in, out]
+        if tuple(arr.shape) != spec.shape:
+            raise CheckpointError(f"draft tensor {name!r} has shape {tuple(arr.shape)}, expected {spec.shape} from config.json")
+        flat[name] = arr
+    dt = resolve_dtype(dtype)
+    params = _assemble(flat, cfg, dt, target)
+    return Draft(config=cfg, params=params, dtype=dt, target=target)
+
+
+def check_fits_target(cfg: DraftConfig, tcfg: ModelConfig) -> None:
+    """A draft must share the target's vocabulary and read features of the target's width."""
+    if cfg.vocab_size != tcfg.vocab_size:
+        raise ConfigError(f"draft vocab_size={cfg.vocab_size} does not match the target's vocab_size={tcfg.vocab_size}")
+    if cfg.target_hidden_size != tcfg.hidden_size:
+        raise ConfigError(
+            f"draft expects target features of width {cfg.target_hidden_size} (target_hidden_size) but the target's "
+            f"hidden_size is {tcfg.hidden_size}; this draft was trained for another target"
+        )
+    if cfg.aux_layer_ids is not None:
+        tcfg.with_aux_layers(cfg.aux_layer_ids)  # raises with the valid range
+
+
+def _assemble(flat: dict[str, np.ndarray], cfg: DraftConfig, dt, target: Target) -> dict:
+    from .checkpoint import CheckpointError
+
+    def cast(a):
+        return jnp.asarray(np.asarray(a, np.float32), dt)
+
+    params = {"fc": cast(flat["fc"]), "final_norm": cast(flat["final_norm"]), "lm_head": cast(flat["lm_head"])}
+    if "embed" in flat:
+        params["embed"] = cast(flat["embed"])
+    else:
+        if cfg.hidden_size != target.config.hidden_size:
+            raise CheckpointError("draft has no embed_tokens and its hidden_size differs from the target's; cannot share the target embedding")
+        params["embed"] = target.params["embed"].astype(dt)
+    layer_names = {n.split(".", 2)[2] for n in flat if n.startswith("layers.")}
+    params["layers"] = [
+        {n: cast(flat[f"layers.{i}.{n}"]) for n in layer_names if f"layers.{i}.{n}" in flat}
+        for i in range(cfg.layers.num_layers)
+    ]
+    if cfg.has_draft_vocab:
+        if "d2t" not in flat:
+            raise CheckpointError(f"draft has draft_vocab_size={cfg.draft_vocab_size} < vocab_size but no d2t tensor")
+        d2t = np.asarray(flat["d2t"]).astype(np.int64).reshape(-1)
+        mapped = np.arange(cfg.draft_vocab_size) + d2t
+        if d2t.shape != (cfg.draft_vocab_size,) or mapped.min() < 0 or mapped.max() >= cfg.vocab_size:
+            raise CheckpointError("draft d2t does not map draft ids into the target vocabulary")
+        params["d2t"] = jnp.asarray(d2t, jnp.int32)
+    return params

@@ -1,0 +1,111 @@
+"""Draft side of a step: extend over newly accepted pairs, then expand the next tree (EAGLE-2).
+
+Extend: the draft consumes the (target feature, next token) pairs of the tokens just accepted,
+caching only those; its last output gives the root's children.
+
+Expand: level 1 is the top-k of the root's draft distribution. At each later level the draft runs
+on the current frontier (the `topk` best nodes by cumulative log-probability), each of which
+proposes `topk` children; the best `topk` of those children form the next frontier. Finally the
+`num_draft_tokens - 1` best candidates of all levels are kept, in candidate order, which puts
+parents before children (a child's score never exceeds its parent's and ties go to the lower
+index). Frontier K/V live in scratch slots past the committed draft cache and are overwritten by
+the next extend.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from .. import kv_cache
+from ..draft import DraftConfig, draft_forward, draft_to_target_ids, project_features
+from .tree import SpecConfig
+
+
+@struct.dataclass
+class DraftTree:
+    tokens: jax.Array  # [B, N] target token ids; tokens[:, 0] is the root (last emitted token)
+    parents: jax.Array  # [B, N] tree index of each node's parent (parents[:, 0] = 0)
+
+
+def draft_extend(params: dict, cfg: DraftConfig, cache: kv_cache.KVCache, features: jax.Array,
+                 next_tokens: jax.Array, n_valid: jax.Array) -> tuple[jax.Array, jax.Array, kv_cache.KVCache]:
+    """Append pairs (features[t], next_tokens[t]) at draft positions lengths + t, t < n_valid.
+
+    Returns the draft logits [B, Vd] and output hidden [B, H] of each row's last valid pair, and
+    the cache advanced by n_valid.
+    """
+    b, t = next_tokens.shape
+    positions = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+    mask = kv_cache.visibility(cache.lengths, kv_cache.causal_mask(b, t), cache.max_len)
+    embeds = params["embed"][next_tokens]
+    logits, hidden, cache = draft_forward(params, cfg, embeds, project_features(params, features), positions, cache, mask)
+    last = (n_valid - 1)[:, None]
+    root_logits = jnp.take_along_axis(logits, last[:, :, None], axis=1)[:, 0]
+    root_hidden = jnp.take_along_axis(hidden, last[:, :, None], axis=1)[:, 0]
+    return root_logits, root_hidden, kv_cache.advance(cache, n_valid)
+
+
+def _frontier_mask(lengths: jax.Array, temp_visible: jax.Array, max_len: int) -> jax.Array:
+    """[B, K, S]: the committed prefix plus the scratch slots in temp_visible [B, K, TMP]."""
+    tmp = temp_visible.shape[-1]
+    rel = jnp.arange(max_len, dtype=jnp.int32)[None, :] - lengths[:, None]  # [B, S]
+    in_tmp = (rel >= 0) & (rel < tmp)
+    idx = jnp.broadcast_to(jnp.clip(rel, 0, tmp - 1)[:, None, :], temp_visible.shape[:2] + (max_len,))
+    return (rel < 0)[:, None, :] | (in_tmp[:, None, :] & jnp.take_along_axis(temp_visible, idx, axis=2))
+
+
+def expand(params: dict, cfg: DraftConfig, cache: kv_cache.KVCache, root_logits: jax.Array, root_hidden: jax.Array,
+           root_token: jax.Array, spec: SpecConfig) -> DraftTree:
+    """Build the next draft tree from the root's draft logits/hidden (cache lengths unchanged)."""
+    b = root_logits.shape[0]
+    k, n = spec.topk, spec.num_draft_tokens
+    base = cache.lengths
+    scratch = max((spec.num_steps - 1) * k, 1)
+
+    score, tok = jax.lax.top_k(jax.nn.log_softmax(root_logits, axis=-1), k)  # [B, k]
+    pool_score, pool_tok = [score], [tok]
+    pool_parent = [jnp.full((b, k), -1, jnp.int32)]
+    front_pool = jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (b, k))
+    front_hidden = jnp.broadcast_to(root_hidden[:, None, :], (b, k, root_hidden.shape[-1]))
+    front_anc = jnp.zeros((b, k, scratch), bool)
+    offset = k
+    for level in range(1, spec.num_steps):
+        slot0 = (level - 1) * k
+        own = jax.nn.one_hot(slot0 + jnp.arange(k), scratch, dtype=bool)  # [k, TMP]
+        visible = front_anc | own[None]
+        mask = _frontier_mask(base, visible, cache.max_len)
+        positions = jnp.broadcast_to((base + level - 1)[:, None], (b, k))
+        embeds = params["embed"][draft_to_target_ids(params, tok)]
+        logits, hidden, cache = draft_forward(params, cfg, embeds, front_hidden, positions,
+                                              cache.replace(lengths=base + slot0), mask)
+        cache = cache.replace(lengths=base)
+        child_score, child_tok = jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), k)  # [B, k, k]
+        cand_score = (score[:, :, None] + child_score).reshape(b, k * k)
+        cand_tok = child_tok.reshape(b, k * k)
+        pool_score.append(cand_score)
+        pool_tok.append(cand_tok)
+        pool_parent.append(jnp.repeat(front_pool, k, axis=1))
+        score, pick = jax.lax.top_k(cand_score, k)
+        parent_local = pick // k
+        tok = jnp.take_along_axis(cand_tok, pick, axis=1)
+        front_pool = offset + pick
+        front_hidden = jnp.take_along_axis(hidden, parent_local[:, :, None], axis=1)
+        front_anc = jnp.take_along_axis(visible, parent_local[:, :, None], axis=1)
+        offset += k * k
+
+    pool_score = jnp.concatenate(pool_score, axis=1)
+    pool_tok = jnp.concatenate(pool_tok, axis=1)
+    pool_parent = jnp.concatenate(pool_parent, axis=1)
+    _, chosen = jax.lax.top_k(pool_score, n - 1)  # ties -> lower index, so parents outrank children
+    chosen = jnp.sort(chosen, axis=1)
+    rows = jnp.arange(b)[:, None]
+    tree_index = jnp.zeros(pool_score.shape, jnp.int32).at[rows, chosen].set(jnp.arange(1, n, dtype=jnp.int32))
+    parent_pool = jnp.take_along_axis(pool_parent, chosen, axis=1)
+    parents = jnp.where(parent_pool < 0, 0, jnp.take_along_axis(tree_index, jnp.maximum(parent_pool, 0), axis=1))
+    tokens = draft_to_target_ids(params, jnp.take_along_axis(pool_tok, chosen, axis=1))
+    return DraftTree(
+        tokens=jnp.concatenate([root_token[:, None], tokens], axis=1).astype(jnp.int32),
+        parents=jnp.concatenate([jnp.zeros((b, 1), jnp.int32), parents], axis=1).astype(jnp.int32),
+    )

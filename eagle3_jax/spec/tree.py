@@ -1,0 +1,83 @@
+"""Speculation shapes and draft-tree topology.
+
+A step verifies a tree of `num_draft_tokens` nodes per sequence. Node 0 is the root: the last
+emitted token, not yet in the target cache. Nodes are ordered parents-before-children, so
+`parents[i] < i`. A chain is the tree with `topk=1`.
+
+Every node attends to exactly its true ancestors (itself included) among the tree nodes, plus the
+committed prefix; `ancestor_mask` builds that relation and is used by the draft and the target.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecConfig:
+    """EAGLE speculation shape.
+
+    num_steps: draft levels per step (the tree's maximum depth).
+    topk: children expanded per node (1 = chain).
+    num_draft_tokens: tree nodes verified per step, root included (a chain has num_steps + 1).
+    """
+
+    num_steps: int = 3
+    topk: int = 1
+    num_draft_tokens: int = 4
+
+    def __post_init__(self) -> None:
+        for name in ("num_steps", "topk", "num_draft_tokens"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"SpecConfig.{name} must be an integer >= 1; got {v!r}")
+        if self.num_draft_tokens < 2:
+            raise ValueError("SpecConfig.num_draft_tokens must be >= 2 (the root plus at least one draft token)")
+        if self.topk == 1 and self.num_draft_tokens != self.num_steps + 1:
+            raise ValueError(
+                f"a chain (topk=1) verifies num_steps + 1 tokens: use num_draft_tokens={self.num_steps + 1} "
+                f"for num_steps={self.num_steps} (got {self.num_draft_tokens})"
+            )
+        if self.num_draft_tokens - 1 > self.pool_size:
+            raise ValueError(
+                f"num_draft_tokens={self.num_draft_tokens} exceeds the {self.pool_size} candidates that "
+                f"num_steps={self.num_steps}, topk={self.topk} produce (+1 root); lower it or raise topk/num_steps"
+            )
+
+    @property
+    def pool_size(self) -> int:
+        """Candidates the draft proposes: topk at depth 1, topk * topk at each later depth."""
+        return self.topk + (self.num_steps - 1) * self.topk * self.topk
+
+    @property
+    def max_accept(self) -> int:
+        """Most draft tokens one step can accept (the tree depth, at most num_steps)."""
+        return min(self.num_steps, self.num_draft_tokens - 1)
+
+
+def ancestor_mask(parents: jax.Array) -> jax.Array:
+    """parents [B, N] (parents[:, 0] ignored, parents[i] < i) -> bool [B, N, N], [b, i, j] = j is i or an ancestor."""
+    b, n = parents.shape
+    eye = jnp.eye(n, dtype=bool)
+    anc = jnp.broadcast_to(eye, (b, n, n))
+    for i in range(1, n):  # parents precede children, so row parents[i] is final when row i is built
+        par_row = jnp.take_along_axis(anc, parents[:, i][:, None, None], axis=1)[:, 0]
+        anc = anc.at[:, i].set(par_row | eye[i])
+    return anc
+
+
+def depths(anc: jax.Array) -> jax.Array:
+    """Depth of each node (root 0) from the ancestor mask."""
+    return anc.sum(-1).astype(jnp.int32) - 1
+
+
+def path_to(anc: jax.Array, depth: jax.Array, node: jax.Array, length: int) -> jax.Array:
+    """Tree indices of the root-to-`node` path, [B, length]; entries past node's depth repeat `node`."""
+    on_path = jnp.take_along_axis(anc, node[:, None, None], axis=1)[:, 0]  # [B, N]
+    d = jnp.arange(length, dtype=jnp.int32)
+    hit = on_path[:, None, :] & (depth[:, None, :] == d[None, :, None])  # [B, length, N]
+    idx = jnp.argmax(hit, axis=-1).astype(jnp.int32)
+    return jnp.where(hit.any(-1), idx, node[:, None])

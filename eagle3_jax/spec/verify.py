@@ -1,0 +1,101 @@
+"""Target side of a step: accept a prefix of the draft tree, emit tokens, compact the cache.
+
+Greedy: follow the child whose token equals the target argmax at its parent; the bonus token is
+the argmax at the deepest accepted node.
+
+Sampled (lossless): the draft is treated as one-hot. At the current node with target distribution
+p (after temperature / top-k / top-p), siblings are tried in index order: sibling x is accepted
+with probability r(x) / sum(r), where r is p with the already-rejected siblings zeroed; on
+acceptance the walk moves to it, and when every child is rejected (or at a leaf) the bonus token
+is drawn from r / sum(r). Each step then emits exactly the target's distribution.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from .. import kv_cache
+from ..sampling import SamplingArrays, filtered_logits, request_keys
+
+
+def greedy_accept(logits: jax.Array, tokens: jax.Array, parents: jax.Array, anc: jax.Array,
+                  depth: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """-> (deepest accepted node [B], bonus token [B])."""
+    best = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B, N]
+    matches = tokens == jnp.take_along_axis(best, parents, axis=1)
+    matches = matches.at[:, 0].set(True)
+    accepted = jnp.all(jnp.where(anc, matches[:, None, :], True), axis=-1)  # every ancestor matched
+    node = jnp.argmax(jnp.where(accepted, depth, -1), axis=-1).astype(jnp.int32)
+    return node, jnp.take_along_axis(best, node[:, None], axis=1)[:, 0]
+
+
+def _sampled_row(probs: jax.Array, tokens: jax.Array, parents: jax.Array, coins: jax.Array,
+                 bonus_key: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """One sequence: probs [N, V] target distributions per node; coins [N] uniform in [0, 1)."""
+    n = tokens.shape[0]
+
+    def visit(i, state):
+        cur, residual = state
+        is_child = parents[i] == cur
+        x = tokens[i]
+        accept = is_child & (coins[i] * residual.sum() < residual[x])
+        rejected = residual.at[x].set(0.0)
+        residual = jnp.where(accept, probs[i], jnp.where(is_child, rejected, residual))
+        return jnp.where(accept, i, cur), residual
+
+    cur, residual = jax.lax.fori_loop(1, n, visit, (jnp.int32(0), probs[0]))
+    residual = jnp.where(residual.sum() > 0, residual, probs[cur])  # float guard; p has mass somewhere
+    bonus = jax.random.categorical(bonus_key, jnp.log(residual))
+    return cur, bonus.astype(jnp.int32)
+
+
+def target_probs(logits: jax.Array, sp: SamplingArrays) -> jax.Array:
+    """[B, N, V] logits -> the distributions each request samples from at each node."""
+    b, n, v = logits.shape
+    rep = lambda a: jnp.repeat(a, n)  # noqa: E731
+    filt = filtered_logits(logits.reshape(b * n, v), rep(sp.temperature), rep(sp.top_k), rep(sp.top_p))
+    return jax.nn.softmax(filt, axis=-1).reshape(b, n, v)
+
+
+def sampled_accept(logits: jax.Array, tokens: jax.Array, parents: jax.Array, sp: SamplingArrays,
+                   counter: jax.Array, coins: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """Lossless multi-candidate rejection sampling -> (deepest accepted node [B], bonus [B]).
+
+    Randomness comes from each request's key at `counter` (tokens generated so far); `coins`
+    [B, N] may be given to fix the acceptance draws (tests).
+    """
+    keys = request_keys(sp.seed, counter)
+    coin_keys, bonus_keys = jax.vmap(lambda k: jax.random.split(k, 2))(keys).transpose(1, 0, 2)
+    if coins is None:
+        coins = jax.vmap(lambda k: jax.random.uniform(k, (tokens.shape[1],)))(coin_keys)
+    probs = target_probs(logits, sp)
+    return jax.vmap(_sampled_row)(probs, tokens, parents, coins, bonus_keys)
+
+
+def accept(logits, tokens, parents, anc, depth, sp: SamplingArrays, counter):
+    """Greedy rows (temperature 0) and sampled rows, each by its own rule."""
+    g_node, g_bonus = greedy_accept(logits, tokens, parents, anc, depth)
+    s_node, s_bonus = sampled_accept(logits, tokens, parents, sp, counter)
+    sampled = sp.temperature > 0
+    return jnp.where(sampled, s_node, g_node), jnp.where(sampled, s_bonus, g_bonus)
+
+
+def emitted_tokens(tokens: jax.Array, path: jax.Array, n_accept: jax.Array, bonus: jax.Array) -> jax.Array:
+    """[B, D+1]: the accepted draft tokens along `path`, then the bonus; -1 past the end."""
+    d = jnp.arange(path.shape[1], dtype=jnp.int32)[None, :]
+    nxt = jnp.take_along_axis(tokens, jnp.concatenate([path[:, 1:], path[:, -1:]], axis=1), axis=1)
+    return jnp.where(d < n_accept[:, None], nxt, jnp.where(d == n_accept[:, None], bonus[:, None], -1))
+
+
+def commit_path(cache: kv_cache.KVCache, path: jax.Array, n_keep: jax.Array) -> kv_cache.KVCache:
+    """Move the K/V of tree nodes `path` (written at lengths + node) to lengths + 0.., keep n_keep."""
+    b, d = path.shape
+    rows = jnp.arange(b)[:, None]
+    src = cache.lengths[:, None] + path
+    dst = cache.lengths[:, None] + jnp.arange(d, dtype=jnp.int32)[None, :]
+
+    def move(buf):
+        return buf.at[:, rows, dst].set(buf[:, rows, src], mode="drop")
+
+    return kv_cache.advance(cache.replace(k=move(cache.k), v=move(cache.v)), n_keep)
