@@ -159,8 +159,12 @@ def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
 
 
 def default_aux_layer_ids(num_layers: int) -> tuple[int, int, int]:
-    """EAGLE-3 default: the residual stream entering layers 2, L//2, L-3 (HF hidden_states idx)."""
-    return (min(2, num_layers), num_layers // 2, max(num_layers - 3, 0))
+    """EAGLE-3 default: the residual stream entering layers 2, L//2, L-3 (HF hidden_states idx).
+
+    Clamped into 0..L-1 so that tiny (< 3 layer) test models still capture real layers.
+    """
+    last = max(num_layers - 1, 0)
+    return (min(2, last), min(num_layers // 2, last), min(max(num_layers - 3, 0), last))
 
 
 # ---- parsing ------------------------------------------------------------------------------------
@@ -242,6 +246,17 @@ def _eos_ids(v: Any) -> tuple[int, ...]:
 
 def parse_model_config(raw: Mapping[str, Any]) -> ModelConfig:
     """Build a `ModelConfig` from a parsed HF config.json dict."""
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"config.json must hold a JSON object; got {type(raw).__name__}")
+    try:
+        return _parse_model_config(raw)
+    except (TypeError, ValueError) as e:
+        if isinstance(e, ConfigError):
+            raise
+        raise ConfigError(f"config.json for model_type={raw.get('model_type')!r} has a field of the wrong type: {e}") from e
+
+
+def _parse_model_config(raw: Mapping[str, Any]) -> ModelConfig:
     model_type = raw.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ConfigError(
@@ -378,6 +393,6 @@ def load_model_config(path: str | os.PathLike) -> ModelConfig:
     try:
         with open(p) as f:
             raw = json.load(f)
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"{p} is not valid JSON: {e}") from e
     return parse_model_config(raw)

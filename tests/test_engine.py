@@ -98,8 +98,6 @@ def test_bad_requests_are_rejected_before_any_work():
         engine.generate([[1], [2]], [e3.SamplingParams()] * 3)
     with pytest.raises(TypeError, match="SamplingParams"):
         engine.generate([[1]], [dict(temperature=0.0)])
-    with pytest.raises(ValueError, match="draft"):
-        e3.Engine(target, draft=object())
     with pytest.raises(ValueError, match="token_ids"):
         target.logits(np.zeros((3,), np.int32))
 

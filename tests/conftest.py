@@ -1,0 +1,53 @@
+"""Shared fixtures: tiny random HF models saved once per session, and their loaded JAX targets."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))  # so tests can `import hf_models`
+
+
+class _HFModelCache:
+    """name -> (saved folder, torch model); built lazily, once per session."""
+
+    def __init__(self, root):
+        self._root = root
+        self._models: dict = {}
+
+    def __call__(self, name: str):
+        if name not in self._models:
+            import hf_models
+
+            out = os.path.join(self._root, name)
+            os.makedirs(out, exist_ok=True)
+            self._models[name] = (out, hf_models.build_hf_model(name, out))
+        return self._models[name]
+
+
+@pytest.fixture(scope="session")
+def hf_model(tmp_path_factory):
+    """Call with a config name from `hf_models.CONFIGS`: returns (folder, torch model)."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    return _HFModelCache(str(tmp_path_factory.mktemp("hf_models")))
+
+
+@pytest.fixture(scope="session")
+def jax_target(hf_model):
+    """Call with (name, dtype="float32", aux_layer_ids=None): the loaded `eagle3_jax` Target (cached)."""
+    cache: dict = {}
+
+    def get(name: str, dtype: str = "float32", aux_layer_ids=None):
+        key = (name, dtype, None if aux_layer_ids is None else tuple(aux_layer_ids))
+        if key not in cache:
+            import eagle3_jax as e3
+
+            path, _ = hf_model(name)
+            kw = {} if aux_layer_ids is None else {"aux_layer_ids": tuple(aux_layer_ids)}
+            cache[key] = e3.load_target(path, dtype=dtype, **kw)
+        return cache[key]
+
+    return get

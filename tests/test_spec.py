@@ -1,0 +1,118 @@
+"""Speculative decoding is lossless: greedy equals the baseline token for token, for every family,
+chain and trees, with a random draft and with a draft steered to the baseline's future."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import eagle3_jax as e3
+from eagle3_jax import draft as draft_lib
+from eagle3_jax.spec import propose
+from random_models import FAMILIES, draft_config_dict, random_draft, random_target
+
+SPECS = [e3.SpecConfig(3, 1, 4), e3.SpecConfig(3, 2, 6), e3.SpecConfig(4, 4, 12)]
+PROMPTS = [[1, 2, 3], [7] * 11, [5, 9, 11, 13, 17]]
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def pair(request):
+    target = random_target(FAMILIES[request.param])
+    draft = random_draft(target)
+    base = e3.Engine(target, max_batch_size=4, max_seq_len=96).generate(PROMPTS, e3.SamplingParams(max_tokens=MAX_TOKENS))
+    return target, draft, [o.token_ids for o in base]
+
+
+def steered(monkeypatch, base_outputs, corrupt_rate: float):
+    """Make the draft predict the baseline's token at (position + 2), wrong at a fixed pseudo-random
+    `corrupt_rate` of the positions (the same positions every run).
+
+    Draft position t pairs feature t with token t+1 and predicts token t+2. The logits put the
+    steered token first and a fixed ranking after it, so trees still get distinct siblings.
+    """
+    seqs = np.zeros((4, 160), np.int32)
+    for i, (p, out) in enumerate(zip(PROMPTS, base_outputs)):
+        full = p + out
+        seqs[i, : len(full)] = full
+    seqs = jnp.asarray(seqs)
+    real = draft_lib.draft_forward
+
+    def fake(params, cfg, embeds, hidden, positions, cache, mask):
+        logits, h, cache = real(params, cfg, embeds, hidden, positions, cache, mask)
+        target_pos = jnp.clip(positions + 2, 0, seqs.shape[1] - 1)
+        want = jnp.take_along_axis(seqs[: positions.shape[0]], target_pos, axis=1)
+        hashed = (target_pos.astype(jnp.uint32) * jnp.uint32(2654435761)) >> 16
+        wrong = (hashed % 1000) < int(corrupt_rate * 1000)
+        want = jnp.where(wrong, (want + 1) % cfg.draft_vocab_size, want)
+        ranking = -0.01 * jnp.arange(logits.shape[-1], dtype=jnp.float32)
+        steer = jax.nn.one_hot(want, logits.shape[-1]) * 10.0 + ranking
+        return steer, h, cache
+
+    monkeypatch.setattr(propose, "draft_forward", fake)
+    jax.clear_caches()  # the jitted step must be retraced with the steered draft, and again after
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: f"steps{s.num_steps}_topk{s.topk}_n{s.num_draft_tokens}")
+def test_greedy_random_draft_equals_baseline(pair, spec):
+    target, draft, base = pair
+    outs = e3.Engine(target, draft=draft, spec=spec, max_batch_size=4, max_seq_len=96).generate(
+        PROMPTS, e3.SamplingParams(max_tokens=MAX_TOKENS))
+    assert [o.token_ids for o in outs] == base
+    for o in outs:
+        assert all(1 <= a <= spec.max_accept + 1 for a in o.metrics["accept_lengths"])
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: f"steps{s.num_steps}_topk{s.topk}_n{s.num_draft_tokens}")
+def test_greedy_steered_draft_equals_baseline_and_accepts_long_paths(pair, spec, monkeypatch):
+    target, draft, base = pair
+    steered(monkeypatch, base, corrupt_rate=0.3)
+    try:
+        outs = e3.Engine(target, draft=draft, spec=spec, max_batch_size=4, max_seq_len=96).generate(
+            PROMPTS, e3.SamplingParams(max_tokens=MAX_TOKENS))
+    finally:
+        monkeypatch.undo()
+        jax.clear_caches()
+    assert [o.token_ids for o in outs] == base
+    seen = {a for o in outs for a in o.metrics["accept_lengths"]}
+    assert seen == set(range(1, spec.max_accept + 2)), seen  # reject, partial and full accepts all occur
+    assert max(o.metrics["mean_accept_length"] for o in outs) > 2.0
+
+
+def test_no_recompilation_between_steps_or_calls():
+    from eagle3_jax import engine as engine_lib
+
+    target = random_target(FAMILIES["llama"])
+    eng = e3.Engine(target, draft=random_draft(target), spec=e3.SpecConfig(3, 2, 6), max_batch_size=2, max_seq_len=64)
+    eng.generate([[1, 2, 3]], e3.SamplingParams(max_tokens=10))
+    before = engine_lib._spec_step._cache_size(), engine_lib._spec_prefill._cache_size()
+    eng.generate([[4, 5, 6, 7]], e3.SamplingParams(max_tokens=10, temperature=0.8, seed=3))
+    assert (engine_lib._spec_step._cache_size(), engine_lib._spec_prefill._cache_size()) == before
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(num_steps=0), "num_steps"),
+        (dict(topk=0), "topk"),
+        (dict(num_steps=3, topk=1, num_draft_tokens=6), "chain"),
+        (dict(num_steps=2, topk=2, num_draft_tokens=12), "exceeds"),
+        (dict(num_draft_tokens=1), "num_draft_tokens"),
+    ],
+)
+def test_bad_spec_config(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        e3.SpecConfig(**kwargs)
+
+
+def test_engine_rejects_mismatched_pairs():
+    target = random_target(FAMILIES["llama"])
+    with pytest.raises(ValueError, match="needs a draft"):
+        e3.Engine(target, spec=e3.SpecConfig())
+    with pytest.raises(TypeError, match="Draft"):
+        e3.Engine(target, draft=object())
+    raw = draft_config_dict(target.config, eagle_config={"eagle_aux_hidden_state_layer_ids": [0, 0, 0]})
+    draft = random_draft(target, raw)
+    target.config = target.config.with_aux_layers((0, 0, 1))
+    with pytest.raises(ValueError, match="hidden states"):
+        e3.Engine(target, draft=draft)
