@@ -30,6 +30,8 @@ from .params import ParamSpec
 from .target import Target, resolve_dtype
 
 DRAFT_ARCHITECTURES = ("LlamaForCausalLMEagle3",)
+# Parsed (for planning and validation) but not runnable here yet: MLA-layer EAGLE-3 drafts.
+PARSE_ONLY_ARCHITECTURES = ("Eagle3DeepseekV2ForCausalLM",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,14 +63,19 @@ def parse_draft_config(raw: dict) -> DraftConfig:
     `eagle_config.eagle_aux_hidden_state_layer_ids` is read in the SpecForge / vLLM convention:
     id i means "output of target layer i", i.e. HF `hidden_states[i + 1]`.
     """
+    if not isinstance(raw, dict):
+        raise ConfigError(f"draft config.json must hold a JSON object; got {type(raw).__name__}")
     arch = (raw.get("architectures") or ["LlamaForCausalLMEagle3"])[0]
-    if arch not in DRAFT_ARCHITECTURES:
+    if arch not in DRAFT_ARCHITECTURES + PARSE_ONLY_ARCHITECTURES:
         raise ConfigError(
             f"draft architecture {arch!r} is not supported; supported: {', '.join(DRAFT_ARCHITECTURES)} "
             "(Llama-layer EAGLE-3 drafts)"
         )
-    body = dict(raw, model_type="llama")
+    mla = arch in PARSE_ONLY_ARCHITECTURES
+    body = dict(raw, model_type="deepseek_v3" if mla else "llama")
     body.pop("quantization_config", None)
+    if mla:  # one dense MLA decoder layer: no routed experts
+        body.update(n_routed_experts=0, first_k_dense_replace=body.get("num_hidden_layers", 1))
     layers = parse_model_config(body)
     vocab = layers.vocab_size
     draft_vocab = int(raw.get("draft_vocab_size") or vocab)
@@ -266,6 +273,11 @@ def load_draft(path: str | os.PathLike, target: Target, dtype="bfloat16") -> Dra
             cfg = parse_draft_config(json.load(f))
         except json.JSONDecodeError as e:
             raise ConfigError(f"{cfg_path} is not valid JSON: {e}") from e
+    if cfg.layers.attention != "gqa":
+        raise ConfigError(
+            f"{cfg_path}: MLA-layer EAGLE-3 drafts (Eagle3DeepseekV2ForCausalLM) are parsed but cannot run here yet; "
+            "use a LlamaForCausalLMEagle3 draft"
+        )
     check_fits_target(cfg, target.config)
     if cfg.aux_layer_ids is not None:
         target.config = target.config.with_aux_layers(cfg.aux_layer_ids)

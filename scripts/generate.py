@@ -1,11 +1,14 @@
-"""Generate text from a target model with the baseline (non-speculative) engine.
+"""Generate text from a target model, plainly or with EAGLE-3 speculative decoding.
 
     python scripts/generate.py --model=checkpoints/stories260K --max_tokens=200
+    python scripts/generate.py --model=/models/target --draft=/models/target-eagle3 \
+        --num_steps=3 --topk=1 --num_draft_tokens=4
     python scripts/generate.py --model=/models/Llama-3.1-8B-Instruct --dtype=bfloat16 \\
         --prompt="The capital of France is" --temperature=0.7 --top_p=0.9 --seed=1
 
 Prints each prompt with its continuation, then the number of generated tokens, the wall time
-of the generate call and tokens/s. By default generate runs once untimed first, so the timed
+of the generate call and tokens/s; with --draft also the mean acceptance length tau (bonus token
+included) and the per-position acceptance rates. By default generate runs once untimed first, so the timed
 run excludes compilation (--nowarmup to skip it).
 """
 
@@ -39,6 +42,11 @@ flags.DEFINE_list("mesh", [], "Device mesh sizes data,tensor,expert (e.g. 1,8,1)
 flags.DEFINE_bool("distributed", False, "Call jax.distributed.initialize (via eagle3_jax.initialize_distributed) "
                   "first, for multi-host runs; see BUILD.md.")
 flags.DEFINE_bool("warmup", True, "Run generate once before the timed run so tokens/s excludes compilation.")
+flags.DEFINE_string("draft", None, "EAGLE-3 draft folder (HF LlamaForCausalLMEagle3 layout); unset = plain decoding.")
+flags.DEFINE_integer("num_steps", 3, "Draft levels per speculative step (tree depth).", lower_bound=1)
+flags.DEFINE_integer("topk", 1, "Children expanded per draft node; 1 = chain.", lower_bound=1)
+flags.DEFINE_integer("num_draft_tokens", None, "Tree nodes verified per step, root included "
+                     "(default: num_steps + 1, a chain's size).", lower_bound=2)
 flags.mark_flag_as_required("model")
 
 
@@ -95,13 +103,18 @@ def main(argv: Sequence[str]) -> None:
     try:  # config and tokenizer first: their errors come before a long weight load
         tok = load_tokenizer(FLAGS.tokenizer or FLAGS.model, bos_id=e3.load_model_config(FLAGS.model).bos_token_id)
         target = e3.load_target(FLAGS.model, dtype=FLAGS.dtype, mesh=mesh)
-    except (e3.ConfigError, CheckpointError, TokenizerError) as e:
+        draft = None if FLAGS.draft is None else e3.load_draft(FLAGS.draft, target=target, dtype=FLAGS.dtype)
+        spec = None if draft is None else e3.SpecConfig(
+            num_steps=FLAGS.num_steps, topk=FLAGS.topk,
+            num_draft_tokens=FLAGS.num_draft_tokens or FLAGS.num_steps + 1)
+    except (e3.ConfigError, CheckpointError, TokenizerError, ValueError) as e:
         sys.exit(f"generate.py: {e}")
     cfg = target.config
     prompts = [tok.encode(t, add_bos=True) for t in texts]
 
     max_seq_len = FLAGS.max_seq_len or default_max_seq_len(cfg.max_position_embeddings)
-    engine = e3.Engine(target, draft=None, max_batch_size=FLAGS.batch_size or len(prompts), max_seq_len=max_seq_len)
+    engine = e3.Engine(target, draft=draft, spec=spec, max_batch_size=FLAGS.batch_size or len(prompts),
+                       max_seq_len=max_seq_len)
     stops = stop_ids(cfg.eos_token_ids, tok.eos_ids)
     sampling = [
         e3.SamplingParams(temperature=FLAGS.temperature, top_p=FLAGS.top_p, top_k=FLAGS.top_k,
@@ -123,6 +136,12 @@ def main(argv: Sequence[str]) -> None:
     ttft = sum(out.metrics["ttft_s"] for out in outs) / len(outs)
     print(f"\n{total} tokens generated in {wall:.3f} s: {total / wall:.1f} tokens/s "
           f"({len(prompts)} prompt(s), batch {engine.max_batch_size}, mean TTFT {ttft * 1e3:.1f} ms, {FLAGS.dtype})")
+    if spec is not None:
+        steps = [a for out in outs for a in out.metrics["accept_lengths"]]
+        tau = sum(steps) / max(len(steps), 1)
+        rates = [sum(a - 1 >= d for a in steps) / max(len(steps), 1) for d in range(1, spec.max_accept + 1)]
+        print(f"EAGLE-3 {spec}: mean acceptance length tau = {tau:.2f} over {len(steps)} verify steps; "
+              f"per-position acceptance {', '.join(f'{r:.2f}' for r in rates)}")
 
 
 if __name__ == "__main__":
