@@ -89,7 +89,11 @@ def request_keys(seed: jax.Array, counter: jax.Array) -> jax.Array:
 def sample(logits: jax.Array, sp: SamplingArrays, counter: jax.Array) -> jax.Array:
     """Next token per row [B] int32: argmax where temperature is 0, else a seeded draw."""
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    filtered = filtered_logits(logits, sp.temperature, sp.top_k, sp.top_p)
-    keys = request_keys(sp.seed, counter)
-    drawn = jax.vmap(jax.random.categorical)(keys, filtered).astype(jnp.int32)
+
+    def draw():  # the vocabulary sort only runs when some row samples
+        filtered = filtered_logits(logits, sp.temperature, sp.top_k, sp.top_p)
+        keys = request_keys(sp.seed, counter)
+        return jax.vmap(jax.random.categorical)(keys, filtered).astype(jnp.int32)
+
+    drawn = jax.lax.cond(jnp.any(sp.temperature > 0), draw, lambda: greedy)
     return jnp.where(sp.temperature > 0, drawn, greedy)

@@ -74,10 +74,17 @@ def sampled_accept(logits: jax.Array, tokens: jax.Array, parents: jax.Array, sp:
 
 
 def accept(logits, tokens, parents, anc, depth, sp: SamplingArrays, counter):
-    """Greedy rows (temperature 0) and sampled rows, each by its own rule."""
+    """Greedy rows (temperature 0) and sampled rows, each by its own rule.
+
+    The sampled rule (a sort over the vocabulary per node) only runs when some row samples.
+    """
     g_node, g_bonus = greedy_accept(logits, tokens, parents, anc, depth)
-    s_node, s_bonus = sampled_accept(logits, tokens, parents, sp, counter)
     sampled = sp.temperature > 0
+    s_node, s_bonus = jax.lax.cond(
+        jnp.any(sampled),
+        lambda: sampled_accept(logits, tokens, parents, sp, counter),
+        lambda: (g_node, g_bonus),
+    )
     return jnp.where(sampled, s_node, g_node), jnp.where(sampled, s_bonus, g_bonus)
 
 
