@@ -250,7 +250,14 @@ def _read_draft_tensors(path: str) -> dict[str, np.ndarray]:
                 sd = torch.load(b, map_location="cpu", weights_only=True)  # never executes pickled code
             except Exception as e:  # noqa: BLE001 - torch raises many types for unsafe/corrupt pickles
                 raise CheckpointError(f"could not read {b} safely (weights_only=True): {e}") from e
-            out.update({k: v.float().numpy() if v.is_floating_point() else v.numpy() for k, v in sd.items()})
+            if isinstance(sd, dict) and len(sd) == 1 and next(iter(sd)) in ("state_dict", "model"):
+                sd = next(iter(sd.values()))  # a state dict saved inside a wrapper dict
+            if not isinstance(sd, dict):
+                raise CheckpointError(f"{b} does not hold a state dict (got {type(sd).__name__})")
+            for k, v in sd.items():
+                if not isinstance(v, torch.Tensor):
+                    raise CheckpointError(f"{b} entry {k!r} is a {type(v).__name__}, not a tensor; save only the state dict")
+                out[k] = v.float().numpy() if v.is_floating_point() else v.numpy()
         return out
     ckpt = open_hf_checkpoint(path)
     return {k: np.array(ckpt.read(k)) for k in ckpt.keys()}
@@ -284,16 +291,24 @@ def load_draft(path: str | os.PathLike, target: Target, dtype="bfloat16") -> Dra
 
     raw = _read_draft_tensors(path)
     flat: dict[str, np.ndarray] = {}
-    unknown = []
+    unknown, source = [], {}
     for key, arr in raw.items():
+        if key.endswith("rotary_emb.inv_freq"):
+            continue  # a derived buffer some exports include; rotary is recomputed from the config
         name = _map_draft_key(key)
         if name is None:
             unknown.append(key)
+        elif name in source:
+            raise CheckpointError(f"draft {path} has both {source[name]!r} and {key!r} for the same weight; keep one")
         else:
-            flat[name] = arr
-    if unknown:
-        raise CheckpointError(f"draft {path} has tensors this loader does not know: {sorted(unknown)[:8]}")
+            flat[name], source[name] = arr, key
     specs = draft_specs(cfg, with_embed="embed" in flat)
+    unknown += [source[n] for n in flat if n not in specs and n not in ("d2t", "t2d")]
+    if unknown:
+        raise CheckpointError(
+            f"draft {path} has tensors its config.json does not use (num_hidden_layers={cfg.layers.num_layers}): "
+            f"{sorted(unknown)[:8]}"
+        )
     for name, spec in specs.items():
         if name not in flat:
             raise CheckpointError(f"draft {path} is missing tensor {name!r} (expected shape {spec.shape})")
@@ -343,8 +358,10 @@ def _assemble(flat: dict[str, np.ndarray], cfg: DraftConfig, dt, target: Target)
         if "d2t" not in flat:
             raise CheckpointError(f"draft has draft_vocab_size={cfg.draft_vocab_size} < vocab_size but no d2t tensor")
         d2t = np.asarray(flat["d2t"]).astype(np.int64).reshape(-1)
+        if d2t.shape != (cfg.draft_vocab_size,):
+            raise CheckpointError(f"draft d2t has {d2t.shape[0]} entries; expected draft_vocab_size={cfg.draft_vocab_size}")
         mapped = np.arange(cfg.draft_vocab_size) + d2t
-        if d2t.shape != (cfg.draft_vocab_size,) or mapped.min() < 0 or mapped.max() >= cfg.vocab_size:
+        if mapped.min() < 0 or mapped.max() >= cfg.vocab_size:
             raise CheckpointError("draft d2t does not map draft ids into the target vocabulary")
         params["d2t"] = jnp.asarray(d2t, jnp.int32)
     return params

@@ -1,0 +1,587 @@
+"""EAGLE-3 draft: forward vs an independent NumPy reference, checkpoint formats, d2t mapping,
+real draft configs, and clear errors for bad drafts.
+
+The reference below is written from the HF `LlamaForCausalLMEagle3` description (SGLang / vLLM
+layout), in float64 NumPy, and shares no code with `eagle3_jax`:
+
+    h = aux @ fc.T; e = embed[x]
+    layer 0 ("midlayer"): residual = h (hidden_norm(h) with norm_before_residual)
+        a_in = concat(input_layernorm(e), hidden_norm(h))            [2H]
+        h1 = residual + o_proj(attn(rope(q(a_in)), rope(k(a_in)), v(a_in)))
+        h2 = h1 + down(silu(gate(post_attention_layernorm(h1))) * up(...))
+    layers 1..: ordinary Llama decoder layers on the hidden stream
+    logits = norm(h_final) @ lm_head.T                                 [draft_vocab]
+"""
+
+from __future__ import annotations
+
+import collections
+import datetime
+import json
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import eagle3_jax as e3
+from eagle3_jax import draft as draft_lib
+from eagle3_jax.checkpoint import CheckpointError
+from eagle3_jax.config import ConfigError, load_model_config
+from random_models import LLAMA, random_target
+
+TEST_DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
+B, T = 2, 24  # T > max_position_embeddings (16) of the test drafts: RoPE must not be bounded by it
+TARGET_H, VOCAB = 32, 64
+
+
+# ---- independent NumPy reference ----------------------------------------------------------------
+
+
+def np_rms(x, w, eps):
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
+
+
+def np_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> np.ndarray:
+    inv = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    if not scaling:
+        return inv
+    kind = scaling.get("rope_type", scaling.get("type"))
+    assert kind == "llama3", kind
+    factor, lo, hi = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old = scaling["original_max_position_embeddings"]
+    out = []
+    for f in inv:
+        wavelen = 2 * math.pi / f
+        if wavelen < old / hi:  # high frequency: unchanged
+            out.append(f)
+        elif wavelen > old / lo:  # low frequency: divided by factor
+            out.append(f / factor)
+        else:  # in between: interpolate
+            smooth = (old / wavelen - lo) / (hi - lo)
+            out.append((1 - smooth) * f / factor + smooth * f)
+    return np.array(out)
+
+
+def np_rope(x, inv):
+    """Llama NeoX rotate-half rotary; x [T, heads, D] at positions 0..T-1."""
+    t, d = x.shape[0], x.shape[-1]
+    freqs = np.arange(t, dtype=np.float64)[:, None] * inv[None, :]
+    emb = np.concatenate([freqs, freqs], axis=-1)[:, None, :]
+    rot = np.concatenate([-x[..., d // 2:], x[..., : d // 2]], axis=-1)
+    return x * np.cos(emb) + rot * np.sin(emb)
+
+
+def np_attention(a_in, w, p, c):
+    nh, nkv = c["num_attention_heads"], c["num_key_value_heads"]
+    d = c.get("head_dim") or c["hidden_size"] // nh
+    t = a_in.shape[0]
+    inv = np_inv_freq(d, c.get("rope_theta", 10000.0), c.get("rope_scaling"))
+    q = np_rope((a_in @ w[p + "self_attn.q_proj.weight"].T).reshape(t, nh, d), inv)
+    k = np_rope((a_in @ w[p + "self_attn.k_proj.weight"].T).reshape(t, nkv, d), inv)
+    v = (a_in @ w[p + "self_attn.v_proj.weight"].T).reshape(t, nkv, d)
+    k, v = np.repeat(k, nh // nkv, axis=1), np.repeat(v, nh // nkv, axis=1)  # GQA: head h uses kv h // group
+    scores = np.einsum("thd,shd->hts", q, k) * d ** -0.5
+    scores = np.where(np.tril(np.ones((t, t), bool))[None], scores, -np.inf)
+    probs = np.exp(scores - scores.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    return np.einsum("hts,shd->thd", probs, v).reshape(t, nh * d) @ w[p + "self_attn.o_proj.weight"].T
+
+
+def np_mlp(x, w, p):
+    g, u = x @ w[p + "mlp.gate_proj.weight"].T, x @ w[p + "mlp.up_proj.weight"].T
+    return (g / (1 + np.exp(-g)) * u) @ w[p + "mlp.down_proj.weight"].T
+
+
+def np_draft_logits(w: dict, c: dict, target_embed: np.ndarray, ids: np.ndarray, aux: np.ndarray) -> np.ndarray:
+    w = {k: np.asarray(v, np.float64) for k, v in w.items()}
+    eps = c["rms_norm_eps"]
+    embed = w.get("embed_tokens.weight", np.asarray(target_embed, np.float64))
+    p0 = "midlayer." if any(k.startswith("midlayer.") for k in w) else "layers.0."
+    out = []
+    for b in range(ids.shape[0]):
+        h = np.asarray(aux[b], np.float64) @ w["fc.weight"].T
+        e = embed[ids[b]]
+        normed = np_rms(h, w[p0 + "hidden_norm.weight"], eps)
+        residual = normed if c.get("norm_before_residual") else h
+        a_in = np.concatenate([np_rms(e, w[p0 + "input_layernorm.weight"], eps), normed], axis=-1)
+        h1 = residual + np_attention(a_in, w, p0, c)
+        x = h1 + np_mlp(np_rms(h1, w[p0 + "post_attention_layernorm.weight"], eps), w, p0)
+        for i in range(1, c["num_hidden_layers"]):
+            p = f"layers.{i}."
+            h1 = x + np_attention(np_rms(x, w[p + "input_layernorm.weight"], eps), w, p, c)
+            x = h1 + np_mlp(np_rms(h1, w[p + "post_attention_layernorm.weight"], eps), w, p)
+        out.append(np_rms(x, w["norm.weight"], eps) @ w["lm_head.weight"].T)
+    return np.stack(out)
+
+
+def np_llama_hidden_states(target, ids: np.ndarray) -> list[np.ndarray]:
+    """HF `hidden_states` of a tiny random Llama target (index j = residual entering layer j)."""
+    c = target.config
+    seg = {k: np.asarray(v, np.float64) for k, v in target.params["segments"][0].items()}
+    hc = dict(num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads, head_dim=c.head_dim,
+              hidden_size=c.hidden_size, rope_theta=c.rope.theta)
+    x = np.asarray(target.params["embed"], np.float64)[ids]
+    states = [x]
+    for i in range(c.num_layers):
+        # stacked params are [in, out]; the reference speaks HF [out, in]
+        w = {f"self_attn.{n}.weight": seg[n][i].T for n in ("q_proj", "k_proj", "v_proj", "o_proj")}
+        w.update({f"mlp.{n}.weight": seg[n][i].T for n in ("gate_proj", "up_proj", "down_proj")})
+        x = x + np_attention(np_rms(x, seg["attn_norm"][i], c.rms_norm_eps), w, "", hc)
+        x = x + np_mlp(np_rms(x, seg["mlp_norm"][i], c.rms_norm_eps), w, "")
+        states.append(x)
+    return states
+
+
+# ---- building draft folders ---------------------------------------------------------------------
+
+
+def draft_cfg(**over) -> dict:
+    c = dict(architectures=["LlamaForCausalLMEagle3"], model_type="llama", hidden_size=TARGET_H,
+             num_attention_heads=4, num_key_value_heads=2, intermediate_size=40, num_hidden_layers=1,
+             vocab_size=VOCAB, rms_norm_eps=1e-5, max_position_embeddings=16, rope_theta=10000.0)
+    c.update(over)
+    return {k: v for k, v in c.items() if v is not None}
+
+
+def hf_weights(c: dict, seed: int = 0, with_embed: bool = True, spelling: str = "midlayer", d2t=None) -> dict:
+    """Random weights under HF draft key names ([out, in] matrices)."""
+    rng = np.random.default_rng(seed)
+    h, nh, nkv = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"]
+    d = c.get("head_dim") or h // nh
+    th = c.get("target_hidden_size") or h
+    dv = c.get("draft_vocab_size") or c["vocab_size"]
+    inter = c["intermediate_size"]
+
+    def mat(out, inp):
+        return (rng.standard_normal((out, inp)) / np.sqrt(inp)).astype(np.float32)
+
+    def norm(n):
+        return (1 + 0.1 * rng.standard_normal(n)).astype(np.float32)
+
+    w = {"fc.weight": mat(h, 3 * th), "norm.weight": norm(h), "lm_head.weight": mat(dv, h)}
+    if with_embed:
+        w["embed_tokens.weight"] = rng.standard_normal((c["vocab_size"], h)).astype(np.float32)
+    for i in range(c["num_hidden_layers"]):
+        p = ("midlayer." if spelling == "midlayer" else "layers.0.") if i == 0 else f"layers.{i}."
+        width = 2 * h if i == 0 else h
+        w[p + "input_layernorm.weight"] = norm(h)
+        if i == 0:
+            w[p + "hidden_norm.weight"] = norm(h)
+        w[p + "self_attn.q_proj.weight"] = mat(nh * d, width)
+        w[p + "self_attn.k_proj.weight"] = mat(nkv * d, width)
+        w[p + "self_attn.v_proj.weight"] = mat(nkv * d, width)
+        w[p + "self_attn.o_proj.weight"] = mat(h, nh * d)
+        w[p + "post_attention_layernorm.weight"] = norm(h)
+        w[p + "mlp.gate_proj.weight"] = mat(inter, h)
+        w[p + "mlp.up_proj.weight"] = mat(inter, h)
+        w[p + "mlp.down_proj.weight"] = mat(h, inter)
+    if dv != c["vocab_size"]:
+        d2t = np.zeros(dv, np.int64) if d2t is None else np.asarray(d2t, np.int64)
+        w["d2t"] = d2t
+        t2d = np.zeros(c["vocab_size"], bool)
+        t2d[np.clip(np.arange(dv) + d2t, 0, c["vocab_size"] - 1)] = True
+        w["t2d"] = t2d
+    return w
+
+
+def write_draft(folder, c: dict, w: dict, fmt: str = "safetensors") -> str:
+    folder = os.fspath(folder)
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(c, f)
+    if fmt == "safetensors":
+        from safetensors.numpy import save_file
+
+        save_file({k: np.ascontiguousarray(v) for k, v in w.items()}, os.path.join(folder, "model.safetensors"))
+    else:
+        torch = pytest.importorskip("torch")
+        torch.save({k: torch.from_numpy(np.array(v)) for k, v in w.items()}, os.path.join(folder, "pytorch_model.bin"))
+    return folder
+
+
+def fresh_target(layers: int | None = None):
+    raw = dict(LLAMA) if layers is None else dict(LLAMA, num_hidden_layers=layers)
+    return random_target(raw)
+
+
+def rand_inputs(th: int = TARGET_H, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, VOCAB, (B, T)), rng.standard_normal((B, T, 3 * th)).astype(np.float32)
+
+
+def rel_err(a, b) -> float:
+    return float(np.max(np.abs(np.asarray(a, np.float64) - b)) / np.max(np.abs(b)))
+
+
+# ---- 1. forward vs the reference ----------------------------------------------------------------
+
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
+VARIANTS = {
+    # name: (config overrides, with_embed, key spelling, target layers)
+    "embed": (dict(), True, "midlayer", None),
+    "shared_embed": (dict(), False, "midlayer", None),
+    "draft_vocab_d2t": (dict(draft_vocab_size=40), True, "midlayer", None),
+    "two_layers_layers_spelling": (dict(num_hidden_layers=2), True, "layers", None),
+    "two_layers_midlayer_spelling": (dict(num_hidden_layers=2), False, "midlayer", None),
+    "wide_draft_head_dim": (dict(hidden_size=48, target_hidden_size=TARGET_H, head_dim=16), True, "midlayer", None),
+    "aux_ids": (dict(eagle_config={"eagle_aux_hidden_state_layer_ids": [0, 1, 2]}), True, "layers", 4),
+    "norm_before_residual": (dict(norm_before_residual=True), True, "midlayer", None),
+    "llama3_rope": (dict(rope_scaling=LLAMA3_ROPE, head_dim=16, rope_theta=10000.0), False, "midlayer", None),
+}
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_draft_forward_matches_numpy_reference(name, tmp_path):
+    over, with_embed, spelling, layers = VARIANTS[name]
+    c = draft_cfg(**over)
+    d2t = None
+    if c.get("draft_vocab_size"):  # a reduced vocab: draft id i -> target id subset[i]
+        subset = np.sort(np.random.default_rng(5).choice(VOCAB, c["draft_vocab_size"], replace=False))
+        d2t = subset - np.arange(len(subset))
+    w = hf_weights(c, with_embed=with_embed, spelling=spelling, d2t=d2t)
+    target = fresh_target(layers)
+    draft = e3.load_draft(write_draft(tmp_path / "d", c, w), target=target, dtype="float32")
+
+    assert draft.config.hidden_size == c["hidden_size"]
+    assert draft.config.target_hidden_size == TARGET_H
+    assert draft.config.draft_vocab_size == c.get("draft_vocab_size", VOCAB)
+    assert draft.config.norm_before_residual == bool(c.get("norm_before_residual", False))
+    assert draft.config.layers.num_layers == c["num_hidden_layers"]
+    if "eagle_config" in c:  # SpecForge/vLLM "output of layer i" = HF hidden_states[i + 1]
+        assert draft.config.aux_layer_ids == (1, 2, 3)
+        assert target.config.aux_layer_ids == (1, 2, 3) and draft.aux_layer_ids == (1, 2, 3)
+    else:
+        assert draft.config.aux_layer_ids is None
+        assert draft.aux_layer_ids == target.config.aux_layer_ids == (1, 1, 0)  # default for 2 layers, clamped
+
+    ids, aux = rand_inputs()
+    got = draft.logits(ids, aux)
+    want = np_draft_logits(w, c, np.asarray(target.params["embed"]), ids, aux)
+    assert got.shape == (B, T, c.get("draft_vocab_size", VOCAB)) and got.dtype == np.float32
+    assert rel_err(got, want) <= 1e-5, rel_err(got, want)
+    # The draft has no rope table bounded by max_position_embeddings: positions >= 16 differ from
+    # a model that clamped them, so a match over all T positions already shows it; check the
+    # tail explicitly too.
+    assert rel_err(got[:, 16:], want[:, 16:]) <= 1e-5
+    if c.get("draft_vocab_size"):
+        np.testing.assert_array_equal(np.asarray(draft.params["d2t"]), d2t)
+    else:  # full vocab: no d2t, draft ids are target ids
+        assert "d2t" not in draft.params
+
+
+def test_aux_ids_follow_output_of_layer_convention():
+    """eagle ids [0, 1, 2] on a 4-layer target capture the outputs of layers 0, 1, 2 (HF
+    hidden_states[1..3]), computed here by a NumPy Llama forward."""
+    target = fresh_target(4)
+    cfg = draft_lib.parse_draft_config(draft_cfg(eagle_config={"eagle_aux_hidden_state_layer_ids": [0, 1, 2]}))
+    draft_lib.check_fits_target(cfg, target.config)
+    target.config = target.config.with_aux_layers(cfg.aux_layer_ids)
+    ids = np.random.default_rng(3).integers(0, VOCAB, (1, 10))
+    _, aux = target.logits(ids, return_aux=True)
+    hs = np_llama_hidden_states(target, ids[0])
+    for j, layer in enumerate((0, 1, 2)):
+        assert rel_err(aux[0, :, j * TARGET_H:(j + 1) * TARGET_H], hs[layer + 1]) <= 1e-5
+
+
+def test_safetensors_and_pytorch_bin_load_identically(tmp_path):
+    pytest.importorskip("torch")
+    c = draft_cfg(draft_vocab_size=40)
+    d2t = np.arange(40) % 7  # target id = i + i % 7 < 64
+    w = hf_weights(c, seed=2, d2t=d2t)
+    target = fresh_target()
+    a = e3.load_draft(write_draft(tmp_path / "st", c, w, "safetensors"), target=target, dtype="float32")
+    b = e3.load_draft(write_draft(tmp_path / "bin", c, w, "bin"), target=target, dtype="float32")
+    assert not os.path.exists(tmp_path / "bin" / "model.safetensors")
+    assert jax.tree.structure(a.params) == jax.tree.structure(b.params)
+    for x, y in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params)):
+        assert x.dtype == y.dtype
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    ids, aux = rand_inputs(seed=4)
+    np.testing.assert_array_equal(a.logits(ids, aux), b.logits(ids, aux))
+
+
+class _Boom:
+    """Unpickling this would call os.mkdir(marker): it must never happen."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.mkdir, (self.marker,))
+
+
+@pytest.mark.parametrize("payload", ["datetime", "custom_class", "ordered_dict_object"])
+def test_unsafe_pickle_is_refused_without_running_code(payload, tmp_path):
+    torch = pytest.importorskip("torch")
+    c = draft_cfg()
+    folder = tmp_path / "d"
+    os.makedirs(folder)
+    with open(folder / "config.json", "w") as f:
+        json.dump(c, f)
+    sd = {k: torch.from_numpy(v) for k, v in hf_weights(c).items()}
+    marker = str(tmp_path / "pwned")
+    sd["extra"] = {
+        "datetime": datetime.datetime(2024, 1, 1),
+        "custom_class": _Boom(marker),
+        "ordered_dict_object": collections.OrderedDict(x=object()),
+    }[payload]
+    torch.save(sd, folder / "pytorch_model.bin")
+    with pytest.raises(CheckpointError, match="safely"):
+        e3.load_draft(folder, target=fresh_target(), dtype="float32")
+    assert not os.path.exists(marker)
+
+
+# ---- 2. d2t mapping -----------------------------------------------------------------------------
+
+DV = 40
+SUBSET = np.sort(np.random.default_rng(11).choice(VOCAB, DV, replace=False))
+D2T = SUBSET - np.arange(DV)
+
+
+@pytest.fixture(scope="module")
+def reduced_pair(tmp_path_factory):
+    c = draft_cfg(draft_vocab_size=DV)
+    folder = write_draft(tmp_path_factory.mktemp("reduced") / "d", c, hf_weights(c, seed=7, d2t=D2T))
+    target = fresh_target()
+    return target, e3.load_draft(folder, target=target, dtype="float32")
+
+
+def test_draft_to_target_ids(reduced_pair):
+    _, draft = reduced_pair
+    ids = jnp.asarray([[0, 1, 39], [5, 17, 23]], jnp.int32)
+    got = np.asarray(draft_lib.draft_to_target_ids(draft.params, ids))
+    np.testing.assert_array_equal(got, SUBSET[np.asarray(ids)])
+    assert got.min() >= 0 and got.max() < VOCAB
+    # no d2t (full vocab): identity
+    np.testing.assert_array_equal(np.asarray(draft_lib.draft_to_target_ids({}, ids)), np.asarray(ids))
+
+
+def test_expand_proposes_mapped_target_ids(reduced_pair):
+    """Level-1 proposals are the top-k of the root's *draft* logits, mapped through d2t."""
+    from eagle3_jax import kv_cache
+    from eagle3_jax.spec import propose
+
+    _, draft = reduced_pair
+    spec = e3.SpecConfig(3, 2, 6)
+    rng = np.random.default_rng(0)
+    root_logits = jnp.asarray(rng.standard_normal((B, DV)), jnp.float32)
+    root_hidden = jnp.asarray(rng.standard_normal((B, TARGET_H)), jnp.float32)
+    cache = kv_cache.init_cache(draft.config.layers, B, 32, jnp.float32)
+    cache = kv_cache.advance(cache, jnp.asarray([3, 5], jnp.int32))
+    tree = jax.jit(propose.expand, static_argnames=("cfg", "spec"))(
+        draft.params, draft.config, cache, root_logits, root_hidden, jnp.asarray([1, 2], jnp.int32), spec=spec)
+    tokens, parents = np.asarray(tree.tokens), np.asarray(tree.parents)
+    assert set(tokens[:, 1:].ravel()) <= set(SUBSET.tolist())
+    top2 = np.argsort(-np.asarray(root_logits), axis=1, kind="stable")[:, :2]
+    for b in range(B):
+        depth1 = tokens[b, 1:][parents[b, 1:] == 0]
+        assert sorted(depth1.tolist()) == sorted(SUBSET[top2[b]].tolist())
+
+
+def test_engine_with_reduced_vocab_draft_is_lossless(reduced_pair):
+    target, draft = reduced_pair
+    prompts = [[1, 2, 3], [9, 8, 7, 6, 5]]
+    sp = e3.SamplingParams(max_tokens=12)
+    base = e3.Engine(target, max_batch_size=2, max_seq_len=48).generate(prompts, sp)
+    spec = e3.Engine(target, draft=draft, spec=e3.SpecConfig(3, 1, 4), max_batch_size=2, max_seq_len=48).generate(prompts, sp)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in base]
+    assert all(len(o.token_ids) == 12 for o in spec)
+
+
+# ---- 3. real draft configs ----------------------------------------------------------------------
+
+REAL = {
+    # draft file: (target config, hidden, draft vocab, vocab, aux ids (HF hidden_states indices))
+    "llama3.1-8b-eagle3.draft.json": ("llama-3.1-8b-instruct.config.json", 4096, 32000, 128256, None),
+    "deepseek-v3-eagle3.draft.json": ("deepseek-v3.config.json", 7168, 32000, 129280, (2, 30, 58)),
+    "kimi-k2.5-eagle3.draft.json": ("kimi-k2.5.config.json", 7168, 163840, 163840, None),
+    "minimax-m2.5-eagle3.draft.json": ("minimax-m2.5.config.json", 3072, 200064, 200064, None),
+    "kimi-k2.5-eagle3-mla.draft.json": ("kimi-k2.5.config.json", 7168, 163840, 163840, (2, 30, 58)),
+}
+
+
+def read_json(name):
+    with open(os.path.join(TEST_DATA, name)) as f:
+        return json.load(f)
+
+
+@pytest.mark.parametrize("fname", sorted(REAL))
+def test_real_draft_configs_parse(fname):
+    tname, hidden, dv, vocab, aux = REAL[fname]
+    cfg = draft_lib.parse_draft_config(read_json(fname))
+    assert cfg.hidden_size == hidden and cfg.target_hidden_size == hidden  # default: the draft's own width
+    assert cfg.draft_vocab_size == dv and cfg.vocab_size == vocab
+    assert cfg.has_draft_vocab == (dv != vocab)
+    assert cfg.aux_layer_ids == aux
+    assert cfg.layers.num_layers == 1 and cfg.norm_before_residual is False
+    tcfg = load_model_config(os.path.join(TEST_DATA, tname))
+    draft_lib.check_fits_target(cfg, tcfg)  # each published draft fits its target
+    if aux is not None:
+        assert tcfg.with_aux_layers(aux).aux_layer_ids == aux
+    if "mla" in fname:
+        assert cfg.layers.attention == "mla"
+        assert (cfg.layers.kv_lora_rank, cfg.layers.q_lora_rank, cfg.layers.qk_rope_head_dim) == (512, 1536, 64)
+        assert cfg.layers.num_experts == 0 and cfg.layers.segments == (("dense", 0, 1),)
+    else:
+        assert cfg.layers.attention == "gqa"
+        specs = draft_lib.draft_specs(cfg, with_embed=False)
+        assert specs["fc"].shape == (3 * hidden, hidden) and specs["lm_head"].shape == (hidden, dv)
+        assert specs["layers.0.q_proj"].shape[0] == 2 * hidden
+
+
+def test_real_draft_config_details():
+    llama = draft_lib.parse_draft_config(read_json("llama3.1-8b-eagle3.draft.json"))
+    assert (llama.layers.num_heads, llama.layers.num_kv_heads, llama.layers.head_dim) == (32, 8, 128)
+    assert llama.layers.rms_norm_eps == 1e-5
+    kimi = draft_lib.parse_draft_config(read_json("kimi-k2.5-eagle3.draft.json"))
+    assert kimi.layers.rope.rope_type == "yarn" and kimi.layers.rope.factor == 64.0
+    assert kimi.layers.rope.theta == 50000.0 and not kimi.layers.rope.interleaved
+    minimax = draft_lib.parse_draft_config(read_json("minimax-m2.5-eagle3.draft.json"))
+    assert minimax.layers.rope.rope_type == "default" and minimax.layers.rope.theta == 5e6
+    assert (minimax.layers.num_heads, minimax.layers.head_dim) == (48, 128)
+
+
+def test_mla_draft_parses_but_does_not_load(tmp_path):
+    folder = tmp_path / "mla"
+    os.makedirs(folder)
+    with open(folder / "config.json", "w") as f:
+        json.dump(read_json("kimi-k2.5-eagle3-mla.draft.json"), f)
+    with pytest.raises(ConfigError, match="MLA"):
+        e3.load_draft(folder, target=fresh_target(), dtype="float32")
+
+
+# ---- 4. bad input -------------------------------------------------------------------------------
+
+
+def _drop(key):
+    return lambda c, w: w.pop(key)
+
+
+def _reshape(key, shape):
+    def f(c, w):
+        w[key] = np.zeros(shape, np.float32)
+    return f
+
+
+def _add(key, arr):
+    def f(c, w):
+        w[key] = arr
+    return f
+
+
+BAD = {
+    # name: (config overrides, with_embed, weight edit, exception, match)
+    "vocab_mismatch": (dict(vocab_size=96), True, None, ConfigError, "vocab_size=96 does not match"),
+    "target_hidden_mismatch": (dict(target_hidden_size=40), True, None, ConfigError, "target_hidden_size"),
+    "aux_out_of_range": (dict(eagle_config={"eagle_aux_hidden_state_layer_ids": [0, 1, 5]}), True, None,
+                         ConfigError, "out of range"),
+    "aux_wrong_count": (dict(eagle_config={"eagle_aux_hidden_state_layer_ids": [0, 1]}), True, None,
+                        ConfigError, "3 target layers"),
+    "missing_tensor": (dict(), True, _drop("midlayer.self_attn.k_proj.weight"), CheckpointError,
+                       "missing tensor 'layers.0.k_proj'"),
+    "missing_hidden_norm": (dict(), True, _drop("midlayer.hidden_norm.weight"), CheckpointError, "hidden_norm"),
+    "wrong_shape": (dict(), True, _reshape("fc.weight", (TARGET_H, 3 * TARGET_H + 1)), CheckpointError,
+                    "'fc' has shape"),
+    "wrong_shape_lm_head": (dict(draft_vocab_size=40), True, _reshape("lm_head.weight", (VOCAB, TARGET_H)),
+                            CheckpointError, "'lm_head' has shape"),
+    "unknown_tensor": (dict(), True, _add("midlayer.self_attn.extra_proj.weight", np.ones((4, 4), np.float32)),
+                       CheckpointError, "does not use.*extra_proj"),
+    "d2t_outside_vocab": (dict(draft_vocab_size=40), True, _add("d2t", np.full(40, 30, np.int64)),
+                          CheckpointError, "d2t"),
+    "d2t_negative": (dict(draft_vocab_size=40), True, _add("d2t", np.full(40, -1, np.int64)), CheckpointError, "d2t"),
+    "missing_d2t": (dict(draft_vocab_size=40), True, _drop("d2t"), CheckpointError, "no d2t"),
+    "architecture": (dict(architectures=["MedusaModel"]), True, None, ConfigError, "architecture 'MedusaModel'"),
+    "draft_vocab_too_big": (dict(draft_vocab_size=80), True, None, ConfigError, "draft_vocab_size=80"),
+    "no_embed_and_other_hidden": (dict(hidden_size=48, target_hidden_size=TARGET_H), False, None, CheckpointError,
+                                  "no embed_tokens"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD))
+def test_bad_draft(name, tmp_path):
+    over, with_embed, edit, exc, match = BAD[name]
+    c = draft_cfg(**over)
+    wc = dict(c, vocab_size=VOCAB, draft_vocab_size=min(c.get("draft_vocab_size") or VOCAB, VOCAB))
+    w = hf_weights(wc, with_embed=with_embed)
+    if c.get("vocab_size") != VOCAB and with_embed:
+        w["embed_tokens.weight"] = np.zeros((c["vocab_size"], c["hidden_size"]), np.float32)
+    if edit:
+        edit(c, w)
+    target = fresh_target()
+    before = target.config
+    with pytest.raises(exc, match=match):
+        e3.load_draft(write_draft(tmp_path / "d", c, w), target=target, dtype="float32")
+    assert target.config == before  # a failed load leaves the target's aux capture alone
+
+
+@pytest.mark.parametrize("text, match", [("{not json", "not valid JSON"), ("[1, 2, 3]", "JSON object")])
+def test_bad_config_json(text, match, tmp_path):
+    folder = write_draft(tmp_path / "d", draft_cfg(), hf_weights(draft_cfg()))
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        f.write(text)
+    with pytest.raises(ConfigError, match=match):
+        e3.load_draft(folder, target=fresh_target(), dtype="float32")
+
+
+def test_missing_config_and_weights(tmp_path):
+    os.makedirs(tmp_path / "empty")
+    with pytest.raises(ConfigError, match="no config.json"):
+        e3.load_draft(tmp_path / "empty", target=fresh_target())
+    with open(tmp_path / "empty" / "config.json", "w") as f:
+        json.dump(draft_cfg(), f)
+    with pytest.raises(CheckpointError, match="safetensors"):
+        e3.load_draft(tmp_path / "empty", target=fresh_target())
+
+
+def test_logits_rejects_misaligned_inputs(reduced_pair):
+    _, draft = reduced_pair
+    ids, aux = rand_inputs()
+    with pytest.raises(ValueError, match="aux"):
+        draft.logits(ids, aux[..., :-1])
+    with pytest.raises(ValueError, match="token_ids"):
+        draft.logits(ids[0], aux)
+
+
+# ---- malformed draft checkpoints ---------------------------------------------------------------
+
+
+def test_d2t_of_wrong_length_is_a_checkpoint_error(tmp_path):
+    c = draft_cfg(draft_vocab_size=40)
+    w = hf_weights(c)
+    w["d2t"] = np.zeros(41, np.int64)
+    with pytest.raises(CheckpointError, match="d2t"):
+        e3.load_draft(write_draft(tmp_path / "d", c, w), target=fresh_target(), dtype="float32")
+
+
+@pytest.mark.parametrize("extra", ["layer_beyond_config", "duplicate_spelling"])
+def test_tensors_the_config_does_not_use_are_reported(extra, tmp_path):
+    c = draft_cfg()
+    w = hf_weights(c)
+    if extra == "layer_beyond_config":  # a 2-layer checkpoint with a 1-layer config.json
+        w.update({k: v for k, v in hf_weights(draft_cfg(num_hidden_layers=2)).items() if k.startswith("layers.1.")})
+    else:
+        w["layers.0.self_attn.q_proj.weight"] = np.zeros_like(w["midlayer.self_attn.q_proj.weight"])
+    with pytest.raises(CheckpointError):
+        e3.load_draft(write_draft(tmp_path / "d", c, w), target=fresh_target(), dtype="float32")
+
+
+@pytest.mark.parametrize("layout", ["nested_state_dict", "non_tensor_value"])
+def test_bin_wrappers_and_non_tensor_entries(layout, tmp_path):
+    """A state dict wrapped in {"state_dict": ...} loads; a non-tensor entry is a clear error."""
+    torch = pytest.importorskip("torch")
+    c = draft_cfg()
+    folder = tmp_path / "d"
+    os.makedirs(folder)
+    with open(folder / "config.json", "w") as f:
+        json.dump(c, f)
+    sd = {k: torch.from_numpy(v) for k, v in hf_weights(c).items()}
+    torch.save({"state_dict": sd} if layout == "nested_state_dict" else dict(sd, step=5), folder / "pytorch_model.bin")
+    if layout == "nested_state_dict":
+        assert e3.load_draft(folder, target=fresh_target(), dtype="float32").config.draft_vocab_size
+    else:
+        with pytest.raises(CheckpointError, match="'step' is a int"):
+            e3.load_draft(folder, target=fresh_target(), dtype="float32")
