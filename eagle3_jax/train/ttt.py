@@ -1,0 +1,128 @@
+"""EAGLE-3 training-time test (TTT): unroll the draft K steps on its own outputs.
+
+Step 0 is the inference-time extend: draft position t pairs the target feature f_t with the token
+x_{t+1} and predicts x_{t+2}. Step k >= 1 replays what the draft does k levels deep in a tree:
+at origin t its hidden input is its own step-(k-1) output, its token input the teacher-forced
+x_{t+k+1}, its rotary position t + k, and it attends to the step-0 pairs at positions <= t plus
+its own predecessors (steps 1..k) at the same origin: exactly a depth-k node's ancestors.
+
+Loss = sum_k 0.8^k * soft cross-entropy against the target's distribution at position t+k+1
+restricted to (and renormalised over) the draft vocabulary, on response tokens only, and masked
+where the target's argmax falls outside the draft vocabulary.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from ..config import ModelConfig
+from ..draft import DraftConfig, project_features
+from ..layers import apply_rotary, rms_norm, rotary_cos_sin, swiglu
+
+_NEG = -1e30
+
+
+def _shift(x: jax.Array, k: int, fill=0) -> jax.Array:
+    """x[:, t + k] at index t (fill past the end)."""
+    if k == 0:
+        return x
+    pad = jnp.full((x.shape[0], k) + x.shape[2:], fill, x.dtype)
+    return jnp.concatenate([x[:, k:], pad], axis=1)
+
+
+def _project_qkv(p: dict, lc: ModelConfig, x: jax.Array, positions: jax.Array):
+    b, t, _ = x.shape
+    q = (x @ p["q_proj"]).reshape(b, t, lc.num_heads, lc.head_dim)
+    k = (x @ p["k_proj"]).reshape(b, t, lc.num_kv_heads, lc.head_dim)
+    v = (x @ p["v_proj"]).reshape(b, t, lc.num_kv_heads, lc.head_dim)
+    cos, sin = rotary_cos_sin(lc.rope, positions)
+    return apply_rotary(q, cos, sin, lc.rope), apply_rotary(k, cos, sin, lc.rope), v
+
+
+def _ttt_attention(q, k0, v0, diag_k, diag_v, lc: ModelConfig) -> jax.Array:
+    """q [B,T,nh,d]; step-0 keys/values [B,T,nkv,d] (causal); diag_* lists of [B,T,nkv,d] (same origin only)."""
+    b, t, nh, d = q.shape
+    nkv = lc.num_kv_heads
+    qg = q.reshape(b, t, nkv, nh // nkv, d)
+    scale = d ** -0.5
+    s0 = jnp.einsum("btkgd,bskd->bkgts", qg, k0, preferred_element_type=jnp.float32) * scale
+    causal = jnp.tril(jnp.ones((t, t), bool))
+    s0 = jnp.where(causal, s0, _NEG)
+    diag = [jnp.einsum("btkgd,btkd->bkgt", qg, kj, preferred_element_type=jnp.float32)[..., None] * scale for kj in diag_k]
+    probs = jax.nn.softmax(jnp.concatenate([s0] + diag, axis=-1), axis=-1)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs[..., :t].astype(v0.dtype), v0)
+    for j, vj in enumerate(diag_v):
+        out = out + jnp.einsum("bkgt,btkd->btkgd", probs[..., t + j].astype(vj.dtype), vj)
+    return out.reshape(b, t, nh * d)
+
+
+def ttt_unroll(params: dict, cfg: DraftConfig, aux: jax.Array, tokens: jax.Array, num_steps: int) -> list[jax.Array]:
+    """Draft logits [B, T, Vd] (float32) for steps 0..num_steps-1 at every origin t."""
+    lc = cfg.layers
+    b, t = tokens.shape
+    hidden = project_features(params, aux)
+    cache_k: list[list[jax.Array]] = [[] for _ in params["layers"]]  # per layer: step 0, then diagonal steps
+    cache_v: list[list[jax.Array]] = [[] for _ in params["layers"]]
+    outs = []
+    for step in range(num_steps):
+        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32) + step, (b, t))
+        embeds = params["embed"][_shift(tokens, step + 1)]
+        p0 = params["layers"][0]
+        normed = rms_norm(hidden, p0["hidden_norm"], lc.rms_norm_eps)
+        residual = normed if cfg.norm_before_residual else hidden
+        x = jnp.concatenate([rms_norm(embeds, p0["attn_norm"], lc.rms_norm_eps), normed], axis=-1)
+        for layer, p in enumerate(params["layers"]):
+            if layer > 0:
+                x = rms_norm(residual, p["attn_norm"], lc.rms_norm_eps)
+            q, k, v = _project_qkv(p, lc, x, positions)
+            cache_k[layer].append(k)
+            cache_v[layer].append(v)
+            attn = _ttt_attention(q, cache_k[layer][0], cache_v[layer][0], cache_k[layer][1:], cache_v[layer][1:], lc)
+            h = residual + attn @ p["o_proj"]
+            residual = h + swiglu(rms_norm(h, p["mlp_norm"], lc.rms_norm_eps), p["gate_proj"], p["up_proj"], p["down_proj"])
+        hidden = residual
+        outs.append(jnp.dot(rms_norm(hidden, params["final_norm"], lc.rms_norm_eps), params["lm_head"],
+                            preferred_element_type=jnp.float32))
+    return outs
+
+
+def ttt_loss(params: dict, cfg: DraftConfig, batch: dict, t2d: jax.Array, draft_ids: jax.Array, num_steps: int,
+             decay: float = 0.8, sim_steps: int = 3) -> tuple[jax.Array, dict]:
+    """Weighted TTT loss and metrics for a batch.
+
+    batch: tokens [B,T] int, loss_mask [B,T] bool (True where the token is a response token to
+    predict), aux [B,T,3Ht], teacher_logits [B,T,Vd] (target logits restricted to the draft
+    vocabulary), teacher_argmax [B,T] (target-vocab argmax). t2d [V] bool, draft_ids [Vd].
+    Metrics: per-step loss and top-1 accuracy, and `sim_tau`: the chain acceptance length
+    (bonus included) a greedy `sim_steps`-step chain would get on this batch.
+    """
+    logits = ttt_unroll(params, cfg, batch["aux"], batch["tokens"], num_steps)
+    in_vocab = t2d[batch["teacher_argmax"]]
+    total = jnp.float32(0.0)
+    metrics: dict = {}
+    correct_steps, valid_steps = [], []
+    for k, lg in enumerate(logits):
+        teacher = _shift(batch["teacher_logits"], k + 1)
+        mask = _shift(batch["loss_mask"], k + 2, False) & _shift(in_vocab, k + 1, False)
+        target_p = jax.nn.softmax(teacher.astype(jnp.float32), axis=-1)
+        ce = -jnp.sum(target_p * jax.nn.log_softmax(lg, axis=-1), axis=-1)
+        count = jnp.maximum(mask.sum(), 1)
+        loss_k = jnp.sum(jnp.where(mask, ce, 0.0)) / count
+        total = total + (decay ** k) * loss_k
+        pred = draft_ids[jnp.argmax(lg, axis=-1)]
+        correct = pred == _shift(batch["teacher_argmax"], k + 1)
+        metrics[f"loss_{k}"] = loss_k
+        metrics[f"acc_{k}"] = jnp.sum(correct & mask) / count
+        correct_steps.append(correct)
+        valid_steps.append(mask)
+    n_sim = min(sim_steps, num_steps)
+    origin_ok = valid_steps[n_sim - 1]
+    run = jnp.zeros(origin_ok.shape, jnp.int32)
+    alive = jnp.ones(origin_ok.shape, bool)
+    for k in range(n_sim):
+        alive &= correct_steps[k]
+        run += alive
+    metrics["sim_tau"] = 1.0 + jnp.sum(jnp.where(origin_ok, run, 0)) / jnp.maximum(origin_ok.sum(), 1)
+    metrics["loss"] = total
+    return total, metrics
