@@ -1,0 +1,55 @@
+"""Write a target in the HF safetensors layout (the inverse of the reader), e.g. for models trained here.
+
+Keys are the family's canonical spelling (`keymap.canonical_hf_key`), matrices go back to HF's
+[out, in] orientation and stacked experts back to one tensor per expert, so transformers,
+vLLM, SGLang and `e3.load_target` all read the folder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import numpy as np
+
+from ..config import ModelConfig
+from . import keymap
+from .atomic import atomic_dir
+
+
+def hf_tensors(flat: dict[str, np.ndarray], cfg: ModelConfig) -> dict[str, np.ndarray]:
+    """Flat params -> {HF key: array} (no quantization)."""
+    out: dict[str, np.ndarray] = {}
+    for name, arr in flat.items():
+        arr = np.asarray(arr)
+        parts = name.split(".")
+        if len(parts) == 3 and parts[2].startswith("experts_"):
+            for e in range(arr.shape[0]):
+                out[keymap.expert_hf_key(cfg, int(parts[1]), parts[2], e)] = np.ascontiguousarray(arr[e].T)
+            continue
+        key = keymap.canonical_hf_key(name, cfg)
+        transpose = arr.ndim == 2 and name != "embed"
+        out[key] = np.ascontiguousarray(arr.T if transpose else arr)
+    return out
+
+
+def _is_hf_target(folder: str) -> bool:
+    return os.path.isfile(os.path.join(folder, "config.json")) and os.path.isfile(os.path.join(folder, "model.safetensors"))
+
+
+def save_hf_target(out_dir: str, flat: dict[str, np.ndarray], cfg: ModelConfig, config_json: dict,
+                   extra_files: dict[str, str] | None = None) -> str:
+    """Write config.json + model.safetensors (+ copies of `extra_files`: name -> source path) atomically.
+
+    An existing `out_dir` is replaced only if it is empty or an earlier HF model folder.
+    """
+    from safetensors.numpy import save_file
+
+    with atomic_dir(out_dir, _is_hf_target, "HF model folder") as tmp:
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(config_json, f, indent=2, sort_keys=True)
+        save_file(hf_tensors(flat, cfg), os.path.join(tmp, "model.safetensors"))
+        for name, src in (extra_files or {}).items():
+            shutil.copyfile(src, os.path.join(tmp, name))
+    return os.path.abspath(out_dir)

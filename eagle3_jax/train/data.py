@@ -1,0 +1,573 @@
+"""Training data for an EAGLE-3 draft, made by the target itself.
+
+The pipeline (as in SpecForge / the EAGLE-3 paper: the draft learns the target's own outputs):
+
+1. `load_prompts` reads prompts (GSM8K, MT-Bench / Spec-Bench, ShareGPT, plain text) and
+   `render_prompt` wraps each in the model's chat template;
+2. `regenerate` has the target answer every prompt (greedy and/or sampled), giving `Example`s
+   whose `loss_mask` marks the response tokens;
+3. `pack` lays the examples into fixed-length rows;
+4. the teacher signals come from one causal target forward per batch (`teacher_batch`): the
+   draft's three feature layers (`aux`), the target logits restricted to the draft vocabulary
+   and the full-vocabulary argmax. They are either computed once and stored ("offline":
+   `write_feature_store` + `FeatureStore.batches`) or on the fly ("online": `online_batches`).
+   Both modes share `teacher_batch` and `batch_order`, so they yield the same batches in the
+   same order.
+
+Batches are dicts: tokens int32 [B, T], loss_mask bool [B, T], aux [B, T, 3H] (target dtype),
+teacher_logits float32 [B, T, Vd], teacher_argmax int32 [B, T] (target-vocabulary ids).
+`FeatureStore.batches` yields numpy arrays; `online_batches` yields device arrays.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+from typing import Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from .. import kv_cache
+from ..target import Target, forward
+from .export import atomic_dir
+
+STORE_FORMAT = "eagle3_jax.feature_store"
+STORE_VERSION = 1
+STORE_KEYS = ("tokens", "loss_mask", "aux", "teacher_logits", "teacher_argmax")
+
+
+# ---- prompts --------------------------------------------------------------------------------------------
+
+
+def _first_user_turn(conversation: list, where: str) -> str | None:
+    """First human/user message of a ShareGPT (`from`/`value`) or chat (`role`/`content`) list."""
+    if not isinstance(conversation, list):
+        raise ValueError(f"{where}: expected a list of turns, got {type(conversation).__name__}")
+    for turn in conversation:
+        if not isinstance(turn, dict):
+            continue
+        who = turn.get("from", turn.get("role"))
+        text = turn.get("value", turn.get("content"))
+        if who in ("human", "user") and isinstance(text, str) and text.strip():
+            return text
+    return None
+
+
+def _prompt_of(record, where: str) -> str | None:
+    """The prompt of one dataset record (None = a record without a usable user turn: skipped)."""
+    if not isinstance(record, dict):
+        raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
+    if "question" in record:  # GSM8K
+        return str(record["question"])
+    if "turns" in record:  # MT-Bench, Spec-Bench: the first turn
+        turns = record["turns"]
+        if not isinstance(turns, list) or not turns:
+            raise ValueError(f"{where}: 'turns' must be a non-empty list of strings")
+        return str(turns[0])
+    if "conversations" in record:  # ShareGPT
+        return _first_user_turn(record["conversations"], where)
+    if "messages" in record:  # OpenAI-style chat records
+        return _first_user_turn(record["messages"], where)
+    if "prompt" in record:
+        return str(record["prompt"])
+    raise ValueError(
+        f"{where}: unknown record format with keys {sorted(record)[:8]}; expected GSM8K {{'question'}}, "
+        "MT-Bench/Spec-Bench {'turns': [...]}, ShareGPT {'conversations': [{'from': 'human', 'value': ...}]}, "
+        "{'messages': [{'role': 'user', 'content': ...}]} or {'prompt'}"
+    )
+
+
+def load_prompts(path: str | os.PathLike, limit: int | None = None) -> list[str]:
+    """Prompts from a dataset file, in file order.
+
+    `.jsonl`: one record per line (GSM8K `question`; MT-Bench / Spec-Bench first of `turns`;
+    ShareGPT `conversations`, first `"from": "human"` turn; chat `messages`; `prompt`).
+    `.json`: a list of such records (the ShareGPT release). `.txt`: one prompt per non-blank line.
+    Records with no user turn (empty ShareGPT conversations) are skipped.
+    """
+    path = os.fspath(path)
+    if limit is not None and (not isinstance(limit, int) or limit < 0):
+        raise ValueError(f"limit must be a non-negative integer or None; got {limit!r}")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"prompt file {path} does not exist")
+    ext = os.path.splitext(path)[1].lower()
+    out: list[str] = []
+
+    def add(p: str | None) -> bool:
+        if p is not None and p.strip():
+            out.append(p)
+        return limit is not None and len(out) >= limit
+
+    if limit == 0:
+        return out
+    if ext == ".txt":
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                if add(line.strip() or None):
+                    break
+    elif ext == ".jsonl":
+        with open(path, encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}:{n} is not valid JSON: {e}") from e
+                if add(_prompt_of(record, f"{path}:{n}")):
+                    break
+    elif ext == ".json":
+        with open(path, encoding="utf-8") as f:
+            try:
+                data = json.load(f)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path} is not valid JSON: {e}") from e
+        if isinstance(data, dict) and isinstance(data.get("data"), list):
+            data = data["data"]
+        if not isinstance(data, list):
+            raise ValueError(f"{path}: expected a JSON list of records (ShareGPT layout), got {type(data).__name__}")
+        for n, record in enumerate(data):
+            if add(_prompt_of(record, f"{path}[{n}]")):
+                break
+    else:
+        raise ValueError(f"prompt file {path} has an unknown extension {ext!r}; use .jsonl, .json (ShareGPT) or .txt")
+    return out
+
+
+def _special_token(value) -> str:
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else ""
+
+
+def _chat_template(tokenizer_dir: str, config: dict) -> str | None:
+    tpl = config.get("chat_template")
+    if tpl is None:
+        jinja_file = os.path.join(tokenizer_dir, "chat_template.jinja")
+        json_file = os.path.join(tokenizer_dir, "chat_template.json")
+        if os.path.isfile(jinja_file):
+            with open(jinja_file, encoding="utf-8") as f:
+                return f.read()
+        if os.path.isfile(json_file):
+            with open(json_file, encoding="utf-8") as f:
+                tpl = json.load(f).get("chat_template")
+    if isinstance(tpl, list):  # named templates: [{"name": "default", "template": ...}, ...]
+        named = {t.get("name"): t.get("template") for t in tpl if isinstance(t, dict)}
+        tpl = named.get("default") or next(iter(named.values()), None)
+    return tpl if isinstance(tpl, str) and tpl else None
+
+
+@functools.lru_cache(maxsize=16)
+def _compile_template(source: str):
+    try:
+        import jinja2
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+    except ImportError:
+        raise ImportError("rendering a chat template needs jinja2: pip install jinja2") from None
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    def strftime_now(fmt):
+        import datetime
+
+        return datetime.datetime.now().strftime(fmt)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
+    return env.from_string(source)
+
+
+def render_prompt(text: str, tokenizer_dir: str | os.PathLike) -> str:
+    """`text` as the user turn of the model's chat template, ready for the assistant's answer.
+
+    The template comes from `tokenizer_config.json` (`chat_template`, or a `chat_template.jinja` /
+    `chat_template.json` beside it) and is rendered with jinja2 (sandboxed) as transformers does:
+    messages=[{"role": "user", "content": text}], add_generation_prompt=True, plus bos_token,
+    eos_token (and the other special tokens). Without a template, `text` is returned unchanged.
+    The result usually starts with the BOS text; `Tokenizer.encode` does not add a second BOS.
+    """
+    tokenizer_dir = os.fspath(tokenizer_dir)
+    if not os.path.isdir(tokenizer_dir):
+        raise FileNotFoundError(f"tokenizer folder {tokenizer_dir} does not exist")
+    cfg_path = os.path.join(tokenizer_dir, "tokenizer_config.json")
+    config: dict = {}
+    if os.path.isfile(cfg_path):
+        try:
+            with open(cfg_path, encoding="utf-8") as f:
+                config = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{cfg_path} is not valid JSON: {e}") from e
+        if not isinstance(config, dict):
+            raise ValueError(f"{cfg_path} must hold a JSON object")
+    source = _chat_template(tokenizer_dir, config)
+    if source is None:
+        return text
+    specials = {k: _special_token(config.get(k)) for k in ("bos_token", "eos_token", "unk_token", "pad_token")}
+    return _compile_template(source).render(
+        messages=[{"role": "user", "content": text}], add_generation_prompt=True, **specials
+    )
+
+
+# ---- regeneration ------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Example:
+    """One training sequence: prompt + the target's response."""
+
+    tokens: np.ndarray  # int32 [n]
+    loss_mask: np.ndarray  # bool [n], True on the response tokens
+
+
+def regenerate(target: Target, prompts: Sequence[Sequence[int]], *, max_tokens: int,
+               temperatures: Sequence[float] = (0.0,), seed: int = 0, batch_size: int = 32,
+               max_seq_len: int | None = None, stop_token_ids: Sequence[int] = ()) -> list[Example]:
+    """Responses generated by the target itself (`e3.Engine`, no draft).
+
+    One response per (prompt, temperature), in prompt-major order: example k = prompt k // len(T),
+    temperature T[k % len(T)]. Temperature 0 is greedy; sampled requests use seed `seed + k`.
+    Responses include the stop token when one ends them. `max_seq_len` defaults to the longest
+    prompt plus `max_tokens`.
+    """
+    from ..engine import Engine
+    from ..sampling import SamplingParams
+
+    temps = [float(t) for t in temperatures]
+    if not temps:
+        raise ValueError("temperatures must list at least one temperature (0.0 = greedy)")
+    if not prompts:
+        return []
+    ids = [[int(t) for t in p] for p in prompts]
+    if max_seq_len is None:
+        max_seq_len = max(len(p) for p in ids) + int(max_tokens)
+    engine = Engine(target, draft=None, max_batch_size=int(batch_size), max_seq_len=int(max_seq_len))
+    reqs, params = [], []
+    for i, p in enumerate(ids):
+        for j, t in enumerate(temps):
+            k = i * len(temps) + j
+            reqs.append(p)
+            params.append(SamplingParams(temperature=t, max_tokens=int(max_tokens), seed=int(seed) + k,
+                                         stop_token_ids=tuple(stop_token_ids)))
+    outs = engine.generate(reqs, params)
+    examples = []
+    for p, out in zip(reqs, outs):
+        tokens = np.asarray(list(p) + list(out.token_ids), np.int32)
+        mask = np.zeros(tokens.shape, bool)
+        mask[len(p):] = True
+        examples.append(Example(tokens=tokens, loss_mask=mask))
+    return examples
+
+
+def pack(examples: Sequence[Example], seq_len: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Examples -> (tokens int32 [N, seq_len], loss_mask bool [N, seq_len], lengths int32 [N]).
+
+    One example per row, right-padded with token 0 / mask False; longer examples keep their first
+    `seq_len` tokens (lengths are the kept lengths).
+    """
+    if seq_len < 1:
+        raise ValueError(f"seq_len must be >= 1; got {seq_len}")
+    n = len(examples)
+    tokens = np.zeros((n, seq_len), np.int32)
+    mask = np.zeros((n, seq_len), bool)
+    lengths = np.zeros((n,), np.int32)
+    for i, ex in enumerate(examples):
+        t, m = np.asarray(ex.tokens), np.asarray(ex.loss_mask, bool)
+        if t.shape != m.shape or t.ndim != 1:
+            raise ValueError(f"example {i}: tokens {t.shape} and loss_mask {m.shape} must be 1-D of the same length")
+        k = min(len(t), seq_len)
+        tokens[i, :k], mask[i, :k], lengths[i] = t[:k], m[:k], k
+    return tokens, mask, lengths
+
+
+# ---- teacher signals -----------------------------------------------------------------------------------------
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "dtype"))
+def _teacher(params, cfg, ids, draft_ids, dtype):
+    b, t = ids.shape
+    cache = kv_cache.init_cache(cfg, b, t, dtype)
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    logits, aux, _ = forward(params, cfg, ids, positions, cache)
+    return {
+        "aux": aux,
+        "teacher_logits": jnp.take(logits, draft_ids, axis=-1).astype(jnp.float32),
+        "teacher_argmax": jnp.argmax(logits, axis=-1).astype(jnp.int32),
+    }
+
+
+def _check_draft_ids(draft_ids, vocab: int) -> np.ndarray:
+    d = np.asarray(draft_ids)
+    if d.ndim != 1 or d.size == 0 or not np.issubdtype(d.dtype, np.integer):
+        raise ValueError(f"draft_ids must be a non-empty 1-D integer array (DraftVocab.draft_ids); got shape {d.shape}")
+    if d.min() < 0 or d.max() >= vocab:
+        raise ValueError(f"draft_ids must lie in [0, {vocab}); got range [{d.min()}, {d.max()}]")
+    return d.astype(np.int32)
+
+
+def _check_ids(ids: np.ndarray, vocab: int) -> None:
+    if ids.size and (ids.min() < 0 or ids.max() >= vocab):
+        raise ValueError(f"token ids must lie in [0, {vocab}); got range [{ids.min()}, {ids.max()}]")
+
+
+def _check_target(target: Target) -> None:
+    if len(target.config.aux_layer_ids) != 3:
+        raise ValueError(f"the target captures {len(target.config.aux_layer_ids)} feature layers; EAGLE-3 needs 3")
+
+
+def teacher_batch(target: Target, tokens, draft_ids) -> dict:
+    """One causal target forward over `tokens` int [B, T] (jitted once per shape).
+
+    Returns device arrays: aux [B, T, 3H] (target dtype, the draft's feature layers),
+    teacher_logits float32 [B, T, Vd] (target logits at `draft_ids`), teacher_argmax int32 [B, T]
+    (argmax over the full target vocabulary).
+    """
+    _check_target(target)
+    ids = np.asarray(tokens)
+    if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer):
+        raise ValueError(f"tokens must be an integer array [batch, tokens]; got shape {ids.shape}, dtype {ids.dtype}")
+    _check_ids(ids, target.config.vocab_size)
+    d = _check_draft_ids(draft_ids, target.config.vocab_size)
+    return _teacher(target.params, target.config, jnp.asarray(ids, jnp.int32), jnp.asarray(d), target.dtype)
+
+
+def batch_order(n: int, batch_size: int, *, seed: int, epoch: int, drop_last: bool = True) -> list[np.ndarray]:
+    """Row indices of each batch of an epoch: `default_rng(seed * 1000003 + epoch).permutation(n)` cut
+    into batches of `batch_size` (the short last batch dropped with `drop_last`)."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1; got {batch_size}")
+    perm = np.random.default_rng(int(seed) * 1000003 + int(epoch)).permutation(int(n))
+    stop = (n // batch_size) * batch_size if drop_last else n
+    return [perm[i:i + batch_size] for i in range(0, stop, batch_size)]
+
+
+def _check_rows(tokens, loss_mask) -> tuple[np.ndarray, np.ndarray]:
+    tokens, loss_mask = np.asarray(tokens), np.asarray(loss_mask)
+    if tokens.ndim != 2 or loss_mask.shape != tokens.shape:
+        raise ValueError(f"tokens and loss_mask must both be [N, T]; got {tokens.shape} and {loss_mask.shape}")
+    return tokens.astype(np.int32), loss_mask.astype(bool)
+
+
+def online_batches(target: Target, tokens, loss_mask, draft_ids, batch_size: int, *, seed: int, epoch: int,
+                   drop_last: bool = True) -> Iterator[dict]:
+    """"Online" mode: the batches of `FeatureStore.batches` (same order, same values), with the
+    teacher computed on the fly. The next batch's forward is dispatched before a batch is yielded."""
+    tokens, loss_mask = _check_rows(tokens, loss_mask)
+    _check_target(target)
+    _check_ids(tokens, target.config.vocab_size)
+    d = jnp.asarray(_check_draft_ids(draft_ids, target.config.vocab_size))
+
+    def make(idx):
+        rows = jnp.asarray(tokens[idx])
+        out = {"tokens": rows, "loss_mask": jnp.asarray(loss_mask[idx])}
+        out.update(_teacher(target.params, target.config, rows, d, target.dtype))
+        return out
+
+    pending = None
+    for idx in batch_order(len(tokens), batch_size, seed=seed, epoch=epoch, drop_last=drop_last):
+        nxt = make(idx)
+        if pending is not None:
+            yield pending
+        pending = nxt
+    if pending is not None:
+        yield pending
+
+
+# ---- the offline feature store ------------------------------------------------------------------------------
+
+
+def _storage(dtype: np.dtype) -> np.dtype:
+    """How a dtype is kept in .npy: ml_dtypes types (bfloat16, ...) as unsigned ints of their width."""
+    return np.dtype(f"<u{dtype.itemsize}") if dtype.kind == "V" else dtype
+
+
+def _dtype_named(name: str) -> np.dtype:
+    return np.dtype(getattr(ml_dtypes, name)) if hasattr(ml_dtypes, name) else np.dtype(name)
+
+
+def _shard_file(root: str, shard: int, key: str) -> str:
+    return os.path.join(root, f"shard{shard:05d}.{key}.npy")
+
+
+def _is_store(path: str) -> bool:
+    try:
+        with open(os.path.join(path, "meta.json")) as f:
+            return json.load(f).get("format") == STORE_FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def write_feature_store(out_dir: str | os.PathLike, target: Target, tokens, loss_mask, draft_ids,
+                        batch_size: int = 16, progress: bool = True, *, shard_size: int = 1024) -> str:
+    """"Offline" mode: run `teacher_batch` once per batch and store everything for training.
+
+    Layout: `meta.json` plus, per shard of `shard_size` rows, one .npy per key
+    (`shard00000.aux.npy`, ...; bfloat16 kept as uint16, its dtype named in meta.json). Written
+    into a temporary folder and renamed into place. Returns the store's path.
+    Storage: teacher_logits take N * T * Vd * 4 bytes, aux N * T * 3H * itemsize.
+    """
+    tokens, loss_mask = _check_rows(tokens, loss_mask)
+    _check_target(target)
+    d = _check_draft_ids(draft_ids, target.config.vocab_size)
+    if batch_size < 1 or shard_size < 1:
+        raise ValueError(f"batch_size and shard_size must be >= 1; got {batch_size}, {shard_size}")
+    n, t = tokens.shape
+    _check_ids(tokens, target.config.vocab_size)
+    h3 = len(target.config.aux_layer_ids) * target.config.hidden_size
+    dtypes = {
+        "tokens": np.dtype(np.int32), "loss_mask": np.dtype(np.bool_), "aux": np.dtype(target.dtype),
+        "teacher_logits": np.dtype(np.float32), "teacher_argmax": np.dtype(np.int32),
+    }
+    row_shapes = {"tokens": [t], "loss_mask": [t], "aux": [t, h3], "teacher_logits": [t, len(d)], "teacher_argmax": [t]}
+    num_shards = -(-n // shard_size)
+    meta = {
+        "format": STORE_FORMAT,
+        "version": STORE_VERSION,
+        "num_examples": n,
+        "seq_len": t,
+        "shard_size": shard_size,
+        "num_shards": num_shards,
+        "arrays": {k: {"dtype": dtypes[k].name, "storage_dtype": _storage(dtypes[k]).str, "row_shape": row_shapes[k]}
+                   for k in STORE_KEYS},
+        "draft_ids": [int(x) for x in d],
+        "aux_layer_ids": [int(x) for x in target.config.aux_layer_ids],
+        "target_hidden_size": target.config.hidden_size,
+        "vocab_size": target.config.vocab_size,
+        "target_dtype": np.dtype(target.dtype).name,
+        "target_config": os.path.join(target.path, "config.json") if target.path else None,
+    }
+    try:
+        from tqdm import tqdm
+    except ImportError:  # tqdm is a dependency, but progress bars are optional
+        tqdm = None
+    with atomic_dir(out_dir, _is_store, "feature store") as tmp:
+        maps: dict[int, dict[str, np.ndarray]] = {}
+
+        def shard_maps(s: int) -> dict[str, np.ndarray]:
+            if s not in maps:
+                rows = min(shard_size, n - s * shard_size)
+                maps[s] = {k: np.lib.format.open_memmap(_shard_file(tmp, s, k), mode="w+", dtype=_storage(dtypes[k]),
+                                                        shape=(rows, *row_shapes[k])) for k in STORE_KEYS}
+            return maps[s]
+
+        def close(s: int) -> None:
+            for mm in maps.pop(s).values():
+                mm.flush()
+
+        starts = range(0, n, batch_size)
+        bar = tqdm(starts, desc="teacher features", unit="batch", disable=not progress) if tqdm else starts
+        for start in bar:
+            stop = min(start + batch_size, n)
+            rows = np.zeros((batch_size, t), np.int32)  # pad the last batch: one compiled shape
+            rows[: stop - start] = tokens[start:stop]
+            out = jax.device_get(_teacher(target.params, target.config, jnp.asarray(rows), jnp.asarray(d), target.dtype))
+            batch = {"tokens": tokens[start:stop], "loss_mask": loss_mask[start:stop]}
+            batch.update({k: np.asarray(v)[: stop - start] for k, v in out.items()})
+            i = start
+            while i < stop:  # copy the batch into the shard(s) it spans
+                s, r = divmod(i, shard_size)
+                rows_in_shard = min(shard_size, n - s * shard_size)
+                j = min(stop, s * shard_size + rows_in_shard)
+                mm = shard_maps(s)
+                for k in STORE_KEYS:
+                    mm[k][r:r + j - i] = batch[k][i - start:j - start].view(_storage(dtypes[k]))
+                if r + j - i == rows_in_shard:
+                    close(s)
+                i = j
+        for s in list(maps):
+            close(s)
+        with open(os.path.join(tmp, "meta.json"), "w") as f:
+            json.dump(meta, f, indent=1)
+            f.write("\n")
+    return os.path.abspath(os.fspath(out_dir))
+
+
+class FeatureStore:
+    """A folder written by `write_feature_store`, read through memory maps."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = os.fspath(path)
+        meta_path = os.path.join(self.path, "meta.json")
+        if not os.path.isfile(meta_path):
+            raise FileNotFoundError(f"{self.path} is not a feature store (no meta.json); write one with write_feature_store")
+        try:
+            with open(meta_path) as f:
+                meta = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{meta_path} is not valid JSON: {e}") from e
+        if not isinstance(meta, dict) or meta.get("format") != STORE_FORMAT:
+            raise ValueError(f"{meta_path} is not an eagle3_jax feature store (format {STORE_FORMAT!r})")
+        if meta.get("version") != STORE_VERSION:
+            raise ValueError(f"{meta_path} has store version {meta.get('version')}; this code reads version {STORE_VERSION}")
+        try:
+            n, shard_size, num_shards = int(meta["num_examples"]), int(meta["shard_size"]), int(meta["num_shards"])
+            arrays = meta["arrays"]
+            self.dtypes = {k: _dtype_named(arrays[k]["dtype"]) for k in STORE_KEYS}
+            storage = {k: np.dtype(arrays[k]["storage_dtype"]) for k in STORE_KEYS}
+            row_shapes = {k: tuple(int(x) for x in arrays[k]["row_shape"]) for k in STORE_KEYS}
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise ValueError(f"{meta_path} is malformed ({type(e).__name__}: {e}); rewrite the store") from e
+        if num_shards != -(-n // shard_size):
+            raise ValueError(f"{meta_path}: {num_shards} shards cannot hold {n} examples of {shard_size} per shard")
+        self.meta = meta
+        self._n, self._shard_size = n, shard_size
+        self._maps: list[dict[str, np.ndarray]] = []
+        for s in range(num_shards):
+            rows = min(shard_size, n - s * shard_size)
+            shard = {}
+            for k in STORE_KEYS:
+                f = _shard_file(self.path, s, k)
+                if not os.path.isfile(f):
+                    raise FileNotFoundError(f"feature store {self.path} is missing {os.path.basename(f)}; rewrite the store")
+                mm = np.load(f, mmap_mode="r", allow_pickle=False)
+                if mm.shape != (rows, *row_shapes[k]) or mm.dtype != storage[k]:
+                    raise ValueError(f"{f} holds {mm.dtype} {mm.shape}; meta.json says {storage[k]} {(rows, *row_shapes[k])}")
+                shard[k] = mm
+            self._maps.append(shard)
+
+    def __len__(self) -> int:
+        return self._n
+
+    @property
+    def draft_ids(self) -> np.ndarray:
+        return np.asarray(self.meta["draft_ids"], np.int32)
+
+    @property
+    def aux_layer_ids(self) -> tuple[int, ...]:
+        return tuple(self.meta["aux_layer_ids"])
+
+    @property
+    def seq_len(self) -> int:
+        return int(self.meta["seq_len"])
+
+    def rows(self, idx) -> dict[str, np.ndarray]:
+        """The examples at indices `idx` (in that order), as numpy arrays."""
+        idx = np.asarray(idx, np.int64).reshape(-1)
+        if idx.size and (idx.min() < 0 or idx.max() >= self._n):
+            raise IndexError(f"feature store has {self._n} examples; asked for indices in [{idx.min()}, {idx.max()}]")
+        shard, row = np.divmod(idx, self._shard_size)
+        out = {}
+        for k in STORE_KEYS:
+            first = self._maps[0][k] if self._maps else None
+            buf = np.empty((idx.size, *(first.shape[1:] if first is not None else ())),
+                           first.dtype if first is not None else self.dtypes[k])
+            for s in np.unique(shard):
+                sel = shard == s
+                buf[sel] = self._maps[s][k][row[sel]]
+            out[k] = buf.view(self.dtypes[k])
+        return out
+
+    def batches(self, batch_size: int, *, seed: int, epoch: int, drop_last: bool = True) -> Iterator[dict]:
+        """Batches in `batch_order(len(self), batch_size, seed=seed, epoch=epoch)` order."""
+        for idx in batch_order(self._n, batch_size, seed=seed, epoch=epoch, drop_last=drop_last):
+            yield self.rows(idx)

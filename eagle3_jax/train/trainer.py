@@ -1,0 +1,200 @@
+"""A small, deterministic training loop shared by draft (TTT) and target (LM) training.
+
+- AdamW with linear warmup + cosine decay and global-norm gradient clipping (optax).
+- fp32 master weights; the loss runs on a `compute_dtype` copy (bf16 by default).
+- Data parallel over the mesh's `data` axis: the batch is sharded on its first axis, params are
+  replicated, and XLA inserts the gradient all-reduce.
+- Orbax checkpoints of (params, optimizer state, step) every `checkpoint_every` steps and at each
+  epoch end. A restart restores the latest one and skips the batches it already consumed, so
+  with the same seed and data order it continues the same loss curve.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Callable, Iterable, Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import struct
+from jax.sharding import NamedSharding, PartitionSpec
+
+from ..target import resolve_dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    epochs: int = 1
+    learning_rate: float = 1e-3
+    warmup_steps: int = 20
+    min_lr_ratio: float = 0.05
+    weight_decay: float = 0.0
+    max_grad_norm: float = 0.5
+    compute_dtype: str = "bfloat16"
+    checkpoint_every: int = 100
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.epochs < 1 or self.learning_rate <= 0 or self.warmup_steps < 0 or self.max_grad_norm <= 0:
+            raise ValueError(f"invalid TrainConfig: {self}")
+
+
+@struct.dataclass
+class TrainState:
+    step: jax.Array
+    params: dict
+    opt_state: optax.OptState
+
+
+def make_optimizer(tc: TrainConfig, total_steps: int) -> optax.GradientTransformation:
+    warmup = min(tc.warmup_steps, max(total_steps - 1, 0))
+    schedule = optax.warmup_cosine_decay_schedule(
+        init_value=0.0, peak_value=tc.learning_rate, warmup_steps=warmup,
+        decay_steps=max(total_steps, warmup + 1), end_value=tc.learning_rate * tc.min_lr_ratio)
+    return optax.chain(optax.clip_by_global_norm(tc.max_grad_norm),
+                       optax.adamw(schedule, weight_decay=tc.weight_decay))
+
+
+LossFn = Callable[[dict, dict, dict], tuple[jax.Array, dict]]  # (compute params, frozen, batch) -> loss, metrics
+
+
+class Trainer:
+    """Runs `loss_fn` over epochs of batches; params are the trainable fp32 pytree."""
+
+    def __init__(self, loss_fn: LossFn, params: dict, frozen: dict, tc: TrainConfig, total_steps: int,
+                 ckpt_dir: str | None = None, mesh: jax.sharding.Mesh | None = None):
+        self.tc = tc
+        self.mesh = mesh
+        self.optimizer = make_optimizer(tc, total_steps)
+        self.compute_dtype = resolve_dtype(tc.compute_dtype)
+        params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
+        self.frozen = self._replicate(frozen)
+        self.state = self._replicate(TrainState(step=jnp.int32(0), params=params, opt_state=self.optimizer.init(params)))
+        self._manager = None
+        if ckpt_dir is not None:
+            import orbax.checkpoint as ocp
+
+            self._manager = ocp.CheckpointManager(
+                os.path.abspath(ckpt_dir), options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True))
+        cdt = self.compute_dtype
+
+        def compute_loss(p, frozen, batch):
+            pc = jax.tree.map(lambda x: x.astype(cdt) if jnp.issubdtype(x.dtype, jnp.floating) else x, p)
+            return loss_fn(pc, frozen, batch)
+
+        def train_step(state: TrainState, frozen, batch):
+            (_, metrics), grads = jax.value_and_grad(compute_loss, has_aux=True)(state.params, frozen, batch)
+            updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
+            metrics = dict(metrics, grad_norm=optax.global_norm(grads))
+            return TrainState(step=state.step + 1, params=optax.apply_updates(state.params, updates),
+                              opt_state=opt_state), metrics
+
+        self._train_step = jax.jit(train_step, donate_argnums=(0,))
+        self._eval_step = jax.jit(lambda p, frozen, batch: compute_loss(p, frozen, batch)[1])
+
+    # ---- placement -----------------------------------------------------------------------------
+    def _replicate(self, tree):
+        if self.mesh is None:
+            return tree
+        return jax.device_put(tree, NamedSharding(self.mesh, PartitionSpec()))
+
+    def _shard_batch(self, batch: dict) -> dict:
+        if self.mesh is None:
+            return {k: jnp.asarray(v) for k, v in batch.items()}
+        data = self.mesh.shape["data"]
+        out = {}
+        for k, v in batch.items():
+            v = np.asarray(v)
+            if v.shape[0] % data:
+                raise ValueError(f"batch size {v.shape[0]} is not divisible by the mesh's data axis ({data})")
+            out[k] = jax.device_put(v, NamedSharding(self.mesh, PartitionSpec("data")))
+        return out
+
+    # ---- checkpoints -----------------------------------------------------------------------------
+    def restore_latest(self) -> int:
+        """Restore the newest checkpoint if there is one; returns the step reached (0 if none)."""
+        if self._manager is None or self._manager.latest_step() is None:
+            return 0
+        import orbax.checkpoint as ocp
+
+        step = self._manager.latest_step()
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, self.state)
+        self.state = self._manager.restore(step, args=ocp.args.StandardRestore(abstract))
+        return int(step)
+
+    def save(self) -> None:
+        if self._manager is not None:
+            import orbax.checkpoint as ocp
+
+            self._manager.save(int(self.state.step), args=ocp.args.StandardSave(self.state), force=True)
+            self._manager.wait_until_finished()
+
+    # ---- loops -----------------------------------------------------------------------------------
+    def fit(self, batches: Callable[[int], Iterable[dict]], steps_per_epoch: int,
+            evaluate: Callable[[dict], dict] | None = None, progress: bool = True,
+            log: Callable[[str], None] = print) -> list[dict]:
+        """Train for tc.epochs; `batches(epoch)` yields the epoch's batches in a fixed order.
+
+        Resumes from the latest checkpoint. Returns per-epoch summaries (mean train metrics, plus
+        `evaluate(params)` results when given).
+        """
+        from tqdm import tqdm
+
+        done = self.restore_latest()
+        history = []
+        for epoch in range(self.tc.epochs):
+            first = epoch * steps_per_epoch
+            if done >= first + steps_per_epoch:
+                continue
+            sums: dict[str, float] = {}
+            count = 0
+            bar = tqdm(total=steps_per_epoch, initial=max(done - first, 0), desc=f"epoch {epoch + 1}/{self.tc.epochs}",
+                       disable=not progress, leave=False)
+            for i, batch in enumerate(_take(batches(epoch), steps_per_epoch)):
+                if first + i < done:
+                    continue  # consumed before the restart
+                self.state, metrics = self._train_step(self.state, self.frozen, self._shard_batch(batch))
+                host = {k: float(v) for k, v in jax.device_get(metrics).items()}
+                for k, v in host.items():
+                    sums[k] = sums.get(k, 0.0) + v
+                count += 1
+                bar.update(1)
+                bar.set_postfix(loss=f"{host['loss']:.3f}")
+                step = int(self.state.step)
+                if self._manager is not None and step % self.tc.checkpoint_every == 0:
+                    self.save()
+            bar.close()
+            summary = {"epoch": epoch + 1, "step": int(self.state.step)}
+            summary.update({f"train_{k}": v / max(count, 1) for k, v in sums.items()})
+            if evaluate is not None:
+                summary.update(evaluate(self.state.params))
+            self.save()
+            history.append(summary)
+            log(format_summary(summary))
+        return history
+
+    def evaluate(self, batches: Iterable[dict]) -> dict:
+        """Mean metrics of `batches` under the current params (prefixed `eval_`)."""
+        sums: dict[str, float] = {}
+        n = 0
+        for batch in batches:
+            m = jax.device_get(self._eval_step(self.state.params, self.frozen, self._shard_batch(batch)))
+            for k, v in m.items():
+                sums[k] = sums.get(k, 0.0) + float(v)
+            n += 1
+        return {f"eval_{k}": v / max(n, 1) for k, v in sums.items()}
+
+
+def _take(it: Iterable[dict], n: int) -> Iterator[dict]:
+    for i, x in enumerate(it):
+        if i >= n:
+            return
+        yield x
+
+
+def format_summary(s: dict) -> str:
+    keys = [k for k in s if k not in ("epoch", "step")]
+    return f"epoch {s['epoch']} (step {s['step']}): " + ", ".join(f"{k} {s[k]:.4g}" for k in sorted(keys))
