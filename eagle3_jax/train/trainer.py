@@ -126,7 +126,7 @@ class Trainer:
         return int(step)
 
     def save(self) -> None:
-        if self._manager is not None:
+        if self._manager is not None and self._manager.latest_step() != int(self.state.step):
             import orbax.checkpoint as ocp
 
             self._manager.save(int(self.state.step), args=ocp.args.StandardSave(self.state), force=True)
@@ -135,11 +135,11 @@ class Trainer:
     # ---- loops -----------------------------------------------------------------------------------
     def fit(self, batches: Callable[[int], Iterable[dict]], steps_per_epoch: int,
             evaluate: Callable[[dict], dict] | None = None, progress: bool = True,
-            log: Callable[[str], None] = print) -> list[dict]:
+            log: Callable[[str], None] = print, on_step: Callable[[int, dict], None] | None = None) -> list[dict]:
         """Train for tc.epochs; `batches(epoch)` yields the epoch's batches in a fixed order.
 
         Resumes from the latest checkpoint. Returns per-epoch summaries (mean train metrics, plus
-        `evaluate(params)` results when given).
+        `evaluate(params)` results when given); `on_step(step, metrics)` sees every step.
         """
         from tqdm import tqdm
 
@@ -164,6 +164,8 @@ class Trainer:
                 bar.update(1)
                 bar.set_postfix(loss=f"{host['loss']:.3f}")
                 step = int(self.state.step)
+                if on_step is not None:
+                    on_step(step, host)
                 if self._manager is not None and step % self.tc.checkpoint_every == 0:
                     self.save()
             bar.close()

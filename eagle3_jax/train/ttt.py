@@ -87,6 +87,35 @@ def ttt_unroll(params: dict, cfg: DraftConfig, aux: jax.Array, tokens: jax.Array
     return outs
 
 
+def simulated_chain_tau(correct: list[jax.Array], valid: list[jax.Array], depth: int) -> jax.Array:
+    """Mean acceptance length of a greedy `depth`-step chain walked along each sequence.
+
+    correct[k][b, t]: the step-k proposal at origin t is the target's argmax; valid likewise.
+    Like the engine, a verify at origin t accepts the leading correct steps (run), emits run + 1
+    tokens and continues at origin t + run + 1; origins without a full valid chain are skipped.
+    """
+    run = jnp.zeros(correct[0].shape, jnp.int32)
+    alive = jnp.ones(correct[0].shape, bool)
+    for k in range(depth):
+        alive &= correct[k]
+        run += alive
+    ok = valid[depth - 1]
+
+    def visit(carry, xs):
+        nxt, total, count = carry
+        t, run_t, ok_t = xs
+        here = t == nxt
+        take = here & ok_t
+        nxt = jnp.where(take, t + run_t + 1, jnp.where(here, t + 1, nxt))
+        return (nxt, total + jnp.where(take, run_t + 1, 0), count + take), None
+
+    b, t = run.shape
+    zeros = jnp.zeros((b,), jnp.int32)
+    (_, total, count), _ = jax.lax.scan(visit, (zeros, zeros, zeros),
+                                        (jnp.arange(t, dtype=jnp.int32), run.T, ok.T))
+    return jnp.sum(total) / jnp.maximum(jnp.sum(count), 1)
+
+
 def ttt_loss(params: dict, cfg: DraftConfig, batch: dict, t2d: jax.Array, draft_ids: jax.Array, num_steps: int,
              decay: float = 0.8, sim_steps: int = 3) -> tuple[jax.Array, dict]:
     """Weighted TTT loss and metrics for a batch.
@@ -94,8 +123,8 @@ def ttt_loss(params: dict, cfg: DraftConfig, batch: dict, t2d: jax.Array, draft_
     batch: tokens [B,T] int, loss_mask [B,T] bool (True where the token is a response token to
     predict), aux [B,T,3Ht], teacher_logits [B,T,Vd] (target logits restricted to the draft
     vocabulary), teacher_argmax [B,T] (target-vocab argmax). t2d [V] bool, draft_ids [Vd].
-    Metrics: per-step loss and top-1 accuracy, and `sim_tau`: the chain acceptance length
-    (bonus included) a greedy `sim_steps`-step chain would get on this batch.
+    Metrics: per-step loss and top-1 accuracy, and `sim_tau`: the acceptance length (bonus
+    included) a greedy `sim_steps`-step chain would get walking these sequences.
     """
     logits = ttt_unroll(params, cfg, batch["aux"], batch["tokens"], num_steps)
     in_vocab = t2d[batch["teacher_argmax"]]
@@ -116,13 +145,6 @@ def ttt_loss(params: dict, cfg: DraftConfig, batch: dict, t2d: jax.Array, draft_
         metrics[f"acc_{k}"] = jnp.sum(correct & mask) / count
         correct_steps.append(correct)
         valid_steps.append(mask)
-    n_sim = min(sim_steps, num_steps)
-    origin_ok = valid_steps[n_sim - 1]
-    run = jnp.zeros(origin_ok.shape, jnp.int32)
-    alive = jnp.ones(origin_ok.shape, bool)
-    for k in range(n_sim):
-        alive &= correct_steps[k]
-        run += alive
-    metrics["sim_tau"] = 1.0 + jnp.sum(jnp.where(origin_ok, run, 0)) / jnp.maximum(origin_ok.sum(), 1)
+    metrics["sim_tau"] = simulated_chain_tau(correct_steps, valid_steps, min(sim_steps, num_steps))
     metrics["loss"] = total
     return total, metrics
