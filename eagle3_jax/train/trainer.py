@@ -88,7 +88,7 @@ class Trainer:
         def train_step(state: TrainState, frozen, batch):
             (_, metrics), grads = jax.value_and_grad(compute_loss, has_aux=True)(state.params, frozen, batch)
             updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
-            metrics = dict(metrics, grad_norm=optax.global_norm(grads))
+            metrics = dict(metrics, grad_norm=optax.tree.norm(grads))
             return TrainState(step=state.step + 1, params=optax.apply_updates(state.params, updates),
                               opt_state=opt_state), metrics
 
