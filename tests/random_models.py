@@ -77,3 +77,18 @@ def random_draft(target: Target, raw: dict | None = None, seed: int = 1, with_em
     if cfg.aux_layer_ids is not None:
         target.config = target.config.with_aux_layers(cfg.aux_layer_ids)
     return Draft(config=cfg, params=_assemble(flat, cfg, target.dtype, target), dtype=target.dtype, target=target)
+
+
+def causal_draft_pass(draft, hidden_in, tokens):
+    """Plain causal draft pass over one sequence of (hidden, next-token) pairs -> (logits, hidden) at every
+    position: no scratch slots, no tree masks (the reference that tree expansion and TTT must match)."""
+    from eagle3_jax import kv_cache
+    from eagle3_jax.draft import draft_forward
+
+    t = len(tokens)
+    cache = kv_cache.init_cache(draft.config.layers, 1, t, jnp.float32)
+    mask = kv_cache.visibility(cache.lengths, kv_cache.causal_mask(1, t), t)
+    pos = jnp.arange(t, dtype=jnp.int32)[None]
+    emb = draft.params["embed"][jnp.asarray(tokens)[None]]
+    logits, hidden, _ = draft_forward(draft.params, draft.config, emb, jnp.stack(hidden_in)[None], pos, cache, mask)
+    return logits[0], hidden[0]

@@ -12,20 +12,15 @@ import pytest
 
 import eagle3_jax as e3
 from eagle3_jax import kv_cache
-from eagle3_jax.draft import draft_forward, draft_to_target_ids, project_features
+from eagle3_jax.draft import draft_to_target_ids, project_features
 from eagle3_jax.spec.propose import draft_extend, expand
-from random_models import FAMILIES, draft_config_dict, random_draft, random_target
+from random_models import FAMILIES, causal_draft_pass, draft_config_dict, random_draft, random_target
 
 
 def causal_draft(draft, hidden_in, tokens):
-    """Plain causal draft pass over one sequence of (hidden, next-token) pairs -> (logits, hidden) of the last."""
-    t = len(tokens)
-    cache = kv_cache.init_cache(draft.config.layers, 1, t, jnp.float32)
-    mask = kv_cache.visibility(cache.lengths, kv_cache.causal_mask(1, t), t)
-    pos = jnp.arange(t, dtype=jnp.int32)[None]
-    emb = draft.params["embed"][jnp.asarray(tokens)[None]]
-    logits, hidden, _ = draft_forward(draft.params, draft.config, emb, jnp.stack(hidden_in)[None], pos, cache, mask)
-    return np.asarray(logits[0, -1]), hidden[0, -1]
+    """(logits, hidden) of the last pair of a plain causal draft pass."""
+    logits, hidden = causal_draft_pass(draft, hidden_in, tokens)
+    return np.asarray(logits[-1]), hidden[-1]
 
 
 def reference_tree(draft, feats, next_tokens, root_token, spec):

@@ -4,21 +4,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eagle3_jax import kv_cache
-from eagle3_jax.draft import draft_forward, project_features
+from eagle3_jax.draft import project_features
 from eagle3_jax.train.ttt import ttt_loss, ttt_unroll
-from random_models import FAMILIES, draft_config_dict, random_draft, random_target
-
-
-def causal_pass(draft, hidden_in, tokens):
-    """Plain causal draft pass over one sequence of (hidden, next-token) pairs -> (logits, hidden) at every position."""
-    t = len(tokens)
-    cache = kv_cache.init_cache(draft.config.layers, 1, t, jnp.float32)
-    mask = kv_cache.visibility(cache.lengths, kv_cache.causal_mask(1, t), t)
-    pos = jnp.arange(t, dtype=jnp.int32)[None]
-    emb = draft.params["embed"][jnp.asarray(tokens)[None]]
-    logits, hidden, _ = draft_forward(draft.params, draft.config, emb, jnp.stack(hidden_in)[None], pos, cache, mask)
-    return logits[0], hidden[0]
+from random_models import FAMILIES, causal_draft_pass, draft_config_dict, random_draft, random_target
 
 
 def test_ttt_steps_equal_chain_inference_unroll():
@@ -33,12 +21,12 @@ def test_ttt_steps_equal_chain_inference_unroll():
     for origin in range(t - steps):
         hs = feats[: origin + 1]
         ts = [int(x) for x in tokens[0, 1: origin + 2]]
-        logits, hidden = causal_pass(draft, hs, ts)
+        logits, hidden = causal_draft_pass(draft, hs, ts)
         np.testing.assert_allclose(got[0][origin], np.asarray(logits[-1]), rtol=1e-5, atol=1e-5)
         for k in range(1, steps):
             hs = hs + [hidden[-1]]  # the draft's own output stands in for the next feature
             ts = ts + [int(tokens[0, origin + k + 1])]  # teacher-forced next token
-            logits, hidden = causal_pass(draft, hs, ts)
+            logits, hidden = causal_draft_pass(draft, hs, ts)
             np.testing.assert_allclose(got[k][origin], np.asarray(logits[-1]), rtol=1e-5, atol=1e-5)
 
 
