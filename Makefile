@@ -1,4 +1,5 @@
-# `make demo`: generate from the bundled stories260K model. `make test`: the test suite.
+# `make demo`: plain decoding vs EAGLE-3 chain and tree on the bundled kimi-mini pair.
+# `make test`: the test suite.
 # Each creates .venv if missing and installs what it needs once (stamp files; re-run after
 # pyproject.toml changes).
 
@@ -22,7 +23,8 @@ $(VENV)/.stamp-test: pyproject.toml | $(VPY)
 	touch $@
 
 demo: $(VENV)/.stamp-demo
-	$(VPY) scripts/generate.py --model=checkpoints/stories260K --max_tokens=200
+	$(VPY) scripts/demo.py --target=checkpoints/kimi-mini --draft=checkpoints/kimi-mini-eagle3 \
+		--prompts=checkpoints/demo_prompts.txt --max_tokens=128
 
 # The sharding tests need 8 (fake) CPU devices.
 test: $(VENV)/.stamp-test

@@ -1,10 +1,12 @@
-"""The generation engine: request validation, batching, and the jitted prefill / decode programs.
+"""The generation engine: request validation, batching, and the jitted prefill / step programs.
 
 Requests run in waves of up to `max_batch_size`. Shapes are bucketed (batch and cache length to
 powers of two, prompt length to a power of two >= 16) so a handful of programs serve every wave.
-Each decode step is one jitted program (forward over one token per row -> sample -> commit) with
-the cache donated. The host reads a step's tokens while the next step already runs on the device,
-so device work never waits on stop-token checks.
+Each decode step is one jitted program with the caches donated: without a draft, a forward over
+one token per row -> sample -> commit; with an EAGLE-3 draft, spec/step.py's verify -> accept ->
+commit -> draft extend -> draft expand, emitting 1..max_accept+1 tokens per row. The host reads a
+step's tokens while the next step already runs on the device, so device work never waits on
+stop-token checks.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ import sys
 import time
 from typing import Sequence
 
-from absl import app, flags
+from absl import app, flags, logging
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -77,6 +77,8 @@ def run(engine, prompts, sampling, repeats: int) -> dict:
 def main(argv: Sequence[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    if not FLAGS["verbosity"].present:
+        logging.set_verbosity(logging.WARNING)  # keep JAX / Orbax INFO lines out of the report
     import jax
 
     import eagle3_jax as e3
