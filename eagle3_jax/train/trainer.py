@@ -198,5 +198,15 @@ def _take(it: Iterable[dict], n: int) -> Iterator[dict]:
 
 
 def format_summary(s: dict) -> str:
-    keys = [k for k in s if k not in ("epoch", "step")]
-    return f"epoch {s['epoch']} (step {s['step']}): " + ", ".join(f"{k} {s[k]:.4g}" for k in sorted(keys))
+    """One line per epoch: scalar metrics, then per-step series (name_0, name_1, ...) as lists."""
+    import re
+
+    scalars, series = [], {}
+    for k in sorted(k for k in s if k not in ("epoch", "step")):
+        m = re.fullmatch(r"(.+)_(\d+)", k)
+        if m:
+            series.setdefault(m.group(1), []).append((int(m.group(2)), s[k]))
+        else:
+            scalars.append(f"{k} {s[k]:.4g}")
+    lists = [f"{name} [{' '.join(f'{v:.3f}' for _, v in sorted(vals))}]" for name, vals in series.items()]
+    return f"epoch {s['epoch']} (step {s['step']}): " + ", ".join(scalars + lists)
