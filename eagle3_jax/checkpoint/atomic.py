@@ -29,7 +29,10 @@ def atomic_dir(out_dir: str | os.PathLike, is_ours: Callable[[str], bool], what:
     tmp = tempfile.mkdtemp(prefix=f".{base}.tmp-", dir=parent)
     try:
         yield tmp
-        os.chmod(tmp, 0o755)  # mkdtemp creates 0700
+        os.chmod(tmp, 0o755)  # mkdtemp creates 0700; some writers create 0600 files
+        for name in os.listdir(tmp):
+            if os.path.isfile(os.path.join(tmp, name)):
+                os.chmod(os.path.join(tmp, name), 0o644)
         old = None
         if os.path.lexists(out):
             old = tempfile.mkdtemp(prefix=f".{base}.old-", dir=parent)
