@@ -5,8 +5,11 @@ sigmoid; the correction bias shifts *which* experts are chosen but the combine w
 unbiased scores of the chosen ones, normalised, times `routed_scaling_factor`. DeepSeek first keeps
 the `topk_group` best groups (a group's score is the sum of its two best biased scores).
 
-Expert compute sorts the (token, expert) assignments by expert and runs three grouped matmuls
-(`lax.ragged_dot`), so each token only pays for its own top-k experts.
+Expert compute has two forms, chosen from the static shapes:
+- few assignments (2 x tokens x top-k <= experts: small decode steps): gather each assignment's
+  expert matrices and run small batched matmuls, reading only the experts actually chosen;
+- many assignments (prefill): sort them by expert and run three grouped matmuls
+  (`lax.ragged_dot`), so each token only pays for its own top-k experts.
 """
 
 from __future__ import annotations
@@ -53,13 +56,22 @@ def routed_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate: jax
     return jnp.zeros((n, x.shape[-1]), jnp.float32).at[token_of].add(y).astype(x.dtype)
 
 
+def gathered_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate: jax.Array, w_up: jax.Array,
+                     w_down: jax.Array) -> jax.Array:
+    """Same result as `routed_experts`, computed per assignment on gathered expert weights."""
+    h = jax.nn.silu(jnp.einsum("nh,nkhi->nki", x, w_gate[ids])) * jnp.einsum("nh,nkhi->nki", x, w_up[ids])
+    y = jnp.einsum("nki,nkih->nkh", h, w_down[ids]).astype(jnp.float32)
+    return jnp.einsum("nkh,nk->nh", y, weights).astype(x.dtype)
+
+
 def moe_block(p: dict, cfg: ModelConfig, x: jax.Array) -> jax.Array:
     """Routed experts (+ shared experts when the model has them) for x [B, T, H]."""
     shape = x.shape
     flat = x.reshape(-1, shape[-1])
     logits = jnp.dot(flat.astype(jnp.float32), p["router"], preferred_element_type=jnp.float32)
     weights, ids = route(logits, p.get("router_bias"), cfg)
-    out = routed_experts(flat, weights, ids, p["experts_gate"], p["experts_up"], p["experts_down"])
+    experts = gathered_experts if 2 * ids.size <= cfg.num_experts else routed_experts
+    out = experts(flat, weights, ids, p["experts_gate"], p["experts_up"], p["experts_down"])
     if "shared_gate" in p:
         out = out + swiglu(flat, p["shared_gate"], p["shared_up"], p["shared_down"])
     return out.reshape(shape)

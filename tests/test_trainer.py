@@ -93,3 +93,20 @@ def test_resume_continues_the_same_loss_curve(setup, tmp_path):
                                [ref_losses[s] for s in range(5, steps + 1)], rtol=1e-6)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6),
                  jax.device_get(second.state.params), ref_params)
+
+
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs XLA_FLAGS=--xla_force_host_platform_device_count=8 (make test sets it)")
+def test_data_parallel_training_equals_single_device(setup):
+    target, _, vocab, tokens, mask, cfg = setup
+    losses = {}
+    for name, mesh in [("single", None), ("data8", e3.make_mesh(data=8))]:
+        params, frozen = init_draft_params(cfg, target, vocab, seed=0)
+        tc = TrainConfig(epochs=1, learning_rate=3e-3, warmup_steps=1, compute_dtype="float32")
+        trainer = Trainer(make_ttt_loss(cfg, vocab, num_steps=3), params, frozen, tc, total_steps=3, mesh=mesh)
+        batches = lambda epoch: data_lib.online_batches(target, tokens, mask, vocab.draft_ids, BATCH, seed=0, epoch=epoch)  # noqa: E731
+        got = []
+        trainer.fit(batches, 3, progress=False, log=lambda s: None, on_step=lambda s, m: got.append(m["loss"]))
+        losses[name] = got
+        if mesh is not None:
+            assert trainer.state.params["fc"].sharding.is_fully_replicated
+    np.testing.assert_allclose(losses["data8"], losses["single"], rtol=2e-5)
