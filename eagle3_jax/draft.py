@@ -320,6 +320,8 @@ def load_draft(path: str | os.PathLike, target: Target, dtype="bfloat16") -> Dra
         flat[name] = arr
     dt = resolve_dtype(dtype)
     params = _assemble(flat, cfg, dt, target)
+    if target.mesh is not None:  # the draft is small: replicate it on the target's mesh
+        params = jax.device_put(params, jax.sharding.NamedSharding(target.mesh, jax.sharding.PartitionSpec()))
     return Draft(config=cfg, params=params, dtype=dt, target=target)
 
 

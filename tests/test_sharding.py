@@ -37,6 +37,18 @@ def test_sharded_generation_equals_unsharded(family):
     assert [o.token_ids for o in out] == [o.token_ids for o in ref]
 
 
+@needs_8
+def test_sharded_speculative_generation_equals_unsharded():
+    from random_models import random_draft
+
+    prompts = [[1, 2, 3], [4, 5]]
+    sp = e3.SamplingParams(max_tokens=8)
+    ref = e3.Engine(random_target(FAMILIES["deepseek_v3"]), max_batch_size=2, max_seq_len=64).generate(prompts, sp)
+    target = random_target(FAMILIES["deepseek_v3"], mesh=e3.make_mesh(2, 2, 2))
+    eng = e3.Engine(target, draft=random_draft(target), spec=e3.SpecConfig(3, 2, 6), max_batch_size=2, max_seq_len=64)
+    assert [o.token_ids for o in eng.generate(prompts, sp)] == [o.token_ids for o in ref]
+
+
 def test_experts_and_heads_follow_the_rules():
     mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1, 1), ("data", "tensor", "expert"))
     assert partition_spec(("experts", "embed", "expert_mlp"), (8, 32, 16), mesh) == jax.sharding.PartitionSpec("expert", None, "tensor")

@@ -79,6 +79,23 @@ def test_greedy_steered_draft_equals_baseline_and_accepts_long_paths(pair, spec,
     assert max(o.metrics["mean_accept_length"] for o in outs) > 2.0
 
 
+def test_stop_tokens_and_budgets_cut_accepted_chunks(pair, monkeypatch):
+    target, draft, base = pair
+    steered(monkeypatch, base, corrupt_rate=0.0)  # every proposal accepted: chunks of 4 tokens
+    try:
+        stop = base[0][9]
+        spec = e3.SpecConfig(3, 1, 4)
+        eng = e3.Engine(target, draft=draft, spec=spec, max_batch_size=4, max_seq_len=96)
+        outs = eng.generate(PROMPTS, [e3.SamplingParams(max_tokens=MAX_TOKENS, stop_token_ids=(stop,)),
+                                      e3.SamplingParams(max_tokens=7), e3.SamplingParams(max_tokens=MAX_TOKENS)])
+    finally:
+        monkeypatch.undo()
+        jax.clear_caches()
+    assert outs[0].token_ids == base[0][: base[0].index(stop) + 1] and outs[0].finish_reason == "stop"
+    assert outs[1].token_ids == base[1][:7] and outs[1].finish_reason == "length"
+    assert outs[2].token_ids == base[2]
+
+
 def test_no_recompilation_between_steps_or_calls():
     from eagle3_jax import engine as engine_lib
 
