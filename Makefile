@@ -24,7 +24,7 @@ $(VENV)/.stamp-test: pyproject.toml | $(VPY)
 
 demo: $(VENV)/.stamp-demo
 	$(VPY) scripts/demo.py --target=checkpoints/kimi-mini --draft=checkpoints/kimi-mini-eagle3 \
-		--prompts=checkpoints/demo_prompts.txt --max_tokens=128 --repeats=3
+		--prompts=checkpoints/demo_prompts.txt --max_tokens=128
 
 # The sharding tests need 8 (fake) CPU devices.
 test: $(VENV)/.stamp-test

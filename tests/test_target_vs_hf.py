@@ -140,9 +140,9 @@ def test_aux_default_vs_hf(name, hf_model, jax_target):
     _, model = hf_model(name)
     target = jax_target(name)
     L = target.config.num_layers
-    if L < 3:
-        pytest.skip(f"default EAGLE-3 ids (2, L//2, L-3) are not all valid for a {L}-layer model")
-    assert target.config.aux_layer_ids == (2, L // 2, L - 3)
+    # (2, L//2, L-3), clamped into 0..L-1 for models with fewer than 3 layers
+    want = (2, L // 2, L - 3) if L >= 3 else tuple(min(max(i, 0), L - 1) for i in (2, L // 2, L - 3))
+    assert target.config.aux_layer_ids == want
     _check_aux(name, model, target, rand_ids(name, target.config.vocab_size, (B, T_FULL)))
 
 
