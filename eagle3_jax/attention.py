@@ -28,9 +28,9 @@ def _masked_softmax(scores: jax.Array, mask: jax.Array) -> jax.Array:
     return jax.nn.softmax(jnp.where(m, scores, _NEG), axis=-1)
 
 
-def gqa_block(p: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Array, cache: kv_cache.KVCache,
-              layer: jax.Array, mask: jax.Array) -> tuple[jax.Array, kv_cache.KVCache]:
-    """x [B, T, H] -> attention output [B, T, H]; K/V of the T tokens written to the cache."""
+def gqa_project(p: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Array
+                ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """x [B, T, H] -> roped q [B, T, heads, d], roped k and v [B, T, kv_heads, d]."""
     b, t, _ = x.shape
     nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     q, k, v = x @ p["q_proj"], x @ p["k_proj"], x @ p["v_proj"]
@@ -39,7 +39,15 @@ def gqa_block(p: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Array, cac
         k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
     q, k, v = q.reshape(b, t, nh, d), k.reshape(b, t, nkv, d), v.reshape(b, t, nkv, d)
     cos, sin = rotary_cos_sin(cfg.rope, positions)
-    q, k = apply_rotary(q, cos, sin, cfg.rope), apply_rotary(k, cos, sin, cfg.rope)
+    return apply_rotary(q, cos, sin, cfg.rope), apply_rotary(k, cos, sin, cfg.rope), v
+
+
+def gqa_block(p: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Array, cache: kv_cache.KVCache,
+              layer: jax.Array, mask: jax.Array) -> tuple[jax.Array, kv_cache.KVCache]:
+    """x [B, T, H] -> attention output [B, T, H]; K/V of the T tokens written to the cache."""
+    b, t, _ = x.shape
+    nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    q, k, v = gqa_project(p, cfg, x, positions)
 
     cache = cache.replace(k=kv_cache.write(cache.k, layer, k, cache.lengths),
                           v=kv_cache.write(cache.v, layer, v, cache.lengths))

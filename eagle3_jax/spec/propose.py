@@ -47,15 +47,6 @@ def draft_extend(params: dict, cfg: DraftConfig, cache: kv_cache.KVCache, featur
     return root_logits, root_hidden, kv_cache.advance(cache, n_valid)
 
 
-def _frontier_mask(lengths: jax.Array, temp_visible: jax.Array, max_len: int) -> jax.Array:
-    """[B, K, S]: the committed prefix plus the scratch slots in temp_visible [B, K, TMP]."""
-    tmp = temp_visible.shape[-1]
-    rel = jnp.arange(max_len, dtype=jnp.int32)[None, :] - lengths[:, None]  # [B, S]
-    in_tmp = (rel >= 0) & (rel < tmp)
-    idx = jnp.broadcast_to(jnp.clip(rel, 0, tmp - 1)[:, None, :], temp_visible.shape[:2] + (max_len,))
-    return (rel < 0)[:, None, :] | (in_tmp[:, None, :] & jnp.take_along_axis(temp_visible, idx, axis=2))
-
-
 def expand(params: dict, cfg: DraftConfig, cache: kv_cache.KVCache, root_logits: jax.Array, root_hidden: jax.Array,
            root_token: jax.Array, spec: SpecConfig) -> DraftTree:
     """Build the next draft tree from the root's draft logits/hidden (cache lengths unchanged)."""
@@ -75,7 +66,8 @@ def expand(params: dict, cfg: DraftConfig, cache: kv_cache.KVCache, root_logits:
         slot0 = (level - 1) * k
         own = jax.nn.one_hot(slot0 + jnp.arange(k), scratch, dtype=bool)  # [k, TMP]
         visible = front_anc | own[None]
-        mask = _frontier_mask(base, visible, cache.max_len)
+        # The frontier's "new tokens" are the scratch slots: committed prefix + its visible scratch.
+        mask = kv_cache.visibility(base, visible, cache.max_len)
         positions = jnp.broadcast_to((base + level - 1)[:, None], (b, k))
         embeds = params["embed"][draft_to_target_ids(params, tok)]
         logits, hidden, cache = draft_forward(params, cfg, embeds, front_hidden, positions,

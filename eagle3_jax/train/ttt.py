@@ -16,9 +16,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from ..attention import gqa_project
 from ..config import ModelConfig
 from ..draft import DraftConfig, project_features
-from ..layers import apply_rotary, rms_norm, rotary_cos_sin, swiglu
+from ..layers import rms_norm, swiglu
 
 _NEG = -1e30
 
@@ -29,15 +30,6 @@ def _shift(x: jax.Array, k: int, fill=0) -> jax.Array:
         return x
     pad = jnp.full((x.shape[0], k) + x.shape[2:], fill, x.dtype)
     return jnp.concatenate([x[:, k:], pad], axis=1)
-
-
-def _project_qkv(p: dict, lc: ModelConfig, x: jax.Array, positions: jax.Array):
-    b, t, _ = x.shape
-    q = (x @ p["q_proj"]).reshape(b, t, lc.num_heads, lc.head_dim)
-    k = (x @ p["k_proj"]).reshape(b, t, lc.num_kv_heads, lc.head_dim)
-    v = (x @ p["v_proj"]).reshape(b, t, lc.num_kv_heads, lc.head_dim)
-    cos, sin = rotary_cos_sin(lc.rope, positions)
-    return apply_rotary(q, cos, sin, lc.rope), apply_rotary(k, cos, sin, lc.rope), v
 
 
 def _ttt_attention(q, k0, v0, diag_k, diag_v, lc: ModelConfig) -> jax.Array:
@@ -75,7 +67,7 @@ def ttt_unroll(params: dict, cfg: DraftConfig, aux: jax.Array, tokens: jax.Array
         for layer, p in enumerate(params["layers"]):
             if layer > 0:
                 x = rms_norm(residual, p["attn_norm"], lc.rms_norm_eps)
-            q, k, v = _project_qkv(p, lc, x, positions)
+            q, k, v = gqa_project(p, lc, x, positions)
             cache_k[layer].append(k)
             cache_v[layer].append(v)
             attn = _ttt_attention(q, cache_k[layer][0], cache_v[layer][0], cache_k[layer][1:], cache_v[layer][1:], lc)
