@@ -49,9 +49,8 @@ def gqa_block(p: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Array, cac
     nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     q, k, v = gqa_project(p, cfg, x, positions)
 
-    cache = cache.replace(k=kv_cache.write(cache.k, layer, k, cache.lengths),
-                          v=kv_cache.write(cache.v, layer, v, cache.lengths))
-    keys, values = cache.k[layer], cache.v[layer]  # [B, S, nkv, d]
+    cache = kv_cache.write(cache, layer, k, v)
+    keys, values = kv_cache.read(cache, layer)  # [B, S, nkv, d]
 
     qg = q.reshape(b, t, nkv, nh // nkv, d)
     scores = jnp.einsum("btkgd,bskd->bkgts", qg, keys, preferred_element_type=jnp.float32)
@@ -79,9 +78,8 @@ def mla_block(p: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Array, cac
     cos, sin = rotary_cos_sin(cfg.rope, positions)
     q_pe, k_pe = apply_rotary(q_pe, cos, sin, cfg.rope), apply_rotary(k_pe, cos, sin, cfg.rope)[:, :, 0]
 
-    cache = cache.replace(k=kv_cache.write(cache.k, layer, c_kv, cache.lengths),
-                          v=kv_cache.write(cache.v, layer, k_pe, cache.lengths))
-    latents, rope_keys = cache.k[layer], cache.v[layer]  # [B, S, r], [B, S, dr]
+    cache = kv_cache.write(cache, layer, c_kv, k_pe)
+    latents, rope_keys = kv_cache.read(cache, layer)  # [B, S, r], [B, S, dr]
 
     kv_b = p["kv_b_proj"].reshape(r, nh, dn + dv)
     w_uk, w_uv = kv_b[..., :dn], kv_b[..., dn:]  # [r, nh, dn], [r, nh, dv]

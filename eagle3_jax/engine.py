@@ -38,6 +38,47 @@ class RequestOutput:
     metrics: dict
 
 
+def check_speculation(target: Target, draft: Draft | None, spec: SpecConfig | None) -> SpecConfig | None:
+    """The SpecConfig a (target, draft) pair runs with (default SpecConfig() with a draft); raises on a mismatch."""
+    if spec is not None and draft is None:
+        raise ValueError("a SpecConfig needs a draft: pass draft=e3.load_draft(...), or drop spec for plain decoding")
+    if draft is None:
+        return None
+    if not isinstance(draft, Draft):
+        raise TypeError(f"draft must be an eagle3_jax Draft (from e3.load_draft); got {type(draft).__name__}")
+    spec = spec or SpecConfig()
+    if spec.topk > draft.config.draft_vocab_size:
+        raise ValueError(f"SpecConfig.topk={spec.topk} exceeds the draft vocabulary ({draft.config.draft_vocab_size})")
+    if tuple(target.config.aux_layer_ids) != tuple(draft.aux_layer_ids):
+        raise ValueError(
+            f"the target captures hidden states {target.config.aux_layer_ids} but the draft reads "
+            f"{draft.aux_layer_ids}; load the draft with e3.load_draft(path, target=target)"
+        )
+    return spec
+
+
+def check_request(vocab_size: int, max_seq_len: int, prompt: Sequence[int], sampling: SamplingParams,
+                  index: int = 0) -> list[int]:
+    """A request's prompt as a list of ints, after checking it and its sampling; raises ValueError."""
+    if not isinstance(sampling, SamplingParams):
+        raise TypeError(f"sampling[{index}] must be a SamplingParams, got {type(sampling).__name__}")
+    try:
+        ids = [int(t) for t in prompt]
+    except (TypeError, ValueError):
+        raise ValueError(f"prompt {index} must be a sequence of integer token ids") from None
+    if not ids:
+        raise ValueError(f"prompt {index} is empty; give at least one token (e.g. BOS)")
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"prompt {index} has token ids outside [0, {vocab_size}): {bad[:5]}")
+    if len(ids) >= max_seq_len:
+        raise ValueError(
+            f"prompt {index} has {len(ids)} tokens, which leaves no room to generate within max_seq_len="
+            f"{max_seq_len}; shorten the prompt or raise max_seq_len"
+        )
+    return ids
+
+
 def _bucket(n: int, lo: int, hi: int) -> int:
     """Smallest power of two >= max(n, lo), capped at hi."""
     b = lo
@@ -75,45 +116,16 @@ class Engine:
                  max_batch_size: int = 8, max_seq_len: int = 2048):
         if max_batch_size < 1 or max_seq_len < 2:
             raise ValueError(f"max_batch_size must be >= 1 and max_seq_len >= 2; got {max_batch_size}, {max_seq_len}")
-        if spec is not None and draft is None:
-            raise ValueError("a SpecConfig needs a draft: pass draft=e3.load_draft(...), or drop spec for plain decoding")
-        if draft is not None:
-            if not isinstance(draft, Draft):
-                raise TypeError(f"draft must be an eagle3_jax Draft (from e3.load_draft); got {type(draft).__name__}")
-            spec = spec or SpecConfig()
-            if spec.topk > draft.config.draft_vocab_size:
-                raise ValueError(f"SpecConfig.topk={spec.topk} exceeds the draft vocabulary ({draft.config.draft_vocab_size})")
-            if tuple(target.config.aux_layer_ids) != tuple(draft.aux_layer_ids):
-                raise ValueError(
-                    f"the target captures hidden states {target.config.aux_layer_ids} but the draft reads "
-                    f"{draft.aux_layer_ids}; load the draft with e3.load_draft(path, target=target)"
-                )
+        spec = check_speculation(target, draft, spec)
         self.target = target
         self.draft = draft
         self.spec = spec
         self.max_batch_size = int(max_batch_size)
         self.max_seq_len = int(max_seq_len)
 
-    # ---- validation ----------------------------------------------------------------------------
-    def _check_prompt(self, i: int, prompt: Sequence[int]) -> list[int]:
-        ids = [int(t) for t in prompt]
-        vocab = self.target.config.vocab_size
-        if not ids:
-            raise ValueError(f"prompt {i} is empty; give at least one token (e.g. BOS)")
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt {i} has token ids outside [0, {vocab}): {bad[:5]}")
-        if len(ids) >= self.max_seq_len:
-            raise ValueError(
-                f"prompt {i} has {len(ids)} tokens, which leaves no room to generate within max_seq_len="
-                f"{self.max_seq_len}; shorten the prompt or raise max_seq_len"
-            )
-        return ids
-
     def generate(self, prompts: Sequence[Sequence[int]],
                  sampling: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
         """Generate for each prompt (a list of token ids); returns outputs in prompt order."""
-        prompts = [self._check_prompt(i, p) for i, p in enumerate(prompts)]
         if sampling is None:
             sampling = SamplingParams()
         if isinstance(sampling, SamplingParams):
@@ -121,9 +133,8 @@ class Engine:
         sampling = list(sampling)
         if len(sampling) != len(prompts):
             raise ValueError(f"got {len(sampling)} SamplingParams for {len(prompts)} prompts; give one or one per prompt")
-        for i, sp in enumerate(sampling):
-            if not isinstance(sp, SamplingParams):
-                raise TypeError(f"sampling[{i}] must be a SamplingParams, got {type(sp).__name__}")
+        vocab = self.target.config.vocab_size
+        prompts = [check_request(vocab, self.max_seq_len, p, sp, index=i) for i, (p, sp) in enumerate(zip(prompts, sampling))]
         outs: list[RequestOutput] = []
         for start in range(0, len(prompts), self.max_batch_size):
             stop = start + self.max_batch_size

@@ -1,9 +1,14 @@
-"""KV cache: one contiguous slot row per sequence, per-sequence lengths.
+"""KV cache: dense (one slot row per sequence) or paged (a shared pool of fixed-size pages).
 
 Layouts (stacked over all layers, so one scan over layers indexes it):
-- GQA: `k`, `v` are [L, B, S, kv_heads, head_dim].
-- MLA: `k` holds the normalised latent `kv_a_layernorm(c_kv)` [L, B, S, kv_lora_rank] and `v` the
-  roped shared key `k_pe` [L, B, S, qk_rope_head_dim]; per-head K/V are never stored.
+- GQA: `k`, `v` hold K and V, [..., kv_heads, head_dim].
+- MLA: `k` holds the normalised latent `kv_a_layernorm(c_kv)` [..., kv_lora_rank] and `v` the
+  roped shared key `k_pe` [..., qk_rope_head_dim]; per-head K/V are never stored.
+The leading axes are [L, B, S] (dense) or [L, num_pages, page_size] (paged). A paged cache also
+carries `block_table` [B, P]: logical slot s of row b lives at page block_table[b, s // page_size],
+offset s % page_size, so a row sees at most P * page_size slots. Page 0 is the reserved scratch
+page: unassigned table entries point at it, so writes of padding rows and padded tokens land
+there and are never visible to a real query.
 
 A forward pass writes the K/V of its T new tokens at slots `lengths[b] + t` and leaves `lengths`
 alone; the caller decides how many of them to keep (`advance`). Slots at or past a row's length
@@ -18,36 +23,60 @@ from flax import struct
 
 from .config import ModelConfig
 
+SCRATCH_PAGE = 0
+
 
 @struct.dataclass
 class KVCache:
     k: jax.Array
     v: jax.Array
     lengths: jax.Array  # [B] int32: committed tokens per sequence
+    block_table: jax.Array | None = None  # [B, P] int32 page ids (paged layout only)
 
     @property
-    def max_len(self) -> int:
+    def paged(self) -> bool:
+        return self.block_table is not None
+
+    @property
+    def page_size(self) -> int:
+        """Slots per page (paged layout)."""
         return self.k.shape[2]
 
     @property
+    def max_len(self) -> int:
+        """Slots one row can address."""
+        return self.block_table.shape[1] * self.k.shape[2] if self.paged else self.k.shape[2]
+
+    @property
     def batch(self) -> int:
-        return self.k.shape[1]
+        return self.lengths.shape[0]
 
 
-def cache_shapes(cfg: ModelConfig, batch: int, max_len: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    L = cfg.num_layers
+def _feature_shapes(cfg: ModelConfig) -> tuple[tuple[int, ...], tuple[int, ...]]:
     if cfg.attention == "mla":
-        return (L, batch, max_len, cfg.kv_lora_rank), (L, batch, max_len, cfg.qk_rope_head_dim)
-    kv = (L, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+        return (cfg.kv_lora_rank,), (cfg.qk_rope_head_dim,)
+    kv = (cfg.num_kv_heads, cfg.head_dim)
     return kv, kv
 
 
+def cache_shapes(cfg: ModelConfig, batch: int, max_len: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Dense shapes of `k` and `v`: [L, batch, max_len, ...]."""
+    fk, fv = _feature_shapes(cfg)
+    return (cfg.num_layers, batch, max_len) + fk, (cfg.num_layers, batch, max_len) + fv
+
+
 def cache_axes(cfg: ModelConfig) -> tuple[tuple[str | None, ...], tuple[str | None, ...]]:
-    """Logical axes of `k` and `v` (see sharding.py)."""
+    """Logical axes of dense `k` and `v` (see sharding.py); a paged pool has no batch axis."""
     if cfg.attention == "mla":
         return ("layers", "batch", "seq", "kv_lora"), ("layers", "batch", "seq", None)
     kv = ("layers", "batch", "seq", "kv_heads", None)
     return kv, kv
+
+
+def paged_axes(cfg: ModelConfig) -> tuple[tuple[str | None, ...], tuple[str | None, ...]]:
+    """Logical axes of paged pools [L, pages, page_size, ...]: pages are shared by all rows."""
+    k_axes, v_axes = cache_axes(cfg)
+    return ("layers", None, None) + k_axes[3:], ("layers", None, None) + v_axes[3:]
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.bfloat16) -> KVCache:
@@ -55,17 +84,78 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.bfloat16) -
     return KVCache(k=jnp.zeros(ks, dtype), v=jnp.zeros(vs, dtype), lengths=jnp.zeros((batch,), jnp.int32))
 
 
+def init_pages(cfg: ModelConfig, num_pages: int, page_size: int, dtype=jnp.bfloat16) -> tuple[jax.Array, jax.Array]:
+    """Zeroed page pools (k, v) [L, num_pages, page_size, ...]; page 0 is the scratch page."""
+    ks, vs = cache_shapes(cfg, num_pages, page_size)
+    return jnp.zeros(ks, dtype), jnp.zeros(vs, dtype)
+
+
+def paged_view(k: jax.Array, v: jax.Array, block_table: jax.Array, lengths: jax.Array) -> KVCache:
+    """A paged KVCache over pools k, v for the rows of `block_table` [B, P]."""
+    return KVCache(k=k, v=v, lengths=jnp.asarray(lengths, jnp.int32), block_table=jnp.asarray(block_table, jnp.int32))
+
+
 def advance(cache: KVCache, n: jax.Array) -> KVCache:
     """Commit `n[b]` more tokens of each sequence (those written by the last forward)."""
     return cache.replace(lengths=cache.lengths + jnp.asarray(n, jnp.int32))
 
 
-def write(buf: jax.Array, layer: jax.Array, new: jax.Array, lengths: jax.Array) -> jax.Array:
-    """Scatter `new` [B, T, ...] into `buf[layer]` at slots lengths[b] + t (dropped past the end)."""
-    b, t = new.shape[:2]
-    slots = lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-    rows = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], (b, t))
-    return buf.at[layer, rows, slots].set(new.astype(buf.dtype), mode="drop")
+def _physical(cache: KVCache, slots: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Logical slots [B, T] -> (page, offset) [B, T]; slots past the table map out of range (dropped)."""
+    ps = cache.page_size
+    idx = slots // ps
+    inside = idx < cache.block_table.shape[1]
+    page = jnp.take_along_axis(cache.block_table, jnp.clip(idx, 0, cache.block_table.shape[1] - 1), axis=1)
+    return jnp.where(inside, page, cache.k.shape[1]), slots % ps
+
+
+def _rows(slots: jax.Array) -> jax.Array:
+    b, t = slots.shape
+    return jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], (b, t))
+
+
+def write(cache: KVCache, layer: jax.Array, k_new: jax.Array, v_new: jax.Array) -> KVCache:
+    """Scatter the new tokens' k_new, v_new [B, T, ...] into `layer` at slots lengths[b] + t.
+
+    Slots past the end of a row are dropped.
+    """
+    t = k_new.shape[1]
+    slots = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+    if cache.paged:
+        page, off = _physical(cache, slots)
+        idx = (layer, page, off)
+    else:
+        idx = (layer, _rows(slots), slots)
+    return cache.replace(k=cache.k.at[idx].set(k_new.astype(cache.k.dtype), mode="drop"),
+                         v=cache.v.at[idx].set(v_new.astype(cache.v.dtype), mode="drop"))
+
+
+def read(cache: KVCache, layer: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Every slot of every row at `layer`: k, v [B, max_len, ...] (paged: gathered through the table)."""
+    if not cache.paged:
+        return cache.k[layer], cache.v[layer]
+
+    def gather(pool):
+        pages = pool[layer][cache.block_table]  # [B, P, page_size, ...]
+        return pages.reshape((pages.shape[0], -1) + pages.shape[3:])
+
+    return gather(cache.k), gather(cache.v)
+
+
+def move(cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
+    """Copy slots src[b, d] -> dst[b, d] of each row, in every layer (reads happen before writes)."""
+    if cache.paged:
+        sp, so = _physical(cache, src)
+        dp, do = _physical(cache, dst)
+        src_idx, dst_idx = (slice(None), sp, so), (slice(None), dp, do)
+    else:
+        rows = _rows(src)
+        src_idx, dst_idx = (slice(None), rows, src), (slice(None), rows, dst)
+
+    def copy(buf):
+        return buf.at[dst_idx].set(buf.at[src_idx].get(mode="fill", fill_value=0), mode="drop")
+
+    return cache.replace(k=copy(cache.k), v=copy(cache.v))
 
 
 def visibility(lengths: jax.Array, tree_mask: jax.Array, max_len: int) -> jax.Array:

@@ -85,6 +85,12 @@ def shard_cache(cache: kv_cache.KVCache, cfg: ModelConfig, mesh: Mesh) -> kv_cac
                          lengths=_place(cache.lengths, ("batch",), mesh))
 
 
+def shard_pages(k: jax.Array, v: jax.Array, cfg: ModelConfig, mesh: Mesh) -> tuple[jax.Array, jax.Array]:
+    """Place paged KV pools [L, pages, page_size, ...]: heads / latents split like a dense cache."""
+    k_axes, v_axes = kv_cache.paged_axes(cfg)
+    return _place(k, k_axes, mesh), _place(v, v_axes, mesh)
+
+
 def initialize_distributed() -> None:
     """Join a multi-host run (one process per host) before any other JAX call.
 

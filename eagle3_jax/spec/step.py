@@ -22,17 +22,31 @@ from .verify import accept, commit_path, emitted_tokens
 
 def spec_prefill(tparams: dict, tcfg: ModelConfig, dparams: dict, dcfg: DraftConfig, spec: SpecConfig,
                  tcache: kv_cache.KVCache, dcache: kv_cache.KVCache, tokens: jax.Array, prompt_lens: jax.Array,
-                 sp: SamplingArrays):
-    """Prompts [B, T] (right-padded) -> first token [B], caches, first draft tree."""
+                 sp: SamplingArrays, counter: jax.Array | None = None, following: jax.Array | None = None,
+                 absorb: bool | None = None):
+    """Prompt tokens [B, T] (right-padded; `prompt_lens` valid) -> first token [B], caches, draft tree.
+
+    The tokens go after each row's cached prefix (cache lengths, equal in both caches), so a long
+    prompt can be prefilled in chunks. `following` [B] is the prompt token after a chunk that is
+    not the prompt's last, or -1 for a final chunk (the default): a final chunk samples the first
+    generated token with key `counter` (default 0) and the draft pairs its last feature with it.
+    The first token and tree are meaningful for final chunks only. `absorb` picks the MLA form
+    (see target.forward).
+    """
     b, t = tokens.shape
-    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    logits, aux, tcache = forward(tparams, tcfg, tokens, positions, tcache)
+    if counter is None:
+        counter = jnp.zeros((b,), jnp.int32)
+    if following is None:
+        following = jnp.full((b,), -1, jnp.int32)
+    positions = tcache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+    logits, aux, tcache = forward(tparams, tcfg, tokens, positions, tcache, absorb=absorb)
     last = (prompt_lens - 1)[:, None]
-    first = sample(jnp.take_along_axis(logits, last[:, :, None], axis=1)[:, 0], sp, jnp.zeros((b,), jnp.int32))
+    first = sample(jnp.take_along_axis(logits, last[:, :, None], axis=1)[:, 0], sp, counter)
     tcache = kv_cache.advance(tcache, prompt_lens)
-    # Draft pair t = (feature t, token t+1); the last pair's next token is the one just sampled.
+    # Draft pair t = (feature t, token t+1); the last pair's next token follows the chunk.
+    after = jnp.where(following >= 0, following, first)
     shifted = jnp.concatenate([tokens[:, 1:], tokens[:, :1]], axis=1)
-    next_tokens = jnp.where(jnp.arange(t)[None, :] == last, first[:, None], shifted)
+    next_tokens = jnp.where(jnp.arange(t)[None, :] == last, after[:, None], shifted)
     root_logits, root_hidden, dcache = draft_extend(dparams, dcfg, dcache, aux, next_tokens, prompt_lens)
     tree = expand(dparams, dcfg, dcache, root_logits, root_hidden, first, spec)
     return first, tcache, dcache, tree

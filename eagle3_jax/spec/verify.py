@@ -97,12 +97,7 @@ def emitted_tokens(tokens: jax.Array, path: jax.Array, n_accept: jax.Array, bonu
 
 def commit_path(cache: kv_cache.KVCache, path: jax.Array, n_keep: jax.Array) -> kv_cache.KVCache:
     """Move the K/V of tree nodes `path` (written at lengths + node) to lengths + 0.., keep n_keep."""
-    b, d = path.shape
-    rows = jnp.arange(b)[:, None]
+    d = path.shape[1]
     src = cache.lengths[:, None] + path
     dst = cache.lengths[:, None] + jnp.arange(d, dtype=jnp.int32)[None, :]
-
-    def move(buf):
-        return buf.at[:, rows, dst].set(buf[:, rows, src], mode="drop")
-
-    return kv_cache.advance(cache.replace(k=move(cache.k), v=move(cache.v)), n_keep)
+    return kv_cache.advance(kv_cache.move(cache, src, dst), n_keep)

@@ -1,0 +1,480 @@
+"""Continuous batching over a paged KV cache: the serving scheduler.
+
+Requests queue up and join or leave the running batch between steps. Each `step()`:
+
+1. admits waiting requests first-come first-served while a sequence slot is free and the pages
+   for their prompt fit (one page of growth per decoding request stays in reserve);
+2. runs one prefill program over the next prompt chunks of admitted requests (a request takes up
+   to `prefill_chunk` tokens per step; rows join while the step's budget of `prefill_chunk`
+   tokens lasts); a request whose last chunk ran gets its first token and, with a draft, its
+   first draft tree;
+3. grows every decoding request's pages to cover the next step's writes; when pages run short
+   the most recently admitted request is preempted: its pages are freed and it returns to the
+   front of the queue, to be recomputed from prompt + generated tokens when readmitted;
+4. runs one decode program over every decoding request: an EAGLE-3 step with a draft (verify,
+   accept, commit, draft extend, draft expand, see spec/step.py), one token without, and hands
+   back each request's new tokens.
+
+Target and draft K/V live in page pools shared by all requests; a request owns a list of pages
+(its block table) that indexes both. Batch size, chunk length and block-table width are bucketed
+to powers of two, so a few compiled programs serve every mix of requests. A request's chunk
+boundaries depend only on its own length, and prefill always uses the same attention form, so a
+request's greedy tokens do not depend on what runs beside it.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import itertools
+import time
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import kv_cache
+from .config import ModelConfig
+from .draft import Draft, DraftConfig
+from .engine import RequestOutput, check_request, check_speculation
+from .page_allocator import PageAllocator, pages_for
+from .sampling import SamplingArrays, SamplingParams, sample
+from .spec.propose import DraftTree
+from .spec.step import spec_prefill, spec_step
+from .spec.tree import SpecConfig
+from .target import Target, forward
+
+MIN_CHUNK_BUCKET = 16
+MIN_PAGES_BUCKET = 4
+
+
+class CapacityError(ValueError):
+    """A request that can never fit in the KV cache, however long it waits."""
+
+
+@dataclasses.dataclass
+class RequestDelta:
+    """What one step produced for one request."""
+
+    request_id: str
+    token_ids: list[int]  # new since this request's previous delta
+    time: float  # time.perf_counter() when they reached the host
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort"; None while running
+    output: RequestOutput | None  # the whole output and metrics, once finished
+
+
+def _bucket(n: int, lo: int, hi: int) -> int:
+    """Smallest power of two >= max(n, lo), capped at hi."""
+    b = lo
+    while b < n:
+        b *= 2
+    return min(b, hi)
+
+
+def step_lookahead(spec: SpecConfig | None) -> int:
+    """Slots past the committed length that one step may write (tree nodes, draft extend + scratch)."""
+    if spec is None:
+        return 1
+    return max(spec.num_draft_tokens, spec.max_accept + 1 + max(spec.num_steps - 1, 1) * spec.topk)
+
+
+# ---- device programs -------------------------------------------------------------------------------
+
+
+@functools.partial(jax.jit, static_argnames=("tcfg", "dcfg", "spec"), donate_argnames=("pools",))
+def _prefill_program(tparams: dict, tcfg: ModelConfig, dparams: dict | None, dcfg: DraftConfig | None,
+                     spec: SpecConfig | None, pools: tuple, block_table, lengths, tokens, n_valid, following,
+                     sp: SamplingArrays, counter):
+    """One prompt chunk per row after its cached prefix -> (first token, tree tokens, parents, pools).
+
+    Prefill always uses the expanded MLA form, whatever the chunk length, so numerics do not
+    depend on the batch's bucket.
+    """
+    tk, tv, dk, dv = pools
+    tcache = kv_cache.paged_view(tk, tv, block_table, lengths)
+    if dcfg is None:
+        t = tokens.shape[1]
+        positions = lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+        logits, _, tcache = forward(tparams, tcfg, tokens, positions, tcache, absorb=False)
+        last = jnp.take_along_axis(logits, (n_valid - 1)[:, None, None], axis=1)[:, 0]
+        first = sample(last, sp, counter)
+        return first, first[:, None], jnp.zeros_like(first)[:, None], (tcache.k, tcache.v, dk, dv)
+    dcache = kv_cache.paged_view(dk, dv, block_table, lengths)
+    first, tcache, dcache, tree = spec_prefill(tparams, tcfg, dparams, dcfg, spec, tcache, dcache, tokens, n_valid,
+                                               sp, counter, following, absorb=False)
+    return first, tree.tokens, tree.parents, (tcache.k, tcache.v, dcache.k, dcache.v)
+
+
+@functools.partial(jax.jit, static_argnames=("tcfg", "dcfg", "spec"), donate_argnames=("pools",))
+def _decode_program(tparams: dict, tcfg: ModelConfig, dparams: dict | None, dcfg: DraftConfig | None,
+                    spec: SpecConfig | None, pools: tuple, block_table, lengths, tree_tokens, tree_parents,
+                    sp: SamplingArrays, counter):
+    """One decode step per row -> (tokens [B, D+1] (-1 padded), counts [B], next tree, pools)."""
+    tk, tv, dk, dv = pools
+    tcache = kv_cache.paged_view(tk, tv, block_table, lengths)
+    if dcfg is None:
+        logits, _, tcache = forward(tparams, tcfg, tree_tokens[:, :1], lengths[:, None], tcache)
+        nxt = sample(logits[:, 0], sp, counter)
+        return nxt[:, None], jnp.ones_like(nxt), nxt[:, None], tree_parents, (tcache.k, tcache.v, dk, dv)
+    dcache = kv_cache.paged_view(dk, dv, block_table, lengths)
+    out, count, tcache, dcache, tree, _ = spec_step(tparams, tcfg, dparams, dcfg, spec, tcache, dcache,
+                                                    DraftTree(tokens=tree_tokens, parents=tree_parents), sp, counter)
+    return out, count, tree.tokens, tree.parents, (tcache.k, tcache.v, dcache.k, dcache.v)
+
+
+# ---- host-side request state -----------------------------------------------------------------------
+
+_WAITING, _PREFILL, _DECODE, _DONE = "waiting", "prefill", "decode", "done"
+
+
+@dataclasses.dataclass
+class _Request:
+    id: str
+    prompt: list[int]
+    sampling: SamplingParams
+    budget: int  # most tokens it may generate
+    arrival: float
+    state: str = _WAITING
+    prefill_ids: list[int] = dataclasses.field(default_factory=list)  # what the next prefill computes
+    computed: int = 0  # tokens of prefill_ids already in the cache
+    length: int = 0  # committed cache slots
+    pages: list[int] = dataclasses.field(default_factory=list)
+    tree_tokens: np.ndarray | None = None  # [N] the next step's root (last token) and draft nodes
+    tree_parents: np.ndarray | None = None
+    output: list[int] = dataclasses.field(default_factory=list)
+    token_times: list[float] = dataclasses.field(default_factory=list)
+    accept_lengths: list[int] = dataclasses.field(default_factory=list)
+    sent: int = 0  # tokens already handed out in deltas
+    admitted: float | None = None
+    num_preemptions: int = 0
+    finish_reason: str | None = None
+
+
+class Scheduler:
+    """Continuous-batching generation over a target, with an optional EAGLE-3 draft.
+
+    Not thread-safe: one thread calls its methods (see serving.AsyncEngine for asyncio use).
+    """
+
+    def __init__(self, target: Target, draft: Draft | None = None, spec: SpecConfig | None = None, *,
+                 max_num_seqs: int = 64, max_seq_len: int = 2048, page_size: int = 16,
+                 num_pages: int | None = None, prefill_chunk: int = 256):
+        for name, value, low in (("max_num_seqs", max_num_seqs, 1), ("max_seq_len", max_seq_len, 2),
+                                 ("page_size", page_size, 1), ("prefill_chunk", prefill_chunk, 1)):
+            if not isinstance(value, (int, np.integer)) or value < low:
+                raise ValueError(f"{name} must be an integer >= {low}; got {value!r}")
+        self.target = target
+        self.draft = draft
+        self.spec = check_speculation(target, draft, spec)
+        self.max_num_seqs = int(max_num_seqs)
+        self.max_seq_len = int(max_seq_len)
+        self.page_size = int(page_size)
+        self.prefill_chunk = int(prefill_chunk)
+        self.lookahead = step_lookahead(self.spec)
+        self.max_pages_per_seq = pages_for(self.max_seq_len + self.lookahead, self.page_size)
+        if num_pages is None:
+            num_pages = self.max_num_seqs * self.max_pages_per_seq + 1
+        if not isinstance(num_pages, (int, np.integer)) or num_pages < 2:
+            raise ValueError(f"num_pages must be an integer >= 2 (page 0 is reserved); got {num_pages!r}")
+        self._alloc = PageAllocator(int(num_pages))
+        self._pools = self._init_pools(int(num_pages))
+        self._tree_size = self.spec.num_draft_tokens if self.spec else 1
+
+        self._waiting: collections.deque[_Request] = collections.deque()
+        self._running: list[_Request] = []  # admission order: prefilling and decoding
+        self._requests: dict[str, _Request] = {}
+        self._aborted: list[RequestDelta] = []
+        self._ids = itertools.count()
+        self._counters = collections.Counter()
+        self._per_position = np.zeros((self.spec.max_accept if self.spec else 0,), np.int64)
+
+    def _init_pools(self, num_pages: int) -> tuple:
+        tcfg = self.target.config
+        tk, tv = kv_cache.init_pages(tcfg, num_pages, self.page_size, self.target.dtype)
+        dk = dv = None
+        if self.draft is not None:
+            dk, dv = kv_cache.init_pages(self.draft.config.layers, num_pages, self.page_size, self.draft.dtype)
+        if self.target.mesh is not None:
+            from .sharding import shard_pages
+
+            tk, tv = shard_pages(tk, tv, tcfg, self.target.mesh)
+            if dk is not None:
+                dk, dv = shard_pages(dk, dv, self.draft.config.layers, self.target.mesh)
+        return tk, tv, dk, dv
+
+    # ---- requests ------------------------------------------------------------------------------
+    def add_request(self, prompt_ids: Sequence[int], sampling: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        """Validate and queue a request; returns its id.
+
+        Raises ValueError for a bad prompt or sampling, a duplicate id, or a prompt that leaves no
+        room within max_seq_len; CapacityError when it could never fit in the KV pages.
+        """
+        sampling = SamplingParams() if sampling is None else sampling
+        ids = check_request(self.target.config.vocab_size, self.max_seq_len, prompt_ids, sampling)
+        rid = str(next(self._ids)) if request_id is None else str(request_id)
+        if rid in self._requests:
+            raise ValueError(f"request id {rid!r} is already in use")
+        budget = min(sampling.max_tokens, self.max_seq_len - len(ids))
+        need = pages_for(len(ids) + budget + self.lookahead, self.page_size)
+        if need > self._alloc.num_usable:
+            raise CapacityError(
+                f"a request of {len(ids)} prompt tokens + {budget} new tokens needs {need} KV pages of "
+                f"{self.page_size} slots, but the cache has only {self._alloc.num_usable}; lower max_tokens, "
+                f"shorten the prompt or raise num_pages"
+            )
+        req = _Request(id=rid, prompt=ids, sampling=sampling, budget=budget, arrival=time.perf_counter(),
+                       prefill_ids=list(ids))
+        self._requests[rid] = req
+        self._waiting.append(req)
+        return rid
+
+    def abort(self, request_id: str) -> bool:
+        """Cancel a waiting or running request and free its pages; False if it is unknown or done.
+
+        Its final delta (finish_reason "abort") comes from the next step().
+        """
+        req = self._requests.get(str(request_id))
+        if req is None or req.state == _DONE:
+            return False
+        if req.state == _WAITING:
+            self._waiting.remove(req)
+        else:
+            self._running.remove(req)
+        self._release(req)
+        self._counters["num_requests_aborted"] += 1
+        self._aborted.append(self._finish(req, "abort", time.perf_counter()))
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self._waiting or self._running or self._aborted)
+
+    def generate(self, prompts: Sequence[Sequence[int]],
+                 sampling: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Run prompts to completion (all queued at once); outputs in prompt order."""
+        if sampling is None or isinstance(sampling, SamplingParams):
+            sampling = [sampling or SamplingParams()] * len(prompts)
+        if len(sampling) != len(prompts):
+            raise ValueError(f"got {len(sampling)} SamplingParams for {len(prompts)} prompts; give one or one per prompt")
+        for i, (p, sp) in enumerate(zip(prompts, sampling)):  # validate all before queueing any
+            check_request(self.target.config.vocab_size, self.max_seq_len, p, sp, index=i)
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, sampling)]
+        done: dict[str, RequestOutput] = {}
+        while len(done) < len(ids):
+            for delta in self.step():
+                if delta.finished:
+                    done[delta.request_id] = delta.output
+        return [done[i] for i in ids]
+
+    def stats(self) -> dict:
+        """Counters and gauges for monitoring (see serving's /metrics)."""
+        c = self._counters
+        steps = c["num_decode_steps_total"]
+        return {
+            "num_waiting": len(self._waiting),
+            "num_running": len(self._running),
+            "num_pages": self._alloc.num_usable,
+            "num_free_pages": self._alloc.num_free,
+            "page_size": self.page_size,
+            "num_preemptions": c["num_preemptions"],
+            "num_requests_finished": c["num_requests_finished"],
+            "num_requests_aborted": c["num_requests_aborted"],
+            "prompt_tokens_total": c["prompt_tokens_total"],
+            "generation_tokens_total": c["generation_tokens_total"],
+            "num_decode_steps_total": steps,
+            "accepted_tokens_total": c["accepted_tokens_total"],
+            "mean_accept_length": c["accepted_tokens_total"] / steps if steps else 1.0,
+            "per_position_accepted_total": [int(x) for x in self._per_position],
+        }
+
+    # ---- one iteration -------------------------------------------------------------------------
+    def step(self) -> list[RequestDelta]:
+        """Admit, prefill one chunk batch, decode one step; returns the news of this iteration."""
+        deltas, self._aborted = self._aborted, []
+        self._admit()
+        prefill_rows = self._prefill_rows()
+        if prefill_rows:
+            deltas += self._run_prefill(prefill_rows)
+        self._grow_pages()
+        decode_rows = [r for r in self._running if r.state == _DECODE]
+        if decode_rows:
+            deltas += self._run_decode(decode_rows)
+        return deltas
+
+    def _admit(self) -> None:
+        while self._waiting and len(self._running) < self.max_num_seqs:
+            req = self._waiting[0]
+            need = pages_for(len(req.prefill_ids) + self.lookahead, self.page_size)
+            reserve = sum(r.state == _DECODE for r in self._running)
+            if need + reserve > self._alloc.num_free:
+                return
+            self._waiting.popleft()
+            req.pages = self._alloc.allocate(need)
+            req.state, req.computed, req.length = _PREFILL, 0, 0
+            if req.admitted is None:
+                req.admitted = time.perf_counter()
+            self._running.append(req)
+
+    def _prefill_rows(self) -> list[tuple[_Request, int]]:
+        rows, budget = [], self.prefill_chunk
+        for req in self._running:
+            if req.state != _PREFILL:
+                continue
+            n = min(len(req.prefill_ids) - req.computed, self.prefill_chunk)
+            if rows and n > budget:
+                break
+            rows.append((req, n))
+            budget -= n
+            if budget <= 0:
+                break
+        return rows
+
+    def _grow_pages(self) -> None:
+        """Give every decoding request pages for its next step, preempting the newest when short."""
+        for req in list(self._running):
+            if req.state != _DECODE:
+                continue
+            need = pages_for(req.length + self.lookahead, self.page_size) - len(req.pages)
+            while need > self._alloc.num_free and req.state == _DECODE:
+                self._preempt(self._running[-1])
+            if req.state == _DECODE and need > 0:
+                req.pages += self._alloc.allocate(need)
+
+    def _preempt(self, req: _Request) -> None:
+        self._running.remove(req)
+        self._release(req)
+        req.state = _WAITING
+        req.prefill_ids = req.prompt + req.output
+        req.num_preemptions += 1
+        self._counters["num_preemptions"] += 1
+        self._waiting.appendleft(req)
+
+    def _release(self, req: _Request) -> None:
+        self._alloc.free(req.pages)
+        req.pages, req.computed, req.length = [], 0, 0
+        req.tree_tokens = req.tree_parents = None
+
+    def _block_table(self, rows: Sequence[_Request], batch: int) -> np.ndarray:
+        width = _bucket(max(len(r.pages) for r in rows), MIN_PAGES_BUCKET, self.max_pages_per_seq)
+        table = np.full((batch, width), kv_cache.SCRATCH_PAGE, np.int32)
+        for i, r in enumerate(rows):
+            table[i, : len(r.pages)] = r.pages
+        return table
+
+    def _draft_args(self) -> tuple:
+        if self.draft is None:
+            return None, None
+        return self.draft.params, self.draft.config
+
+    def _run_prefill(self, rows: list[tuple[_Request, int]]) -> list[RequestDelta]:
+        batch = _bucket(len(rows), 1, self.max_num_seqs)
+        t = _bucket(max(n for _, n in rows), MIN_CHUNK_BUCKET, max(self.prefill_chunk, MIN_CHUNK_BUCKET))
+        tokens = np.zeros((batch, t), np.int32)
+        n_valid = np.ones((batch,), np.int32)
+        following = np.full((batch,), -1, np.int32)
+        lengths = np.zeros((batch,), np.int32)
+        counter = np.zeros((batch,), np.int32)
+        for i, (req, n) in enumerate(rows):
+            c = req.computed
+            tokens[i, :n] = req.prefill_ids[c: c + n]
+            n_valid[i], lengths[i], counter[i] = n, c, len(req.output)
+            if c + n < len(req.prefill_ids):
+                following[i] = req.prefill_ids[c + n]
+        sp = SamplingArrays.from_params([r.sampling for r, _ in rows], batch)
+        dparams, dcfg = self._draft_args()
+        first, tree_tokens, tree_parents, self._pools = _prefill_program(
+            self.target.params, self.target.config, dparams, dcfg, self.spec, self._pools,
+            self._block_table([r for r, _ in rows], batch), lengths, tokens, n_valid, following, sp, counter)
+        first, tree_tokens, tree_parents = np.asarray(first), np.asarray(tree_tokens), np.asarray(tree_parents)
+        now = time.perf_counter()
+        deltas = []
+        for i, (req, n) in enumerate(rows):
+            req.computed += n
+            req.length = req.computed
+            self._counters["prompt_tokens_total"] += n
+            if req.computed < len(req.prefill_ids):
+                continue
+            req.state = _DECODE
+            req.tree_tokens, req.tree_parents = tree_tokens[i], tree_parents[i]
+            deltas.append(self._emit(req, first[i: i + 1], now))
+        return deltas
+
+    def _run_decode(self, rows: list[_Request]) -> list[RequestDelta]:
+        batch = _bucket(len(rows), 1, self.max_num_seqs)
+        n = self._tree_size
+        tree_tokens = np.zeros((batch, n), np.int32)
+        tree_parents = np.zeros((batch, n), np.int32)
+        lengths = np.zeros((batch,), np.int32)
+        counter = np.zeros((batch,), np.int32)
+        for i, req in enumerate(rows):
+            tree_tokens[i], tree_parents[i] = req.tree_tokens, req.tree_parents
+            lengths[i], counter[i] = req.length, len(req.output)
+        sp = SamplingArrays.from_params([r.sampling for r in rows], batch)
+        dparams, dcfg = self._draft_args()
+        out, count, tree_tokens, tree_parents, self._pools = _decode_program(
+            self.target.params, self.target.config, dparams, dcfg, self.spec, self._pools,
+            self._block_table(rows, batch), lengths, tree_tokens, tree_parents, sp, counter)
+        out, count = np.asarray(out), np.asarray(count)
+        tree_tokens, tree_parents = np.asarray(tree_tokens), np.asarray(tree_parents)
+        now = time.perf_counter()
+        deltas = []
+        for i, req in enumerate(rows):
+            k = int(count[i])
+            req.length += k
+            req.tree_tokens, req.tree_parents = tree_tokens[i], tree_parents[i]
+            req.accept_lengths.append(k)
+            self._counters["num_decode_steps_total"] += 1
+            self._counters["accepted_tokens_total"] += k
+            self._per_position[: k - 1] += 1
+            deltas.append(self._emit(req, out[i, :k], now))
+        return deltas
+
+    # ---- output --------------------------------------------------------------------------------
+    def _emit(self, req: _Request, tokens: np.ndarray, now: float) -> RequestDelta:
+        """Append a step's tokens (up to a stop token or the budget); finish the request if done."""
+        reason = None
+        for tok in tokens:
+            req.output.append(int(tok))
+            req.token_times.append(now)
+            self._counters["generation_tokens_total"] += 1
+            if int(tok) in req.sampling.stop_token_ids:
+                reason = "stop"
+            elif len(req.output) >= req.budget:
+                reason = "length"
+            if reason:
+                break
+        if reason is None:
+            new, req.sent = req.output[req.sent:], len(req.output)
+            return RequestDelta(req.id, new, now, False, None, None)
+        self._running.remove(req)
+        self._release(req)
+        self._counters["num_requests_finished"] += 1
+        return self._finish(req, reason, now)
+
+    def _finish(self, req: _Request, reason: str, now: float) -> RequestDelta:
+        req.state, req.finish_reason = _DONE, reason
+        del self._requests[req.id]
+        new, req.sent = req.output[req.sent:], len(req.output)
+        return RequestDelta(req.id, new, now, True, reason, RequestOutput(req.output, reason, self._metrics(req, now)))
+
+    def _metrics(self, req: _Request, now: float) -> dict:
+        steps = len(req.accept_lengths)
+        depth = self.spec.max_accept if self.spec else 0
+        acc = np.asarray(req.accept_lengths)
+        times = req.token_times
+        return {
+            "mean_accept_length": float(acc.mean()) if steps else 1.0,
+            "accept_lengths": [int(a) for a in acc],
+            "per_position_acceptance": [float(np.mean(acc - 1 >= d)) if steps else 0.0 for d in range(1, depth + 1)],
+            "num_target_passes": steps + (1 if times else 0),
+            "num_draft_passes": (steps + 1) * self.spec.num_steps if self.spec and times else 0,
+            "num_output_tokens": len(req.output),
+            "num_preemptions": req.num_preemptions,
+            "queue_s": (req.admitted - req.arrival) if req.admitted is not None else now - req.arrival,
+            "ttft_s": times[0] - req.arrival if times else None,
+            "itl_s": [float(x) for x in np.diff(times)],
+            "e2e_latency_s": now - req.arrival,
+        }
