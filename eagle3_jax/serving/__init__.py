@@ -1,0 +1,21 @@
+"""Serving: an asyncio front end for the continuous-batching scheduler and an OpenAI-compatible
+HTTP API over it (`scripts/serve.py` runs both).
+
+    engine = AsyncEngine(Scheduler(target, draft, spec)).start()
+    app = make_app(engine, tokenizer, "my-model")     # aiohttp web.Application
+"""
+
+from .async_engine import AsyncEngine, EngineClosedError, EngineDeadError, EngineError, EngineStepError
+from .openai_api import ChatTemplate, IncrementalDetokenizer, make_app, render_metrics
+
+__all__ = [
+    "AsyncEngine",
+    "ChatTemplate",
+    "EngineClosedError",
+    "EngineDeadError",
+    "EngineError",
+    "EngineStepError",
+    "IncrementalDetokenizer",
+    "make_app",
+    "render_metrics",
+]

@@ -1,0 +1,347 @@
+"""An asyncio front end for the single-threaded `Scheduler`.
+
+`AsyncEngine` owns one background thread, the only thread that ever calls the scheduler. Event-loop
+code talks to it through a thread-safe command queue (add a request, abort one, stop); the thread
+drains the queue, calls `Scheduler.step()` while anything is unfinished, and otherwise blocks on the
+queue, so an idle server uses no CPU. Each request's `RequestDelta`s go to an `asyncio.Queue` owned
+by the caller's event loop, through `loop.call_soon_threadsafe`.
+
+    engine = AsyncEngine(scheduler)
+    engine.start()
+    async for delta in engine.generate(prompt_ids, SamplingParams(max_tokens=32)):
+        print(delta.token_ids, delta.finish_reason)
+    await engine.close()
+
+Request validation errors (`ValueError`, `CapacityError`) are raised by the generator before its
+first delta. A consumer that stops iterating early (closes the generator, is cancelled, or drops it)
+aborts its request, so the KV pages are freed at once. An exception inside `step()` is logged and
+fails every in-flight request with `EngineStepError`; after `max_consecutive_failures` failures in a
+row the engine stops stepping and refuses new work with `EngineDeadError` (health checks see it
+through `is_healthy`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import logging
+import queue
+import threading
+import uuid
+from typing import TYPE_CHECKING, Any, AsyncIterator, Sequence
+
+if TYPE_CHECKING:  # only for annotations: the scheduler module loads JAX
+    from ..sampling import SamplingParams
+    from ..scheduler import RequestDelta, Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+class EngineError(RuntimeError):
+    """The engine could not run a request (not the request's fault)."""
+
+
+class EngineStepError(EngineError):
+    """`Scheduler.step()` raised while the request was in flight."""
+
+
+class EngineDeadError(EngineError):
+    """The engine stopped stepping after repeated failures; restart the server."""
+
+
+class EngineClosedError(EngineError):
+    """The engine was shut down (or never started)."""
+
+
+@dataclasses.dataclass
+class _Add:
+    prompt_ids: list[int]
+    sampling: Any
+    request_id: str
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    future: concurrent.futures.Future  # result: the request id; exception: add_request's error
+
+
+@dataclasses.dataclass
+class _Abort:
+    request_id: str
+    detach: bool  # the consumer is gone: stop delivering to it now, not at the final delta
+
+
+_STOP = object()
+
+
+@dataclasses.dataclass
+class _Stream:
+    """Where one request's deltas go: a queue on the consumer's event loop."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+    def put(self, item: Any) -> bool:
+        """Hand `item` to the consumer's loop; False when that loop is closed."""
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+            return True
+        except RuntimeError:  # the consumer's event loop is closed
+            return False
+
+
+class AsyncEngine:
+    """Runs a `Scheduler` on one background thread and serves requests to asyncio code."""
+
+    def __init__(self, scheduler: "Scheduler", *, max_consecutive_failures: int = 3,
+                 thread_name: str = "eagle3-engine"):
+        if max_consecutive_failures < 1:
+            raise ValueError(f"max_consecutive_failures must be >= 1; got {max_consecutive_failures}")
+        self.scheduler = scheduler
+        self.max_consecutive_failures = int(max_consecutive_failures)
+        self._thread_name = thread_name
+        self._commands: queue.Queue = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._closing = False
+        # Engine-thread state (never touched by other threads while the thread runs):
+        self._streams: dict[str, _Stream] = {}
+        self._failures_in_a_row = 0
+        # Written by the engine thread, read anywhere: each is replaced whole, never mutated.
+        self._stats: dict[str, Any] = {}
+        self._dead: EngineDeadError | None = None
+
+    # ---- lifecycle -------------------------------------------------------------------------------------
+
+    def start(self) -> "AsyncEngine":
+        """Start the engine thread (once). Returns self."""
+        if self._thread is not None:
+            raise RuntimeError("AsyncEngine.start() was already called")
+        self._stats = self._snapshot()  # safe: the engine thread does not exist yet
+        self._thread = threading.Thread(target=self._run, name=self._thread_name, daemon=True)
+        self._thread.start()
+        return self
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Stop the engine thread and wait for it; in-flight requests fail with EngineClosedError.
+
+        Blocks for up to `timeout` seconds (forever when None) while a running `step()` finishes.
+        Safe to call more than once, and before `start()`.
+        """
+        self._closing = True
+        if self._thread is None:
+            return
+        self._commands.put(_STOP)
+        self._thread.join(timeout)
+
+    async def close(self, timeout: float | None = None) -> None:
+        """`shutdown()` without blocking the event loop."""
+        await asyncio.to_thread(self.shutdown, timeout)
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def is_healthy(self) -> bool:
+        """True while the engine thread runs and has not given up after repeated step failures."""
+        return self.is_running and self._dead is None and not self._closing
+
+    @property
+    def error(self) -> EngineDeadError | None:
+        """Why the engine stopped stepping, or None."""
+        return self._dead
+
+    # ---- requests --------------------------------------------------------------------------------------
+
+    async def generate(self, prompt_ids: Sequence[int], sampling: "SamplingParams | None" = None,
+                       request_id: str | None = None) -> AsyncIterator["RequestDelta"]:
+        """Run one request; yields its `RequestDelta`s, the last with `finished=True`.
+
+        `add_request`'s ValueError / CapacityError is raised before any delta. Raises EngineError
+        subclasses when the engine fails, is dead or is closed. Leaving the loop early, or being
+        cancelled, aborts the request (its KV pages are freed at once).
+        """
+        self._check_accepting()
+        rid = request_id if request_id is not None else f"req-{uuid.uuid4().hex}"
+        loop = asyncio.get_running_loop()
+        deltas: asyncio.Queue = asyncio.Queue()
+        added: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put(_Add([int(t) for t in prompt_ids], sampling, rid, loop, deltas, added))
+        try:
+            await asyncio.wrap_future(added)
+        except asyncio.CancelledError:
+            # If the engine thread already took the request, it will be added: abort it then.
+            added.add_done_callback(lambda f: None if f.cancelled() or f.exception() is not None
+                                    else self._abort(rid, detach=True))
+            raise
+        finished = False
+        try:
+            while not finished:
+                item = await deltas.get()
+                if isinstance(item, BaseException):
+                    finished = True  # the engine already dropped the request
+                    raise item
+                finished = bool(item.finished)
+                yield item
+        finally:
+            if not finished:  # the consumer left early or was cancelled
+                self._abort(rid, detach=True)
+
+    def abort(self, request_id: str) -> None:
+        """Ask the engine to abort `request_id`; its consumer then gets a final "abort" delta.
+
+        Thread-safe and non-blocking; unknown or finished ids are ignored.
+        """
+        self._abort(request_id, detach=False)
+
+    def stats(self) -> dict[str, Any]:
+        """Snapshot of `scheduler.stats()` taken by the engine thread after its last step, plus
+        `request_queue_depth` (commands not yet taken by the engine thread), `num_in_flight`
+        (requests with a consumer attached) and `engine_healthy`."""
+        snap = dict(self._stats)
+        snap["request_queue_depth"] = self._commands.qsize()
+        snap["engine_healthy"] = self.is_healthy
+        return snap
+
+    def _abort(self, request_id: str, detach: bool) -> None:
+        if self.is_running:
+            self._commands.put(_Abort(request_id, detach))
+
+    def _check_accepting(self) -> None:
+        if self._dead is not None:
+            raise self._dead
+        if self._thread is None:
+            raise EngineClosedError("the engine is not running: call AsyncEngine.start() first")
+        if self._closing or not self._thread.is_alive():
+            raise EngineClosedError("the engine has been shut down")
+
+    # ---- the engine thread -----------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while True:
+                busy = self._dead is None and self.scheduler.has_unfinished()
+                commands = self._take_commands(block=not busy)
+                if any(c is _STOP for c in commands):
+                    self._finish_commands(commands)
+                    break
+                for command in commands:
+                    self._handle(command)
+                if self._dead is None and self.scheduler.has_unfinished():
+                    self._step()
+                elif commands:
+                    self._stats = self._snapshot()
+        except BaseException as e:  # a bug in this loop: never leave consumers waiting forever
+            logger.exception("the engine thread crashed")
+            self._dead = EngineDeadError(f"the engine thread crashed: {type(e).__name__}: {e}")
+            self._fail_all(self._dead)
+            raise
+        finally:
+            self._shut_down_in_flight()
+
+    def _take_commands(self, block: bool) -> list[Any]:
+        """Every queued command; with `block`, waits for at least one first (the idle state)."""
+        commands = [self._commands.get()] if block else []
+        while True:
+            try:
+                commands.append(self._commands.get_nowait())
+            except queue.Empty:
+                return commands
+
+    def _handle(self, command: Any) -> None:
+        if isinstance(command, _Add):
+            self._add(command)
+        elif isinstance(command, _Abort):
+            self._abort_now(command)
+
+    def _add(self, cmd: _Add) -> None:
+        if not cmd.future.set_running_or_notify_cancel():
+            return  # the caller was cancelled before the request reached the scheduler
+        if self._dead is not None:
+            cmd.future.set_exception(self._dead)
+            return
+        try:
+            rid = self.scheduler.add_request(cmd.prompt_ids, cmd.sampling, request_id=cmd.request_id)
+        except Exception as e:  # ValueError / CapacityError: the request's fault; goes to the caller
+            cmd.future.set_exception(e)
+            return
+        self._streams[rid] = _Stream(cmd.loop, cmd.queue)
+        cmd.future.set_result(rid)
+
+    def _abort_now(self, cmd: _Abort) -> None:
+        if cmd.detach:
+            self._streams.pop(cmd.request_id, None)
+        try:
+            self.scheduler.abort(cmd.request_id)
+        except Exception:
+            logger.exception("Scheduler.abort(%r) failed", cmd.request_id)
+
+    def _step(self) -> None:
+        try:
+            deltas = self.scheduler.step()
+        except Exception as e:
+            self._on_step_failure(e)
+        else:
+            self._failures_in_a_row = 0
+            for delta in deltas:
+                self._deliver(delta)
+        self._stats = self._snapshot()
+
+    def _deliver(self, delta: "RequestDelta") -> None:
+        stream = self._streams.get(delta.request_id)
+        if stream is None:
+            return  # its consumer detached (aborted) already
+        if delta.finished:
+            del self._streams[delta.request_id]
+        elif not delta.token_ids:
+            return  # nothing new for the consumer
+        if not stream.put(delta) and not delta.finished:
+            self._streams.pop(delta.request_id, None)  # nobody can read it any more: free its pages
+            self._abort_now(_Abort(delta.request_id, detach=True))
+
+    def _on_step_failure(self, exc: Exception) -> None:
+        self._failures_in_a_row += 1
+        logger.exception("Scheduler.step() failed (%d in a row); failing %d in-flight request(s)",
+                         self._failures_in_a_row, len(self._streams))
+        error = EngineStepError(f"the engine failed while running this request: {type(exc).__name__}: {exc}")
+        error.__cause__ = exc
+        for rid in list(self._streams):  # free their pages if the scheduler still can
+            try:
+                self.scheduler.abort(rid)
+            except Exception:
+                logger.exception("Scheduler.abort(%r) failed after a step failure", rid)
+        self._fail_all(error)
+        if self._failures_in_a_row >= self.max_consecutive_failures:
+            self._dead = EngineDeadError(
+                f"the engine stopped after {self._failures_in_a_row} failed steps in a row; last error: "
+                f"{type(exc).__name__}: {exc}. Check the server log and restart the server")
+            logger.error("%s", self._dead)
+
+    def _fail_all(self, error: BaseException) -> None:
+        streams, self._streams = self._streams, {}
+        for stream in streams.values():
+            stream.put(error)
+
+    def _finish_commands(self, commands: list[Any]) -> None:
+        """At shutdown: refuse adds that were still queued; the others need no answer."""
+        closed = EngineClosedError("the engine was shut down before this request started")
+        for command in commands:
+            if isinstance(command, _Add) and command.future.set_running_or_notify_cancel():
+                command.future.set_exception(closed)
+
+    def _shut_down_in_flight(self) -> None:
+        for rid in list(self._streams):
+            try:
+                self.scheduler.abort(rid)
+            except Exception:
+                logger.exception("Scheduler.abort(%r) failed at shutdown", rid)
+        self._fail_all(EngineClosedError("the engine was shut down while this request ran"))
+        self._finish_commands(self._take_commands(block=False))
+        try:
+            self._stats = self._snapshot()
+        except Exception:
+            logger.exception("Scheduler.stats() failed at shutdown")
+
+    def _snapshot(self) -> dict[str, Any]:
+        stats = dict(self.scheduler.stats())
+        stats["num_in_flight"] = len(self._streams)
+        return stats

@@ -1,0 +1,721 @@
+"""An OpenAI-compatible HTTP API (aiohttp) over an `AsyncEngine`.
+
+Endpoints:
+
+- `POST /v1/completions`: `prompt` is a string, a list of token ids, or a one-element list holding
+  either (several prompts per request are refused with 400: send one request each).
+- `POST /v1/chat/completions`: `messages` are rendered with the model's chat template (see
+  `ChatTemplate`).
+- `GET /v1/models`, `GET /health` (200 while the engine runs, 503 when it stopped),
+  `GET /metrics` (Prometheus text format, metric names prefixed `eagle3_`).
+
+Sampling fields: `max_tokens` (chat also `max_completion_tokens`), `temperature` (default 1.0;
+0 = greedy), `top_p`, `top_k` (-1 or 0 = off), `seed` (default: a random one), `n` (must be 1),
+`stream`, `stream_options.include_usage`, and the vLLM extensions `stop_token_ids` and
+`ignore_eos` (by default a request also stops at the model's EOS ids). Parameters this engine does
+not implement (`stop` strings, `logprobs`, `echo`, penalties, `logit_bias`, `best_of` > 1, tools,
+`suffix`, non-text `response_format`) get a 400 when set to anything but their neutral value,
+rather than being ignored. `max_tokens` beyond the room left in `max_seq_len` is cut to that room
+(finish_reason "length").
+
+Errors use OpenAI's body, `{"error": {"message", "type", "param", "code"}}`: 400 for malformed
+requests, 404 for an unknown model or route, 500 / 503 when the engine fails.
+
+Streaming answers are Server-Sent Events, `data: {chunk}\\n\\n` ... `data: [DONE]\\n\\n`; the
+response starts once the first token is out, so add_request's validation errors still get a 4xx
+status. With `stream_options.include_usage`, a last chunk with empty `choices` carries `usage`.
+Text is decoded incrementally (`IncrementalDetokenizer`): text that later tokens may still change
+(an incomplete UTF-8 character, shown as U+FFFD) is held back until they settle it, so the chunks
+concatenate to the non-streamed text. A client that disconnects mid-request has its
+request aborted, freeing its KV pages; run the app with `handler_cancellation=True` (as
+`scripts/serve.py` does) so that this also happens while a request waits for its first token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import functools
+import json
+import logging
+import math
+import os
+import secrets
+import time
+import uuid
+from typing import Any, Callable, Mapping, Sequence
+
+from aiohttp import web
+
+from ..sampling import SamplingParams
+from ..scheduler import CapacityError
+from ..tokenizer import Tokenizer
+from .async_engine import AsyncEngine, EngineDeadError, EngineError
+
+logger = logging.getLogger(__name__)
+
+SEED_LIMIT = 2**32  # SamplingParams seeds are uint32
+_SERVER_KEY: web.AppKey["_Server"] = web.AppKey("eagle3_server")
+
+
+# ---- errors ------------------------------------------------------------------------------------------
+
+
+class ApiError(Exception):
+    """An error answered with OpenAI's error body."""
+
+    def __init__(self, message: str, *, status: int = 400, param: str | None = None, code: str | None = None,
+                 type: str = "invalid_request_error"):
+        super().__init__(message)
+        self.message, self.status, self.param, self.code, self.type = message, status, param, code, type
+
+    def response(self) -> web.Response:
+        return error_response(self.message, status=self.status, param=self.param, code=self.code, type=self.type)
+
+
+def error_response(message: str, *, status: int, param: str | None = None, code: str | None = None,
+                   type: str = "invalid_request_error") -> web.Response:
+    """OpenAI's error body with the given HTTP status."""
+    body = {"error": {"message": message, "type": type, "param": param, "code": code}}
+    return web.json_response(body, status=status)
+
+
+# ---- field validation (pure) -------------------------------------------------------------------------
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def get_int(body: Mapping[str, Any], key: str, default: int | None) -> int | None:
+    """`body[key]` as an int (absent or null -> default); 400 when it is not an integer."""
+    v = body.get(key)
+    if v is None:
+        return default
+    if not _is_int(v):
+        raise ApiError(f"'{key}' must be an integer; got {v!r}", param=key, code="invalid_type")
+    return v
+
+
+def get_float(body: Mapping[str, Any], key: str, default: float) -> float:
+    """`body[key]` as a finite float (absent or null -> default); 400 otherwise."""
+    v = body.get(key)
+    if v is None:
+        return default
+    if not _is_number(v):
+        raise ApiError(f"'{key}' must be a number; got {v!r}", param=key, code="invalid_type")
+    if not math.isfinite(v):
+        raise ApiError(f"'{key}' must be finite; got {v!r}", param=key, code="invalid_value")
+    return float(v)
+
+
+def get_bool(body: Mapping[str, Any], key: str, default: bool) -> bool:
+    """`body[key]` as a bool (absent or null -> default); 400 otherwise."""
+    v = body.get(key)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise ApiError(f"'{key}' must be true or false; got {v!r}", param=key, code="invalid_type")
+    return v
+
+
+# Parameters this engine does not implement, with the values that mean "off".
+_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "stop": (None, "", []),
+    "logprobs": (None, False, 0),
+    "top_logprobs": (None, 0),
+    "echo": (None, False),
+    "best_of": (None, 1),
+    "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0),
+    "repetition_penalty": (None, 1, 1.0),
+    "logit_bias": (None, {}),
+    "suffix": (None, ""),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+}
+_HINTS = {"stop": "; use 'stop_token_ids' (token ids) instead"}
+
+
+def check_unsupported(body: Mapping[str, Any]) -> None:
+    """400 for a parameter this engine does not implement, unless it is set to its neutral value."""
+    for key, neutral in _NEUTRAL.items():
+        v = body.get(key)
+        if not any(v == n and type(v) is type(n) or v is n for n in neutral):
+            raise ApiError(f"'{key}' is not supported by this server{_HINTS.get(key, '')}; got {v!r}",
+                           param=key, code="unsupported_parameter")
+    fmt = body.get("response_format")
+    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") in (None, "text")):
+        raise ApiError(f"only response_format type 'text' is supported; got {fmt!r}", param="response_format",
+                       code="unsupported_parameter")
+
+
+def parse_sampling(body: Mapping[str, Any], *, default_max_tokens: int, eos_token_ids: Sequence[int],
+                   max_tokens_keys: Sequence[str] = ("max_tokens",)) -> SamplingParams:
+    """The request's SamplingParams; 400 (`ApiError`) naming the bad field otherwise.
+
+    top_k -1 means off (vLLM) and becomes 0. A missing seed gets a random one, so sampled requests
+    differ. Stop ids are `stop_token_ids` plus `eos_token_ids` unless `ignore_eos` is true.
+    """
+    max_tokens, key_used = default_max_tokens, max_tokens_keys[0]
+    for key in max_tokens_keys:
+        v = get_int(body, key, None)
+        if v is not None:
+            max_tokens, key_used = v, key
+            break
+    if max_tokens < 1:
+        raise ApiError(f"'{key_used}' must be >= 1; got {max_tokens}", param=key_used, code="invalid_value")
+    temperature = get_float(body, "temperature", 1.0)
+    if temperature < 0:
+        raise ApiError(f"'temperature' must be >= 0 (0 = greedy); got {temperature}", param="temperature",
+                       code="invalid_value")
+    top_p = get_float(body, "top_p", 1.0)
+    if not 0 < top_p <= 1:
+        raise ApiError(f"'top_p' must be in (0, 1]; got {top_p}", param="top_p", code="invalid_value")
+    top_k = get_int(body, "top_k", 0)
+    if top_k < -1:
+        raise ApiError(f"'top_k' must be >= 0, or -1 to disable it; got {top_k}", param="top_k", code="invalid_value")
+    seed = get_int(body, "seed", None)
+    if seed is None:
+        seed = secrets.randbelow(SEED_LIMIT)
+    elif not 0 <= seed < SEED_LIMIT:
+        raise ApiError(f"'seed' must be in [0, 2**32); got {seed}", param="seed", code="invalid_value")
+    n = get_int(body, "n", 1)
+    if n != 1:
+        raise ApiError(f"only n=1 is supported (one choice per request); got n={n}", param="n", code="invalid_value")
+    stop_ids = body.get("stop_token_ids")
+    if stop_ids is None:
+        stop_ids = []
+    if not (isinstance(stop_ids, list) and all(_is_int(t) and t >= 0 for t in stop_ids)):
+        raise ApiError(f"'stop_token_ids' must be a list of non-negative token ids; got {stop_ids!r}",
+                       param="stop_token_ids", code="invalid_type")
+    if not get_bool(body, "ignore_eos", False):
+        stop_ids = [*stop_ids, *eos_token_ids]
+    try:
+        return SamplingParams(temperature=temperature, top_p=top_p, top_k=max(top_k, 0), max_tokens=max_tokens,
+                              seed=seed, stop_token_ids=tuple(dict.fromkeys(stop_ids)))
+    except ValueError as e:  # SamplingParams' own checks, should any be stricter than the above
+        raise ApiError(str(e), code="invalid_value") from e
+
+
+def parse_stream(body: Mapping[str, Any]) -> tuple[bool, bool]:
+    """(stream, include_usage) from `stream` and `stream_options`."""
+    stream = get_bool(body, "stream", False)
+    opts = body.get("stream_options")
+    if opts is None:
+        return stream, False
+    if not stream:
+        raise ApiError("'stream_options' is only allowed when 'stream' is true", param="stream_options",
+                       code="invalid_value")
+    if not isinstance(opts, dict):
+        raise ApiError(f"'stream_options' must be an object; got {opts!r}", param="stream_options", code="invalid_type")
+    return stream, get_bool(opts, "include_usage", False)
+
+
+def parse_prompt(prompt: Any, tokenizer: Tokenizer) -> list[int]:
+    """Token ids of a completion prompt: a string (BOS added), a list of token ids (used as is), or a
+    one-element list holding either."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return tokenizer.encode(prompt, add_bos=True)
+    if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+        if min(prompt) < 0:
+            raise ApiError("'prompt' token ids must be >= 0", param="prompt", code="invalid_value")
+        return list(prompt)
+    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
+        raise ApiError(f"batched prompts are not supported ({len(prompt)} prompts); send one request per prompt",
+                       param="prompt", code="unsupported_value")
+    if isinstance(prompt, list) and not prompt:
+        raise ApiError("'prompt' must not be an empty list", param="prompt", code="invalid_value")
+    raise ApiError("'prompt' must be a string or a list of token ids" + (" (it is missing)" if prompt is None else
+                   f"; got {type(prompt).__name__}"), param="prompt", code="invalid_type")
+
+
+_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def parse_messages(messages: Any) -> list[dict[str, str]]:
+    """Chat messages as [{"role", "content"}] with string content (a list of text parts is joined)."""
+    if messages is None:
+        raise ApiError("'messages' is missing", param="messages", code="invalid_type")
+    if not isinstance(messages, list) or not messages:
+        raise ApiError("'messages' must be a non-empty list of {role, content} objects", param="messages",
+                       code="invalid_type")
+    out = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise ApiError(f"{where} must be an object with 'role' and 'content'", param=where, code="invalid_type")
+        role, content = m.get("role"), m.get("content")
+        if role not in _ROLES:
+            raise ApiError(f"{where}.role must be one of {', '.join(_ROLES)}; got {role!r}", param=f"{where}.role",
+                           code="invalid_value")
+        if isinstance(content, list):
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise ApiError(f"{where}.content parts must all be {{'type': 'text', 'text': ...}}; this server "
+                               "takes text only", param=f"{where}.content", code="unsupported_value")
+            content = "".join(p["text"] for p in content)
+        elif content is None and role == "assistant":
+            content = ""
+        if not isinstance(content, str):
+            raise ApiError(f"{where}.content must be a string or a list of text parts; got {content!r}",
+                           param=f"{where}.content", code="invalid_type")
+        out.append({"role": role, "content": content})
+    return out
+
+
+# ---- chat template -----------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatTemplate:
+    """A tokenizer folder's jinja chat template and its special tokens, or the plain fallback.
+
+    With a template (`tokenizer_config.json`'s `chat_template`, or `chat_template.jinja` /
+    `chat_template.json`), messages are rendered as transformers does, with
+    `add_generation_prompt=True` and bos/eos/unk/pad tokens (sandboxed jinja2, the machinery of
+    `eagle3_jax.train.data`). Without one (the bundled kimi-mini has none), the prompt is each
+    message's content on its own line, roles dropped and nothing added after the last line:
+    `"\\n".join(contents)`, so a base model simply continues the last message.
+    """
+
+    source: str | None = None
+    special_tokens: tuple[tuple[str, str], ...] = ()
+
+    @staticmethod
+    def from_dir(tokenizer_dir: str | os.PathLike | None) -> "ChatTemplate":
+        """The template of a tokenizer folder (None, a file, or a folder without one: the fallback)."""
+        from ..train.data import _chat_template, _special_token
+
+        if tokenizer_dir is None or not os.path.isdir(tokenizer_dir):
+            return ChatTemplate()
+        folder = os.fspath(tokenizer_dir)
+        cfg_path = os.path.join(folder, "tokenizer_config.json")
+        config: dict = {}
+        if os.path.isfile(cfg_path):
+            with open(cfg_path, encoding="utf-8") as f:
+                try:
+                    config = json.load(f)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{cfg_path} is not valid JSON: {e}") from e
+            if not isinstance(config, dict):
+                raise ValueError(f"{cfg_path} must hold a JSON object")
+        specials = tuple((k, _special_token(config.get(k))) for k in ("bos_token", "eos_token", "unk_token", "pad_token"))
+        return ChatTemplate(_chat_template(folder, config), specials)
+
+    def render(self, messages: Sequence[Mapping[str, str]]) -> str:
+        """The prompt text for `messages`, ready for the assistant's answer."""
+        if self.source is None:
+            return "\n".join(m["content"] for m in messages)
+        from ..train.data import _compile_template
+
+        try:
+            return _compile_template(self.source).render(messages=list(messages), add_generation_prompt=True,
+                                                         **dict(self.special_tokens))
+        except Exception as e:  # templates reject some conversations with raise_exception(...)
+            raise ApiError(f"the chat template rejected these messages: {e}", param="messages",
+                           code="invalid_value") from e
+
+
+# ---- text ------------------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=8)
+def byte_token_ids(tokenizer: Tokenizer) -> frozenset[int]:
+    """Ids of the byte-fallback tokens `<0xXX>` of a tokenizer's vocabulary (empty for byte-level BPE)."""
+    return frozenset(i for t, i in tokenizer.backend.get_vocab(with_added_tokens=False).items()
+                     if len(t) == 6 and t.startswith("<0x") and t.endswith(">"))
+
+
+class IncrementalDetokenizer:
+    """The text of generated tokens, decoded as they arrive: `push` returns what is new.
+
+    The text of the tokens so far is `decode(context + generated)` minus `decode(context)`, where
+    the context is the prompt's last tokens (at least CONTEXT, more while they decode to nothing,
+    e.g. trailing special tokens, or start inside a run of byte tokens), so the first token keeps its in-context spacing as in
+    `Tokenizer.decode_continuation`.
+
+    What may still change is held back until the final push: text ending in U+FFFD (an incomplete
+    UTF-8 character), and the text of a trailing run of byte-fallback tokens `<0xXX>`, because the
+    `tokenizers` ByteFallback decoder turns a whole run into U+FFFDs when any later byte of it is
+    invalid. So the concatenated pushes equal `text`, the decode of all tokens at once.
+
+    To keep each push cheap, tokens more than WINDOW behind the end are frozen (never decoded
+    again) at a point where decoding apart gives the same text as decoding together and that is
+    not inside a run of byte tokens.
+    """
+
+    CONTEXT = 5  # prompt tokens decoded before the generated ones, for spacing in context
+    WINDOW = 32  # tokens kept live behind the end; freezing is tried when the window reaches 2 * WINDOW
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int]):
+        self._tok = tokenizer
+        self._bytes = byte_token_ids(tokenizer)
+        ids = [int(t) for t in prompt_ids]
+        ctx, limit = min(self.CONTEXT, len(ids)), min(len(ids), 32 * self.CONTEXT)
+        while ctx < limit and not tokenizer.decode(ids[len(ids) - ctx:]):  # only special tokens so far
+            ctx = min(ctx + self.CONTEXT, limit)
+        while ctx < limit and ids[-ctx] in self._bytes and ids[-ctx - 1] in self._bytes:  # not inside a run
+            ctx += 1
+        self._ids = ids[len(ids) - ctx:]
+        self._first = len(self._ids)  # the first generated token
+        self._start = self._first  # the first live token; the generated ones before it are frozen
+        self._frozen = ""  # text of the generated tokens before _start
+        self._sent = ""  # everything push has returned
+
+    @property
+    def text(self) -> str:
+        """The text of every token pushed so far (U+FFFD included)."""
+        return self._frozen + self._live(self._start, len(self._ids))
+
+    def push(self, new_ids: Sequence[int], final: bool = False) -> str:
+        """The text that `new_ids` (appended to everything pushed before) adds."""
+        self._ids.extend(int(t) for t in new_ids)
+        if len(self._ids) - self._start >= 2 * self.WINDOW:
+            self._freeze(len(self._ids) - self.WINDOW)
+        end = len(self._ids)
+        if not final:
+            while end > self._start and self._ids[end - 1] in self._bytes:
+                end -= 1
+            text = (self._frozen + self._live(self._start, end)).rstrip("\ufffd")
+        else:
+            text = self.text
+        if text.startswith(self._sent):
+            new = text[len(self._sent):]
+        elif final:  # sent text changed (no known decoder does this): send the rest after the common part
+            new = text[len(os.path.commonprefix([text, self._sent])):]
+        else:
+            return ""  # wait for the text to settle
+        self._sent = text
+        return new
+
+    def _live(self, start: int, end: int) -> str:
+        """Text of tokens [start, end), decoded after the CONTEXT tokens before `start` (after the
+        whole prompt context when `start` is the first generated token)."""
+        ctx = 0 if start == self._first else max(start - self.CONTEXT, 0)
+        prefix = self._tok.decode(self._ids[ctx:start])
+        full = self._tok.decode(self._ids[ctx:end])
+        return full[len(prefix):] if full.startswith(prefix) else self._tok.decode(self._ids[start:end])
+
+    def _freeze(self, at: int) -> None:
+        """Move the window start to `at` or before, outside any run of byte tokens, if splitting
+        there leaves the text unchanged."""
+        while at > self._start + 1 and self._ids[at - 1] in self._bytes and self._ids[at] in self._bytes:
+            at -= 1
+        if self._ids[at - 1] in self._bytes and self._ids[at] in self._bytes:
+            return  # one long run of byte tokens: keep it live
+        before = self._live(self._start, at)
+        if self._live(self._start, len(self._ids)) == before + self._live(at, len(self._ids)):
+            self._frozen += before
+            self._start = at
+
+
+def finish_reason(reason: str | None) -> str | None:
+    """The OpenAI finish_reason of a scheduler finish reason ("stop", "length"; others unchanged)."""
+    return {"stop": "stop", "length": "length"}.get(reason, reason) if reason is not None else None
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+# ---- metrics -----------------------------------------------------------------------------------------------
+
+# (metric name, type, help, key of AsyncEngine.stats()); stats without the key are left out.
+_METRICS: tuple[tuple[str, str, str, str], ...] = (
+    ("eagle3_prompt_tokens_total", "counter", "Prompt tokens of admitted requests.", "prompt_tokens_total"),
+    ("eagle3_generation_tokens_total", "counter", "Generated tokens.", "generation_tokens_total"),
+    ("eagle3_requests_finished_total", "counter", "Requests finished (stop or length).", "num_requests_finished"),
+    ("eagle3_requests_aborted_total", "counter", "Requests aborted (client gone or cancelled).",
+     "num_requests_aborted"),
+    ("eagle3_preemptions_total", "counter", "Requests preempted to free KV pages.", "num_preemptions"),
+    ("eagle3_decode_steps_total", "counter", "Verify passes, summed over requests.", "num_decode_steps_total"),
+    ("eagle3_accepted_tokens_total", "counter", "Tokens emitted by verify passes (tau summed over passes).",
+     "accepted_tokens_total"),
+    ("eagle3_num_requests_waiting", "gauge", "Requests queued in the scheduler, not yet running.", "num_waiting"),
+    ("eagle3_num_requests_running", "gauge", "Requests running (holding KV pages).", "num_running"),
+    ("eagle3_request_queue_depth", "gauge", "Commands (new requests, aborts) not yet taken by the engine thread.",
+     "request_queue_depth"),
+    ("eagle3_kv_pages_free", "gauge", "Free KV cache pages.", "num_free_pages"),
+    ("eagle3_kv_pages_total", "gauge", "Usable KV cache pages.", "num_pages"),
+    ("eagle3_kv_page_size", "gauge", "Tokens per KV cache page.", "page_size"),
+    ("eagle3_mean_accept_length", "gauge", "Mean acceptance length tau (tokens per verify pass, bonus included).",
+     "mean_accept_length"),
+)
+
+
+def _fmt(v: float) -> str:
+    return repr(float(v)) if isinstance(v, float) else str(int(v))
+
+
+def render_metrics(stats: Mapping[str, Any], http_requests: Mapping[tuple[str, int], int]) -> str:
+    """Prometheus text exposition (format 0.0.4) of engine stats and HTTP request counts.
+
+    Per-position acceptance is `eagle3_spec_acceptance_rate{position="k"}`: the fraction of verify
+    passes that accepted at least k draft tokens.
+    """
+    lines = []
+    for name, kind, help_, key in _METRICS:
+        if stats.get(key) is not None:
+            lines += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f"{name} {_fmt(stats[key])}"]
+    if stats.get("num_pages"):
+        used = 1 - stats.get("num_free_pages", 0) / stats["num_pages"]
+        lines += ["# HELP eagle3_kv_cache_usage_ratio Fraction of KV pages in use.",
+                  "# TYPE eagle3_kv_cache_usage_ratio gauge", f"eagle3_kv_cache_usage_ratio {_fmt(float(used))}"]
+    per_pos = stats.get("per_position_accepted_total")
+    if per_pos is not None:
+        steps = stats.get("num_decode_steps_total") or 0
+        lines += ["# HELP eagle3_spec_acceptance_rate Fraction of verify passes accepting at least `position` "
+                  "draft tokens.", "# TYPE eagle3_spec_acceptance_rate gauge"]
+        lines += [f'eagle3_spec_acceptance_rate{{position="{k}"}} {_fmt(float(n / steps) if steps else 0.0)}'
+                  for k, n in enumerate(per_pos, 1)]
+    lines += ["# HELP eagle3_engine_healthy 1 while the engine thread runs and steps.",
+              "# TYPE eagle3_engine_healthy gauge", f"eagle3_engine_healthy {int(bool(stats.get('engine_healthy')))}"]
+    if http_requests:
+        lines += ["# HELP eagle3_http_requests_total HTTP requests answered, by route and status.",
+                  "# TYPE eagle3_http_requests_total counter"]
+        lines += [f'eagle3_http_requests_total{{route="{route}",status="{status}"}} {n}'
+                  for (route, status), n in sorted(http_requests.items())]
+    return "\n".join(lines) + "\n"
+
+
+# ---- the server ----------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Job:
+    """A validated generation request."""
+
+    kind: str  # "completion" | "chat"
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    stream: bool
+    include_usage: bool
+
+
+class _Server:
+    def __init__(self, engine: AsyncEngine, tokenizer: Tokenizer, model_name: str, max_seq_len: int,
+                 eos_token_ids: Sequence[int], chat_template: ChatTemplate, default_max_tokens: int):
+        self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
+        self.max_seq_len, self.eos_token_ids = int(max_seq_len), tuple(int(t) for t in eos_token_ids)
+        self.chat_template, self.default_max_tokens = chat_template, int(default_max_tokens)
+        self.created = int(time.time())
+        self.http_requests: dict[tuple[str, int], int] = {}
+
+    # -- middleware: OpenAI error bodies everywhere, request counts for /metrics
+
+    @web.middleware
+    async def middleware(self, request: web.Request, handler: Callable) -> web.StreamResponse:
+        resource = getattr(request.match_info.route, "resource", None)
+        route = resource.canonical if resource is not None else "other"  # unmatched paths share one label
+        try:
+            response = await handler(request)
+        except ApiError as e:
+            response = e.response()
+        except web.HTTPException as e:
+            if e.status < 400:
+                raise
+            response = error_response(e.reason, status=e.status, code=e.reason.lower().replace(" ", "_"),
+                                      type="invalid_request_error" if e.status < 500 else "server_error")
+        except EngineDeadError as e:
+            response = error_response(str(e), status=503, type="server_error", code="engine_dead")
+        except EngineError as e:
+            response = error_response(str(e), status=500, type="server_error", code="engine_error")
+        except (asyncio.CancelledError, ConnectionResetError):
+            raise  # the client is gone: nobody to answer
+        except Exception as e:
+            logger.exception("unhandled error in %s %s", request.method, request.path)
+            response = error_response(f"internal server error: {type(e).__name__}: {e}", status=500,
+                                      type="server_error", code="internal_error")
+        key = (route, response.status)
+        self.http_requests[key] = self.http_requests.get(key, 0) + 1
+        return response
+
+    # -- simple endpoints
+
+    async def health(self, request: web.Request) -> web.Response:
+        if self.engine.is_healthy:
+            return web.json_response({"status": "ok"})
+        reason = self.engine.error or "the engine is not running"
+        return error_response(str(reason), status=503, type="server_error", code="engine_unavailable")
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [self._model_card()]})
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        text = render_metrics(self.engine.stats(), self.http_requests)
+        return web.Response(body=text.encode("utf-8"),
+                            headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+    def _model_card(self) -> dict[str, Any]:
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "eagle3-jax",
+                "max_model_len": self.max_seq_len}
+
+    # -- generation endpoints
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        body = await self._body(request)
+        if "prompt" not in body or body["prompt"] is None:
+            raise ApiError("'prompt' is required", param="prompt", code="missing_required_parameter")
+        prompt_ids = parse_prompt(body["prompt"], self.tokenizer)
+        job = self._job("completion", body, prompt_ids, "prompt", self.default_max_tokens, ("max_tokens",))
+        return await self._run(request, job, f"cmpl-{uuid.uuid4().hex}")
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        body = await self._body(request)
+        messages = parse_messages(body.get("messages"))
+        prompt_ids = self.tokenizer.encode(self.chat_template.render(messages), add_bos=True)
+        # Chat defaults to the whole room left in max_seq_len, as vLLM does.
+        job = self._job("chat", body, prompt_ids, "messages", max(self.max_seq_len - len(prompt_ids), 1),
+                        ("max_completion_tokens", "max_tokens"))
+        return await self._run(request, job, f"chatcmpl-{uuid.uuid4().hex}")
+
+    async def _body(self, request: web.Request) -> dict[str, Any]:
+        try:
+            body = await request.json(loads=json.loads)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ApiError(f"the request body is not valid JSON: {e}", code="invalid_json") from e
+        if not isinstance(body, dict):
+            raise ApiError(f"the request body must be a JSON object; got {type(body).__name__}", code="invalid_json")
+        model = body.get("model")
+        if model is not None and model != self.model_name:
+            raise ApiError(f"The model `{model}` does not exist; this server serves `{self.model_name}`",
+                           status=404, param="model", code="model_not_found")
+        check_unsupported(body)
+        return body
+
+    def _job(self, kind: str, body: Mapping[str, Any], prompt_ids: list[int], prompt_param: str,
+             default_max_tokens: int, max_tokens_keys: Sequence[str]) -> _Job:
+        sampling = parse_sampling(body, default_max_tokens=default_max_tokens, eos_token_ids=self.eos_token_ids,
+                                  max_tokens_keys=max_tokens_keys)
+        stream, include_usage = parse_stream(body)
+        if len(prompt_ids) >= self.max_seq_len:
+            raise ApiError(f"the prompt has {len(prompt_ids)} tokens, but this server's max_seq_len is "
+                           f"{self.max_seq_len} and at least one token must be generated; shorten the prompt",
+                           param=prompt_param, code="context_length_exceeded")
+        return _Job(kind, prompt_ids, sampling, stream, include_usage)
+
+    async def _run(self, request: web.Request, job: _Job, request_id: str) -> web.StreamResponse:
+        async with contextlib.aclosing(self.engine.generate(job.prompt_ids, job.sampling, request_id)) as deltas:
+            try:
+                first = await anext(deltas)
+            except CapacityError as e:
+                raise ApiError(str(e), param="max_tokens", code="request_too_large") from e
+            except ValueError as e:  # add_request's validation: bad token ids, no room in max_seq_len
+                raise ApiError(str(e), param="prompt" if job.kind == "completion" else "messages",
+                               code="invalid_value") from e
+            if job.stream:
+                return await self._stream(request, job, request_id, first, deltas)
+            return await self._complete(job, request_id, first, deltas)
+
+    async def _complete(self, job: _Job, request_id: str, first: Any, deltas: Any) -> web.Response:
+        tokens, delta = list(first.token_ids), first
+        while not delta.finished:
+            delta = await anext(deltas)
+            tokens += delta.token_ids
+        # The same decoding as streaming, so a streamed answer concatenates to this text.
+        text = IncrementalDetokenizer(self.tokenizer, job.prompt_ids).push(tokens, final=True)
+        reason = finish_reason(delta.finish_reason)
+        if job.kind == "completion":
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+        else:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                      "finish_reason": reason}
+        return web.json_response({
+            "id": request_id, "object": "text_completion" if job.kind == "completion" else "chat.completion",
+            "created": int(time.time()), "model": self.model_name, "choices": [choice],
+            "usage": usage(len(job.prompt_ids), len(tokens)),
+        })
+
+    async def _stream(self, request: web.Request, job: _Job, request_id: str, first: Any,
+                      deltas: Any) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8",
+                                               "Cache-Control": "no-cache"})
+        created = int(time.time())
+        chat = job.kind == "chat"
+        obj = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(text: str | None, reason: str | None, role: bool = False) -> dict[str, Any]:
+            if chat:
+                delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
+                if text:
+                    delta["content"] = text
+                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+            else:
+                choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
+            out = {"id": request_id, "object": obj, "created": created, "model": self.model_name, "choices": [choice]}
+            if job.include_usage:
+                out["usage"] = None
+            return out
+
+        detok = IncrementalDetokenizer(self.tokenizer, job.prompt_ids)
+        num_tokens = 0
+        try:
+            await response.prepare(request)
+            if chat:
+                await _send(response, chunk(None, None, role=True))
+            delta = first
+            while True:
+                num_tokens += len(delta.token_ids)
+                text = detok.push(delta.token_ids, final=delta.finished)
+                if delta.finished:
+                    await _send(response, chunk(text, finish_reason(delta.finish_reason)))
+                    break
+                if text:
+                    await _send(response, chunk(text, None))
+                delta = await anext(deltas)
+            if job.include_usage:
+                await _send(response, {"id": request_id, "object": obj, "created": created, "model": self.model_name,
+                                       "choices": [], "usage": usage(len(job.prompt_ids), num_tokens)})
+            await response.write(b"data: [DONE]\n\n")
+            await response.write_eof()
+        except (ConnectionResetError, ConnectionError):
+            pass  # the client left; leaving `deltas` (aclosing in _run) aborts the request
+        except EngineError as e:  # headers are sent: report in-band, as OpenAI does mid-stream
+            logger.warning("request %s failed mid-stream: %s", request_id, e)
+            with contextlib.suppress(ConnectionError):
+                await _send(response, {"error": {"message": str(e), "type": "server_error", "param": None,
+                                                 "code": "engine_error"}})
+                await response.write_eof()
+        return response
+
+
+async def _send(response: web.StreamResponse, payload: Mapping[str, Any]) -> None:
+    data = json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
+    await response.write(f"data: {data}\n\n".encode("utf-8"))
+
+
+def make_app(async_engine: AsyncEngine, tokenizer: Tokenizer, model_name: str, *, max_seq_len: int | None = None,
+             eos_token_ids: Sequence[int] | None = None, tokenizer_dir: str | os.PathLike | None = None,
+             default_max_tokens: int = 16, client_max_size: int = 8 * 2**20) -> web.Application:
+    """The aiohttp application serving `async_engine` under the OpenAI API as `model_name`.
+
+    `max_seq_len` defaults to the scheduler's; `eos_token_ids` (where requests stop unless
+    `ignore_eos`) to the tokenizer's. `tokenizer_dir` is where the chat template is read from (None
+    or a folder without one: the plain fallback of `ChatTemplate`). `default_max_tokens` is the
+    completions default (OpenAI's is 16). The caller starts and closes the engine; run the app with
+    `handler_cancellation=True` so that a client leaving before its first token aborts at once.
+    """
+    if max_seq_len is None:
+        max_seq_len = async_engine.scheduler.max_seq_len
+    server = _Server(async_engine, tokenizer, model_name, max_seq_len,
+                     tokenizer.eos_ids if eos_token_ids is None else eos_token_ids,
+                     ChatTemplate.from_dir(tokenizer_dir), default_max_tokens)
+    app = web.Application(middlewares=[server.middleware], client_max_size=client_max_size)
+    app[_SERVER_KEY] = server
+    app.router.add_post("/v1/completions", server.completions)
+    app.router.add_post("/v1/chat/completions", server.chat_completions)
+    app.router.add_get("/v1/models", server.models)
+    app.router.add_get("/health", server.health)
+    app.router.add_get("/metrics", server.metrics)
+    return app

@@ -1,0 +1,155 @@
+"""Serve a target model (plainly or with EAGLE-3 speculation) over an OpenAI-compatible HTTP API.
+
+    python scripts/serve.py --target=checkpoints/kimi-mini --draft=checkpoints/kimi-mini-eagle3 \\
+        --num_steps=3 --topk=1 --num_draft_tokens=4 --max_seq_len=512 --port=8000
+    python scripts/serve.py --target=/models/Kimi-K2.5 --draft=/models/Kimi-K2.5-eagle3 --dtype=bfloat16 \\
+        --max_num_seqs=128 --max_seq_len=4096 --served_model_name=kimi-k2.5
+
+Then, from another shell:
+
+    curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
+        -d '{"prompt": "Once upon a time", "max_tokens": 32, "temperature": 0}'
+    curl -N http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\
+        -d '{"messages": [{"role": "user", "content": "Tom had a big red ball"}], "max_tokens": 32, "stream": true}'
+    curl http://127.0.0.1:8000/metrics
+
+or any OpenAI client with base_url http://127.0.0.1:8000/v1 (the API key is not checked).
+
+Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
+GET /metrics (Prometheus). Requests run in a continuous-batching `Scheduler` (up to --max_num_seqs
+at once, paged KV cache) driven by one engine thread; see eagle3_jax/serving/openai_api.py for
+the accepted request fields. The server listens on loopback only unless --host says otherwise; it
+has no authentication, so expose it only behind something that has. Ctrl-C stops it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import Sequence
+
+from absl import app, flags, logging
+
+# Run from a checkout without installing: make the repository's package importable.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("target", None, "Target model: HF folder (safetensors + config.json) or Orbax folder from "
+                    "scripts/convert.py.")
+flags.DEFINE_string("draft", None, "EAGLE-3 draft folder (HF LlamaForCausalLMEagle3 layout); unset = plain decoding.")
+flags.DEFINE_integer("num_steps", 3, "Draft levels per speculative step (tree depth).", lower_bound=1)
+flags.DEFINE_integer("topk", 1, "Children expanded per draft node; 1 = chain.", lower_bound=1)
+flags.DEFINE_integer("num_draft_tokens", None, "Tree nodes verified per step, root included "
+                     "(default: num_steps + 1, a chain's size).", lower_bound=2)
+flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16", "float16"], "Compute dtype of the weights.")
+flags.DEFINE_string("tokenizer", None, "Folder (or tokenizer.json) to tokenize with and read the chat template "
+                    "from (default: --target).")
+flags.DEFINE_string("served_model_name", None, "Model name clients pass as `model` (default: the basename of --target).")
+flags.DEFINE_string("host", "127.0.0.1", "Address to listen on; the default is loopback only "
+                    "(0.0.0.0 = every interface).")
+flags.DEFINE_integer("port", 8000, "TCP port to listen on.", lower_bound=0, upper_bound=65535)
+flags.DEFINE_integer("max_num_seqs", 64, "Requests running at once (the decode batch); more wait in a queue.",
+                     lower_bound=1)
+flags.DEFINE_integer("max_seq_len", None, "Prompt + generated tokens per request (default: min(model max "
+                     "positions, 2048)).", lower_bound=2)
+flags.DEFINE_integer("page_size", 16, "Tokens per KV cache page.", lower_bound=1)
+flags.DEFINE_integer("num_pages", None, "KV cache pages in the pool (default: enough for max_num_seqs "
+                     "sequences of max_seq_len tokens).", lower_bound=1)
+flags.DEFINE_integer("prefill_chunk", 256, "Prompt tokens prefilled per scheduler step: the longest chunk of one "
+                     "prompt, and the budget shared by the requests prefilling in that step.", lower_bound=1)
+flags.DEFINE_bool("warmup", True, "Run a few tiny requests before listening, so the first clients do not wait "
+                  "for compilation (--nowarmup to skip).")
+flags.mark_flag_as_required("target")
+
+
+def default_max_seq_len(max_position_embeddings: int, cap: int = 2048) -> int:
+    """min(model max positions, cap): the --max_seq_len default (as scripts/generate.py)."""
+    return min(int(max_position_embeddings), cap)
+
+
+def stop_ids(model_eos: Sequence[int], tokenizer_eos: Sequence[int]) -> tuple[int, ...]:
+    """EOS ids from the model config and the tokenizer folder, without repeats, in order."""
+    return tuple(dict.fromkeys([*model_eos, *tokenizer_eos]))
+
+
+def tokenizer_dir(path: str) -> str:
+    """The folder holding the tokenizer files (the chat template lives there too)."""
+    return path if os.path.isdir(path) else os.path.dirname(path)
+
+
+def warmup_prompts(bos_id: int | None, prefill_chunk: int, max_seq_len: int) -> list[list[int]]:
+    """A one-token prompt and one a prefill chunk long (capped by max_seq_len), of BOS ids (or 1)."""
+    start = 1 if bos_id is None else int(bos_id)
+    long_len = max(1, min(prefill_chunk, max_seq_len - 8))
+    return [[start], [start] * long_len]
+
+
+def warm_up(scheduler, prompts: list[list[int]], max_tokens: int = 8) -> float:
+    """Run each prompt alone, then all together (greedy, `max_tokens` each); returns seconds.
+
+    This compiles the prefill and decode programs of a lone request (what the first client sends)
+    and of a small batch; larger batch buckets still compile on their first use.
+    """
+    import eagle3_jax as e3
+
+    start = time.perf_counter()
+    greedy = e3.SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    for p in prompts:
+        scheduler.generate([p], greedy)
+    scheduler.generate(prompts, greedy)
+    return time.perf_counter() - start
+
+
+def main(argv: Sequence[str]) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    if not FLAGS["verbosity"].present:
+        logging.set_verbosity(logging.INFO)
+    import eagle3_jax as e3  # imported here so that --help works without loading JAX
+    from aiohttp import web
+
+    from eagle3_jax.checkpoint import CheckpointError
+    from eagle3_jax.scheduler import Scheduler
+    from eagle3_jax.serving import AsyncEngine, make_app
+    from eagle3_jax.tokenizer import TokenizerError, load_tokenizer
+
+    tok_path = FLAGS.tokenizer or FLAGS.target
+    try:  # config and tokenizer first: their errors come before a long weight load
+        cfg = e3.load_model_config(FLAGS.target)
+        tok = load_tokenizer(tok_path, bos_id=cfg.bos_token_id)
+        target = e3.load_target(FLAGS.target, dtype=FLAGS.dtype)
+        draft = None if FLAGS.draft is None else e3.load_draft(FLAGS.draft, target=target, dtype=FLAGS.dtype)
+        spec = None if draft is None else e3.SpecConfig(
+            num_steps=FLAGS.num_steps, topk=FLAGS.topk,
+            num_draft_tokens=FLAGS.num_draft_tokens or FLAGS.num_steps + 1)
+        max_seq_len = FLAGS.max_seq_len or default_max_seq_len(cfg.max_position_embeddings)
+        scheduler = Scheduler(target, draft=draft, spec=spec, max_num_seqs=FLAGS.max_num_seqs,
+                              max_seq_len=max_seq_len, page_size=FLAGS.page_size, num_pages=FLAGS.num_pages,
+                              prefill_chunk=FLAGS.prefill_chunk)
+    except (e3.ConfigError, CheckpointError, TokenizerError, ValueError) as e:
+        sys.exit(f"serve.py: {e}")
+    model_name = FLAGS.served_model_name or os.path.basename(os.path.normpath(FLAGS.target))
+
+    if FLAGS.warmup:
+        logging.info("warming up (compiling the prefill and decode programs)...")
+        seconds = warm_up(scheduler, warmup_prompts(tok.bos_id, FLAGS.prefill_chunk, max_seq_len))
+        logging.info("warm-up done in %.1f s", seconds)
+
+    engine = AsyncEngine(scheduler).start()
+    application = make_app(engine, tok, model_name, max_seq_len=max_seq_len,
+                           eos_token_ids=stop_ids(cfg.eos_token_ids, tok.eos_ids), tokenizer_dir=tokenizer_dir(tok_path))
+
+    async def close_engine(_app) -> None:
+        await engine.close()
+
+    application.on_cleanup.append(close_engine)
+    mode = "plain decoding" if spec is None else f"EAGLE-3 {spec}"
+    logging.info("serving %s as %r (%s, max_num_seqs %d, max_seq_len %d) on http://%s:%d/v1", FLAGS.target,
+                 model_name, mode, FLAGS.max_num_seqs, max_seq_len, FLAGS.host, FLAGS.port)
+    # handler_cancellation: a client that disconnects cancels its handler, which aborts its request.
+    web.run_app(application, host=FLAGS.host, port=FLAGS.port, handler_cancellation=True, print=None)
+
+
+if __name__ == "__main__":
+    app.run(main)
