@@ -1,0 +1,262 @@
+"""The serving benchmark over HTTP: drives a running OpenAI-compatible server like `vllm bench serve`.
+
+Each request is a streaming `POST {base_url}/v1/completions` with the prompt as a list of token
+ids, `max_tokens` = the workload's output length, `ignore_eos: true` (vLLM's extension: generate
+exactly max_tokens) and `stream_options: {"include_usage": true}`. Every SSE chunk that carries a
+choice is timestamped on arrival (vLLM's benchmark does the same: one ITL sample per chunk), and
+the output token count comes from the final chunk's `usage.completion_tokens`.
+
+Concurrency follows `--max-concurrency C --request-rate inf`: every request is ready at once and
+an asyncio semaphore keeps at most C in flight. Each cell runs 2 x C warm-up requests (not
+measured) before its measured ones. The server runs one speculation setting, so a run has one
+setting. tau and per-position acceptance come from the server's Prometheus `/metrics` counters,
+scraped before and after the measured requests, when it exposes them (scripts/serve.py does).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Callable, Sequence
+
+from .metrics import RequestRecord, attach_speedups
+from .runner import RunConfig, check_lengths, make_cell
+from .settings import SpecSetting
+from .workloads import MEASURED, WARMUP, Workload
+
+TIMEOUT_S = 6 * 3600  # a long benchmark cell must not be cut off by the client
+
+
+def completion_payload(prompt: Sequence[int], *, output_len: int, temperature: float, seed: int,
+                       model: str | None) -> dict:
+    """Body of one streaming /v1/completions request with a token-id prompt and ignore-EOS."""
+    body = {"prompt": [int(t) for t in prompt], "max_tokens": int(output_len), "temperature": float(temperature),
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    if temperature > 0:
+        body["seed"] = int(seed)  # per-request seed (vLLM / OpenAI extension) for reproducible sampling
+    if model is not None:
+        body["model"] = model
+    return body
+
+
+def parse_sse_line(line: bytes) -> dict | str | None:
+    """One SSE line: the JSON of a `data:` line, "[DONE]" for the end marker, None otherwise.
+
+    Blank lines, comments (`: ...`) and other fields (`event:`, `id:`) give None.
+    """
+    line = line.strip()
+    if not line.startswith(b"data:"):
+        return None
+    data = line[len(b"data:"):].strip()
+    if data == b"[DONE]":
+        return "[DONE]"
+    try:
+        obj = json.loads(data)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"the server sent a data line that is not JSON: {data[:200]!r}") from e
+    if not isinstance(obj, dict):
+        raise ValueError(f"the server sent a data line that is not a JSON object: {data[:200]!r}")
+    return obj
+
+
+def apply_event(rec: RequestRecord, event: dict, now: float) -> None:
+    """Fold one streamed JSON chunk into `rec`: a chunk with a choice is a delta arriving at `now`;
+    `usage` gives the output token count; an `error` object marks the request failed."""
+    if event.get("error") is not None:
+        err = event["error"]
+        rec.error = str(err.get("message", err) if isinstance(err, dict) else err)
+        return
+    choices = event.get("choices") or []
+    if choices:
+        rec.delta_times.append(now)
+        choice = choices[0]
+        if choice.get("finish_reason"):
+            rec.finish_reason = choice["finish_reason"]
+    usage = event.get("usage")
+    if isinstance(usage, dict) and usage.get("completion_tokens") is not None:
+        rec.num_output_tokens = int(usage["completion_tokens"])
+
+
+async def send_request(session, url: str, body: dict) -> RequestRecord:
+    """Send one streaming completion and record what arrived when (never raises for request errors)."""
+    import aiohttp
+
+    rec = RequestRecord(prompt_len=len(body["prompt"]), submit_time=time.perf_counter())
+    got_usage = done = False
+    try:
+        async with session.post(url, json=body) as resp:
+            if resp.status != 200:
+                rec.error = f"HTTP {resp.status}: {(await resp.text())[:500]}"
+                return rec
+            async for line in resp.content:  # aiohttp's StreamReader yields one line at a time
+                now = time.perf_counter()
+                event = parse_sse_line(line)
+                if event == "[DONE]":
+                    done = True
+                    break
+                if isinstance(event, dict):
+                    apply_event(rec, event, now)
+                    got_usage = got_usage or isinstance(event.get("usage"), dict)
+                    if rec.error is not None:
+                        return rec
+        rec.finish_time = time.perf_counter()
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+        rec.error = f"{type(e).__name__}: {e}"
+        return rec
+    if not done:
+        rec.error = "the stream ended without `data: [DONE]`"
+    elif not got_usage:
+        rec.error = ("the server sent no usage chunk; it must support stream_options.include_usage "
+                     "(the output token count comes from usage.completion_tokens)")
+    elif not rec.delta_times and rec.num_output_tokens > 0:
+        rec.error = "the server reported output tokens but streamed no chunk with a choice"
+    return rec
+
+
+async def run_requests(base_url: str, bodies: Sequence[dict], concurrency: int, *, progress: bool = False,
+                       desc: str = "") -> tuple[list[RequestRecord], float]:
+    """Send `bodies` with at most `concurrency` in flight; (records in order, wall seconds)."""
+    import aiohttp
+    from tqdm.auto import tqdm
+
+    url = base_url.rstrip("/") + "/v1/completions"
+    sem = asyncio.Semaphore(concurrency)
+    bar = tqdm(total=len(bodies), desc=desc, unit="req", leave=False, disable=not progress)
+
+    async def one(session, body: dict) -> RequestRecord:
+        async with sem:
+            rec = await send_request(session, url, body)
+        bar.update(1)
+        return rec
+
+    timeout = aiohttp.ClientTimeout(total=TIMEOUT_S)
+    try:
+        async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
+            start = time.perf_counter()
+            records = await asyncio.gather(*(one(session, b) for b in bodies))
+            duration = time.perf_counter() - start
+    finally:
+        bar.close()
+    return list(records), duration
+
+
+def parse_prometheus(text: str) -> dict[str, float]:
+    """Samples of a Prometheus text exposition: `name` or `name{labels}` -> value (comments skipped)."""
+    out = {}
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        key, _, value = line.rpartition(" ")
+        try:
+            out[key] = float(value)
+        except ValueError:
+            continue  # not a sample line
+    return out
+
+
+def acceptance_between(before: dict[str, float], after: dict[str, float]) -> dict | None:
+    """tau and per-position acceptance of the verify passes between two /metrics scrapes.
+
+    Reads the counters `eagle3_decode_steps_total` and `eagle3_accepted_tokens_total` and the
+    gauges `eagle3_spec_acceptance_rate{position="k"}` (cumulative fractions, turned back into
+    counts by multiplying with the step counter). None when the server does not expose them or no
+    verify pass ran in between.
+    """
+    steps_key, acc_key = "eagle3_decode_steps_total", "eagle3_accepted_tokens_total"
+    if any(k not in d for k in (steps_key, acc_key) for d in (before, after)):
+        return None
+    steps = after[steps_key] - before[steps_key]
+    if steps <= 0:
+        return None
+    per_position = []
+    k = 1
+    while (key := f'eagle3_spec_acceptance_rate{{position="{k}"}}') in after:
+        n_after = round(after[key] * after[steps_key])
+        n_before = round(before.get(key, 0.0) * before[steps_key])
+        per_position.append((n_after - n_before) / steps)
+        k += 1
+    return {"tau": (after[acc_key] - before[acc_key]) / steps, "per_position": per_position,
+            "num_verify_steps": int(steps), "source": "server /metrics"}
+
+
+async def scrape_metrics(base_url: str) -> dict[str, float] | None:
+    """GET /metrics parsed by `parse_prometheus`; None when the server does not answer it."""
+    import aiohttp
+
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+            async with session.get(base_url.rstrip("/") + "/metrics") as resp:
+                return parse_prometheus(await resp.text()) if resp.status == 200 else None
+    except (aiohttp.ClientError, asyncio.TimeoutError):
+        return None
+
+
+async def served_model(base_url: str) -> str | None:
+    """The first model id of GET /v1/models, or None when the server does not answer it."""
+    import aiohttp
+
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+            async with session.get(base_url.rstrip("/") + "/v1/models") as resp:
+                if resp.status != 200:
+                    return None
+                data = (await resp.json()).get("data") or []
+                return str(data[0]["id"]) if data and isinstance(data[0], dict) and "id" in data[0] else None
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError):
+        return None
+
+
+async def check_server(base_url: str) -> None:
+    """Raise ConnectionError with the fix when nothing answers at base_url."""
+    import aiohttp
+
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+            async with session.get(base_url.rstrip("/") + "/v1/models"):
+                return
+    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        raise ConnectionError(f"no server answers at {base_url} ({type(e).__name__}: {e}); start one with "
+                              "scripts/serve.py or fix --base_url") from None
+
+
+def run_http_benchmark(base_url: str, setting: SpecSetting, workload: Workload, cfg: RunConfig, *,
+                       model: str | None = None, num_devices: int = 1,
+                       log: Callable[[str], None] = print) -> list[dict]:
+    """Every (concurrency, seed) cell against the server at `base_url`, which runs `setting`."""
+    asyncio.run(check_server(base_url))
+    if model is None:
+        model = asyncio.run(served_model(base_url))
+    out_len = workload.output_len
+    cells = []
+    for seed in cfg.seeds:
+        for c in cfg.concurrencies:
+            tag = f"{setting.name} C={c} seed={seed}"
+            n_warm = cfg.warmups_for(c)
+
+            def bodies(prompts: list[list[int]], s: int) -> list[dict]:
+                return [completion_payload(p, output_len=out_len, temperature=cfg.temperature,
+                                           seed=(s * 1_000_003 + i) % 2**32, model=model)
+                        for i, p in enumerate(prompts)]
+
+            if n_warm:
+                warm_bodies = bodies(workload.prompts(n_warm, seed, WARMUP), seed + 7919)
+                warm, _ = asyncio.run(run_requests(base_url, warm_bodies, c, progress=cfg.progress,
+                                                   desc=f"{tag} warm-up"))
+                check_lengths(warm, out_len, f"{tag} warm-up")
+            measured = bodies(workload.prompts(cfg.prompts_for(c), seed, MEASURED), seed)
+            before = asyncio.run(scrape_metrics(base_url))
+            records, duration = asyncio.run(run_requests(base_url, measured, c, progress=cfg.progress, desc=tag))
+            after = asyncio.run(scrape_metrics(base_url))
+            check_lengths(records, out_len, tag)
+            cell = make_cell(setting, c, seed, records, duration, num_warmups=n_warm, num_devices=num_devices,
+                             with_acceptance=False, extra={"base_url": base_url, "model": model})
+            acc = acceptance_between(before, after) if before and after and setting.spec is not None else None
+            if acc is not None:  # the server's counters: exact when nothing else ran on it meanwhile
+                cell["metrics"]["acceptance"] = acc
+            cells.append(cell)
+            m = cell["metrics"]
+            log(f"{setting.label:>24} C={c:<4} seed={seed}: {m['output_throughput']:9.1f} tok/s, "
+                f"TPOT {m['tpot_ms']['mean'] or 0:.2f} ms")
+    return attach_speedups(cells)

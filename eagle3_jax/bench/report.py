@@ -1,0 +1,218 @@
+"""Benchmark reports: a JSON dump of everything, a markdown table in the AMD blog's shape, plots.
+
+The table has one row per concurrency:
+
+    | concurrency | no-spec tok/s | EAGLE-3 chain 3:1:4 tok/s (speedup) | ... | no-spec TPOT (ms) | ...
+      ... | chain 3:1:4 tau | ...
+
+Figures are means over the seeds of a run; a speculative setting's speedup is its mean output
+tokens/s over the no-spec mean at the same concurrency. The plots show output tokens/s and mean
+TPOT against concurrency, one line per speculation setting.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+import time
+from typing import Sequence
+
+from .metrics import mean_or_none, speedup
+
+_ROW_KEYS = {  # aggregated figure -> how to read it from a cell's metrics
+    "output_throughput": lambda m: m["output_throughput"],
+    "output_throughput_per_device": lambda m: m["output_throughput_per_device"],
+    "request_throughput": lambda m: m["request_throughput"],
+    "ttft_ms_mean": lambda m: m["ttft_ms"]["mean"],
+    "tpot_ms_mean": lambda m: m["tpot_ms"]["mean"],
+    "itl_ms_mean": lambda m: m["itl_ms"]["mean"],
+    "e2e_latency_ms_mean": lambda m: m["e2e_latency_ms"]["mean"],
+    "tau": lambda m: m.get("acceptance", {}).get("tau"),
+}
+
+
+def machine_info() -> dict:
+    """Platform, CPU count, Python and JAX versions, JAX backend and devices."""
+    import jax
+
+    devices = jax.devices()
+    return {
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "processor": platform.processor(),
+        "cpu_count": os.cpu_count(),
+        "python": sys.version.split()[0],
+        "jax": jax.__version__,
+        "jax_backend": jax.default_backend(),
+        "jax_devices": [str(d) for d in devices],
+        "device_kind": devices[0].device_kind if devices else None,
+    }
+
+
+def aggregate(cells: Sequence[dict]) -> list[dict]:
+    """One row per (setting, concurrency): figures averaged over seeds, speedup of the means."""
+    groups: dict[tuple[str, int], list[dict]] = {}
+    for c in cells:
+        groups.setdefault((c["setting"], c["concurrency"]), []).append(c)
+    rows = []
+    for (setting, conc), group in groups.items():
+        row = {"setting": setting, "label": group[0]["label"], "concurrency": conc,
+               "seeds": [c["seed"] for c in group]}
+        row.update({k: mean_or_none(get(c["metrics"]) for c in group) for k, get in _ROW_KEYS.items()})
+        flags = [c.get("identical_to_no_spec") for c in group]
+        row["identical_to_no_spec"] = None if any(f is None for f in flags) else all(flags)
+        rows.append(row)
+    base = {r["concurrency"]: r["output_throughput"] for r in rows if r["setting"] == "none"}
+    for r in rows:
+        r["speedup"] = speedup(r["output_throughput"], base.get(r["concurrency"]))
+    return rows
+
+
+def build_report(cells: Sequence[dict], *, settings: Sequence[str], workload: dict, config: dict,
+                 argv: Sequence[str] | None = None, mode: str = "in-process", extra: dict | None = None) -> dict:
+    """Everything about a run: command line, date, machine, workload, configuration, cells, rows."""
+    return {
+        "command": " ".join(argv if argv is not None else sys.argv),
+        "argv": list(argv if argv is not None else sys.argv),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "machine": machine_info(),
+        "mode": mode,
+        "settings": list(settings),
+        "workload": workload,
+        "config": config,
+        **(extra or {}),
+        "rows": aggregate(cells),
+        "cells": list(cells),
+    }
+
+
+def _fmt(x: float | None, digits: int = 1) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def _row(rows: Sequence[dict], setting: str, conc: int) -> dict | None:
+    return next((r for r in rows if r["setting"] == setting and r["concurrency"] == conc), None)
+
+
+def markdown_table(report: dict) -> str:
+    """The AMD-blog-shaped table: throughput (with speedup), then TPOT, then tau per setting."""
+    rows = report["rows"]
+    settings = report["settings"]
+    labels = {r["setting"]: r["label"] for r in rows}
+    has_base = "none" in settings
+    spec_settings = [s for s in settings if s != "none"]
+    short = {s: labels[s].replace("EAGLE-3 ", "") for s in settings}
+    head = ["concurrency"]
+    for s in settings:
+        head.append(f"{labels[s]} tok/s" + (" (speedup)" if s != "none" and has_base else ""))
+    head += [f"{short[s]} TPOT (ms)" for s in settings]
+    head += [f"{short[s]} tau" for s in spec_settings]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for conc in sorted({r["concurrency"] for r in rows}):
+        cells = [str(conc)]
+        for s in settings:
+            r = _row(rows, s, conc)
+            text = _fmt(r and r["output_throughput"])
+            if s != "none" and has_base and r is not None and r["speedup"] is not None:
+                text += f" ({r['speedup']:.2f}x)"
+            cells.append(text)
+        cells += [_fmt((_row(rows, s, conc) or {}).get("tpot_ms_mean"), 2) for s in settings]
+        cells += [_fmt((_row(rows, s, conc) or {}).get("tau"), 2) for s in spec_settings]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _describe_workload(w: dict) -> str:
+    if w.get("kind") == "random":
+        return (f"random tokens, shape {w['shape']} x {w['scale']:g} = {w['input_len']} in / {w['output_len']} out")
+    if w.get("kind") == "dataset":
+        return (f"{w['dataset']} ({w['num_prompts_fitting']} of {w['num_records']} prompts fit; "
+                f"mean prompt {w['prompt_len_mean']:.0f} tokens), {w['output_len']} out")
+    return str(w)
+
+
+def _count(n: int | None, per_c: int) -> str:
+    return f"{per_c} x concurrency" if n is None else str(n)
+
+
+def _compile_note(cells: Sequence[dict]) -> list[str]:
+    """A line on cells re-measured because XLA compiled mid-measurement (none: no line)."""
+    repeated = sum(c.get("measure_attempts", 1) > 1 for c in cells)
+    dirty = sum(c.get("compiles_during_measurement", 0) > 0 for c in cells)
+    if not repeated and not dirty:
+        return []
+    note = f"{repeated} of {len(cells)} cells were re-measured after a compile during measurement"
+    return [note + (f"; {dirty} still compiled in their last pass (their figures include compile time)." if dirty
+                    else "; every reported pass ran without compiling.")]
+
+
+def markdown(report: dict) -> str:
+    """The report as markdown: what ran, where, when, then the table."""
+    m, cfg = report["machine"], report["config"]
+    flags = [r["identical_to_no_spec"] for r in report["rows"] if r["setting"] != "none"]
+    ident = "n/a" if not flags or any(f is None for f in flags) else ("yes" if all(flags) else "NO")
+    dtype = f"dtype {cfg['dtype']}; " if cfg.get("dtype") else ""  # unknown over HTTP: the server's
+    where = "Machine" if report["mode"] == "in-process" else "Client machine"
+    lines = [
+        f"Workload: {_describe_workload(report['workload'])}, ignore-EOS.",
+        f"Requests per cell: {_count(cfg.get('num_prompts'), 10)}, after {_count(cfg.get('num_warmups'), 2)} "
+        f"warm-ups; seeds {', '.join(map(str, cfg.get('seeds') or []))}; temperature {cfg.get('temperature')}; "
+        f"{dtype}{report['mode']}.",
+        f"{where}: {m['jax_backend']} x{len(m['jax_devices'])} ({m['device_kind']}), {m['machine']}, "
+        f"{m['cpu_count']} CPUs, JAX {m['jax']}. Date: {report['date']}.",
+        f"Command: `{report['command']}`",
+        f"Greedy outputs identical to no-spec: {ident}.",
+        *_compile_note(report["cells"]),
+        "",
+        markdown_table(report),
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def plot(report: dict, key: str, ylabel: str, path: str) -> None:
+    """A PNG of row figure `key` against concurrency, one line per setting (log2 x axis)."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display needed
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=110)
+    try:
+        for s in report["settings"]:
+            pts = sorted((r["concurrency"], r[key]) for r in report["rows"] if r["setting"] == s and r[key] is not None)
+            if pts:
+                label = next(r["label"] for r in report["rows"] if r["setting"] == s)
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
+        ax.set_xscale("log", base=2)
+        concs = sorted({r["concurrency"] for r in report["rows"]})
+        ax.set_xticks(concs, [str(c) for c in concs])
+        ax.set_xlabel("concurrency")
+        ax.set_ylabel(ylabel)
+        ax.set_title(_describe_workload(report["workload"]), fontsize=9)
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(path, format="png")
+    finally:
+        plt.close(fig)
+
+
+def write_report(report: dict, out_dir: str | os.PathLike, name: str) -> dict[str, str]:
+    """Write <name>.json, <name>.md, <name>_throughput.png and <name>_tpot.png; returns their paths."""
+    if not name or os.sep in name or name in (".", ".."):
+        raise ValueError(f"report name must be a plain file stem; got {name!r}")
+    out_dir = os.fspath(out_dir)
+    os.makedirs(out_dir, exist_ok=True)
+    paths = {k: os.path.join(out_dir, f"{name}{suffix}") for k, suffix in
+             (("json", ".json"), ("md", ".md"), ("throughput", "_throughput.png"), ("tpot", "_tpot.png"))}
+    with open(paths["json"], "w") as f:
+        json.dump(report, f, indent=1, allow_nan=False)
+        f.write("\n")
+    with open(paths["md"], "w") as f:
+        f.write(markdown(report))
+    plot(report, "output_throughput", "output tokens/s", paths["throughput"])
+    plot(report, "tpot_ms_mean", "mean TPOT (ms)", paths["tpot"])
+    return paths

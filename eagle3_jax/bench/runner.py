@@ -1,0 +1,314 @@
+"""In-process serving benchmark: drives `eagle3_jax.scheduler.Scheduler` like `vllm bench serve`.
+
+Semantics of `vllm bench serve --max-concurrency C --request-rate inf`: all requests are ready at
+once, at most C are in flight, and the next one is submitted as soon as one finishes. Each cell
+(speculation setting x concurrency x seed) first runs `2 x C` warm-up requests (compiles the
+batch buckets, not measured), then `10 x C` measured ones by default. A measured pass during
+which XLA compiled a program is repeated (up to `max_measure_attempts` passes in all), since a
+compile stalls every request in flight for seconds; cells record how many passes they took. There is one Scheduler per
+speculation setting (max_num_seqs = the largest concurrency), reused by all its cells.
+
+With `interleave=True` (the default) the cells run concurrency by concurrency, every setting in
+turn, so slow spells of a shared machine hit every setting alike; all Schedulers (and their KV
+pools) then live at once. With `interleave=False` the settings run one after the other and each
+Scheduler is dropped before the next is built.
+
+Every request must generate exactly the workload's output length (requests carry no stop tokens:
+ignore-EOS), otherwise the cell raises. Each cell records a digest of its outputs, so greedy
+speculative cells can be checked token for token against the no-speculation cell.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import hashlib
+import json
+import time
+from typing import Callable, Sequence
+
+from ..sampling import SamplingParams
+from .metrics import RequestRecord, attach_speedups, summarize
+from .settings import NO_SPEC, SpecSetting
+from .workloads import MEASURED, WARMUP, Workload
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """The grid and the per-cell request counts (None = vLLM-style defaults 10 x C and 2 x C)."""
+
+    concurrencies: tuple[int, ...]
+    seeds: tuple[int, ...] = (0,)
+    num_prompts: int | None = None
+    num_warmups: int | None = None
+    temperature: float = 0.0
+    interleave: bool = True
+    progress: bool = True
+    max_measure_attempts: int = 3  # measured passes per cell until one runs without compiling
+
+    def __post_init__(self) -> None:
+        if not self.concurrencies or any(not isinstance(c, int) or c < 1 for c in self.concurrencies):
+            raise ValueError(f"concurrencies must be integers >= 1; got {self.concurrencies!r}")
+        if len(set(self.concurrencies)) != len(self.concurrencies):
+            raise ValueError(f"concurrencies listed more than once: {self.concurrencies!r}")
+        if not self.seeds or len(set(self.seeds)) != len(self.seeds):
+            raise ValueError(f"seeds must be a non-empty list without repeats; got {self.seeds!r}")
+        if self.num_prompts is not None and self.num_prompts < 1:
+            raise ValueError(f"num_prompts must be >= 1; got {self.num_prompts}")
+        if self.max_measure_attempts < 1:
+            raise ValueError(f"max_measure_attempts must be >= 1; got {self.max_measure_attempts}")
+        if self.num_warmups is not None and self.num_warmups < 0:
+            raise ValueError(f"num_warmups must be >= 0; got {self.num_warmups}")
+        SamplingParams(temperature=self.temperature)  # validates
+
+    def prompts_for(self, concurrency: int) -> int:
+        return self.num_prompts if self.num_prompts is not None else 10 * concurrency
+
+    def warmups_for(self, concurrency: int) -> int:
+        return self.num_warmups if self.num_warmups is not None else 2 * concurrency
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def sampling_for(cfg: RunConfig, output_len: int, seed: int, index: int) -> SamplingParams:
+    """Request `index`'s sampling: fixed length, no stop tokens (ignore-EOS), a per-request seed."""
+    return SamplingParams(temperature=cfg.temperature, max_tokens=output_len,
+                          seed=(seed * 1_000_003 + index) % 2**32, stop_token_ids=())
+
+
+def outputs_digest(outputs: Sequence[Sequence[int]]) -> str:
+    """SHA-256 of the requests' output token ids, in prompt order."""
+    return hashlib.sha256(json.dumps([list(map(int, o)) for o in outputs]).encode()).hexdigest()
+
+
+def check_lengths(records: Sequence[RequestRecord], output_len: int, what: str) -> None:
+    """Raise RuntimeError unless every request succeeded with exactly `output_len` tokens."""
+    for i, r in enumerate(records):
+        if r.error is not None:
+            raise RuntimeError(f"{what}: request {i} failed: {r.error}")
+        if r.num_output_tokens != output_len:
+            raise RuntimeError(
+                f"{what}: request {i} generated {r.num_output_tokens} tokens (finish_reason {r.finish_reason!r}); "
+                f"every request must generate exactly {output_len} (ignore-EOS, fixed length)"
+            )
+
+
+def make_cell(setting: SpecSetting, concurrency: int, seed: int, records: Sequence[RequestRecord],
+              duration_s: float, *, num_warmups: int, num_devices: int, with_acceptance: bool,
+              extra: dict | None = None) -> dict:
+    """One result cell: its coordinates, request counts and `summarize`'s metrics."""
+    max_accept = setting.spec.max_accept if (with_acceptance and setting.spec is not None) else None
+    cell = {"setting": setting.name, "label": setting.label, "concurrency": concurrency, "seed": seed,
+            "num_prompts": len(records), "num_warmups": num_warmups,
+            "metrics": summarize(records, duration_s, num_devices=num_devices, max_accept=max_accept)}
+    if all(r.token_ids is not None for r in records):
+        cell["outputs_digest"] = outputs_digest([r.token_ids for r in records])  # type: ignore[misc]
+    cell.update(extra or {})
+    return cell
+
+
+def mark_identical(cells: list[dict]) -> list[dict]:
+    """Set `identical_to_no_spec` on speculative cells: their outputs digest equals the no-spec cell's
+    of the same concurrency and seed (None when either digest is missing)."""
+    base = {(c["concurrency"], c["seed"]): c.get("outputs_digest") for c in cells if c["setting"] == NO_SPEC}
+    for c in cells:
+        if c["setting"] != NO_SPEC:
+            b, d = base.get((c["concurrency"], c["seed"])), c.get("outputs_digest")
+            c["identical_to_no_spec"] = None if b is None or d is None else b == d
+    return cells
+
+
+def drive(sched, prompts: Sequence[Sequence[int]], sampling: Callable[[int], SamplingParams], concurrency: int,
+          *, tag: str, progress: bool = False, desc: str = "") -> tuple[list[RequestRecord], float]:
+    """Run `prompts` through `sched` with at most `concurrency` in flight; (records, wall seconds).
+
+    Submits a new request whenever fewer than `concurrency` are unfinished (checked after every
+    scheduler step), timestamps every delta, and stops when all have finished. The wall time runs
+    from just before the first submit to the return of the step that finished the last request.
+    """
+    from tqdm.auto import tqdm
+
+    n = len(prompts)
+    records: list[RequestRecord] = []
+    inflight: dict[str, int] = {}
+    nxt = 0
+    bar = tqdm(total=n, desc=desc, unit="req", leave=False, disable=not progress)
+    start = time.perf_counter()
+    try:
+        while nxt < n or inflight:
+            while nxt < n and len(inflight) < concurrency:
+                rid = f"{tag}-{nxt}"
+                submit = time.perf_counter()
+                sched.add_request(list(prompts[nxt]), sampling(nxt), request_id=rid)
+                records.append(RequestRecord(prompt_len=len(prompts[nxt]), submit_time=submit, delta_tokens=[]))
+                inflight[rid] = nxt
+                nxt += 1
+            deltas = sched.step()
+            if not deltas and not sched.has_unfinished():
+                raise RuntimeError(f"the scheduler has nothing left to run but {len(inflight)} requests never finished")
+            for d in deltas:
+                if d.request_id not in inflight:
+                    raise RuntimeError(f"the scheduler returned a delta for unknown request {d.request_id!r}")
+                rec = records[inflight[d.request_id]]
+                if d.token_ids:
+                    rec.delta_times.append(d.time)
+                    rec.delta_tokens.append(len(d.token_ids))  # type: ignore[union-attr]
+                    rec.num_output_tokens += len(d.token_ids)
+                if d.finished:
+                    rec.finish_time, rec.finish_reason = d.time, d.finish_reason
+                    if d.output is not None:
+                        rec.token_ids = list(d.output.token_ids)
+                        rec.accept_lengths = list(d.output.metrics.get("accept_lengths", []))
+                    if d.finish_reason == "abort":
+                        rec.error = "aborted by the scheduler"
+                    del inflight[d.request_id]
+                    bar.update(1)
+        duration = time.perf_counter() - start
+    finally:
+        bar.close()
+    return records, duration
+
+
+class CompileCounter:
+    """Counts XLA backend compilations (JAX's monitoring events) while active, as a context manager."""
+
+    EVENT = "/jax/core/compile/backend_compile_duration"
+
+    def __init__(self):
+        self.count, self.seconds = 0, 0.0
+
+    def _listener(self, event: str, duration: float, **_) -> None:
+        if event == self.EVENT:
+            self.count += 1
+            self.seconds += duration
+
+    def __enter__(self) -> "CompileCounter":
+        import jax.monitoring
+
+        jax.monitoring.register_event_duration_secs_listener(self._listener)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import jax.monitoring
+
+        jax.monitoring.unregister_event_duration_listener(self._listener)
+
+
+def _timed_drive(*args, **kwargs) -> tuple[list[RequestRecord], float]:
+    """`drive` with the garbage collector paused (as timeit does), so collections don't land in one cell."""
+    gc.collect()
+    gc.disable()
+    try:
+        return drive(*args, **kwargs)
+    finally:
+        gc.enable()
+
+
+def run_cell(sched, setting: SpecSetting, workload: Workload, concurrency: int, seed: int, cfg: RunConfig,
+             *, num_devices: int) -> dict:
+    """Warm-ups (not measured), then the measured requests of one cell; returns the cell dict."""
+    tag = f"{setting.name}-c{concurrency}-s{seed}"
+    n_warm, n = cfg.warmups_for(concurrency), cfg.prompts_for(concurrency)
+    out_len = workload.output_len
+    if n_warm:
+        warm = workload.prompts(n_warm, seed, WARMUP)
+        records, _ = drive(sched, warm, lambda i: sampling_for(cfg, out_len, seed + 7919, i), concurrency,
+                           tag=tag + "-warmup", progress=cfg.progress, desc=f"{setting.label} C={concurrency} warm-up")
+        check_lengths(records, out_len, f"{tag} warm-up")
+    prompts = workload.prompts(n, seed, MEASURED)
+    # A program compiled mid-measurement (a batch / page-table bucket the warm-ups never reached)
+    # would stall the cell for seconds. The scheduler's steps depend only on the requests, not on
+    # timing, so a repeat of the same requests reuses exactly those programs: repeat until clean.
+    for attempt in range(1, cfg.max_measure_attempts + 1):
+        before = sched.stats()
+        with CompileCounter() as compiles:
+            records, duration = _timed_drive(sched, prompts, lambda i: sampling_for(cfg, out_len, seed, i),
+                                             concurrency, tag=f"{tag}-a{attempt}", progress=cfg.progress,
+                                             desc=f"{setting.label} C={concurrency} seed={seed}")
+        after = sched.stats()
+        check_lengths(records, out_len, tag)
+        if compiles.count == 0:
+            break
+    extra = {"num_preemptions": after.get("num_preemptions", 0) - before.get("num_preemptions", 0),
+             "measure_attempts": attempt, "compiles_during_measurement": compiles.count,
+             "compile_s_during_measurement": compiles.seconds}
+    return make_cell(setting, concurrency, seed, records, duration, num_warmups=n_warm, num_devices=num_devices,
+                     with_acceptance=True, extra=extra)
+
+
+def num_devices_of(target) -> int:
+    """Devices the target's parameters are spread over (its mesh size; 1 without a mesh)."""
+    mesh = getattr(target, "mesh", None)
+    return int(mesh.devices.size) if mesh is not None else 1
+
+
+def make_scheduler(target, draft, setting: SpecSetting, *, max_num_seqs: int, max_seq_len: int,
+                   page_size: int | None = None, prefill_chunk: int | None = None, num_pages: int | None = None):
+    """A Scheduler for one speculation setting (the draft is attached only for speculative ones)."""
+    from ..scheduler import Scheduler
+
+    if setting.spec is not None and draft is None:
+        raise ValueError(f"setting {setting.name} needs a draft model; pass --draft")
+    kw = {k: v for k, v in (("page_size", page_size), ("prefill_chunk", prefill_chunk), ("num_pages", num_pages))
+          if v is not None}
+    return Scheduler(target, draft=draft if setting.spec is not None else None, spec=setting.spec,
+                     max_num_seqs=max_num_seqs, max_seq_len=max_seq_len, **kw)
+
+
+def ordered(settings: Sequence[SpecSetting]) -> list[SpecSetting]:
+    """Settings with the no-spec baseline first (the order cells run and tables show)."""
+    return sorted(settings, key=lambda s: s.spec is not None)
+
+
+def run_benchmark(target, draft, settings: Sequence[SpecSetting], workload: Workload, cfg: RunConfig, *,
+                  max_seq_len: int, page_size: int | None = None, prefill_chunk: int | None = None,
+                  num_pages: int | None = None, num_devices: int | None = None,
+                  log: Callable[[str], None] = print) -> list[dict]:
+    """Every cell of the grid (settings x concurrencies x seeds), with speedups and identity checks.
+
+    `max_seq_len` is the Schedulers' sequence length; the workload must fit it. `num_devices`
+    (for tokens/s per device) defaults to the target's mesh size. Greedy runs mark each
+    speculative cell `identical_to_no_spec`; sampled runs leave it None (sampling is lossless in
+    distribution, not token for token).
+    """
+    if workload.max_total_len > max_seq_len:
+        raise ValueError(f"workload {workload.name} needs sequences of {workload.max_total_len} tokens; "
+                         f"max_seq_len is {max_seq_len}")
+    settings = ordered(settings)
+    devices = num_devices if num_devices is not None else num_devices_of(target)
+    max_c = max(cfg.concurrencies)
+    build = lambda s: make_scheduler(target, draft, s, max_num_seqs=max_c, max_seq_len=max_seq_len,  # noqa: E731
+                                     page_size=page_size, prefill_chunk=prefill_chunk, num_pages=num_pages)
+    cells: list[dict] = []
+
+    def one(sched, s: SpecSetting, c: int, seed: int) -> None:
+        cell = run_cell(sched, s, workload, c, seed, cfg, num_devices=devices)
+        cells.append(cell)
+        m = cell["metrics"]
+        tau = m.get("acceptance", {}).get("tau")
+        log(f"{s.label:>24} C={c:<4} seed={seed}: {m['output_throughput']:9.1f} tok/s, "
+            f"TPOT {m['tpot_ms']['mean'] or 0:.2f} ms" + (f", tau {tau:.2f}" if tau is not None else "")
+            + (f" ({cell['measure_attempts']} measured passes: compiles)" if cell["measure_attempts"] > 1 else ""))
+
+    if cfg.interleave:
+        scheds = {s.name: build(s) for s in settings}
+        for seed in cfg.seeds:
+            for c in cfg.concurrencies:
+                for s in settings:
+                    one(scheds[s.name], s, c, seed)
+    else:
+        for s in settings:
+            sched = build(s)
+            for seed in cfg.seeds:
+                for c in cfg.concurrencies:
+                    one(sched, s, c, seed)
+            del sched
+    attach_speedups(cells)
+    if cfg.greedy:
+        return mark_identical(cells)
+    for c in cells:
+        if c["setting"] != NO_SPEC:
+            c["identical_to_no_spec"] = None
+    return cells

@@ -1,0 +1,188 @@
+"""Serving benchmark: plain decoding vs EAGLE-3 under concurrent load, in the AMD blog's shape.
+
+Runs every (speculation setting x concurrency x seed) cell the way `vllm bench serve
+--max-concurrency C --request-rate inf` does: at most C requests in flight, the next submitted as
+one finishes, 2 x C warm-up requests then 10 x C measured ones per cell (by default). Every
+request generates exactly the workload's output length (ignore-EOS), so all settings do the same
+work. Reports output tokens/s (also per device), requests/s, TTFT, TPOT, ITL and E2E latency
+(mean, median, p99), tau and per-position acceptance, and each setting's speedup over the no-spec
+cell of the same run; writes <out_dir>/<name>.json (everything, with the command line, machine and
+date), <name>.md (the table), <name>_throughput.png and <name>_tpot.png, and prints the table.
+
+In-process (the default), on the bundled demo pair, InferenceX 1k1k scaled by 1/16 (64 in / 64 out):
+
+    python scripts/bench.py --target=checkpoints/kimi-mini --draft=checkpoints/kimi-mini-eagle3 \\
+        --spec=none,chain:3:1:4,tree:5:4:16 --workload=random --shape=1k1k --scale=0.0625 \\
+        --concurrency=4,8,16
+
+A dataset workload (chat-templated first turns, fixed output length), two seeds:
+
+    python scripts/bench.py --workload=mt_bench --output_len=128 --concurrency=1,4 --seeds=0,1
+
+Against a running server (scripts/serve.py or any OpenAI-compatible /v1/completions that streams
+and honours ignore_eos); --target then only supplies the tokenizer and vocabulary, and --spec names
+the one setting the server runs:
+
+    python scripts/bench.py --base_url=http://localhost:8000 --target=checkpoints/kimi-mini \\
+        --spec=chain:3:1:4 --concurrency=1,4,16
+
+Speculation settings: `none`, `chain:num_steps:topk:num_draft_tokens` (topk 1, num_draft_tokens =
+num_steps + 1) and `tree:num_steps:topk:num_draft_tokens` (an EAGLE-2 dynamic tree).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from typing import Sequence
+
+from absl import app, flags, logging
+
+# Run from a checkout without installing: make the repository's package importable.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("target", "checkpoints/kimi-mini", "Target model folder (HF or Orbax). With --base_url only its "
+                    "config.json and tokenizer.json are read (vocabulary, max length, prompts).")
+flags.DEFINE_string("draft", "checkpoints/kimi-mini-eagle3", "EAGLE-3 draft folder, used by the speculative "
+                    "settings (ignored with --base_url).")
+flags.DEFINE_string("tokenizer", None, "Folder or tokenizer.json to tokenize with (default: --target).")
+flags.DEFINE_list("spec", ["none", "chain:3:1:4", "tree:5:4:16"], "Speculation settings: none, "
+                  "chain:num_steps:topk:num_draft_tokens, tree:num_steps:topk:num_draft_tokens. With --base_url, "
+                  "exactly one: the setting the server runs (a label only).")
+flags.DEFINE_string("workload", "random", "random (fixed-shape random tokens, see --shape/--scale) or a dataset: "
+                    "mt_bench, gsm8k, sharegpt, spec_bench (see --output_len).")
+flags.DEFINE_enum("shape", "1k1k", ["1k1k", "1k8k", "8k1k"], "InferenceX input/output shape of the random workload "
+                  "(1024/1024, 1024/8192, 8192/1024 tokens), times --scale.")
+flags.DEFINE_float("scale", 0.0625, "Multiplies the random shape's lengths (0.0625: 1k1k -> 64/64); 1 = full size.")
+flags.DEFINE_integer("output_len", 128, "Tokens generated per request by dataset workloads.", lower_bound=1)
+flags.DEFINE_string("data_dir", None, "Folder holding the dataset files (default: the repository's data/).")
+flags.DEFINE_list("concurrency", ["4", "8", "16", "32", "64"], "Max requests in flight, one cell each.")
+flags.DEFINE_integer("num_prompts", None, "Measured requests per cell (default: 10 x concurrency).", lower_bound=1)
+flags.DEFINE_integer("num_warmups", None, "Unmeasured warm-up requests per cell (default: 2 x concurrency).",
+                     lower_bound=0)
+flags.DEFINE_list("seeds", ["0"], "Seeds (prompts, per-request sampling); every cell runs once per seed and the "
+                  "table shows the mean over seeds.")
+flags.DEFINE_float("temperature", 0.0, "Sampling temperature of every request; 0 = greedy.", lower_bound=0.0)
+flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16", "float16"], "Compute dtype of the weights.")
+flags.DEFINE_integer("max_seq_len", None, "Prompt + output tokens per sequence. Workloads must fit it; default: "
+                     "the model's max_position_embeddings for that check, and the workload's longest prompt plus "
+                     "output for the scheduler.", lower_bound=2)
+flags.DEFINE_integer("page_size", None, "KV-cache page size in tokens (default: the scheduler's).", lower_bound=1)
+flags.DEFINE_integer("prefill_chunk", None, "Prompt tokens per prefill chunk (default: the scheduler's).",
+                     lower_bound=1)
+flags.DEFINE_integer("max_measure_attempts", 3, "Measured passes per cell at most: a pass during which XLA "
+                     "compiled a program is repeated, as the compile stalls the requests in flight.", lower_bound=1)
+flags.DEFINE_bool("interleave", True, "Run all settings at each concurrency in turn (one scheduler each, all held at "
+                  "once) so slow spells hit every setting alike; --nointerleave runs the settings one after another.")
+flags.DEFINE_string("base_url", None, "Benchmark the server at this URL (e.g. http://localhost:8000) over HTTP "
+                    "instead of running the model in-process.")
+flags.DEFINE_string("model", None, "Model name sent to the server (default: the first id of GET /v1/models).")
+flags.DEFINE_integer("num_devices", None, "Devices behind the figures, for tokens/s per device (default: the "
+                     "in-process target's devices; 1 with --base_url).", lower_bound=1)
+flags.DEFINE_string("out_dir", "benchmarks/results", "Folder for <name>.json, <name>.md and the two PNG plots.")
+flags.DEFINE_string("name", None, "File stem of the outputs (default: <target>_random-<shape>_x<scale>, or "
+                    "<target>_<dataset>_out<output_len>).")
+flags.DEFINE_bool("progress", True, "Show tqdm progress bars.")
+
+
+def _ints(values: Sequence[str], flag: str, lo: int) -> tuple[int, ...]:
+    try:
+        out = tuple(int(v) for v in values)
+    except ValueError:
+        raise app.UsageError(f"--{flag} must be a comma-separated list of integers; got {','.join(values)!r}") from None
+    if not out or any(v < lo for v in out):
+        raise app.UsageError(f"--{flag} needs integers >= {lo}; got {','.join(values)!r}")
+    if len(set(out)) != len(out):
+        raise app.UsageError(f"--{flag} lists a value more than once: {','.join(values)!r}")
+    return out
+
+
+def default_name(target: str, workload) -> str:
+    stem = os.path.basename(os.path.normpath(target))
+    if workload.info.get("kind") == "random":
+        return f"{stem}_{workload.name}_x{workload.info['scale']:g}"
+    return f"{stem}_{workload.name}_out{workload.output_len}"
+
+
+def main(argv: Sequence[str]) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    if not FLAGS["verbosity"].present:
+        logging.set_verbosity(logging.WARNING)  # keep JAX / Orbax INFO lines out of the report
+
+    import eagle3_jax as e3
+    from eagle3_jax.bench import report as report_lib
+    from eagle3_jax.bench.runner import RunConfig, ordered, run_benchmark
+    from eagle3_jax.bench.settings import parse_specs
+    from eagle3_jax.bench.workloads import DATASETS, dataset_workload, random_workload_for
+    from eagle3_jax.tokenizer import load_tokenizer
+
+    try:
+        settings = ordered(parse_specs(FLAGS.spec))
+    except ValueError as e:
+        raise app.UsageError(f"--spec: {e}") from None
+    if FLAGS.base_url and len(settings) != 1:
+        raise app.UsageError("with --base_url, --spec names the one setting the server runs (e.g. --spec=chain:3:1:4)")
+    if FLAGS.workload != "random" and FLAGS.workload not in DATASETS:
+        raise app.UsageError(f"--workload must be random or one of {', '.join(DATASETS)}; got {FLAGS.workload!r}")
+    try:
+        cfg = RunConfig(concurrencies=_ints(FLAGS.concurrency, "concurrency", 1), seeds=_ints(FLAGS.seeds, "seeds", 0),
+                        num_prompts=FLAGS.num_prompts, num_warmups=FLAGS.num_warmups,
+                        temperature=FLAGS.temperature, interleave=FLAGS.interleave, progress=FLAGS.progress,
+                        max_measure_attempts=FLAGS.max_measure_attempts)
+    except ValueError as e:
+        raise app.UsageError(str(e)) from None
+
+    model_cfg = e3.load_model_config(FLAGS.target)
+    limit = FLAGS.max_seq_len or model_cfg.max_position_embeddings
+    tok_dir = FLAGS.tokenizer or FLAGS.target
+    template_dir = os.path.dirname(tok_dir) if tok_dir.endswith(".json") else tok_dir  # chat template beside it
+    tokenizer = load_tokenizer(tok_dir, bos_id=model_cfg.bos_token_id)
+    try:
+        if FLAGS.workload == "random":
+            workload = random_workload_for(FLAGS.shape, scale=FLAGS.scale, tokenizer=tokenizer,
+                                           model_vocab_size=model_cfg.vocab_size, max_seq_len=limit)
+        else:
+            workload = dataset_workload(FLAGS.workload, tokenizer_dir=template_dir, output_len=FLAGS.output_len,
+                                        max_seq_len=limit, data_dir=FLAGS.data_dir, tokenizer=tokenizer)
+    except ValueError as e:
+        raise app.UsageError(str(e)) from None
+    config = {**dataclasses.asdict(cfg), "dtype": FLAGS.dtype, "max_seq_len_limit": limit,
+              "page_size": FLAGS.page_size, "prefill_chunk": FLAGS.prefill_chunk, "target": FLAGS.target}
+
+    if FLAGS.base_url:
+        from eagle3_jax.bench.http_client import run_http_benchmark
+
+        try:
+            cells = run_http_benchmark(FLAGS.base_url, settings[0], workload, cfg, model=FLAGS.model,
+                                       num_devices=FLAGS.num_devices or 1)
+        except ConnectionError as e:
+            sys.exit(str(e))
+        mode = f"HTTP {FLAGS.base_url}"
+        config["dtype"] = None  # the server's business
+    else:
+        target = e3.load_target(FLAGS.target, dtype=FLAGS.dtype)
+        needs_draft = any(s.spec is not None for s in settings)
+        draft = e3.load_draft(FLAGS.draft, target=target, dtype=FLAGS.dtype) if needs_draft else None
+        sched_len = FLAGS.max_seq_len or workload.max_total_len
+        config.update({"draft": FLAGS.draft if needs_draft else None, "scheduler_max_seq_len": sched_len})
+        cells = run_benchmark(target, draft, settings, workload, cfg, max_seq_len=sched_len,
+                              page_size=FLAGS.page_size, prefill_chunk=FLAGS.prefill_chunk,
+                              num_devices=FLAGS.num_devices)
+        mode = "in-process"
+
+    report = report_lib.build_report(cells, settings=[s.name for s in settings], workload=workload.info,
+                                     config=config, argv=sys.argv, mode=mode)
+    name = FLAGS.name or default_name(FLAGS.target, workload)
+    paths = report_lib.write_report(report, FLAGS.out_dir, name)
+    print()
+    print(report_lib.markdown(report))
+    print("wrote " + ", ".join(paths.values()))
+    if any(r["identical_to_no_spec"] is False for r in report["rows"]):
+        sys.exit("greedy outputs of a speculative setting differ from no-spec decoding")
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,404 @@
+"""The serving benchmark (eagle3_jax.bench): metrics, workloads, settings, reports, drivers, end to end."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+from eagle3_jax.bench import metrics as M
+from eagle3_jax.bench import report as R
+from eagle3_jax.bench import workloads as W
+from eagle3_jax.bench.http_client import completion_payload, parse_sse_line, run_requests
+from eagle3_jax.bench.runner import RunConfig, check_lengths, drive, make_cell, mark_identical, outputs_digest
+from eagle3_jax.bench.settings import parse_spec, parse_specs
+from eagle3_jax.engine import RequestOutput
+from eagle3_jax.sampling import SamplingParams
+from eagle3_jax.spec import SpecConfig
+from eagle3_jax.tokenizer import load_tokenizer
+from eagle3_jax.train.data import load_prompts, render_prompt
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+KIMI = os.path.join(ROOT, "checkpoints", "kimi-mini")
+KIMI_DRAFT = os.path.join(ROOT, "checkpoints", "kimi-mini-eagle3")
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+# ---- metrics on hand-made records ------------------------------------------------------------------
+
+
+def _records() -> list[M.RequestRecord]:
+    # A: submitted at 0.0; deltas of 1, 2, 1 tokens at 0.1, 0.3, 0.4 s; verify steps accepted 2 then 1.
+    a = M.RequestRecord(prompt_len=10, submit_time=0.0, delta_times=[0.1, 0.3, 0.4], delta_tokens=[1, 2, 1],
+                        finish_time=0.4, num_output_tokens=4, accept_lengths=[2, 1])
+    # B: submitted at 0.05; two single-token deltas at 0.25 and 0.35 s; one verify step.
+    b = M.RequestRecord(prompt_len=20, submit_time=0.05, delta_times=[0.25, 0.35], delta_tokens=[1, 1],
+                        finish_time=0.35, num_output_tokens=2, accept_lengths=[1])
+    # C failed: counted, excluded from every figure.
+    c = M.RequestRecord(prompt_len=99, submit_time=0.0, error="boom")
+    return [a, b, c]
+
+
+def test_per_request_metrics():
+    a, b, _ = _records()
+    assert M.ttft_s(a) == pytest.approx(0.1) and M.ttft_s(b) == pytest.approx(0.2)
+    assert M.e2e_s(a) == pytest.approx(0.4) and M.e2e_s(b) == pytest.approx(0.3)
+    assert M.tpot_s(a) == pytest.approx((0.4 - 0.1) / 3) and M.tpot_s(b) == pytest.approx(0.1)
+    assert M.itl_s(a) == pytest.approx([0.2, 0.1])  # the 2-token delta is one ITL sample
+    one = M.RequestRecord(prompt_len=1, submit_time=0.0, delta_times=[0.5], finish_time=0.5, num_output_tokens=1)
+    assert M.tpot_s(one) is None and M.itl_s(one) == []
+
+
+def test_summarize_hand_computed():
+    s = M.summarize(_records(), 0.5, num_devices=2, max_accept=3)
+    assert (s["num_requests"], s["num_completed"], s["num_failed"]) == (3, 2, 1)
+    assert s["total_output_tokens"] == 6 and s["total_input_tokens"] == 30
+    assert s["output_throughput"] == pytest.approx(12.0)
+    assert s["output_throughput_per_device"] == pytest.approx(6.0)
+    assert s["request_throughput"] == pytest.approx(4.0)
+    assert s["total_token_throughput"] == pytest.approx(72.0)
+    assert s["ttft_ms"]["mean"] == pytest.approx(150.0) and s["ttft_ms"]["median"] == pytest.approx(150.0)
+    assert s["ttft_ms"]["p99"] == pytest.approx(199.0)  # 100 + 0.99 * (200 - 100), linear interpolation
+    assert s["tpot_ms"]["mean"] == pytest.approx(100.0) and s["tpot_ms"]["p99"] == pytest.approx(100.0)
+    assert s["itl_ms"]["count"] == 3  # samples 200, 100 (A) and 100 (B)
+    assert s["itl_ms"]["mean"] == pytest.approx(400.0 / 3) and s["itl_ms"]["median"] == pytest.approx(100.0)
+    assert s["itl_ms"]["p99"] == pytest.approx(198.0)  # sorted 100, 100, 200: 100 + 0.98 * 100
+    assert s["e2e_latency_ms"]["mean"] == pytest.approx(350.0) and s["e2e_latency_ms"]["p99"] == pytest.approx(399.0)
+    acc = s["acceptance"]  # steps pooled: 2, 1, 1
+    assert acc["tau"] == pytest.approx(4 / 3) and acc["num_verify_steps"] == 3
+    assert acc["per_position"] == pytest.approx([1 / 3, 0.0, 0.0])
+    assert "acceptance" not in M.summarize(_records(), 0.5)
+    with pytest.raises(ValueError, match="duration"):
+        M.summarize(_records(), 0.0)
+
+
+def test_distribution_and_acceptance_edge_cases():
+    assert M.distribution([]) == {"mean": None, "median": None, "p99": None, "count": 0}
+    assert M.acceptance([[], []], 2) == {"tau": 1.0, "per_position": [0.0, 0.0], "num_verify_steps": 0}
+
+
+def test_speedups_against_no_spec_cell():
+    def cell(setting, conc, seed, tput):
+        return {"setting": setting, "concurrency": conc, "seed": seed, "metrics": {"output_throughput": tput}}
+
+    cells = M.attach_speedups([cell("none", 4, 0, 100.0), cell("chain:3:1:4", 4, 0, 180.0),
+                               cell("chain:3:1:4", 8, 0, 300.0), cell("none", 4, 1, 50.0),
+                               cell("chain:3:1:4", 4, 1, 75.0)])
+    assert cells[0]["speedup"] == pytest.approx(1.0) and cells[1]["speedup"] == pytest.approx(1.8)
+    assert cells[2]["speedup"] is None  # no baseline at concurrency 8
+    assert cells[4]["speedup"] == pytest.approx(1.5)  # seed 1 against seed 1's baseline
+
+
+# ---- settings -------------------------------------------------------------------------------------------
+
+
+def test_parse_spec():
+    assert parse_spec("none").spec is None and parse_spec(" None ").name == "none"
+    chain = parse_spec("chain:3:1:4")
+    assert chain.spec == SpecConfig(num_steps=3, topk=1, num_draft_tokens=4) and chain.label == "EAGLE-3 chain 3:1:4"
+    assert parse_spec("tree:5:4:16").spec == SpecConfig(num_steps=5, topk=4, num_draft_tokens=16)
+    assert [s.name for s in parse_specs(["none", "chain:3:1:4", ""])] == ["none", "chain:3:1:4"]
+
+
+@pytest.mark.parametrize("bad, msg", [
+    ("beam:3:1:4", "unknown speculation setting"),
+    ("chain:3:1", "needs 3 numbers"),
+    ("chain:3:x:4", "non-integer"),
+    ("chain:3:2:4", "a chain has topk=1"),
+    ("chain:3:1:5", "num_draft_tokens=4"),
+    ("tree:2:2:16", "exceeds"),
+])
+def test_parse_spec_errors(bad, msg):
+    with pytest.raises(ValueError, match=msg):
+        parse_spec(bad)
+
+
+def test_parse_specs_errors():
+    with pytest.raises(ValueError, match="more than once"):
+        parse_specs(["none", "chain:3:1:4", "none"])
+    with pytest.raises(ValueError, match="at least one"):
+        parse_specs([])
+
+
+# ---- workloads -------------------------------------------------------------------------------------------
+
+
+def test_scaled_shapes():
+    assert W.scaled_shape("1k1k", 1 / 16) == (64, 64)
+    assert W.scaled_shape("1k8k", 1 / 16) == (64, 512)
+    assert W.scaled_shape("8k1k", 1 / 16) == (512, 64)
+    assert W.scaled_shape("1k1k") == (1024, 1024)
+    with pytest.raises(ValueError, match="unknown shape"):
+        W.scaled_shape("2k2k", 1.0)
+    with pytest.raises(ValueError, match="scale"):
+        W.scaled_shape("1k1k", 0.0)
+
+
+def test_random_workload_lengths_range_and_seeds():
+    wl = W.random_workload("1k1k", scale=1 / 16, vocab_size=512, special_ids={0, 1, 2}, max_seq_len=512)
+    prompts = wl.prompts(20, seed=0)
+    assert wl.output_len == 64 and len(prompts) == 20 and all(len(p) == 64 for p in prompts)
+    flat = np.asarray(prompts)
+    assert flat.min() >= 3 and flat.max() < 512  # special ids 0..2 never drawn
+    assert wl.prompts(20, seed=0) == prompts  # deterministic
+    assert wl.prompts(20, seed=1) != prompts
+    assert wl.prompts(20, seed=0, stream=W.WARMUP) != prompts  # warm-ups are other prompts
+    assert wl.max_total_len == 128
+
+
+def test_random_workload_for_tokenizer_excludes_special_ids():
+    tok = load_tokenizer(KIMI)
+    assert W.special_token_ids(tok) >= {0, 1, 2}
+    wl = W.random_workload_for("1k1k", scale=1 / 16, tokenizer=tok, model_vocab_size=10_000, max_seq_len=512)
+    assert wl.info["vocab_size"] == tok.vocab_size  # capped by what the tokenizer knows
+
+
+def test_workload_too_long_errors():
+    with pytest.raises(ValueError, match="max_seq_len=512"):
+        W.random_workload("8k1k", scale=1 / 16, vocab_size=512, special_ids=(), max_seq_len=512)
+    with pytest.raises(ValueError, match="max_seq_len=8"):
+        W.dataset_workload("mt_bench", tokenizer_dir=KIMI, output_len=4, max_seq_len=8)
+
+
+def test_dataset_workload_rendered_and_tokenized(tmp_path):
+    # A tokenizer folder with a chat template, so the rendering is visible in the token ids.
+    tdir = tmp_path / "tok"
+    tdir.mkdir()
+    shutil.copy(os.path.join(KIMI, "tokenizer.json"), tdir / "tokenizer.json")
+    with open(os.path.join(KIMI, "tokenizer_config.json")) as f:
+        tcfg = json.load(f)
+    tcfg["chat_template"] = "{{ bos_token }}USER: {{ messages[0]['content'] }} ASSISTANT:"
+    (tdir / "tokenizer_config.json").write_text(json.dumps(tcfg))
+    tok = load_tokenizer(tdir, bos_id=1)
+    wl = W.dataset_workload("gsm8k", tokenizer_dir=tdir, output_len=16, max_seq_len=512, tokenizer=tok, limit=10)
+    texts = load_prompts(os.path.join(ROOT, "data", "gsm8k", "test.jsonl"), 10)
+    rendered = [render_prompt(t, tdir) for t in texts]
+    assert rendered[0] == f"<s>USER: {texts[0]} ASSISTANT:"
+    expected = [[1] + tok.encode(r[len("<s>"):], add_bos=False) for r in rendered]
+    assert sorted(map(tuple, expected)) == sorted(wl.pool)
+    assert all(p[0] == 1 and p[1] != 1 for p in wl.pool)  # BOS exactly once, though the template writes it
+    assert tok.decode(wl.pool[0]).startswith("USER:") and tok.decode(wl.pool[0]).endswith("ASSISTANT:")
+    assert wl.info["num_records"] == 10 and wl.info["num_skipped_too_long"] == 0
+    assert wl.prompts(25, seed=3) == wl.prompts(25, seed=3)  # cycles through the 10, reproducibly
+    assert sorted(map(tuple, wl.prompts(10, seed=3))) == sorted(wl.pool)
+
+
+@pytest.mark.parametrize("name", sorted(W.DATASETS))
+def test_bundled_datasets_load(name):
+    wl = W.dataset_workload(name, tokenizer_dir=KIMI, output_len=32, max_seq_len=512, limit=20)
+    assert wl.info["num_prompts_fitting"] >= 1 and all(len(p) + 32 <= 512 for p in wl.pool)
+    assert all(p[0] == 1 and p[1] != 1 for p in wl.pool)  # no chat template: BOS + the text
+    assert wl.info["num_prompts_fitting"] + wl.info["num_skipped_too_long"] == wl.info["num_records"]
+
+
+# ---- report --------------------------------------------------------------------------------------------
+
+
+def _cells() -> list[dict]:
+    none, chain = parse_spec("none"), parse_spec("chain:3:1:4")
+    cells = []
+    for conc, scale in ((1, 1.0), (4, 0.5)):
+        recs = _records()[:2]
+        cells.append(make_cell(none, conc, 0, recs, 0.5 * scale * 2, num_warmups=2 * conc, num_devices=1,
+                               with_acceptance=True))
+        cells.append(make_cell(chain, conc, 0, recs, 0.5 * scale, num_warmups=2 * conc, num_devices=1,
+                               with_acceptance=True))
+    for c in cells:
+        c["outputs_digest"] = outputs_digest([[1, 2]])
+    return mark_identical(M.attach_speedups(cells))
+
+
+def test_report_files(tmp_path):
+    report = R.build_report(_cells(), settings=["none", "chain:3:1:4"],
+                            workload={"kind": "random", "shape": "1k1k", "scale": 0.0625, "input_len": 64,
+                                      "output_len": 64},
+                            config={"num_prompts": None, "num_warmups": None, "seeds": [0], "temperature": 0.0},
+                            argv=["scripts/bench.py", "--concurrency=1,4"])
+    paths = R.write_report(report, tmp_path / "out", "run")
+    with open(paths["json"]) as f:
+        data = json.load(f)
+    assert data["command"] == "scripts/bench.py --concurrency=1,4" and data["machine"]["cpu_count"] == os.cpu_count()
+    assert len(data["cells"]) == 4 and len(data["rows"]) == 4
+    table = R.markdown_table(report)
+    lines = table.splitlines()
+    assert lines[0] == ("| concurrency | no-spec tok/s | EAGLE-3 chain 3:1:4 tok/s (speedup) | no-spec TPOT (ms) "
+                        "| chain 3:1:4 TPOT (ms) | chain 3:1:4 tau |")
+    assert lines[2] == "| 1 | 6.0 | 12.0 (2.00x) | 100.00 | 100.00 | 1.33 |"
+    assert lines[3].startswith("| 4 | 12.0 | 24.0 (2.00x) |")
+    with open(paths["md"]) as f:
+        md = f.read()
+    assert table in md and "identical to no-spec: yes" in md
+    for key in ("throughput", "tpot"):
+        with open(paths[key], "rb") as f:
+            assert f.read(8) == PNG_SIGNATURE
+
+
+# ---- the drivers, on stand-ins ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Delta:
+    request_id: str
+    token_ids: list
+    time: float
+    finished: bool
+    finish_reason: str | None
+    output: RequestOutput | None
+
+
+class _FakeScheduler:
+    """Emits up to 3 tokens (the prompt's first id) per running request per step, max_num_seqs at once."""
+
+    def __init__(self, max_num_seqs: int):
+        self.max_num_seqs, self.reqs, self.order, self.peak = max_num_seqs, {}, [], 0
+
+    def add_request(self, prompt, sampling, request_id):
+        assert request_id not in self.reqs
+        self.reqs[request_id] = [prompt[0], sampling.max_tokens, []]
+        self.order.append(request_id)
+        self.peak = max(self.peak, sum(len(r[2]) < r[1] for r in self.reqs.values()))
+        return request_id
+
+    def has_unfinished(self):
+        return any(len(r[2]) < r[1] for r in self.reqs.values())
+
+    def stats(self):
+        return {"num_preemptions": 0}
+
+    def step(self):
+        import time
+
+        out = []
+        for rid in [r for r in self.order if len(self.reqs[r][2]) < self.reqs[r][1]][: self.max_num_seqs]:
+            tok, budget, got = self.reqs[rid]
+            new = [tok] * min(3, budget - len(got))
+            got += new
+            done = len(got) == budget
+            output = RequestOutput(list(got), "length", {"accept_lengths": [3] * (len(got) // 3)}) if done else None
+            out.append(_Delta(rid, new, time.perf_counter(), done, "length" if done else None, output))
+        return out
+
+
+def test_drive_keeps_concurrency_and_records_deltas():
+    sched = _FakeScheduler(max_num_seqs=64)
+    prompts = [[i + 5] for i in range(7)]
+    records, duration = drive(sched, prompts, lambda i: SamplingParams(max_tokens=7), 2, tag="t")
+    assert sched.peak == 2 and duration > 0
+    assert [r.num_output_tokens for r in records] == [7] * 7
+    assert [r.token_ids for r in records] == [[i + 5] * 7 for i in range(7)]
+    assert all(r.delta_tokens == [3, 3, 1] and len(r.delta_times) == 3 for r in records)
+    check_lengths(records, 7, "fake")
+    with pytest.raises(RuntimeError, match="exactly 8"):
+        check_lengths(records, 8, "fake")
+
+
+def test_run_config_defaults_and_errors():
+    cfg = RunConfig(concurrencies=(4, 8))
+    assert (cfg.prompts_for(4), cfg.warmups_for(8)) == (40, 16)
+    with pytest.raises(ValueError, match="concurrencies"):
+        RunConfig(concurrencies=(0,))
+
+
+def test_sse_parsing_and_payload():
+    assert parse_sse_line(b"data: [DONE]\n") == "[DONE]"
+    assert parse_sse_line(b": keep-alive\n") is None and parse_sse_line(b"\n") is None
+    assert parse_sse_line(b'data: {"choices": []}\n') == {"choices": []}
+    with pytest.raises(ValueError, match="not JSON"):
+        parse_sse_line(b"data: {oops\n")
+    body = completion_payload([1, 2], output_len=5, temperature=0.0, seed=3, model=None)
+    assert body == {"prompt": [1, 2], "max_tokens": 5, "temperature": 0.0, "ignore_eos": True, "stream": True,
+                    "stream_options": {"include_usage": True}}
+
+
+def test_acceptance_from_server_metrics():
+    from eagle3_jax.bench.http_client import acceptance_between, parse_prometheus
+
+    def scrape(steps, accepted, rates):
+        lines = ["# HELP eagle3_decode_steps_total Verify passes.", f"eagle3_decode_steps_total {steps}",
+                 f"eagle3_accepted_tokens_total {accepted}"]
+        lines += [f'eagle3_spec_acceptance_rate{{position="{k}"}} {r!r}' for k, r in enumerate(rates, 1)]
+        return parse_prometheus("\n".join(lines) + "\n")
+
+    before = scrape(10, 25, [0.8, 0.5, 0.2])  # counts 8, 5, 2
+    after = scrape(30, 85, [0.9, 0.6, 0.3])  # counts 27, 18, 9: 20 new steps with 19, 13, 7 acceptances
+    acc = acceptance_between(before, after)
+    assert acc["tau"] == pytest.approx(3.0) and acc["num_verify_steps"] == 20
+    assert acc["per_position"] == pytest.approx([19 / 20, 13 / 20, 7 / 20])
+    assert acceptance_between(before, before) is None and acceptance_between({}, after) is None
+
+
+def test_http_driver_against_a_stub_server():
+    from aiohttp import web
+
+    seen, active = [], [0, 0]  # bodies; [in flight now, peak]
+
+    async def completions(request):
+        body = await request.json()
+        seen.append(body)
+        active[0] += 1
+        active[1] = max(active)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        n = body["max_tokens"]
+        for i in range(0, n, 2):  # chunks of 2 tokens' text
+            await asyncio.sleep(0.002)
+            chunk = {"choices": [{"index": 0, "text": "ab", "finish_reason": "length" if i + 2 >= n else None}]}
+            await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        usage = {"choices": [], "usage": {"prompt_tokens": len(body["prompt"]), "completion_tokens": n}}
+        await resp.write(f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode())
+        active[0] -= 1
+        return resp
+
+    async def main():
+        app = web.Application()
+        app.router.add_post("/v1/completions", completions)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        try:
+            bodies = [completion_payload([7] * (i + 1), output_len=6, temperature=0.0, seed=0, model="m")
+                      for i in range(5)]
+            return await run_requests(f"http://127.0.0.1:{port}", bodies, 2)
+        finally:
+            await runner.cleanup()
+
+    records, duration = asyncio.run(main())
+    assert active[1] <= 2 and len(seen) == 5 and all(b["ignore_eos"] and b["model"] == "m" for b in seen)
+    assert all(r.error is None for r in records), [r.error for r in records]
+    assert [r.prompt_len for r in records] == [1, 2, 3, 4, 5]
+    assert all(r.num_output_tokens == 6 and len(r.delta_times) == 3 and r.finish_reason == "length" for r in records)
+    s = M.summarize(records, duration)
+    assert s["itl_ms"]["count"] == 10 and s["output_throughput"] == pytest.approx(30 / duration)
+
+
+# ---- end to end on the bundled demo pair -------------------------------------------------------------------
+
+
+def test_end_to_end_in_process_demo_pair():
+    import eagle3_jax as e3
+    from eagle3_jax.bench.runner import run_benchmark
+
+    target = e3.load_target(KIMI, dtype="float32")
+    draft = e3.load_draft(KIMI_DRAFT, target=target, dtype="float32")
+    wl = W.random_workload("1k1k", scale=1 / 128, vocab_size=target.config.vocab_size, special_ids={0, 1, 2},
+                           max_seq_len=512)  # 8 in / 8 out
+    cfg = RunConfig(concurrencies=(2,), num_prompts=5, num_warmups=2, progress=False)
+    cells = run_benchmark(target, draft, parse_specs(["chain:3:1:4", "none"]), wl, cfg,
+                          max_seq_len=wl.max_total_len, log=lambda s: None)
+    assert [c["setting"] for c in cells] == ["none", "chain:3:1:4"]  # baseline first
+    none, chain = cells
+    for c in cells:
+        m = c["metrics"]
+        assert m["num_completed"] == 5 and m["total_output_tokens"] == 5 * 8
+        assert m["output_throughput"] > 0 and m["tpot_ms"]["count"] == 5
+    assert chain["outputs_digest"] == none["outputs_digest"] and chain["identical_to_no_spec"] is True
+    assert none["speedup"] == pytest.approx(1.0) and chain["speedup"] > 0
+    acc = chain["metrics"]["acceptance"]
+    assert 1.0 <= acc["tau"] <= 4.0 and len(acc["per_position"]) == 3
