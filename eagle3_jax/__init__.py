@@ -1,19 +1,21 @@
 """eagle3-jax: EAGLE-3 speculative decoding for large MoE models, in pure JAX.
 
 Public API (kept stable):
-    load_target, Target, load_draft, Draft, Engine, SpecConfig, SamplingParams, RequestOutput,
-    make_mesh, initialize_distributed
+    load_target, Target, load_draft, Draft, Engine, Scheduler, CapacityError, SpecConfig,
+    SamplingParams, RequestOutput, make_mesh, initialize_distributed
 """
 
 from .config import ConfigError, ModelConfig, load_model_config
 from .draft import Draft, load_draft
 from .engine import Engine, RequestOutput
 from .sampling import SamplingParams
+from .scheduler import CapacityError, Scheduler
 from .sharding import initialize_distributed, make_mesh
 from .spec import SpecConfig
 from .target import Target, load_target
 
 __all__ = [
+    "CapacityError",
     "ConfigError",
     "Draft",
     "SpecConfig",
@@ -22,6 +24,7 @@ __all__ = [
     "ModelConfig",
     "RequestOutput",
     "SamplingParams",
+    "Scheduler",
     "Target",
     "initialize_distributed",
     "load_model_config",

@@ -32,8 +32,13 @@ class Tokenizer:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_bos: bool = True) -> list[int]:
-        """Token ids of `text`; with `add_bos`, the ids start with BOS exactly once."""
-        ids = list(self.backend.encode(text, add_special_tokens=add_bos).ids)
+        """Token ids of `text`; with `add_bos`, the ids start with BOS exactly once.
+
+        Text that already starts with the BOS text (a rendered chat template) keeps that one BOS.
+        """
+        bos_text = self.backend.id_to_token(self.bos_id) if self.bos_id is not None else None
+        has_bos_text = bool(bos_text) and text.startswith(bos_text)
+        ids = list(self.backend.encode(text, add_special_tokens=add_bos and not has_bos_text).ids)
         if add_bos and self.bos_id is not None and (not ids or ids[0] != self.bos_id):
             ids.insert(0, self.bos_id)
         return ids

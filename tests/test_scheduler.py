@@ -74,12 +74,12 @@ def test_page_allocator():
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_outputs_equal_engine_at_every_concurrency(family):
+def test_outputs_equal_engine_with_and_without_speculation(family):
+    """GQA and MLA pages, plain decoding and a draft tree, batch buckets smaller than the queue."""
     target = random_target(FAMILIES[family])
-    draft = random_draft(target)
     sp = e3.SamplingParams(max_tokens=12)
     ref = [o.token_ids for o in e3.Engine(target, max_batch_size=8, max_seq_len=64).generate(PROMPTS, sp)]
-    for d, spec, seqs in [(None, None, 1), (None, None, 8), (draft, CHAIN, 8), (draft, TREE, 3)]:
+    for d, spec, seqs in [(None, None, 4), (random_draft(target), TREE, 3)]:
         sched = Scheduler(target, d, spec, max_num_seqs=seqs, max_seq_len=64, page_size=4, prefill_chunk=8)
         assert [o.token_ids for o in sched.generate(PROMPTS, sp)] == ref, (spec, seqs)
         assert_no_leak(sched)
@@ -108,9 +108,8 @@ def test_demo_pair_greedy_identical_at_concurrency_1_and_64_with_and_without_spe
         n = min(len(base[i]), len(base[i - 8]))
         assert base[i][:n] == base[i - 8][:n]
     assert run(None, None, 64)[0] == base
-    chain1, stats = run(draft, CHAIN, 1)
-    assert chain1 == base and stats["mean_accept_length"] > 2.0  # the trained draft really accepts
-    assert run(draft, CHAIN, 64)[0] == base
+    chain, stats = run(draft, CHAIN, 64)
+    assert chain == base and stats["mean_accept_length"] > 2.0  # the trained draft really accepts
     assert run(draft, e3.SpecConfig(5, 4, 16), 64)[0] == base
 
 

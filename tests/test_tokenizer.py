@@ -69,6 +69,12 @@ def test_decode_continuation_keeps_spacing(tok):
     assert tok.decode_continuation([1], [403, 407]) == "Once upon"
 
 
+def test_rendered_template_text_keeps_a_single_bos(tok):
+    """A chat template writes the BOS text itself; encoding must not add a second BOS."""
+    plain = tok.encode("Once upon a time")
+    assert tok.encode("<s>Once upon a time") == plain and plain.count(tok.bos_id) == 1
+
+
 def test_bos_prepended_when_tokenizer_does_not(tmp_path):
     with open(os.path.join(STORIES, "tokenizer.json")) as f:
         raw = json.load(f)
