@@ -17,7 +17,8 @@ Requests queue up and join or leave the running batch between steps. Each `step(
 
 Target and draft K/V live in page pools shared by all requests; a request owns a list of pages
 (its block table) that indexes both. Batch size, chunk length and block-table width are bucketed
-to powers of two, so a few compiled programs serve every mix of requests. A request's chunk
+to powers of two, so a few compiled programs serve every mix of requests; the scheduler keeps the
+`max_compiled_programs` most recently used ones. A request's chunk
 boundaries depend only on its own length, and prefill always uses the same attention form, so a
 request's greedy tokens do not depend on what runs beside it.
 """
@@ -26,7 +27,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 import itertools
 import time
 from typing import Sequence
@@ -48,6 +48,7 @@ from .target import Target, forward
 
 MIN_CHUNK_BUCKET = 16
 MIN_PAGES_BUCKET = 4
+DONATED = 2  # position of the KV pools among a step program's dynamic arguments
 
 
 class CapacityError(ValueError):
@@ -84,9 +85,8 @@ def step_lookahead(spec: SpecConfig | None) -> int:
 # ---- device programs -------------------------------------------------------------------------------
 
 
-@functools.partial(jax.jit, static_argnames=("tcfg", "dcfg", "spec"), donate_argnames=("pools",))
-def _prefill_program(tparams: dict, tcfg: ModelConfig, dparams: dict | None, dcfg: DraftConfig | None,
-                     spec: SpecConfig | None, pools: tuple, block_table, lengths, tokens, n_valid, following,
+def _prefill_program(tcfg: ModelConfig, dcfg: DraftConfig | None, spec: SpecConfig | None, tparams: dict,
+                     dparams: dict | None, pools: tuple, block_table, lengths, tokens, n_valid, following,
                      sp: SamplingArrays, counter):
     """One prompt chunk per row after its cached prefix -> (first token, tree tokens, parents, pools).
 
@@ -108,9 +108,8 @@ def _prefill_program(tparams: dict, tcfg: ModelConfig, dparams: dict | None, dcf
     return first, tree.tokens, tree.parents, (tcache.k, tcache.v, dcache.k, dcache.v)
 
 
-@functools.partial(jax.jit, static_argnames=("tcfg", "dcfg", "spec"), donate_argnames=("pools",))
-def _decode_program(tparams: dict, tcfg: ModelConfig, dparams: dict | None, dcfg: DraftConfig | None,
-                    spec: SpecConfig | None, pools: tuple, block_table, lengths, tree_tokens, tree_parents,
+def _decode_program(tcfg: ModelConfig, dcfg: DraftConfig | None, spec: SpecConfig | None, tparams: dict,
+                    dparams: dict | None, pools: tuple, block_table, lengths, tree_tokens, tree_parents,
                     sp: SamplingArrays, counter):
     """One decode step per row -> (tokens [B, D+1] (-1 padded), counts [B], next tree, pools)."""
     tk, tv, dk, dv = pools
@@ -123,6 +122,43 @@ def _decode_program(tparams: dict, tcfg: ModelConfig, dparams: dict | None, dcfg
     out, count, tcache, dcache, tree, _ = spec_step(tparams, tcfg, dparams, dcfg, spec, tcache, dcache,
                                                     DraftTree(tokens=tree_tokens, parents=tree_parents), sp, counter)
     return out, count, tree.tokens, tree.parents, (tcache.k, tcache.v, dcache.k, dcache.v)
+
+
+class ProgramCache:
+    """Compiled step programs by shape key; beyond `capacity` the least recently used is dropped.
+
+    Why bounded: an XLA:CPU executable maps a few memory regions per kernel (hundreds per step
+    program) and a Linux process may hold about 65k (vm.max_map_count), so keeping every bucket's
+    program of a long-lived server forever can crash it. Each program is traced through its own
+    wrapper function, so JAX's tracing and compilation caches (keyed weakly on the function) let
+    go of it once it is dropped here, and its mappings are freed.
+    """
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self._programs: collections.OrderedDict = collections.OrderedDict()
+        self.num_compiles = 0
+
+    def __len__(self) -> int:
+        return len(self._programs)
+
+    def run(self, fn, static: tuple, key: tuple, *args):
+        """fn(*static, *args) jitted (static args first, args[DONATED] donated), compiled once per key.
+
+        Keys must pin every argument's shape.
+        """
+        program = self._programs.get(key)
+        if program is None:
+            wrapper = jax.jit(lambda *a: fn(*a), static_argnums=tuple(range(len(static))),
+                              donate_argnums=(len(static) + DONATED,))
+            program = wrapper.lower(*static, *args).compile()
+            self.num_compiles += 1
+            self._programs[key] = program
+            while len(self._programs) > self.capacity:
+                self._programs.popitem(last=False)
+        else:
+            self._programs.move_to_end(key)
+        return program(*args)
 
 
 # ---- host-side request state -----------------------------------------------------------------------
@@ -161,9 +197,10 @@ class Scheduler:
 
     def __init__(self, target: Target, draft: Draft | None = None, spec: SpecConfig | None = None, *,
                  max_num_seqs: int = 64, max_seq_len: int = 2048, page_size: int = 16,
-                 num_pages: int | None = None, prefill_chunk: int = 256):
+                 num_pages: int | None = None, prefill_chunk: int = 256, max_compiled_programs: int = 48):
         for name, value, low in (("max_num_seqs", max_num_seqs, 1), ("max_seq_len", max_seq_len, 2),
-                                 ("page_size", page_size, 1), ("prefill_chunk", prefill_chunk, 1)):
+                                 ("page_size", page_size, 1), ("prefill_chunk", prefill_chunk, 1),
+                                 ("max_compiled_programs", max_compiled_programs, 2)):
             if not isinstance(value, (int, np.integer)) or value < low:
                 raise ValueError(f"{name} must be an integer >= {low}; got {value!r}")
         self.target = target
@@ -182,6 +219,7 @@ class Scheduler:
         self._alloc = PageAllocator(int(num_pages))
         self._pools = self._init_pools(int(num_pages))
         self._tree_size = self.spec.num_draft_tokens if self.spec else 1
+        self.programs = ProgramCache(int(max_compiled_programs))
 
         self._waiting: collections.deque[_Request] = collections.deque()
         self._running: list[_Request] = []  # admission order: prefilling and decoding
@@ -364,10 +402,14 @@ class Scheduler:
             table[i, : len(r.pages)] = r.pages
         return table
 
-    def _draft_args(self) -> tuple:
-        if self.draft is None:
-            return None, None
-        return self.draft.params, self.draft.config
+    def _run_program(self, fn, kind: str, block_table: np.ndarray, *args):
+        """Run a step program on the pools; the key is the program kind and its bucketed shapes."""
+        dcfg = self.draft.config if self.draft is not None else None
+        dparams = self.draft.params if self.draft is not None else None
+        key = (kind, block_table.shape) + tuple(np.shape(a) for a in args[1:2])
+        *outs, self._pools = self.programs.run(fn, (self.target.config, dcfg, self.spec), key,
+                                               self.target.params, dparams, self._pools, block_table, *args)
+        return outs
 
     def _run_prefill(self, rows: list[tuple[_Request, int]]) -> list[RequestDelta]:
         batch = _bucket(len(rows), 1, self.max_num_seqs)
@@ -384,10 +426,9 @@ class Scheduler:
             if c + n < len(req.prefill_ids):
                 following[i] = req.prefill_ids[c + n]
         sp = SamplingArrays.from_params([r.sampling for r, _ in rows], batch)
-        dparams, dcfg = self._draft_args()
-        first, tree_tokens, tree_parents, self._pools = _prefill_program(
-            self.target.params, self.target.config, dparams, dcfg, self.spec, self._pools,
-            self._block_table([r for r, _ in rows], batch), lengths, tokens, n_valid, following, sp, counter)
+        first, tree_tokens, tree_parents = self._run_program(
+            _prefill_program, "prefill", self._block_table([r for r, _ in rows], batch),
+            lengths, tokens, n_valid, following, sp, counter)
         first, tree_tokens, tree_parents = np.asarray(first), np.asarray(tree_tokens), np.asarray(tree_parents)
         now = time.perf_counter()
         deltas = []
@@ -413,10 +454,8 @@ class Scheduler:
             tree_tokens[i], tree_parents[i] = req.tree_tokens, req.tree_parents
             lengths[i], counter[i] = req.length, len(req.output)
         sp = SamplingArrays.from_params([r.sampling for r in rows], batch)
-        dparams, dcfg = self._draft_args()
-        out, count, tree_tokens, tree_parents, self._pools = _decode_program(
-            self.target.params, self.target.config, dparams, dcfg, self.spec, self._pools,
-            self._block_table(rows, batch), lengths, tree_tokens, tree_parents, sp, counter)
+        out, count, tree_tokens, tree_parents = self._run_program(
+            _decode_program, "decode", self._block_table(rows, batch), lengths, tree_tokens, tree_parents, sp, counter)
         out, count = np.asarray(out), np.asarray(count)
         tree_tokens, tree_parents = np.asarray(tree_tokens), np.asarray(tree_parents)
         now = time.perf_counter()

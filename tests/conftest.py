@@ -51,3 +51,17 @@ def jax_target(hf_model):
         return cache[key]
 
     return get
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_compiled_programs():
+    """Drop compiled programs after each test module.
+
+    Every XLA:CPU executable holds hundreds of memory mappings (one set per kernel), and a Linux
+    process may hold about 65k (vm.max_map_count); a whole suite's worth of programs in one
+    process would exceed that.
+    """
+    yield
+    import jax
+
+    jax.clear_caches()
