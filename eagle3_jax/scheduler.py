@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import itertools
 import time
 from typing import Sequence
@@ -143,15 +144,13 @@ class ProgramCache:
         return len(self._programs)
 
     def run(self, fn, static: tuple, key: tuple, *args):
-        """fn(*static, *args) jitted (static args first, args[DONATED] donated), compiled once per key.
+        """fn(*static, *args) jitted with args[DONATED] donated, compiled once per key.
 
         Keys must pin every argument's shape.
         """
         program = self._programs.get(key)
         if program is None:
-            wrapper = jax.jit(lambda *a: fn(*a), static_argnums=tuple(range(len(static))),
-                              donate_argnums=(len(static) + DONATED,))
-            program = wrapper.lower(*static, *args).compile()
+            program = jax.jit(functools.partial(fn, *static), donate_argnums=(DONATED,))
             self.num_compiles += 1
             self._programs[key] = program
             while len(self._programs) > self.capacity:
