@@ -53,6 +53,22 @@ def jax_target(hf_model):
     return get
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _compilation_cache(tmp_path_factory):
+    """A session-wide persistent compilation cache.
+
+    Many tests build their own Scheduler or Engine for the same model and shapes; each Scheduler
+    traces its programs afresh, so identical programs would otherwise be compiled again and again.
+    """
+    import jax
+
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path_factory.mktemp("xla_cache")))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    yield
+    jax.config.update("jax_compilation_cache_dir", None)
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _release_compiled_programs():
     """Drop compiled programs after each test module.

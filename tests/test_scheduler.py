@@ -77,15 +77,15 @@ def test_page_allocator():
     pytest.param("deepseek_v3", marks=pytest.mark.slow),
     pytest.param("minimax_m2", marks=pytest.mark.slow),
 ])
-def test_outputs_equal_engine_with_and_without_speculation(family):
-    """GQA and MLA pages, plain decoding and a draft tree, batch buckets smaller than the queue."""
+def test_tree_outputs_equal_engine(family):
+    """Paged GQA / MLA caches under a draft tree, with fewer sequence slots than requests."""
     target = random_target(FAMILIES[family])
     sp = e3.SamplingParams(max_tokens=12)
     ref = [o.token_ids for o in e3.Engine(target, max_batch_size=8, max_seq_len=64).generate(PROMPTS, sp)]
-    for d, spec, seqs in [(None, None, 4), (random_draft(target), TREE, 3)]:
-        sched = Scheduler(target, d, spec, max_num_seqs=seqs, max_seq_len=64, page_size=4, prefill_chunk=8)
-        assert [o.token_ids for o in sched.generate(PROMPTS, sp)] == ref, (spec, seqs)
-        assert_no_leak(sched)
+    # A tree with fewer sequence slots than requests (plain paged decoding: the demo-pair test).
+    sched = Scheduler(target, random_draft(target), TREE, max_num_seqs=3, max_seq_len=64, page_size=4, prefill_chunk=16)
+    assert [o.token_ids for o in sched.generate(PROMPTS, sp)] == ref
+    assert_no_leak(sched)
 
 
 def test_demo_pair_greedy_identical_at_concurrency_1_and_64_with_and_without_speculation():
@@ -101,7 +101,7 @@ def test_demo_pair_greedy_identical_at_concurrency_1_and_64_with_and_without_spe
     sampling = [e3.SamplingParams(max_tokens=16 + 3 * (i % 5)) for i in range(len(prompts))]
 
     def run(d, spec, seqs):
-        sched = Scheduler(target, d, spec, max_num_seqs=seqs, max_seq_len=256, prefill_chunk=64)
+        sched = Scheduler(target, d, spec, max_num_seqs=seqs, max_seq_len=256, prefill_chunk=64, num_pages=1200)
         outs = sched.generate(prompts, sampling)
         assert_no_leak(sched)
         return [o.token_ids for o in outs], sched.stats()
@@ -113,10 +113,9 @@ def test_demo_pair_greedy_identical_at_concurrency_1_and_64_with_and_without_spe
     assert run(None, None, 64)[0] == base
     chain, stats = run(draft, CHAIN, 64)
     assert chain == base and stats["mean_accept_length"] > 2.0  # the trained draft really accepts
-    assert run(draft, e3.SpecConfig(5, 4, 16), 64)[0] == base
 
 
-@pytest.mark.parametrize("speculate", [False, True], ids=["plain", "chain"])
+@pytest.mark.parametrize("speculate", [pytest.param(False, marks=pytest.mark.slow), True], ids=["plain", "chain"])
 def test_preemption_resumes_with_the_same_tokens(llama_pair, speculate):
     target, draft = llama_pair
     d, spec = (draft, CHAIN) if speculate else (None, None)
@@ -134,11 +133,10 @@ def test_preemption_resumes_with_the_same_tokens(llama_pair, speculate):
 def test_sampled_tokens_do_not_depend_on_the_batch(llama_pair):
     target, draft = llama_pair
     sps = [e3.SamplingParams(temperature=1.0, top_k=20, max_tokens=10, seed=s) for s in range(len(PROMPTS))]
-    for d, spec in [(None, None), (draft, CHAIN)]:
-        together = Scheduler(target, d, spec, max_num_seqs=8, max_seq_len=64).generate(PROMPTS, sps)
-        alone = Scheduler(target, d, spec, max_num_seqs=1, max_seq_len=64)
-        for p, sp, out in zip(PROMPTS, sps, together):
-            assert alone.generate([p], sp)[0].token_ids == out.token_ids
+    together = Scheduler(target, draft, CHAIN, max_num_seqs=8, max_seq_len=64).generate(PROMPTS, sps)
+    alone = Scheduler(target, draft, CHAIN, max_num_seqs=1, max_seq_len=64)
+    for p, sp, out in zip(PROMPTS, sps, together):
+        assert alone.generate([p], sp)[0].token_ids == out.token_ids
 
 
 def test_chunked_prefill_equals_one_chunk(llama_pair):
