@@ -79,7 +79,7 @@ def check_request(vocab_size: int, max_seq_len: int, prompt: Sequence[int], samp
     return ids
 
 
-def _bucket(n: int, lo: int, hi: int) -> int:
+def bucket(n: int, lo: int, hi: int) -> int:
     """Smallest power of two >= max(n, lo), capped at hi."""
     b = lo
     while b < n:
@@ -181,10 +181,10 @@ class Engine:
         n = len(prompts)
         lens = [len(p) for p in prompts]
         budgets = [min(sp.max_tokens, self.max_seq_len - ln) for sp, ln in zip(sampling, lens)]
-        batch = _bucket(n, 1, self.max_batch_size)
-        prompt_len = _bucket(max(lens), MIN_PROMPT_BUCKET, self.max_seq_len)
+        batch = bucket(n, 1, self.max_batch_size)
+        prompt_len = bucket(max(lens), MIN_PROMPT_BUCKET, self.max_seq_len)
         need = max(ln + b for ln, b in zip(lens, budgets)) + self._lookahead()
-        cache_len = max(_bucket(need, MIN_PROMPT_BUCKET, 1 << 62), prompt_len)
+        cache_len = max(bucket(need, MIN_PROMPT_BUCKET, 1 << 62), prompt_len)
 
         tokens = np.zeros((batch, prompt_len), np.int32)
         for i, p in enumerate(prompts):

@@ -39,7 +39,7 @@ import numpy as np
 from . import kv_cache
 from .config import ModelConfig
 from .draft import Draft, DraftConfig
-from .engine import RequestOutput, check_request, check_speculation
+from .engine import RequestOutput, bucket, check_request, check_speculation
 from .page_allocator import PageAllocator, pages_for
 from .sampling import SamplingArrays, SamplingParams, sample
 from .spec.propose import DraftTree
@@ -66,14 +66,6 @@ class RequestDelta:
     finished: bool
     finish_reason: str | None  # "stop" | "length" | "abort"; None while running
     output: RequestOutput | None  # the whole output and metrics, once finished
-
-
-def _bucket(n: int, lo: int, hi: int) -> int:
-    """Smallest power of two >= max(n, lo), capped at hi."""
-    b = lo
-    while b < n:
-        b *= 2
-    return min(b, hi)
 
 
 def step_lookahead(spec: SpecConfig | None) -> int:
@@ -395,7 +387,7 @@ class Scheduler:
         req.tree_tokens = req.tree_parents = None
 
     def _block_table(self, rows: Sequence[_Request], batch: int) -> np.ndarray:
-        width = _bucket(max(len(r.pages) for r in rows), MIN_PAGES_BUCKET, self.max_pages_per_seq)
+        width = bucket(max(len(r.pages) for r in rows), MIN_PAGES_BUCKET, self.max_pages_per_seq)
         table = np.full((batch, width), kv_cache.SCRATCH_PAGE, np.int32)
         for i, r in enumerate(rows):
             table[i, : len(r.pages)] = r.pages
@@ -405,14 +397,14 @@ class Scheduler:
         """Run a step program on the pools; the key is the program kind and its bucketed shapes."""
         dcfg = self.draft.config if self.draft is not None else None
         dparams = self.draft.params if self.draft is not None else None
-        key = (kind, block_table.shape) + tuple(np.shape(a) for a in args[1:2])
+        key = (kind, block_table.shape, np.shape(args[1]))  # args[1]: tokens or tree, [batch, width]
         *outs, self._pools = self.programs.run(fn, (self.target.config, dcfg, self.spec), key,
                                                self.target.params, dparams, self._pools, block_table, *args)
         return outs
 
     def _run_prefill(self, rows: list[tuple[_Request, int]]) -> list[RequestDelta]:
-        batch = _bucket(len(rows), 1, self.max_num_seqs)
-        t = _bucket(max(n for _, n in rows), MIN_CHUNK_BUCKET, max(self.prefill_chunk, MIN_CHUNK_BUCKET))
+        batch = bucket(len(rows), 1, self.max_num_seqs)
+        t = bucket(max(n for _, n in rows), MIN_CHUNK_BUCKET, max(self.prefill_chunk, MIN_CHUNK_BUCKET))
         tokens = np.zeros((batch, t), np.int32)
         n_valid = np.ones((batch,), np.int32)
         following = np.full((batch,), -1, np.int32)
@@ -443,7 +435,7 @@ class Scheduler:
         return deltas
 
     def _run_decode(self, rows: list[_Request]) -> list[RequestDelta]:
-        batch = _bucket(len(rows), 1, self.max_num_seqs)
+        batch = bucket(len(rows), 1, self.max_num_seqs)
         n = self._tree_size
         tree_tokens = np.zeros((batch, n), np.int32)
         tree_parents = np.zeros((batch, n), np.int32)

@@ -294,33 +294,21 @@ class ChatTemplate:
     @staticmethod
     def from_dir(tokenizer_dir: str | os.PathLike | None) -> "ChatTemplate":
         """The template of a tokenizer folder (None, a file, or a folder without one: the fallback)."""
-        from ..train.data import _chat_template, _special_token
+        from ..train.data import read_chat_template
 
         if tokenizer_dir is None or not os.path.isdir(tokenizer_dir):
             return ChatTemplate()
-        folder = os.fspath(tokenizer_dir)
-        cfg_path = os.path.join(folder, "tokenizer_config.json")
-        config: dict = {}
-        if os.path.isfile(cfg_path):
-            with open(cfg_path, encoding="utf-8") as f:
-                try:
-                    config = json.load(f)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{cfg_path} is not valid JSON: {e}") from e
-            if not isinstance(config, dict):
-                raise ValueError(f"{cfg_path} must hold a JSON object")
-        specials = tuple((k, _special_token(config.get(k))) for k in ("bos_token", "eos_token", "unk_token", "pad_token"))
-        return ChatTemplate(_chat_template(folder, config), specials)
+        source, specials = read_chat_template(tokenizer_dir)
+        return ChatTemplate(source, tuple(specials.items()))
 
     def render(self, messages: Sequence[Mapping[str, str]]) -> str:
         """The prompt text for `messages`, ready for the assistant's answer."""
         if self.source is None:
             return "\n".join(m["content"] for m in messages)
-        from ..train.data import _compile_template
+        from ..train.data import render_messages
 
         try:
-            return _compile_template(self.source).render(messages=list(messages), add_generation_prompt=True,
-                                                         **dict(self.special_tokens))
+            return render_messages(self.source, messages, dict(self.special_tokens))
         except Exception as e:  # templates reject some conversations with raise_exception(...)
             raise ApiError(f"the chat template rejected these messages: {e}", param="messages",
                            code="invalid_value") from e

@@ -188,14 +188,11 @@ def _compile_template(source: str):
     return env.from_string(source)
 
 
-def render_prompt(text: str, tokenizer_dir: str | os.PathLike) -> str:
-    """`text` as the user turn of the model's chat template, ready for the assistant's answer.
+def read_chat_template(tokenizer_dir: str | os.PathLike) -> tuple[str | None, dict[str, str]]:
+    """A tokenizer folder's chat template source (None without one) and its special-token texts.
 
     The template comes from `tokenizer_config.json` (`chat_template`, or a `chat_template.jinja` /
-    `chat_template.json` beside it) and is rendered with jinja2 (sandboxed) as transformers does:
-    messages=[{"role": "user", "content": text}], add_generation_prompt=True, plus bos_token,
-    eos_token (and the other special tokens). Without a template, `text` is returned unchanged.
-    The result usually starts with the BOS text; `Tokenizer.encode` does not add a second BOS.
+    `chat_template.json` beside it); the specials are bos_token, eos_token, unk_token, pad_token.
     """
     tokenizer_dir = os.fspath(tokenizer_dir)
     if not os.path.isdir(tokenizer_dir):
@@ -210,13 +207,27 @@ def render_prompt(text: str, tokenizer_dir: str | os.PathLike) -> str:
             raise ValueError(f"{cfg_path} is not valid JSON: {e}") from e
         if not isinstance(config, dict):
             raise ValueError(f"{cfg_path} must hold a JSON object")
-    source = _chat_template(tokenizer_dir, config)
+    specials = {k: _special_token(config.get(k)) for k in ("bos_token", "eos_token", "unk_token", "pad_token")}
+    return _chat_template(tokenizer_dir, config), specials
+
+
+def render_messages(source: str, messages: Sequence[dict], specials: dict[str, str]) -> str:
+    """`messages` through the template `source`, as transformers renders it for generation."""
+    return _compile_template(source).render(messages=list(messages), add_generation_prompt=True, **specials)
+
+
+def render_prompt(text: str, tokenizer_dir: str | os.PathLike) -> str:
+    """`text` as the user turn of the model's chat template, ready for the assistant's answer.
+
+    The template (see `read_chat_template`) is rendered with jinja2 (sandboxed) as transformers
+    does: messages=[{"role": "user", "content": text}], add_generation_prompt=True, plus bos_token,
+    eos_token (and the other special tokens). Without a template, `text` is returned unchanged.
+    The result usually starts with the BOS text; `Tokenizer.encode` does not add a second BOS.
+    """
+    source, specials = read_chat_template(tokenizer_dir)
     if source is None:
         return text
-    specials = {k: _special_token(config.get(k)) for k in ("bos_token", "eos_token", "unk_token", "pad_token")}
-    return _compile_template(source).render(
-        messages=[{"role": "user", "content": text}], add_generation_prompt=True, **specials
-    )
+    return render_messages(source, [{"role": "user", "content": text}], specials)
 
 
 # ---- regeneration ------------------------------------------------------------------------------------------
