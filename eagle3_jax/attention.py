@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from . import kv_cache
 from .config import ModelConfig
 from .layers import apply_rotary, rms_norm, rotary_cos_sin
+from .quant import dequantize, linear
 
 _NEG = -1e30  # finite "minus infinity": every query sees at least itself, so no row is empty
 
@@ -33,7 +34,7 @@ def gqa_project(p: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Array
     """x [B, T, H] -> roped q [B, T, heads, d], roped k and v [B, T, kv_heads, d]."""
     b, t, _ = x.shape
     nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    q, k, v = x @ p["q_proj"], x @ p["k_proj"], x @ p["v_proj"]
+    q, k, v = linear(x, p["q_proj"]), linear(x, p["k_proj"]), linear(x, p["v_proj"])
     if cfg.qk_norm:  # MiniMax-M2: one RMSNorm over the whole projected vector, before rotary
         q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
         k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
@@ -56,13 +57,13 @@ def gqa_block(p: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Array, cac
     scores = jnp.einsum("btkgd,bskd->bkgts", qg, keys, preferred_element_type=jnp.float32)
     probs = _masked_softmax(scores * (d ** -0.5), mask)
     out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(values.dtype), values)
-    return out.reshape(b, t, nh * d) @ p["o_proj"], cache
+    return linear(out.reshape(b, t, nh * d), p["o_proj"]), cache
 
 
 def _mla_query(p: dict, cfg: ModelConfig, x: jax.Array) -> jax.Array:
     if cfg.q_lora_rank is None:
-        return x @ p["q_proj"]
-    return rms_norm(x @ p["q_a_proj"], p["q_a_norm"], cfg.rms_norm_eps) @ p["q_b_proj"]
+        return linear(x, p["q_proj"])
+    return linear(rms_norm(linear(x, p["q_a_proj"]), p["q_a_norm"], cfg.rms_norm_eps), p["q_b_proj"])
 
 
 def mla_block(p: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Array, cache: kv_cache.KVCache,
@@ -72,7 +73,7 @@ def mla_block(p: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Array, cac
     nh, dn, dr, dv, r = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
     q = _mla_query(p, cfg, x).reshape(b, t, nh, dn + dr)
     q_nope, q_pe = q[..., :dn], q[..., dn:]
-    kv_a = x @ p["kv_a_proj"]
+    kv_a = linear(x, p["kv_a_proj"])
     c_kv = rms_norm(kv_a[..., :r], p["kv_a_norm"], cfg.rms_norm_eps)
     k_pe = kv_a[..., r:][:, :, None, :]  # one rope key shared by all heads
     cos, sin = rotary_cos_sin(cfg.rope, positions)
@@ -81,7 +82,7 @@ def mla_block(p: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Array, cac
     cache = kv_cache.write(cache, layer, c_kv, k_pe)
     latents, rope_keys = kv_cache.read(cache, layer)  # [B, S, r], [B, S, dr]
 
-    kv_b = p["kv_b_proj"].reshape(r, nh, dn + dv)
+    kv_b = dequantize(p["kv_b_proj"], x.dtype).reshape(r, nh, dn + dv)
     w_uk, w_uv = kv_b[..., :dn], kv_b[..., dn:]  # [r, nh, dn], [r, nh, dv]
     rope_scores = jnp.einsum("bthd,bsd->bhts", q_pe, rope_keys, preferred_element_type=jnp.float32)
     if absorb:
@@ -96,4 +97,4 @@ def mla_block(p: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Array, cac
         nope_scores = jnp.einsum("bthd,bshd->bhts", q_nope, k_nope, preferred_element_type=jnp.float32)
         probs = _masked_softmax((nope_scores + rope_scores) * cfg.softmax_scale, mask)
         out = jnp.einsum("bhts,bshd->bthd", probs.astype(values.dtype), values)
-    return out.reshape(b, t, nh * dv) @ p["o_proj"], cache
+    return linear(out.reshape(b, t, nh * dv), p["o_proj"]), cache

@@ -11,9 +11,11 @@ accepted: `rope_scaling` (+ top-level `rope_theta`) and transformers-5 `rope_par
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import json
 import math
 import os
+import re
 from typing import Any, Mapping
 
 # model_type -> family. kimi_k2 is the DeepSeek-V3 architecture under another name; kimi_k25 wraps
@@ -57,13 +59,38 @@ class RopeConfig:
 
 @dataclasses.dataclass(frozen=True)
 class QuantConfig:
-    """How the checkpoint's weights are stored; they are dequantized on load."""
+    """How the checkpoint's weights are stored, and how they run.
 
-    method: str  # "fp8_block" | "int4_pack"
-    block_size: tuple[int, int] = (128, 128)  # fp8_block
-    group_size: int = 32  # int4_pack
+    `method` is the stored format: "fp8_block" (DeepSeek-V3 / MiniMax-M2), "int4_pack"
+    (compressed-tensors, Kimi-K2.5 routed experts), "mxfp4" (AMD Quark OCP MXFP4) or
+    "fp8_channel" (AMD Quark ptpc_fp8 drafts). `ignore` lists the modules stored unquantized
+    (exact module names, dotted suffixes such as "lm_head", "re:" regexes, or "*" globs).
+    The run-time fields are set by `load_target` / `load_draft`: `resident` keeps weights packed on
+    device (False dequantizes everything on load), `activations` "int8" runs int4 weights as W4A8,
+    `fnuz` stores float8 weights as e4m3fnuz (gfx942).
+    """
+
+    method: str  # "fp8_block" | "int4_pack" | "mxfp4" | "fp8_channel"
+    block_size: tuple[int, int] = (128, 128)  # fp8_block, HF orientation (out, in)
+    group_size: int = 32  # int4_pack, mxfp4
     num_bits: int = 4
     ignore: tuple[str, ...] = ()  # module names / "re:" patterns stored unquantized
+    resident: bool = True
+    activations: str = "float"  # "float" | "int8" (W4A8, int4_pack only)
+    fnuz: bool = False
+
+    def covers(self, module: str) -> bool:
+        """Whether the linear module `module` (HF name, e.g. "model.layers.3.mlp.experts.0.up_proj")
+        is stored quantized, i.e. matches no `ignore` entry."""
+        return not any(_module_matches(module, pattern) for pattern in self.ignore)
+
+
+def _module_matches(module: str, pattern: str) -> bool:
+    if pattern.startswith("re:"):
+        return re.match(pattern[3:], module) is not None
+    if any(c in pattern for c in "*?["):
+        return fnmatch.fnmatchcase(module, pattern)
+    return module == pattern or module.endswith("." + pattern)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,6 +238,39 @@ def _parse_rope(d: Mapping[str, Any], dim: int, interleaved: bool, model_type: s
     return RopeConfig(theta=float(theta), dim=int(dim), rope_type=rope_type, interleaved=interleaved, **kw)
 
 
+SUPPORTED_QUANT = (
+    "fp8 with weight_block_size [128, 128]; compressed-tensors pack-quantized symmetric int4 (group); "
+    "quark MXFP4 (fp4 per_group 32, e8m0 scales) or ptpc_fp8 (fp8_e4m3 per_channel weights)"
+)
+
+
+def _parse_quark(q: Mapping[str, Any]) -> QuantConfig:
+    """AMD Quark exports: OCP MXFP4 weights (Kimi-K2.5-MXFP4) or per-channel FP8 (ptpc_fp8)."""
+    glob = q.get("global_quant_config") or {}
+    w = glob.get("weight") if isinstance(glob, Mapping) else None
+    if isinstance(w, list):  # some exports list one spec per weight
+        w = w[0] if len(w) == 1 else None
+    if not isinstance(w, Mapping):
+        raise ConfigError(f"quark quantization_config needs global_quant_config.weight; supported: {SUPPORTED_QUANT}")
+    if q.get("layer_quant_config") or q.get("layer_type_quant_config"):
+        raise ConfigError("quark layer_quant_config / layer_type_quant_config (per-layer schemes) is not supported; "
+                          "supported: one global_quant_config for every quantized layer")
+    dtype, scheme = w.get("dtype"), w.get("qscheme")
+    ignore = tuple(q.get("exclude") or ())
+    if dtype == "fp4" and scheme == "per_group":
+        group = int(w.get("group_size") or 0)
+        fmt = w.get("scale_format", "e8m0")
+        if group != 32 or fmt != "e8m0":
+            raise ConfigError(f"quark fp4 weights with group_size={group}, scale_format={fmt!r} are not supported; "
+                              "supported: OCP MXFP4 (group_size 32, e8m0 scales)")
+        return QuantConfig(method="mxfp4", group_size=32, num_bits=4, ignore=ignore)
+    if dtype in ("fp8_e4m3", "fp8_e4m3fn") and scheme == "per_channel":
+        if int(w.get("ch_axis", 0)) != 0:
+            raise ConfigError(f"quark fp8 per_channel weights need ch_axis 0 (one scale per output row); got {w.get('ch_axis')}")
+        return QuantConfig(method="fp8_channel", num_bits=8, ignore=ignore)
+    raise ConfigError(f"quark weight dtype {dtype!r} with qscheme {scheme!r} is not supported; supported: {SUPPORTED_QUANT}")
+
+
 def _parse_quant(q: Mapping[str, Any] | None) -> QuantConfig | None:
     if not q:
         return None
@@ -220,7 +280,7 @@ def _parse_quant(q: Mapping[str, Any] | None) -> QuantConfig | None:
         if not block or len(block) != 2:
             raise ConfigError("fp8 quantization_config needs weight_block_size [128, 128]; per-tensor fp8 is not supported")
         ignore = tuple(q.get("modules_to_not_convert") or ())
-        return QuantConfig(method="fp8_block", block_size=(int(block[0]), int(block[1])), ignore=ignore)
+        return QuantConfig(method="fp8_block", block_size=(int(block[0]), int(block[1])), num_bits=8, ignore=ignore)
     if method == "compressed-tensors":
         fmt = q.get("format")
         groups = q.get("config_groups") or {}
@@ -232,10 +292,13 @@ def _parse_quant(q: Mapping[str, Any] | None) -> QuantConfig | None:
         w = next(iter(groups.values()))["weights"]
         if w.get("num_bits") != 4 or w.get("type") != "int" or not w.get("symmetric") or w.get("strategy") != "group":
             raise ConfigError(f"compressed-tensors weights {w} not supported; supported: symmetric int4 group quantization")
-        return QuantConfig(method="int4_pack", group_size=int(w["group_size"]), num_bits=4, ignore=tuple(q.get("ignore") or ()))
-    raise ConfigError(
-        f"quantization method {method!r} is not supported; supported: fp8 (128x128 block), compressed-tensors int4 pack-quantized"
-    )
+        group = int(w["group_size"])
+        if group < 2 or group % 2:
+            raise ConfigError(f"compressed-tensors int4 group_size={group} is not supported; use an even group size (32 in Kimi-K2.5)")
+        return QuantConfig(method="int4_pack", group_size=group, num_bits=4, ignore=tuple(q.get("ignore") or ()))
+    if method == "quark":
+        return _parse_quark(q)
+    raise ConfigError(f"quantization method {method!r} is not supported; supported: {SUPPORTED_QUANT}")
 
 
 def _eos_ids(v: Any) -> tuple[int, ...]:

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .config import RopeConfig, yarn_mscale
+from .quant import linear
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -20,7 +21,7 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
 
 
 def swiglu(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array) -> jax.Array:
-    return (jax.nn.silu(x @ gate) * (x @ up)) @ down
+    return linear(jax.nn.silu(linear(x, gate)) * linear(x, up), down)
 
 
 # ---- rotary ---------------------------------------------------------------------------------------

@@ -1,24 +1,41 @@
-"""Mixture-of-experts: routers and routed-expert compute.
+"""Mixture-of-experts: routers, routed-expert compute, and expert parallelism.
 
 Routers run in float32. `noaux_tc` (DeepSeek-V3 / Kimi) and MiniMax-M2 score experts with a
 sigmoid; the correction bias shifts *which* experts are chosen but the combine weights are the
 unbiased scores of the chosen ones, normalised, times `routed_scaling_factor`. DeepSeek first keeps
 the `topk_group` best groups (a group's score is the sum of its two best biased scores).
 
-Expert compute has two forms, chosen from the static shapes:
-- few assignments (2 x tokens x top-k <= experts: small decode steps): gather each assignment's
-  expert matrices and run small batched matmuls, reading only the experts actually chosen;
-- many assignments (prefill): sort them by expert and run three grouped matmuls
-  (`lax.ragged_dot`), so each token only pays for its own top-k experts.
+Expert parallelism is explicit. When the program is traced under a mesh (`jax.set_mesh`, which
+the Engine, Scheduler and planner do for a sharded Target) whose `expert` or `tensor` axis splits
+the expert weights, the routed experts run under `shard_map`: every shard sees all tokens (decode
+sizes: no all-to-all), computes only the assignments routed to its own E/ep experts with its own
+slice of each expert's intermediate width, and the partial outputs are summed in float32 with one
+`psum`. No shard ever holds another shard's expert weights. Without a mesh the same local code
+runs over all experts.
+
+Local expert compute has two forms, chosen from the static shapes:
+- few assignments (2 x assignments <= local experts: small decode steps): gather each assignment's
+  expert matrices in their stored (possibly quantized) bytes and run small batched matmuls, so a
+  step reads only the experts it routes to;
+- many assignments (verify of large batches, prefill): sort them by expert and run three grouped
+  matmuls (`lax.ragged_dot`) over the local experts, dequantized inside the op.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from .config import ModelConfig
 from .layers import swiglu
+from .quant import QArray, expert_matmul, ragged_linear, take
+
+EXPERT_AXES = {
+    "experts_gate": ("experts", "embed", "expert_mlp"),
+    "experts_up": ("experts", "embed", "expert_mlp"),
+    "experts_down": ("experts", "expert_mlp", "embed"),
+}
 
 
 def route(logits: jax.Array, bias: jax.Array | None, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
@@ -40,28 +57,89 @@ def route(logits: jax.Array, bias: jax.Array | None, cfg: ModelConfig) -> tuple[
     return weights * cfg.routed_scaling_factor, ids.astype(jnp.int32)
 
 
-def routed_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate: jax.Array, w_up: jax.Array,
-                   w_down: jax.Array) -> jax.Array:
-    """x [N, H]; weights/ids [N, k]; expert weights [E, H, I], [E, H, I], [E, I, H] -> [N, H]."""
+# ---- local expert compute ----------------------------------------------------------------------------
+
+
+def grouped_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate, w_up, w_down) -> jax.Array:
+    """x [N, H]; weights/ids [N, k] (ids outside [0, E) are not computed); expert weights
+    [E, H, I], [E, H, I], [E, I, H] -> float32 [N, H]."""
     n, k = ids.shape
     num_experts = w_gate.shape[0]
     flat_ids = ids.reshape(-1)
-    order = jnp.argsort(flat_ids, stable=True)
+    local = (flat_ids >= 0) & (flat_ids < num_experts)
+    order = jnp.argsort(jnp.where(local, flat_ids, num_experts), stable=True)  # others last, in no group
     token_of = order // k
     xs = x[token_of]
-    group_sizes = jnp.bincount(flat_ids, length=num_experts).astype(jnp.int32)
-    h = jax.nn.silu(jax.lax.ragged_dot(xs, w_gate, group_sizes)) * jax.lax.ragged_dot(xs, w_up, group_sizes)
-    y = jax.lax.ragged_dot(h, w_down, group_sizes)
-    y = y.astype(jnp.float32) * weights.reshape(-1)[order][:, None]
-    return jnp.zeros((n, x.shape[-1]), jnp.float32).at[token_of].add(y).astype(x.dtype)
+    group_sizes = jnp.bincount(jnp.where(local, flat_ids, num_experts), length=num_experts + 1)[:num_experts]
+    group_sizes = group_sizes.astype(jnp.int32)
+    h = jax.nn.silu(ragged_linear(xs, w_gate, group_sizes)) * ragged_linear(xs, w_up, group_sizes)
+    y = ragged_linear(h, w_down, group_sizes).astype(jnp.float32)
+    coef = jnp.where(local, weights.reshape(-1), 0.0)[order]
+    return jnp.zeros((n, x.shape[-1]), jnp.float32).at[token_of].add(y * coef[:, None])
 
 
-def gathered_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate: jax.Array, w_up: jax.Array,
-                     w_down: jax.Array) -> jax.Array:
-    """Same result as `routed_experts`, computed per assignment on gathered expert weights."""
-    h = jax.nn.silu(jnp.einsum("nh,nkhi->nki", x, w_gate[ids])) * jnp.einsum("nh,nkhi->nki", x, w_up[ids])
-    y = jnp.einsum("nki,nkih->nkh", h, w_down[ids]).astype(jnp.float32)
-    return jnp.einsum("nkh,nk->nh", y, weights).astype(x.dtype)
+def gathered_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate, w_up, w_down) -> jax.Array:
+    """Same result as `grouped_experts`, per assignment on gathered (still quantized) expert weights."""
+    num_experts = w_gate.shape[0]
+    local = (ids >= 0) & (ids < num_experts)
+    safe = jnp.where(local, ids, 0)
+    xk = jnp.broadcast_to(x[:, None, :], ids.shape + x.shape[-1:])
+    h = jax.nn.silu(expert_matmul(xk, take(w_gate, safe))) * expert_matmul(xk, take(w_up, safe))
+    y = expert_matmul(h, take(w_down, safe)).astype(jnp.float32)
+    return jnp.einsum("nkh,nk->nh", y, jnp.where(local, weights, 0.0))
+
+
+def local_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate, w_up, w_down) -> jax.Array:
+    """Routed experts over the experts present in w_*; float32 [N, H]."""
+    experts = gathered_experts if 2 * ids.size <= w_gate.shape[0] else grouped_experts
+    return experts(x, weights, ids, w_gate, w_up, w_down)
+
+
+# ---- expert parallelism ------------------------------------------------------------------------------
+
+
+def _weight_spec(name: str, w, mesh):
+    from .sharding import leaf_partition_spec  # lazy: sharding imports the param layout
+
+    return leaf_partition_spec(EXPERT_AXES[name], w, mesh)
+
+
+def _split_axes(spec) -> tuple[str, ...]:
+    """Mesh axes a (values) PartitionSpec splits."""
+    return tuple(a for a in spec if a is not None)
+
+
+def expert_parallel(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate, w_up, w_down, mesh) -> jax.Array:
+    """`local_experts` under shard_map on `mesh`: each shard runs its own experts (and its slice of
+    their intermediate width) for all tokens; partial outputs are psum-ed in float32."""
+    w = {"experts_gate": w_gate, "experts_up": w_up, "experts_down": w_down}
+    specs = {name: _weight_spec(name, arr, mesh) for name, arr in w.items()}
+    values_spec = specs["experts_gate"].values if isinstance(w_gate, QArray) else specs["experts_gate"]
+    expert_axis = values_spec[0]  # the mesh axis splitting the experts, or None
+    reduce_axes = tuple(sorted({a for s in specs.values() for a in _split_axes(s.values if isinstance(s, QArray) else s)}))
+    data = mesh.shape.get("data", 1)
+    rows = "data" if data > 1 and x.shape[0] % data == 0 else None
+    local_count = w_gate.shape[0] // (mesh.shape[expert_axis] if expert_axis else 1)
+
+    def body(x, weights, ids, wg, wu, wd):
+        first = jax.lax.axis_index(expert_axis) * local_count if expert_axis else 0
+        y = local_experts(x, weights, ids - first, wg, wu, wd)
+        return jax.lax.psum(y, reduce_axes) if reduce_axes else y
+
+    return jax.shard_map(
+        body, mesh=mesh,
+        in_specs=(P(rows, None), P(rows, None), P(rows, None),
+                  specs["experts_gate"], specs["experts_up"], specs["experts_down"]),
+        out_specs=P(rows, None), check_vma=False,
+    )(x, weights, ids, w_gate, w_up, w_down)
+
+
+def _expert_mesh():
+    """The mesh the program is traced under, when it splits anything; else None."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or all(mesh.shape.get(a, 1) == 1 for a in ("expert", "tensor", "data")):
+        return None
+    return mesh
 
 
 def moe_block(p: dict, cfg: ModelConfig, x: jax.Array) -> jax.Array:
@@ -70,8 +148,13 @@ def moe_block(p: dict, cfg: ModelConfig, x: jax.Array) -> jax.Array:
     flat = x.reshape(-1, shape[-1])
     logits = jnp.dot(flat.astype(jnp.float32), p["router"], preferred_element_type=jnp.float32)
     weights, ids = route(logits, p.get("router_bias"), cfg)
-    experts = gathered_experts if 2 * ids.size <= cfg.num_experts else routed_experts
-    out = experts(flat, weights, ids, p["experts_gate"], p["experts_up"], p["experts_down"])
+    mesh = _expert_mesh()
+    experts = (p["experts_gate"], p["experts_up"], p["experts_down"])
+    if mesh is None:
+        out = local_experts(flat, weights, ids, *experts)
+    else:
+        out = expert_parallel(flat, weights, ids, *experts, mesh)
+    out = out.astype(x.dtype)
     if "shared_gate" in p:
         out = out + swiglu(flat, p["shared_gate"], p["shared_up"], p["shared_down"])
     return out.reshape(shape)

@@ -6,6 +6,10 @@ layout: `{"embed", "final_norm", "lm_head"?, "segments": ({name: [n, ...]}, ...)
 segment is a run of same-kind layers (`ModelConfig.segments`) stacked on a leading axis so one
 `lax.scan` runs it. Matrices are stored `[in, out]` (HF's transposed) so the forward is `x @ w`.
 Router weights and the routing bias stay float32 whatever the model dtype (routing is fp32).
+
+A weight the checkpoint stores quantized (per `config.QuantConfig`: its method and ignore list)
+has `spec.quant` set and lives on device as a `quant.QArray` of the same logical shape and axes;
+`QuantConfig.resident=False` (dequantize on load) clears it.
 """
 
 from __future__ import annotations
@@ -13,9 +17,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Mapping
 
+import jax
 import numpy as np
 
-from .config import ModelConfig
+from .config import ModelConfig, QuantConfig
+from .quant import QArray, QFormat
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,6 +29,55 @@ class ParamSpec:
     shape: tuple[int, ...]
     axes: tuple[str | None, ...]  # logical axis names, one per dim (see sharding.py)
     float32: bool = False  # kept in float32 regardless of the model dtype
+    quant: QFormat | None = None  # stored quantized on device (a QArray of this logical shape)
+
+    def nbytes(self, dtype) -> int:
+        """Bytes on device for a compute dtype (quantized: packed values + scales)."""
+        if self.quant is not None:
+            return self.quant.nbytes(self.shape)
+        return int(np.prod(self.shape)) * np.dtype(np.float32 if self.float32 else dtype).itemsize
+
+
+def qformat_for(q: QuantConfig) -> QFormat:
+    """The on-device format of the weights a QuantConfig quantizes (block in our [in, out] orientation)."""
+    if q.method == "fp8_block":
+        return QFormat("fp8_block", (q.block_size[1], q.block_size[0]), "float32", fnuz=q.fnuz)
+    if q.method == "int4_pack":
+        return QFormat("int4", (q.group_size, 1), "bfloat16", act=q.activations)
+    if q.method == "mxfp4":
+        return QFormat("mxfp4", (32, 1), "uint8")
+    if q.method == "fp8_channel":
+        return QFormat("fp8_channel", (0, 1), "float32", fnuz=q.fnuz)
+    raise ValueError(f"unknown quantization method {q.method!r}")
+
+
+def _is_linear(name: str, spec: ParamSpec) -> bool:
+    short = name.rsplit(".", 1)[-1]
+    return len(spec.shape) >= 2 and not spec.float32 and short != "embed"
+
+
+def with_quant(specs: dict[str, ParamSpec], q: QuantConfig | None, module_of) -> dict[str, ParamSpec]:
+    """Mark the linear weights `q` stores quantized; `module_of(name)` gives a flat name's HF module."""
+    if q is None or not q.resident:
+        return specs
+    fmt = qformat_for(q)
+    out = {}
+    for name, spec in specs.items():
+        quantized = _is_linear(name, spec) and q.covers(module_of(name))
+        if name == "lm_head" and q.method == "fp8_block":
+            quantized = False  # block-fp8 exports keep the LM head in bf16
+        out[name] = dataclasses.replace(spec, quant=fmt) if quantized else spec
+    return out
+
+
+def _hf_module(cfg: ModelConfig):
+    from .checkpoint import keymap  # lazy: the checkpoint package imports this module
+
+    def module_of(name: str) -> str:
+        key = keymap.canonical_hf_key(name, cfg)
+        return key[: -len(".weight")] if key.endswith(".weight") else key
+
+    return module_of
 
 
 def _attention_specs(cfg: ModelConfig) -> dict[str, ParamSpec]:
@@ -103,38 +158,84 @@ def flat_specs(cfg: ModelConfig) -> dict[str, ParamSpec]:
         kind = "moe" if cfg.is_moe_layer(i) else "dense"
         for name, spec in layer_specs(cfg, kind).items():
             s[f"layers.{i}.{name}"] = spec
-    return s
+    return with_quant(s, cfg.quant, _hf_module(cfg))
 
 
-def stacked_axes(cfg: ModelConfig) -> dict:
-    """Logical axes of the stacked tree (a leading `layers` axis on segment leaves)."""
-    tree: dict = {"embed": ("vocab", "embed"), "final_norm": ("norm",)}
-    if not cfg.tie_word_embeddings:
-        tree["lm_head"] = ("embed", "vocab")
-    tree["segments"] = tuple(
-        {name: ("layers",) + spec.axes for name, spec in layer_specs(cfg, kind).items()}
-        for kind, _, _ in cfg.segments
-    )
+def segment_specs(cfg: ModelConfig) -> tuple[dict[str, ParamSpec], ...]:
+    """Per segment, the spec of each stacked leaf (with the leading `layers` axis); a segment's
+    leaf is quantized when its layers are (the ignore rules never split a run of same-kind layers
+    here; `stack_flat` checks)."""
+    flat = flat_specs(cfg)
+    out = []
+    for kind, start, stop in cfg.segments:
+        seg = {}
+        for name in layer_specs(cfg, kind):
+            spec = flat[f"layers.{start}.{name}"]
+            seg[name] = dataclasses.replace(spec, shape=(stop - start,) + spec.shape, axes=("layers",) + spec.axes)
+        out.append(seg)
+    return tuple(out)
+
+
+def stacked_specs(cfg: ModelConfig) -> dict:
+    """The stacked tree's specs: {embed, final_norm, lm_head?, segments: ({name: ParamSpec}, ...)}."""
+    flat = flat_specs(cfg)
+    tree: dict = {k: flat[k] for k in ("embed", "final_norm", "lm_head") if k in flat}
+    tree["segments"] = segment_specs(cfg)
     return tree
 
 
-def stack_flat(flat: Mapping[str, np.ndarray], cfg: ModelConfig) -> dict:
-    """Flat -> stacked layout (host arrays; no validation beyond what stacking needs)."""
+def is_spec(x) -> bool:
+    return isinstance(x, ParamSpec)
+
+
+def stacked_axes(cfg: ModelConfig) -> dict:
+    """Logical axes of the stacked tree (a leading `layers` axis on segment leaves); a quantized
+    leaf's values and scales share the axes of the weight they stand for."""
+    return jax.tree.map(lambda s: s.axes, stacked_specs(cfg), is_leaf=is_spec)
+
+
+def abstract_leaf(spec: ParamSpec, dtype):
+    """A ShapeDtypeStruct (or a QArray of them) for one parameter."""
+    if spec.quant is None:
+        return jax.ShapeDtypeStruct(spec.shape, np.float32 if spec.float32 else dtype)
+    q = spec.quant
+    return QArray(jax.ShapeDtypeStruct(q.values_shape(spec.shape), q.values_dtype),
+                  jax.ShapeDtypeStruct(q.scales_shape(spec.shape), np.dtype(q.scale_dtype)), q)
+
+
+def abstract_params(cfg: ModelConfig, dtype) -> dict:
+    """The stacked parameter tree as shapes only (nothing allocated), quantized leaves included."""
+    return jax.tree.map(lambda s: abstract_leaf(s, dtype), stacked_specs(cfg), is_leaf=is_spec)
+
+
+def _stack(leaves: list, name: str):
+    """np.stack over layers for plain arrays and QArrays (which must share a format)."""
+    if isinstance(leaves[0], QArray):
+        if any(not isinstance(q, QArray) or q.qformat != leaves[0].qformat for q in leaves):
+            raise ValueError(f"layers of {name} mix quantized formats; every layer of a run must share one")
+        return QArray(np.stack([np.asarray(q.values) for q in leaves]), np.stack([np.asarray(q.scales) for q in leaves]),
+                      leaves[0].qformat)
+    return np.stack([np.asarray(a) for a in leaves])
+
+
+def stack_flat(flat: Mapping, cfg: ModelConfig) -> dict:
+    """Flat -> stacked layout (host arrays or QArrays; no validation beyond what stacking needs)."""
     tree: dict = {k: flat[k] for k in ("embed", "final_norm", "lm_head") if k in flat}
     segs = []
     for kind, start, stop in cfg.segments:
         names = layer_specs(cfg, kind)
-        segs.append({n: np.stack([np.asarray(flat[f"layers.{i}.{n}"]) for i in range(start, stop)]) for n in names})
+        segs.append({n: _stack([flat[f"layers.{i}.{n}"] for i in range(start, stop)], n) for n in names})
     tree["segments"] = tuple(segs)
     return tree
 
 
-def unstack_to_flat(tree: Mapping, cfg: ModelConfig) -> dict[str, np.ndarray]:
+def unstack_to_flat(tree: Mapping, cfg: ModelConfig) -> dict:
     """Stacked -> flat layout (inverse of `stack_flat`)."""
-    flat = {k: np.asarray(tree[k]) for k in ("embed", "final_norm", "lm_head") if k in tree}
+    host = lambda a: a if isinstance(a, QArray) else np.asarray(a)  # noqa: E731
+    flat = {k: host(tree[k]) for k in ("embed", "final_norm", "lm_head") if k in tree}
     for (kind, start, stop), seg in zip(cfg.segments, tree["segments"]):
         for name, arr in seg.items():
-            a = np.asarray(arr)
+            a = host(arr)
             for j, i in enumerate(range(start, stop)):
                 flat[f"layers.{i}.{name}"] = a[j]
     return flat

@@ -18,6 +18,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from . import kv_cache
 from .config import ModelConfig
 from .params import stacked_axes
+from .quant import QArray
 
 MESH_AXES = ("data", "tensor", "expert")
 
@@ -64,8 +65,33 @@ def partition_spec(axes: tuple[str | None, ...], shape: tuple[int, ...], mesh: M
     return PartitionSpec(*spec)
 
 
-def _place(arr, axes, mesh: Mesh) -> jax.Array:
-    sharding = NamedSharding(mesh, partition_spec(axes, np.shape(arr), mesh))
+def quantized_partition_spec(axes: tuple[str | None, ...], q: QArray, mesh) -> QArray:
+    """PartitionSpecs (values, scales) for a quantized weight: a dim is split only where every
+    shard of the values keeps whole scale blocks (a scale dim of 1 stays whole, values split)."""
+    logical, vshape, sshape = q.shape, tuple(q.values.shape), tuple(q.scales.shape)
+    nd = len(logical)
+    block = (1,) * (nd - 2) + q.qformat.scale_block(logical)
+    vspec, sspec, used = [], [], set()
+    for d, name in enumerate(axes):
+        mesh_axis = RULES.get(name) if name else None
+        n = mesh.shape[mesh_axis] if mesh_axis is not None else 1
+        ok = (mesh_axis is not None and mesh_axis not in used and vshape[d] % n == 0
+              and (sshape[d] == 1 or (logical[d] % n == 0 and (logical[d] // n) % block[d] == 0)))
+        vspec.append(mesh_axis if ok else None)
+        sspec.append(mesh_axis if ok and sshape[d] > 1 else None)
+        if ok:
+            used.add(mesh_axis)
+    return QArray(PartitionSpec(*vspec), PartitionSpec(*sspec), q.qformat)
+
+
+def leaf_partition_spec(axes: tuple[str | None, ...], leaf, mesh):
+    """PartitionSpec of a param leaf (a QArray of two for a quantized weight)."""
+    if isinstance(leaf, QArray):
+        return quantized_partition_spec(axes, leaf, mesh)
+    return partition_spec(axes, np.shape(leaf), mesh)
+
+
+def _put(arr, sharding: NamedSharding) -> jax.Array:
     if isinstance(arr, jax.Array):
         return jax.device_put(arr, sharding)
     # Host arrays: each process builds only its own shards (multi-host safe, no full copy per device).
@@ -73,10 +99,32 @@ def _place(arr, axes, mesh: Mesh) -> jax.Array:
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
+def _place(arr, axes, mesh: Mesh):
+    spec = leaf_partition_spec(axes, arr, mesh)
+    if isinstance(arr, QArray):
+        return QArray(_put(arr.values, NamedSharding(mesh, spec.values)), _put(arr.scales, NamedSharding(mesh, spec.scales)),
+                      arr.qformat)
+    return _put(arr, NamedSharding(mesh, spec))
+
+
+def is_param_leaf(x) -> bool:
+    return isinstance(x, QArray)
+
+
+def param_shardings(tree: dict, cfg: ModelConfig, mesh: Mesh) -> dict:
+    """NamedShardings for a stacked param tree (arrays or ShapeDtypeStructs), QArray leaves included."""
+    def one(leaf, axes):
+        spec = leaf_partition_spec(axes, leaf, mesh)
+        if isinstance(leaf, QArray):
+            return QArray(NamedSharding(mesh, spec.values), NamedSharding(mesh, spec.scales), leaf.qformat)
+        return NamedSharding(mesh, spec)
+
+    return jax.tree.map(one, tree, stacked_axes(cfg), is_leaf=is_param_leaf)
+
+
 def shard_params(tree: dict, cfg: ModelConfig, mesh: Mesh) -> dict:
-    """Place a stacked param tree (host or device arrays) on `mesh` by the logical-axis rules."""
-    axes = stacked_axes(cfg)
-    return jax.tree.map(lambda a, ax: _place(a, ax, mesh), tree, axes, is_leaf=lambda x: isinstance(x, tuple) and all(isinstance(e, (str, type(None))) for e in x))
+    """Place a stacked param tree (host or device arrays, QArrays) on `mesh` by the logical-axis rules."""
+    return jax.tree.map(lambda a, ax: _place(a, ax, mesh), tree, stacked_axes(cfg), is_leaf=is_param_leaf)
 
 
 def shard_cache(cache: kv_cache.KVCache, cfg: ModelConfig, mesh: Mesh) -> kv_cache.KVCache:

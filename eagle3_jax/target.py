@@ -21,6 +21,7 @@ from .attention import gqa_block, mla_block
 from .config import ModelConfig, load_model_config
 from .layers import rms_norm, swiglu
 from .moe import moe_block
+from .quant import linear
 
 # Below this many new tokens per row, MLA uses the absorbed form (decode, verify); above, expanded.
 ABSORB_MAX_TOKENS = 16
@@ -43,7 +44,7 @@ def final_logits(params: dict, cfg: ModelConfig, x: jax.Array) -> jax.Array:
     """Final norm + LM head, float32 logits."""
     h = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
     head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
-    return jnp.dot(h, head, preferred_element_type=jnp.float32)
+    return linear(h, head, out_dtype=jnp.float32)
 
 
 def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array, cache: kv_cache.KVCache,

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from eagle3_jax.config import parse_model_config
-from eagle3_jax.moe import gathered_experts, route, routed_experts
+from eagle3_jax.moe import gathered_experts, route, grouped_experts
 from random_models import DEEPSEEK
 
 
@@ -17,12 +17,12 @@ def test_gathered_and_grouped_expert_forms_agree():
     w = jnp.asarray(rng.random((n, k)), jnp.float32)
     wg, wu = (jnp.asarray(rng.standard_normal((e, h, i)), jnp.float32) for _ in range(2))
     wd = jnp.asarray(rng.standard_normal((e, i, h)), jnp.float32)
-    np.testing.assert_allclose(gathered_experts(x, w, ids, wg, wu, wd), routed_experts(x, w, ids, wg, wu, wd),
+    np.testing.assert_allclose(gathered_experts(x, w, ids, wg, wu, wd), grouped_experts(x, w, ids, wg, wu, wd),
                                rtol=1e-5, atol=1e-5)
 
 
 def test_noaux_tc_routing_by_hand():
-    cfg = parse_model_config(dict(DEEPSEEK, n_routed_experts=8, n_group=2, topk_group=1, num_experts_per_tok=2,
+    cfg = parse_model_config(dict(DEEPSEEK, n_grouped_experts=8, n_group=2, topk_group=1, num_experts_per_tok=2,
                                   routed_scaling_factor=2.0))
     logits = jnp.asarray([[0.0, 1.0, 2.0, -1.0, 3.0, -2.0, 0.5, 0.0]], jnp.float32)
     bias = jnp.asarray([0.0, 0.0, 0.0, 0.0, -1.0, 0.0, 0.0, 0.0], jnp.float32)
