@@ -24,6 +24,7 @@ from . import kv_cache
 from .config import ModelConfig
 from .draft import Draft
 from .sampling import SamplingArrays, SamplingParams, sample
+from .sharding import mesh_context
 from .spec.step import spec_prefill, spec_step
 from .spec.tree import SpecConfig
 from .target import Target, forward
@@ -136,9 +137,10 @@ class Engine:
         vocab = self.target.config.vocab_size
         prompts = [check_request(vocab, self.max_seq_len, p, sp, index=i) for i, (p, sp) in enumerate(zip(prompts, sampling))]
         outs: list[RequestOutput] = []
-        for start in range(0, len(prompts), self.max_batch_size):
-            stop = start + self.max_batch_size
-            outs.extend(self._run_wave(prompts[start:stop], sampling[start:stop]))
+        with mesh_context(self.target.mesh):
+            for start in range(0, len(prompts), self.max_batch_size):
+                stop = start + self.max_batch_size
+                outs.extend(self._run_wave(prompts[start:stop], sampling[start:stop]))
         return outs
 
     # ---- programs ------------------------------------------------------------------------------

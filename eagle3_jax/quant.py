@@ -13,7 +13,8 @@ checkpoint's bytes, not bf16 copies. Every format is one rule: element [i, o] is
 | `fp8_block`   | float8 [.., in, out]                    | float32 [.., in/128, out/128] (128, 128)| DeepSeek-V3 / MiniMax-M2 block FP8   |
 | `fp8_channel` | float8 [.., in, out]                    | float32 [.., 1, out] (in, 1)            | AMD Quark ptpc_fp8 (EAGLE-3 drafts)  |
 
-Float8 values are OCP `float8_e4m3fn`, or `float8_e4m3fnuz` after `fp8_to_fnuz` (gfx942). A
+Float8 values are OCP `float8_e4m3fn`, or `float8_e4m3fnuz` (gfx942; converted on load by
+`checkpoint.quant.fp8_e4m3fn_to_fnuz`: same bits, scales doubled). A
 QArray carries the logical axes of the weight it replaces: values and scales are sharded along
 the same axes (see sharding.py), so a shard dequantizes with its own scales.
 
@@ -246,19 +247,3 @@ def expert_matmul(x: jax.Array, w) -> jax.Array:
     if isinstance(w, QArray) and w.qformat.act == "int8":
         return jax.vmap(jax.vmap(_w4a8_matmul))(x[:, :, None, :], w)[:, :, 0, :]
     return jnp.einsum("nki,nkio->nko", x, dequantize(w, x.dtype))
-
-
-# ---- format conversions (host side, numpy) -------------------------------------------------------------
-
-
-def fp8_to_fnuz(values: np.ndarray, scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """OCP e4m3fn -> e4m3fnuz with the same value (gfx942): the same bits are worth half as much in
-    fnuz, so scales double; 0x80 (-0 in OCP, NaN in fnuz) becomes 0."""
-    bits = np.asarray(values).view(np.uint8).copy()
-    bits[bits == 0x80] = 0
-    return bits.view(ml_dtypes.float8_e4m3fnuz), (np.asarray(scales, np.float32) * 2).astype(np.float32)
-
-
-def int4_words_to_bytes(packed: np.ndarray) -> np.ndarray:
-    """compressed-tensors int32 words [out, in/8] (8 little-endian nibbles each) -> bytes [out, in/8*4]."""
-    return np.ascontiguousarray(packed).astype("<i4", copy=False).view(np.uint8)

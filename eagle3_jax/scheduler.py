@@ -42,6 +42,7 @@ from .draft import Draft, DraftConfig
 from .engine import RequestOutput, bucket, check_request, check_speculation
 from .page_allocator import PageAllocator, pages_for
 from .sampling import SamplingArrays, SamplingParams, sample
+from .sharding import mesh_context
 from .spec.propose import DraftTree
 from .spec.step import spec_prefill, spec_step
 from .spec.tree import SpecConfig
@@ -398,8 +399,9 @@ class Scheduler:
         dcfg = self.draft.config if self.draft is not None else None
         dparams = self.draft.params if self.draft is not None else None
         key = (kind, block_table.shape, np.shape(args[1]))  # args[1]: tokens or tree, [batch, width]
-        *outs, self._pools = self.programs.run(fn, (self.target.config, dcfg, self.spec), key,
-                                               self.target.params, dparams, self._pools, block_table, *args)
+        with mesh_context(self.target.mesh):
+            *outs, self._pools = self.programs.run(fn, (self.target.config, dcfg, self.spec), key,
+                                                   self.target.params, dparams, self._pools, block_table, *args)
         return outs
 
     def _run_prefill(self, rows: list[tuple[_Request, int]]) -> list[RequestDelta]:

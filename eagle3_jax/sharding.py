@@ -8,6 +8,7 @@ axis is replicated instead (correct, just less spread), so any model runs on any
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Mapping
 
@@ -137,6 +138,12 @@ def shard_pages(k: jax.Array, v: jax.Array, cfg: ModelConfig, mesh: Mesh) -> tup
     """Place paged KV pools [L, pages, page_size, ...]: heads / latents split like a dense cache."""
     k_axes, v_axes = kv_cache.paged_axes(cfg)
     return _place(k, k_axes, mesh), _place(v, v_axes, mesh)
+
+
+def mesh_context(mesh: Mesh | None):
+    """Trace and run under `mesh` (`jax.set_mesh`), which makes the MoE expert-parallel
+    (moe.expert_parallel); a no-op without a mesh. Every program over a sharded Target runs in it."""
+    return jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()
 
 
 def initialize_distributed() -> None:

@@ -21,7 +21,7 @@ from .attention import gqa_block, mla_block
 from .config import ModelConfig, load_model_config
 from .layers import rms_norm, swiglu
 from .moe import moe_block
-from .quant import linear
+from .quant import QArray, linear
 
 # Below this many new tokens per row, MLA uses the absorbed form (decode, verify); above, expanded.
 ABSORB_MAX_TOKENS = 16
@@ -98,10 +98,47 @@ def resolve_dtype(dtype) -> jnp.dtype:
     return jnp.dtype(dtype)
 
 
-def cast_flat(flat: dict[str, np.ndarray], cfg: ModelConfig, dtype: jnp.dtype) -> dict[str, np.ndarray]:
-    """Cast float tensors to the compute dtype; routers and their bias stay float32."""
+def cast_flat(flat: dict, cfg: ModelConfig, dtype: jnp.dtype) -> dict:
+    """Cast float tensors to the compute dtype; routers and their bias stay float32, quantized
+    weights (QArray) stay as they are."""
     specs = params_lib.flat_specs(cfg)
-    return {k: np.asarray(v, np.float32 if specs[k].float32 else dtype) for k, v in flat.items()}
+
+    def cast(k, v):
+        if isinstance(v, QArray):
+            return v
+        return np.asarray(v, np.float32 if specs[k].float32 else dtype)
+
+    return {k: cast(k, v) for k, v in flat.items()}
+
+
+FP8_FORMATS = ("auto", "e4m3fn", "e4m3fnuz")
+
+
+def uses_fnuz(fp8_format: str) -> bool:
+    """Whether float8 weights should be e4m3fnuz: "auto" = on gfx942 (MI300X / MI325X)."""
+    if fp8_format not in FP8_FORMATS:
+        raise ValueError(f"fp8_format {fp8_format!r} is not supported; use one of {', '.join(FP8_FORMATS)}")
+    if fp8_format != "auto":
+        return fp8_format == "e4m3fnuz"
+    device = jax.devices()[0]
+    kind = f"{device.platform} {getattr(device, 'device_kind', '')}".lower()
+    return device.platform == "rocm" and any(tag in kind for tag in ("gfx942", "mi300", "mi325"))
+
+
+def with_quant_options(cfg: ModelConfig, dequantize: bool = False, w4a8: bool = False,
+                       fp8_format: str = "auto") -> ModelConfig:
+    """Apply the load-time quantization choices to a config (see QuantConfig's run-time fields)."""
+    q = cfg.quant
+    if q is None:
+        if w4a8:
+            raise ValueError("w4a8=True needs int4 weights, but this checkpoint is not quantized")
+        return cfg
+    if w4a8 and (q.method != "int4_pack" or dequantize):
+        raise ValueError(f"w4a8=True runs int4 weights with int8 activations; this checkpoint is {q.method}"
+                         + (" and dequantize=True" if dequantize else ""))
+    fnuz = q.method in ("fp8_block", "fp8_channel") and uses_fnuz(fp8_format)
+    return dataclasses.replace(cfg, quant=dataclasses.replace(
+        q, resident=not dequantize, activations="int8" if w4a8 else "float", fnuz=fnuz))
 
 
 @dataclasses.dataclass
@@ -125,7 +162,10 @@ class Target:
             raise ValueError(f"token_ids must be an integer array [batch, tokens]; got shape {ids.shape}, dtype {ids.dtype}")
         if ids.size and (ids.min() < 0 or ids.max() >= self.config.vocab_size):
             raise ValueError(f"token ids must be in [0, {self.config.vocab_size}); got range [{ids.min()}, {ids.max()}]")
-        logits, aux = _full_forward(self.params, self.config, jnp.asarray(ids, jnp.int32), self.dtype)
+        from .sharding import mesh_context
+
+        with mesh_context(self.mesh):
+            logits, aux = _full_forward(self.params, self.config, jnp.asarray(ids, jnp.int32), self.dtype)
         logits = np.asarray(logits, np.float32)
         return (logits, np.asarray(aux, np.float32)) if return_aux else logits
 
@@ -146,18 +186,27 @@ def _full_forward(params, cfg, ids, dtype):
 
 
 def load_target(path: str | os.PathLike, dtype="bfloat16", mesh: jax.sharding.Mesh | None = None,
-                aux_layer_ids: Sequence[int] | None = None) -> Target:
+                aux_layer_ids: Sequence[int] | None = None, *, dequantize: bool = False, w4a8: bool = False,
+                fp8_format: str = "auto") -> Target:
     """Load a target from an HF folder (safetensors) or an Orbax folder made by scripts/convert.py.
 
-    Quantized checkpoints (FP8 block, int4 pack-quantized experts) are dequantized on load. With a
-    `mesh` (see sharding.make_mesh) params are placed by the logical-axis rules.
-    `aux_layer_ids` overrides which hidden states are captured for a draft (default 2, L//2, L-3).
+    Quantized weights (int4 pack-quantized experts, block FP8, MXFP4) stay quantized on device and
+    are dequantized inside the ops that use them; `dtype` is the compute dtype and the dtype of the
+    unquantized tensors. `dequantize=True` dequantizes everything to `dtype` on load instead;
+    `w4a8=True` runs int4 weights with dynamic per-token int8 activations; `fp8_format` picks the
+    on-device float8 flavour ("auto": e4m3fnuz on gfx942, e4m3fn elsewhere). With a `mesh` (see
+    sharding.make_mesh) params are placed by the logical-axis rules and MoE layers run
+    expert-parallel. `aux_layer_ids` overrides which hidden states are captured for a draft
+    (default 2, L//2, L-3).
     """
-    from .checkpoint import read_flat_params
+    from .checkpoint import is_orbax_dir, keeps_quantized, read_flat_params
     from .sharding import shard_params
 
     path = os.fspath(path)
     cfg = load_model_config(path)
+    if cfg.quant is not None and is_orbax_dir(path) and not keeps_quantized(path):
+        dequantize = True  # converted with dequantization: the folder holds float weights only
+    cfg = with_quant_options(cfg, dequantize, w4a8, fp8_format)
     if aux_layer_ids is not None:
         cfg = cfg.with_aux_layers(tuple(aux_layer_ids))
     dt = resolve_dtype(dtype)

@@ -173,17 +173,22 @@ def kimi_checkpoint(rng):
     return raw, cfg, t, want
 
 
+def dequantized(cfg):
+    """The config as `load_target(..., dequantize=True)` uses it: quantized weights read as floats."""
+    return dataclasses.replace(cfg, quant=dataclasses.replace(cfg.quant, resident=False))
+
+
 @pytest.fixture(scope="module")
 def kimi(tmp_path_factory):
     raw, cfg, tensors, want = kimi_checkpoint(np.random.default_rng(0))
     folder = write_checkpoint(tmp_path_factory.mktemp("kimi"), raw, tensors, shards=2)
-    return folder, cfg, want
+    return folder, dequantized(cfg), want
 
 
 def test_kimi_int4_sharded_checkpoint(kimi):
     folder, cfg, want = kimi
     assert len(glob.glob(os.path.join(folder, "model-*.safetensors"))) == 2
-    assert load_model_config(folder) == cfg and cfg.key_prefix == "language_model."
+    assert dequantized(load_model_config(folder)) == cfg and cfg.key_prefix == "language_model."
     got = read_flat_params(folder, cfg)
     assert_flat_equal(got, want)
     assert got["layers.1.experts_down"].dtype == np.float32  # dequantized (exact in float32)
@@ -278,7 +283,7 @@ def deepseek_fp8_checkpoint(rng):
 @pytest.fixture(scope="module")
 def deepseek_fp8(tmp_path_factory):
     raw, cfg, tensors, want = deepseek_fp8_checkpoint(np.random.default_rng(1))
-    return write_checkpoint(tmp_path_factory.mktemp("ds_fp8"), raw, tensors), raw, tensors, cfg, want
+    return write_checkpoint(tmp_path_factory.mktemp("ds_fp8"), raw, tensors), raw, tensors, dequantized(cfg), want
 
 
 def test_deepseek_fp8_checkpoint(deepseek_fp8):
@@ -437,10 +442,10 @@ def test_orbax_round_trip_is_bit_identical(kimi, tmp_path, dtype):
     marker = save_orbax(folder, out, cfg, progress=False, dtype=dtype)
     assert is_orbax_dir(out) and not is_orbax_dir(folder)
     assert marker["dtype"] == dtype and len(marker["tensors"]) == len(flat_specs(cfg))
-    assert load_model_config(out) == cfg
+    assert dequantized(load_model_config(out)) == cfg
     assert_flat_equal(read_flat_params(out, cfg), read_flat_params(folder, cfg, dtype=dtype))
     assert [layer for layer, _ in iter_flat_layers(out, cfg)] == [None, 0, 1, 2]
-    assert not glob.glob(out + ".partial-*")
+    assert not glob.glob(out + ".partial*")
 
 
 def test_orbax_round_trip_fp8(deepseek_fp8, tmp_path):
@@ -468,7 +473,7 @@ def test_orbax_config_mismatch_is_reported(deepseek_fp8, tmp_path):
         read_flat_params(tmp_path / "o", dataclasses.replace(cfg, num_layers=1))
 
 
-def test_interrupted_conversion_leaves_nothing_loadable(kimi, tmp_path, monkeypatch):
+def test_interrupted_conversion_leaves_nothing_loadable_and_resumes(kimi, tmp_path, monkeypatch):
     folder, cfg, _ = kimi
     out = str(tmp_path / "orbax")
     real_save = orbax_io._save_item
@@ -483,21 +488,27 @@ def test_interrupted_conversion_leaves_nothing_loadable(kimi, tmp_path, monkeypa
     monkeypatch.setattr(orbax_io, "_save_item", failing_save)
     with pytest.raises(RuntimeError, match="disk full"):
         save_orbax(folder, out, cfg, progress=False)
-    assert not os.path.exists(out) and not glob.glob(out + ".partial-*")
-    assert not is_orbax_dir(out)
+    assert not os.path.exists(out) and not is_orbax_dir(out)
     with pytest.raises(CheckpointError, match="does not exist"):
         read_flat_params(out, cfg)
-
-    # A killed process cannot clean up: the leftover partial folder must be refused clearly.
-    calls.clear()
-    monkeypatch.setattr(orbax_io.shutil, "rmtree", lambda *a, **k: None)
-    with pytest.raises(RuntimeError, match="disk full"):
-        save_orbax(folder, out, cfg, progress=False)
-    monkeypatch.undo()
-    (partial,) = glob.glob(out + ".partial-*")
-    assert not is_orbax_dir(partial) and not os.path.exists(out)
+    # The partial folder is refused clearly...
+    partial = out + ".partial"
+    assert os.path.isdir(partial) and not is_orbax_dir(partial)
     with pytest.raises(CheckpointError, match="incomplete Orbax conversion"):
         read_flat_params(partial, cfg)
+    # ...and the same conversion resumes after the two items already written.
+    calls.clear()
+    save_orbax(folder, out, cfg, progress=False)
+    assert [os.path.relpath(c, partial) for c in calls] == ["layers/1", "layers/2"]
+    assert not os.path.exists(partial) and is_orbax_dir(out)
+    assert_flat_equal(read_flat_params(out, cfg), read_flat_params(folder, cfg))
+    # A different conversion (another dtype) does not reuse an old partial folder.
+    os.makedirs(partial)
+    orbax_io._write_json(os.path.join(partial, orbax_io.PROGRESS), {"fingerprint": "other", "items": {"globals": {}}})
+    monkeypatch.setattr(orbax_io, "_save_item", lambda ckptr, path, tree: (calls.append(path), real_save(ckptr, path, tree)))
+    calls.clear()
+    save_orbax(folder, partial[: -len(".partial")], cfg, progress=False, dtype="bfloat16", overwrite=True)
+    assert len(calls) == 4
 
 
 def test_folder_without_marker_is_incomplete(deepseek_fp8, tmp_path):

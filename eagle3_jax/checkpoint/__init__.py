@@ -3,7 +3,7 @@
 from .errors import CheckpointError
 from .hf_loader import iter_hf_layers, plan_hf
 from .loader import iter_flat_layers, read_flat_params
-from .orbax_io import is_orbax_dir, iter_orbax_layers, save_orbax
+from .orbax_io import is_orbax_dir, iter_orbax_layers, keeps_quantized, save_orbax
 from .quant import dequant_fp8_block, dequant_int4_pack, fp8_e4m3fn_to_fnuz
 from .safetensors_io import open_hf_checkpoint
 
@@ -16,6 +16,7 @@ __all__ = [
     "iter_flat_layers",
     "iter_hf_layers",
     "iter_orbax_layers",
+    "keeps_quantized",
     "open_hf_checkpoint",
     "plan_hf",
     "read_flat_params",

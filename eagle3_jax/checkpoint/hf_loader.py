@@ -8,15 +8,19 @@ large read. *Materializing* then decodes, dequantizes, transposes and stacks one
 so a caller that consumes `iter_hf_layers` holds a single layer in memory.
 
 Quantization is detected per tensor from the companions present (`<w>.weight_scale_inv` -> fp8
-block; `<w>.weight_packed` + `weight_scale` + `weight_shape` -> int4 pack), and must agree with
-config.json's quantization_config; `ignore` / `modules_to_not_convert` lists need no separate
-handling because ignored modules simply have no companions.
+block; `<w>.weight_packed` + `weight_scale` + `weight_shape` -> int4 pack; uint8 `<w>.weight` +
+`weight_scale` -> MXFP4; float8 `<w>.weight` + `weight_scale` -> per-channel FP8), and must agree
+with config.json's quantization_config. A parameter whose spec is quantized (`ParamSpec.quant`,
+from the config's method and ignore list) is built as a host `QArray` in the checkpoint's own
+bytes (transposed to our [in, out] orientation, int32 words viewed as bytes); one that is not is
+dequantized to float32 as before, which is also what `QuantConfig.resident=False` asks for.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import math
 import os
 import re
 from typing import Iterator, Mapping
@@ -27,6 +31,7 @@ import numpy as np
 from ..config import ModelConfig
 from ..params import ParamSpec, flat_specs
 from . import keymap, quant
+from ..quant import QArray, QFormat
 from .errors import CheckpointError
 from .safetensors_io import HFCheckpoint, open_hf_checkpoint
 
@@ -67,7 +72,7 @@ class Stored:
     """One logical weight in the checkpoint, after folding its quantization companions."""
 
     key: str  # logical key, e.g. "...mlp.experts.3.up_proj.weight" (may not exist for int4)
-    kind: str  # "plain" | "fp8_block" | "int4_pack"
+    kind: str  # "plain" | "fp8_block" | "int4_pack" | "mxfp4" | "fp8_channel" (the QuantConfig method names)
     parts: Mapping[str, str]  # role ("weight", "scale_inv", "packed", "scale", "shape") -> real key
     shape: tuple[int, ...]  # decoded shape, HF orientation
     dtype: np.dtype  # decoded dtype: the stored float dtype, or float32 when dequantized
@@ -166,6 +171,8 @@ def _stored(ckpt: HFCheckpoint, cfg: ModelConfig, base: str, parts: dict[str, st
             )
             return None
         return Stored(base, "fp8_block", parts, w.shape, np.dtype(np.float32))
+    if roles == {"weight", "scale"}:
+        return _stored_weight_and_scale(cfg, base, parts, info, problems)
     if roles == {"packed", "scale", "shape"}:
         q = cfg.quant
         if q is None or q.method != "int4_pack":
@@ -205,6 +212,42 @@ def _stored(ckpt: HFCheckpoint, cfg: ModelConfig, base: str, parts: dict[str, st
         "weight_shape). Re-download the missing part or use a supported export"
     )
     return None
+
+
+def _stored_weight_and_scale(cfg: ModelConfig, base: str, parts: dict[str, str], info: dict, problems: list[str]) -> Stored | None:
+    """AMD Quark layouts: MXFP4 (uint8 weight [out, in/2] + e8m0 uint8 weight_scale [out, in/32]) or
+    per-channel FP8 (float8 weight [out, in] + float weight_scale [out] or [out, 1])."""
+    q = cfg.quant
+    w, s = info["weight"], info["scale"]
+    if q is None or q.method not in ("mxfp4", "fp8_channel"):
+        problems.append(
+            f"tensor {parts['scale']!r} is a weight scale, but config.json has no quark MXFP4 / ptpc_fp8 quantization_config; "
+            "use the config.json shipped with these weights"
+        )
+        return None
+    if q.method == "mxfp4":
+        if w.dtype != np.dtype(np.uint8) or len(w.shape) != 2:
+            problems.append(f"tensor {parts['weight']!r} is {w.dtype} {_fmt(w.shape)}; MXFP4 weights are uint8 [out, in/2]")
+            return None
+        rows, cols = w.shape[0], 2 * w.shape[1]
+        want = (rows, math.ceil(cols / 32))
+        if s.dtype != np.dtype(np.uint8) or s.shape != want:
+            problems.append(
+                f"tensor {parts['scale']!r} is {s.dtype} {_fmt(s.shape)} but a {_fmt(w.shape)} MXFP4 weight needs e8m0 uint8 "
+                f"{_fmt(want)} (one scale per 32 elements); the shard is corrupt or not MXFP4"
+            )
+            return None
+        return Stored(base, "mxfp4", parts, (rows, cols), np.dtype(np.float32))
+    if w.dtype not in FP8_DTYPES or len(w.shape) != 2:
+        problems.append(f"tensor {parts['weight']!r} is {w.dtype} {_fmt(w.shape)}; per-channel FP8 weights are float8 [out, in]")
+        return None
+    if s.dtype not in FLOAT_DTYPES or s.shape not in ((w.shape[0],), (w.shape[0], 1)):
+        problems.append(
+            f"tensor {parts['scale']!r} is {s.dtype} {_fmt(s.shape)} but a {_fmt(w.shape)} per-channel FP8 weight needs float "
+            f"[{w.shape[0]}] or [{w.shape[0]}, 1] (one scale per output row)"
+        )
+        return None
+    return Stored(base, "fp8_channel", parts, w.shape, np.dtype(np.float32))
 
 
 def _expected_hf_shape(spec: ParamSpec, target: keymap.Target) -> tuple[int, ...]:
@@ -267,12 +310,40 @@ def _check_complete(asm: Assembly, cfg: ModelConfig, problems: list[str]) -> Non
                 f"missing tensor {keys}{more}: {len(missing)} of {asm.spec.shape[0]} experts of {asm.name}; the "
                 "checkpoint is incomplete or config.json's expert count is wrong"
             )
+    _check_quantized(asm, cfg, problems)
     for stored, target in asm.sources():
         want = _expected_hf_shape(asm.spec, target)
         if stored.shape != want:
             problems.append(
                 f"tensor {stored.shown_key!r} has shape {_fmt(stored.shape)} but config.json implies {_fmt(want)} for "
                 f"{asm.name} (HF layout); use the config.json shipped with these weights"
+            )
+            return
+
+
+KIND_OF_FORMAT = {"int4": "int4_pack", "mxfp4": "mxfp4", "fp8_block": "fp8_block", "fp8_channel": "fp8_channel"}
+_KIND_WORDS = {"plain": "unquantized", "int4_pack": "int4 pack-quantized", "mxfp4": "MXFP4",
+               "fp8_block": "block FP8", "fp8_channel": "per-channel FP8"}
+
+
+def _check_quantized(asm: Assembly, cfg: ModelConfig, problems: list[str]) -> None:
+    """A parameter the config says is quantized must come quantized, in that format, so it can stay
+    packed on device (an unquantized spec accepts anything: it is dequantized)."""
+    fmt = asm.spec.quant
+    if fmt is None:
+        return
+    want = KIND_OF_FORMAT[fmt.fmt]
+    for stored, target in asm.sources():
+        if target.fused is not None:
+            problems.append(f"tensor {stored.shown_key!r} is a fused expert tensor; it cannot stay quantized on device. "
+                            "Load with dequantize=True")
+            return
+        if stored.kind != want:
+            module = stored.key[: -len(".weight")] if stored.key.endswith(".weight") else stored.key
+            problems.append(
+                f"tensor {stored.shown_key!r} is stored {_KIND_WORDS[stored.kind]}, but config.json's quantization_config "
+                f"({cfg.quant.method}) covers module {module!r}, so it should be {_KIND_WORDS[want]}; add the module to "
+                "the config's ignore list (ignore / modules_to_not_convert / exclude), or load with dequantize=True"
             )
             return
 
@@ -328,9 +399,56 @@ def _decode(ckpt: HFCheckpoint, cfg: ModelConfig, stored: Stored) -> np.ndarray:
             return ckpt.read(p["weight"])
         if stored.kind == "fp8_block":
             return quant.dequant_fp8_block(ckpt.read(p["weight"]), ckpt.read(p["scale_inv"]), cfg.quant.block_size)
+        if stored.kind == "mxfp4":
+            return quant.dequant_mxfp4(ckpt.read(p["weight"]), ckpt.read(p["scale"]))
+        if stored.kind == "fp8_channel":
+            return quant.dequant_fp8_channel(ckpt.read(p["weight"]), ckpt.read(p["scale"]))
         return quant.dequant_int4_pack(ckpt.read(p["packed"]), ckpt.read(p["scale"]), stored.shape, cfg.quant.group_size)
     except ValueError as e:  # shapes were checked in planning; this guards corrupt data paths
         raise CheckpointError(f"cannot decode tensor {stored.shown_key!r}: {e}") from e
+
+
+def _exact_cast(arr: np.ndarray, dtype: np.dtype, key: str) -> np.ndarray:
+    out = np.asarray(arr).astype(dtype)
+    if out.dtype != arr.dtype and not np.array_equal(out.astype(np.float32), np.asarray(arr, np.float32), equal_nan=True):
+        raise CheckpointError(
+            f"tensor {key!r} ({arr.dtype}) is not exactly representable in {np.dtype(dtype).name}, the dtype its quantized "
+            "format keeps scales in; load with dequantize=True"
+        )
+    return out
+
+
+def _decode_quantized(ckpt: HFCheckpoint, stored: Stored, fmt: QFormat) -> QArray:
+    """One stored quantized weight as a host QArray in our [in, out] orientation, bytes unchanged
+    (except the documented fnuz conversion)."""
+    p = stored.parts
+    rows, cols = stored.shape
+    if stored.kind == "int4_pack":
+        words = ckpt.read(p["packed"])
+        values = quant.int4_words_to_bytes(words)[:, : cols // 2]
+        scales = _exact_cast(ckpt.read(p["scale"]), np.dtype(fmt.scale_dtype), p["scale"])
+    elif stored.kind == "mxfp4":
+        values, scales = ckpt.read(p["weight"]), ckpt.read(p["scale"])
+    elif stored.kind == "fp8_block":
+        values, scales = ckpt.read(p["weight"]), np.asarray(ckpt.read(p["scale_inv"]), np.float32)
+    else:  # fp8_channel: one scale per output row
+        values, scales = ckpt.read(p["weight"]), np.asarray(ckpt.read(p["scale"]), np.float32).reshape(rows, 1)
+    values, scales = np.ascontiguousarray(values.T), np.ascontiguousarray(scales.T)
+    if stored.kind in ("fp8_block", "fp8_channel"):
+        if values.dtype != np.dtype(ml_dtypes.float8_e4m3fn):
+            raise CheckpointError(f"tensor {stored.shown_key!r} is {values.dtype}; quantized FP8 stays on device as e4m3fn "
+                                  "(or fnuz) only. Load with dequantize=True")
+        if fmt.fnuz:
+            values, scales = quant.fp8_e4m3fn_to_fnuz(values, scales)
+    return QArray(values, scales, fmt)
+
+
+def _build_quantized(plan: Plan, asm: Assembly) -> QArray:
+    fmt = asm.spec.quant
+    if asm.single is not None:
+        return _decode_quantized(plan.ckpt, asm.single[0], fmt)
+    parts = [_decode_quantized(plan.ckpt, asm.experts[e][0], fmt) for e in range(asm.spec.shape[0])]
+    return QArray(np.stack([q.values for q in parts]), np.stack([q.scales for q in parts]), fmt)
 
 
 def _out_dtype(asm: Assembly, dtype: np.dtype | None) -> np.dtype:
@@ -355,9 +473,12 @@ def _max_workers() -> int:
     return max(1, min(8, os.cpu_count() or 1))
 
 
-def build_param(plan: Plan, name: str, dtype: np.dtype | None = None) -> np.ndarray:
-    """Materialize one flat parameter as a fresh C-contiguous array in our layout."""
+def build_param(plan: Plan, name: str, dtype: np.dtype | None = None) -> np.ndarray | QArray:
+    """Materialize one flat parameter as a fresh C-contiguous array in our layout (a host QArray
+    when its spec is quantized)."""
     asm = plan.assemblies[name]
+    if asm.spec.quant is not None:
+        return _build_quantized(plan, asm)
     out_dtype = _out_dtype(asm, dtype)
     ckpt, cfg = plan.ckpt, plan.cfg
     if asm.single is not None:

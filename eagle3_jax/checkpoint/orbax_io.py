@@ -7,30 +7,42 @@ Layout of a converted folder:
     layers/<i>/         Orbax item {attn_norm, q_proj, ..., experts_gate, ...} of layer i
     eagle3_complete.json  written last: format tag, dtype, every tensor's shape and dtype
 
+Quantized weights (see quant.py) stay quantized: the item holds `{"values", "scales"}` for them
+(float8 values as their uint8 bits) and the marker records their format, so a converted
+Kimi-K2.5 keeps its int4 experts (~0.6 TB, not ~2 TB in bf16).
+
 One item per layer keeps conversion and loading memory bounded to a layer. Conversion writes
-into `<out_dir>.partial-<pid>` and renames it into place only after the marker is written, so a
-crash or interrupt never leaves a folder `is_orbax_dir` accepts. Tensors are stored exactly as
-the HF reader produces them, so HF -> Orbax -> read is bit-identical to reading HF directly.
+into `<out_dir>.partial` and renames it into place only after the marker is written, so a
+crash or interrupt never leaves a folder `is_orbax_dir` accepts; the partial folder records
+which items are complete (`progress.json`), and re-running the same conversion resumes after
+them. Tensors are stored exactly as the HF reader produces them, so HF -> Orbax -> read is
+bit-identical to reading HF directly.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import os
 import shutil
 from typing import Any, Iterator
 
+import ml_dtypes
 import numpy as np
 
 from ..config import ModelConfig
-from ..params import flat_specs
+from ..params import ParamSpec, flat_specs
+from ..quant import QArray, QFormat
+from . import quant as host_quant
 from .errors import CheckpointError
 from .hf_loader import Plan, build_param, layer_of, plan_hf, resolve_dtype
 from .safetensors_io import open_hf_checkpoint
 
 MARKER = "eagle3_complete.json"
 FORMAT = "eagle3-jax-orbax"
-VERSION = 1
+VERSION = 2
+PROGRESS = "progress.json"
 _WEIGHT_MARKERS = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
 _MAX_AUX_BYTES = 64 * 1024 * 1024
 
@@ -43,12 +55,17 @@ def is_orbax_dir(path: str | os.PathLike) -> bool:
         return False
 
 
+def keeps_quantized(path: str | os.PathLike) -> bool:
+    """Whether a complete converted folder holds quantized weights (False: converted dequantized)."""
+    return bool(_read_marker(os.fspath(path)).get("quantization"))
+
+
 def looks_like_partial_orbax(path: str | os.PathLike) -> bool:
     """A folder that holds Orbax conversion output but no completion marker."""
     p = os.fspath(path)
     if not os.path.isdir(p) or os.path.exists(os.path.join(p, MARKER)):
         return False
-    return ".partial-" in os.path.basename(os.path.normpath(p)) or any(
+    return ".partial" in os.path.basename(os.path.normpath(p)) or any(
         os.path.isdir(os.path.join(p, d)) for d in ("globals", "layers")
     )
 
@@ -98,16 +115,40 @@ def _copy_aux_files(hf_dir: str, out_dir: str) -> list[str]:
 
 
 def _write_marker(root: str, marker: dict[str, Any]) -> None:
-    tmp = os.path.join(root, MARKER + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(marker, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, os.path.join(root, MARKER))
+    _write_json(os.path.join(root, MARKER), marker)
 
 
 def _dtype_name(d: np.dtype) -> str:
     return np.dtype(d).name
+
+
+def _quant_entry(q: QFormat) -> dict[str, Any]:
+    return {"format": q.fmt, "block": list(q.block), "scale_dtype": q.scale_dtype}
+
+
+def _stored_item(arr) -> Any:
+    """What goes into the Orbax item for one parameter (float8 bits as uint8: portable storage)."""
+    if isinstance(arr, QArray):
+        values = np.asarray(arr.values)
+        if values.dtype.kind == "V" or values.dtype.itemsize == 1 and values.dtype != np.uint8:
+            values = values.view(np.uint8)
+        return {"values": values, "scales": np.asarray(arr.scales)}
+    return arr
+
+
+def _tensor_entry(arr) -> tuple[dict[str, Any], int]:
+    if isinstance(arr, QArray):
+        q = arr.qformat
+        if q.fnuz:
+            raise CheckpointError("converted checkpoints store OCP float8 (e4m3fn); convert with fnuz off")
+        return {"shape": list(arr.shape), "dtype": "quantized", "quant": _quant_entry(q)}, int(arr.nbytes)
+    return {"shape": list(arr.shape), "dtype": _dtype_name(arr.dtype)}, int(arr.nbytes)
+
+
+def _fingerprint(hf_dir: str, cfg: ModelConfig, dtype: np.dtype | None) -> str:
+    """Identifies one conversion (source folder, config, dtype), so only the same one resumes."""
+    text = json.dumps([os.path.abspath(hf_dir), repr(cfg), None if dtype is None else _dtype_name(dtype), VERSION])
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def save_orbax(
@@ -120,10 +161,13 @@ def save_orbax(
 ) -> dict[str, Any]:
     """Convert an HF safetensors folder to our Orbax format, one layer at a time, atomically.
 
-    `dtype` None keeps the tensors exactly as `read_flat_params(hf_dir, cfg)` returns them
-    (dequantized weights float32); "bfloat16" / "float16" / "float32" casts every tensor except
-    the float32 router params (use bfloat16 for Kimi-K2.5: its int4 experts are 8x larger as
-    float32). Returns the completion marker (a summary: tensors, dtype, bytes).
+    Weights `cfg` keeps quantized (`ParamSpec.quant`; all of the checkpoint's quantized weights
+    unless `cfg.quant.resident` is False) are written in their quantized format. `dtype` None keeps
+    the other tensors exactly as `read_flat_params(hf_dir, cfg)` returns them; "bfloat16" /
+    "float16" / "float32" casts every float tensor except the float32 router params (dequantized
+    weights are float32, so use bfloat16 when dequantizing). An interrupted conversion resumes
+    where it stopped when run again with the same arguments. Returns the completion marker (a
+    summary: tensors, dtype, bytes).
     """
     from tqdm.auto import tqdm
 
@@ -133,53 +177,91 @@ def save_orbax(
         raise CheckpointError(f"no config.json in {hf_dir}; pass the HF model folder (config.json + safetensors)")
     if os.path.exists(out_dir) and not overwrite:
         raise CheckpointError(f"output folder {out_dir} already exists; choose another --out_dir or pass --overwrite")
+    if cfg.quant is not None and cfg.quant.fnuz:
+        raise CheckpointError("converted checkpoints store OCP float8 (e4m3fn); fnuz is chosen when loading, not converting")
     plan = plan_hf(open_hf_checkpoint(hf_dir), cfg)  # validate before writing anything
-    partial = f"{out_dir}.partial-{os.getpid()}"
-    shutil.rmtree(partial, ignore_errors=True)
-    os.makedirs(os.path.join(partial, "layers"))
-    try:
-        tensors, nbytes = _write_items(plan, partial, out_dtype, progress, tqdm)
-        aux = _copy_aux_files(hf_dir, partial)
-        marker = {
-            "format": FORMAT,
-            "version": VERSION,
-            "model_type": cfg.model_type,
-            "num_layers": cfg.num_layers,
-            "dtype": None if out_dtype is None else _dtype_name(out_dtype),
-            "source": os.path.abspath(hf_dir),
-            "num_bytes": nbytes,
-            "aux_files": aux,
-            "tensors": tensors,
-        }
-        _write_marker(partial, marker)
-        _swap_into_place(partial, out_dir)
-    except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise
+    partial = f"{out_dir}.partial"
+    done = _resume_state(partial, _fingerprint(hf_dir, cfg, out_dtype))
+    tensors, nbytes = _write_items(plan, partial, out_dtype, progress, tqdm, done)
+    aux = _copy_aux_files(hf_dir, partial)
+    marker = {
+        "format": FORMAT,
+        "version": VERSION,
+        "model_type": cfg.model_type,
+        "num_layers": cfg.num_layers,
+        "dtype": None if out_dtype is None else _dtype_name(out_dtype),
+        "quantization": None if cfg.quant is None or not cfg.quant.resident else cfg.quant.method,
+        "source": os.path.abspath(hf_dir),
+        "num_bytes": nbytes,
+        "aux_files": aux,
+        "tensors": tensors,
+    }
+    _write_marker(partial, marker)
+    os.remove(os.path.join(partial, PROGRESS))
+    _swap_into_place(partial, out_dir)
     return marker
 
 
-def _write_items(plan: Plan, root: str, dtype: np.dtype | None, progress: bool, tqdm: Any) -> tuple[dict, int]:
-    tensors: dict[str, dict[str, Any]] = {}
-    nbytes = 0
+def _resume_state(partial: str, fingerprint: str) -> dict[str, Any]:
+    """The progress record of an earlier run of the same conversion, or a fresh partial folder."""
+    path = os.path.join(partial, PROGRESS)
+    try:
+        with open(path) as f:
+            state = json.load(f)
+        if state.get("fingerprint") == fingerprint and isinstance(state.get("items"), dict):
+            return state
+    except (OSError, ValueError):
+        pass
+    shutil.rmtree(partial, ignore_errors=True)
+    os.makedirs(os.path.join(partial, "layers"))
+    state = {"fingerprint": fingerprint, "items": {}}
+    _write_json(path, state)
+    return state
+
+
+def _write_items(plan: Plan, root: str, dtype: np.dtype | None, progress: bool, tqdm: Any,
+                 state: dict[str, Any]) -> tuple[dict, int]:
+    """Write every layer item not already recorded in `state` (which is updated after each)."""
+    items: dict[str, dict] = state["items"]
     groups = plan.groups()
     ckptr = _checkpointer()
     try:
         with tqdm(total=len(groups), desc="convert", unit="layer", disable=not progress) as bar:
+            bar.update(sum(1 for layer, _ in groups if _item_key(layer) in items))
             for layer, names in groups:
+                if _item_key(layer) in items:
+                    continue
                 bar.set_postfix_str("globals" if layer is None else f"layer {layer}")
-                tree = {}
+                tree, entries = {}, {}
                 for name in names:
                     arr = build_param(plan, name, dtype)
-                    tree[_short(name)] = arr
-                    tensors[name] = {"shape": list(arr.shape), "dtype": _dtype_name(arr.dtype)}
-                    nbytes += arr.nbytes
-                _save_item(ckptr, _item_dir(root, layer), tree)
+                    tree[_short(name)] = _stored_item(arr)
+                    entries[name] = _tensor_entry(arr)
+                item = _item_dir(root, layer)
+                shutil.rmtree(item, ignore_errors=True)  # a half-written item of an interrupted run
+                _save_item(ckptr, item, tree)
                 del tree
+                items[_item_key(layer)] = {n: e for n, (e, _) in entries.items()} | {
+                    "__bytes__": sum(b for _, b in entries.values())}
+                _write_json(os.path.join(root, PROGRESS), state)
                 bar.update(1)
     finally:
         ckptr.close()
-    return tensors, nbytes
+    tensors = {n: e for item in items.values() for n, e in item.items() if n != "__bytes__"}
+    return tensors, sum(item["__bytes__"] for item in items.values())
+
+
+def _item_key(layer: int | None) -> str:
+    return "globals" if layer is None else f"layers/{layer}"
+
+
+def _write_json(path: str, obj: Any) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 def _swap_into_place(partial: str, out_dir: str) -> None:
@@ -206,6 +288,8 @@ def _validate_marker(path: str, marker: dict[str, Any], cfg: ModelConfig) -> dic
         for n, s in specs.items()
         if n in tensors and tuple(tensors[n]["shape"]) != s.shape
     ]
+    problems += [_quant_mismatch(n, tensors[n], s) for n, s in specs.items() if n in tensors]
+    problems = [p for p in problems if p]
     if problems:
         raise CheckpointError(
             f"converted checkpoint {path} does not match the {cfg.model_type} config ({len(problems)} problem(s)): "
@@ -213,6 +297,47 @@ def _validate_marker(path: str, marker: dict[str, Any], cfg: ModelConfig) -> dic
             + ". Load it with the config.json it was converted with, or re-convert with scripts/convert.py"
         )
     return tensors
+
+
+def _quant_mismatch(name: str, entry: dict[str, Any], spec: ParamSpec) -> str:
+    stored = entry.get("quant")
+    if spec.quant is None or stored is None:
+        return "" if spec.quant is None else (
+            f"tensor {name} is stored unquantized but config.json's quantization_config keeps it {spec.quant.fmt} "
+            "(it was converted with dequantization); load with dequantize=True or re-convert")
+    want = _quant_entry(dataclasses.replace(spec.quant, fnuz=False))
+    if stored != want:
+        return f"tensor {name} is stored as {stored} but config.json implies {want}"
+    return ""
+
+
+def _restored(arr_or_item, spec: ParamSpec, entry: dict[str, Any], dtype: np.dtype | None, where: str):
+    """One restored parameter: a QArray (kept quantized, fnuz applied when asked), or a float array
+    (dequantized when the spec is not quantized but the folder is)."""
+    if entry.get("quant") is None:
+        arr = np.asarray(arr_or_item)
+        if arr.shape != spec.shape or _dtype_name(arr.dtype) != entry["dtype"]:
+            raise CheckpointError(
+                f"{where}: {arr.dtype} {list(arr.shape)} but the marker records {entry['dtype']} {entry['shape']}; "
+                "the folder is corrupt, re-run scripts/convert.py")
+        want = np.dtype(np.float32) if spec.float32 else dtype
+        return arr if want is None or arr.dtype == want else arr.astype(want)
+    stored = QFormat(entry["quant"]["format"], tuple(entry["quant"]["block"]), entry["quant"]["scale_dtype"])
+    fmt = spec.quant or stored
+    values = np.asarray(arr_or_item["values"])
+    scales = np.asarray(arr_or_item["scales"])
+    if values.shape != stored.values_shape(spec.shape) or scales.shape != stored.scales_shape(spec.shape):
+        raise CheckpointError(
+            f"{where}: quantized parts {list(values.shape)} / {list(scales.shape)} do not fit a {stored.fmt} weight "
+            f"{list(spec.shape)}; the folder is corrupt, re-run scripts/convert.py")
+    if stored.fmt.startswith("fp8"):
+        values = values.view(ml_dtypes.float8_e4m3fn)
+    if spec.quant is None:
+        full = host_quant.dequantize_host(values, scales, stored)
+        return full if dtype is None else full.astype(dtype)
+    if fmt.fnuz:
+        values, scales = host_quant.fp8_e4m3fn_to_fnuz(values, scales)
+    return QArray(values, scales, fmt)
 
 
 def iter_orbax_layers(
@@ -248,14 +373,7 @@ def _restore_layers(path: str, cfg: ModelConfig, tensors: dict, dtype: np.dtype 
             restored = ckptr.restore(item)
             out = {}
             for name in groups.get(layer, []):
-                arr = np.asarray(restored.get(_short(name)))
-                if arr.shape != specs[name].shape or _dtype_name(arr.dtype) != tensors[name]["dtype"]:
-                    raise CheckpointError(
-                        f"{item}: {name} is {arr.dtype} {list(arr.shape)} but the marker records "
-                        f"{tensors[name]['dtype']} {tensors[name]['shape']}; the folder is corrupt, re-run scripts/convert.py"
-                    )
-                want = np.dtype(np.float32) if specs[name].float32 else dtype
-                out[name] = arr if want is None or arr.dtype == want else arr.astype(want)
+                out[name] = _restored(restored.get(_short(name)), specs[name], tensors[name], dtype, f"{item}: {name}")
             yield layer, out
     finally:
         ckptr.close()

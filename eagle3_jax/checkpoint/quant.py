@@ -1,5 +1,6 @@
-"""Weight dequantization for the two quantized checkpoint formats we load, plus the OCP fp8 ->
-fnuz conversion MI300-class GPUs need.
+"""Host-side (numpy) decoding of the quantized checkpoint formats we load: dequantization to
+float32 (int4 pack, block FP8, MXFP4, per-channel FP8), the int4 word -> byte view the on-device
+format keeps, and the OCP fp8 -> fnuz conversion MI300-class GPUs need.
 
 Dequantized weights come out as float32: int4 x bf16-scale and fp8 x f32-scale products are exact
 in float32 but not in bfloat16, so float32 keeps the load lossless and leaves the single rounding
@@ -12,6 +13,8 @@ import math
 
 import ml_dtypes
 import numpy as np
+
+from ..quant import E2M1_VALUES
 
 _FP8_DTYPES = (np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e5m2))
 
@@ -110,3 +113,57 @@ def fp8_e4m3fn_to_fnuz(weight: np.ndarray, scale: np.ndarray) -> tuple[np.ndarra
     if kind == np.dtype(np.uint8):
         return out, doubled
     return out.view(ml_dtypes.float8_e4m3fnuz), doubled
+
+
+def int4_words_to_bytes(packed: np.ndarray) -> np.ndarray:
+    """compressed-tensors int32 words [out, W] (8 little-endian nibbles each) -> uint8 [out, 4W]:
+    byte b holds elements 2b (low nibble) and 2b + 1 (high nibble), the on-device int4 layout."""
+    words = np.ascontiguousarray(packed)
+    return words.astype(words.dtype.newbyteorder("<"), copy=False).view(np.uint8)
+
+
+
+
+def dequant_mxfp4(weight: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """OCP MXFP4 (AMD Quark): `weight` uint8 [out, in/2], element 2b the low nibble of byte b, e2m1
+    (bit 3 sign, magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6); `scale` uint8 e8m0 [out, ceil(in/32)],
+    2^(byte - 127) (255 is NaN). Returns float32 [out, in]."""
+    if weight.dtype != np.uint8 or weight.ndim != 2:
+        raise ValueError(f"MXFP4 weight must be uint8 [out, in/2], got {weight.dtype} {list(weight.shape)}")
+    rows, cols = weight.shape[0], 2 * weight.shape[1]
+    if scale.dtype != np.uint8 or tuple(scale.shape) != (rows, math.ceil(cols / 32)):
+        raise ValueError(f"MXFP4 scale must be uint8 {[rows, math.ceil(cols / 32)]}, got {scale.dtype} {list(scale.shape)}")
+    nibbles = np.stack([weight & 0xF, weight >> 4], axis=-1).reshape(rows, cols)
+    exponents = scale.astype(np.int32) - 127
+    s = np.where(scale == 255, np.float32(np.nan), np.ldexp(np.float32(1), exponents)).astype(np.float32)
+    return E2M1_VALUES[nibbles] * np.repeat(s, 32, axis=1)[:, :cols]
+
+
+def dequant_fp8_channel(weight: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """Per-channel FP8 (AMD Quark ptpc_fp8): float8 [out, in] times one float scale per output row
+    (`scale` [out] or [out, 1]). Returns float32 [out, in]."""
+    if weight.ndim != 2 or np.dtype(weight.dtype) not in _FP8_DTYPES:
+        raise ValueError(f"per-channel fp8 weight must be a 2-D float8 array, got {weight.dtype} {list(weight.shape)}")
+    s = np.asarray(scale, np.float32).reshape(-1)
+    if s.shape != (weight.shape[0],):
+        raise ValueError(f"per-channel fp8 scale has {s.size} values for {weight.shape[0]} output rows")
+    return weight.astype(np.float32) * s[:, None]
+
+
+def dequantize_host(values: np.ndarray, scales: np.ndarray, fmt) -> np.ndarray:
+    """numpy twin of `eagle3_jax.quant.dequantize` for a host QArray's parts ([..., in, out]
+    orientation, `fmt` a QFormat): float32 [..., in, out]."""
+    if fmt.fmt in ("int4", "mxfp4"):
+        v = np.asarray(values, np.uint8)
+        nib = np.stack([v & 0xF, v >> 4], axis=-2).reshape(v.shape[:-2] + (2 * v.shape[-2], v.shape[-1]))
+        decoded = nib.astype(np.float32) - 8 if fmt.fmt == "int4" else E2M1_VALUES[nib]
+    else:
+        decoded = np.asarray(values).astype(np.float32)
+    if fmt.fmt == "mxfp4":
+        e = np.asarray(scales).astype(np.int32)
+        s = np.where(e == 255, np.float32(np.nan), np.ldexp(np.float32(1), e - 127)).astype(np.float32)
+    else:
+        s = np.asarray(scales, np.float32)
+    bi, bo = fmt.scale_block(decoded.shape)
+    s = np.repeat(np.repeat(s, bi, axis=-2)[..., : decoded.shape[-2], :], bo, axis=-1)[..., : decoded.shape[-1]]
+    return decoded * s
