@@ -24,10 +24,11 @@ import numpy as np
 
 from . import kv_cache
 from .attention import gqa_block
-from .config import ConfigError, ModelConfig, parse_model_config
+from .config import ConfigError, ModelConfig, QuantConfig, _parse_quant, parse_model_config
 from .layers import rms_norm, swiglu
 from .params import ParamSpec
-from .target import Target, resolve_dtype
+from .quant import QArray, linear
+from .target import Target, resolve_dtype, uses_fnuz
 
 DRAFT_ARCHITECTURES = ("LlamaForCausalLMEagle3",)
 # Parsed (for planning and validation) but not runnable here yet: MLA-layer EAGLE-3 drafts.
@@ -43,6 +44,7 @@ class DraftConfig:
     target_hidden_size: int
     aux_layer_ids: tuple[int, ...] | None  # target hidden_states indices; None = target's default
     norm_before_residual: bool = False
+    quant: QuantConfig | None = None  # AMD Quark ptpc_fp8 drafts: per-channel FP8 layer weights
 
     @property
     def hidden_size(self) -> int:
@@ -73,7 +75,7 @@ def parse_draft_config(raw: dict) -> DraftConfig:
         )
     mla = arch in PARSE_ONLY_ARCHITECTURES
     body = dict(raw, model_type="deepseek_v3" if mla else "llama")
-    body.pop("quantization_config", None)
+    quant = _parse_draft_quant(body.pop("quantization_config", None))
     if mla:  # one dense MLA decoder layer: no routed experts
         body.update(n_routed_experts=0, first_k_dense_replace=body.get("num_hidden_layers", 1))
     layers = parse_model_config(body)
@@ -93,7 +95,17 @@ def parse_draft_config(raw: dict) -> DraftConfig:
         target_hidden_size=int(raw.get("target_hidden_size") or layers.hidden_size),
         aux_layer_ids=ids,
         norm_before_residual=bool(raw.get("norm_before_residual", False)),
+        quant=quant,
     )
+
+
+def _parse_draft_quant(raw) -> QuantConfig | None:
+    """Drafts may ship per-channel FP8 layer weights (AMD Quark ptpc_fp8); fc and lm_head stay float."""
+    quant = _parse_quant(raw)
+    if quant is not None and quant.method != "fp8_channel":
+        raise ConfigError(f"draft quantization {quant.method!r} is not supported; supported: quark ptpc_fp8 "
+                          "(per-channel FP8 weights)")
+    return quant
 
 
 def draft_specs(cfg: DraftConfig, with_embed: bool) -> dict[str, ParamSpec]:
@@ -148,8 +160,7 @@ def draft_forward(params: dict, cfg: DraftConfig, embeds: jax.Array, hidden: jax
         attn, cache = gqa_block(p, lc, x, positions, cache, jnp.int32(layer), mask)
         h = residual + attn
         residual = h + swiglu(rms_norm(h, p["mlp_norm"], lc.rms_norm_eps), p["gate_proj"], p["up_proj"], p["down_proj"])
-    logits = jnp.dot(rms_norm(residual, params["final_norm"], lc.rms_norm_eps), params["lm_head"],
-                     preferred_element_type=jnp.float32)
+    logits = linear(rms_norm(residual, params["final_norm"], lc.rms_norm_eps), params["lm_head"], out_dtype=jnp.float32)
     return logits, residual, cache
 
 
@@ -263,11 +274,13 @@ def _read_draft_tensors(path: str) -> dict[str, np.ndarray]:
     return {k: np.array(ckpt.read(k)) for k in ckpt.keys()}
 
 
-def load_draft(path: str | os.PathLike, target: Target, dtype="bfloat16") -> Draft:
+def load_draft(path: str | os.PathLike, target: Target, dtype="bfloat16", *, fp8_format: str = "auto") -> Draft:
     """Load an EAGLE-3 draft folder (config.json + safetensors or pytorch_model.bin) for `target`.
 
     The target is switched to capture the draft's feature layers (`eagle_aux_hidden_state_layer_ids`
-    when the draft config names them, else the default 2, L//2, L-3).
+    when the draft config names them, else the default 2, L//2, L-3). Per-channel FP8 layer weights
+    (AMD Quark ptpc_fp8: float8 `weight` + float32 `weight_scale` per output row) stay FP8 on
+    device; `fp8_format` as in `load_target` ("auto": e4m3fnuz on gfx942).
     """
     from .checkpoint import CheckpointError
 
@@ -291,10 +304,17 @@ def load_draft(path: str | os.PathLike, target: Target, dtype="bfloat16") -> Dra
 
     raw = _read_draft_tensors(path)
     flat: dict[str, np.ndarray] = {}
-    unknown, source = [], {}
+    unknown, source, scales = [], {}, {}
     for key, arr in raw.items():
         if key.endswith("rotary_emb.inv_freq"):
             continue  # a derived buffer some exports include; rotary is recomputed from the config
+        if key.endswith(".weight_scale"):
+            name = _map_draft_key(key[: -len("_scale")])
+            if name is None:
+                unknown.append(key)
+            else:
+                scales[name] = (key, arr)
+            continue
         name = _map_draft_key(key)
         if name is None:
             unknown.append(key)
@@ -318,11 +338,44 @@ def load_draft(path: str | os.PathLike, target: Target, dtype="bfloat16") -> Dra
         if tuple(arr.shape) != spec.shape:
             raise CheckpointError(f"draft tensor {name!r} has shape {tuple(arr.shape)}, expected {spec.shape} from config.json")
         flat[name] = arr
+    flat = _fold_fp8_scales(flat, scales, cfg, path, uses_fnuz(fp8_format))
     dt = resolve_dtype(dtype)
     params = _assemble(flat, cfg, dt, target)
     if target.mesh is not None:  # the draft is small: replicate it on the target's mesh
         params = jax.device_put(params, jax.sharding.NamedSharding(target.mesh, jax.sharding.PartitionSpec()))
     return Draft(config=cfg, params=params, dtype=dt, target=target)
+
+
+def _fold_fp8_scales(flat: dict, scales: dict, cfg: DraftConfig, path: str, fnuz: bool) -> dict:
+    """Per-channel FP8 weights [in, out] (already transposed) + scales [out] -> QArrays."""
+    from .checkpoint import CheckpointError
+    from .checkpoint.quant import fp8_e4m3fn_to_fnuz
+    from .params import qformat_for
+
+    fp8 = [n for n, a in flat.items() if np.dtype(a.dtype) == np.dtype(jnp.float8_e4m3fn)]
+    if (fp8 or scales) and (cfg.quant is None or cfg.quant.method != "fp8_channel"):
+        raise CheckpointError(f"draft {path} holds FP8 weights or weight scales but its config.json has no quark ptpc_fp8 "
+                              "quantization_config; use the config.json shipped with these weights")
+    for name in fp8:
+        if name not in scales:
+            raise CheckpointError(f"draft tensor {name!r} is float8 but has no weight_scale companion; re-download the draft")
+    out = dict(flat)
+    fmt = None if cfg.quant is None else dataclasses.replace(qformat_for(cfg.quant), fnuz=fnuz)
+    for name, (key, scale) in scales.items():
+        weight = flat.get(name)
+        if weight is None or name not in fp8:
+            raise CheckpointError(f"draft tensor {key!r} scales {name!r}, which is not a float8 weight in this draft")
+        if name in ("fc", "lm_head", "embed"):
+            raise CheckpointError(f"draft tensor {name!r} is FP8-quantized; fc, lm_head and embed must stay unquantized "
+                                  "(exclude them when quantizing)")
+        s = np.asarray(scale, np.float32).reshape(-1)
+        if s.shape != (weight.shape[1],):
+            raise CheckpointError(f"draft tensor {key!r} has {s.size} scales for {weight.shape[1]} output rows of {name!r}")
+        values, s = np.ascontiguousarray(weight), s.reshape(1, -1)
+        if fnuz:
+            values, s = fp8_e4m3fn_to_fnuz(values, s)
+        out[name] = QArray(values, s, fmt)
+    return out
 
 
 def check_fits_target(cfg: DraftConfig, tcfg: ModelConfig) -> None:
@@ -342,6 +395,8 @@ def _assemble(flat: dict[str, np.ndarray], cfg: DraftConfig, dt, target: Target)
     from .checkpoint import CheckpointError
 
     def cast(a):
+        if isinstance(a, QArray):
+            return jax.tree.map(jnp.asarray, a)
         return jnp.asarray(np.asarray(a, np.float32), dt)
 
     params = {"fc": cast(flat["fc"]), "final_norm": cast(flat["final_norm"]), "lm_head": cast(flat["lm_head"])}

@@ -205,14 +205,21 @@ def _w4a8_matmul(x: jax.Array, w: QArray) -> jax.Array:
 
 
 def _ragged_w4a8(xs: jax.Array, w: QArray, group_sizes: jax.Array) -> jax.Array:
-    """W4A8 grouped matmul: the same int8 x int4 group dots per expert group of rows."""
-    e = w.shape[0]
+    """W4A8 grouped matmul: the same int8 x int4 group dots per expert group of rows, one K group
+    at a time (a scan: ragged_dot does not batch), accumulated in float32."""
+    e, _, n = w.shape
     xq, x_scale = quantize_rows_int8(xs, w.qformat.block[0])
-    acc = jax.vmap(lambda a, b: jax.lax.ragged_dot(a, b, group_sizes, preferred_element_type=jnp.int32),
-                   in_axes=(1, 1))(xq, _int4_groups(w))  # [K/g, M, N]
     expert_of_row = jnp.searchsorted(jnp.cumsum(group_sizes), jnp.arange(xs.shape[0]), side="right")
-    scales = decode_scales(w)[jnp.clip(expert_of_row, 0, e - 1)]  # [M, K/g, N]
-    return (jnp.einsum("gmn,mgn->mn", acc.astype(jnp.float32), scales) * x_scale).astype(xs.dtype)
+    row_scales = decode_scales(w)[jnp.clip(expert_of_row, 0, e - 1)]  # [M, K/g, N]
+
+    def one_group(y, parts):
+        xg, wg, sg = parts  # [M, g], [E, g, N], [M, N]
+        acc = jax.lax.ragged_dot(xg, wg, group_sizes, preferred_element_type=jnp.int32)
+        return y + acc.astype(jnp.float32) * sg, None
+
+    parts = (jnp.moveaxis(xq, 1, 0), jnp.moveaxis(_int4_groups(w), 1, 0), jnp.moveaxis(row_scales, 1, 0))
+    y, _ = jax.lax.scan(one_group, jnp.zeros((xs.shape[0], n), jnp.float32), parts)
+    return (y * x_scale).astype(xs.dtype)
 
 
 def ragged_linear(xs: jax.Array, w, group_sizes: jax.Array) -> jax.Array:

@@ -14,23 +14,35 @@ import shutil
 import numpy as np
 
 from ..config import ModelConfig
-from . import keymap
+from ..params import flat_specs
+from . import keymap, quantize
 from .atomic import atomic_dir
 
 
 def hf_tensors(flat: dict[str, np.ndarray], cfg: ModelConfig) -> dict[str, np.ndarray]:
-    """Flat params -> {HF key: array} (no quantization)."""
+    """Flat float params -> {HF key: array}. With `cfg.quant` set, the linear weights it covers are
+    quantized (round-to-nearest, `quantize.encode`) into that format's checkpoint tensors."""
+    specs = flat_specs(cfg)
     out: dict[str, np.ndarray] = {}
+
+    def put(key: str, matrix: np.ndarray, name: str) -> None:
+        if specs[name].quant is None:
+            out[key] = np.ascontiguousarray(matrix)
+            return
+        base = key[: -len("weight")]
+        for suffix, tensor in quantize.encode(matrix, cfg.quant.method, cfg.quant.group_size).items():
+            out[base + suffix] = tensor
+
     for name, arr in flat.items():
         arr = np.asarray(arr)
         parts = name.split(".")
         if len(parts) == 3 and parts[2].startswith("experts_"):
             for e in range(arr.shape[0]):
-                out[keymap.expert_hf_key(cfg, int(parts[1]), parts[2], e)] = np.ascontiguousarray(arr[e].T)
+                put(keymap.expert_hf_key(cfg, int(parts[1]), parts[2], e), arr[e].T, name)
             continue
         key = keymap.canonical_hf_key(name, cfg)
         transpose = arr.ndim == 2 and name != "embed"
-        out[key] = np.ascontiguousarray(arr.T if transpose else arr)
+        put(key, arr.T if transpose else arr, name)
     return out
 
 
