@@ -1,0 +1,318 @@
+"""AOT memory planner and roofline: what a configuration needs per device, before any weight exists.
+
+`plan_memory` builds the real programs (the speculative step, the plain decode step, a prefill
+chunk) over shape-only, sharded arguments (`jax.ShapeDtypeStruct` with NamedShardings: quantized
+weights as QArrays of packed values + scales), compiles them ahead of time for the mesh, and reads
+XLA's `memory_analysis()`: that is the truth about what fits, temps included. Beside it, the
+analytic view: the weight and KV-cache bytes each device holds, how many KV tokens the rest of a
+device's HBM would hold, and a roofline step time from the bytes one decode step reads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from . import kv_cache
+from .config import ModelConfig, load_model_config
+from .draft import DraftConfig, draft_specs, parse_draft_config
+from .params import ParamSpec, abstract_leaf, abstract_params, flat_specs, qformat_for
+from .quant import QArray
+from .sampling import SamplingArrays
+from .sharding import leaf_partition_spec, mesh_context, param_shardings, partition_spec
+from .spec.propose import DraftTree
+from .spec.tree import SpecConfig
+from .target import resolve_dtype, with_quant_options
+
+GiB = 2**30
+
+
+@dataclasses.dataclass(frozen=True)
+class Device:
+    name: str
+    hbm_bytes: int
+    hbm_gbps: float  # peak HBM bandwidth, GB/s
+
+
+DEVICES = {
+    "MI300X": Device("MI300X", 192 * GiB, 5300.0),
+    "MI325X": Device("MI325X", 256 * GiB, 6000.0),
+    "MI355X": Device("MI355X", 288 * GiB, 8000.0),
+    "H100": Device("H100", 80 * GiB, 3350.0),
+    "H200": Device("H200", 141 * GiB, 4800.0),
+}
+
+
+@dataclasses.dataclass
+class MemoryPlan:
+    """Per-device figures (bytes) for one target (+ draft) on one mesh at one batch size."""
+
+    mesh_shape: dict[str, int]
+    batch: int
+    max_len: int
+    spec: SpecConfig | None
+    argument_bytes: int  # XLA memory_analysis of the step program (speculative if a draft is given)
+    temp_bytes: int
+    output_bytes: int
+    alias_bytes: int
+    weight_bytes: int  # target (+ draft) weights this device holds
+    kv_bytes: int  # target (+ draft) KV caches this device holds
+    kv_bytes_per_token: int  # per device, one token of one sequence, target + draft
+    step_read_bytes: int  # bytes one step reads on this device (roofline)
+    programs: dict[str, dict[str, int]]  # memory_analysis of each compiled program
+
+    @property
+    def total_bytes(self) -> int:
+        """Arguments + temps: what the step needs resident at its peak (outputs alias the donated caches)."""
+        return self.argument_bytes + self.temp_bytes
+
+    def fits(self, device: Device) -> bool:
+        return self.total_bytes <= device.hbm_bytes
+
+    def kv_tokens_left(self, device: Device) -> int:
+        """Extra KV tokens (summed over sequences) the device's remaining HBM would hold."""
+        return max(0, (device.hbm_bytes - self.total_bytes) // max(self.kv_bytes_per_token, 1))
+
+    def step_ms(self, device: Device) -> float:
+        """Roofline time of one step: bytes read / peak bandwidth."""
+        return self.step_read_bytes / (device.hbm_gbps * 1e6)
+
+    def tpot_ms(self, device: Device, tau: float = 1.0) -> float:
+        """Roofline time per output token per sequence for a mean acceptance length tau."""
+        return self.step_ms(device) / tau
+
+    def as_dict(self) -> dict:
+        out = dataclasses.asdict(self)
+        out["spec"] = None if self.spec is None else dataclasses.asdict(self.spec)
+        out["total_bytes"] = self.total_bytes
+        return out
+
+
+# ---- inputs -----------------------------------------------------------------------------------------
+
+
+def _target_config(target) -> ModelConfig:
+    if isinstance(target, ModelConfig):
+        return target
+    if hasattr(target, "config") and isinstance(target.config, ModelConfig):
+        return target.config
+    return load_model_config(target)
+
+
+def _draft_config(draft) -> DraftConfig | None:
+    if draft is None or isinstance(draft, DraftConfig):
+        return draft
+    if hasattr(draft, "config") and isinstance(draft.config, DraftConfig):
+        return draft.config
+    path = os.fspath(draft)
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    with open(path) as f:
+        return parse_draft_config(json.load(f))
+
+
+def _apply_quant(cfg: ModelConfig, quant: str | None) -> ModelConfig:
+    """quant: None = as the config says; "dequantize" = floats; "w4a8" = int4 with int8 activations."""
+    if quant is None:
+        return with_quant_options(cfg, fp8_format="e4m3fn")
+    if quant not in ("dequantize", "w4a8"):
+        raise ValueError(f"quant {quant!r} is not supported; use None (as the config says), 'dequantize' or 'w4a8'")
+    return with_quant_options(cfg, dequantize=quant == "dequantize", w4a8=quant == "w4a8", fp8_format="e4m3fn")
+
+
+# ---- shapes with shardings ------------------------------------------------------------------------------
+
+
+def _with_sharding(tree, shardings):
+    def one(leaf, sharding):
+        if isinstance(leaf, QArray):
+            return QArray(jax.ShapeDtypeStruct(leaf.values.shape, leaf.values.dtype, sharding=sharding.values),
+                          jax.ShapeDtypeStruct(leaf.scales.shape, leaf.scales.dtype, sharding=sharding.scales),
+                          leaf.qformat)
+        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
+
+    return jax.tree.map(one, tree, shardings, is_leaf=lambda x: isinstance(x, QArray))
+
+
+def abstract_target(cfg: ModelConfig, dtype, mesh: Mesh) -> dict:
+    params = abstract_params(cfg, dtype)
+    return _with_sharding(params, param_shardings(params, cfg, mesh))
+
+
+def abstract_draft(dcfg: DraftConfig, dtype, mesh: Mesh) -> dict:
+    """The draft's param tree (as `draft._assemble` builds it), replicated, FP8 layers as QArrays."""
+    replicated = NamedSharding(mesh, PartitionSpec())
+    flat = draft_specs(dcfg, with_embed=True)
+    fmt = None if dcfg.quant is None else qformat_for(dcfg.quant)
+
+    def leaf(name: str, spec: ParamSpec):
+        quantized = fmt is not None and name.startswith("layers.") and len(spec.shape) == 2
+        return abstract_leaf(dataclasses.replace(spec, quant=fmt if quantized else None), dtype)
+
+    tree = {k: leaf(k, flat[k]) for k in ("fc", "final_norm", "lm_head", "embed")}
+    tree["layers"] = [{n.split(".", 2)[2]: leaf(n, s) for n, s in flat.items() if n.startswith(f"layers.{i}.")}
+                      for i in range(dcfg.layers.num_layers)]
+    if dcfg.has_draft_vocab:
+        tree["d2t"] = jax.ShapeDtypeStruct((dcfg.draft_vocab_size,), jnp.int32)
+    shardings = jax.tree.map(lambda x: replicated, tree)
+    return _with_sharding(tree, shardings)
+
+
+def abstract_cache(cfg: ModelConfig, batch: int, max_len: int, dtype, mesh: Mesh) -> kv_cache.KVCache:
+    shapes = jax.eval_shape(lambda: kv_cache.init_cache(cfg, batch, max_len, dtype))
+    k_axes, v_axes = kv_cache.cache_axes(cfg)
+
+    def put(sds, axes):
+        return jax.ShapeDtypeStruct(sds.shape, sds.dtype, sharding=NamedSharding(mesh, partition_spec(axes, sds.shape, mesh)))
+
+    return kv_cache.KVCache(k=put(shapes.k, k_axes), v=put(shapes.v, v_axes), lengths=put(shapes.lengths, ("batch",)))
+
+
+def _vec(batch: int, dtype, mesh: Mesh) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct((batch,), dtype, sharding=NamedSharding(mesh, partition_spec(("batch",), (batch,), mesh)))
+
+
+def _rows(batch: int, width: int, mesh: Mesh) -> jax.ShapeDtypeStruct:
+    spec = partition_spec(("batch", None), (batch, width), mesh)
+    return jax.ShapeDtypeStruct((batch, width), jnp.int32, sharding=NamedSharding(mesh, spec))
+
+
+def _sampling(batch: int, mesh: Mesh) -> SamplingArrays:
+    return SamplingArrays(temperature=_vec(batch, jnp.float32, mesh), top_k=_vec(batch, jnp.int32, mesh),
+                          top_p=_vec(batch, jnp.float32, mesh), seed=_vec(batch, jnp.uint32, mesh))
+
+
+# ---- analytic bytes ---------------------------------------------------------------------------------------
+
+
+def _shard_count(spec, mesh: Mesh) -> int:
+    return math.prod(mesh.shape[a] for a in spec if a is not None)
+
+
+def _leaf_device_bytes(leaf, axes, mesh: Mesh) -> int:
+    spec = leaf_partition_spec(axes, leaf, mesh)
+    if isinstance(leaf, QArray):
+        return (leaf.values.size * leaf.values.dtype.itemsize // _shard_count(spec.values, mesh)
+                + leaf.scales.size * leaf.scales.dtype.itemsize // _shard_count(spec.scales, mesh))
+    return leaf.size * jnp.dtype(leaf.dtype).itemsize // _shard_count(spec, mesh)
+
+
+def _leaf_bytes(leaf) -> int:
+    return sum(x.size * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(leaf))
+
+
+def _target_bytes(cfg: ModelConfig, params: dict, mesh: Mesh, tokens: int) -> tuple[int, int]:
+    """(bytes held, bytes one step over `tokens` tokens reads) of the target's weights on one device.
+
+    Routed experts are read only when chosen: a device holding E_l of E experts reads each with
+    probability 1 - (1 - k/E)^tokens (uniform routing)."""
+    from .params import stacked_axes
+
+    sizes = jax.tree.map(lambda leaf, ax: _leaf_device_bytes(leaf, ax, mesh), params, stacked_axes(cfg),
+                         is_leaf=lambda x: isinstance(x, QArray))
+    touched = 1.0
+    if cfg.num_experts:
+        touched = 1.0 - (1.0 - cfg.num_experts_per_tok / cfg.num_experts) ** tokens
+    held = read = 0
+    for path, b in jax.tree_util.tree_flatten_with_path(sizes)[0]:
+        name = str(getattr(path[-1], "key", ""))
+        held += b
+        read += int(b * touched) if name.startswith("experts_") else b
+    return held, read
+
+
+def _cache_device_bytes(cache: kv_cache.KVCache, mesh: Mesh) -> int:
+    total = 0
+    for x in (cache.k, cache.v):
+        total += x.size * jnp.dtype(x.dtype).itemsize // _shard_count(x.sharding.spec, mesh)
+    return total
+
+
+# ---- the planner -------------------------------------------------------------------------------------------
+
+
+def _analysis(compiled) -> dict[str, int]:
+    m = compiled.memory_analysis()
+    return {"argument_bytes": int(m.argument_size_in_bytes), "temp_bytes": int(m.temp_size_in_bytes),
+            "output_bytes": int(m.output_size_in_bytes), "alias_bytes": int(m.alias_size_in_bytes)}
+
+
+def plan_memory(target, draft=None, mesh: Mesh | None = None, batch: int = 1, max_len: int = 2048,
+                spec: SpecConfig | None = None, quant: str | None = None, dtype="bfloat16",
+                prefill_chunk: int = 256, programs: Sequence[str] = ("step", "decode", "prefill")) -> MemoryPlan:
+    """Compile the programs for `target` (+ `draft`) on `mesh` from shapes alone and report per device.
+
+    target / draft: an HF or converted folder, a bare config.json path, a config, or a loaded
+    Target / Draft (only its config is used). quant: None (as the config says), "dequantize" or
+    "w4a8". spec: the speculation shape (default chain 3/1/4 when a draft is given). The numbers
+    come from the speculative step when a draft is given, else from the plain decode step.
+    """
+    from .engine import _decode
+    from .spec.step import spec_prefill, spec_step
+
+    cfg = _apply_quant(_target_config(target), quant)
+    dcfg = _draft_config(draft)
+    if dcfg is not None:
+        from .draft import check_fits_target
+
+        check_fits_target(dcfg, cfg)
+        if dcfg.aux_layer_ids is not None:
+            cfg = cfg.with_aux_layers(dcfg.aux_layer_ids)
+        spec = spec or SpecConfig(3, 1, 4)
+    else:
+        spec = None
+    if mesh is None:
+        mesh = Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1, 1), ("data", "tensor", "expert"))
+    dt = resolve_dtype(dtype)
+    tparams = abstract_target(cfg, dt, mesh)
+    tcache = abstract_cache(cfg, batch, max_len, dt, mesh)
+    sp = _sampling(batch, mesh)
+    vec = _vec(batch, jnp.int32, mesh)
+    results: dict[str, dict[str, int]] = {}
+    with mesh_context(mesh):
+        if dcfg is not None:
+            dparams = abstract_draft(dcfg, dt, mesh)
+            dcache = abstract_cache(dcfg.layers, batch, max_len, dt, mesh)
+            n = spec.num_draft_tokens
+            tree = DraftTree(tokens=_rows(batch, n, mesh), parents=_rows(batch, n, mesh))
+            static = ("tcfg", "dcfg", "spec")
+            if "step" in programs:
+                step = jax.jit(spec_step, static_argnames=static, donate_argnames=("tcache", "dcache"))
+                results["spec_step"] = _analysis(step.trace(tparams, cfg, dparams, dcfg, spec, tcache, dcache, tree, sp,
+                                                            vec).lower().compile())
+            if "prefill" in programs:
+                prefill = jax.jit(spec_prefill, static_argnames=static, donate_argnames=("tcache", "dcache"))
+                results["prefill"] = _analysis(prefill.trace(tparams, cfg, dparams, dcfg, spec, tcache, dcache,
+                                                             _rows(batch, prefill_chunk, mesh), vec, sp).lower().compile())
+        elif "prefill" in programs:
+            from .engine import _prefill
+
+            results["prefill"] = _analysis(_prefill.trace(tparams, cfg, tcache, _rows(batch, prefill_chunk, mesh), vec,
+                                                          sp).lower().compile())
+        if "decode" in programs or dcfg is None:
+            results["decode"] = _analysis(_decode.trace(tparams, cfg, tcache, vec, vec, sp).lower().compile())
+
+    main = results["spec_step"] if "spec_step" in results else results["decode"]
+    tokens = batch * (spec.num_draft_tokens if spec else 1)
+    weight_held, weight_read = _target_bytes(cfg, tparams, mesh, tokens)
+    kv = _cache_device_bytes(tcache, mesh)
+    if dcfg is not None:
+        draft_bytes = _leaf_bytes(dparams)
+        weight_held += draft_bytes
+        weight_read += draft_bytes * spec.num_steps
+        kv += _cache_device_bytes(dcache, mesh)
+    kv_per_token = max(1, kv // (batch * max_len))
+    return MemoryPlan(
+        mesh_shape=dict(mesh.shape), batch=batch, max_len=max_len, spec=spec,
+        argument_bytes=main["argument_bytes"], temp_bytes=main["temp_bytes"], output_bytes=main["output_bytes"],
+        alias_bytes=main["alias_bytes"], weight_bytes=weight_held, kv_bytes=kv, kv_bytes_per_token=kv_per_token,
+        step_read_bytes=weight_read + kv, programs=results,
+    )

@@ -1,0 +1,104 @@
+"""Plan memory before loading anything: per-device arguments, temps, weights, KV and a roofline step time.
+
+    python scripts/plan.py --target=tests/data/kimi-k2.5.config.json --draft=tests/data/kimi-k2.5-eagle3.draft.json \
+        --meshes=1,1,8 --batches=1,64 --max_len=2304 --devices=MI325X,MI355X
+
+For every mesh (data,tensor,expert) and batch size it AOT-compiles the real programs (speculative
+step, plain decode step, prefill chunk) over shape-only sharded arguments and prints XLA's
+memory_analysis of the step per device, next to the weight and KV bytes the device holds, the KV
+tokens left in each device's HBM, and a roofline TPOT (bytes one step reads / HBM bandwidth / tau).
+Meshes may use fewer devices than exist (the first N devices); on a CPU host, fake as many as you
+need with XLA_FLAGS=--xla_force_host_platform_device_count=8.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from absl import app, flags, logging
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("target", None, "Target HF / converted folder, or a bare config.json.")
+flags.DEFINE_string("draft", None, "EAGLE-3 draft folder or config.json (omit: plain decoding).")
+flags.DEFINE_string("meshes", "1,1,8", "Meshes data,tensor,expert separated by ';', e.g. '1,1,8;1,2,4'.")
+flags.DEFINE_list("batches", ["1", "64"], "Batch sizes.")
+flags.DEFINE_integer("max_len", 2304, "Cache length per sequence (prompt + output + lookahead).")
+flags.DEFINE_string("spec", "3:1:4", "Speculation num_steps:topk:num_draft_tokens (with --draft).")
+flags.DEFINE_enum("quant", "auto", ["auto", "dequantize", "w4a8"], "auto: weights as the config stores them.")
+flags.DEFINE_list("devices", ["MI300X", "MI325X", "MI355X", "H100", "H200"], "Devices to compare against.")
+flags.DEFINE_float("tau", 1.0, "Mean acceptance length for the roofline TPOT (1 = plain decoding).")
+flags.DEFINE_string("dtype", "bfloat16", "Compute dtype of unquantized weights and caches.")
+flags.DEFINE_string("json_out", None, "Also write every plan as JSON here.")
+flags.mark_flag_as_required("target")
+
+
+def _meshes(raw: str) -> list[tuple[int, int, int]]:
+    out = []
+    for item in raw.split(";"):
+        parts = [p for p in item.replace("x", ",").split(",") if p]
+        if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
+            raise app.UsageError(f"--meshes entry {item!r} is not data,tensor,expert (three positive integers)")
+        out.append(tuple(int(p) for p in parts))
+    return out
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected positional arguments: {' '.join(argv[1:])}")
+    logging.set_verbosity(logging.WARNING)
+    import jax
+
+    import eagle3_jax as e3
+    from eagle3_jax.config import ConfigError
+    from eagle3_jax.plan import DEVICES, plan_memory
+
+    meshes = _meshes(FLAGS.meshes)
+    unknown = [d for d in FLAGS.devices if d not in DEVICES]
+    if unknown:
+        raise app.UsageError(f"unknown --devices {unknown}; known: {', '.join(DEVICES)}")
+    try:
+        batches = [int(b) for b in FLAGS.batches]
+        steps, topk, n = (int(x) for x in FLAGS.spec.split(":"))
+        spec = e3.SpecConfig(steps, topk, n)
+    except ValueError as e:
+        raise app.UsageError(f"bad --batches or --spec: {e}") from None
+    devices = [DEVICES[d] for d in FLAGS.devices]
+    G = 2**30
+    plans = []
+    print(f"target {FLAGS.target}" + (f", draft {FLAGS.draft}, spec {FLAGS.spec}" if FLAGS.draft else "")
+          + f", max_len {FLAGS.max_len}, quant {FLAGS.quant}, tau {FLAGS.tau} (GiB per device)")
+    head = "| mesh d,t,e | batch | arguments | temps | args+temps | weights | KV | " + " | ".join(
+        f"{d.name} fits / KV tok left / TPOT ms" for d in devices) + " |"
+    print(head)
+    print("|" + "---|" * (7 + len(devices)))
+    for shape in meshes:
+        count = shape[0] * shape[1] * shape[2]
+        if count > jax.device_count():
+            raise app.UsageError(f"mesh {shape} needs {count} devices but {jax.device_count()} exist; set "
+                                 f"XLA_FLAGS=--xla_force_host_platform_device_count={count} on a CPU host")
+        mesh = e3.make_mesh(*shape, devices=jax.devices()[:count])
+        for batch in batches:
+            try:
+                p = plan_memory(FLAGS.target, FLAGS.draft, mesh=mesh, batch=batch, max_len=FLAGS.max_len,
+                                spec=spec if FLAGS.draft else None,
+                                quant=None if FLAGS.quant == "auto" else FLAGS.quant, dtype=FLAGS.dtype)
+            except (ConfigError, OSError, ValueError) as e:
+                print(f"plan: error: {e}", file=sys.stderr)
+                return 2
+            plans.append(p)
+            cells = [f"{'yes' if p.fits(d) else 'NO'} / {p.kv_tokens_left(d):,} / {p.tpot_ms(d, FLAGS.tau):.2f}"
+                     for d in devices]
+            print(f"| {','.join(map(str, shape))} | {batch} | {p.argument_bytes / G:.1f} | {p.temp_bytes / G:.1f} | "
+                  f"{p.total_bytes / G:.1f} | {p.weight_bytes / G:.1f} | {p.kv_bytes / G:.2f} | " + " | ".join(cells) + " |")
+    if FLAGS.json_out:
+        with open(FLAGS.json_out, "w") as f:
+            json.dump([p.as_dict() for p in plans], f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    app.run(main)

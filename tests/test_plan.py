@@ -1,0 +1,60 @@
+"""The memory planner on full-size configs (shapes only): Kimi-K2.5 int4 + its EAGLE-3 draft fits one
+8-GPU node, arguments account for every weight, quantized formats shrink what a step reads."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import jax
+import pytest
+
+import eagle3_jax as e3
+from eagle3_jax.params import flat_specs
+from eagle3_jax.plan import DEVICES, plan_memory
+
+DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
+needs_8 = pytest.mark.skipif(jax.device_count() < 8, reason="needs XLA_FLAGS=--xla_force_host_platform_device_count=8")
+
+
+def test_kimi_specs_keep_experts_int4_and_count_every_byte():
+    cfg = e3.load_model_config(os.path.join(DATA, "kimi-k2.5.config.json"))
+    specs = flat_specs(cfg)
+    quantized = {n.split(".")[-1] for n, s in specs.items() if s.quant is not None}
+    assert quantized == {"experts_gate", "experts_up", "experts_down"}
+    experts = sum(math.prod(s.shape) for s in specs.values() if s.quant is not None)
+    assert experts == 60 * 384 * 3 * 7168 * 2048
+    expert_bytes = sum(s.nbytes("bfloat16") for s in specs.values() if s.quant is not None)
+    assert expert_bytes == experts // 2 + experts // 32 * 2  # 0.5 byte per weight + one bf16 scale per 32
+    total = sum(s.nbytes("bfloat16") for s in specs.values())
+    assert 560e9 < total < 640e9  # ~0.6 TB, not ~2 TB in bf16
+
+
+@needs_8
+def test_kimi_int4_with_draft_fits_eight_mi325x_at_batch_64():
+    mesh = e3.make_mesh(1, 1, 8)
+    plan = plan_memory(os.path.join(DATA, "kimi-k2.5.config.json"), os.path.join(DATA, "kimi-k2.5-eagle3.draft.json"),
+                       mesh=mesh, batch=64, max_len=2304, spec=e3.SpecConfig(3, 1, 4), programs=("step",))
+    assert plan.total_bytes <= 256e9, plan.total_bytes / 2**30
+    assert plan.fits(DEVICES["MI325X"])
+    # every weight and cache is an argument: XLA's count equals ours up to the small step inputs
+    held = plan.weight_bytes + plan.kv_bytes
+    assert held <= plan.argument_bytes <= held * 1.01 + 2**20
+    target_kv = 61 * 64 * 2304 * (512 + 64) * 2  # latent + rotary key per token and layer, bf16, not split on this mesh
+    assert target_kv < plan.kv_bytes < 1.1 * target_kv  # + the one-layer draft's K/V
+    # weights per device: the int4 experts split 8 ways, the rest replicated
+    specs = flat_specs(e3.load_model_config(os.path.join(DATA, "kimi-k2.5.config.json")))
+    experts = sum(s.nbytes("bfloat16") for s in specs.values() if s.quant is not None)
+    rest = sum(s.nbytes("bfloat16") for s in specs.values() if s.quant is None)
+    assert experts / 8 + rest <= plan.weight_bytes <= experts / 8 + rest + 8e9  # + the draft (own embedding and full-vocab head)
+
+
+@needs_8
+def test_int4_reads_fewer_bytes_per_decode_step_than_bf16():
+    mesh = e3.make_mesh(1, 1, 8)
+    cfg = os.path.join(DATA, "kimi-k2.5.config.json")
+    int4 = plan_memory(cfg, mesh=mesh, batch=1, max_len=1024, programs=("decode",))
+    bf16 = plan_memory(cfg, mesh=mesh, batch=1, max_len=1024, quant="dequantize", programs=("decode",))
+    assert int4.weight_bytes < 0.35 * bf16.weight_bytes
+    assert int4.step_read_bytes < bf16.step_read_bytes
+    assert int4.argument_bytes < 0.35 * bf16.argument_bytes
