@@ -2,12 +2,13 @@
 
 Public API (kept stable):
     load_target, Target, load_draft, Draft, Engine, Scheduler, CapacityError, SpecConfig,
-    SamplingParams, RequestOutput, make_mesh, initialize_distributed
+    SamplingParams, RequestOutput, make_mesh, initialize_distributed, plan_memory
 """
 
 from .config import ConfigError, ModelConfig, load_model_config
 from .draft import Draft, load_draft
 from .engine import Engine, RequestOutput
+from .plan import plan_memory
 from .sampling import SamplingParams
 from .scheduler import CapacityError, Scheduler
 from .sharding import initialize_distributed, make_mesh
@@ -30,4 +31,5 @@ __all__ = [
     "load_model_config",
     "load_target",
     "make_mesh",
+    "plan_memory",
 ]

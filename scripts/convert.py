@@ -1,10 +1,11 @@
 """Convert an HF safetensors checkpoint to eagle3-jax's Orbax format.
 
-    python scripts/convert.py --hf_dir /models/Kimi-K2.5 --out_dir /models/Kimi-K2.5-orbax --dtype bfloat16
+    python scripts/convert.py --hf_dir /models/Kimi-K2.5 --out_dir /models/Kimi-K2.5-orbax
 
-Works layer by layer (host memory ~ one layer), dequantizes int4 / fp8 weights, and writes the
-output atomically: the folder appears only once it is complete. Loading the result with
-`read_flat_params` / `load_target` gives bit-identical tensors to loading the HF folder.
+Works layer by layer (host memory ~ one layer), keeps quantized weights (int4, FP8, MXFP4) in their
+quantized format (or dequantizes them with --dequantize), and writes the output atomically: the
+folder appears only once it is complete, and an interrupted run resumes when run again. Loading
+the result with `read_flat_params` / `load_target` gives bit-identical tensors to loading the HF folder.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from eagle3_jax.checkpoint import CheckpointError, save_orbax
 from eagle3_jax.config import ConfigError, load_model_config
+from eagle3_jax.target import with_quant_options
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("hf_dir", None, "HF model folder: config.json + model.safetensors or a sharded index.")
@@ -29,8 +31,9 @@ flags.DEFINE_enum(
     None,
     ["float32", "bfloat16", "float16"],
     "Cast stored tensors to this dtype (router params stay float32). Default: keep the checkpoint's "
-    "dtype; dequantized int4/fp8 weights are float32 then, so use bfloat16 for Kimi-K2.5 / DeepSeek-V3.",
+    "dtype (with --dequantize, dequantized weights are float32 then: use bfloat16).",
 )
+flags.DEFINE_bool("dequantize", False, "Store quantized weights dequantized (floats) instead of in their quantized format.")
 flags.DEFINE_bool("overwrite", False, "Replace an existing --out_dir (swapped in only after the new one is complete).")
 flags.DEFINE_bool("progress", True, "Show a per-layer progress bar.")
 flags.mark_flags_as_required(["hf_dir", "out_dir"])
@@ -41,7 +44,7 @@ def main(argv: list[str]) -> int:
         raise app.UsageError(f"unexpected positional arguments: {' '.join(argv[1:])} (use --hf_dir / --out_dir)")
     start = time.time()
     try:
-        cfg = load_model_config(FLAGS.hf_dir)
+        cfg = with_quant_options(load_model_config(FLAGS.hf_dir), dequantize=FLAGS.dequantize, fp8_format="e4m3fn")
         marker = save_orbax(FLAGS.hf_dir, FLAGS.out_dir, cfg, progress=FLAGS.progress, dtype=FLAGS.dtype, overwrite=FLAGS.overwrite)
     except (CheckpointError, ConfigError) as e:
         print(f"convert: error: {e}", file=sys.stderr)
