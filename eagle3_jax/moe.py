@@ -104,19 +104,14 @@ def _weight_spec(name: str, w, mesh):
     return leaf_partition_spec(EXPERT_AXES[name], w, mesh)
 
 
-def _split_axes(spec) -> tuple[str, ...]:
-    """Mesh axes a (values) PartitionSpec splits."""
-    return tuple(a for a in spec if a is not None)
-
-
 def expert_parallel(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate, w_up, w_down, mesh) -> jax.Array:
     """`local_experts` under shard_map on `mesh`: each shard runs its own experts (and its slice of
     their intermediate width) for all tokens; partial outputs are psum-ed in float32."""
     w = {"experts_gate": w_gate, "experts_up": w_up, "experts_down": w_down}
     specs = {name: _weight_spec(name, arr, mesh) for name, arr in w.items()}
-    values_spec = specs["experts_gate"].values if isinstance(w_gate, QArray) else specs["experts_gate"]
-    expert_axis = values_spec[0]  # the mesh axis splitting the experts, or None
-    reduce_axes = tuple(sorted({a for s in specs.values() for a in _split_axes(s.values if isinstance(s, QArray) else s)}))
+    values_specs = [s.values if isinstance(s, QArray) else s for s in specs.values()]  # scales split alike or not at all
+    expert_axis = values_specs[0][0]  # the mesh axis splitting the experts, or None
+    reduce_axes = tuple(sorted({a for s in values_specs for a in s if a is not None}))
     data = mesh.shape.get("data", 1)
     rows = "data" if data > 1 and x.shape[0] % data == 0 else None
     local_count = w_gate.shape[0] // (mesh.shape[expert_axis] if expert_axis else 1)

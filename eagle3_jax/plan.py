@@ -24,7 +24,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from . import kv_cache
 from .config import ModelConfig, load_model_config
 from .draft import DraftConfig, draft_specs, parse_draft_config
-from .params import ParamSpec, abstract_leaf, abstract_params, flat_specs, qformat_for
+from .params import ParamSpec, abstract_leaf, abstract_params, qformat_for, stacked_axes
 from .quant import QArray
 from .sampling import SamplingArrays
 from .sharding import leaf_partition_spec, mesh_context, param_shardings, partition_spec
@@ -214,8 +214,6 @@ def _target_bytes(cfg: ModelConfig, params: dict, mesh: Mesh, tokens: int) -> tu
 
     Routed experts are read only when chosen: a device holding E_l of E experts reads each with
     probability 1 - (1 - k/E)^tokens (uniform routing)."""
-    from .params import stacked_axes
-
     sizes = jax.tree.map(lambda leaf, ax: _leaf_device_bytes(leaf, ax, mesh), params, stacked_axes(cfg),
                          is_leaf=lambda x: isinstance(x, QArray))
     touched = 1.0

@@ -41,7 +41,6 @@ ACTIVATIONS = ("float", "int8")
 # OCP e2m1 magnitudes by the low three bits; bit 3 is the sign.
 E2M1_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
                        np.float32)
-FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e4m3fnuz))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,12 +86,6 @@ class QFormat:
         return (math.prod(self.values_shape(shape)) * self.values_dtype.itemsize
                 + math.prod(self.scales_shape(shape)) * np.dtype(self.scale_dtype).itemsize)
 
-    def check_shape(self, shape: tuple[int, ...], name: str) -> None:
-        if len(shape) < 2:
-            raise ValueError(f"{name}: only matrices can be quantized; got shape {list(shape)}")
-        if self.fmt in PACKED_FORMATS and shape[-2] % 2:
-            raise ValueError(f"{name}: {self.fmt} packs two input elements per byte; the input dimension {shape[-2]} is odd")
-
 
 @struct.dataclass
 class QArray:
@@ -119,10 +112,6 @@ class QArray:
     def __getitem__(self, index) -> "QArray":
         """Index the leading (stacked layer / expert) axes; the matrix axes stay whole."""
         return QArray(self.values[index], self.scales[index], self.qformat)
-
-
-def is_quantized(w) -> bool:
-    return isinstance(w, QArray)
 
 
 # ---- decoding ----------------------------------------------------------------------------------

@@ -21,7 +21,6 @@ bit-identical to reading HF directly.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import os
@@ -33,7 +32,7 @@ import numpy as np
 
 from ..config import ModelConfig
 from ..params import ParamSpec, flat_specs
-from ..quant import QArray, QFormat
+from ..quant import QArray, QFormat, dequantize
 from . import quant as host_quant
 from .errors import CheckpointError
 from .hf_loader import Plan, build_param, layer_of, plan_hf, resolve_dtype
@@ -127,21 +126,16 @@ def _quant_entry(q: QFormat) -> dict[str, Any]:
 
 
 def _stored_item(arr) -> Any:
-    """What goes into the Orbax item for one parameter (float8 bits as uint8: portable storage)."""
+    """What goes into the Orbax item for one parameter; quantized values (all one byte wide) as
+    uint8 bits, which every storage backend keeps."""
     if isinstance(arr, QArray):
-        values = np.asarray(arr.values)
-        if values.dtype.kind == "V" or values.dtype.itemsize == 1 and values.dtype != np.uint8:
-            values = values.view(np.uint8)
-        return {"values": values, "scales": np.asarray(arr.scales)}
+        return {"values": np.asarray(arr.values).view(np.uint8), "scales": np.asarray(arr.scales)}
     return arr
 
 
 def _tensor_entry(arr) -> tuple[dict[str, Any], int]:
     if isinstance(arr, QArray):
-        q = arr.qformat
-        if q.fnuz:
-            raise CheckpointError("converted checkpoints store OCP float8 (e4m3fn); convert with fnuz off")
-        return {"shape": list(arr.shape), "dtype": "quantized", "quant": _quant_entry(q)}, int(arr.nbytes)
+        return {"shape": list(arr.shape), "dtype": "quantized", "quant": _quant_entry(arr.qformat)}, int(arr.nbytes)
     return {"shape": list(arr.shape), "dtype": _dtype_name(arr.dtype)}, int(arr.nbytes)
 
 
@@ -300,15 +294,16 @@ def _validate_marker(path: str, marker: dict[str, Any], cfg: ModelConfig) -> dic
 
 
 def _quant_mismatch(name: str, entry: dict[str, Any], spec: ParamSpec) -> str:
+    """Why a stored tensor cannot become the (quantized) parameter `spec` describes; "" if it can.
+    An unquantized spec takes anything: quantized entries are dequantized on restore."""
+    if spec.quant is None:
+        return ""
     stored = entry.get("quant")
-    if spec.quant is None or stored is None:
-        return "" if spec.quant is None else (
-            f"tensor {name} is stored unquantized but config.json's quantization_config keeps it {spec.quant.fmt} "
-            "(it was converted with dequantization); load with dequantize=True or re-convert")
-    want = _quant_entry(dataclasses.replace(spec.quant, fnuz=False))
-    if stored != want:
-        return f"tensor {name} is stored as {stored} but config.json implies {want}"
-    return ""
+    if stored is None:
+        return (f"tensor {name} is stored unquantized but config.json's quantization_config keeps it {spec.quant.fmt} "
+                "(it was converted with dequantization); load with dequantize=True or re-convert")
+    want = _quant_entry(spec.quant)  # fnuz is a load-time choice, not part of the stored format
+    return "" if stored == want else f"tensor {name} is stored as {stored} but config.json implies {want}"
 
 
 def _restored(arr_or_item, spec: ParamSpec, entry: dict[str, Any], dtype: np.dtype | None, where: str):
@@ -333,7 +328,7 @@ def _restored(arr_or_item, spec: ParamSpec, entry: dict[str, Any], dtype: np.dty
     if stored.fmt.startswith("fp8"):
         values = values.view(ml_dtypes.float8_e4m3fn)
     if spec.quant is None:
-        full = host_quant.dequantize_host(values, scales, stored)
+        full = np.asarray(dequantize(QArray(values, scales, stored)))
         return full if dtype is None else full.astype(dtype)
     if fmt.fnuz:
         values, scales = host_quant.fp8_e4m3fn_to_fnuz(values, scales)

@@ -148,22 +148,3 @@ def dequant_fp8_channel(weight: np.ndarray, scale: np.ndarray) -> np.ndarray:
     if s.shape != (weight.shape[0],):
         raise ValueError(f"per-channel fp8 scale has {s.size} values for {weight.shape[0]} output rows")
     return weight.astype(np.float32) * s[:, None]
-
-
-def dequantize_host(values: np.ndarray, scales: np.ndarray, fmt) -> np.ndarray:
-    """numpy twin of `eagle3_jax.quant.dequantize` for a host QArray's parts ([..., in, out]
-    orientation, `fmt` a QFormat): float32 [..., in, out]."""
-    if fmt.fmt in ("int4", "mxfp4"):
-        v = np.asarray(values, np.uint8)
-        nib = np.stack([v & 0xF, v >> 4], axis=-2).reshape(v.shape[:-2] + (2 * v.shape[-2], v.shape[-1]))
-        decoded = nib.astype(np.float32) - 8 if fmt.fmt == "int4" else E2M1_VALUES[nib]
-    else:
-        decoded = np.asarray(values).astype(np.float32)
-    if fmt.fmt == "mxfp4":
-        e = np.asarray(scales).astype(np.int32)
-        s = np.where(e == 255, np.float32(np.nan), np.ldexp(np.float32(1), e - 127)).astype(np.float32)
-    else:
-        s = np.asarray(scales, np.float32)
-    bi, bo = fmt.scale_block(decoded.shape)
-    s = np.repeat(np.repeat(s, bi, axis=-2)[..., : decoded.shape[-2], :], bo, axis=-1)[..., : decoded.shape[-1]]
-    return decoded * s
