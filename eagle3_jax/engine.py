@@ -24,7 +24,7 @@ from . import kv_cache
 from .config import ModelConfig
 from .draft import Draft
 from .sampling import SamplingArrays, SamplingParams, sample
-from .sharding import mesh_context
+from .sharding import mesh_context, to_host
 from .spec.step import spec_prefill, spec_step
 from .spec.tree import SpecConfig
 from .target import Target, forward
@@ -202,7 +202,7 @@ class Engine:
         while True:
             # Launch the next step before reading this one's tokens (async dispatch overlaps them).
             next_chunk, state = self._step(state, sp)
-            out, counts = np.asarray(chunk[0]), np.asarray(chunk[1])
+            out, counts = to_host(chunk[0]), to_host(chunk[1])
             now = time.perf_counter()
             for i, rec in enumerate(records):
                 if not rec.finish:

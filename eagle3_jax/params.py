@@ -213,9 +213,18 @@ def _stack(leaves: list, name: str):
     if isinstance(leaves[0], QArray):
         if any(not isinstance(q, QArray) or q.qformat != leaves[0].qformat for q in leaves):
             raise ValueError(f"layers of {name} mix quantized formats; every layer of a run must share one")
-        return QArray(np.stack([np.asarray(q.values) for q in leaves]), np.stack([np.asarray(q.scales) for q in leaves]),
+        return QArray(_stack_arrays([q.values for q in leaves]), _stack_arrays([q.scales for q in leaves]),
                       leaves[0].qformat)
-    return np.stack([np.asarray(a) for a in leaves])
+    return _stack_arrays(leaves)
+
+
+def _stack_arrays(arrays: list):
+    """np.stack, kept lazy for lazily read checkpoint tensors."""
+    from .checkpoint.lazy import LazyArray  # lazy: the checkpoint package imports this module
+
+    if any(isinstance(a, LazyArray) for a in arrays):
+        return LazyArray.stack(arrays)
+    return np.stack([np.asarray(a) for a in arrays])
 
 
 def stack_flat(flat: Mapping, cfg: ModelConfig) -> dict:

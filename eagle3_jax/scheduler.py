@@ -21,6 +21,11 @@ to powers of two, so a few compiled programs serve every mix of requests; the sc
 `max_compiled_programs` most recently used ones. A request's chunk
 boundaries depend only on its own length, and prefill always uses the same attention form, so a
 request's greedy tokens do not depend on what runs beside it.
+
+Multi-host: every process must launch the same programs. Either every process drives an
+identical request stream (the steps depend only on the requests), or process 0 alone takes
+requests and calls `lead()`, sending each step's inputs to the other processes, which sit in
+`follow()` and run the same programs on their devices (serving/lockstep.py).
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ from .draft import Draft, DraftConfig
 from .engine import RequestOutput, bucket, check_request, check_speculation
 from .page_allocator import PageAllocator, pages_for
 from .sampling import SamplingArrays, SamplingParams, sample
-from .sharding import mesh_context
+from .sharding import mesh_context, to_host
 from .spec.propose import DraftTree
 from .spec.step import spec_prefill, spec_step
 from .spec.tree import SpecConfig
@@ -116,6 +121,9 @@ def _decode_program(tcfg: ModelConfig, dcfg: DraftConfig | None, spec: SpecConfi
     out, count, tcache, dcache, tree, _ = spec_step(tparams, tcfg, dparams, dcfg, spec, tcache, dcache,
                                                     DraftTree(tokens=tree_tokens, parents=tree_parents), sp, counter)
     return out, count, tree.tokens, tree.parents, (tcache.k, tcache.v, dcache.k, dcache.v)
+
+
+_PROGRAMS = {"prefill": _prefill_program, "decode": _decode_program}
 
 
 class ProgramCache:
@@ -212,6 +220,7 @@ class Scheduler:
         self._pools = self._init_pools(int(num_pages))
         self._tree_size = self.spec.num_draft_tokens if self.spec else 1
         self.programs = ProgramCache(int(max_compiled_programs))
+        self._channel = None  # set by lead(): multi-host leader
 
         self._waiting: collections.deque[_Request] = collections.deque()
         self._running: list[_Request] = []  # admission order: prefilling and decoding
@@ -394,15 +403,55 @@ class Scheduler:
             table[i, : len(r.pages)] = r.pages
         return table
 
-    def _run_program(self, fn, kind: str, block_table: np.ndarray, *args):
-        """Run a step program on the pools; the key is the program kind and its bucketed shapes."""
+    def _run_program(self, kind: str, block_table: np.ndarray, *args) -> list[np.ndarray]:
+        """Run a step program on the pools (first sending its inputs to the followers of a
+        multi-host leader); returns its outputs on the host."""
+        if self._channel is not None:
+            self._channel.send((kind, block_table, jax.tree.map(np.asarray, args)))
+        return self._execute(kind, block_table, *args)
+
+    def _execute(self, kind: str, block_table: np.ndarray, *args) -> list[np.ndarray]:
+        """Run the `kind` step program; the cache key is the kind and its bucketed shapes."""
         dcfg = self.draft.config if self.draft is not None else None
         dparams = self.draft.params if self.draft is not None else None
         key = (kind, block_table.shape, np.shape(args[1]))  # args[1]: tokens or tree, [batch, width]
         with mesh_context(self.target.mesh):
-            *outs, self._pools = self.programs.run(fn, (self.target.config, dcfg, self.spec), key,
+            *outs, self._pools = self.programs.run(_PROGRAMS[kind], (self.target.config, dcfg, self.spec), key,
                                                    self.target.params, dparams, self._pools, block_table, *args)
-        return outs
+            # Every output is read, in order, on every process: reading a batch split over a
+            # multi-host `data` axis is a collective (sharding.to_host).
+            return [to_host(o) for o in outs]
+
+    # ---- multi-host serving ----------------------------------------------------------------------
+    def lead(self) -> None:
+        """Make this (process 0's) scheduler send every step to the followers (multi-host serving:
+        only process 0 takes requests; see serving/lockstep.py). Call `release_followers` when done."""
+        from .serving.lockstep import StepChannel
+
+        channel = StepChannel()
+        if not channel.is_leader:
+            raise RuntimeError("lead() is for process 0; the other processes call follow()")
+        self._channel = channel
+
+    def release_followers(self) -> None:
+        """Leader: tell every follower's `follow` to return (idempotent)."""
+        if self._channel is not None:
+            self._channel.send(None)
+            self._channel = None
+
+    def follow(self) -> int:
+        """Follower (process > 0): run the leader's step programs on this process's shards, in the
+        leader's order, until it calls `release_followers`. Returns the number of steps run."""
+        from .serving.lockstep import StepChannel
+
+        channel, steps = StepChannel(), 0
+        if channel.is_leader:
+            raise RuntimeError("process 0 leads (lead()); follow() is for the other processes")
+        while (message := channel.receive()) is not None:
+            kind, block_table, args = message
+            self._execute(kind, block_table, *args)
+            steps += 1
+        return steps
 
     def _run_prefill(self, rows: list[tuple[_Request, int]]) -> list[RequestDelta]:
         batch = bucket(len(rows), 1, self.max_num_seqs)
@@ -420,9 +469,7 @@ class Scheduler:
                 following[i] = req.prefill_ids[c + n]
         sp = SamplingArrays.from_params([r.sampling for r, _ in rows], batch)
         first, tree_tokens, tree_parents = self._run_program(
-            _prefill_program, "prefill", self._block_table([r for r, _ in rows], batch),
-            lengths, tokens, n_valid, following, sp, counter)
-        first, tree_tokens, tree_parents = np.asarray(first), np.asarray(tree_tokens), np.asarray(tree_parents)
+            "prefill", self._block_table([r for r, _ in rows], batch), lengths, tokens, n_valid, following, sp, counter)
         now = time.perf_counter()
         deltas = []
         for i, (req, n) in enumerate(rows):
@@ -448,9 +495,7 @@ class Scheduler:
             lengths[i], counter[i] = req.length, len(req.output)
         sp = SamplingArrays.from_params([r.sampling for r in rows], batch)
         out, count, tree_tokens, tree_parents = self._run_program(
-            _decode_program, "decode", self._block_table(rows, batch), lengths, tree_tokens, tree_parents, sp, counter)
-        out, count = np.asarray(out), np.asarray(count)
-        tree_tokens, tree_parents = np.asarray(tree_tokens), np.asarray(tree_parents)
+            "decode", self._block_table(rows, batch), lengths, tree_tokens, tree_parents, sp, counter)
         now = time.perf_counter()
         deltas = []
         for i, req in enumerate(rows):

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Mapping
+from typing import Mapping, Sequence
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from . import kv_cache
+from .checkpoint.lazy import LazyArray
 from .config import ModelConfig
 from .params import stacked_axes
 from .quant import QArray
@@ -51,6 +52,20 @@ def make_mesh(data: int = 1, tensor: int = 1, expert: int = 1, devices=None) -> 
             "available; choose sizes whose product is the device count"
         )
     return Mesh(np.asarray(devices).reshape(data, tensor, expert), MESH_AXES)
+
+
+def parse_mesh(sizes: str | Sequence[str]) -> tuple[int, int, int] | None:
+    """Mesh sizes from a flag value: "data,tensor,expert" (or its list form); empty = no mesh."""
+    items = [x.strip() for x in (sizes.split(",") if isinstance(sizes, str) else sizes) if x.strip()]
+    if not items:
+        return None
+    try:
+        dims = tuple(int(x) for x in items)
+    except ValueError:
+        dims = ()
+    if len(dims) != 3 or min(dims) < 1:
+        raise ValueError(f"a mesh is three positive integers data,tensor,expert (e.g. 1,8,1); got {','.join(items)!r}")
+    return dims  # type: ignore[return-value]
 
 
 def partition_spec(axes: tuple[str | None, ...], shape: tuple[int, ...], mesh: Mesh) -> PartitionSpec:
@@ -95,9 +110,18 @@ def leaf_partition_spec(axes: tuple[str | None, ...], leaf, mesh):
 def _put(arr, sharding: NamedSharding) -> jax.Array:
     if isinstance(arr, jax.Array):
         return jax.device_put(arr, sharding)
-    # Host arrays: each process builds only its own shards (multi-host safe, no full copy per device).
-    host = np.asarray(arr)
-    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+    # Host arrays: each process builds only its own shards (multi-host safe, no full copy per
+    # device); a checkpoint's LazyArray is read only for those shards.
+    host = arr if isinstance(arr, LazyArray) else np.asarray(arr)
+    blocks: dict = {}
+
+    def block(index: tuple[slice, ...]) -> np.ndarray:  # replicas of a block are read once
+        key = tuple((s.start, s.stop, s.step) for s in index)
+        if key not in blocks:
+            blocks[key] = host[index]
+        return blocks[key]
+
+    return jax.make_array_from_callback(host.shape, sharding, block)
 
 
 def _place(arr, axes, mesh: Mesh):
@@ -144,6 +168,17 @@ def mesh_context(mesh: Mesh | None):
     """Trace and run under `mesh` (`jax.set_mesh`), which makes the MoE expert-parallel
     (moe.expert_parallel); a no-op without a mesh. Every program over a sharded Target runs in it."""
     return jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()
+
+
+def to_host(x) -> np.ndarray:
+    """A device array's value on this host. An array that spans other processes' devices (batch
+    split over a multi-host `data` axis) is gathered from every process: a collective, so every
+    process must read the same arrays in the same order, which the engines' lockstep loops do."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(x)
 
 
 def initialize_distributed() -> None:

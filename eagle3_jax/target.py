@@ -21,6 +21,7 @@ from .attention import gqa_block, mla_block
 from .config import ModelConfig, load_model_config
 from .layers import rms_norm, swiglu
 from .moe import moe_block
+from .checkpoint.lazy import LazyArray
 from .quant import QArray, linear
 
 # Below this many new tokens per row, MLA uses the absorbed form (decode, verify); above, expanded.
@@ -106,7 +107,8 @@ def cast_flat(flat: dict, cfg: ModelConfig, dtype: jnp.dtype) -> dict:
     def cast(k, v):
         if isinstance(v, QArray):
             return v
-        return np.asarray(v, np.float32 if specs[k].float32 else dtype)
+        dt = np.float32 if specs[k].float32 else dtype
+        return v.astype(dt) if isinstance(v, LazyArray) else np.asarray(v, dt)
 
     return {k: cast(k, v) for k, v in flat.items()}
 
@@ -210,7 +212,8 @@ def load_target(path: str | os.PathLike, dtype="bfloat16", mesh: jax.sharding.Me
     if aux_layer_ids is not None:
         cfg = cfg.with_aux_layers(tuple(aux_layer_ids))
     dt = resolve_dtype(dtype)
-    flat = cast_flat(read_flat_params(path, cfg), cfg, dt)
+    # On a mesh, tensors stay lazy until placed, so each process reads only its own shards.
+    flat = cast_flat(read_flat_params(path, cfg, lazy=mesh is not None), cfg, dt)
     tree = params_lib.stack_flat(flat, cfg)
     del flat
     params = shard_params(tree, cfg, mesh) if mesh is not None else jax.tree.map(jnp.asarray, tree)

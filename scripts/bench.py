@@ -26,6 +26,10 @@ the one setting the server runs:
     python scripts/bench.py --base_url=http://localhost:8000 --target=checkpoints/kimi-mini \\
         --spec=chain:3:1:4 --concurrency=1,4,16
 
+On several hosts (one process per host, same command, see BUILD.md "Multi-host"), add
+--distributed and a --mesh over all devices; every process drives the same requests and process 0
+writes the report.
+
 Speculation settings: `none`, `chain:num_steps:topk:num_draft_tokens` (topk 1, num_draft_tokens =
 num_steps + 1) and `tree:num_steps:topk:num_draft_tokens` (an EAGLE-2 dynamic tree).
 """
@@ -66,6 +70,11 @@ flags.DEFINE_list("seeds", ["0"], "Seeds (prompts, per-request sampling); every 
                   "table shows the mean over seeds.")
 flags.DEFINE_float("temperature", 0.0, "Sampling temperature of every request; 0 = greedy.", lower_bound=0.0)
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16", "float16"], "Compute dtype of the weights.")
+flags.DEFINE_bool("w4a8", False, "Run int4 weights with dynamic per-token int8 activations (W4A8, as AMD ran "
+                  "Kimi-K2.5); default W4A16.")
+flags.DEFINE_bool("dequantize", False, "Dequantize quantized weights to --dtype on load (more memory; the old behaviour).")
+flags.DEFINE_enum("fp8_format", "auto", ["auto", "e4m3fn", "e4m3fnuz"], "On-device float8 flavour of FP8 weights "
+                  "(auto: e4m3fnuz on MI300X / MI325X, e4m3fn elsewhere).")
 flags.DEFINE_integer("max_seq_len", None, "Prompt + output tokens per sequence. Workloads must fit it; default: "
                      "the model's max_position_embeddings for that check, and the workload's longest prompt plus "
                      "output for the scheduler.", lower_bound=2)
@@ -76,6 +85,11 @@ flags.DEFINE_integer("max_measure_attempts", 3, "Measured passes per cell at mos
                      "compiled a program is repeated, as the compile stalls the requests in flight.", lower_bound=1)
 flags.DEFINE_bool("interleave", True, "Run all settings at each concurrency in turn (one scheduler each, all held at "
                   "once) so slow spells hit every setting alike; --nointerleave runs the settings one after another.")
+flags.DEFINE_list("mesh", [], "Device mesh sizes data,tensor,expert for the in-process model (e.g. 1,1,8); empty = "
+                  "one device.")
+flags.DEFINE_bool("distributed", False, "Multi-host in-process run: call jax.distributed.initialize first (see "
+                  "BUILD.md). Every process drives the same requests (the scheduler's steps depend only on them); "
+                  "process 0 writes and prints the report.")
 flags.DEFINE_string("base_url", None, "Benchmark the server at this URL (e.g. http://localhost:8000) over HTTP "
                     "instead of running the model in-process.")
 flags.DEFINE_string("model", None, "Model name sent to the server (default: the first id of GET /v1/models).")
@@ -112,11 +126,14 @@ def main(argv: Sequence[str]) -> None:
     if not FLAGS["verbosity"].present:
         logging.set_verbosity(logging.WARNING)  # keep JAX / Orbax INFO lines out of the report
 
+    import jax
+
     import eagle3_jax as e3
     from eagle3_jax.bench import report as report_lib
     from eagle3_jax.bench.runner import RunConfig, ordered, run_benchmark
     from eagle3_jax.bench.settings import parse_specs
     from eagle3_jax.bench.workloads import DATASETS, dataset_workload, random_workload_for
+    from eagle3_jax.sharding import parse_mesh
     from eagle3_jax.tokenizer import load_tokenizer
 
     try:
@@ -125,6 +142,13 @@ def main(argv: Sequence[str]) -> None:
         raise app.UsageError(f"--spec: {e}") from None
     if FLAGS.base_url and len(settings) != 1:
         raise app.UsageError("with --base_url, --spec names the one setting the server runs (e.g. --spec=chain:3:1:4)")
+    if FLAGS.base_url and (FLAGS.mesh or FLAGS.distributed):
+        raise app.UsageError("--mesh and --distributed are for the in-process model; with --base_url the server "
+                             "has its own (scripts/serve.py --mesh)")
+    try:
+        mesh_dims = parse_mesh(FLAGS.mesh)
+    except ValueError as e:
+        raise app.UsageError(f"--mesh: {e}") from None
     if FLAGS.workload != "random" and FLAGS.workload not in DATASETS:
         raise app.UsageError(f"--workload must be random or one of {', '.join(DATASETS)}; got {FLAGS.workload!r}")
     try:
@@ -163,9 +187,17 @@ def main(argv: Sequence[str]) -> None:
         mode = f"HTTP {FLAGS.base_url}"
         config["dtype"] = None  # the server's business
     else:
-        target = e3.load_target(FLAGS.target, dtype=FLAGS.dtype)
+        if FLAGS.distributed:
+            e3.initialize_distributed()
+        try:
+            mesh = None if mesh_dims is None else e3.make_mesh(*mesh_dims)
+        except ValueError as e:
+            raise app.UsageError(f"--mesh: {e}") from None
+        target = e3.load_target(FLAGS.target, dtype=FLAGS.dtype, mesh=mesh, w4a8=FLAGS.w4a8,
+                                dequantize=FLAGS.dequantize, fp8_format=FLAGS.fp8_format)
+        config["mesh"] = mesh_dims
         needs_draft = any(s.spec is not None for s in settings)
-        draft = e3.load_draft(FLAGS.draft, target=target, dtype=FLAGS.dtype) if needs_draft else None
+        draft = e3.load_draft(FLAGS.draft, target=target, dtype=FLAGS.dtype, fp8_format=FLAGS.fp8_format) if needs_draft else None
         sched_len = FLAGS.max_seq_len or workload.max_total_len
         config.update({"draft": FLAGS.draft if needs_draft else None, "scheduler_max_seq_len": sched_len})
         cells = run_benchmark(target, draft, settings, workload, cfg, max_seq_len=sched_len,
@@ -173,6 +205,8 @@ def main(argv: Sequence[str]) -> None:
                               num_devices=FLAGS.num_devices)
         mode = "in-process"
 
+    if jax.process_index() > 0:  # multi-host: process 0 reports
+        return
     report = report_lib.build_report(cells, settings=[s.name for s in settings], workload=workload.info,
                                      config=config, argv=sys.argv, mode=mode)
     name = FLAGS.name or default_name(FLAGS.target, workload)

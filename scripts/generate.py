@@ -35,6 +35,11 @@ flags.DEFINE_float("top_p", 1.0, "Nucleus sampling threshold in (0, 1].")
 flags.DEFINE_integer("top_k", 0, "Top-k sampling; 0 disables it.")
 flags.DEFINE_integer("seed", 0, "Sampling seed (prompt i uses seed + i).")
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16", "float16"], "Compute dtype of the weights.")
+flags.DEFINE_bool("w4a8", False, "Run int4 weights with dynamic per-token int8 activations (W4A8, as AMD ran "
+                  "Kimi-K2.5); default W4A16.")
+flags.DEFINE_bool("dequantize", False, "Dequantize quantized weights to --dtype on load (more memory; the old behaviour).")
+flags.DEFINE_enum("fp8_format", "auto", ["auto", "e4m3fn", "e4m3fnuz"], "On-device float8 flavour of FP8 weights "
+                  "(auto: e4m3fnuz on MI300X / MI325X, e4m3fn elsewhere).")
 flags.DEFINE_integer("max_seq_len", None, "Prompt + generated tokens per request (default: min(model max positions, 2048)).",
                      lower_bound=2)
 flags.DEFINE_integer("batch_size", None, "Requests per batch (default: the number of prompts).", lower_bound=1)
@@ -63,15 +68,12 @@ def read_prompts(prompt: str, prompts_file: str | None) -> list[str]:
 
 
 def parse_mesh(sizes: Sequence[str]) -> tuple[int, int, int] | None:
-    if not sizes:
-        return None
+    from eagle3_jax.sharding import parse_mesh as parse
+
     try:
-        dims = tuple(int(s) for s in sizes)
+        return parse(sizes)
     except ValueError as e:
-        raise app.UsageError(f"--mesh must be three integers data,tensor,expert; got {','.join(sizes)}") from e
-    if len(dims) != 3 or min(dims) < 1:
-        raise app.UsageError(f"--mesh must be three positive integers data,tensor,expert; got {','.join(sizes)}")
-    return dims  # type: ignore[return-value]
+        raise app.UsageError(f"--mesh: {e}") from None
 
 
 def default_max_seq_len(max_position_embeddings: int, cap: int = 2048) -> int:
@@ -81,6 +83,11 @@ def default_max_seq_len(max_position_embeddings: int, cap: int = 2048) -> int:
 def stop_ids(model_eos: Sequence[int], tokenizer_eos: Sequence[int]) -> tuple[int, ...]:
     """EOS ids from the model config and the tokenizer folder, without repeats, in order."""
     return tuple(dict.fromkeys([*model_eos, *tokenizer_eos]))
+
+
+def quant_options() -> dict:
+    """load_target's quantization keywords from the flags."""
+    return {"w4a8": FLAGS.w4a8, "dequantize": FLAGS.dequantize, "fp8_format": FLAGS.fp8_format}
 
 
 def main(argv: Sequence[str]) -> None:
@@ -99,11 +106,12 @@ def main(argv: Sequence[str]) -> None:
 
     if FLAGS.distributed:
         e3.initialize_distributed()
-    mesh = None if mesh_dims is None else e3.make_mesh(*mesh_dims)
-    try:  # config and tokenizer first: their errors come before a long weight load
+    try:  # mesh, config and tokenizer first: their errors come before a long weight load
+        mesh = None if mesh_dims is None else e3.make_mesh(*mesh_dims)
         tok = load_tokenizer(FLAGS.tokenizer or FLAGS.model, bos_id=e3.load_model_config(FLAGS.model).bos_token_id)
-        target = e3.load_target(FLAGS.model, dtype=FLAGS.dtype, mesh=mesh)
-        draft = None if FLAGS.draft is None else e3.load_draft(FLAGS.draft, target=target, dtype=FLAGS.dtype)
+        target = e3.load_target(FLAGS.model, dtype=FLAGS.dtype, mesh=mesh, **quant_options())
+        draft = None if FLAGS.draft is None else e3.load_draft(FLAGS.draft, target=target, dtype=FLAGS.dtype,
+                                                                fp8_format=FLAGS.fp8_format)
         spec = None if draft is None else e3.SpecConfig(
             num_steps=FLAGS.num_steps, topk=FLAGS.topk,
             num_draft_tokens=FLAGS.num_draft_tokens or FLAGS.num_steps + 1)

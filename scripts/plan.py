@@ -6,7 +6,7 @@
 For every mesh (data,tensor,expert) and batch size it AOT-compiles the real programs (speculative
 step, plain decode step, prefill chunk) over shape-only sharded arguments and prints XLA's
 memory_analysis of the step per device, next to the weight and KV bytes the device holds, the KV
-tokens left in each device's HBM, and a roofline TPOT (bytes one step reads / HBM bandwidth / tau).
+tokens left in each device's HBM, the bytes one step reads (weights it touches + KV), and a roofline TPOT (bytes one step reads / HBM bandwidth / tau).
 Meshes may use fewer devices than exist (the first N devices); on a CPU host, fake as many as you
 need with XLA_FLAGS=--xla_force_host_platform_device_count=8.
 """
@@ -32,6 +32,7 @@ flags.DEFINE_enum("quant", "auto", ["auto", "dequantize", "w4a8"], "auto: weight
 flags.DEFINE_list("devices", ["MI300X", "MI325X", "MI355X", "H100", "H200"], "Devices to compare against.")
 flags.DEFINE_float("tau", 1.0, "Mean acceptance length for the roofline TPOT (1 = plain decoding).")
 flags.DEFINE_string("dtype", "bfloat16", "Compute dtype of unquantized weights and caches.")
+flags.DEFINE_enum("unit", "GiB", ["GiB", "MiB"], "Unit of the byte columns (MiB for small models).")
 flags.DEFINE_string("json_out", None, "Also write every plan as JSON here.")
 flags.mark_flag_as_required("target")
 
@@ -67,14 +68,14 @@ def main(argv: list[str]) -> int:
     except ValueError as e:
         raise app.UsageError(f"bad --batches or --spec: {e}") from None
     devices = [DEVICES[d] for d in FLAGS.devices]
-    G = 2**30
+    G = {"GiB": 2**30, "MiB": 2**20}[FLAGS.unit]
     plans = []
     print(f"target {FLAGS.target}" + (f", draft {FLAGS.draft}, spec {FLAGS.spec}" if FLAGS.draft else "")
-          + f", max_len {FLAGS.max_len}, quant {FLAGS.quant}, tau {FLAGS.tau} (GiB per device)")
-    head = "| mesh d,t,e | batch | arguments | temps | args+temps | weights | KV | " + " | ".join(
+          + f", max_len {FLAGS.max_len}, quant {FLAGS.quant}, tau {FLAGS.tau} ({FLAGS.unit} per device)")
+    head = "| mesh d,t,e | batch | arguments | temps | args+temps | weights | KV | read/step | " + " | ".join(
         f"{d.name} fits / KV tok left / TPOT ms" for d in devices) + " |"
     print(head)
-    print("|" + "---|" * (7 + len(devices)))
+    print("|" + "---|" * (8 + len(devices)))
     for shape in meshes:
         count = shape[0] * shape[1] * shape[2]
         if count > jax.device_count():
@@ -93,7 +94,7 @@ def main(argv: list[str]) -> int:
             cells = [f"{'yes' if p.fits(d) else 'NO'} / {p.kv_tokens_left(d):,} / {p.tpot_ms(d, FLAGS.tau):.2f}"
                      for d in devices]
             print(f"| {','.join(map(str, shape))} | {batch} | {p.argument_bytes / G:.1f} | {p.temp_bytes / G:.1f} | "
-                  f"{p.total_bytes / G:.1f} | {p.weight_bytes / G:.1f} | {p.kv_bytes / G:.2f} | " + " | ".join(cells) + " |")
+                  f"{p.total_bytes / G:.1f} | {p.weight_bytes / G:.1f} | {p.kv_bytes / G:.2f} | {p.step_read_bytes / G:.2f} | " + " | ".join(cells) + " |")
     if FLAGS.json_out:
         with open(FLAGS.json_out, "w") as f:
             json.dump([p.as_dict() for p in plans], f, indent=1)

@@ -15,6 +15,10 @@ Then, from another shell:
 
 or any OpenAI client with base_url http://127.0.0.1:8000/v1 (the API key is not checked).
 
+On several hosts (one process per host, same command, see BUILD.md "Multi-host"), add
+--distributed and a --mesh over all devices: process 0 listens and schedules, every other
+process runs process 0's step programs on its own devices.
+
 Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
 GET /metrics (Prometheus). Requests run in a continuous-batching `Scheduler` (up to --max_num_seqs
 at once, paged KV cache) driven by one engine thread; see eagle3_jax/serving/openai_api.py for
@@ -43,6 +47,11 @@ flags.DEFINE_integer("topk", 1, "Children expanded per draft node; 1 = chain.", 
 flags.DEFINE_integer("num_draft_tokens", None, "Tree nodes verified per step, root included "
                      "(default: num_steps + 1, a chain's size).", lower_bound=2)
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16", "float16"], "Compute dtype of the weights.")
+flags.DEFINE_bool("w4a8", False, "Run int4 weights with dynamic per-token int8 activations (W4A8, as AMD ran "
+                  "Kimi-K2.5); default W4A16.")
+flags.DEFINE_bool("dequantize", False, "Dequantize quantized weights to --dtype on load (more memory; the old behaviour).")
+flags.DEFINE_enum("fp8_format", "auto", ["auto", "e4m3fn", "e4m3fnuz"], "On-device float8 flavour of FP8 weights "
+                  "(auto: e4m3fnuz on MI300X / MI325X, e4m3fn elsewhere).")
 flags.DEFINE_string("tokenizer", None, "Folder (or tokenizer.json) to tokenize with and read the chat template "
                     "from (default: --target).")
 flags.DEFINE_string("served_model_name", None, "Model name clients pass as `model` (default: the basename of --target).")
@@ -58,6 +67,10 @@ flags.DEFINE_integer("num_pages", None, "KV cache pages in the pool (default: en
                      "sequences of max_seq_len tokens).", lower_bound=1)
 flags.DEFINE_integer("prefill_chunk", 256, "Prompt tokens prefilled per scheduler step: the longest chunk of one "
                      "prompt, and the budget shared by the requests prefilling in that step.", lower_bound=1)
+flags.DEFINE_list("mesh", [], "Device mesh sizes data,tensor,expert (e.g. 1,1,8: experts over 8 devices); "
+                  "empty = one device.")
+flags.DEFINE_bool("distributed", False, "Multi-host: call jax.distributed.initialize first (see BUILD.md). Process 0 "
+                  "serves HTTP and schedules; the other processes run its steps on their devices.")
 flags.DEFINE_bool("warmup", True, "Run a few tiny requests before listening, so the first clients do not wait "
                   "for compilation (--nowarmup to skip).")
 flags.mark_flag_as_required("target")
@@ -101,25 +114,38 @@ def warm_up(scheduler, prompts: list[list[int]], max_tokens: int = 8) -> float:
     return time.perf_counter() - start
 
 
+def quant_options() -> dict:
+    """load_target's quantization keywords from the flags."""
+    return {"w4a8": FLAGS.w4a8, "dequantize": FLAGS.dequantize, "fp8_format": FLAGS.fp8_format}
+
+
 def main(argv: Sequence[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
     if not FLAGS["verbosity"].present:
         logging.set_verbosity(logging.INFO)
-    import eagle3_jax as e3  # imported here so that --help works without loading JAX
+    import jax
     from aiohttp import web
+
+    import eagle3_jax as e3  # imported here so that --help works without loading JAX
 
     from eagle3_jax.checkpoint import CheckpointError
     from eagle3_jax.scheduler import Scheduler
     from eagle3_jax.serving import AsyncEngine, make_app
+    from eagle3_jax.sharding import parse_mesh
     from eagle3_jax.tokenizer import TokenizerError, load_tokenizer
 
     tok_path = FLAGS.tokenizer or FLAGS.target
-    try:  # config and tokenizer first: their errors come before a long weight load
+    if FLAGS.distributed:
+        e3.initialize_distributed()
+    try:  # mesh, config and tokenizer first: their errors come before a long weight load
+        mesh_dims = parse_mesh(FLAGS.mesh)
+        mesh = None if mesh_dims is None else e3.make_mesh(*mesh_dims)
         cfg = e3.load_model_config(FLAGS.target)
         tok = load_tokenizer(tok_path, bos_id=cfg.bos_token_id)
-        target = e3.load_target(FLAGS.target, dtype=FLAGS.dtype)
-        draft = None if FLAGS.draft is None else e3.load_draft(FLAGS.draft, target=target, dtype=FLAGS.dtype)
+        target = e3.load_target(FLAGS.target, dtype=FLAGS.dtype, mesh=mesh, **quant_options())
+        draft = None if FLAGS.draft is None else e3.load_draft(FLAGS.draft, target=target, dtype=FLAGS.dtype,
+                                                                fp8_format=FLAGS.fp8_format)
         spec = None if draft is None else e3.SpecConfig(
             num_steps=FLAGS.num_steps, topk=FLAGS.topk,
             num_draft_tokens=FLAGS.num_draft_tokens or FLAGS.num_steps + 1)
@@ -130,6 +156,13 @@ def main(argv: Sequence[str]) -> None:
     except (e3.ConfigError, CheckpointError, TokenizerError, ValueError) as e:
         sys.exit(f"serve.py: {e}")
     model_name = FLAGS.served_model_name or os.path.basename(os.path.normpath(FLAGS.target))
+    if jax.process_index() > 0:  # multi-host follower: mirror process 0's steps until it stops
+        logging.info("process %d: running process 0's steps on this host's devices", jax.process_index())
+        steps = scheduler.follow()
+        logging.info("process 0 stopped serving after %d steps", steps)
+        return
+    if jax.process_count() > 1:
+        scheduler.lead()
 
     if FLAGS.warmup:
         logging.info("warming up (compiling the prefill and decode programs)...")
@@ -148,7 +181,11 @@ def main(argv: Sequence[str]) -> None:
     logging.info("serving %s as %r (%s, max_num_seqs %d, max_seq_len %d) on http://%s:%d/v1", FLAGS.target,
                  model_name, mode, FLAGS.max_num_seqs, max_seq_len, FLAGS.host, FLAGS.port)
     # handler_cancellation: a client that disconnects cancels its handler, which aborts its request.
-    web.run_app(application, host=FLAGS.host, port=FLAGS.port, handler_cancellation=True, print=None)
+    try:
+        web.run_app(application, host=FLAGS.host, port=FLAGS.port, handler_cancellation=True, print=None)
+    finally:
+        engine.shutdown()
+        scheduler.release_followers()  # after the engine thread stopped: no step runs beside it
 
 
 if __name__ == "__main__":

@@ -331,12 +331,13 @@ async def _load(base: str, tok, refs, num_requests: int, concurrency: int) -> li
         return await asyncio.wait_for(asyncio.gather(*(bounded(i) for i in range(num_requests))), 150)
 
 
-def test_load_200_requests_concurrency_64(served):
+@pytest.mark.parametrize("num_requests,concurrency", [(100, 32), pytest.param(200, 64, marks=pytest.mark.slow)])
+def test_load_under_concurrency(served, num_requests, concurrency):
     server, engine, tok, refs = served
     before = engine.stats()
-    results = asyncio.run(_load(server.base_url, tok, refs, num_requests=200, concurrency=64))
+    results = asyncio.run(_load(server.base_url, tok, refs, num_requests=num_requests, concurrency=concurrency))
     kinds = [k for _, k, _ in results]
-    assert kinds.count("malformed") == 20 and kinds.count("disconnect") == 20
+    assert kinds.count("malformed") == num_requests // 10 and kinds.count("disconnect") == num_requests // 10
     failures = [(i, k, err) for i, k, err in results if err is not None]
     assert not failures, failures[:5]
 
@@ -344,7 +345,7 @@ def test_load_200_requests_concurrency_64(served):
     s = wait_idle(engine)
     assert s["num_waiting"] == 0 and s["num_running"] == 0
     assert s["num_free_pages"] == s["num_pages"], "KV pages leaked"
-    assert s["num_requests_finished"] - before["num_requests_finished"] >= 160
+    assert s["num_requests_finished"] - before["num_requests_finished"] >= num_requests * 8 // 10
     assert s["num_requests_aborted"] > before["num_requests_aborted"]  # the disconnected streams were aborted
     # Still serving after the storm.
     status, _, answer = request(server.port, "POST", "/v1/completions", _OK)

@@ -78,3 +78,22 @@ def test_sharded_scheduler_equals_unsharded():
     target = random_target(FAMILIES["deepseek_v3"], mesh=e3.make_mesh(2, 2, 2))
     sched = e3.Scheduler(target, random_draft(target), e3.SpecConfig(3, 2, 6), max_num_seqs=2, max_seq_len=64)
     assert [o.token_ids for o in sched.generate(prompts, sp)] == [o.token_ids for o in ref]
+
+
+@needs_8
+@pytest.mark.parametrize("family", ["deepseek_v3", "minimax_m2", pytest.param("llama", marks=pytest.mark.slow)])
+def test_sharded_sampled_speculation_equals_unsharded(family):
+    """Sampled (lossless) tree speculation: the same per-request keys give the same tokens on a
+    mesh whose expert axis splits the routed experts (expert-parallel MoE) as on one device."""
+    from random_models import random_draft
+
+    prompts = [[1, 2, 3], [4, 5, 6, 7]]
+    sp = [e3.SamplingParams(temperature=0.9, top_p=0.95, max_tokens=8, seed=s) for s in (11, 12)]
+    spec = e3.SpecConfig(3, 2, 6)
+
+    def run(mesh):
+        target = random_target(FAMILIES[family], mesh=mesh)
+        engine = e3.Engine(target, draft=random_draft(target), spec=spec, max_batch_size=2, max_seq_len=64)
+        return [o.token_ids for o in engine.generate(prompts, sp)]
+
+    assert run(e3.make_mesh(1, 2, 4)) == run(None)

@@ -206,6 +206,18 @@ def _timed_drive(*args, **kwargs) -> tuple[list[RequestRecord], float]:
         gc.enable()
 
 
+def _agreed(value: int) -> int:
+    """Process 0's `value` on every process of a multi-host run (each drives the same requests and
+    must take the same repeat decision, though a compilation cache may spare one of them a compile)."""
+    import jax
+
+    if jax.process_count() == 1:
+        return value
+    from jax.experimental import multihost_utils
+
+    return int(multihost_utils.broadcast_one_to_all(np.int32(value)))
+
+
 def run_cell(sched, setting: SpecSetting, workload: Workload, concurrency: int, seed: int, cfg: RunConfig,
              *, num_devices: int) -> dict:
     """Warm-ups (not measured), then the measured requests of one cell; returns the cell dict."""
@@ -229,7 +241,7 @@ def run_cell(sched, setting: SpecSetting, workload: Workload, concurrency: int, 
                                              desc=f"{setting.label} C={concurrency} seed={seed}")
         after = sched.stats()
         check_lengths(records, out_len, tag)
-        if compiles.count == 0:
+        if _agreed(compiles.count) == 0:
             break
     extra = {"num_preemptions": after.get("num_preemptions", 0) - before.get("num_preemptions", 0),
              "measure_attempts": attempt, "compiles_during_measurement": compiles.count,

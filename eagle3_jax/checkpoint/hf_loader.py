@@ -33,6 +33,7 @@ from ..params import ParamSpec, flat_specs
 from . import keymap, quant
 from ..quant import QArray, QFormat
 from .errors import CheckpointError
+from .lazy import LazyArray
 from .safetensors_io import HFCheckpoint, open_hf_checkpoint
 
 FLOAT_DTYPES = frozenset(np.dtype(d) for d in (np.float16, np.float32, np.float64, ml_dtypes.bfloat16))
@@ -418,37 +419,53 @@ def _exact_cast(arr: np.ndarray, dtype: np.dtype, key: str) -> np.ndarray:
     return out
 
 
-def _decode_quantized(ckpt: HFCheckpoint, stored: Stored, fmt: QFormat) -> QArray:
-    """One stored quantized weight as a host QArray in our [in, out] orientation, bytes unchanged
-    (except the documented fnuz conversion)."""
+def _exact_cast_block(key: str, dtype: np.dtype):
+    return lambda block: _exact_cast(block, dtype, key)
+
+
+def _fnuz_values(block: np.ndarray) -> np.ndarray:
+    return quant.fp8_e4m3fn_to_fnuz(block, np.float32(1))[0]
+
+
+def _lazy_quantized(ckpt: HFCheckpoint, stored: Stored, fmt: QFormat) -> QArray:
+    """One stored quantized weight as a QArray of LazyArrays in our [in, out] orientation, bytes
+    unchanged (except the documented fnuz conversion), read block by block."""
     p = stored.parts
     rows, cols = stored.shape
+    scale_fn = None
     if stored.kind == "int4_pack":
-        words = ckpt.read(p["packed"])
-        values = quant.int4_words_to_bytes(words)[:, : cols // 2]
-        scales = _exact_cast(ckpt.read(p["scale"]), np.dtype(fmt.scale_dtype), p["scale"])
+        values = quant.int4_words_to_bytes(ckpt.read(p["packed"]))[:, : cols // 2]
+        scales = ckpt.read(p["scale"])
+        scale_fn = _exact_cast_block(p["scale"], np.dtype(fmt.scale_dtype))
     elif stored.kind == "mxfp4":
         values, scales = ckpt.read(p["weight"]), ckpt.read(p["scale"])
     elif stored.kind == "fp8_block":
-        values, scales = ckpt.read(p["weight"]), np.asarray(ckpt.read(p["scale_inv"]), np.float32)
+        values, scales = ckpt.read(p["weight"]), ckpt.read(p["scale_inv"])
     else:  # fp8_channel: one scale per output row
-        values, scales = ckpt.read(p["weight"]), np.asarray(ckpt.read(p["scale"]), np.float32).reshape(rows, 1)
-    values, scales = np.ascontiguousarray(values.T), np.ascontiguousarray(scales.T)
+        values, scales = ckpt.read(p["weight"]), ckpt.read(p["scale"]).reshape(rows, 1)
+    value_fn = None
+    scale_dtype = np.dtype(fmt.scale_dtype) if stored.kind == "int4_pack" else scales.dtype
     if stored.kind in ("fp8_block", "fp8_channel"):
         if values.dtype != np.dtype(ml_dtypes.float8_e4m3fn):
             raise CheckpointError(f"tensor {stored.shown_key!r} is {values.dtype}; quantized FP8 stays on device as e4m3fn "
                                   "(or fnuz) only. Load with dequantize=True")
+        scale_dtype = np.dtype(np.float32)
         if fmt.fnuz:
-            values, scales = quant.fp8_e4m3fn_to_fnuz(values, scales)
-    return QArray(values, scales, fmt)
+            value_fn, scale_fn = _fnuz_values, lambda block: np.asarray(block, np.float32) * 2
+    value_dtype = np.dtype(ml_dtypes.float8_e4m3fnuz) if value_fn is not None else values.dtype
+    return QArray(LazyArray.of(values.T, value_dtype, value_fn), LazyArray.of(scales.T, scale_dtype, scale_fn), fmt)
 
 
-def _build_quantized(plan: Plan, asm: Assembly) -> QArray:
+def _lazy_build_quantized(plan: Plan, asm: Assembly) -> QArray:
     fmt = asm.spec.quant
     if asm.single is not None:
-        return _decode_quantized(plan.ckpt, asm.single[0], fmt)
-    parts = [_decode_quantized(plan.ckpt, asm.experts[e][0], fmt) for e in range(asm.spec.shape[0])]
-    return QArray(np.stack([q.values for q in parts]), np.stack([q.scales for q in parts]), fmt)
+        return _lazy_quantized(plan.ckpt, asm.single[0], fmt)
+    parts = [_lazy_quantized(plan.ckpt, asm.experts[e][0], fmt) for e in range(asm.spec.shape[0])]
+    return QArray(LazyArray.stack([q.values for q in parts]), LazyArray.stack([q.scales for q in parts]), fmt)
+
+
+def _materialized(q: QArray) -> QArray:
+    return QArray(np.asarray(q.values), np.asarray(q.scales), q.qformat)
 
 
 def _out_dtype(asm: Assembly, dtype: np.dtype | None) -> np.dtype:
@@ -473,12 +490,32 @@ def _max_workers() -> int:
     return max(1, min(8, os.cpu_count() or 1))
 
 
+def lazy_param(plan: Plan, name: str, dtype: np.dtype | None = None) -> LazyArray | QArray:
+    """One flat parameter in our layout as a LazyArray (a QArray of two when quantized): nothing is
+    read until a block is asked for. Weights stored quantized but loaded dequantized are decoded
+    here, whole."""
+    asm = plan.assemblies[name]
+    if asm.spec.quant is not None:
+        return _lazy_build_quantized(plan, asm)
+    out_dtype = _out_dtype(asm, dtype)
+    ckpt, cfg = plan.ckpt, plan.cfg
+    if asm.single is not None:
+        stored, target = asm.single
+        arr = _decode(ckpt, cfg, stored)
+        return LazyArray.of(arr.T if target.transpose else arr, out_dtype)
+    if asm.fused is not None:
+        stored, target = asm.fused
+        return LazyArray.of(_fused_slice(_decode(ckpt, cfg, stored), target.fused), out_dtype)
+    return LazyArray.stack([LazyArray.of(_decode(ckpt, cfg, asm.experts[e][0]).T, out_dtype)
+                            for e in range(asm.spec.shape[0])])
+
+
 def build_param(plan: Plan, name: str, dtype: np.dtype | None = None) -> np.ndarray | QArray:
     """Materialize one flat parameter as a fresh C-contiguous array in our layout (a host QArray
     when its spec is quantized)."""
     asm = plan.assemblies[name]
     if asm.spec.quant is not None:
-        return _build_quantized(plan, asm)
+        return _materialized(_lazy_build_quantized(plan, asm))
     out_dtype = _out_dtype(asm, dtype)
     ckpt, cfg = plan.ckpt, plan.cfg
     if asm.single is not None:
@@ -499,15 +536,16 @@ def build_param(plan: Plan, name: str, dtype: np.dtype | None = None) -> np.ndar
 
 
 def iter_hf_layers(
-    path: str | os.PathLike, cfg: ModelConfig, dtype: str | np.dtype | None = None
+    path: str | os.PathLike, cfg: ModelConfig, dtype: str | np.dtype | None = None, lazy: bool = False
 ) -> Iterator[tuple[int | None, dict[str, np.ndarray]]]:
     """Validate the HF folder, then yield (None, {embed, final_norm, lm_head?}) and (i, layer i's
-    `layers.{i}.*` tensors) in order. Validation happens before the first yield."""
+    `layers.{i}.*` tensors) in order. Validation happens before the first yield. With `lazy`, the
+    tensors are LazyArrays (read block by block when placed on devices)."""
     plan = plan_hf(open_hf_checkpoint(path), cfg)
     out_dtype = resolve_dtype(dtype)
-    return _materialize(plan, out_dtype)
+    return _materialize(plan, out_dtype, lazy_param if lazy else build_param)
 
 
-def _materialize(plan: Plan, dtype: np.dtype | None) -> Iterator[tuple[int | None, dict[str, np.ndarray]]]:
+def _materialize(plan: Plan, dtype: np.dtype | None, build) -> Iterator[tuple[int | None, dict[str, np.ndarray]]]:
     for layer, names in plan.groups():
-        yield layer, {n: build_param(plan, n, dtype) for n in names}
+        yield layer, {n: build(plan, n, dtype) for n in names}

@@ -119,3 +119,54 @@ def quantization_config(method: str, ignore: tuple[str, ...] = (), group_size: i
             "layer_quant_config": {}, "layer_type_quant_config": {}, "exclude": list(ignore),
             "export": {"pack_method": "reorder", "weight_format": "real_quantized"}}
     raise ValueError(f"cannot quantize to {method!r}; supported: {', '.join(METHODS)}")
+
+
+SCOPES = ("experts", "all")
+
+
+def _ignored_modules(cfg, scope: str) -> tuple[str, ...]:
+    """HF module names left in floats: the LM head always; with scope "experts" every linear
+    module but the routed experts (Kimi-K2.5's int4 layout: attention, dense and shared MLPs float)."""
+    from ..params import _hf_module, _is_linear, flat_specs
+
+    specs = flat_specs(cfg)
+    if scope == "experts" and not any(name.split(".")[-1].startswith("experts_") for name in specs):
+        raise ValueError(f"{cfg.model_type} has no routed experts; quantize with scope='all'")
+    module_of = _hf_module(cfg)
+    keep = ["lm_head"]
+    if scope == "experts":
+        keep += [module_of(name) for name, spec in specs.items()
+                 if _is_linear(name, spec) and name != "lm_head" and not name.split(".")[-1].startswith("experts_")]
+    return tuple(keep)
+
+
+def quantize_checkpoint(src: str, out: str, method: str = "int4_pack", group_size: int = 32,
+                        scope: str = "experts") -> str:
+    """Write a round-to-nearest quantized copy of the HF target folder `src` to `out` in the real
+    checkpoint layout of `method` (its config.json gains the `quantization_config` such a
+    checkpoint ships; tokenizer and other files are copied). `scope`: "experts" quantizes only
+    the routed experts (as Kimi-K2.5 ships), "all" every linear weight but the LM head."""
+    import json
+    import os
+
+    from ..config import load_model_config, parse_model_config
+    from .errors import CheckpointError
+    from .hf_writer import save_hf_target
+    from .loader import read_flat_params
+
+    if method not in METHODS:
+        raise ValueError(f"cannot quantize to {method!r}; supported: {', '.join(METHODS)}")
+    if scope not in SCOPES:
+        raise ValueError(f"scope must be one of {', '.join(SCOPES)}; got {scope!r}")
+    cfg = load_model_config(src)
+    if cfg.quant is not None:
+        raise CheckpointError(f"{src} is already quantized ({cfg.quant.method}); quantize a float checkpoint")
+    with open(os.path.join(src, "config.json")) as f:
+        raw = json.load(f)
+    raw["quantization_config"] = quantization_config(method, _ignored_modules(cfg, scope), group_size)
+    qcfg = parse_model_config(raw)
+    flat = read_flat_params(src, cfg, "float32")
+    extra = {name: os.path.join(src, name) for name in sorted(os.listdir(src))
+             if name != "config.json" and not name.endswith((".safetensors", ".safetensors.index.json"))
+             and os.path.isfile(os.path.join(src, name))}
+    return save_hf_target(out, flat, qcfg, raw, extra_files=extra)

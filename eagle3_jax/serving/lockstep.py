@@ -1,0 +1,60 @@
+"""Multi-host serving: process 0 schedules, every other process runs the same programs in lockstep.
+
+In a multi-host JAX job every process must launch the same sharded program with the same inputs
+(each feeds its own devices). Only process 0 receives requests, so only it can decide what the
+next step is. `StepChannel` carries that decision: before each step program the leader sends the
+program's host inputs (a small pickled message: the program kind, the page table, tokens, sampling
+arrays), and each follower, blocked in `Scheduler.follow`, receives them and runs the same program
+on its shards. The transport is `multihost_utils.broadcast_one_to_all`, a collective over every
+process's devices, so messages arrive in order and nothing else is needed. Payloads are padded to a
+power of two so the broadcast compiles for a handful of sizes only.
+"""
+
+from __future__ import annotations
+
+import pickle
+from typing import Any
+
+import numpy as np
+
+_MIN_PAYLOAD = 1 << 10
+
+
+def _bucket(n: int) -> int:
+    size = _MIN_PAYLOAD
+    while size < n:
+        size *= 2
+    return size
+
+
+class StepChannel:
+    """Broadcasts picklable messages from process 0 to every process (a collective: all must call)."""
+
+    def __init__(self):
+        import jax
+
+        self.is_leader = jax.process_index() == 0
+
+    @staticmethod
+    def _broadcast(value: np.ndarray, is_source: bool) -> np.ndarray:
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.broadcast_one_to_all(value, is_source=is_source))
+
+    def send(self, message: Any) -> None:
+        """Leader: deliver `message` (None = stop) to every follower's `receive`."""
+        if not self.is_leader:
+            raise RuntimeError("only process 0 sends steps; the other processes call receive()")
+        self._exchange(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+
+    def receive(self) -> Any:
+        """Follower: the leader's next message (blocks until the leader sends it)."""
+        if self.is_leader:
+            raise RuntimeError("process 0 sends steps; receive() is for the other processes")
+        return pickle.loads(self._exchange(b""))
+
+    def _exchange(self, data: bytes) -> bytes:
+        size = int(self._broadcast(np.asarray([len(data)], np.int32), self.is_leader)[0])
+        buf = np.zeros((_bucket(size),), np.uint8)
+        buf[: len(data)] = np.frombuffer(data, np.uint8)
+        return self._broadcast(buf, self.is_leader)[:size].tobytes()
