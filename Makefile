@@ -26,9 +26,10 @@ demo: $(VENV)/.stamp-demo
 	$(VPY) scripts/demo.py --target=checkpoints/kimi-mini --draft=checkpoints/kimi-mini-eagle3 \
 		--prompts=checkpoints/demo_prompts.txt --max_tokens=128
 
-# The sharding tests need 8 (fake) CPU devices.
+# The sharding tests need 8 (fake) CPU devices. The tests compile far more than they run, so LLVM
+# optimizes the CPU programs at -O0 (same results, about a fifth less time).
 test: $(VENV)/.stamp-test
-	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(VPY) -m pytest -q
+	XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0" $(VPY) -m pytest -q
 
 clean-venv:
 	rm -rf $(VENV)

@@ -32,7 +32,7 @@ from .spec.propose import DraftTree
 from .spec.tree import SpecConfig
 from .target import resolve_dtype, with_quant_options
 
-GiB = 2**30
+GB = 10**9  # vendors state HBM sizes in decimal GB: 256 GB = 238.4 GiB
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,11 +43,11 @@ class Device:
 
 
 DEVICES = {
-    "MI300X": Device("MI300X", 192 * GiB, 5300.0),
-    "MI325X": Device("MI325X", 256 * GiB, 6000.0),
-    "MI355X": Device("MI355X", 288 * GiB, 8000.0),
-    "H100": Device("H100", 80 * GiB, 3350.0),
-    "H200": Device("H200", 141 * GiB, 4800.0),
+    "MI300X": Device("MI300X", 192 * GB, 5300.0),
+    "MI325X": Device("MI325X", 256 * GB, 6000.0),
+    "MI355X": Device("MI355X", 288 * GB, 8000.0),
+    "H100": Device("H100", 80 * GB, 3350.0),
+    "H200": Device("H200", 141 * GB, 4800.0),
 }
 
 

@@ -212,7 +212,12 @@ def load_target(path: str | os.PathLike, dtype="bfloat16", mesh: jax.sharding.Me
     if aux_layer_ids is not None:
         cfg = cfg.with_aux_layers(tuple(aux_layer_ids))
     dt = resolve_dtype(dtype)
-    # On a mesh, tensors stay lazy until placed, so each process reads only its own shards.
+    if mesh is not None and is_orbax_dir(path):
+        from .checkpoint.orbax_sharded import can_restore_sharded, restore_sharded
+
+        if can_restore_sharded(path, cfg):  # each process restores only its own shards
+            return Target(config=cfg, params=restore_sharded(path, cfg, dt, mesh), dtype=dt, mesh=mesh, path=path)
+    # On a mesh, HF tensors stay lazy until placed, so each process reads only its own shards.
     flat = cast_flat(read_flat_params(path, cfg, lazy=mesh is not None), cfg, dt)
     tree = params_lib.stack_flat(flat, cfg)
     del flat

@@ -100,6 +100,8 @@ def main(argv: Sequence[str]) -> None:
     texts = read_prompts(FLAGS.prompt, FLAGS.prompts_file)
     mesh_dims = parse_mesh(FLAGS.mesh)
 
+    import jax
+
     import eagle3_jax as e3  # imported here so that --help works without loading JAX
     from eagle3_jax.checkpoint import CheckpointError
     from eagle3_jax.tokenizer import TokenizerError, load_tokenizer
@@ -135,6 +137,8 @@ def main(argv: Sequence[str]) -> None:
     start = time.perf_counter()
     outs = engine.generate(prompts, sampling)
     wall = time.perf_counter() - start
+    if jax.process_index() > 0:  # multi-host: every process generated the same tokens; process 0 prints
+        return
 
     for i, (ids, out) in enumerate(zip(prompts, outs)):
         if len(prompts) > 1:

@@ -1,6 +1,6 @@
 """One process of the multi-host test (tests/test_multihost.py starts two of these).
 
-    python tests/multihost_child.py TARGET DRAFT MESH OUT_JSON
+    python tests/multihost_child.py TARGET TARGET_ORBAX DRAFT MESH OUT_JSON
 
 Joins the job through `eagle3_jax.initialize_distributed` (EAGLE3_COORDINATOR, EAGLE3_NUM_PROCESSES,
 EAGLE3_PROCESS_ID), builds one mesh over every process's devices (MESH = data,tensor,expert),
@@ -60,11 +60,14 @@ def generate_all(target_path: str, draft_path: str, mesh_shape: tuple[int, int, 
     return result
 
 
-def load_reads(target_path: str) -> dict:
+def load_reads(target_path: str, orbax_path: str) -> dict:
     """Load the target expert-parallel over all devices in their default order (so each process
     holds its own experts) and report the checkpoint bytes this process read, the bytes of the
-    distinct blocks its devices hold, and the bytes of the whole model."""
+    distinct blocks its devices hold, and the bytes of the whole model; then restore its Orbax
+    conversion onto the same mesh (each process restoring its own shards) and report whether this
+    process's shards are bit-identical to the ones read from the HF folder."""
     import jax
+    import numpy as np
 
     import eagle3_jax as e3
     from eagle3_jax.checkpoint import lazy
@@ -77,10 +80,15 @@ def load_reads(target_path: str) -> dict:
         total += leaf.size * leaf.dtype.itemsize
         blocks = {tuple((s.start, s.stop) for s in shard.index): shard.data.nbytes for shard in leaf.addressable_shards}
         own += sum(blocks.values())
-    return {"read": read, "own": own, "total": total}
+    restored = e3.load_target(orbax_path, dtype="float32", mesh=target.mesh)
+    same = jax.tree.structure(restored.params) == jax.tree.structure(target.params) and all(
+        np.array_equal(np.asarray(x.data).view(np.uint8), np.asarray(y.data).view(np.uint8))
+        for a, b in zip(jax.tree.leaves(target.params), jax.tree.leaves(restored.params))
+        for x, y in zip(a.addressable_shards, b.addressable_shards))
+    return {"read": read, "own": own, "total": total, "orbax_equal": bool(same)}
 
 
-def main(target_path: str, draft_path: str, mesh_arg: str, out_path: str) -> None:
+def main(target_path: str, orbax_path: str, draft_path: str, mesh_arg: str, out_path: str) -> None:
     import jax
 
     import eagle3_jax as e3
@@ -88,7 +96,7 @@ def main(target_path: str, draft_path: str, mesh_arg: str, out_path: str) -> Non
     e3.initialize_distributed()
     result = {"process_index": jax.process_index(), "process_count": jax.process_count(),
               "local_devices": jax.local_device_count(), "devices": jax.device_count()}
-    result["load"] = load_reads(target_path)
+    result["load"] = load_reads(target_path, orbax_path)
     result["tokens"] = generate_all(target_path, draft_path, tuple(int(x) for x in mesh_arg.split(",")))
     from jax.experimental import multihost_utils
 
@@ -100,9 +108,9 @@ def main(target_path: str, draft_path: str, mesh_arg: str, out_path: str) -> Non
 
 if __name__ == "__main__":
     try:
-        main(*sys.argv[1:5])
+        main(*sys.argv[1:6])
     except BaseException:  # noqa: BLE001 -- report anything, then leave without waiting on peers
-        with open(sys.argv[4], "w") as f:
+        with open(sys.argv[5], "w") as f:
             json.dump({"error": traceback.format_exc()}, f)
         sys.stdout.flush()
         os._exit(1)

@@ -1,7 +1,7 @@
 """Multi-host: two processes on 127.0.0.1 (`jax.distributed`, 4 fake CPU devices each) form one
 8-device mesh and run sharded speculative generation; the tokens equal a single-process run on
 8 devices. The mesh puts every axis across the process boundary (see multihost_child.py). Each
-process reads only its own shards of the checkpoint."""
+process reads only its own shards of the checkpoint (HF folder or Orbax conversion)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import jax
 import pytest
 
 import eagle3_jax as e3
+from eagle3_jax.checkpoint import save_orbax
 from multihost_child import generate_all
 from test_quantized_models import fp8_draft_folder, write_model
 
@@ -32,13 +33,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def child_xla_flags(devices: int = 4) -> str:
+    """This process's XLA_FLAGS with the fake CPU device count set to `devices`."""
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
+    return " ".join(flags + [f"--xla_force_host_platform_device_count={devices}"])
+
+
 def run_processes(args: list[str], out_dir, num_processes: int = 2) -> list[dict]:
     """Start `num_processes` children, wait for all; one failing stops the others at once."""
     port = free_port()
     procs, outs = [], []
     for i in range(num_processes):
         out = os.path.join(out_dir, f"process{i}.json")
-        env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4",
+        env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=child_xla_flags(),
                    EAGLE3_COORDINATOR=f"127.0.0.1:{port}", EAGLE3_NUM_PROCESSES=str(num_processes),
                    EAGLE3_PROCESS_ID=str(i))
         log = open(os.path.join(out_dir, f"process{i}.log"), "w")
@@ -70,13 +77,17 @@ def run_processes(args: list[str], out_dir, num_processes: int = 2) -> list[dict
 def test_two_processes_generate_like_one(tmp_path):
     target = write_model(tmp_path / "target", "kimi_int4")
     draft = fp8_draft_folder(tmp_path / "draft", e3.load_target(target, dtype="float32"))
-    results = run_processes([target, draft, ",".join(map(str, MESH))], tmp_path)
+    orbax = str(tmp_path / "target-orbax")
+    save_orbax(target, orbax, e3.load_model_config(target), progress=False)
+    results = run_processes([target, orbax, draft, ",".join(map(str, MESH))], tmp_path)
     for i, r in enumerate(results):
         assert "error" not in r, f"process {i} failed:\n{r['error']}"
         assert (r["process_index"], r["process_count"], r["local_devices"], r["devices"]) == (i, 2, 4, 8)
-    # Loading: each process read exactly the blocks its devices hold (its own experts), not the model.
+    # Loading: each process read exactly the blocks its devices hold (its own experts), not the model,
+    # and restored the same shards from the Orbax conversion.
     for r in results:
         assert r["load"]["read"] == r["load"]["own"] < r["load"]["total"]
+        assert r["load"]["orbax_equal"]
     want = generate_all(target, draft, MESH)
     assert results[0]["tokens"] == want
     assert results[1]["tokens"]["tree_sampled"] == want["tree_sampled"]

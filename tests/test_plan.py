@@ -65,3 +65,14 @@ def test_int4_reads_fewer_bytes_per_decode_step_than_bf16():
     assert int4.weight_bytes < 0.35 * bf16.weight_bytes
     assert int4.step_read_bytes < bf16.step_read_bytes
     assert int4.argument_bytes < 0.35 * bf16.argument_bytes
+
+
+def test_device_memory_is_in_decimal_gigabytes():
+    """Vendors state HBM in GB (10^9): a step needing 287.8 GiB does not fit a 288 GB MI355X."""
+    from eagle3_jax.plan import MemoryPlan
+
+    assert DEVICES["MI325X"].hbm_bytes == 256 * 10**9 and DEVICES["H100"].hbm_bytes == 80 * 10**9
+    plan = MemoryPlan(mesh_shape={}, batch=1, max_len=1, spec=None, argument_bytes=int(200 * 2**30),
+                      temp_bytes=int(87.8 * 2**30), output_bytes=0, alias_bytes=0, weight_bytes=0, kv_bytes=0,
+                      kv_bytes_per_token=1, step_read_bytes=0, programs={})
+    assert not plan.fits(DEVICES["MI355X"]) and plan.kv_tokens_left(DEVICES["MI355X"]) == 0

@@ -91,3 +91,14 @@ def test_planner_decode_step_reads_fewer_bytes_with_int4(int4_copy):
     # One token routes to k of E experts per layer: a decode step reads k/E of the expert bytes.
     assert read == pytest.approx(expert_params * saved_per_param * cfg.num_experts_per_tok / cfg.num_experts, rel=1e-3)
     assert plans["int4"].step_read_bytes < plans["bf16"].step_read_bytes
+
+
+def test_quantize_refuses_what_it_cannot_write(tmp_path, int4_copy):
+    from eagle3_jax.checkpoint import CheckpointError
+    from eagle3_jax.checkpoint.quantize import quantize_checkpoint
+
+    with pytest.raises(ValueError, match="groups of 48 do not divide the input width 128 of layers.1.experts_gate"):
+        quantize_checkpoint(TARGET, str(tmp_path / "a"), "int4_pack", group_size=48)
+    with pytest.raises(CheckpointError, match="already quantized"):
+        quantize_checkpoint(int4_copy, str(tmp_path / "b"))
+    assert not os.path.exists(tmp_path / "a") and not os.path.exists(tmp_path / "b")

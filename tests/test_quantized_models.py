@@ -242,6 +242,23 @@ def test_orbax_keeps_quantized_format(folders, tmp_path):
     np.testing.assert_allclose(b.logits(ids), a.logits(ids), atol=1e-5 * np.abs(a.logits(ids)).max())
 
 
+
+@needs_8
+@pytest.mark.parametrize("name,fp8_format", [("kimi_int4", "e4m3fn"), ("kimi_mxfp4", "e4m3fn"),
+                                             ("minimax_fp8", "e4m3fnuz")])
+def test_orbax_restores_straight_onto_the_mesh(folders, tmp_path, name, fp8_format):
+    """On a mesh, a converted folder is restored shard by shard (orbax_sharded): the same bits and
+    the same placement as loading the HF folder on that mesh."""
+    out = tmp_path / "orbax"
+    save_orbax(folders[name], out, e3.load_model_config(folders[name]), progress=False)
+    mesh = e3.make_mesh(1, 2, 4)
+    want = e3.load_target(folders[name], dtype="bfloat16", mesh=mesh, fp8_format=fp8_format).params
+    got = e3.load_target(out, dtype="bfloat16", mesh=mesh, fp8_format=fp8_format).params
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
+        assert a.dtype == b.dtype and a.sharding.is_equivalent_to(b.sharding, a.ndim)
+        np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+
 # ---- speculation with quantized targets and an FP8 draft ---------------------------------------------
 
 

@@ -165,6 +165,13 @@ def quantize_checkpoint(src: str, out: str, method: str = "int4_pack", group_siz
         raw = json.load(f)
     raw["quantization_config"] = quantization_config(method, _ignored_modules(cfg, scope), group_size)
     qcfg = parse_model_config(raw)
+    group = {"int4_pack": group_size, "mxfp4": 32}.get(method)
+    from ..params import flat_specs
+
+    for name, spec in flat_specs(qcfg).items():
+        if spec.quant is not None and group and spec.shape[-2] % group:
+            raise ValueError(f"{method} groups of {group} do not divide the input width {spec.shape[-2]} of {name}; "
+                             "choose a group size that divides it")
     flat = read_flat_params(src, cfg, "float32")
     extra = {name: os.path.join(src, name) for name in sorted(os.listdir(src))
              if name != "config.json" and not name.endswith((".safetensors", ".safetensors.index.json"))
