@@ -98,17 +98,19 @@ def local_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate, w_up
 # ---- expert parallelism ------------------------------------------------------------------------------
 
 
-def _weight_spec(name: str, w, mesh):
-    from .sharding import leaf_partition_spec  # lazy: sharding imports the param layout
+def _weight_specs(w: dict, mesh) -> dict:
+    """PartitionSpecs of the routed-expert weights, as sharding.shard_params placed them."""
+    from .sharding import expert_axes, leaf_partition_spec  # lazy: sharding imports the param layout
 
-    return leaf_partition_spec(EXPERT_AXES[name], w, mesh)
+    axes = expert_axes(w, EXPERT_AXES, mesh)
+    return {name: leaf_partition_spec(axes[name], arr, mesh) for name, arr in w.items()}
 
 
 def expert_parallel(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate, w_up, w_down, mesh) -> jax.Array:
     """`local_experts` under shard_map on `mesh`: each shard runs its own experts (and its slice of
     their intermediate width) for all tokens; partial outputs are psum-ed in float32."""
     w = {"experts_gate": w_gate, "experts_up": w_up, "experts_down": w_down}
-    specs = {name: _weight_spec(name, arr, mesh) for name, arr in w.items()}
+    specs = _weight_specs(w, mesh)
     values_specs = [s.values if isinstance(s, QArray) else s for s in specs.values()]  # scales split alike or not at all
     expert_axis = values_specs[0][0]  # the mesh axis splitting the experts, or None
     reduce_axes = tuple(sorted({a for s in values_specs for a in s if a is not None}))

@@ -24,10 +24,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from . import kv_cache
 from .config import ModelConfig, load_model_config
 from .draft import DraftConfig, draft_specs, parse_draft_config
-from .params import ParamSpec, abstract_leaf, abstract_params, qformat_for, stacked_axes
+from .params import ParamSpec, abstract_leaf, abstract_params, qformat_for
 from .quant import QArray
 from .sampling import SamplingArrays
-from .sharding import leaf_partition_spec, mesh_context, param_shardings, partition_spec
+from .sharding import leaf_partition_spec, mesh_context, param_axes, param_shardings, partition_spec
 from .spec.propose import DraftTree
 from .spec.tree import SpecConfig
 from .target import resolve_dtype, with_quant_options
@@ -214,7 +214,7 @@ def _target_bytes(cfg: ModelConfig, params: dict, mesh: Mesh, tokens: int) -> tu
 
     Routed experts are read only when chosen: a device holding E_l of E experts reads each with
     probability 1 - (1 - k/E)^tokens (uniform routing)."""
-    sizes = jax.tree.map(lambda leaf, ax: _leaf_device_bytes(leaf, ax, mesh), params, stacked_axes(cfg),
+    sizes = jax.tree.map(lambda leaf, ax: _leaf_device_bytes(leaf, ax, mesh), params, param_axes(params, cfg, mesh),
                          is_leaf=lambda x: isinstance(x, QArray))
     touched = 1.0
     if cfg.num_experts:

@@ -107,6 +107,39 @@ def leaf_partition_spec(axes: tuple[str | None, ...], leaf, mesh):
     return partition_spec(axes, np.shape(leaf), mesh)
 
 
+EXPERT_WEIGHTS = ("experts_gate", "experts_up", "experts_down")
+
+
+def expert_axes(leaves: Mapping, axes: Mapping, mesh) -> dict:
+    """Logical axes for the routed-expert weights of one segment or layer, splitting their
+    intermediate width (`expert_mlp`) only if all three can: the expert-parallel MoE multiplies
+    each shard's gate/up columns by the same rows of down. A quantized down whose scale groups do
+    not divide into whole blocks per shard (e.g. width 96, groups of 32, 2 shards) keeps it whole,
+    and gate/up then keep it whole too."""
+    out = {name: axes[name] for name in EXPERT_WEIGHTS if name in axes}
+    if len(out) < len(EXPERT_WEIGHTS):
+        return out
+
+    def splits(name: str) -> bool:
+        spec = leaf_partition_spec(axes[name], leaves[name], mesh)
+        values = spec.values if isinstance(spec, QArray) else spec
+        d = axes[name].index("expert_mlp")
+        return d < len(values) and values[d] is not None
+
+    if not all(splits(name) for name in EXPERT_WEIGHTS):
+        out = {name: tuple(None if a == "expert_mlp" else a for a in axes[name]) for name in EXPERT_WEIGHTS}
+    return out
+
+
+def param_axes(tree: dict, cfg: ModelConfig, mesh) -> dict:
+    """The logical axes each leaf of a stacked tree is placed by: `stacked_axes(cfg)` with each
+    segment's routed-expert axes made consistent (`expert_axes`)."""
+    axes = stacked_axes(cfg)
+    segments = tuple({**seg_axes, **expert_axes(seg, seg_axes, mesh)}
+                     for seg, seg_axes in zip(tree["segments"], axes["segments"]))
+    return {**axes, "segments": segments}
+
+
 def _put(arr, sharding: NamedSharding) -> jax.Array:
     if isinstance(arr, jax.Array):
         return jax.device_put(arr, sharding)
@@ -144,12 +177,13 @@ def param_shardings(tree: dict, cfg: ModelConfig, mesh: Mesh) -> dict:
             return QArray(NamedSharding(mesh, spec.values), NamedSharding(mesh, spec.scales), leaf.qformat)
         return NamedSharding(mesh, spec)
 
-    return jax.tree.map(one, tree, stacked_axes(cfg), is_leaf=is_param_leaf)
+    return jax.tree.map(one, tree, param_axes(tree, cfg, mesh), is_leaf=is_param_leaf)
 
 
 def shard_params(tree: dict, cfg: ModelConfig, mesh: Mesh) -> dict:
     """Place a stacked param tree (host or device arrays, QArrays) on `mesh` by the logical-axis rules."""
-    return jax.tree.map(lambda a, ax: _place(a, ax, mesh), tree, stacked_axes(cfg), is_leaf=is_param_leaf)
+    return jax.tree.map(lambda a, ax: _place(a, ax, mesh), tree, param_axes(tree, cfg, mesh),
+                        is_leaf=is_param_leaf)
 
 
 def shard_cache(cache: kv_cache.KVCache, cfg: ModelConfig, mesh: Mesh) -> kv_cache.KVCache:

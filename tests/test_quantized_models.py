@@ -315,6 +315,21 @@ def test_expert_parallel_quantized_equals_one_device(folders, mesh_shape):
 
 
 @needs_8
+def test_expert_width_stays_whole_when_down_scale_groups_cannot_split(tmp_path):
+    """Intermediate width 48 in int4 groups of 16 over 2 tensor shards: down's 24 rows per shard
+    would cut a scale group, so no expert weight splits that width (gate/up follow down)."""
+    raw = dict(DEEPSEEK, moe_intermediate_size=48, quantization_config=quantization_config("int4_pack", KIMI_IGNORE, 16))
+    cfg = parse_model_config(raw)
+    save_hf_target(str(tmp_path), random_flat(cfg, 3), cfg, raw)
+    ids = np.random.default_rng(8).integers(0, 64, (2, 7))
+    want = e3.load_target(tmp_path, dtype="float32").logits(ids)
+    sharded = e3.load_target(tmp_path, dtype="float32", mesh=e3.make_mesh(1, 2, 4))
+    seg = sharded.params["segments"][1]
+    assert [seg[n].values.sharding.spec for n in ("experts_gate", "experts_down")] == [
+        jax.sharding.PartitionSpec(None, "expert", None, None), jax.sharding.PartitionSpec(None, "expert", None, None)]
+    np.testing.assert_allclose(sharded.logits(ids), want, atol=1e-5 * np.abs(want).max())
+
+@needs_8
 def test_expert_parallel_program_never_gathers_expert_weights(folders):
     """Under the mesh the MoE is a shard_map: no all-gather of the [E, ...] expert values."""
     from eagle3_jax import target as tgt
