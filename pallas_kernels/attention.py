@@ -1,0 +1,170 @@
+"""Paged attention over a row's committed prefix, for decode and verify (Pallas, Triton-shaped).
+
+The T new tokens of a decode or verify step attend to (a) the committed prefix of their row, held in
+KV pages, and (b) each other through the draft tree's mask. This kernel does (a): for every row
+and KV head it walks only the pages below the row's length (read through the block table, in
+kernel) with an online softmax in float32, and returns the unnormalised-free partial result as
+(out, lse), so that (b), a tiny [T, T] problem, is merged outside (`merge_partials`). Long
+prefixes are split over `num_splits` programs per row and head (flash-decoding), merged the same
+way.
+
+One kernel serves both attention kinds, as "M query rows against one shared key per slot":
+- GQA: per KV head, the group's query heads x T tokens are the rows; keys and values are that
+  head's K and V pages;
+- MLA (absorbed): all query heads x T tokens are the rows of the single "head"; the key is the
+  latent (rank r) plus the roped key (dr) as two dots, and the value is the latent itself.
+
+Rows are padded to a power of two >= 16 (Triton's smallest dot). Portable subset only: grid +
+BlockSpecs, whole-array refs indexed in kernel, `fori_loop` with traced bounds, 2-D dots with
+float32 accumulation, no scalar prefetch, no dynamic grid. `paged_prefix_attention_reference` is
+the pure-jnp twin the tests compare with.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+_NEG = -1e30
+_MIN_ROWS = 16
+
+
+def _rows_bucket(m: int) -> int:
+    return max(_MIN_ROWS, pl.next_power_of_2(m))
+
+
+def _dot_t(a: jax.Array, b: jax.Array) -> jax.Array:
+    """a [M, D] . b [N, D]^T -> [M, N] float32."""
+    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def _kernel(layer_ref, lengths_ref, table_ref, q_ref, k_ref, *refs, page_size: int, pages_per_split: int,
+            scale: float, has_rope: bool, shared_value: bool):
+    refs = list(refs)
+    q2_ref = refs.pop(0) if has_rope else None
+    k2_ref = refs.pop(0) if has_rope else None
+    v_ref = None if shared_value else refs.pop(0)
+    o_ref, lse_ref = refs
+    b, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    layer, length = layer_ref[0], lengths_ref[b]
+    q = q_ref[...]
+    q2 = q2_ref[...] if has_rope else None
+    first = split * pages_per_split
+    last = jnp.minimum(first + pages_per_split, (length + page_size - 1) // page_size)
+    rows = q.shape[0]
+    dv = o_ref.shape[-1]
+
+    def body(j, carry):
+        m, l, acc = carry
+        page = table_ref[b, j]
+        k = k_ref[layer, page, :, h, :]  # [page_size, D]
+        scores = _dot_t(q, k)
+        if has_rope:
+            scores = scores + _dot_t(q2, k2_ref[layer, page, :, h, :])
+        slots = j * page_size + jax.lax.broadcasted_iota(jnp.int32, (1, page_size), 1)
+        valid = slots < length
+        scores = jnp.where(valid, scores * scale, _NEG)
+        m_new = jnp.maximum(m, scores.max(axis=1))
+        p = jnp.where(valid, jnp.exp(scores - m_new[:, None]), 0.0)
+        alpha = jnp.exp(m - m_new)
+        v = k if shared_value else v_ref[layer, page, :, h, :]
+        acc = acc * alpha[:, None] + jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
+                                                         preferred_element_type=jnp.float32)
+        return m_new, l * alpha + p.sum(axis=1), acc
+
+    init = (jnp.full((rows,), _NEG, jnp.float32), jnp.zeros((rows,), jnp.float32), jnp.zeros((rows, dv), jnp.float32))
+    m, l, acc = jax.lax.fori_loop(first, last, body, init)
+    seen = l > 0
+    o_ref[...] = jnp.where(seen[:, None], acc / jnp.where(seen, l, 1.0)[:, None], 0.0)
+    lse_ref[...] = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
+
+
+def paged_prefix_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array | None, layer, block_table: jax.Array,
+                           lengths: jax.Array, *, scale: float, q2: jax.Array | None = None,
+                           k2_pool: jax.Array | None = None, num_splits: int = 1, interpret: bool = False,
+                           num_warps: int = 4, num_stages: int = 2) -> tuple[jax.Array, jax.Array]:
+    """Attention of query rows over each row's committed prefix of paged K/V.
+
+    q: [B, H, M, D] (H KV heads, M query rows each); q2 [B, H, M, D2] with k2_pool: a second
+    score term (MLA's rope part). Pools [L, pages, page_size, H, D]; `v_pool` None = the values are
+    `k_pool` (MLA's latent). block_table [B, P] int32, lengths [B] int32 (slots visible per row),
+    `layer` the pool layer. Returns out [B, H, M, Dv] float32 (softmax-normalised over the prefix)
+    and lse [B, H, M] float32 (-inf where a row's prefix is empty).
+    """
+    from jax.experimental.pallas import triton as plt
+
+    b, h, m, d = q.shape
+    _, _, page_size, _, _ = k_pool.shape
+    dv = (k_pool if v_pool is None else v_pool).shape[-1]
+    rows = _rows_bucket(m)
+    pad = ((0, 0), (0, 0), (0, rows - m), (0, 0))
+    q = jnp.pad(q, pad)
+    has_rope = q2 is not None
+    pages_per_split = pl.cdiv(block_table.shape[1], num_splits)
+    row_spec = lambda dim: pl.BlockSpec((None, None, rows, dim), lambda i, j, s: (i, j, 0, 0))  # noqa: E731
+    whole = pl.no_block_spec
+    inputs = [jnp.asarray(layer, jnp.int32).reshape(1), lengths.astype(jnp.int32), block_table.astype(jnp.int32), q, k_pool]
+    in_specs = [whole, whole, whole, row_spec(d), whole]
+    if has_rope:
+        inputs += [jnp.pad(q2, pad), k2_pool]
+        in_specs += [row_spec(q2.shape[-1]), whole]
+    if v_pool is not None:
+        inputs.append(v_pool)
+        in_specs.append(whole)
+    kernel = functools.partial(_kernel, page_size=page_size, pages_per_split=pages_per_split, scale=scale,
+                               has_rope=has_rope, shared_value=v_pool is None)
+    out, lse = pl.pallas_call(
+        kernel,
+        grid=(b, h, num_splits),
+        in_specs=in_specs,
+        out_specs=[pl.BlockSpec((None, None, None, rows, dv), lambda i, j, s: (i, j, s, 0, 0)),
+                   pl.BlockSpec((None, None, None, rows), lambda i, j, s: (i, j, s, 0))],
+        out_shape=[jax.ShapeDtypeStruct((b, h, num_splits, rows, dv), jnp.float32),
+                   jax.ShapeDtypeStruct((b, h, num_splits, rows), jnp.float32)],
+        interpret=interpret,
+        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        name="eagle3_paged_prefix_attention",
+    )(*inputs)
+    out, lse = merge_splits(out, lse)
+    return out[:, :, :m], lse[:, :, :m]
+
+
+def merge_splits(out: jax.Array, lse: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Partials over KV splits [B, H, S, M, Dv] / [B, H, S, M] -> one (out, lse)."""
+    top = jnp.max(lse, axis=2, keepdims=True)
+    top = jnp.where(jnp.isfinite(top), top, 0.0)
+    w = jnp.exp(lse - top)  # 0 for empty splits
+    total = w.sum(axis=2)
+    merged = (out * w[..., None]).sum(axis=2) / jnp.where(total > 0, total, 1.0)[..., None]
+    return merged, jnp.where(total > 0, jnp.log(jnp.where(total > 0, total, 1.0)) + top[:, :, 0], -jnp.inf)
+
+
+def merge_partials(out_a: jax.Array, lse_a: jax.Array, out_b: jax.Array, lse_b: jax.Array) -> jax.Array:
+    """Softmax over the union of two disjoint key sets from their partial results (out [..., Dv],
+    lse [...]); at least one side must see a key for every row."""
+    top = jnp.maximum(lse_a, lse_b)
+    wa, wb = jnp.exp(lse_a - top), jnp.exp(lse_b - top)
+    return (out_a * wa[..., None] + out_b * wb[..., None]) / (wa + wb)[..., None]
+
+
+def paged_prefix_attention_reference(q, k_pool, v_pool, layer, block_table, lengths, *, scale, q2=None, k2_pool=None,
+                                     **_) -> tuple[jax.Array, jax.Array]:
+    """`paged_prefix_attention` in plain jnp: gather every page of the table, mask, softmax."""
+    def gather(pool):
+        pages = pool[layer][block_table]  # [B, P, ps, H, D]
+        return pages.reshape((pages.shape[0], -1) + pages.shape[3:])
+
+    keys = gather(k_pool)
+    scores = jnp.einsum("bhmd,bshd->bhms", q, keys, preferred_element_type=jnp.float32)
+    if q2 is not None:
+        scores = scores + jnp.einsum("bhmd,bshd->bhms", q2, gather(k2_pool), preferred_element_type=jnp.float32)
+    visible = jnp.arange(keys.shape[1])[None, :] < lengths[:, None]  # [B, S]
+    scores = jnp.where(visible[:, None, None, :], scores * scale, -jnp.inf)
+    lse = jax.nn.logsumexp(scores, axis=-1)
+    probs = jnp.where(visible[:, None, None, :], jnp.exp(scores - jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None]), 0.0)
+    values = keys if v_pool is None else gather(v_pool)
+    out = jnp.einsum("bhms,bshd->bhmd", probs, values.astype(jnp.float32))
+    return out, lse

@@ -1,0 +1,94 @@
+"""The paged prefix-attention kernel (Pallas, interpret mode on CPU) against its jnp reference:
+GQA group sizes 1/4/8, T = 1 and a 16-node tree, MLA's latent + rope form, lengths that are not a
+multiple of the page size, empty rows, KV split over several programs, float32 and bfloat16."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.attention import (merge_partials, paged_prefix_attention, paged_prefix_attention_reference)
+
+PAGE = 4
+LENGTHS = [0, 1, 7, 8, 13]  # empty, one slot, partial page, whole pages, several pages + partial
+
+
+def pools_and_table(rng, heads: int, dims: list[int], num_pages: int = 40, layers: int = 2, width: int = 6):
+    pools = [rng.standard_normal((layers, num_pages, PAGE, heads, d)).astype(np.float32) for d in dims]
+    order = rng.permutation(np.arange(1, num_pages))[: len(LENGTHS) * width].reshape(len(LENGTHS), width)
+    table = np.where(np.arange(width)[None, :] * PAGE < np.asarray(LENGTHS)[:, None], order, 0)  # page 0: unused
+    return pools, table.astype(np.int32), np.asarray(LENGTHS, np.int32)
+
+
+def close(got, want, dtype):
+    tol = 1e-5 if dtype == jnp.float32 else 3e-2
+    out, lse = got
+    ref_out, ref_lse = want
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref_out), atol=tol, rtol=tol)
+    finite = np.isfinite(np.asarray(ref_lse))
+    assert (np.isfinite(np.asarray(lse)) == finite).all()
+    np.testing.assert_allclose(np.asarray(lse)[finite], np.asarray(ref_lse)[finite], atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("group,t", [(1, 1), (4, 1), (8, 1), (4, 16)], ids=lambda x: str(x))
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_gqa_equals_reference(group, t, num_splits, dtype):
+    rng = np.random.default_rng(group * 100 + t)
+    heads, d = 2, 16
+    (k, v), table, lengths = pools_and_table(rng, heads, [d, d])
+    q = rng.standard_normal((len(LENGTHS), heads, group * t, d)).astype(np.float32)
+    args = [jnp.asarray(x, dtype) for x in (q, k, v)]
+    kw = dict(scale=d ** -0.5)
+    got = paged_prefix_attention(args[0], args[1], args[2], 1, table, lengths, num_splits=num_splits, interpret=True, **kw)
+    close(got, paged_prefix_attention_reference(*args, 1, table, lengths, **kw), dtype)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("t", [1, 16])
+def test_mla_latent_plus_rope_equals_reference(t, dtype):
+    rng = np.random.default_rng(t)
+    nh, r, dr = 4, 32, 16
+    (lat, rope), table, lengths = pools_and_table(rng, 1, [r, dr])
+    q = rng.standard_normal((len(LENGTHS), 1, nh * t, r)).astype(np.float32)
+    q2 = rng.standard_normal((len(LENGTHS), 1, nh * t, dr)).astype(np.float32)
+    q, q2, lat, rope = (jnp.asarray(x, dtype) for x in (q, q2, lat, rope))
+    kw = dict(scale=0.1, q2=q2, k2_pool=rope)
+    got = paged_prefix_attention(q, lat, None, 0, table, lengths, num_splits=2, interpret=True, **kw)
+    close(got, paged_prefix_attention_reference(q, lat, None, 0, table, lengths, **kw), dtype)
+
+
+def test_merging_with_the_new_tokens_equals_one_softmax():
+    """Prefix partial + the new tokens' partial = softmax over both key sets at once."""
+    rng = np.random.default_rng(0)
+    s = rng.standard_normal((3, 5, 11)).astype(np.float32)
+    v = rng.standard_normal((3, 11, 8)).astype(np.float32)
+
+    def partial(cols):
+        lse = jax.nn.logsumexp(s[..., cols], axis=-1)
+        return jnp.einsum("bms,bsd->bmd", jnp.exp(s[..., cols] - lse[..., None]), v[:, cols]), lse
+
+    want = jnp.einsum("bms,bsd->bmd", jax.nn.softmax(s, axis=-1), v)
+    got = merge_partials(*partial(slice(0, 7)), *partial(slice(7, 11)))
+    np.testing.assert_allclose(got, want, atol=1e-6)
+    empty = (jnp.zeros((3, 5, 8)), jnp.full((3, 5), -jnp.inf))  # a row with no prefix yet
+    np.testing.assert_allclose(merge_partials(*empty, *partial(slice(0, 11))), want, atol=1e-6)
+
+
+@pytest.mark.parametrize("platform", ["rocm", "cuda"])
+def test_lowers_to_a_triton_kernel_for_gpus(platform):
+    """Deviceless lowering at Kimi-K2.5's MLA shapes (latent 512 + rope 64, 16 heads x 4 verify
+    tokens, pages of 16): the module holds the Triton kernel, not an XLA fallback."""
+    sds = jax.ShapeDtypeStruct
+    nh, t, r, dr, batch = 16, 4, 512, 64, 4
+    args = (sds((batch, 1, nh * t, r), jnp.bfloat16), sds((batch, 1, nh * t, dr), jnp.bfloat16),
+            sds((2, 64, 16, 1, r), jnp.bfloat16), sds((2, 64, 16, 1, dr), jnp.bfloat16),
+            sds((batch, 16), jnp.int32), sds((batch,), jnp.int32))
+
+    def attend(q, q2, lat, rope, table, lengths):
+        return paged_prefix_attention(q, lat, None, 1, table, lengths, scale=0.1, q2=q2, k2_pool=rope, num_splits=2)
+
+    text = jax.jit(attend).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+    assert "triton" in text and "eagle3_paged_prefix_attention" in text
