@@ -4,6 +4,12 @@ Each block projects the new tokens, writes their K/V (or MLA latents) into the s
 `layer`, then attends over all cache slots with a precomputed visibility mask [B, T, S]. Scores
 and softmax run in float32.
 
+With `cfg.kernels == "pallas"`, decode and verify (up to KERNEL_MAX_TOKENS new tokens) attend in
+two parts merged by their log-sum-exp: the committed prefix through the paged Pallas kernel
+(pallas_kernels/attention.py, which reads only the pages below each row's length) and the new
+tokens among themselves through the tree mask, a [T, T] problem done here. Prefill chunks keep
+the XLA path.
+
 MLA has two mathematically equal forms over the same latent cache:
 - expanded (prefill, many queries): per-head K/V = kv_b_proj(c_kv) for every slot;
 - absorbed (decode / verify, few queries): W_UK is folded into q, so scores are q_lat . c_kv, and
@@ -43,13 +49,69 @@ def gqa_project(p: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Array
     return apply_rotary(q, cos, sin, cfg.rope), apply_rotary(k, cos, sin, cfg.rope), v
 
 
+KERNEL_MAX_TOKENS = 64  # new tokens per row up to which the Pallas path is used (decode, verify)
+
+
+def _uses_kernel(cfg: ModelConfig, t: int, tree_mask: jax.Array | None) -> bool:
+    return cfg.kernels == "pallas" and tree_mask is not None and t <= KERNEL_MAX_TOKENS
+
+
+def _tree_partial(scores: jax.Array, tree_mask: jax.Array, values: jax.Array, spec: str) -> tuple[jax.Array, jax.Array]:
+    """Softmax partial of the new tokens among themselves: scores [B, G, T, T] (already scaled,
+    float32), tree_mask [B, T, T]; returns (out, lse) with out = einsum(spec, probs, values)."""
+    visible = tree_mask[:, None]
+    scores = jnp.where(visible, scores, -jnp.inf)
+    lse = jax.nn.logsumexp(scores, axis=-1)  # finite: every node sees itself
+    probs = jnp.exp(scores - lse[..., None])
+    return jnp.einsum(spec, probs.astype(values.dtype), values, preferred_element_type=jnp.float32), lse
+
+
+def _prefix_partial(cache: kv_cache.KVCache, layer, q, q2, scale: float, value_pool: bool):
+    from pallas_kernels.attention import paged_prefix_attention
+
+    k_pool, v_pool, table = kv_cache.as_pages(cache)
+    if k_pool.ndim == 4:  # MLA pools [L, pages, ps, r]: one shared "head"
+        k_pool, v_pool = k_pool[:, :, :, None], v_pool[:, :, :, None]
+    return paged_prefix_attention(q, k_pool, v_pool if value_pool else None, layer, table, cache.lengths, scale=scale,
+                                  q2=q2, k2_pool=None if q2 is None else v_pool, interpret=_interpret_kernels())
+
+
+def _interpret_kernels() -> bool:
+    """Pallas kernels run interpreted on a CPU host (tests monkeypatch this to lower for GPUs)."""
+    return jax.default_backend() == "cpu"
+
+
+def _gqa_kernel_attention(cfg: ModelConfig, q, k, v, cache, layer, tree_mask) -> jax.Array:
+    """GQA decode / verify through the prefix kernel + the tree part; [B, T, heads * d]."""
+    from pallas_kernels.attention import merge_partials
+
+    b, t, nh, d = q.shape
+    nkv, g = cfg.num_kv_heads, nh // cfg.num_kv_heads
+    scale = d ** -0.5
+    qg = q.reshape(b, t, nkv, g, d).transpose(0, 2, 3, 1, 4)  # [B, kv, g, T, d]
+    out_a, lse_a = _prefix_partial(cache, layer, qg.reshape(b, nkv, g * t, d).astype(cache.k.dtype), None, scale, True)
+    kn, vn = k.astype(cache.k.dtype), v.astype(cache.v.dtype)
+    scores = jnp.einsum("bkgtd,bjkd->bkgtj", qg, kn, preferred_element_type=jnp.float32) * scale
+    out_b, lse_b = _tree_partial(scores.reshape(b, nkv * g, t, t), tree_mask,
+                                 jnp.repeat(vn, g, axis=2), "bhtj,bjhd->bhtd")
+    out = merge_partials(out_a.reshape(b, nkv * g, t, d), lse_a.reshape(b, nkv * g, t), out_b, lse_b)
+    return out.transpose(0, 2, 1, 3).reshape(b, t, nh * d).astype(q.dtype)
+
+
 def gqa_block(p: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Array, cache: kv_cache.KVCache,
-              layer: jax.Array, mask: jax.Array) -> tuple[jax.Array, kv_cache.KVCache]:
-    """x [B, T, H] -> attention output [B, T, H]; K/V of the T tokens written to the cache."""
+              layer: jax.Array, mask: jax.Array, tree_mask: jax.Array | None = None
+              ) -> tuple[jax.Array, kv_cache.KVCache]:
+    """x [B, T, H] -> attention output [B, T, H]; K/V of the T tokens written to the cache.
+
+    mask [B, T, S]: which cache slots each new token sees; tree_mask [B, T, T] (with the cache's
+    lengths the same information) lets the Pallas path skip the dense mask."""
     b, t, _ = x.shape
     nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     q, k, v = gqa_project(p, cfg, x, positions)
 
+    if _uses_kernel(cfg, t, tree_mask):
+        out = _gqa_kernel_attention(cfg, q, k, v, cache, layer, tree_mask)
+        return linear(out, p["o_proj"]), kv_cache.write(cache, layer, k, v)
     cache = kv_cache.write(cache, layer, k, v)
     keys, values = kv_cache.read(cache, layer)  # [B, S, nkv, d]
 
@@ -66,8 +128,25 @@ def _mla_query(p: dict, cfg: ModelConfig, x: jax.Array) -> jax.Array:
     return linear(rms_norm(linear(x, p["q_a_proj"]), p["q_a_norm"], cfg.rms_norm_eps), p["q_b_proj"])
 
 
+def _mla_kernel_attention(cfg: ModelConfig, q_lat, q_pe, c_kv, k_pe, cache, layer, tree_mask) -> jax.Array:
+    """Absorbed MLA decode / verify through the prefix kernel + the tree part: out_lat [B, T, heads, r]."""
+    from pallas_kernels.attention import merge_partials
+
+    b, t, nh, r = q_lat.shape
+    dt = cache.k.dtype
+    rows = lambda a: a.transpose(0, 2, 1, 3).reshape(b, 1, nh * t, a.shape[-1]).astype(dt)  # noqa: E731
+    out_a, lse_a = _prefix_partial(cache, layer, rows(q_lat), rows(q_pe), cfg.softmax_scale, False)
+    lat_new, rope_new = c_kv.astype(dt), k_pe.astype(cache.v.dtype)
+    scores = (jnp.einsum("bthr,bjr->bhtj", q_lat.astype(dt), lat_new, preferred_element_type=jnp.float32)
+              + jnp.einsum("bthd,bjd->bhtj", q_pe.astype(dt), rope_new, preferred_element_type=jnp.float32))
+    out_b, lse_b = _tree_partial(scores * cfg.softmax_scale, tree_mask, lat_new, "bhtj,bjr->bhtr")
+    out = merge_partials(out_a.reshape(b, nh, t, r), lse_a.reshape(b, nh, t), out_b, lse_b)
+    return out.transpose(0, 2, 1, 3).astype(q_lat.dtype)
+
+
 def mla_block(p: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Array, cache: kv_cache.KVCache,
-              layer: jax.Array, mask: jax.Array, absorb: bool) -> tuple[jax.Array, kv_cache.KVCache]:
+              layer: jax.Array, mask: jax.Array, absorb: bool, tree_mask: jax.Array | None = None
+              ) -> tuple[jax.Array, kv_cache.KVCache]:
     """Multi-head latent attention; caches kv_a_layernorm(c_kv) and the roped k_pe only."""
     b, t, _ = x.shape
     nh, dn, dr, dv, r = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
@@ -79,11 +158,16 @@ def mla_block(p: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Array, cac
     cos, sin = rotary_cos_sin(cfg.rope, positions)
     q_pe, k_pe = apply_rotary(q_pe, cos, sin, cfg.rope), apply_rotary(k_pe, cos, sin, cfg.rope)[:, :, 0]
 
-    cache = kv_cache.write(cache, layer, c_kv, k_pe)
-    latents, rope_keys = kv_cache.read(cache, layer)  # [B, S, r], [B, S, dr]
-
     kv_b = dequantize(p["kv_b_proj"], x.dtype).reshape(r, nh, dn + dv)
     w_uk, w_uv = kv_b[..., :dn], kv_b[..., dn:]  # [r, nh, dn], [r, nh, dv]
+    if absorb and _uses_kernel(cfg, t, tree_mask):
+        out_lat = _mla_kernel_attention(cfg, jnp.einsum("bthd,rhd->bthr", q_nope, w_uk), q_pe, c_kv, k_pe, cache, layer,
+                                        tree_mask)
+        out = jnp.einsum("bthr,rhd->bthd", out_lat, w_uv)
+        return linear(out.reshape(b, t, nh * dv), p["o_proj"]), kv_cache.write(cache, layer, c_kv, k_pe)
+
+    cache = kv_cache.write(cache, layer, c_kv, k_pe)
+    latents, rope_keys = kv_cache.read(cache, layer)  # [B, S, r], [B, S, dr]
     rope_scores = jnp.einsum("bthd,bsd->bhts", q_pe, rope_keys, preferred_element_type=jnp.float32)
     if absorb:
         q_lat = jnp.einsum("bthd,rhd->bthr", q_nope, w_uk)

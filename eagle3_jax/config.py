@@ -137,6 +137,8 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     aux_layer_ids: tuple[int, ...] = ()  # hidden_states indices captured for the draft
+    # run time: "xla" or "pallas" attention for decode / verify (load_target's `kernels`)
+    kernels: str = "xla"
 
     # ---- derived -----------------------------------------------------------------------------
     def is_moe_layer(self, i: int) -> bool:

@@ -95,6 +95,21 @@ def paged_view(k: jax.Array, v: jax.Array, block_table: jax.Array, lengths: jax.
     return KVCache(k=k, v=v, lengths=jnp.asarray(lengths, jnp.int32), block_table=jnp.asarray(block_table, jnp.int32))
 
 
+def as_pages(cache: KVCache, page_size: int = 16) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(k pool, v pool, block table) of any cache: a paged one as it is; a dense one [L, B, S, ...]
+    viewed (no copy) as B * S / page_size pages of `page_size` slots, row b owning its own run."""
+    if cache.paged:
+        return cache.k, cache.v, cache.block_table
+    layers, b, s = cache.k.shape[:3]
+    ps = page_size if s % page_size == 0 else s
+    table = jnp.arange(b * (s // ps), dtype=jnp.int32).reshape(b, s // ps)
+
+    def view(pool):
+        return pool.reshape((layers, b * (s // ps), ps) + pool.shape[3:])
+
+    return view(cache.k), view(cache.v), table
+
+
 def advance(cache: KVCache, n: jax.Array) -> KVCache:
     """Commit `n[b]` more tokens of each sequence (those written by the last forward)."""
     return cache.replace(lengths=cache.lengths + jnp.asarray(n, jnp.int32))

@@ -29,12 +29,13 @@ ABSORB_MAX_TOKENS = 16
 
 
 def _layer(p: dict, cfg: ModelConfig, kind: str, x: jax.Array, positions: jax.Array, cache: kv_cache.KVCache,
-           layer: jax.Array, mask: jax.Array, absorb: bool) -> tuple[jax.Array, kv_cache.KVCache]:
+           layer: jax.Array, mask: jax.Array, absorb: bool, tree_mask: jax.Array
+           ) -> tuple[jax.Array, kv_cache.KVCache]:
     h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
     if cfg.attention == "mla":
-        attn, cache = mla_block(p, cfg, h, positions, cache, layer, mask, absorb)
+        attn, cache = mla_block(p, cfg, h, positions, cache, layer, mask, absorb, tree_mask)
     else:
-        attn, cache = gqa_block(p, cfg, h, positions, cache, layer, mask)
+        attn, cache = gqa_block(p, cfg, h, positions, cache, layer, mask, tree_mask)
     x = x + attn
     h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
     mlp = moe_block(p, cfg, h) if kind == "moe" else swiglu(h, p["gate_proj"], p["up_proj"], p["down_proj"])
@@ -74,7 +75,7 @@ def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, positions: jax.Ar
             x, cache, aux = carry
             p, layer = xs
             aux = jnp.where((aux_ids == layer)[:, None, None, None], x[None], aux)
-            x, cache = _layer(p, cfg, kind, x, positions, cache, layer, mask, absorb)
+            x, cache = _layer(p, cfg, kind, x, positions, cache, layer, mask, absorb, tree_mask)
             return (x, cache, aux), None
 
         layers = jnp.arange(start, stop, dtype=jnp.int32)
@@ -187,9 +188,23 @@ def _full_forward(params, cfg, ids, dtype):
     return logits, aux
 
 
+KERNELS = ("xla", "pallas", "auto")
+
+
+def resolve_kernels(kernels: str, mesh: jax.sharding.Mesh | None) -> str:
+    """"xla" or "pallas" for a `kernels` choice: "auto" = Pallas on GPUs (one device), XLA elsewhere."""
+    if kernels not in KERNELS:
+        raise ValueError(f"kernels {kernels!r} is not supported; use one of {', '.join(KERNELS)}")
+    if kernels == "auto":
+        return "pallas" if jax.default_backend() in ("gpu", "cuda", "rocm") and mesh is None else "xla"
+    if kernels == "pallas" and mesh is not None:
+        raise ValueError("kernels='pallas' runs on one device for now; with a mesh use kernels='xla' (or 'auto')")
+    return kernels
+
+
 def load_target(path: str | os.PathLike, dtype="bfloat16", mesh: jax.sharding.Mesh | None = None,
                 aux_layer_ids: Sequence[int] | None = None, *, dequantize: bool = False, w4a8: bool = False,
-                fp8_format: str = "auto") -> Target:
+                fp8_format: str = "auto", kernels: str = "xla") -> Target:
     """Load a target from an HF folder (safetensors) or an Orbax folder made by scripts/convert.py.
 
     Quantized weights (int4 pack-quantized experts, block FP8, MXFP4) stay quantized on device and
@@ -199,7 +214,8 @@ def load_target(path: str | os.PathLike, dtype="bfloat16", mesh: jax.sharding.Me
     on-device float8 flavour ("auto": e4m3fnuz on gfx942, e4m3fn elsewhere). With a `mesh` (see
     sharding.make_mesh) params are placed by the logical-axis rules and MoE layers run
     expert-parallel. `aux_layer_ids` overrides which hidden states are captured for a draft
-    (default 2, L//2, L-3).
+    (default 2, L//2, L-3). `kernels`: "xla" (default), "pallas" (decode / verify attention through
+    the paged Pallas kernel; interpreted on CPU; one device for now) or "auto" (Pallas on a GPU).
     """
     from .checkpoint import is_orbax_dir, keeps_quantized, read_flat_params
     from .sharding import shard_params
@@ -208,7 +224,7 @@ def load_target(path: str | os.PathLike, dtype="bfloat16", mesh: jax.sharding.Me
     cfg = load_model_config(path)
     if cfg.quant is not None and is_orbax_dir(path) and not keeps_quantized(path):
         dequantize = True  # converted with dequantization: the folder holds float weights only
-    cfg = with_quant_options(cfg, dequantize, w4a8, fp8_format)
+    cfg = dataclasses.replace(with_quant_options(cfg, dequantize, w4a8, fp8_format), kernels=resolve_kernels(kernels, mesh))
     if aux_layer_ids is not None:
         cfg = cfg.with_aux_layers(tuple(aux_layer_ids))
     dt = resolve_dtype(dtype)
