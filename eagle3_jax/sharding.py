@@ -157,12 +157,19 @@ def _put(arr, sharding: NamedSharding) -> jax.Array:
     return jax.make_array_from_callback(host.shape, sharding, block)
 
 
+def _leaf_sharding(leaf, axes, mesh: Mesh):
+    """NamedSharding of a param leaf (a QArray of two for a quantized weight)."""
+    spec = leaf_partition_spec(axes, leaf, mesh)
+    if isinstance(leaf, QArray):
+        return QArray(NamedSharding(mesh, spec.values), NamedSharding(mesh, spec.scales), leaf.qformat)
+    return NamedSharding(mesh, spec)
+
+
 def _place(arr, axes, mesh: Mesh):
-    spec = leaf_partition_spec(axes, arr, mesh)
+    sharding = _leaf_sharding(arr, axes, mesh)
     if isinstance(arr, QArray):
-        return QArray(_put(arr.values, NamedSharding(mesh, spec.values)), _put(arr.scales, NamedSharding(mesh, spec.scales)),
-                      arr.qformat)
-    return _put(arr, NamedSharding(mesh, spec))
+        return QArray(_put(arr.values, sharding.values), _put(arr.scales, sharding.scales), arr.qformat)
+    return _put(arr, sharding)
 
 
 def is_param_leaf(x) -> bool:
@@ -171,13 +178,8 @@ def is_param_leaf(x) -> bool:
 
 def param_shardings(tree: dict, cfg: ModelConfig, mesh: Mesh) -> dict:
     """NamedShardings for a stacked param tree (arrays or ShapeDtypeStructs), QArray leaves included."""
-    def one(leaf, axes):
-        spec = leaf_partition_spec(axes, leaf, mesh)
-        if isinstance(leaf, QArray):
-            return QArray(NamedSharding(mesh, spec.values), NamedSharding(mesh, spec.scales), leaf.qformat)
-        return NamedSharding(mesh, spec)
-
-    return jax.tree.map(one, tree, param_axes(tree, cfg, mesh), is_leaf=is_param_leaf)
+    return jax.tree.map(lambda leaf, axes: _leaf_sharding(leaf, axes, mesh), tree, param_axes(tree, cfg, mesh),
+                        is_leaf=is_param_leaf)
 
 
 def shard_params(tree: dict, cfg: ModelConfig, mesh: Mesh) -> dict:

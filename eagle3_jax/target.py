@@ -18,10 +18,10 @@ import numpy as np
 
 from . import kv_cache, params as params_lib
 from .attention import gqa_block, mla_block
+from .checkpoint.lazy import LazyArray
 from .config import ModelConfig, load_model_config
 from .layers import rms_norm, swiglu
 from .moe import moe_block
-from .checkpoint.lazy import LazyArray
 from .quant import QArray, linear
 
 # Below this many new tokens per row, MLA uses the absorbed form (decode, verify); above, expanded.

@@ -46,6 +46,8 @@ from absl import app, flags, logging
 # Run from a checkout without installing: make the repository's package importable.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from _shared_flags import define_mesh_flags, define_quant_flags, mesh_from_flags, quant_options  # noqa: E402
+
 FLAGS = flags.FLAGS
 flags.DEFINE_string("target", "checkpoints/kimi-mini", "Target model folder (HF or Orbax). With --base_url only its "
                     "config.json and tokenizer.json are read (vocabulary, max length, prompts).")
@@ -70,11 +72,7 @@ flags.DEFINE_list("seeds", ["0"], "Seeds (prompts, per-request sampling); every 
                   "table shows the mean over seeds.")
 flags.DEFINE_float("temperature", 0.0, "Sampling temperature of every request; 0 = greedy.", lower_bound=0.0)
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16", "float16"], "Compute dtype of the weights.")
-flags.DEFINE_bool("w4a8", False, "Run int4 weights with dynamic per-token int8 activations (W4A8, as AMD ran "
-                  "Kimi-K2.5); default W4A16.")
-flags.DEFINE_bool("dequantize", False, "Dequantize quantized weights to --dtype on load (more memory; the old behaviour).")
-flags.DEFINE_enum("fp8_format", "auto", ["auto", "e4m3fn", "e4m3fnuz"], "On-device float8 flavour of FP8 weights "
-                  "(auto: e4m3fnuz on MI300X / MI325X, e4m3fn elsewhere).")
+define_quant_flags()
 flags.DEFINE_integer("max_seq_len", None, "Prompt + output tokens per sequence. Workloads must fit it; default: "
                      "the model's max_position_embeddings for that check, and the workload's longest prompt plus "
                      "output for the scheduler.", lower_bound=2)
@@ -85,11 +83,8 @@ flags.DEFINE_integer("max_measure_attempts", 3, "Measured passes per cell at mos
                      "compiled a program is repeated, as the compile stalls the requests in flight.", lower_bound=1)
 flags.DEFINE_bool("interleave", True, "Run all settings at each concurrency in turn (one scheduler each, all held at "
                   "once) so slow spells hit every setting alike; --nointerleave runs the settings one after another.")
-flags.DEFINE_list("mesh", [], "Device mesh sizes data,tensor,expert for the in-process model (e.g. 1,1,8); empty = "
-                  "one device.")
-flags.DEFINE_bool("distributed", False, "Multi-host in-process run: call jax.distributed.initialize first (see "
-                  "BUILD.md). Every process drives the same requests (the scheduler's steps depend only on them); "
-                  "process 0 writes and prints the report.")
+define_mesh_flags("In-process runs only: every process drives the same requests (the scheduler's steps "
+                  "depend only on them); process 0 writes and prints the report.")
 flags.DEFINE_string("base_url", None, "Benchmark the server at this URL (e.g. http://localhost:8000) over HTTP "
                     "instead of running the model in-process.")
 flags.DEFINE_string("model", None, "Model name sent to the server (default: the first id of GET /v1/models).")
@@ -133,7 +128,6 @@ def main(argv: Sequence[str]) -> None:
     from eagle3_jax.bench.runner import RunConfig, ordered, run_benchmark
     from eagle3_jax.bench.settings import parse_specs
     from eagle3_jax.bench.workloads import DATASETS, dataset_workload, random_workload_for
-    from eagle3_jax.sharding import parse_mesh
     from eagle3_jax.tokenizer import load_tokenizer
 
     try:
@@ -145,10 +139,7 @@ def main(argv: Sequence[str]) -> None:
     if FLAGS.base_url and (FLAGS.mesh or FLAGS.distributed):
         raise app.UsageError("--mesh and --distributed are for the in-process model; with --base_url the server "
                              "has its own (scripts/serve.py --mesh)")
-    try:
-        mesh_dims = parse_mesh(FLAGS.mesh)
-    except ValueError as e:
-        raise app.UsageError(f"--mesh: {e}") from None
+    mesh = mesh_from_flags()
     if FLAGS.workload != "random" and FLAGS.workload not in DATASETS:
         raise app.UsageError(f"--workload must be random or one of {', '.join(DATASETS)}; got {FLAGS.workload!r}")
     try:
@@ -187,15 +178,8 @@ def main(argv: Sequence[str]) -> None:
         mode = f"HTTP {FLAGS.base_url}"
         config["dtype"] = None  # the server's business
     else:
-        if FLAGS.distributed:
-            e3.initialize_distributed()
-        try:
-            mesh = None if mesh_dims is None else e3.make_mesh(*mesh_dims)
-        except ValueError as e:
-            raise app.UsageError(f"--mesh: {e}") from None
-        target = e3.load_target(FLAGS.target, dtype=FLAGS.dtype, mesh=mesh, w4a8=FLAGS.w4a8,
-                                dequantize=FLAGS.dequantize, fp8_format=FLAGS.fp8_format)
-        config["mesh"] = mesh_dims
+        target = e3.load_target(FLAGS.target, dtype=FLAGS.dtype, mesh=mesh, **quant_options())
+        config["mesh"] = None if mesh is None else list(mesh.devices.shape)
         needs_draft = any(s.spec is not None for s in settings)
         draft = e3.load_draft(FLAGS.draft, target=target, dtype=FLAGS.dtype, fp8_format=FLAGS.fp8_format) if needs_draft else None
         sched_len = FLAGS.max_seq_len or workload.max_total_len

@@ -24,6 +24,8 @@ from absl import app, flags, logging
 # Run from a checkout without installing: make the repository's package importable.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from _shared_flags import define_mesh_flags, define_quant_flags, mesh_from_flags, quant_options  # noqa: E402
+
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", None, "HF model folder (safetensors + config.json) or Orbax folder from scripts/convert.py.")
 flags.DEFINE_string("tokenizer", None, "Folder or tokenizer.json to tokenize with (default: --model).")
@@ -35,17 +37,11 @@ flags.DEFINE_float("top_p", 1.0, "Nucleus sampling threshold in (0, 1].")
 flags.DEFINE_integer("top_k", 0, "Top-k sampling; 0 disables it.")
 flags.DEFINE_integer("seed", 0, "Sampling seed (prompt i uses seed + i).")
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16", "float16"], "Compute dtype of the weights.")
-flags.DEFINE_bool("w4a8", False, "Run int4 weights with dynamic per-token int8 activations (W4A8, as AMD ran "
-                  "Kimi-K2.5); default W4A16.")
-flags.DEFINE_bool("dequantize", False, "Dequantize quantized weights to --dtype on load (more memory; the old behaviour).")
-flags.DEFINE_enum("fp8_format", "auto", ["auto", "e4m3fn", "e4m3fnuz"], "On-device float8 flavour of FP8 weights "
-                  "(auto: e4m3fnuz on MI300X / MI325X, e4m3fn elsewhere).")
 flags.DEFINE_integer("max_seq_len", None, "Prompt + generated tokens per request (default: min(model max positions, 2048)).",
                      lower_bound=2)
 flags.DEFINE_integer("batch_size", None, "Requests per batch (default: the number of prompts).", lower_bound=1)
-flags.DEFINE_list("mesh", [], "Device mesh sizes data,tensor,expert (e.g. 1,8,1); empty = one device.")
-flags.DEFINE_bool("distributed", False, "Call jax.distributed.initialize (via eagle3_jax.initialize_distributed) "
-                  "first, for multi-host runs; see BUILD.md.")
+define_quant_flags()
+define_mesh_flags("Every process generates the same tokens; process 0 prints them.")
 flags.DEFINE_bool("warmup", True, "Run generate once before the timed run so tokens/s excludes compilation.")
 flags.DEFINE_string("draft", None, "EAGLE-3 draft folder (HF LlamaForCausalLMEagle3 layout); unset = plain decoding.")
 flags.DEFINE_integer("num_steps", 3, "Draft levels per speculative step (tree depth).", lower_bound=1)
@@ -67,15 +63,6 @@ def read_prompts(prompt: str, prompts_file: str | None) -> list[str]:
     return prompts
 
 
-def parse_mesh(sizes: Sequence[str]) -> tuple[int, int, int] | None:
-    from eagle3_jax.sharding import parse_mesh as parse
-
-    try:
-        return parse(sizes)
-    except ValueError as e:
-        raise app.UsageError(f"--mesh: {e}") from None
-
-
 def default_max_seq_len(max_position_embeddings: int, cap: int = 2048) -> int:
     return min(int(max_position_embeddings), cap)
 
@@ -83,11 +70,6 @@ def default_max_seq_len(max_position_embeddings: int, cap: int = 2048) -> int:
 def stop_ids(model_eos: Sequence[int], tokenizer_eos: Sequence[int]) -> tuple[int, ...]:
     """EOS ids from the model config and the tokenizer folder, without repeats, in order."""
     return tuple(dict.fromkeys([*model_eos, *tokenizer_eos]))
-
-
-def quant_options() -> dict:
-    """load_target's quantization keywords from the flags."""
-    return {"w4a8": FLAGS.w4a8, "dequantize": FLAGS.dequantize, "fp8_format": FLAGS.fp8_format}
 
 
 def main(argv: Sequence[str]) -> None:
@@ -98,7 +80,6 @@ def main(argv: Sequence[str]) -> None:
     if not FLAGS["verbosity"].present:
         logging.set_verbosity(logging.WARNING)  # hide JAX's backend-probing INFO lines
     texts = read_prompts(FLAGS.prompt, FLAGS.prompts_file)
-    mesh_dims = parse_mesh(FLAGS.mesh)
 
     import jax
 
@@ -106,10 +87,8 @@ def main(argv: Sequence[str]) -> None:
     from eagle3_jax.checkpoint import CheckpointError
     from eagle3_jax.tokenizer import TokenizerError, load_tokenizer
 
-    if FLAGS.distributed:
-        e3.initialize_distributed()
-    try:  # mesh, config and tokenizer first: their errors come before a long weight load
-        mesh = None if mesh_dims is None else e3.make_mesh(*mesh_dims)
+    mesh = mesh_from_flags()
+    try:  # config and tokenizer first: their errors come before a long weight load
         tok = load_tokenizer(FLAGS.tokenizer or FLAGS.model, bos_id=e3.load_model_config(FLAGS.model).bos_token_id)
         target = e3.load_target(FLAGS.model, dtype=FLAGS.dtype, mesh=mesh, **quant_options())
         draft = None if FLAGS.draft is None else e3.load_draft(FLAGS.draft, target=target, dtype=FLAGS.dtype,

@@ -38,6 +38,8 @@ from absl import app, flags, logging
 # Run from a checkout without installing: make the repository's package importable.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from _shared_flags import define_mesh_flags, define_quant_flags, mesh_from_flags, quant_options  # noqa: E402
+
 FLAGS = flags.FLAGS
 flags.DEFINE_string("target", None, "Target model: HF folder (safetensors + config.json) or Orbax folder from "
                     "scripts/convert.py.")
@@ -47,11 +49,7 @@ flags.DEFINE_integer("topk", 1, "Children expanded per draft node; 1 = chain.", 
 flags.DEFINE_integer("num_draft_tokens", None, "Tree nodes verified per step, root included "
                      "(default: num_steps + 1, a chain's size).", lower_bound=2)
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16", "float16"], "Compute dtype of the weights.")
-flags.DEFINE_bool("w4a8", False, "Run int4 weights with dynamic per-token int8 activations (W4A8, as AMD ran "
-                  "Kimi-K2.5); default W4A16.")
-flags.DEFINE_bool("dequantize", False, "Dequantize quantized weights to --dtype on load (more memory; the old behaviour).")
-flags.DEFINE_enum("fp8_format", "auto", ["auto", "e4m3fn", "e4m3fnuz"], "On-device float8 flavour of FP8 weights "
-                  "(auto: e4m3fnuz on MI300X / MI325X, e4m3fn elsewhere).")
+define_quant_flags()
 flags.DEFINE_string("tokenizer", None, "Folder (or tokenizer.json) to tokenize with and read the chat template "
                     "from (default: --target).")
 flags.DEFINE_string("served_model_name", None, "Model name clients pass as `model` (default: the basename of --target).")
@@ -67,10 +65,7 @@ flags.DEFINE_integer("num_pages", None, "KV cache pages in the pool (default: en
                      "sequences of max_seq_len tokens).", lower_bound=1)
 flags.DEFINE_integer("prefill_chunk", 256, "Prompt tokens prefilled per scheduler step: the longest chunk of one "
                      "prompt, and the budget shared by the requests prefilling in that step.", lower_bound=1)
-flags.DEFINE_list("mesh", [], "Device mesh sizes data,tensor,expert (e.g. 1,1,8: experts over 8 devices); "
-                  "empty = one device.")
-flags.DEFINE_bool("distributed", False, "Multi-host: call jax.distributed.initialize first (see BUILD.md). Process 0 "
-                  "serves HTTP and schedules; the other processes run its steps on their devices.")
+define_mesh_flags("Process 0 serves HTTP and schedules; the other processes run its steps on their devices.")
 flags.DEFINE_bool("warmup", True, "Run a few tiny requests before listening, so the first clients do not wait "
                   "for compilation (--nowarmup to skip).")
 flags.mark_flag_as_required("target")
@@ -114,11 +109,6 @@ def warm_up(scheduler, prompts: list[list[int]], max_tokens: int = 8) -> float:
     return time.perf_counter() - start
 
 
-def quant_options() -> dict:
-    """load_target's quantization keywords from the flags."""
-    return {"w4a8": FLAGS.w4a8, "dequantize": FLAGS.dequantize, "fp8_format": FLAGS.fp8_format}
-
-
 def main(argv: Sequence[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
@@ -132,15 +122,11 @@ def main(argv: Sequence[str]) -> None:
     from eagle3_jax.checkpoint import CheckpointError
     from eagle3_jax.scheduler import Scheduler
     from eagle3_jax.serving import AsyncEngine, make_app
-    from eagle3_jax.sharding import parse_mesh
     from eagle3_jax.tokenizer import TokenizerError, load_tokenizer
 
     tok_path = FLAGS.tokenizer or FLAGS.target
-    if FLAGS.distributed:
-        e3.initialize_distributed()
-    try:  # mesh, config and tokenizer first: their errors come before a long weight load
-        mesh_dims = parse_mesh(FLAGS.mesh)
-        mesh = None if mesh_dims is None else e3.make_mesh(*mesh_dims)
+    mesh = mesh_from_flags()
+    try:  # config and tokenizer first: their errors come before a long weight load
         cfg = e3.load_model_config(FLAGS.target)
         tok = load_tokenizer(tok_path, bos_id=cfg.bos_token_id)
         target = e3.load_target(FLAGS.target, dtype=FLAGS.dtype, mesh=mesh, **quant_options())

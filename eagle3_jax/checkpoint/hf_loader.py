@@ -423,10 +423,6 @@ def _exact_cast_block(key: str, dtype: np.dtype):
     return lambda block: _exact_cast(block, dtype, key)
 
 
-def _fnuz_values(block: np.ndarray) -> np.ndarray:
-    return quant.fp8_e4m3fn_to_fnuz(block, np.float32(1))[0]
-
-
 def _lazy_quantized(ckpt: HFCheckpoint, stored: Stored, fmt: QFormat) -> QArray:
     """One stored quantized weight as a QArray of LazyArrays in our [in, out] orientation, bytes
     unchanged (except the documented fnuz conversion), read block by block."""
@@ -451,7 +447,7 @@ def _lazy_quantized(ckpt: HFCheckpoint, stored: Stored, fmt: QFormat) -> QArray:
                                   "(or fnuz) only. Load with dequantize=True")
         scale_dtype = np.dtype(np.float32)
         if fmt.fnuz:
-            value_fn, scale_fn = _fnuz_values, lambda block: np.asarray(block, np.float32) * 2
+            value_fn, scale_fn = quant.fnuz_values, lambda block: np.asarray(block, np.float32) * 2
     value_dtype = np.dtype(ml_dtypes.float8_e4m3fnuz) if value_fn is not None else values.dtype
     return QArray(LazyArray.of(values.T, value_dtype, value_fn), LazyArray.of(scales.T, scale_dtype, scale_fn), fmt)
 

@@ -74,11 +74,13 @@ def _convert(raw: Any, spec: ParamSpec, dtype) -> Any:
     return QArray(values, scales, fmt)
 
 
-def _insert_layer(stacks: dict, raw: dict, index, specs: dict, dtype) -> dict:
+def _insert_layer(stacks: dict, raw: dict, index, specs: tuple, dtype) -> dict:
+    """Write one restored layer (converted) into slot `index` of the stacked arrays; `specs` is
+    the layer's (name, ParamSpec) pairs, a tuple so the program can take it as a static argument."""
     def put(stack, layer):
         return jax.lax.dynamic_update_index_in_dim(stack, layer.astype(stack.dtype), index, 0)
 
-    return {name: jax.tree.map(put, stacks[name], _convert(raw[name], specs[name], dtype)) for name in stacks}
+    return {name: jax.tree.map(put, stacks[name], _convert(raw[name], spec, dtype)) for name, spec in specs}
 
 
 _insert = jax.jit(_insert_layer, static_argnames=("specs", "dtype"), donate_argnums=(0,))
@@ -122,24 +124,17 @@ def restore_sharded(path: str | os.PathLike, cfg: ModelConfig, dtype, mesh: Mesh
                 cfg.segments, segment_specs(cfg), abstract["segments"], shardings["segments"]):
             per_layer = {n: jax.tree.map(_layer_sharding, s, is_leaf=lambda x: isinstance(x, NamedSharding))
                          for n, s in seg_shardings.items()}
-            layer_specs = {n: flat[f"layers.{start}.{n}"] for n in seg_specs}
+            layer_specs = tuple((n, flat[f"layers.{start}.{n}"]) for n in seg_specs)
             stacks = _zeros(seg_abstract, seg_shardings)
             for i in range(start, stop):
                 names = [f"layers.{i}.{n}" for n in seg_specs]
-                if any((flat[f"layers.{i}.{n}"].quant is None) != (layer_specs[n].quant is None) for n in seg_specs):
+                if any((flat[f"layers.{i}.{n}"].quant is None) != (spec.quant is None) for n, spec in layer_specs):
                     raise CheckpointError(f"layer {i} is quantized differently from layer {start} of its segment; "
                                           "load with dequantize=True")
                 raw = restore(i, names, lambda full: per_layer[full.split(".", 2)[2]])
-                stacks = _insert(stacks, raw, np.int32(i - start), _Hashable(layer_specs), dtype)
+                stacks = _insert(stacks, raw, np.int32(i - start), layer_specs, dtype)
             segments.append(stacks)
         tree["segments"] = tuple(segments)
         return tree
     finally:
         ckptr.close()
-
-
-class _Hashable(dict):
-    """A dict of ParamSpecs usable as a static jit argument (hashed by its items)."""
-
-    def __hash__(self) -> int:
-        return hash(tuple(sorted(self.items())))

@@ -101,6 +101,12 @@ def fp8_e4m3fn_to_fnuz(weight: np.ndarray, scale: np.ndarray) -> tuple[np.ndarra
     `weight` may be float8_e4m3fn or the raw uint8 bits; the result has the matching kind
     (float8_e4m3fnuz or uint8 bits). Returns (weight, scale * 2) in the scale's dtype.
     """
+    s = np.asarray(scale)
+    return fnuz_values(weight), s * np.asarray(2, dtype=s.dtype)
+
+
+def fnuz_values(weight: np.ndarray) -> np.ndarray:
+    """The weight half of `fp8_e4m3fn_to_fnuz` (its scale must be doubled separately)."""
     kind = np.dtype(weight.dtype)
     if kind not in (np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(np.uint8)):
         raise ValueError(f"expected float8_e4m3fn weights or their uint8 bits, got {kind}")
@@ -108,11 +114,7 @@ def fp8_e4m3fn_to_fnuz(weight: np.ndarray, scale: np.ndarray) -> tuple[np.ndarra
     out = bits.copy()
     out[bits == 0x80] = 0x00
     out[(bits & 0x7F) == 0x7F] = 0x80
-    s = np.asarray(scale)
-    doubled = s * np.asarray(2, dtype=s.dtype)
-    if kind == np.dtype(np.uint8):
-        return out, doubled
-    return out.view(ml_dtypes.float8_e4m3fnuz), doubled
+    return out if kind == np.dtype(np.uint8) else out.view(ml_dtypes.float8_e4m3fnuz)
 
 
 def int4_words_to_bytes(packed: np.ndarray) -> np.ndarray:
@@ -120,8 +122,6 @@ def int4_words_to_bytes(packed: np.ndarray) -> np.ndarray:
     byte b holds elements 2b (low nibble) and 2b + 1 (high nibble), the on-device int4 layout."""
     words = np.ascontiguousarray(packed)
     return words.astype(words.dtype.newbyteorder("<"), copy=False).view(np.uint8)
-
-
 
 
 def dequant_mxfp4(weight: np.ndarray, scale: np.ndarray) -> np.ndarray:

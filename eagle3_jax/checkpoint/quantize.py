@@ -150,6 +150,7 @@ def quantize_checkpoint(src: str, out: str, method: str = "int4_pack", group_siz
     import os
 
     from ..config import load_model_config, parse_model_config
+    from ..params import flat_specs
     from .errors import CheckpointError
     from .hf_writer import save_hf_target
     from .loader import read_flat_params
@@ -166,8 +167,6 @@ def quantize_checkpoint(src: str, out: str, method: str = "int4_pack", group_siz
     raw["quantization_config"] = quantization_config(method, _ignored_modules(cfg, scope), group_size)
     qcfg = parse_model_config(raw)
     group = {"int4_pack": group_size, "mxfp4": 32}.get(method)
-    from ..params import flat_specs
-
     for name, spec in flat_specs(qcfg).items():
         if spec.quant is not None and group and spec.shape[-2] % group:
             raise ValueError(f"{method} groups of {group} do not divide the input width {spec.shape[-2]} of {name}; "
