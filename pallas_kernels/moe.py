@@ -1,41 +1,122 @@
-"""Grouped matmul for routed experts (Pallas, Triton-shaped): rows sorted by expert times each
-expert's weight, with int4 weights dequantized in registers, never materialised.
+"""Grouped matmuls for routed experts (Pallas, Triton-shaped): rows sorted by expert times each
+expert's weight, quantized weights dequantized in registers, never materialised.
 
 `grouped_matmul(x, w, group_sizes)` computes, for rows x [N, K] sorted by expert (group e owns the
-next group_sizes[e] rows), y[rows of e] = x[rows of e] @ w[e], in float32; rows past the groups
-give zeros. Weights: a float array [E, K, Nout], or an int4 `QArray` (values uint8 [E, K/2, Nout],
-byte b holding elements 2b (low nibble) and 2b + 1 (high nibble), stored as value + 8; one scale per
-`g` input rows). The grid walks (row tile, column tile) pairs; which expert and rows a row tile
-covers is worked out in XLA beforehand (each expert's rows are cut into tiles of `block_m`, so a
-tile never mixes experts; empty experts get no tile) and read in kernel. For int4 the K loop steps
-one scale group at a time: the activations' columns are pre-split into even and odd halves per
-group outside the kernel, so the low and high nibbles each meet their own half in a plain 2-D dot
-(no interleaving in registers). `grouped_matmul_reference` is the XLA twin (ragged_dot).
+next group_sizes[e] rows), y[rows of e] = x[rows of e] @ w[e] in float32; rows past the groups give
+zeros. `grouped_swiglu(x, w_gate, w_up, group_sizes)` is the fused first half of an expert MLP:
+silu(x @ w_gate[e]) * (x @ w_up[e]) with both accumulators in one kernel, so x is read once and
+the [N, I] gate and up products never reach memory.
 
-Not wired into the MoE op yet; FP8, MXFP4, fused gate/up and W4A8 forms are still to come.
+Weights: a float array [E, K, Nout] or a `QArray` in any of the project's formats (quant.py):
+- int4 / mxfp4: uint8 [E, K/2, Nout], byte b holds elements 2b (low nibble) and 2b + 1 (high);
+  int4 is nibble - 8 times a float scale per `g` input rows, mxfp4 an OCP e2m1 nibble times an
+  e8m0 byte scale per 32. The K loop steps one scale group at a time and the activations' columns
+  are pre-split into even and odd halves per group outside the kernel, so the low and high nibbles
+  each meet their own half in a plain 2-D dot (no interleaving in registers).
+- fp8_block / fp8_channel: float8 [E, K, Nout] (OCP e4m3fn or gfx942's e4m3fnuz) with float32
+  scales per 128 x 128 block or per output column. The kernel bitcasts the bytes to int8 and
+  decodes them with integer ops (no float8 conversion in kernel, which ROCm's Triton lacks for
+  e4m3fnuz).
+- W4A8 (int4 with `act="int8"`): activations quantized per row to int8 outside the kernel (as
+  quant.py does), int8 x int4 dots accumulated exactly in int32 per group, then scaled.
+
+Tiling: the grid walks (row tile, column tile) pairs. Which expert and rows a row tile covers is
+worked out in XLA beforehand (`tile_plan`: each expert's rows are cut into tiles of `block_m`, so a
+tile never mixes experts, and empty experts get no tile) and read in kernel. The number of row
+tiles is N // block_m + min(E, N), so a decode step with a few routed assignments launches a few
+tiles, each reading one routed expert's weights: the kernel's decode form, with no dependence on
+how many experts the layer has. Tiles are power-of-two and small enough for the 64 KB LDS of
+MI300X / MI325X at two pipeline stages. `grouped_matmul_reference` and `grouped_swiglu_reference`
+are the XLA twins (`quant.ragged_linear`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from eagle3_jax.quant import QArray, ragged_linear
+from eagle3_jax.quant import QArray, quantize_rows_int8, ragged_linear
+
+_BLOCK_M = 16  # Triton's smallest dot
+_BLOCK_N = (64, 32, 16)  # preferred column tiles, largest first
+_BLOCK_K = (64, 32, 16)  # preferred K steps of unpacked weights
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """How the kernel walks one weight (static)."""
+
+    fmt: str  # "float" or a QFormat.fmt
+    block_k: int  # K rows per step (one scale group for packed formats)
+    scale_rows: int  # input rows sharing a scale (K for per-channel scales)
+    scale_cols: int  # output columns sharing a scale
+    fnuz: bool = False
+    int8: bool = False  # W4A8
+
+    @property
+    def packed(self) -> bool:
+        return self.fmt in ("int4", "mxfp4")
+
+
+def _largest_dividing(choices: tuple[int, ...], *sizes: int) -> int | None:
+    """The first of `choices` dividing every one of `sizes`, or None."""
+    return next((c for c in choices if all(s % c == 0 for s in sizes)), None)
+
+
+def layout_error(w, k: int) -> str | None:
+    """Why the kernels cannot take weight `w` [E, K, Nout] against K-wide rows, or None if they can."""
+    if k != w.shape[-2]:
+        return f"rows have {k} columns but the weight's input dimension is {w.shape[-2]}"
+    n_out = w.shape[-1]
+    if not isinstance(w, QArray):
+        if _largest_dividing(_BLOCK_K, k) is None or _largest_dividing(_BLOCK_N, n_out) is None:
+            return f"K={k} and Nout={n_out} must be multiples of 16"
+        return None
+    fmt, (bi, bo) = w.qformat.fmt, w.qformat.scale_block(w.shape)
+    if fmt in ("int4", "mxfp4"):
+        if bi < 32 or bi & (bi - 1) or k % bi or bo != 1:
+            return f"{fmt} needs power-of-two scale groups >= 32 along K dividing K={k} (got {bi} x {bo})"
+    elif bi != k and (bi % 16 or k % bi):
+        return f"{fmt} needs scale blocks along K that are multiples of 16 and divide K={k} (got {bi})"
+    if _largest_dividing(_BLOCK_N, n_out, *([bo] if bo > 1 else [])) is None:
+        return f"Nout={n_out} and the column scale block ({bo}) must be multiples of 16"
+    return None
+
+
+def _layout(w, k: int) -> _Layout:
+    error = layout_error(w, k)
+    if error:
+        raise ValueError(f"the Pallas grouped matmul cannot take this weight: {error}")
+    if not isinstance(w, QArray):
+        return _Layout("float", _largest_dividing(_BLOCK_K, k), k, 1)
+    q = w.qformat
+    bi, bo = q.scale_block(w.shape)
+    if q.fmt in ("int4", "mxfp4"):
+        return _Layout(q.fmt, bi, bi, bo, int8=q.act == "int8")
+    return _Layout(q.fmt, _largest_dividing(_BLOCK_K, bi), bi, bo, fnuz=q.fnuz)
+
+
+def _block_n(layouts: tuple[_Layout, ...], n_out: int) -> int:
+    """Column tile: divides Nout and every column scale block, so a tile meets one scale per row."""
+    return _largest_dividing(_BLOCK_N, n_out, *(lay.scale_cols for lay in layouts if lay.scale_cols > 1))
 
 
 def tile_plan(group_sizes: jax.Array, num_rows: int, block_m: int) -> tuple[jax.Array, jax.Array, jax.Array, int]:
     """Per row tile: (expert, first row, end row of its expert) for a static number of tiles
-    (cdiv(num_rows, block_m) + experts, an upper bound); unused tiles get expert = E."""
+    (num_rows // block_m + min(E, num_rows), an upper bound: an expert with s rows needs at most
+    s // block_m + 1 tiles, and at most min(E, num_rows) experts have rows); unused tiles get
+    expert = E."""
     e = group_sizes.shape[0]
     sizes = group_sizes.astype(jnp.int32)
     ends = jnp.cumsum(sizes)
     starts = ends - sizes
     tiles = (sizes + block_m - 1) // block_m
     tile_end = jnp.cumsum(tiles)
-    count = pl.cdiv(num_rows, block_m) + e
+    count = max(1, num_rows // block_m + min(e, num_rows))
     i = jnp.arange(count, dtype=jnp.int32)
     expert = jnp.searchsorted(tile_end, i, side="right").astype(jnp.int32)
     safe = jnp.minimum(expert, e - 1)
@@ -43,37 +124,109 @@ def tile_plan(group_sizes: jax.Array, num_rows: int, block_m: int) -> tuple[jax.
     return expert, first, ends[safe], count
 
 
-def _kernel(expert_ref, first_ref, end_ref, x_ref, w_ref, *refs, num_experts: int, block_m: int, block_n: int,
-            block_k: int, k_steps: int, quantized: bool):
+# ---- element decoding (integer ops and bitcasts only: portable to every Triton target) -------------
+
+
+def _f32_bits(bits: jax.Array) -> jax.Array:
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def decode_e4m3(bits: jax.Array, fnuz: bool) -> jax.Array:
+    """float8 e4m3 bytes (int32 0..255) -> float32; OCP e4m3fn (bias 7, NaN at S.1111.111) or
+    e4m3fnuz (bias 8, NaN at 0x80, no negative zero)."""
+    bias = 8 if fnuz else 7
+    sign, exp, man = bits >> 7, (bits >> 3) & 15, bits & 7
+    normal = _f32_bits((sign << 31) | ((exp + (127 - bias)) << 23) | (man << 20))
+    subnormal = man.astype(jnp.float32) * (2.0 ** (-2 - bias))
+    value = jnp.where(exp == 0, jnp.where(sign == 1, -subnormal, subnormal), normal)
+    nan = (bits == 0x80) if fnuz else ((bits & 0x7F) == 0x7F)
+    return jnp.where(nan, jnp.nan, value)
+
+
+def decode_e2m1(nibbles: jax.Array) -> jax.Array:
+    """OCP e2m1 nibbles (int32 0..15) -> float32."""
+    exp, man = (nibbles >> 1) & 3, nibbles & 1
+    magnitude = jnp.where(exp == 0, man.astype(jnp.float32) * 0.5, _f32_bits(((exp + 126) << 23) | (man << 22)))
+    return jnp.where(nibbles >= 8, -magnitude, magnitude)
+
+
+def decode_e8m0(bits: jax.Array) -> jax.Array:
+    """OCP e8m0 scale bytes (int32 0..255) -> 2^(bits - 127) as float32; 255 is NaN."""
+    power = jnp.where(bits == 0, _f32_bits(jnp.full_like(bits, 1 << 22)), _f32_bits(bits << 23))
+    return jnp.where(bits == 255, jnp.nan, power)
+
+
+# ---- the kernel ----------------------------------------------------------------------------------
+
+
+def _scale_tile(s_ref, lay: _Layout, expert, k, j, block_n: int) -> jax.Array:
+    """The float32 scales of K step k and column tile j: [1, block_n] or [1, 1] (one block)."""
+    row = pl.ds((k * lay.block_k) // lay.scale_rows, 1)
+    cols = pl.ds(j * block_n, block_n) if lay.scale_cols == 1 else pl.ds((j * block_n) // lay.scale_cols, 1)
+    s = s_ref[expert, row, cols]
+    return decode_e8m0(s.astype(jnp.int32)) if lay.fmt == "mxfp4" else s.astype(jnp.float32)
+
+
+def _step(x_ref, w_ref, s_ref, lay: _Layout, expert, rows, k, j, block_n: int) -> jax.Array:
+    """One K step of one weight for one tile: float32 [block_m, block_n]."""
+    cols = pl.ds(j * block_n, block_n)
+    bk = lay.block_k
+    if lay.fmt == "float":
+        xk = x_ref[rows, pl.ds(k * bk, bk)]
+        return jnp.dot(xk, w_ref[expert, pl.ds(k * bk, bk), cols].astype(xk.dtype), preferred_element_type=jnp.float32)
+    scale = _scale_tile(s_ref, lay, expert, k, j, block_n)
+    if not lay.packed:  # float8 bytes, decoded with integer ops
+        xk = x_ref[rows, pl.ds(k * bk, bk)]
+        bits = jax.lax.bitcast_convert_type(w_ref[expert, pl.ds(k * bk, bk), cols], jnp.int8).astype(jnp.int32) & 0xFF
+        w = (decode_e4m3(bits, lay.fnuz) * scale).astype(xk.dtype)
+        return jnp.dot(xk, w, preferred_element_type=jnp.float32)
+    half = bk // 2
+    even, odd = x_ref[rows, pl.ds(k * bk, half)], x_ref[rows, pl.ds(k * bk + half, half)]
+    packed = w_ref[expert, pl.ds(k * half, half), cols].astype(jnp.int32)
+    low, high = packed & 15, packed >> 4
+    if lay.int8:  # W4A8: exact int32 dot per group, then the group's scale
+        acc = (jnp.dot(even, (low - 8).astype(jnp.int8), preferred_element_type=jnp.int32)
+               + jnp.dot(odd, (high - 8).astype(jnp.int8), preferred_element_type=jnp.int32))
+        return acc.astype(jnp.float32) * scale
+    decode = decode_e2m1 if lay.fmt == "mxfp4" else (lambda n: (n - 8).astype(jnp.float32))
+    w_low, w_high = ((decode(n) * scale).astype(even.dtype) for n in (low, high))
+    return (jnp.dot(even, w_low, preferred_element_type=jnp.float32)
+            + jnp.dot(odd, w_high, preferred_element_type=jnp.float32))
+
+
+def _kernel(expert_ref, first_ref, end_ref, x_ref, *refs, layouts: tuple[_Layout, ...], has_scales: tuple[bool, ...],
+            row_scaled: bool, num_experts: int, block_m: int, block_n: int, k_steps: int, swiglu: bool):
     from jax.experimental.pallas import triton as plt
 
-    s_ref, o_ref = refs if quantized else (None, refs[0])
+    refs = list(refs)
+    xs_ref = refs.pop(0) if row_scaled else None
+    weights = []
+    for scaled in has_scales:
+        w_ref = refs.pop(0)
+        weights.append((w_ref, refs.pop(0) if scaled else None))
+    (o_ref,) = refs
     i, j = pl.program_id(0), pl.program_id(1)
     expert, first, end = expert_ref[i], first_ref[i], end_ref[i]
-    cols = pl.ds(j * block_n, block_n)
     rows = pl.ds(first, block_m)
 
     @pl.when(expert < num_experts)
     def _():
-        def body(k, acc):
-            if quantized:
-                half = block_k // 2
-                even = x_ref[rows, pl.ds(k * block_k, half)]
-                odd = x_ref[rows, pl.ds(k * block_k + half, half)]
-                packed = w_ref[expert, pl.ds(k * half, half), cols].astype(jnp.int32)
-                scale = s_ref[expert, pl.ds(k, 1), cols].astype(jnp.float32)  # [1, bn]
-                low = (((packed & 15) - 8).astype(jnp.float32) * scale).astype(even.dtype)
-                high = (((packed >> 4) - 8).astype(jnp.float32) * scale).astype(even.dtype)
-                return (acc + jnp.dot(even, low, preferred_element_type=jnp.float32)
-                        + jnp.dot(odd, high, preferred_element_type=jnp.float32))
-            xk = x_ref[rows, pl.ds(k * block_k, block_k)]
-            wk = w_ref[expert, pl.ds(k * block_k, block_k), cols].astype(xk.dtype)
-            return acc + jnp.dot(xk, wk, preferred_element_type=jnp.float32)
+        def body(k, accs):
+            return tuple(acc + _step(x_ref, w_ref, s_ref, lay, expert, rows, k, j, block_n)
+                         for acc, (w_ref, s_ref), lay in zip(accs, weights, layouts))
 
-        acc = jax.lax.fori_loop(0, k_steps, body, jnp.zeros((block_m, block_n), jnp.float32))
+        zeros = tuple(jnp.zeros((block_m, block_n), jnp.float32) for _ in weights)
+        accs = jax.lax.fori_loop(0, k_steps, body, zeros)
+        if row_scaled:  # W4A8: each row's int8 quantization scale
+            accs = tuple(acc * xs_ref[rows, pl.ds(0, 1)] for acc in accs)
+        if swiglu:  # as the XLA path: gate and up rounded to the output dtype, silu in float32
+            gate, up = (acc.astype(o_ref.dtype).astype(jnp.float32) for acc in accs)
+            out = (gate * jax.nn.sigmoid(gate)).astype(o_ref.dtype).astype(jnp.float32) * up
+        else:
+            (out,) = accs
         keep = (first + jax.lax.broadcasted_iota(jnp.int32, (block_m, block_n), 0)) < end
         # masked: the window's rows past this expert's end belong to the next expert's tile
-        plt.store(o_ref.at[rows, cols], acc, mask=keep)
+        plt.store(o_ref.at[rows, pl.ds(j * block_n, block_n)], out.astype(o_ref.dtype), mask=keep)
 
 
 def _split_even_odd(x: jax.Array, group: int) -> jax.Array:
@@ -82,44 +235,70 @@ def _split_even_odd(x: jax.Array, group: int) -> jax.Array:
     return x.reshape(n, k // group, group // 2, 2).swapaxes(-1, -2).reshape(n, k)
 
 
-def grouped_matmul(x: jax.Array, w, group_sizes: jax.Array, *, block_m: int = 16, block_n: int = 32,
-                   block_k: int = 32, interpret: bool = False, num_warps: int = 4, num_stages: int = 2) -> jax.Array:
-    """Rows x [N, K] sorted by expert @ w[expert] -> float32 [N, Nout] (see the module docstring)."""
+def _weight_inputs(w) -> list[jax.Array]:
+    return [w.values, w.scales] if isinstance(w, QArray) else [w]
+
+
+def _grouped_call(x: jax.Array, ws: tuple, group_sizes: jax.Array, *, out_dtype, swiglu: bool, interpret: bool,
+                  num_warps: int, num_stages: int, name: str) -> jax.Array:
     from jax.experimental.pallas import triton as plt
 
     n, k = x.shape
-    quantized = isinstance(w, QArray)
-    if quantized:
-        if w.qformat.fmt != "int4":
-            raise ValueError(f"grouped_matmul takes float or int4 weights for now, not {w.qformat.fmt}")
-        block_k = w.qformat.block[0]  # one scale group per K step
-        values, scales = w.values, w.scales
-        x = _split_even_odd(x, block_k)
-    else:
-        values, scales = w, None
-    e, _, n_out = w.shape if quantized else values.shape
-    if k % block_k or n_out % block_n:
-        raise ValueError(f"K={k} and Nout={n_out} must be multiples of block_k={block_k} and block_n={block_n}")
-    expert, first, end, tiles = tile_plan(group_sizes, n, block_m)
-    x = jnp.pad(x, ((0, block_m), (0, 0)))  # a tile's row window never runs off the end
-    whole = pl.no_block_spec
-    inputs = [expert, first, end, x, values] + ([scales] if quantized else [])
-    kernel = functools.partial(_kernel, num_experts=e, block_m=block_m, block_n=block_n, block_k=block_k,
-                               k_steps=k // block_k, quantized=quantized)
+    layouts = tuple(_layout(w, k) for w in ws)
+    if len(set(layouts)) != 1:
+        raise ValueError("fused gate/up needs both weights in the same format and scale layout")
+    lay = layouts[0]
+    e, n_out = ws[0].shape[0], ws[0].shape[-1]
+    block_n = _block_n(layouts, n_out)
+    row_scale = None
+    if lay.int8:
+        xq, row_scale = quantize_rows_int8(x, lay.block_k)
+        x = xq.reshape(n, k)
+    if lay.packed:
+        x = _split_even_odd(x, lay.block_k)
+    expert, first, end, tiles = tile_plan(group_sizes, n, _BLOCK_M)
+    pad = lambda a: jnp.pad(a, ((0, _BLOCK_M), (0, 0)))  # noqa: E731  (a tile's row window never runs off the end)
+    inputs = [expert, first, end, pad(x)] + ([pad(row_scale)] if lay.int8 else [])
+    for w in ws:
+        inputs += _weight_inputs(w)
+    kernel = functools.partial(
+        _kernel, layouts=layouts, has_scales=tuple(isinstance(w, QArray) for w in ws), row_scaled=lay.int8,
+        num_experts=e, block_m=_BLOCK_M, block_n=block_n, k_steps=k // lay.block_k, swiglu=swiglu)
     out = pl.pallas_call(
         kernel,
         grid=(tiles, n_out // block_n),
-        in_specs=[whole] * len(inputs),
-        out_specs=whole,
-        out_shape=jax.ShapeDtypeStruct((n + block_m, n_out), jnp.float32),
+        in_specs=[pl.no_block_spec] * len(inputs),
+        out_specs=pl.no_block_spec,
+        out_shape=jax.ShapeDtypeStruct((n + _BLOCK_M, n_out), out_dtype),
         interpret=interpret,
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        name="eagle3_grouped_matmul",
+        name=name,
     )(*inputs)
-    rows = jnp.arange(n + block_m)[:, None] < jnp.sum(group_sizes)
-    return jnp.where(rows, out, 0.0)[:n]
+    # rows no tile wrote (past the groups) hold whatever the buffer held: select, never multiply
+    grouped = jnp.arange(n)[:, None] < jnp.sum(group_sizes)
+    return jnp.where(grouped, out[:n], jnp.zeros((), out_dtype))
+
+
+def grouped_matmul(x: jax.Array, w, group_sizes: jax.Array, *, interpret: bool = False, num_warps: int = 4,
+                   num_stages: int = 2) -> jax.Array:
+    """Rows x [N, K] sorted by expert @ w[expert] -> float32 [N, Nout] (see the module docstring)."""
+    return _grouped_call(x, (w,), group_sizes, out_dtype=jnp.float32, swiglu=False, interpret=interpret,
+                         num_warps=num_warps, num_stages=num_stages, name="eagle3_grouped_matmul")
+
+
+def grouped_swiglu(x: jax.Array, w_gate, w_up, group_sizes: jax.Array, *, interpret: bool = False,
+                   num_warps: int = 4, num_stages: int = 2) -> jax.Array:
+    """silu(x @ w_gate[expert]) * (x @ w_up[expert]) for rows x [N, K] sorted by expert -> [N, I] in
+    x's dtype; both weights in the same format."""
+    return _grouped_call(x, (w_gate, w_up), group_sizes, out_dtype=x.dtype, swiglu=True, interpret=interpret,
+                         num_warps=num_warps, num_stages=num_stages, name="eagle3_grouped_swiglu")
 
 
 def grouped_matmul_reference(x: jax.Array, w, group_sizes: jax.Array, **_) -> jax.Array:
     """`grouped_matmul` through XLA (`quant.ragged_linear`: dequantize, then ragged_dot)."""
     return ragged_linear(x, w, group_sizes).astype(jnp.float32)
+
+
+def grouped_swiglu_reference(x: jax.Array, w_gate, w_up, group_sizes: jax.Array, **_) -> jax.Array:
+    """`grouped_swiglu` through XLA, exactly as the MoE layer's XLA path computes it."""
+    return jax.nn.silu(ragged_linear(x, w_gate, group_sizes)) * ragged_linear(x, w_up, group_sizes)

@@ -1,57 +1,134 @@
-"""The grouped expert matmul kernel (Pallas, interpret mode on CPU) against its XLA reference:
-float and int4 weights, empty experts, groups not a multiple of the row tile, padding rows past
-the groups, float32 and bfloat16 activations; and deviceless lowering for ROCm and CUDA."""
+"""The grouped expert kernels (Pallas, interpret mode on CPU) against their XLA references: every
+weight format (float, int4, MXFP4, block and per-channel FP8 in e4m3fn and e4m3fnuz, W4A8), the
+fused gate/up + SiLU, empty experts, groups not a multiple of the row tile, padding rows past the
+groups, the decode form (many experts, few rows), float32 and bfloat16 activations; the in-kernel
+element decoders over every bit pattern; deviceless lowering for ROCm and CUDA."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 
-from eagle3_jax.checkpoint.quantize import encode
-from eagle3_jax.quant import QArray, QFormat
-from pallas_kernels.moe import grouped_matmul, grouped_matmul_reference
+from eagle3_jax.quant import E2M1_VALUES, QArray, QFormat, decode_scales
+from pallas_kernels.moe import (decode_e2m1, decode_e4m3, decode_e8m0, grouped_matmul, grouped_matmul_reference,
+                                grouped_swiglu, grouped_swiglu_reference, tile_plan)
 
 SIZES = [5, 0, 17, 1, 0, 9]  # empty experts, a group longer than a tile, a lone row
+FORMATS = ["float", "int4", "mxfp4", "fp8_block", "fp8_channel", "fp8_block_fnuz", "w4a8"]
 
 
-def int4_weights(rng, e: int, k: int, n: int, group: int = 32) -> QArray:
-    """Random int4 weights in the checkpoint's own packing (via the RTN encoder), as loaded."""
-    from eagle3_jax.checkpoint.quant import int4_words_to_bytes
+def _fp8_bytes(rng, shape, fnuz: bool) -> np.ndarray:
+    """Random float8 values over every finite bit pattern."""
+    bits = rng.integers(0, 256, shape).astype(np.uint8)
+    nan = (bits == 0x80) if fnuz else ((bits & 0x7F) == 0x7F)
+    bits[nan] = 0x01
+    return bits.view(ml_dtypes.float8_e4m3fnuz if fnuz else ml_dtypes.float8_e4m3fn)
 
-    values, scales = [], []
-    for _ in range(e):
-        t = encode(rng.standard_normal((n, k)).astype(np.float32), "int4_pack", group)  # HF [out, in]
-        values.append(int4_words_to_bytes(t["weight_packed"]).T)
-        scales.append(np.asarray(t["weight_scale"]).T)
-    return QArray(jnp.asarray(np.stack(values)), jnp.asarray(np.stack(scales)), QFormat("int4", (group, 1), "bfloat16"))
+
+def make_weight(rng, fmt: str, e: int, k: int, n: int):
+    """A weight [e, k, n] in format `fmt`, with random bytes as the device holds them."""
+    if fmt == "float":
+        return jnp.asarray(rng.standard_normal((e, k, n)) / np.sqrt(k), jnp.float32)
+    if fmt in ("int4", "w4a8"):
+        values = rng.integers(0, 256, (e, k // 2, n)).astype(np.uint8)
+        scales = (rng.uniform(0.5, 1.5, (e, k // 32, n)) / (4 * np.sqrt(k))).astype(ml_dtypes.bfloat16)
+        return QArray(jnp.asarray(values), jnp.asarray(scales),
+                      QFormat("int4", (32, 1), "bfloat16", act="int8" if fmt == "w4a8" else "float"))
+    if fmt == "mxfp4":
+        values = rng.integers(0, 256, (e, k // 2, n)).astype(np.uint8)
+        scales = rng.integers(120, 125, (e, k // 32, n)).astype(np.uint8)
+        return QArray(jnp.asarray(values), jnp.asarray(scales), QFormat("mxfp4", (32, 1), "uint8"))
+    fnuz = fmt.endswith("fnuz")
+    values = jnp.asarray(_fp8_bytes(rng, (e, k, n), fnuz))
+    if fmt.startswith("fp8_block"):
+        scales = rng.uniform(0.5, 1.5, (e, -(-k // 128), -(-n // 128))) / (100 * np.sqrt(k))
+        return QArray(values, jnp.asarray(scales, jnp.float32), QFormat("fp8_block", (128, 128), fnuz=fnuz))
+    scales = rng.uniform(0.5, 1.5, (e, 1, n)) / (100 * np.sqrt(k))
+    return QArray(values, jnp.asarray(scales, jnp.float32), QFormat("fp8_channel", (0, 1), fnuz=fnuz))
+
+
+def _close(got, want, dtype):
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    tol = 1e-4 if dtype == jnp.float32 else 3e-2
+    np.testing.assert_allclose(got, want, atol=tol * float(np.abs(want).max()), rtol=tol)
+
+
+def _case(fmt: str, dtype, sizes=SIZES, pad_rows: int = 3):
+    rng = np.random.default_rng(len(fmt))
+    k, n_out = (128, 128) if fmt.startswith("fp8_block") else (64, 64)
+    x = jnp.asarray(rng.standard_normal((sum(sizes) + pad_rows, k)), dtype)
+    w = make_weight(rng, fmt, len(sizes), k, n_out)
+    if fmt == "float":
+        w = w.astype(dtype)
+    return rng, x, w, jnp.asarray(sizes, jnp.int32)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("weights", ["float", "int4"])
-def test_grouped_matmul_equals_reference(weights, dtype):
-    rng = np.random.default_rng(0)
-    e, k, n_out, rows = len(SIZES), 64, 64, sum(SIZES) + 3  # 3 padding rows past the groups
-    x = jnp.asarray(rng.standard_normal((rows, k)), dtype)
-    if weights == "float":
-        w = jnp.asarray(rng.standard_normal((e, k, n_out)) / 8, dtype)
-    else:
-        w = int4_weights(rng, e, k, n_out)
-    sizes = jnp.asarray(SIZES, jnp.int32)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_grouped_matmul_equals_reference(fmt, dtype):
+    _, x, w, sizes = _case(fmt, dtype)
     got = grouped_matmul(x, w, sizes, interpret=True)
-    want = grouped_matmul_reference(x, w, sizes)
-    tol = 1e-4 if dtype == jnp.float32 else 5e-2
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=tol * float(np.abs(want).max()), rtol=tol)
-    assert not np.asarray(got)[sum(SIZES):].any()
+    _close(got, grouped_matmul_reference(x, w, sizes), dtype)
+    assert got.dtype == jnp.float32 and not np.asarray(got)[sum(SIZES):].any()
+
+
+@pytest.mark.parametrize("fmt", ["float", "int4", "mxfp4", "fp8_block_fnuz", "w4a8"])
+def test_grouped_swiglu_equals_reference(fmt):
+    dtype = jnp.bfloat16
+    rng, x, w_gate, sizes = _case(fmt, dtype)
+    w_up = make_weight(rng, fmt, len(SIZES), *w_gate.shape[1:])
+    w_up = w_up.astype(dtype) if fmt == "float" else w_up
+    got = grouped_swiglu(x, w_gate, w_up, sizes, interpret=True)
+    assert got.dtype == dtype
+    _close(got, grouped_swiglu_reference(x, w_gate, w_up, sizes), dtype)
+    assert not np.asarray(got, np.float32)[sum(SIZES):].any()
+
+
+def test_decode_form_launches_tiles_per_assignment_not_per_expert():
+    """384 experts, 3 routed rows: 3 row tiles, each reading one routed expert."""
+    sizes = np.zeros(384, np.int32)
+    sizes[[7, 200, 383]] = 1
+    _, x, w, sizes = _case("int4", jnp.bfloat16, sizes=list(sizes), pad_rows=1)
+    expert, first, _, count = tile_plan(sizes, x.shape[0], 16)
+    assert count == 4 and list(np.asarray(expert)) == [7, 200, 383, 384]
+    _close(grouped_matmul(x, w, sizes, interpret=True), grouped_matmul_reference(x, w, sizes), jnp.bfloat16)
+
+
+def test_element_decoders_cover_every_bit_pattern():
+    bits = jnp.arange(256, dtype=jnp.int32)
+    for fnuz, dt in ((False, ml_dtypes.float8_e4m3fn), (True, ml_dtypes.float8_e4m3fnuz)):
+        want = np.arange(256, dtype=np.uint8).view(dt).astype(np.float32)
+        got = np.asarray(decode_e4m3(bits, fnuz))
+        np.testing.assert_array_equal(got, want)
+        finite = ~np.isnan(want)
+        np.testing.assert_array_equal(np.signbit(got[finite]), np.signbit(want[finite]))  # -0.0 where the format has it
+    np.testing.assert_array_equal(np.asarray(decode_e2m1(jnp.arange(16, dtype=jnp.int32))), E2M1_VALUES)
+    e8m0 = QArray(jnp.zeros((2, 1), jnp.uint8), jnp.arange(256, dtype=jnp.uint8)[None], QFormat("mxfp4", (32, 1), "uint8"))
+    got, want = np.asarray(decode_e8m0(bits)), np.asarray(decode_scales(e8m0))[0]
+    np.testing.assert_array_equal(got[1:], want[1:])
+    assert got[0] == np.float32(2.0 ** -127)  # a float32 denormal, which XLA's CPU reference flushes to zero
 
 
 @pytest.mark.parametrize("platform", ["rocm", "cuda"])
-def test_grouped_matmul_lowers_to_triton(platform):
-    """Kimi-K2.5 expert shapes on one device's share: 7168 -> 256 columns (2048 split 8 ways), int4."""
+def test_grouped_kernels_lower_to_triton(platform):
+    """Kimi-K2.5's expert shapes on one device's share (7168 -> 256 columns: 2048 split 8 ways) in
+    int4 (gate/up fused, and W4A8), and FP8 block in e4m3fnuz (gfx942's flavour)."""
     sds = jax.ShapeDtypeStruct
     e, k, n_out = 48, 7168, 256
-    w = QArray(sds((e, k // 2, n_out), jnp.uint8), sds((e, k // 32, n_out), jnp.bfloat16), QFormat("int4", (32, 1), "bfloat16"))
-    f = jax.jit(lambda x, w, s: grouped_matmul(x, w, s, block_m=16, block_n=64))
-    text = f.trace(sds((64, k), jnp.bfloat16), w, sds((e,), jnp.int32)).lower(lowering_platforms=(platform,)).as_text()
-    assert "triton" in text and "eagle3_grouped_matmul" in text
+
+    def int4(act):
+        return QArray(sds((e, k // 2, n_out), jnp.uint8), sds((e, k // 32, n_out), jnp.bfloat16),
+                      QFormat("int4", (32, 1), "bfloat16", act=act))
+
+    fp8 = QArray(sds((e, k, n_out), jnp.float8_e4m3fnuz), sds((e, k // 128, n_out // 128), jnp.float32),
+                 QFormat("fp8_block", (128, 128), fnuz=True))
+    x, sizes = sds((64, k), jnp.bfloat16), sds((e,), jnp.int32)
+    for name, f, ws in (("eagle3_grouped_swiglu", grouped_swiglu, (int4("float"), int4("float"))),
+                        ("eagle3_grouped_swiglu", grouped_swiglu, (int4("int8"), int4("int8"))),
+                        ("eagle3_grouped_matmul", grouped_matmul, (fp8,))):
+        lowered = jax.jit(lambda x, ws, s: f(x, *ws, s)).trace(x, ws, sizes).lower(lowering_platforms=(platform,))
+        text = lowered.as_text()
+        assert "triton" in text and name in text
