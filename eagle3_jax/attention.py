@@ -4,7 +4,7 @@ Each block projects the new tokens, writes their K/V (or MLA latents) into the s
 `layer`, then attends over all cache slots with a precomputed visibility mask [B, T, S]. Scores
 and softmax run in float32.
 
-With `cfg.kernels == "pallas"`, decode and verify (up to KERNEL_MAX_TOKENS new tokens) attend in
+When `cfg.kernels` picks Pallas for attention (see kernels.py), decode and verify (up to KERNEL_MAX_TOKENS new tokens) attend in
 two parts merged by their log-sum-exp: the committed prefix through the paged Pallas kernel
 (pallas_kernels/attention.py, which reads only the pages below each row's length) and the new
 tokens among themselves through the tree mask, a [T, T] problem done here. Prefill chunks keep
@@ -21,7 +21,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from . import kv_cache
+from . import kernels, kv_cache
 from .config import ModelConfig
 from .layers import apply_rotary, rms_norm, rotary_cos_sin
 from .quant import dequantize, linear
@@ -53,7 +53,9 @@ KERNEL_MAX_TOKENS = 64  # new tokens per row up to which the Pallas path is used
 
 
 def _uses_kernel(cfg: ModelConfig, t: int, tree_mask: jax.Array | None) -> bool:
-    return cfg.kernels == "pallas" and tree_mask is not None and t <= KERNEL_MAX_TOKENS
+    mesh = jax.sharding.get_abstract_mesh()
+    unsharded = mesh.empty or mesh.size == 1  # the kernel has no sharded form: GSPMD would gather its inputs
+    return kernels.uses(cfg.kernels, "attention") and tree_mask is not None and t <= KERNEL_MAX_TOKENS and unsharded
 
 
 def _tree_partial(scores: jax.Array, tree_mask: jax.Array, values: jax.Array, spec: str) -> tuple[jax.Array, jax.Array]:
@@ -73,12 +75,7 @@ def _prefix_partial(cache: kv_cache.KVCache, layer, q, q2, scale: float, value_p
     if k_pool.ndim == 4:  # MLA pools [L, pages, ps, r]: one shared "head"
         k_pool, v_pool = k_pool[:, :, :, None], v_pool[:, :, :, None]
     return paged_prefix_attention(q, k_pool, v_pool if value_pool else None, layer, table, cache.lengths, scale=scale,
-                                  q2=q2, k2_pool=None if q2 is None else v_pool, interpret=_interpret_kernels())
-
-
-def _interpret_kernels() -> bool:
-    """Pallas kernels run interpreted on a CPU host (tests monkeypatch this to lower for GPUs)."""
-    return jax.default_backend() == "cpu"
+                                  q2=q2, k2_pool=None if q2 is None else v_pool, interpret=kernels.interpret())
 
 
 def _gqa_kernel_attention(cfg: ModelConfig, q, k, v, cache, layer, tree_mask) -> jax.Array:

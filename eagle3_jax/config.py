@@ -137,7 +137,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     aux_layer_ids: tuple[int, ...] = ()  # hidden_states indices captured for the draft
-    # run time: "xla" or "pallas" attention for decode / verify (load_target's `kernels`)
+    # run time: which ops run Pallas kernels, e.g. "attention=pallas,moe=xla" (kernels.py; load_target's `kernels`)
     kernels: str = "xla"
 
     # ---- derived -----------------------------------------------------------------------------

@@ -19,14 +19,22 @@ Local expert compute has two forms, chosen from the static shapes:
   step reads only the experts it routes to;
 - many assignments (verify of large batches, prefill): sort them by expert and run three grouped
   matmuls (`lax.ragged_dot`) over the local experts, dequantized inside the op.
+When `cfg.kernels` picks Pallas for the MoE (kernels.py), both sizes instead sort the assignments
+and run the grouped kernels of pallas_kernels/moe.py: gate and up fused with SiLU, then down, the
+weights dequantized in registers; the kernels launch row tiles per assignment, not per expert, so
+a small decode step still reads only its routed experts.
 """
 
 from __future__ import annotations
+
+import functools
+import logging
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from . import kernels
 from .config import ModelConfig
 from .layers import swiglu
 from .quant import QArray, expert_matmul, ragged_linear, take
@@ -60,22 +68,55 @@ def route(logits: jax.Array, bias: jax.Array | None, cfg: ModelConfig) -> tuple[
 # ---- local expert compute ----------------------------------------------------------------------------
 
 
+def _sorted_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, num_experts: int, mlp) -> jax.Array:
+    """Assignments sorted by expert (those outside [0, E) last, in no group), `mlp(rows, group_sizes)`
+    -> float32 outputs per sorted row, combined back per token: float32 [N, H]."""
+    n, k = ids.shape
+    flat_ids = ids.reshape(-1)
+    local = (flat_ids >= 0) & (flat_ids < num_experts)
+    order = jnp.argsort(jnp.where(local, flat_ids, num_experts), stable=True)
+    token_of = order // k
+    group_sizes = jnp.bincount(jnp.where(local, flat_ids, num_experts), length=num_experts + 1)[:num_experts]
+    y = mlp(x[token_of], group_sizes.astype(jnp.int32))
+    coef = jnp.where(local, weights.reshape(-1), 0.0)[order]
+    return jnp.zeros((n, x.shape[-1]), jnp.float32).at[token_of].add(y * coef[:, None])
+
+
 def grouped_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate, w_up, w_down) -> jax.Array:
     """x [N, H]; weights/ids [N, k] (ids outside [0, E) are not computed); expert weights
     [E, H, I], [E, H, I], [E, I, H] -> float32 [N, H]."""
-    n, k = ids.shape
-    num_experts = w_gate.shape[0]
-    flat_ids = ids.reshape(-1)
-    local = (flat_ids >= 0) & (flat_ids < num_experts)
-    order = jnp.argsort(jnp.where(local, flat_ids, num_experts), stable=True)  # others last, in no group
-    token_of = order // k
-    xs = x[token_of]
-    group_sizes = jnp.bincount(jnp.where(local, flat_ids, num_experts), length=num_experts + 1)[:num_experts]
-    group_sizes = group_sizes.astype(jnp.int32)
-    h = jax.nn.silu(ragged_linear(xs, w_gate, group_sizes)) * ragged_linear(xs, w_up, group_sizes)
-    y = ragged_linear(h, w_down, group_sizes).astype(jnp.float32)
-    coef = jnp.where(local, weights.reshape(-1), 0.0)[order]
-    return jnp.zeros((n, x.shape[-1]), jnp.float32).at[token_of].add(y * coef[:, None])
+    def mlp(xs, group_sizes):
+        h = jax.nn.silu(ragged_linear(xs, w_gate, group_sizes)) * ragged_linear(xs, w_up, group_sizes)
+        return ragged_linear(h, w_down, group_sizes).astype(jnp.float32)
+
+    return _sorted_experts(x, weights, ids, w_gate.shape[0], mlp)
+
+
+def kernel_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate, w_up, w_down) -> jax.Array:
+    """`grouped_experts` through the Pallas kernels: fused gate/up + SiLU, then down."""
+    from pallas_kernels.moe import grouped_matmul, grouped_swiglu
+
+    interpret = kernels.interpret()
+
+    def mlp(xs, group_sizes):
+        h = grouped_swiglu(xs, w_gate, w_up, group_sizes, interpret=interpret)
+        return grouped_matmul(h, w_down, group_sizes, interpret=interpret)
+
+    return _sorted_experts(x, weights, ids, w_gate.shape[0], mlp)
+
+
+def kernel_unfit(w_gate, w_up, w_down) -> str | None:
+    """Why the Pallas expert kernels cannot take these (local) weights, or None if they can."""
+    from pallas_kernels.moe import layout_error
+
+    for name, w, k in (("gate", w_gate, w_gate.shape[-2]), ("up", w_up, w_up.shape[-2]),
+                       ("down", w_down, w_down.shape[-2])):
+        error = layout_error(w, k)
+        if error:
+            return f"experts {name}: {error}"
+    if type(w_gate) is not type(w_up) or getattr(w_gate, "qformat", None) != getattr(w_up, "qformat", None):
+        return "gate and up are stored differently, and the fused kernel takes one format"
+    return None
 
 
 def gathered_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate, w_up, w_down) -> jax.Array:
@@ -89,8 +130,19 @@ def gathered_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate, w
     return jnp.einsum("nkh,nk->nh", y, jnp.where(local, weights, 0.0))
 
 
-def local_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate, w_up, w_down) -> jax.Array:
+@functools.lru_cache(maxsize=None)
+def _warn_once(message: str) -> None:
+    logging.getLogger("eagle3_jax").warning(message)
+
+
+def local_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate, w_up, w_down,
+                  use_kernels: bool = False) -> jax.Array:
     """Routed experts over the experts present in w_*; float32 [N, H]."""
+    if use_kernels:
+        unfit = kernel_unfit(w_gate, w_up, w_down)
+        if unfit is None:
+            return kernel_experts(x, weights, ids, w_gate, w_up, w_down)
+        _warn_once(f"routed experts keep the XLA path: {unfit}")
     experts = gathered_experts if 2 * ids.size <= w_gate.shape[0] else grouped_experts
     return experts(x, weights, ids, w_gate, w_up, w_down)
 
@@ -106,7 +158,8 @@ def _weight_specs(w: dict, mesh) -> dict:
     return {name: leaf_partition_spec(axes[name], arr, mesh) for name, arr in w.items()}
 
 
-def expert_parallel(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate, w_up, w_down, mesh) -> jax.Array:
+def expert_parallel(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate, w_up, w_down, mesh,
+                    use_kernels: bool = False) -> jax.Array:
     """`local_experts` under shard_map on `mesh`: each shard runs its own experts (and its slice of
     their intermediate width) for all tokens; partial outputs are psum-ed in float32."""
     w = {"experts_gate": w_gate, "experts_up": w_up, "experts_down": w_down}
@@ -120,7 +173,7 @@ def expert_parallel(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate, w_
 
     def body(x, weights, ids, wg, wu, wd):
         first = jax.lax.axis_index(expert_axis) * local_count if expert_axis else 0
-        y = local_experts(x, weights, ids - first, wg, wu, wd)
+        y = local_experts(x, weights, ids - first, wg, wu, wd, use_kernels)
         return jax.lax.psum(y, reduce_axes) if reduce_axes else y
 
     return jax.shard_map(
@@ -147,10 +200,11 @@ def moe_block(p: dict, cfg: ModelConfig, x: jax.Array) -> jax.Array:
     weights, ids = route(logits, p.get("router_bias"), cfg)
     mesh = _expert_mesh()
     experts = (p["experts_gate"], p["experts_up"], p["experts_down"])
+    use_kernels = kernels.uses(cfg.kernels, "moe")
     if mesh is None:
-        out = local_experts(flat, weights, ids, *experts)
+        out = local_experts(flat, weights, ids, *experts, use_kernels)
     else:
-        out = expert_parallel(flat, weights, ids, *experts, mesh)
+        out = expert_parallel(flat, weights, ids, *experts, mesh, use_kernels)
     out = out.astype(x.dtype)
     if "shared_gate" in p:
         out = out + swiglu(flat, p["shared_gate"], p["shared_up"], p["shared_down"])

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import kv_cache, params as params_lib
+from . import kernels as kernels_lib, kv_cache, params as params_lib
 from .attention import gqa_block, mla_block
 from .checkpoint.lazy import LazyArray
 from .config import ModelConfig, load_model_config
@@ -188,20 +188,6 @@ def _full_forward(params, cfg, ids, dtype):
     return logits, aux
 
 
-KERNELS = ("xla", "pallas", "auto")
-
-
-def resolve_kernels(kernels: str, mesh: jax.sharding.Mesh | None) -> str:
-    """"xla" or "pallas" for a `kernels` choice: "auto" = Pallas on GPUs (one device), XLA elsewhere."""
-    if kernels not in KERNELS:
-        raise ValueError(f"kernels {kernels!r} is not supported; use one of {', '.join(KERNELS)}")
-    if kernels == "auto":
-        return "pallas" if jax.default_backend() in ("gpu", "cuda", "rocm") and mesh is None else "xla"
-    if kernels == "pallas" and mesh is not None:
-        raise ValueError("kernels='pallas' runs on one device for now; with a mesh use kernels='xla' (or 'auto')")
-    return kernels
-
-
 def load_target(path: str | os.PathLike, dtype="bfloat16", mesh: jax.sharding.Mesh | None = None,
                 aux_layer_ids: Sequence[int] | None = None, *, dequantize: bool = False, w4a8: bool = False,
                 fp8_format: str = "auto", kernels: str = "xla") -> Target:
@@ -215,7 +201,9 @@ def load_target(path: str | os.PathLike, dtype="bfloat16", mesh: jax.sharding.Me
     sharding.make_mesh) params are placed by the logical-axis rules and MoE layers run
     expert-parallel. `aux_layer_ids` overrides which hidden states are captured for a draft
     (default 2, L//2, L-3). `kernels`: "xla" (default), "pallas" (decode / verify attention through
-    the paged Pallas kernel; interpreted on CPU; one device for now) or "auto" (Pallas on a GPU).
+    the paged Pallas kernel, routed experts through the grouped-matmul kernels; interpreted on CPU),
+    "auto" (Pallas on a GPU) or one choice per op, e.g. "attention=pallas,moe=xla" (see kernels.py;
+    attention keeps XLA on a mesh).
     """
     from .checkpoint import is_orbax_dir, keeps_quantized, read_flat_params
     from .sharding import shard_params
@@ -224,7 +212,7 @@ def load_target(path: str | os.PathLike, dtype="bfloat16", mesh: jax.sharding.Me
     cfg = load_model_config(path)
     if cfg.quant is not None and is_orbax_dir(path) and not keeps_quantized(path):
         dequantize = True  # converted with dequantization: the folder holds float weights only
-    cfg = dataclasses.replace(with_quant_options(cfg, dequantize, w4a8, fp8_format), kernels=resolve_kernels(kernels, mesh))
+    cfg = dataclasses.replace(with_quant_options(cfg, dequantize, w4a8, fp8_format), kernels=kernels_lib.resolve(kernels, mesh))
     if aux_layer_ids is not None:
         cfg = cfg.with_aux_layers(tuple(aux_layer_ids))
     dt = resolve_dtype(dtype)

@@ -72,18 +72,15 @@ def layout_error(w, k: int) -> str | None:
     if k != w.shape[-2]:
         return f"rows have {k} columns but the weight's input dimension is {w.shape[-2]}"
     n_out = w.shape[-1]
-    if not isinstance(w, QArray):
-        if _largest_dividing(_BLOCK_K, k) is None or _largest_dividing(_BLOCK_N, n_out) is None:
-            return f"K={k} and Nout={n_out} must be multiples of 16"
-        return None
-    fmt, (bi, bo) = w.qformat.fmt, w.qformat.scale_block(w.shape)
-    if fmt in ("int4", "mxfp4"):
+    bi, bo = w.qformat.scale_block(w.shape) if isinstance(w, QArray) else (k, 1)
+    if isinstance(w, QArray) and w.qformat.fmt in ("int4", "mxfp4"):
         if bi < 32 or bi & (bi - 1) or k % bi or bo != 1:
-            return f"{fmt} needs power-of-two scale groups >= 32 along K dividing K={k} (got {bi} x {bo})"
-    elif bi != k and (bi % 16 or k % bi):
-        return f"{fmt} needs scale blocks along K that are multiples of 16 and divide K={k} (got {bi})"
+            return (f"{w.qformat.fmt} needs scale groups along K of a power of two >= 32 dividing K={k}, one per "
+                    f"column (got {bi} x {bo})")
+    elif _largest_dividing(_BLOCK_K, k, bi) is None:  # a K step stays inside one scale block
+        return f"K={k} and the K scale block ({bi}) need a common power-of-two step >= 16"
     if _largest_dividing(_BLOCK_N, n_out, *([bo] if bo > 1 else [])) is None:
-        return f"Nout={n_out} and the column scale block ({bo}) must be multiples of 16"
+        return f"Nout={n_out} and the column scale block ({bo}) need a common power-of-two tile >= 16"
     return None
 
 
@@ -97,7 +94,7 @@ def _layout(w, k: int) -> _Layout:
     bi, bo = q.scale_block(w.shape)
     if q.fmt in ("int4", "mxfp4"):
         return _Layout(q.fmt, bi, bi, bo, int8=q.act == "int8")
-    return _Layout(q.fmt, _largest_dividing(_BLOCK_K, bi), bi, bo, fnuz=q.fnuz)
+    return _Layout(q.fmt, _largest_dividing(_BLOCK_K, k, bi), bi, bo, fnuz=q.fnuz)
 
 
 def _block_n(layouts: tuple[_Layout, ...], n_out: int) -> int:

@@ -1,5 +1,5 @@
-"""The engine with kernels="pallas" (attention through the paged Pallas kernel, interpret mode on
-CPU) against the XLA path: logits of decode and verify steps, and greedy speculation (chain and
+"""The engine with kernels="pallas" (attention through the paged Pallas kernel, routed experts
+through the grouped kernels, interpret mode on CPU) against the XLA path: logits of decode and verify steps, and greedy speculation (chain and
 tree) equal to greedy plain decoding, for the MLA+MoE and GQA+MoE families, dense cache (Engine)
 and paged cache (Scheduler)."""
 
@@ -23,11 +23,13 @@ def pallas(target):
 
 @pytest.mark.parametrize("family", ["deepseek_v3", "minimax_m2", "llama"])
 def test_decode_and_verify_logits_equal_xla(family, monkeypatch):
-    import pallas_kernels.attention as kernels
+    import pallas_kernels.attention as attention_kernels
+    import pallas_kernels.moe as moe_kernels
 
     calls = []
-    real = kernels.paged_prefix_attention
-    monkeypatch.setattr(kernels, "paged_prefix_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    for module, name in ((moe_kernels, "grouped_swiglu"), (attention_kernels, "paged_prefix_attention")):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, real=real, name=name, **k: calls.append(name) or real(*a, **k))
     xla = random_target(FAMILIES[family])
     ker = pallas(xla)
     rng = np.random.default_rng(1)
@@ -44,7 +46,8 @@ def test_decode_and_verify_logits_equal_xla(family, monkeypatch):
         want, _, _ = forward(xla.params, xla.config, toks[:, :t], pos[:, :t], cache, tree[:, :t, :t])
         got, _, _ = forward(ker.params, ker.config, toks[:, :t], pos[:, :t], cache, tree[:, :t, :t])
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5 * float(np.abs(want).max()))
-    assert calls  # the kernel really ran (traced once per segment and query length)
+    # the kernels really ran (traced once per segment and query length)
+    assert set(calls) == ({"paged_prefix_attention"} | ({"grouped_swiglu"} if FAMILIES[family] is not FAMILIES["llama"] else set()))
 
 
 @pytest.mark.parametrize("family", ["deepseek_v3", "minimax_m2"])
@@ -62,24 +65,32 @@ def test_greedy_speculation_with_pallas_attention_equals_plain(family):
     assert [o.token_ids for o in e3.Engine(xla, max_batch_size=2, max_seq_len=64).generate(prompts, sp)] == want
 
 
-def test_kernel_choice_is_checked():
-    from eagle3_jax.target import resolve_kernels
+def test_kernel_choice_is_checked(caplog):
+    from eagle3_jax.kernels import resolve, uses
+    from eagle3_jax.sharding import make_mesh
 
-    assert resolve_kernels("auto", None) == "xla"  # CPU
-    with pytest.raises(ValueError, match="one of xla, pallas, auto"):
-        resolve_kernels("triton", None)
+    assert resolve("auto", None) == "attention=xla,moe=xla"  # CPU
+    assert resolve("pallas", None) == "attention=pallas,moe=pallas"
+    assert resolve("moe=pallas", None) == "attention=xla,moe=pallas"
+    assert uses("attention=xla,moe=pallas", "moe") and not uses("attention=xla,moe=pallas", "attention")
+    with caplog.at_level("WARNING"):
+        assert resolve("pallas", make_mesh(1, 2, 4)) == "attention=xla,moe=pallas"
+    assert "attention keeps its XLA path" in caplog.text
+    for bad in ("triton", "attention=cuda", "mlp=pallas", "attention"):
+        with pytest.raises(ValueError, match="one of xla, pallas, auto"):
+            resolve(bad, None)
 
 
 @pytest.mark.parametrize("platform", ["rocm", "cuda"])
 def test_speculative_step_lowers_with_triton_attention(platform, monkeypatch):
     """Deviceless lowering of the whole speculative step with kernels="pallas" (compiled, not
     interpreted): the module holds the Triton attention kernel."""
-    from eagle3_jax import attention
+    from eagle3_jax import kernels as kernels_lib
     from eagle3_jax.engine import _spec_step
     from eagle3_jax.sampling import SamplingArrays
     from eagle3_jax.spec.propose import DraftTree
 
-    monkeypatch.setattr(attention, "_interpret_kernels", lambda: False)
+    monkeypatch.setattr(kernels_lib, "interpret", lambda: False)
     target = pallas(random_target(FAMILIES["deepseek_v3"]))
     draft = random_draft(target)
     spec = e3.SpecConfig(3, 1, 4)
@@ -90,4 +101,5 @@ def test_speculative_step_lowers_with_triton_attention(platform, monkeypatch):
     lowered = _spec_step.trace(target.params, target.config, draft.params, draft.config, spec, tcache, dcache, tree, sp,
                                jnp.ones((2,), jnp.int32)).lower(lowering_platforms=(platform,))
     text = lowered.as_text()
-    assert "triton" in text and "eagle3_paged_prefix_attention" in text
+    for kernel in ("eagle3_paged_prefix_attention", "eagle3_grouped_swiglu", "eagle3_grouped_matmul"):
+        assert kernel in text, kernel

@@ -174,6 +174,43 @@ def test_quantized_logits_equal_dequantized_twin(folders, name):
     np.testing.assert_allclose(quant.logits(ids), want, atol=2e-5 * np.abs(want).max())
 
 
+KERNEL_MODELS = {  # expert widths the kernels tile (>= one 32-wide scale group), and one they cannot
+    "kimi_int4_g32": (dict(DEEPSEEK, moe_intermediate_size=32), "int4_pack", KIMI_IGNORE, 32, {}),
+    "kimi_w4a8_g32": (dict(DEEPSEEK, moe_intermediate_size=32), "int4_pack", KIMI_IGNORE, 32, {"w4a8": True}),
+    "kimi_mxfp4": (dict(DEEPSEEK, moe_intermediate_size=32), "mxfp4", ("lm_head", "re:.*self_attn.*"), 32, {}),
+    "deepseek_fp8_fnuz": (DEEPSEEK, "fp8_block", (), 32, {"fp8_format": "e4m3fnuz"}),
+    "minimax_fp8": (MINIMAX, "fp8_block", ("gate", "e_score_correction_bias", "lm_head"), 32, {}),
+    "kimi_int4_g16": (DEEPSEEK, "int4_pack", KIMI_IGNORE, 16, {}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(KERNEL_MODELS))
+def test_pallas_expert_kernels_equal_xla(name, tmp_path, caplog, monkeypatch):
+    """kernels="moe=pallas" (interpret mode): the routed experts run the grouped kernels on the
+    resident quantized weights, logits as the XLA path's; a layout the kernels cannot tile (int4
+    groups of 16) keeps the XLA path and says so."""
+    import pallas_kernels.moe as moe_kernels
+    from eagle3_jax import moe
+
+    family, method, ignore, group, options = KERNEL_MODELS[name]
+    raw = dict(family, quantization_config=quantization_config(method, ignore, group))
+    cfg = parse_model_config(raw)
+    save_hf_target(str(tmp_path), random_flat(cfg, 0), cfg, raw)
+    calls = []
+    real = moe_kernels.grouped_swiglu
+    monkeypatch.setattr(moe_kernels, "grouped_swiglu", lambda *a, **k: calls.append(1) or real(*a, **k))
+    moe._warn_once.cache_clear()
+    ids = np.random.default_rng(0).integers(0, 64, (2, 9))
+    want = e3.load_target(tmp_path, dtype="float32", **options).logits(ids)
+    with caplog.at_level("WARNING"):
+        got = e3.load_target(tmp_path, dtype="float32", kernels="moe=pallas", **options).logits(ids)
+    np.testing.assert_allclose(got, want, atol=2e-5 * np.abs(want).max())
+    if name == "kimi_int4_g16":
+        assert not calls and "routed experts keep the XLA path: experts gate: int4 needs scale groups" in caplog.text
+    else:
+        assert calls and "keep the XLA path" not in caplog.text
+
+
 def test_quantized_weights_take_less_memory(folders):
     for name in ("kimi_int4", "kimi_mxfp4", "deepseek_fp8"):
         q = e3.load_target(folders[name], dtype="bfloat16").params["segments"][1]["experts_up"]
