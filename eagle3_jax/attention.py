@@ -79,7 +79,8 @@ def _prefix_partial(cache: kv_cache.KVCache, layer, q, q2, scale: float, value_p
 
 
 def _gqa_kernel_attention(cfg: ModelConfig, q, k, v, cache, layer, tree_mask) -> jax.Array:
-    """GQA decode / verify through the prefix kernel + the tree part; [B, T, heads * d]."""
+    """GQA decode / verify through the prefix kernel (slots < cache.lengths) + the tree part (k, v
+    [B, W, kv, d]: the W window slots from cache.lengths on, tree_mask [B, T, W]); [B, T, heads * d]."""
     from pallas_kernels.attention import merge_partials
 
     b, t, nh, d = q.shape
@@ -89,26 +90,35 @@ def _gqa_kernel_attention(cfg: ModelConfig, q, k, v, cache, layer, tree_mask) ->
     out_a, lse_a = _prefix_partial(cache, layer, qg.reshape(b, nkv, g * t, d).astype(cache.k.dtype), None, scale, True)
     kn, vn = k.astype(cache.k.dtype), v.astype(cache.v.dtype)
     scores = jnp.einsum("bkgtd,bjkd->bkgtj", qg, kn, preferred_element_type=jnp.float32) * scale
-    out_b, lse_b = _tree_partial(scores.reshape(b, nkv * g, t, t), tree_mask,
+    out_b, lse_b = _tree_partial(scores.reshape(b, nkv * g, t, kn.shape[1]), tree_mask,
                                  jnp.repeat(vn, g, axis=2), "bhtj,bjhd->bhtd")
     out = merge_partials(out_a.reshape(b, nkv * g, t, d), lse_a.reshape(b, nkv * g, t), out_b, lse_b)
     return out.transpose(0, 2, 1, 3).reshape(b, t, nh * d).astype(q.dtype)
 
 
 def gqa_block(p: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Array, cache: kv_cache.KVCache,
-              layer: jax.Array, mask: jax.Array, tree_mask: jax.Array | None = None
-              ) -> tuple[jax.Array, kv_cache.KVCache]:
+              layer: jax.Array, mask: jax.Array, tree_mask: jax.Array | None = None,
+              prefix_lengths: jax.Array | None = None) -> tuple[jax.Array, kv_cache.KVCache]:
     """x [B, T, H] -> attention output [B, T, H]; K/V of the T tokens written to the cache.
 
-    mask [B, T, S]: which cache slots each new token sees; tree_mask [B, T, T] (with the cache's
-    lengths the same information) lets the Pallas path skip the dense mask."""
+    mask [B, T, S]: which cache slots each new token sees. The same information in the form the
+    Pallas path uses, to skip the dense mask: every slot below `prefix_lengths` (default the
+    cache's lengths, where the new tokens are written) plus the window of W slots from there on
+    through tree_mask [B, T, W]. The target's verify has W = T (the new tokens themselves); the
+    draft's tree expansion has a window of scratch slots written by earlier levels."""
     b, t, _ = x.shape
     nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     q, k, v = gqa_project(p, cfg, x, positions)
 
     if _uses_kernel(cfg, t, tree_mask):
-        out = _gqa_kernel_attention(cfg, q, k, v, cache, layer, tree_mask)
-        return linear(out, p["o_proj"]), kv_cache.write(cache, layer, k, v)
+        if prefix_lengths is None:  # the window is the new tokens: use them as computed
+            out = _gqa_kernel_attention(cfg, q, k, v, cache, layer, tree_mask)
+            return linear(out, p["o_proj"]), kv_cache.write(cache, layer, k, v)
+        cache = kv_cache.write(cache, layer, k, v)
+        window = prefix_lengths[:, None] + jnp.arange(tree_mask.shape[-1], dtype=jnp.int32)[None, :]
+        kw, vw = kv_cache.read_slots(cache, layer, window)
+        out = _gqa_kernel_attention(cfg, q, kw, vw, cache.replace(lengths=prefix_lengths), layer, tree_mask)
+        return linear(out, p["o_proj"]), cache
     cache = kv_cache.write(cache, layer, k, v)
     keys, values = kv_cache.read(cache, layer)  # [B, S, nkv, d]
 

@@ -140,12 +140,14 @@ def draft_specs(cfg: DraftConfig, with_embed: bool) -> dict[str, ParamSpec]:
 
 
 def draft_forward(params: dict, cfg: DraftConfig, embeds: jax.Array, hidden: jax.Array, positions: jax.Array,
-                  cache: kv_cache.KVCache, mask: jax.Array) -> tuple[jax.Array, jax.Array, kv_cache.KVCache]:
+                  cache: kv_cache.KVCache, mask: jax.Array, tree_mask: jax.Array | None = None,
+                  prefix_lengths: jax.Array | None = None) -> tuple[jax.Array, jax.Array, kv_cache.KVCache]:
     """One draft pass over T new pairs per row.
 
     embeds [B, T, H]: embeddings of the tokens x_{t+1}; hidden [B, T, H]: fc(target features) or
     the draft's own previous output hidden; positions [B, T]; mask [B, T, S] cache visibility
-    (K/V of the new pairs are written at slots cache.lengths[b] + t).
+    (K/V of the new pairs are written at slots cache.lengths[b] + t); tree_mask / prefix_lengths:
+    the same visibility in the form the Pallas attention path takes (see attention.gqa_block).
     Returns draft-vocab logits [B, T, Vd] (float32), output hidden [B, T, H], cache.
     """
     lc = cfg.layers
@@ -157,7 +159,7 @@ def draft_forward(params: dict, cfg: DraftConfig, embeds: jax.Array, hidden: jax
     for layer, p in enumerate(layers):
         if layer > 0:
             x = rms_norm(residual, p["attn_norm"], lc.rms_norm_eps)
-        attn, cache = gqa_block(p, lc, x, positions, cache, jnp.int32(layer), mask)
+        attn, cache = gqa_block(p, lc, x, positions, cache, jnp.int32(layer), mask, tree_mask, prefix_lengths)
         h = residual + attn
         residual = h + swiglu(rms_norm(h, p["mlp_norm"], lc.rms_norm_eps), p["gate_proj"], p["up_proj"], p["down_proj"])
     logits = linear(rms_norm(residual, params["final_norm"], lc.rms_norm_eps), params["lm_head"], out_dtype=jnp.float32)
@@ -174,6 +176,15 @@ def draft_to_target_ids(params: dict, draft_ids: jax.Array) -> jax.Array:
 
 
 # ---- the public handle ----------------------------------------------------------------------------
+
+
+def with_target_kernels(draft: "Draft", target: Target) -> "Draft":
+    """The draft running its target's kernel choice (its attention; drafts have no MoE)."""
+    kernels = target.config.kernels
+    if draft.config.layers.kernels == kernels:
+        return draft
+    layers = dataclasses.replace(draft.config.layers, kernels=kernels)
+    return dataclasses.replace(draft, config=dataclasses.replace(draft.config, layers=layers))
 
 
 @dataclasses.dataclass

@@ -22,7 +22,7 @@ import numpy as np
 
 from . import kv_cache
 from .config import ModelConfig
-from .draft import Draft
+from .draft import Draft, with_target_kernels
 from .sampling import SamplingArrays, SamplingParams, sample
 from .sharding import mesh_context, to_host
 from .spec.step import spec_prefill, spec_step
@@ -119,7 +119,7 @@ class Engine:
             raise ValueError(f"max_batch_size must be >= 1 and max_seq_len >= 2; got {max_batch_size}, {max_seq_len}")
         spec = check_speculation(target, draft, spec)
         self.target = target
-        self.draft = draft
+        self.draft = None if draft is None else with_target_kernels(draft, target)
         self.spec = spec
         self.max_batch_size = int(max_batch_size)
         self.max_seq_len = int(max_seq_len)

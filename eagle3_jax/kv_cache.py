@@ -145,6 +145,12 @@ def write(cache: KVCache, layer: jax.Array, k_new: jax.Array, v_new: jax.Array) 
                          v=cache.v.at[idx].set(v_new.astype(cache.v.dtype), mode="drop"))
 
 
+def read_slots(cache: KVCache, layer: jax.Array, slots: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """k, v [B, W, ...] of the logical slots [B, W] of each row at `layer` (slots past a row's end: 0)."""
+    idx = (layer,) + (_physical(cache, slots) if cache.paged else (_rows(slots), slots))
+    return (cache.k.at[idx].get(mode="fill", fill_value=0), cache.v.at[idx].get(mode="fill", fill_value=0))
+
+
 def read(cache: KVCache, layer: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Every slot of every row at `layer`: k, v [B, max_len, ...] (paged: gathered through the table)."""
     if not cache.paged:

@@ -43,7 +43,7 @@ import numpy as np
 
 from . import kv_cache
 from .config import ModelConfig
-from .draft import Draft, DraftConfig
+from .draft import Draft, DraftConfig, with_target_kernels
 from .engine import RequestOutput, bucket, check_request, check_speculation
 from .page_allocator import PageAllocator, pages_for
 from .sampling import SamplingArrays, SamplingParams, sample
@@ -204,8 +204,8 @@ class Scheduler:
             if not isinstance(value, (int, np.integer)) or value < low:
                 raise ValueError(f"{name} must be an integer >= {low}; got {value!r}")
         self.target = target
-        self.draft = draft
         self.spec = check_speculation(target, draft, spec)
+        self.draft = None if draft is None else with_target_kernels(draft, target)
         self.max_num_seqs = int(max_num_seqs)
         self.max_seq_len = int(max_seq_len)
         self.page_size = int(page_size)

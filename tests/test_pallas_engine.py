@@ -103,3 +103,56 @@ def test_speculative_step_lowers_with_triton_attention(platform, monkeypatch):
     text = lowered.as_text()
     for kernel in ("eagle3_paged_prefix_attention", "eagle3_grouped_swiglu", "eagle3_grouped_matmul"):
         assert kernel in text, kernel
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["dense", "paged"])
+def test_draft_propose_with_pallas_attention_equals_xla(paged, monkeypatch):
+    """The draft's extend (causal window) and tree expansion (scratch-slot window) through the
+    attention kernel: logits as the XLA path's, the same draft tree."""
+    import pallas_kernels.attention as attention_kernels
+    from eagle3_jax.draft import with_target_kernels
+    from eagle3_jax.spec import propose
+    from eagle3_jax.spec.propose import draft_extend, expand
+
+    calls, passes = [], []
+    real = attention_kernels.paged_prefix_attention
+    monkeypatch.setattr(attention_kernels, "paged_prefix_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real_forward = propose.draft_forward
+
+    def recording_forward(*args, **kwargs):  # every draft pass's logits, to compare pass by pass
+        out = real_forward(*args, **kwargs)
+        passes.append(out[0])
+        return out
+
+    monkeypatch.setattr(propose, "draft_forward", recording_forward)
+    target = random_target(FAMILIES["minimax_m2"])
+    draft = random_draft(target)
+    rng = np.random.default_rng(3)
+    h3 = 3 * target.config.hidden_size
+    prompt_feats = jnp.asarray(rng.standard_normal((2, 9, h3)), jnp.float32)
+    prompt_toks = jnp.asarray(rng.integers(0, 64, (2, 9)), jnp.int32)
+    step_feats = jnp.asarray(rng.standard_normal((2, 3, h3)), jnp.float32)
+    step_toks = jnp.asarray(rng.integers(0, 64, (2, 3)), jnp.int32)
+    spec = e3.SpecConfig(4, 3, 10)
+
+    def run(d):
+        cfg = d.config.layers
+        if paged:
+            k, v = kv_cache.init_pages(cfg, 1 + 2 * 4, 16, jnp.float32)
+            cache = kv_cache.paged_view(k, v, np.arange(1, 9).reshape(2, 4)[:, ::-1], [0, 0])  # pages out of order
+        else:
+            cache = kv_cache.init_cache(cfg, 2, 64, jnp.float32)
+        _, _, cache = draft_extend(d.params, d.config, cache, prompt_feats, prompt_toks, jnp.asarray([9, 6]))
+        logits, hidden, cache = draft_extend(d.params, d.config, cache, step_feats, step_toks, jnp.asarray([3, 2]))
+        tree = expand(d.params, d.config, cache, logits, hidden, step_toks[:, -1], spec)
+        return logits, tree
+
+    want_logits, want_tree = run(draft)
+    want_passes, passes[:] = list(passes), []
+    got_logits, got_tree = run(with_target_kernels(draft, pallas(target)))
+    assert len(passes) == len(want_passes) == 2 + spec.num_steps - 1
+    for got, want in zip(passes, want_passes):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5 * float(np.abs(want).max()))
+    np.testing.assert_array_equal(np.asarray(got_tree.tokens), np.asarray(want_tree.tokens))
+    np.testing.assert_array_equal(np.asarray(got_tree.parents), np.asarray(want_tree.parents))
+    assert len(calls) >= 3  # extend twice, then every expansion level

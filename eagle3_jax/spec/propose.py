@@ -38,9 +38,11 @@ def draft_extend(params: dict, cfg: DraftConfig, cache: kv_cache.KVCache, featur
     """
     b, t = next_tokens.shape
     positions = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-    mask = kv_cache.visibility(cache.lengths, kv_cache.causal_mask(b, t), cache.max_len)
+    causal = kv_cache.causal_mask(b, t)
+    mask = kv_cache.visibility(cache.lengths, causal, cache.max_len)
     embeds = params["embed"][next_tokens]
-    logits, hidden, cache = draft_forward(params, cfg, embeds, project_features(params, features), positions, cache, mask)
+    logits, hidden, cache = draft_forward(params, cfg, embeds, project_features(params, features), positions, cache, mask,
+                                          causal)
     last = (n_valid - 1)[:, None]
     root_logits = jnp.take_along_axis(logits, last[:, :, None], axis=1)[:, 0]
     root_hidden = jnp.take_along_axis(hidden, last[:, :, None], axis=1)[:, 0]
@@ -71,7 +73,7 @@ def expand(params: dict, cfg: DraftConfig, cache: kv_cache.KVCache, root_logits:
         positions = jnp.broadcast_to((base + level - 1)[:, None], (b, k))
         embeds = params["embed"][draft_to_target_ids(params, tok)]
         logits, hidden, cache = draft_forward(params, cfg, embeds, front_hidden, positions,
-                                              cache.replace(lengths=base + slot0), mask)
+                                              cache.replace(lengths=base + slot0), mask, visible, base)
         cache = cache.replace(lengths=base)
         child_score, child_tok = jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), k)  # [B, k, k]
         cand_score = (score[:, :, None] + child_score).reshape(b, k * k)
