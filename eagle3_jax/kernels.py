@@ -32,7 +32,7 @@ def _on_gpu() -> bool:
     return jax.default_backend() in ("gpu", "cuda", "rocm")
 
 
-def _parse(kernels: str) -> dict[str, str]:
+def parse(kernels: str) -> dict[str, str]:
     """{op: "xla" | "pallas" | "auto"} from "pallas" or "attention=pallas,moe=xla"."""
     usage = (f"kernels {kernels!r} is not supported; use one of {', '.join(CHOICES)} for every op, or per op "
              f"like 'attention=pallas,moe=xla' (ops: {', '.join(OPS)})")
@@ -49,7 +49,7 @@ def _parse(kernels: str) -> dict[str, str]:
 
 def resolve(kernels: str, mesh: jax.sharding.Mesh | None) -> str:
     """The canonical per-op form ("attention=xla,moe=pallas") of a `kernels` choice on this host."""
-    choice = _parse(kernels)
+    choice = parse(kernels)
     sharded = mesh is not None and mesh.size > 1
     for op, impl in choice.items():
         if impl == "auto":
@@ -63,7 +63,7 @@ def resolve(kernels: str, mesh: jax.sharding.Mesh | None) -> str:
 
 def uses(kernels: str, op: str) -> bool:
     """Whether `op` runs its Pallas kernel under a config's `kernels` (canonical or plain)."""
-    return _parse(kernels)[op] == "pallas"
+    return parse(kernels)[op] == "pallas"
 
 
 def interpret() -> bool:

@@ -1,5 +1,5 @@
-"""absl flags that generate.py, serve.py and bench.py share: how quantized weights are loaded, and
-the device mesh (one host or several)."""
+"""absl flags that generate.py, serve.py and bench.py share: how quantized weights are loaded, which
+kernels run, and the device mesh (one host or several)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,20 @@ def define_quant_flags() -> None:
                       "behaviour).")
     flags.DEFINE_enum("fp8_format", "auto", ["auto", "e4m3fn", "e4m3fnuz"], "On-device float8 flavour of FP8 weights "
                       "(auto: e4m3fnuz on MI300X / MI325X, e4m3fn elsewhere).")
+    flags.DEFINE_string("kernels", "xla", "Which ops run Pallas kernels: xla, pallas, auto (Pallas on a GPU), or per "
+                        "op like attention=pallas,moe=xla. On CPU Pallas kernels run interpreted (slow).")
+    flags.register_validator("kernels", _valid_kernels, message="--kernels must be xla, pallas, auto, or per op like "
+                             "attention=pallas,moe=xla (ops: attention, moe)")
+
+
+def _valid_kernels(value: str) -> bool:
+    from eagle3_jax.kernels import parse
+
+    try:
+        parse(value)
+    except ValueError:
+        return False
+    return True
 
 
 def define_mesh_flags(distributed_help: str) -> None:
@@ -25,8 +39,8 @@ def define_mesh_flags(distributed_help: str) -> None:
 
 
 def quant_options() -> dict:
-    """load_target's quantization keywords from the flags."""
-    return {"w4a8": FLAGS.w4a8, "dequantize": FLAGS.dequantize, "fp8_format": FLAGS.fp8_format}
+    """load_target's quantization and kernel keywords from the flags."""
+    return {"w4a8": FLAGS.w4a8, "dequantize": FLAGS.dequantize, "fp8_format": FLAGS.fp8_format, "kernels": FLAGS.kernels}
 
 
 def mesh_from_flags():

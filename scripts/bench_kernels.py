@@ -1,16 +1,29 @@
-"""Kernel benchmark: the paged prefix-attention kernel against its XLA reference.
+"""Kernel benchmark: each Pallas kernel against its XLA reference, at a model's per-device shapes.
 
-    python scripts/bench_kernels.py                       # Kimi-K2.5 MLA per-device shapes (on a GPU)
-    python scripts/bench_kernels.py --kind=gqa --heads=48 --kv_heads=8 --head_dim=128   # MiniMax-M2.5
-    python scripts/bench_kernels.py --batches=1 --tokens=1 --contexts=64 --repeats=2    # a CPU smoke run
+    python scripts/bench_kernels.py                       # Kimi-K2.5 per-device shapes (on a GPU)
+    python scripts/bench_kernels.py --kind=gqa --heads=48 --kv_heads=8 --head_dim=128 \
+        --hidden=3072 --moe_inter=1536 --experts=256 --local_experts=32 --moe_format=fp8_block   # MiniMax-M2.5
+    python scripts/bench_kernels.py --batches=1 --tokens=1 --contexts=64 --repeats=2 --hidden=64 \
+        --moe_inter=64 --experts=16 --local_experts=4 --moe_tokens=1,32   # a CPU smoke run
 
-For every (batch, new tokens T, context) it builds random page pools and block tables, runs
+Attention (--ops includes attention): for every (batch, new tokens T, context) it builds random
+page pools and block tables, runs
 `pallas_kernels.attention.paged_prefix_attention` and `paged_prefix_attention_reference` (both
 jitted; the reference gathers every page of the table), checks they agree, and prints the median
 time of each, the bytes the kernel must read (the prefix's K/V pages), the achieved GB/s and its
 fraction of --device's HBM peak. MLA shapes: --heads query heads x T rows over latent 512 + rope
-64 (Kimi-K2.5: 64 heads; 8 per device on a tensor-parallel mesh). On a CPU host the kernel runs in
-Pallas interpret mode: the figures then only show that the script works.
+64 (Kimi-K2.5: 64 heads; 8 per device on a tensor-parallel mesh).
+
+MoE (--ops includes moe): for every token count (decode: batch x T; prefill: chunk sizes) it routes
+the tokens uniformly at random to --topk of --experts experts, of which this device holds the
+first --local_experts (expert parallelism: Kimi-K2.5 on 8 devices holds 48 of 384), and runs the
+device's routed-expert compute, `moe.local_experts`, through the Pallas kernels (fused gate/up +
+SiLU, then down) and through XLA (gathered matmuls at decode sizes, ragged_dot above). Weights are
+random bytes in --moe_format. The bytes are those of the distinct local experts the tokens hit
+(a lower bound on what either path must read).
+
+On a CPU host the kernels run in Pallas interpret mode: the figures then only show that the
+script works.
 """
 
 from __future__ import annotations
@@ -28,6 +41,7 @@ from absl import app, flags, logging
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 FLAGS = flags.FLAGS
+flags.DEFINE_list("ops", ["attention", "moe"], "Kernels to measure: attention, moe.")
 flags.DEFINE_enum("kind", "mla", ["mla", "gqa"], "mla: one shared latent (+ rope) key per slot; gqa: K/V per KV head.")
 flags.DEFINE_list("batches", ["1", "16", "64"], "Rows per step.")
 flags.DEFINE_list("tokens", ["1", "4", "16"], "New tokens per row (1 = decode, 4 = chain verify, 16 = tree verify).")
@@ -40,7 +54,16 @@ flags.DEFINE_integer("rope", 64, "MLA: qk_rope_head_dim.", lower_bound=1)
 flags.DEFINE_integer("page_size", 16, "Slots per KV page.", lower_bound=1)
 flags.DEFINE_integer("num_splits", 0, "KV splits per row and head (0: enough to give every row ~ 8 programs).",
                      lower_bound=0)
-flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "Pool and query dtype.")
+flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "Activation, pool and query dtype.")
+flags.DEFINE_list("moe_tokens", ["1", "16", "64", "256", "1024", "4096"], "MoE: tokens per step (decode batch x T, "
+                  "or a prefill chunk).")
+flags.DEFINE_integer("hidden", 7168, "MoE: hidden size.", lower_bound=16)
+flags.DEFINE_integer("moe_inter", 2048, "MoE: expert intermediate width on the device.", lower_bound=16)
+flags.DEFINE_integer("experts", 384, "MoE: routed experts in the model.", lower_bound=1)
+flags.DEFINE_integer("local_experts", 48, "MoE: experts held by this device.", lower_bound=1)
+flags.DEFINE_integer("topk", 8, "MoE: experts per token.", lower_bound=1)
+flags.DEFINE_enum("moe_format", "int4", ["bfloat16", "int4", "w4a8", "mxfp4", "fp8_block", "fp8_channel"],
+                  "MoE: expert weight format (int4 in groups of 32, as Kimi-K2.5).")
 flags.DEFINE_integer("repeats", 20, "Timed runs per configuration (median reported).", lower_bound=1)
 flags.DEFINE_string("device", "MI325X", "Device whose HBM peak the GB/s is compared with (see eagle3_jax.plan.DEVICES).")
 flags.DEFINE_string("json_out", None, "Also write the rows as JSON here.")
@@ -96,26 +119,17 @@ def case(batch: int, t: int, context: int, rng):
     return (q, k, v, table, lengths, None, None), read
 
 
-def main(argv: Sequence[str]) -> None:
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
-    if not FLAGS["verbosity"].present:
-        logging.set_verbosity(logging.WARNING)  # keep JAX's backend-probing lines out of the table
+def attention_rows(peak: float, interpret: bool) -> list[dict]:
     import functools
 
     import jax
     import numpy as np
 
-    from eagle3_jax.plan import DEVICES
     from pallas_kernels.attention import paged_prefix_attention, paged_prefix_attention_reference
 
-    if FLAGS.device not in DEVICES:
-        raise app.UsageError(f"--device must be one of {', '.join(DEVICES)}; got {FLAGS.device!r}")
-    peak = DEVICES[FLAGS.device].hbm_gbps
     batches, tokens, contexts = _ints(FLAGS.batches, "batches"), _ints(FLAGS.tokens, "tokens"), _ints(FLAGS.contexts, "contexts")
-    interpret = jax.default_backend() == "cpu"
     scale = 0.1
-    print(f"{FLAGS.kind} paged prefix attention, {FLAGS.dtype}, page {FLAGS.page_size}, {jax.devices()[0].device_kind}"
+    print(f"\n{FLAGS.kind} paged prefix attention, {FLAGS.dtype}, page {FLAGS.page_size}, {jax.devices()[0].device_kind}"
           + (" (Pallas interpret mode: timings are not meaningful)" if interpret else ""))
     print("| batch | T | context | splits | kernel ms | XLA ms | speedup | MB read | kernel GB/s | % of "
           f"{FLAGS.device} peak |")
@@ -137,10 +151,105 @@ def main(argv: Sequence[str]) -> None:
                 k_ms = _median_ms(lambda: kernel(**args), (), FLAGS.repeats)
                 x_ms = _median_ms(lambda: ref(**args), (), FLAGS.repeats)
                 gbps = read / (k_ms * 1e6)
-                rows.append(dict(batch=batch, tokens=t, context=context, splits=splits, kernel_ms=k_ms, xla_ms=x_ms,
+                rows.append(dict(op="attention", batch=batch, tokens=t, context=context, splits=splits, kernel_ms=k_ms, xla_ms=x_ms,
                                  bytes_read=read, kernel_gbps=gbps, peak_fraction=gbps / peak, max_abs_err=err))
                 print(f"| {batch} | {t} | {context} | {splits} | {k_ms:.3f} | {x_ms:.3f} | {x_ms / k_ms:.2f}x | "
                       f"{read / 1e6:.1f} | {gbps:.1f} | {100 * gbps / peak:.1f} |")
+    return rows
+
+
+def expert_weight(rng, fmt: str, e: int, k: int, n: int):
+    """Random expert weights [e, k, n] in `fmt`, as the device holds them (random bytes, sane scales)."""
+    import jax.numpy as jnp
+    import ml_dtypes
+    import numpy as np
+
+    from eagle3_jax.quant import QArray, QFormat
+
+    if fmt == "bfloat16":
+        return jnp.asarray(rng.standard_normal((e, k, n), np.float32) / np.sqrt(k), jnp.bfloat16)
+    if fmt in ("int4", "w4a8", "mxfp4"):
+        values = jnp.asarray(rng.integers(0, 256, (e, k // 2, n), np.uint8))
+        if fmt == "mxfp4":
+            return QArray(values, jnp.asarray(rng.integers(118, 122, (e, k // 32, n), np.uint8)), QFormat("mxfp4", (32, 1), "uint8"))
+        scales = jnp.asarray(np.full((e, k // 32, n), 0.25 / np.sqrt(k), np.float32), jnp.bfloat16)
+        return QArray(values, scales, QFormat("int4", (32, 1), "bfloat16", act="int8" if fmt == "w4a8" else "float"))
+    bits = rng.integers(0, 0x7E, (e, k, n), np.uint8) | (rng.integers(0, 2, (e, k, n), np.uint8) << 7)  # finite
+    values = jnp.asarray(bits.view(ml_dtypes.float8_e4m3fn))
+    if fmt == "fp8_block":
+        scales = np.full((e, -(-k // 128), -(-n // 128)), 0.01 / np.sqrt(k), np.float32)
+        return QArray(values, jnp.asarray(scales), QFormat("fp8_block", (128, 128)))
+    return QArray(values, jnp.asarray(np.full((e, 1, n), 0.01 / np.sqrt(k), np.float32)), QFormat("fp8_channel", (0, 1)))
+
+
+def moe_rows(peak: float, interpret: bool) -> list[dict]:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from eagle3_jax.moe import kernel_unfit, local_experts
+
+    token_counts = _ints(FLAGS.moe_tokens, "moe_tokens")
+    if FLAGS.local_experts > FLAGS.experts or FLAGS.topk > FLAGS.experts:
+        raise app.UsageError("--local_experts and --topk must not exceed --experts")
+    rng = np.random.default_rng(0)
+    e, h, inter = FLAGS.local_experts, FLAGS.hidden, FLAGS.moe_inter
+    ws = tuple(expert_weight(rng, FLAGS.moe_format, e, *shape) for shape in ((h, inter), (h, inter), (inter, h)))
+    unfit = kernel_unfit(*ws)
+    if unfit:
+        raise app.UsageError(f"the MoE kernels cannot take these shapes ({unfit}); pick --hidden / --moe_inter "
+                             "multiples of 32")
+    expert_bytes = sum(leaf.nbytes for w in ws for leaf in jax.tree.leaves(w)) / e
+    print(f"\nrouted experts: {e} of {FLAGS.experts} on the device, top-{FLAGS.topk}, {h} -> {inter} -> {h}, "
+          f"{FLAGS.moe_format} weights, {FLAGS.dtype} activations"
+          + (" (Pallas interpret mode: timings are not meaningful)" if interpret else ""))
+    print(f"| tokens | local assignments | experts hit | kernel ms | XLA ms | speedup | MB read | kernel GB/s | % of "
+          f"{FLAGS.device} peak |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    kernel = jax.jit(lambda *a: local_experts(*a, use_kernels=True))
+    ref = jax.jit(lambda *a: local_experts(*a, use_kernels=False))
+    rows = []
+    for n in token_counts:
+        x = jnp.asarray(rng.standard_normal((n, h), np.float32), FLAGS.dtype)
+        ids = np.stack([rng.choice(FLAGS.experts, FLAGS.topk, replace=False) for _ in range(n)]).astype(np.int32)
+        weights = jnp.asarray(rng.uniform(0.1, 1.0, ids.shape), jnp.float32)
+        args = (x, weights, jnp.asarray(ids)) + ws
+        got, want = kernel(*args), ref(*args)
+        err = float(jnp.max(jnp.abs(got - want)) / (jnp.max(jnp.abs(want)) + 1e-30))
+        if err > 5e-2:
+            sys.exit(f"MoE kernels and reference disagree by {err:.3g} (relative) at {n} tokens")
+        hit = len(set(ids[ids < e].tolist()))
+        read = hit * expert_bytes + x.nbytes
+        k_ms, x_ms = _median_ms(kernel, args, FLAGS.repeats), _median_ms(ref, args, FLAGS.repeats)
+        gbps = read / (k_ms * 1e6)
+        rows.append(dict(op="moe", tokens=n, local_assignments=int((ids < e).sum()), experts_hit=hit, kernel_ms=k_ms,
+                         xla_ms=x_ms, bytes_read=read, kernel_gbps=gbps, peak_fraction=gbps / peak, max_rel_err=err))
+        print(f"| {n} | {int((ids < e).sum())} | {hit} | {k_ms:.3f} | {x_ms:.3f} | {x_ms / k_ms:.2f}x | "
+              f"{read / 1e6:.1f} | {gbps:.1f} | {100 * gbps / peak:.1f} |")
+    return rows
+
+
+def main(argv: Sequence[str]) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    if not FLAGS["verbosity"].present:
+        logging.set_verbosity(logging.WARNING)  # keep JAX's backend-probing lines out of the table
+    import jax
+
+    from eagle3_jax.plan import DEVICES
+
+    if FLAGS.device not in DEVICES:
+        raise app.UsageError(f"--device must be one of {', '.join(DEVICES)}; got {FLAGS.device!r}")
+    unknown = set(FLAGS.ops) - {"attention", "moe"}
+    if unknown or not FLAGS.ops:
+        raise app.UsageError(f"--ops takes attention and/or moe; got {','.join(FLAGS.ops)!r}")
+    peak = DEVICES[FLAGS.device].hbm_gbps
+    interpret = jax.default_backend() == "cpu"
+    rows = []
+    if "attention" in FLAGS.ops:
+        rows += attention_rows(peak, interpret)
+    if "moe" in FLAGS.ops:
+        rows += moe_rows(peak, interpret)
     if FLAGS.json_out:
         with open(FLAGS.json_out, "w") as f:
             json.dump({"argv": sys.argv, "date": time.strftime("%Y-%m-%d"), "device": jax.devices()[0].device_kind,
