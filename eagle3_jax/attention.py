@@ -53,9 +53,8 @@ KERNEL_MAX_TOKENS = 64  # new tokens per row up to which the Pallas path is used
 
 
 def _uses_kernel(cfg: ModelConfig, t: int, tree_mask: jax.Array | None) -> bool:
-    mesh = jax.sharding.get_abstract_mesh()
-    unsharded = mesh.empty or mesh.size == 1  # the kernel has no sharded form: GSPMD would gather its inputs
-    return kernels.uses(cfg.kernels, "attention") and tree_mask is not None and t <= KERNEL_MAX_TOKENS and unsharded
+    return (kernels.uses(cfg.kernels, "attention") and tree_mask is not None and t <= KERNEL_MAX_TOKENS
+            and not kernels.splits_attention(jax.sharding.get_abstract_mesh()))  # no sharded form yet
 
 
 def _tree_partial(scores: jax.Array, tree_mask: jax.Array, values: jax.Array, spec: str) -> tuple[jax.Array, jax.Array]:

@@ -5,8 +5,10 @@ op ("attention=pallas,moe=xla"). It is resolved once, on load, into the canonica
 ("attention=pallas,moe=pallas") that `ModelConfig.kernels` carries into every program: target
 prefill / decode / verify, the scheduler's, and the draft's. The ops ask `uses(cfg.kernels, op)`.
 
-- attention: decode and verify over the committed prefix (pallas_kernels/attention.py). On a mesh
-  it keeps the XLA path (the kernel has no sharded form yet); asking for it there is warned about.
+- attention: decode and verify over the committed prefix (pallas_kernels/attention.py), target
+  and draft. On a mesh that splits the batch or the heads (data or tensor > 1) it keeps the XLA
+  path (the kernel has no sharded form yet: the partitioner would gather its operands); asking for
+  it there is warned about. An expert-only mesh replicates attention, so the kernel runs there.
 - moe: the routed experts' grouped matmuls (pallas_kernels/moe.py), also inside each shard of
   expert parallelism. Weights whose shapes the kernel cannot tile keep the XLA path, with a
   warning naming the weight.
@@ -47,16 +49,20 @@ def parse(kernels: str) -> dict[str, str]:
     return choice
 
 
+def splits_attention(mesh) -> bool:
+    """Whether a (concrete or abstract) mesh splits attention's operands: batch or heads."""
+    return mesh is not None and not mesh.empty and any(mesh.shape.get(a, 1) > 1 for a in ("data", "tensor"))
+
+
 def resolve(kernels: str, mesh: jax.sharding.Mesh | None) -> str:
     """The canonical per-op form ("attention=xla,moe=pallas") of a `kernels` choice on this host."""
     choice = parse(kernels)
-    sharded = mesh is not None and mesh.size > 1
     for op, impl in choice.items():
         if impl == "auto":
-            choice[op] = "pallas" if _on_gpu() and not (op == "attention" and sharded) else "xla"
-    if sharded and choice["attention"] == "pallas":
-        log.warning("attention keeps its XLA path on a mesh of %d devices (the Pallas attention kernel runs on one "
-                    "device); the MoE kernels still run in every shard", mesh.size)
+            choice[op] = "pallas" if _on_gpu() and not (op == "attention" and splits_attention(mesh)) else "xla"
+    if splits_attention(mesh) and choice["attention"] == "pallas":
+        log.warning("attention keeps its XLA path on mesh %s (the Pallas attention kernel does not split the batch "
+                    "or the heads yet); the MoE kernels still run in every shard", dict(mesh.shape))
         choice["attention"] = "xla"
     return ",".join(f"{op}={choice[op]}" for op in OPS)
 

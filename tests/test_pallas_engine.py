@@ -50,19 +50,21 @@ def test_decode_and_verify_logits_equal_xla(family, monkeypatch):
     assert set(calls) == ({"paged_prefix_attention"} | ({"grouped_swiglu"} if FAMILIES[family] is not FAMILIES["llama"] else set()))
 
 
-@pytest.mark.parametrize("family", ["deepseek_v3", "minimax_m2"])
-def test_greedy_speculation_with_pallas_attention_equals_plain(family):
+@pytest.mark.parametrize("family,engine_spec,scheduler_spec", [
+    ("deepseek_v3", e3.SpecConfig(3, 1, 4), e3.SpecConfig(3, 2, 6)),  # MLA+MoE: chain dense, tree paged
+    ("minimax_m2", e3.SpecConfig(3, 2, 6), e3.SpecConfig(3, 1, 4)),  # GQA+MoE: tree dense, chain paged
+])
+def test_greedy_speculation_with_pallas_kernels_equals_plain(family, engine_spec, scheduler_spec):
+    """Target attention, draft attention and the expert kernels all on: greedy speculation emits the
+    plain greedy tokens, in the Engine (dense caches) and the Scheduler (paged caches)."""
     target = pallas(random_target(FAMILIES[family]))
     draft = random_draft(target)
     prompts, sp = [[1, 5, 9, 2], [3, 4, 5, 6, 7, 8, 9]], e3.SamplingParams(max_tokens=10)
     want = [o.token_ids for o in e3.Engine(target, max_batch_size=2, max_seq_len=64).generate(prompts, sp)]
-    for spec in (e3.SpecConfig(3, 1, 4), e3.SpecConfig(3, 2, 6)):
-        got = e3.Engine(target, draft, spec, max_batch_size=2, max_seq_len=64).generate(prompts, sp)
-        assert [o.token_ids for o in got] == want, spec
-    sched = e3.Scheduler(target, draft, e3.SpecConfig(3, 2, 6), max_num_seqs=2, max_seq_len=64, page_size=16)
+    got = e3.Engine(target, draft, engine_spec, max_batch_size=2, max_seq_len=64).generate(prompts, sp)
+    assert [o.token_ids for o in got] == want
+    sched = e3.Scheduler(target, draft, scheduler_spec, max_num_seqs=2, max_seq_len=64, page_size=16)
     assert [o.token_ids for o in sched.generate(prompts, sp)] == want
-    xla = dataclasses.replace(target, config=dataclasses.replace(target.config, kernels="xla"))
-    assert [o.token_ids for o in e3.Engine(xla, max_batch_size=2, max_seq_len=64).generate(prompts, sp)] == want
 
 
 def test_kernel_choice_is_checked(caplog):
@@ -76,6 +78,7 @@ def test_kernel_choice_is_checked(caplog):
     with caplog.at_level("WARNING"):
         assert resolve("pallas", make_mesh(1, 2, 4)) == "attention=xla,moe=pallas"
     assert "attention keeps its XLA path" in caplog.text
+    assert resolve("pallas", make_mesh(1, 1, 8)) == "attention=pallas,moe=pallas"  # expert-only: attention replicated
     for bad in ("triton", "attention=cuda", "mlp=pallas", "attention"):
         with pytest.raises(ValueError, match="one of xla, pallas, auto"):
             resolve(bad, None)
@@ -105,10 +108,11 @@ def test_speculative_step_lowers_with_triton_attention(platform, monkeypatch):
         assert kernel in text, kernel
 
 
-@pytest.mark.parametrize("paged", [False, True], ids=["dense", "paged"])
-def test_draft_propose_with_pallas_attention_equals_xla(paged, monkeypatch):
+def test_draft_propose_with_pallas_attention_equals_xla(monkeypatch):
     """The draft's extend (causal window) and tree expansion (scratch-slot window) through the
-    attention kernel: logits as the XLA path's, the same draft tree."""
+    attention kernel on a paged cache: every pass's logits as the XLA path's, the same draft tree.
+    (Dense draft caches run the same code through kv_cache.as_pages; the Engine test above covers
+    them end to end.)"""
     import pallas_kernels.attention as attention_kernels
     from eagle3_jax.draft import with_target_kernels
     from eagle3_jax.spec import propose
@@ -136,12 +140,8 @@ def test_draft_propose_with_pallas_attention_equals_xla(paged, monkeypatch):
     spec = e3.SpecConfig(4, 3, 10)
 
     def run(d):
-        cfg = d.config.layers
-        if paged:
-            k, v = kv_cache.init_pages(cfg, 1 + 2 * 4, 16, jnp.float32)
-            cache = kv_cache.paged_view(k, v, np.arange(1, 9).reshape(2, 4)[:, ::-1], [0, 0])  # pages out of order
-        else:
-            cache = kv_cache.init_cache(cfg, 2, 64, jnp.float32)
+        k, v = kv_cache.init_pages(d.config.layers, 1 + 2 * 4, 16, jnp.float32)
+        cache = kv_cache.paged_view(k, v, np.arange(1, 9).reshape(2, 4)[:, ::-1], [0, 0])  # pages out of order
         _, _, cache = draft_extend(d.params, d.config, cache, prompt_feats, prompt_toks, jnp.asarray([9, 6]))
         logits, hidden, cache = draft_extend(d.params, d.config, cache, step_feats, step_toks, jnp.asarray([3, 2]))
         tree = expand(d.params, d.config, cache, logits, hidden, step_toks[:, -1], spec)

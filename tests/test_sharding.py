@@ -100,21 +100,40 @@ def test_sharded_sampled_speculation_equals_unsharded(family):
 
 
 @needs_8
-def test_expert_kernels_run_in_every_shard(monkeypatch):
-    """kernels="pallas" on a mesh (data 2, expert 4): the routed experts run the grouped kernels
-    inside each expert-parallel shard, attention keeps XLA, logits equal one device's."""
+@pytest.mark.parametrize("mesh_shape,kernels", [((2, 1, 4), {"grouped_swiglu"}),
+                                                ((1, 1, 8), {"grouped_swiglu", "paged_prefix_attention"})],
+                         ids=["data2-expert4", "expert8"])
+def test_pallas_kernels_on_a_mesh(mesh_shape, kernels, monkeypatch):
+    """kernels="pallas" on a mesh: the routed experts run the grouped kernels inside each
+    expert-parallel shard; attention runs its kernel where the mesh replicates it (expert-only)
+    and XLA where it splits the batch; decode / verify logits equal one device's XLA path."""
     import dataclasses
 
+    import jax.numpy as jnp
     import pallas_kernels.attention as attention_kernels
     import pallas_kernels.moe as moe_kernels
+    from eagle3_jax import kv_cache
+    from eagle3_jax.target import forward
 
     calls = []
     for module, name in ((moe_kernels, "grouped_swiglu"), (attention_kernels, "paged_prefix_attention")):
         real = getattr(module, name)
         monkeypatch.setattr(module, name, lambda *a, real=real, name=name, **k: calls.append(name) or real(*a, **k))
-    ids = np.random.default_rng(0).integers(0, 64, (4, 10))
-    ref = random_target(FAMILIES["deepseek_v3"]).logits(ids)
-    sharded = random_target(FAMILIES["deepseek_v3"], mesh=e3.make_mesh(2, 1, 4))
+    ref = random_target(FAMILIES["deepseek_v3"])
+    mesh = e3.make_mesh(*mesh_shape)
+    sharded = random_target(FAMILIES["deepseek_v3"], mesh=mesh)
     sharded = dataclasses.replace(sharded, config=dataclasses.replace(sharded.config, kernels="pallas"))
-    np.testing.assert_allclose(sharded.logits(ids), ref, atol=1e-5 * np.abs(ref).max())
-    assert set(calls) == {"grouped_swiglu"}
+    rng = np.random.default_rng(0)
+    prompt = jnp.asarray(rng.integers(0, 64, (2, 10)), jnp.int32)
+    cache = ref.init_cache(2, 32)
+    _, _, cache = forward(ref.params, ref.config, prompt, jnp.broadcast_to(jnp.arange(10), (2, 10)), cache)
+    cache = kv_cache.advance(cache, jnp.asarray([10, 6], jnp.int32))
+    toks = jnp.asarray(rng.integers(0, 64, (2, 4)), jnp.int32)
+    pos = cache.lengths[:, None] + jnp.arange(4)[None]
+    tree = jnp.asarray(np.broadcast_to(np.tril(np.ones((4, 4), bool)), (2, 4, 4)))
+    step = jax.jit(forward, static_argnums=1)
+    want = step(ref.params, ref.config, toks, pos, cache, tree)[0]
+    with jax.set_mesh(mesh):
+        got = step(sharded.params, sharded.config, toks, pos, cache, tree)[0]
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5 * float(np.abs(want).max()))
+    assert set(calls) == kernels
