@@ -18,7 +18,8 @@ Weights: a float array [E, K, Nout] or a `QArray` in any of the project's format
   decodes them with integer ops (no float8 conversion in kernel, which ROCm's Triton lacks for
   e4m3fnuz).
 - W4A8 (int4 with `act="int8"`): activations quantized per row to int8 outside the kernel (as
-  quant.py does), int8 x int4 dots accumulated exactly in int32 per group, then scaled.
+  quant.py does), int8 x int4 group dots computed exactly (as bfloat16 operands into a float32
+  accumulator: small integers, integer partial sums below 2^24), then scaled.
 
 Tiling: the grid walks (row tile, column tile) pairs. Which expert and rows a row tile covers is
 worked out in XLA beforehand (`tile_plan`: each expert's rows are cut into tiles of `block_m`, so a
@@ -181,10 +182,14 @@ def _step(x_ref, w_ref, s_ref, lay: _Layout, expert, rows, k, j, block_n: int) -
     even, odd = x_ref[rows, pl.ds(k * bk, half)], x_ref[rows, pl.ds(k * bk + half, half)]
     packed = w_ref[expert, pl.ds(k * half, half), cols].astype(jnp.int32)
     low, high = packed & 15, packed >> 4
-    if lay.int8:  # W4A8: exact int32 dot per group, then the group's scale
-        acc = (jnp.dot(even, (low - 8).astype(jnp.int8), preferred_element_type=jnp.int32)
-               + jnp.dot(odd, (high - 8).astype(jnp.int8), preferred_element_type=jnp.int32))
-        return acc.astype(jnp.float32) * scale
+    if lay.int8:
+        # W4A8: int8 x int4 products summed over one group, exactly. The operands are small integers,
+        # exact in bfloat16, and every partial sum is an integer below 2^24, exact in the float32
+        # accumulator: the same numbers as an int32 dot, without int8 dot-shape limits (K >= 32 on
+        # some targets) or signedness rules. Then the group's scale.
+        acc = (jnp.dot(even.astype(jnp.bfloat16), (low - 8).astype(jnp.bfloat16), preferred_element_type=jnp.float32)
+               + jnp.dot(odd.astype(jnp.bfloat16), (high - 8).astype(jnp.bfloat16), preferred_element_type=jnp.float32))
+        return acc * scale
     decode = decode_e2m1 if lay.fmt == "mxfp4" else (lambda n: (n - 8).astype(jnp.float32))
     w_low, w_high = ((decode(n) * scale).astype(even.dtype) for n in (low, high))
     return (jnp.dot(even, w_low, preferred_element_type=jnp.float32)

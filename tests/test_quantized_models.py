@@ -318,7 +318,7 @@ def fp8_draft_folder(folder, target) -> str:
     return str(folder)
 
 
-@pytest.mark.parametrize("name", ["kimi_int4", "minimax_fp8"])
+@pytest.mark.parametrize("name", ["kimi_int4", pytest.param("minimax_fp8", marks=pytest.mark.slow)])
 def test_greedy_speculation_with_quantized_target_equals_baseline(folders, name, tmp_path):
     prompts = [[1, 5, 9, 2], [3, 4, 5, 6, 7, 8]]
     sp = e3.SamplingParams(max_tokens=12)

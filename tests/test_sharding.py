@@ -81,7 +81,8 @@ def test_sharded_scheduler_equals_unsharded():
 
 
 @needs_8
-@pytest.mark.parametrize("family", ["deepseek_v3", "minimax_m2", pytest.param("llama", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("family", ["deepseek_v3", pytest.param("minimax_m2", marks=pytest.mark.slow),
+                                    pytest.param("llama", marks=pytest.mark.slow)])
 def test_sharded_sampled_speculation_equals_unsharded(family):
     """Sampled (lossless) tree speculation: the same per-request keys give the same tokens on a
     mesh whose expert axis splits the routed experts (expert-parallel MoE) as on one device."""
