@@ -109,9 +109,8 @@ def kernel_unfit(w_gate, w_up, w_down) -> str | None:
     """Why the Pallas expert kernels cannot take these (local) weights, or None if they can."""
     from pallas_kernels.moe import layout_error
 
-    for name, w, k in (("gate", w_gate, w_gate.shape[-2]), ("up", w_up, w_up.shape[-2]),
-                       ("down", w_down, w_down.shape[-2])):
-        error = layout_error(w, k)
+    for name, w in (("gate", w_gate), ("up", w_up), ("down", w_down)):
+        error = layout_error(w, w.shape[-2])
         if error:
             return f"experts {name}: {error}"
     if type(w_gate) is not type(w_up) or getattr(w_gate, "qformat", None) != getattr(w_up, "qformat", None):

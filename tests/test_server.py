@@ -331,7 +331,7 @@ async def _load(base: str, tok, refs, num_requests: int, concurrency: int) -> li
         return await asyncio.wait_for(asyncio.gather(*(bounded(i) for i in range(num_requests))), 150)
 
 
-@pytest.mark.parametrize("num_requests,concurrency", [(60, 32), pytest.param(200, 64, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("num_requests,concurrency", [(100, 32), pytest.param(200, 64, marks=pytest.mark.slow)])
 def test_load_under_concurrency(served, num_requests, concurrency):
     server, engine, tok, refs = served
     before = engine.stats()
