@@ -4,11 +4,11 @@ Each block projects the new tokens, writes their K/V (or MLA latents) into the s
 `layer`, then attends over all cache slots with a precomputed visibility mask [B, T, S]. Scores
 and softmax run in float32.
 
-When `cfg.kernels` picks Pallas for attention (see kernels.py), decode and verify (up to KERNEL_MAX_TOKENS new tokens) attend in
-two parts merged by their log-sum-exp: the committed prefix through the paged Pallas kernel
-(pallas_kernels/attention.py, which reads only the pages below each row's length) and the new
-tokens among themselves through the tree mask, a [T, T] problem done here. Prefill chunks keep
-the XLA path.
+When `cfg.kernels` picks Pallas for attention (see kernels.py), decode and verify (up to
+KERNEL_MAX_TOKENS new tokens) attend in two parts merged by their log-sum-exp: the committed prefix
+through the paged Pallas kernel (pallas_kernels/attention.py, which reads only the pages below each
+row's length) and a small window of slots after it through the tree mask, a [T, W] problem done
+here (W = T for the target's verify: the new tokens themselves). Prefill chunks keep the XLA path.
 
 MLA has two mathematically equal forms over the same latent cache:
 - expanded (prefill, many queries): per-head K/V = kv_b_proj(c_kv) for every slot;

@@ -19,6 +19,7 @@ interpreted, far slower than XLA).
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import jax
@@ -56,13 +57,12 @@ def splits_attention(mesh) -> bool:
 
 def resolve(kernels: str, mesh: jax.sharding.Mesh | None) -> str:
     """The canonical per-op form ("attention=xla,moe=pallas") of a `kernels` choice on this host."""
-    choice = parse(kernels)
-    for op, impl in choice.items():
-        if impl == "auto":
-            choice[op] = "pallas" if _on_gpu() and not (op == "attention" and splits_attention(mesh)) else "xla"
+    requested = parse(kernels)
+    choice = {op: ("pallas" if _on_gpu() else "xla") if impl == "auto" else impl for op, impl in requested.items()}
     if splits_attention(mesh) and choice["attention"] == "pallas":
-        log.warning("attention keeps its XLA path on mesh %s (the Pallas attention kernel does not split the batch "
-                    "or the heads yet); the MoE kernels still run in every shard", dict(mesh.shape))
+        if requested["attention"] == "pallas":  # asked for by name: say why it is not used
+            log.warning("attention keeps its XLA path on mesh %s (the Pallas attention kernel does not split the "
+                        "batch or the heads yet); the MoE kernels still run in every shard", dict(mesh.shape))
         choice["attention"] = "xla"
     return ",".join(f"{op}={choice[op]}" for op in OPS)
 
@@ -75,3 +75,9 @@ def uses(kernels: str, op: str) -> bool:
 def interpret() -> bool:
     """Pallas kernels run interpreted on a CPU host (tests monkeypatch this to lower for GPUs)."""
     return jax.default_backend() == "cpu"
+
+
+@functools.lru_cache(maxsize=None)
+def warn_once(message: str) -> None:
+    """Log a fallback once per process, not once per traced layer."""
+    log.warning(message)

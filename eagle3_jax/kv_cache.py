@@ -129,6 +129,12 @@ def _rows(slots: jax.Array) -> jax.Array:
     return jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], (b, t))
 
 
+def _slot_index(cache: KVCache, slots: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Index of logical slots [B, T] into one layer of the buffers: (page, offset) of a paged
+    cache, (row, slot) of a dense one."""
+    return _physical(cache, slots) if cache.paged else (_rows(slots), slots)
+
+
 def write(cache: KVCache, layer: jax.Array, k_new: jax.Array, v_new: jax.Array) -> KVCache:
     """Scatter the new tokens' k_new, v_new [B, T, ...] into `layer` at slots lengths[b] + t.
 
@@ -136,18 +142,14 @@ def write(cache: KVCache, layer: jax.Array, k_new: jax.Array, v_new: jax.Array) 
     """
     t = k_new.shape[1]
     slots = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-    if cache.paged:
-        page, off = _physical(cache, slots)
-        idx = (layer, page, off)
-    else:
-        idx = (layer, _rows(slots), slots)
+    idx = (layer,) + _slot_index(cache, slots)
     return cache.replace(k=cache.k.at[idx].set(k_new.astype(cache.k.dtype), mode="drop"),
                          v=cache.v.at[idx].set(v_new.astype(cache.v.dtype), mode="drop"))
 
 
 def read_slots(cache: KVCache, layer: jax.Array, slots: jax.Array) -> tuple[jax.Array, jax.Array]:
     """k, v [B, W, ...] of the logical slots [B, W] of each row at `layer` (slots past a row's end: 0)."""
-    idx = (layer,) + (_physical(cache, slots) if cache.paged else (_rows(slots), slots))
+    idx = (layer,) + _slot_index(cache, slots)
     return (cache.k.at[idx].get(mode="fill", fill_value=0), cache.v.at[idx].get(mode="fill", fill_value=0))
 
 
@@ -165,13 +167,7 @@ def read(cache: KVCache, layer: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 def move(cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
     """Copy slots src[b, d] -> dst[b, d] of each row, in every layer (reads happen before writes)."""
-    if cache.paged:
-        sp, so = _physical(cache, src)
-        dp, do = _physical(cache, dst)
-        src_idx, dst_idx = (slice(None), sp, so), (slice(None), dp, do)
-    else:
-        rows = _rows(src)
-        src_idx, dst_idx = (slice(None), rows, src), (slice(None), rows, dst)
+    src_idx, dst_idx = (slice(None),) + _slot_index(cache, src), (slice(None),) + _slot_index(cache, dst)
 
     def copy(buf):
         return buf.at[dst_idx].set(buf.at[src_idx].get(mode="fill", fill_value=0), mode="drop")

@@ -27,9 +27,6 @@ a small decode step still reads only its routed experts.
 
 from __future__ import annotations
 
-import functools
-import logging
-
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
@@ -129,11 +126,6 @@ def gathered_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate, w
     return jnp.einsum("nkh,nk->nh", y, jnp.where(local, weights, 0.0))
 
 
-@functools.lru_cache(maxsize=None)
-def _warn_once(message: str) -> None:
-    logging.getLogger("eagle3_jax").warning(message)
-
-
 def local_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate, w_up, w_down,
                   use_kernels: bool = False) -> jax.Array:
     """Routed experts over the experts present in w_*; float32 [N, H]."""
@@ -141,7 +133,7 @@ def local_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate, w_up
         unfit = kernel_unfit(w_gate, w_up, w_down)
         if unfit is None:
             return kernel_experts(x, weights, ids, w_gate, w_up, w_down)
-        _warn_once(f"routed experts keep the XLA path: {unfit}")
+        kernels.warn_once(f"routed experts keep the XLA path: {unfit}")
     experts = gathered_experts if 2 * ids.size <= w_gate.shape[0] else grouped_experts
     return experts(x, weights, ids, w_gate, w_up, w_down)
 

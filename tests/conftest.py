@@ -81,3 +81,22 @@ def _release_compiled_programs():
     import jax
 
     jax.clear_caches()
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch) -> list:
+    """Names of the Pallas kernels traced during the test, in call order (the kernels still run)."""
+    import pallas_kernels.attention as attention_kernels
+    import pallas_kernels.moe as moe_kernels
+
+    calls = []
+
+    def counted(real, name):
+        def call(*args, **kwargs):
+            calls.append(name)
+            return real(*args, **kwargs)
+        return call
+
+    for module, name in ((moe_kernels, "grouped_swiglu"), (attention_kernels, "paged_prefix_attention")):
+        monkeypatch.setattr(module, name, counted(getattr(module, name), name))
+    return calls

@@ -22,14 +22,7 @@ def pallas(target):
 
 
 @pytest.mark.parametrize("family", ["deepseek_v3", "minimax_m2", "llama"])
-def test_decode_and_verify_logits_equal_xla(family, monkeypatch):
-    import pallas_kernels.attention as attention_kernels
-    import pallas_kernels.moe as moe_kernels
-
-    calls = []
-    for module, name in ((moe_kernels, "grouped_swiglu"), (attention_kernels, "paged_prefix_attention")):
-        real = getattr(module, name)
-        monkeypatch.setattr(module, name, lambda *a, real=real, name=name, **k: calls.append(name) or real(*a, **k))
+def test_decode_and_verify_logits_equal_xla(family, kernel_calls):
     xla = random_target(FAMILIES[family])
     ker = pallas(xla)
     rng = np.random.default_rng(1)
@@ -47,7 +40,7 @@ def test_decode_and_verify_logits_equal_xla(family, monkeypatch):
         got, _, _ = forward(ker.params, ker.config, toks[:, :t], pos[:, :t], cache, tree[:, :t, :t])
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5 * float(np.abs(want).max()))
     # the kernels really ran (traced once per segment and query length)
-    assert set(calls) == ({"paged_prefix_attention"} | ({"grouped_swiglu"} if FAMILIES[family] is not FAMILIES["llama"] else set()))
+    assert set(kernel_calls) == ({"paged_prefix_attention"} | ({"grouped_swiglu"} if FAMILIES[family] is not FAMILIES["llama"] else set()))
 
 
 @pytest.mark.parametrize("family,engine_spec,scheduler_spec", [
@@ -108,19 +101,16 @@ def test_speculative_step_lowers_with_triton_attention(platform, monkeypatch):
         assert kernel in text, kernel
 
 
-def test_draft_propose_with_pallas_attention_equals_xla(monkeypatch):
+def test_draft_propose_with_pallas_attention_equals_xla(monkeypatch, kernel_calls):
     """The draft's extend (causal window) and tree expansion (scratch-slot window) through the
     attention kernel on a paged cache: every pass's logits as the XLA path's, the same draft tree.
     (Dense draft caches run the same code through kv_cache.as_pages; the Engine test above covers
     them end to end.)"""
-    import pallas_kernels.attention as attention_kernels
     from eagle3_jax.draft import with_target_kernels
     from eagle3_jax.spec import propose
     from eagle3_jax.spec.propose import draft_extend, expand
 
-    calls, passes = [], []
-    real = attention_kernels.paged_prefix_attention
-    monkeypatch.setattr(attention_kernels, "paged_prefix_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    passes = []
     real_forward = propose.draft_forward
 
     def recording_forward(*args, **kwargs):  # every draft pass's logits, to compare pass by pass
@@ -155,4 +145,4 @@ def test_draft_propose_with_pallas_attention_equals_xla(monkeypatch):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5 * float(np.abs(want).max()))
     np.testing.assert_array_equal(np.asarray(got_tree.tokens), np.asarray(want_tree.tokens))
     np.testing.assert_array_equal(np.asarray(got_tree.parents), np.asarray(want_tree.parents))
-    assert len(calls) >= 3  # extend twice, then every expansion level
+    assert len(kernel_calls) >= 3  # extend twice, then every expansion level

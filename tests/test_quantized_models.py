@@ -185,30 +185,26 @@ KERNEL_MODELS = {  # expert widths the kernels tile (>= one 32-wide scale group)
 
 
 @pytest.mark.parametrize("name", sorted(KERNEL_MODELS))
-def test_pallas_expert_kernels_equal_xla(name, tmp_path, caplog, monkeypatch):
+def test_pallas_expert_kernels_equal_xla(name, tmp_path, caplog, kernel_calls):
     """kernels="moe=pallas" (interpret mode): the routed experts run the grouped kernels on the
     resident quantized weights, logits as the XLA path's; a layout the kernels cannot tile (int4
     groups of 16) keeps the XLA path and says so."""
-    import pallas_kernels.moe as moe_kernels
-    from eagle3_jax import moe
+    from eagle3_jax import kernels
 
     family, method, ignore, group, options = KERNEL_MODELS[name]
     raw = dict(family, quantization_config=quantization_config(method, ignore, group))
     cfg = parse_model_config(raw)
     save_hf_target(str(tmp_path), random_flat(cfg, 0), cfg, raw)
-    calls = []
-    real = moe_kernels.grouped_swiglu
-    monkeypatch.setattr(moe_kernels, "grouped_swiglu", lambda *a, **k: calls.append(1) or real(*a, **k))
-    moe._warn_once.cache_clear()
+    kernels.warn_once.cache_clear()
     ids = np.random.default_rng(0).integers(0, 64, (2, 9))
     want = e3.load_target(tmp_path, dtype="float32", **options).logits(ids)
     with caplog.at_level("WARNING"):
         got = e3.load_target(tmp_path, dtype="float32", kernels="moe=pallas", **options).logits(ids)
     np.testing.assert_allclose(got, want, atol=2e-5 * np.abs(want).max())
     if name == "kimi_int4_g16":
-        assert not calls and "routed experts keep the XLA path: experts gate: int4 needs scale groups" in caplog.text
+        assert not kernel_calls and "routed experts keep the XLA path: experts gate: int4 needs scale groups" in caplog.text
     else:
-        assert calls and "keep the XLA path" not in caplog.text
+        assert kernel_calls and "keep the XLA path" not in caplog.text
 
 
 def test_quantized_weights_take_less_memory(folders):
