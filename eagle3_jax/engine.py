@@ -25,6 +25,7 @@ from .config import ModelConfig
 from .draft import Draft, with_target_kernels
 from .sampling import SamplingArrays, SamplingParams, sample
 from .sharding import mesh_context, to_host
+from .spec.adaptive import AutoSpec
 from .spec.step import spec_prefill, spec_step
 from .spec.tree import SpecConfig
 from .target import Target, forward
@@ -39,8 +40,9 @@ class RequestOutput:
     metrics: dict
 
 
-def check_speculation(target: Target, draft: Draft | None, spec: SpecConfig | None) -> SpecConfig | None:
-    """The SpecConfig a (target, draft) pair runs with (default SpecConfig() with a draft); raises on a mismatch."""
+def check_speculation(target: Target, draft: Draft | None,
+                      spec: SpecConfig | AutoSpec | None) -> SpecConfig | AutoSpec | None:
+    """The speculation a (target, draft) pair runs with (default SpecConfig() with a draft); raises on a mismatch."""
     if spec is not None and draft is None:
         raise ValueError("a SpecConfig needs a draft: pass draft=e3.load_draft(...), or drop spec for plain decoding")
     if draft is None:
@@ -48,8 +50,12 @@ def check_speculation(target: Target, draft: Draft | None, spec: SpecConfig | No
     if not isinstance(draft, Draft):
         raise TypeError(f"draft must be an eagle3_jax Draft (from e3.load_draft); got {type(draft).__name__}")
     spec = spec or SpecConfig()
-    if spec.topk > draft.config.draft_vocab_size:
-        raise ValueError(f"SpecConfig.topk={spec.topk} exceeds the draft vocabulary ({draft.config.draft_vocab_size})")
+    if not isinstance(spec, (SpecConfig, AutoSpec)):
+        raise TypeError(f"spec must be an e3.SpecConfig or e3.SpecConfig.auto(...); got {type(spec).__name__}")
+    shapes = spec.shapes if isinstance(spec, AutoSpec) else (spec,)
+    topk = max(s.topk for s in shapes)
+    if topk > draft.config.draft_vocab_size:
+        raise ValueError(f"SpecConfig.topk={topk} exceeds the draft vocabulary ({draft.config.draft_vocab_size})")
     if tuple(target.config.aux_layer_ids) != tuple(draft.aux_layer_ids):
         raise ValueError(
             f"the target captures hidden states {target.config.aux_layer_ids} but the draft reads "
@@ -106,7 +112,7 @@ def _decode(params, cfg: ModelConfig, cache: kv_cache.KVCache, tokens, counter, 
     return nxt, kv_cache.advance(cache, jnp.ones_like(cache.lengths)), counter + 1
 
 
-_spec_prefill = jax.jit(spec_prefill, static_argnames=("tcfg", "dcfg", "spec"), donate_argnames=("tcache", "dcache"))
+_spec_prefill = jax.jit(spec_prefill, static_argnames=("tcfg", "dcfg"), donate_argnames=("tcache", "dcache"))
 _spec_step = jax.jit(spec_step, static_argnames=("tcfg", "dcfg", "spec"), donate_argnames=("tcache", "dcache"))
 
 
@@ -118,6 +124,9 @@ class Engine:
         if max_batch_size < 1 or max_seq_len < 2:
             raise ValueError(f"max_batch_size must be >= 1 and max_seq_len >= 2; got {max_batch_size}, {max_seq_len}")
         spec = check_speculation(target, draft, spec)
+        if isinstance(spec, AutoSpec):
+            raise ValueError("adaptive speculation (SpecConfig.auto) runs in e3.Scheduler, which picks a shape per "
+                             "step; the Engine runs one fixed shape: pass an e3.SpecConfig")
         self.target = target
         self.draft = None if draft is None else with_target_kernels(draft, target)
         self.spec = spec
@@ -160,9 +169,8 @@ class Engine:
             return first, (tcache, first, jnp.ones((batch,), jnp.int32))
         d = self.draft
         dcache = kv_cache.init_cache(d.config.layers, batch, cache_len, d.dtype)
-        first, tcache, dcache, tree = _spec_prefill(params, cfg, d.params, d.config, self.spec, tcache, dcache,
-                                                    tokens, plens, sp)
-        return first, (tcache, dcache, tree, jnp.ones((batch,), jnp.int32))
+        first, tcache, dcache, root = _spec_prefill(params, cfg, d.params, d.config, tcache, dcache, tokens, plens, sp)
+        return first, (tcache, dcache, root, jnp.ones((batch,), jnp.int32))
 
     def _step(self, state, sp):
         """One decode step; returns ((tokens [B, D+1], counts [B]) on device, new state)."""
@@ -171,11 +179,11 @@ class Engine:
             cache, tok, counter = state
             nxt, cache, counter = _decode(params, cfg, cache, tok, counter, sp)
             return (nxt[:, None], jnp.ones_like(counter)), (cache, nxt, counter)
-        tcache, dcache, tree, counter = state
+        tcache, dcache, root, counter = state
         d = self.draft
-        out, count, tcache, dcache, tree, counter = _spec_step(params, cfg, d.params, d.config, self.spec,
-                                                               tcache, dcache, tree, sp, counter)
-        return (out, count), (tcache, dcache, tree, counter)
+        out, count, tcache, dcache, root, counter = _spec_step(params, cfg, d.params, d.config, self.spec,
+                                                               tcache, dcache, root, sp, counter)
+        return (out, count), (tcache, dcache, root, counter)
 
     # ---- one wave ------------------------------------------------------------------------------
     def _run_wave(self, prompts: list[list[int]], sampling: list[SamplingParams]) -> list[RequestOutput]:
@@ -242,7 +250,7 @@ class _Record:
         per_position = [
             float(np.mean([a - 1 >= d for a in self.accept_lengths])) if steps else 0.0 for d in range(1, depth + 1)
         ]
-        draft_passes = (steps + 1) * spec.num_steps if spec else 0
+        draft_passes = steps * spec.num_steps if spec else 0
         return RequestOutput(
             token_ids=self.ids,
             finish_reason=self.finish,

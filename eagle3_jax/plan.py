@@ -28,7 +28,7 @@ from .params import ParamSpec, abstract_leaf, abstract_params, qformat_for
 from .quant import QArray
 from .sampling import SamplingArrays
 from .sharding import leaf_partition_spec, mesh_context, param_axes, param_shardings, partition_spec
-from .spec.propose import DraftTree
+from .spec.propose import DraftRoot
 from .spec.tree import SpecConfig
 from .target import resolve_dtype, with_quant_options
 
@@ -180,9 +180,9 @@ def _vec(batch: int, dtype, mesh: Mesh) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct((batch,), dtype, sharding=NamedSharding(mesh, partition_spec(("batch",), (batch,), mesh)))
 
 
-def _rows(batch: int, width: int, mesh: Mesh) -> jax.ShapeDtypeStruct:
+def _rows(batch: int, width: int, mesh: Mesh, dtype=jnp.int32) -> jax.ShapeDtypeStruct:
     spec = partition_spec(("batch", None), (batch, width), mesh)
-    return jax.ShapeDtypeStruct((batch, width), jnp.int32, sharding=NamedSharding(mesh, spec))
+    return jax.ShapeDtypeStruct((batch, width), dtype, sharding=NamedSharding(mesh, spec))
 
 
 def _sampling(batch: int, mesh: Mesh) -> SamplingArrays:
@@ -279,16 +279,15 @@ def plan_memory(target, draft=None, mesh: Mesh | None = None, batch: int = 1, ma
         if dcfg is not None:
             dparams = abstract_draft(dcfg, dt, mesh)
             dcache = abstract_cache(dcfg.layers, batch, max_len, dt, mesh)
-            n = spec.num_draft_tokens
-            tree = DraftTree(tokens=_rows(batch, n, mesh), parents=_rows(batch, n, mesh))
+            root = DraftRoot(token=vec, hidden=_rows(batch, dcfg.hidden_size, mesh, dt))
             static = ("tcfg", "dcfg", "spec")
             if "step" in programs:
                 step = jax.jit(spec_step, static_argnames=static, donate_argnames=("tcache", "dcache"))
-                results["spec_step"] = _analysis(step.trace(tparams, cfg, dparams, dcfg, spec, tcache, dcache, tree, sp,
+                results["spec_step"] = _analysis(step.trace(tparams, cfg, dparams, dcfg, spec, tcache, dcache, root, sp,
                                                             vec).lower().compile())
             if "prefill" in programs:
-                prefill = jax.jit(spec_prefill, static_argnames=static, donate_argnames=("tcache", "dcache"))
-                results["prefill"] = _analysis(prefill.trace(tparams, cfg, dparams, dcfg, spec, tcache, dcache,
+                prefill = jax.jit(spec_prefill, static_argnames=static[:2], donate_argnames=("tcache", "dcache"))
+                results["prefill"] = _analysis(prefill.trace(tparams, cfg, dparams, dcfg, tcache, dcache,
                                                              _rows(batch, prefill_chunk, mesh), vec, sp).lower().compile())
         elif "prefill" in programs:
             from .engine import _prefill

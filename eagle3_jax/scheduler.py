@@ -11,12 +11,15 @@ Requests queue up and join or leave the running batch between steps. Each `step(
 3. grows every decoding request's pages to cover the next step's writes; when pages run short
    the most recently admitted request is preempted: its pages are freed and it returns to the
    front of the queue, to be recomputed from prompt + generated tokens when readmitted;
-4. runs one decode program over every decoding request: an EAGLE-3 step with a draft (verify,
-   accept, commit, draft extend, draft expand, see spec/step.py), one token without, and hands
-   back each request's new tokens.
+4. runs one decode program over every decoding request: an EAGLE-3 step with a draft (draft
+   expand, verify, accept, commit, draft extend, see spec/step.py), one token without, and hands
+   back each request's new tokens. With adaptive speculation (`SpecConfig.auto`) the step's shape
+   (no speculation, a chain of some length, a tree) is chosen per step from measured step times
+   and running acceptance rates (spec/adaptive.py).
 
 Target and draft K/V live in page pools shared by all requests; a request owns a list of pages
-(its block table) that indexes both. Batch size, chunk length and block-table width are bucketed
+(its block table) that indexes both, and a state slot that keeps, on device, its last token and
+(with a draft) the draft's hidden state from which the next step proposes. Batch size, chunk length and block-table width are bucketed
 to powers of two, so a few compiled programs serve every mix of requests; the scheduler keeps the
 `max_compiled_programs` most recently used ones. A request's chunk
 boundaries depend only on its own length, and prefill always uses the same attention form, so a
@@ -48,14 +51,15 @@ from .engine import RequestOutput, bucket, check_request, check_speculation
 from .page_allocator import PageAllocator, pages_for
 from .sampling import SamplingArrays, SamplingParams, sample
 from .sharding import mesh_context, to_host
-from .spec.propose import DraftTree
+from .spec.adaptive import AdaptiveSpeculation, AutoSpec, Shape, shape_depth, shape_name
+from .spec.propose import DraftRoot
 from .spec.step import spec_prefill, spec_step
 from .spec.tree import SpecConfig
 from .target import Target, forward
 
 MIN_CHUNK_BUCKET = 16
 MIN_PAGES_BUCKET = 4
-DONATED = 2  # position of the KV pools among a step program's dynamic arguments
+DONATED = 2  # position of the pools (KV pages and state slots) among a step program's dynamic arguments
 
 
 class CapacityError(ValueError):
@@ -74,25 +78,28 @@ class RequestDelta:
     output: RequestOutput | None  # the whole output and metrics, once finished
 
 
-def step_lookahead(spec: SpecConfig | None) -> int:
+def step_lookahead(spec: SpecConfig | AutoSpec | None) -> int:
     """Slots past the committed length that one step may write (tree nodes, draft extend + scratch)."""
     if spec is None:
         return 1
+    if isinstance(spec, AutoSpec):
+        return max(step_lookahead(s) for s in spec.shapes)
     return max(spec.num_draft_tokens, spec.max_accept + 1 + max(spec.num_steps - 1, 1) * spec.topk)
 
 
 # ---- device programs -------------------------------------------------------------------------------
 
 
-def _prefill_program(tcfg: ModelConfig, dcfg: DraftConfig | None, spec: SpecConfig | None, tparams: dict,
-                     dparams: dict | None, pools: tuple, block_table, lengths, tokens, n_valid, following,
-                     sp: SamplingArrays, counter):
-    """One prompt chunk per row after its cached prefix -> (first token, tree tokens, parents, pools).
+def _prefill_program(tcfg: ModelConfig, dcfg: DraftConfig | None, tparams: dict, dparams: dict | None,
+                     pools: tuple, block_table, lengths, tokens, n_valid, following, slots, sp: SamplingArrays,
+                     counter):
+    """One prompt chunk per row after its cached prefix -> (first token, pools).
 
-    Prefill always uses the expanded MLA form, whatever the chunk length, so numerics do not
-    depend on the batch's bucket.
+    Rows whose chunk ends the prompt store their first token (and draft root) in state slot
+    `slots[i]`; the others pass the scratch slot. Prefill always uses the expanded MLA form,
+    whatever the chunk length, so numerics do not depend on the batch's bucket.
     """
-    tk, tv, dk, dv = pools
+    tk, tv, dk, dv, root_tokens, root_hidden = pools
     tcache = kv_cache.paged_view(tk, tv, block_table, lengths)
     if dcfg is None:
         t = tokens.shape[1]
@@ -100,27 +107,33 @@ def _prefill_program(tcfg: ModelConfig, dcfg: DraftConfig | None, spec: SpecConf
         logits, _, tcache = forward(tparams, tcfg, tokens, positions, tcache, absorb=False)
         last = jnp.take_along_axis(logits, (n_valid - 1)[:, None, None], axis=1)[:, 0]
         first = sample(last, sp, counter)
-        return first, first[:, None], jnp.zeros_like(first)[:, None], (tcache.k, tcache.v, dk, dv)
+        return first, (tcache.k, tcache.v, dk, dv, root_tokens.at[slots].set(first), root_hidden)
     dcache = kv_cache.paged_view(dk, dv, block_table, lengths)
-    first, tcache, dcache, tree = spec_prefill(tparams, tcfg, dparams, dcfg, spec, tcache, dcache, tokens, n_valid,
+    first, tcache, dcache, root = spec_prefill(tparams, tcfg, dparams, dcfg, tcache, dcache, tokens, n_valid,
                                                sp, counter, following, absorb=False)
-    return first, tree.tokens, tree.parents, (tcache.k, tcache.v, dcache.k, dcache.v)
+    return first, (tcache.k, tcache.v, dcache.k, dcache.v, root_tokens.at[slots].set(root.token),
+                   root_hidden.at[slots].set(root.hidden))
 
 
-def _decode_program(tcfg: ModelConfig, dcfg: DraftConfig | None, spec: SpecConfig | None, tparams: dict,
-                    dparams: dict | None, pools: tuple, block_table, lengths, tree_tokens, tree_parents,
-                    sp: SamplingArrays, counter):
-    """One decode step per row -> (tokens [B, D+1] (-1 padded), counts [B], next tree, pools)."""
-    tk, tv, dk, dv = pools
+def _decode_program(tcfg: ModelConfig, dcfg: DraftConfig | None, shape: Shape, tparams: dict,
+                    dparams: dict | None, pools: tuple, block_table, lengths, slots, sp: SamplingArrays, counter):
+    """One decode step per row from its state slot -> (tokens [B, D+1] (-1 padded), counts [B], pools).
+
+    `shape` is the step's speculation (None: one token per row, through the draft's extend when
+    there is a draft, so its cache stays complete).
+    """
+    tk, tv, dk, dv, root_tokens, root_hidden = pools
     tcache = kv_cache.paged_view(tk, tv, block_table, lengths)
     if dcfg is None:
-        logits, _, tcache = forward(tparams, tcfg, tree_tokens[:, :1], lengths[:, None], tcache)
+        logits, _, tcache = forward(tparams, tcfg, root_tokens[slots][:, None], lengths[:, None], tcache)
         nxt = sample(logits[:, 0], sp, counter)
-        return nxt[:, None], jnp.ones_like(nxt), nxt[:, None], tree_parents, (tcache.k, tcache.v, dk, dv)
+        return nxt[:, None], jnp.ones_like(nxt), (tcache.k, tcache.v, dk, dv, root_tokens.at[slots].set(nxt), root_hidden)
     dcache = kv_cache.paged_view(dk, dv, block_table, lengths)
-    out, count, tcache, dcache, tree, _ = spec_step(tparams, tcfg, dparams, dcfg, spec, tcache, dcache,
-                                                    DraftTree(tokens=tree_tokens, parents=tree_parents), sp, counter)
-    return out, count, tree.tokens, tree.parents, (tcache.k, tcache.v, dcache.k, dcache.v)
+    root = DraftRoot(token=root_tokens[slots], hidden=root_hidden[slots])
+    out, count, tcache, dcache, root, _ = spec_step(tparams, tcfg, dparams, dcfg, shape, tcache, dcache, root, sp,
+                                                    counter)
+    return out, count, (tcache.k, tcache.v, dcache.k, dcache.v, root_tokens.at[slots].set(root.token),
+                        root_hidden.at[slots].set(root.hidden))
 
 
 _PROGRAMS = {"prefill": _prefill_program, "decode": _decode_program}
@@ -178,11 +191,12 @@ class _Request:
     computed: int = 0  # tokens of prefill_ids already in the cache
     length: int = 0  # committed cache slots
     pages: list[int] = dataclasses.field(default_factory=list)
-    tree_tokens: np.ndarray | None = None  # [N] the next step's root (last token) and draft nodes
-    tree_parents: np.ndarray | None = None
+    slot: int | None = None  # state slot: last token and draft root, on device
     output: list[int] = dataclasses.field(default_factory=list)
     token_times: list[float] = dataclasses.field(default_factory=list)
-    accept_lengths: list[int] = dataclasses.field(default_factory=list)
+    accept_lengths: list[int] = dataclasses.field(default_factory=list)  # tokens emitted per decode step
+    step_depths: list[int] = dataclasses.field(default_factory=list)  # draft depth of each decode step's shape
+    draft_passes: int = 0
     sent: int = 0  # tokens already handed out in deltas
     admitted: float | None = None
     num_preemptions: int = 0
@@ -195,7 +209,7 @@ class Scheduler:
     Not thread-safe: one thread calls its methods (see serving.AsyncEngine for asyncio use).
     """
 
-    def __init__(self, target: Target, draft: Draft | None = None, spec: SpecConfig | None = None, *,
+    def __init__(self, target: Target, draft: Draft | None = None, spec: SpecConfig | AutoSpec | None = None, *,
                  max_num_seqs: int = 64, max_seq_len: int = 2048, page_size: int = 16,
                  num_pages: int | None = None, prefill_chunk: int = 256, max_compiled_programs: int = 48):
         for name, value, low in (("max_num_seqs", max_num_seqs, 1), ("max_seq_len", max_seq_len, 2),
@@ -218,7 +232,8 @@ class Scheduler:
             raise ValueError(f"num_pages must be an integer >= 2 (page 0 is reserved); got {num_pages!r}")
         self._alloc = PageAllocator(int(num_pages))
         self._pools = self._init_pools(int(num_pages))
-        self._tree_size = self.spec.num_draft_tokens if self.spec else 1
+        self._free_slots = list(range(self.max_num_seqs - 1, -1, -1))  # slot max_num_seqs: scratch for padding rows
+        self._adaptive = AdaptiveSpeculation(self.spec) if isinstance(self.spec, AutoSpec) else None
         self.programs = ProgramCache(int(max_compiled_programs))
         self._channel = None  # set by lead(): multi-host leader
 
@@ -228,21 +243,28 @@ class Scheduler:
         self._aborted: list[RequestDelta] = []
         self._ids = itertools.count()
         self._counters = collections.Counter()
-        self._per_position = np.zeros((self.spec.max_accept if self.spec else 0,), np.int64)
+        depth = self.spec.max_accept if self.spec else 0
+        self._per_position = np.zeros((depth,), np.int64)  # decode-step rows that accepted >= d draft tokens
+        self._per_position_drafted = np.zeros((depth,), np.int64)  # ... whose shape drafted d tokens
 
     def _init_pools(self, num_pages: int) -> tuple:
+        """KV page pools (target, draft) and the state slots (last token, draft root hidden)."""
         tcfg = self.target.config
         tk, tv = kv_cache.init_pages(tcfg, num_pages, self.page_size, self.target.dtype)
-        dk = dv = None
+        dk = dv = root_hidden = None
+        slots = self.max_num_seqs + 1
+        root_tokens = np.zeros((slots,), np.int32)
         if self.draft is not None:
             dk, dv = kv_cache.init_pages(self.draft.config.layers, num_pages, self.page_size, self.draft.dtype)
+            root_hidden = np.zeros((slots, self.draft.config.hidden_size), self.draft.dtype)
         if self.target.mesh is not None:
-            from .sharding import shard_pages
+            from .sharding import replicate, shard_pages
 
             tk, tv = shard_pages(tk, tv, tcfg, self.target.mesh)
             if dk is not None:
                 dk, dv = shard_pages(dk, dv, self.draft.config.layers, self.target.mesh)
-        return tk, tv, dk, dv
+            return tk, tv, dk, dv, *replicate((root_tokens, root_hidden), self.target.mesh)
+        return tk, tv, dk, dv, *jax.tree.map(jnp.asarray, (root_tokens, root_hidden))
 
     # ---- requests ------------------------------------------------------------------------------
     def add_request(self, prompt_ids: Sequence[int], sampling: SamplingParams | None = None,
@@ -312,6 +334,7 @@ class Scheduler:
         """Counters and gauges for monitoring (see serving's /metrics)."""
         c = self._counters
         steps = c["num_decode_steps_total"]
+        adaptive = {"adaptive": self._adaptive.stats()} if self._adaptive is not None else {}
         return {
             "num_waiting": len(self._waiting),
             "num_running": len(self._running),
@@ -327,6 +350,8 @@ class Scheduler:
             "accepted_tokens_total": c["accepted_tokens_total"],
             "mean_accept_length": c["accepted_tokens_total"] / steps if steps else 1.0,
             "per_position_accepted_total": [int(x) for x in self._per_position],
+            "per_position_drafted_total": [int(x) for x in self._per_position_drafted],
+            **adaptive,
         }
 
     # ---- one iteration -------------------------------------------------------------------------
@@ -352,6 +377,7 @@ class Scheduler:
                 return
             self._waiting.popleft()
             req.pages = self._alloc.allocate(need)
+            req.slot = self._free_slots.pop()
             req.state, req.computed, req.length = _PREFILL, 0, 0
             if req.admitted is None:
                 req.admitted = time.perf_counter()
@@ -393,8 +419,9 @@ class Scheduler:
 
     def _release(self, req: _Request) -> None:
         self._alloc.free(req.pages)
-        req.pages, req.computed, req.length = [], 0, 0
-        req.tree_tokens = req.tree_parents = None
+        if req.slot is not None:
+            self._free_slots.append(req.slot)
+        req.pages, req.computed, req.length, req.slot = [], 0, 0, None
 
     def _block_table(self, rows: Sequence[_Request], batch: int) -> np.ndarray:
         width = bucket(max(len(r.pages) for r in rows), MIN_PAGES_BUCKET, self.max_pages_per_seq)
@@ -403,21 +430,23 @@ class Scheduler:
             table[i, : len(r.pages)] = r.pages
         return table
 
-    def _run_program(self, kind: str, block_table: np.ndarray, *args) -> list[np.ndarray]:
+    def _run_program(self, kind: str, shape: Shape, block_table: np.ndarray, *args) -> list[np.ndarray]:
         """Run a step program on the pools (first sending its inputs to the followers of a
         multi-host leader); returns its outputs on the host."""
         if self._channel is not None:
-            self._channel.send((kind, block_table, jax.tree.map(np.asarray, args)))
-        return self._execute(kind, block_table, *args)
+            self._channel.send((kind, shape, block_table, jax.tree.map(np.asarray, args)))
+        return self._execute(kind, shape, block_table, *args)
 
-    def _execute(self, kind: str, block_table: np.ndarray, *args) -> list[np.ndarray]:
-        """Run the `kind` step program; the cache key is the kind and its bucketed shapes."""
+    def _execute(self, kind: str, shape: Shape, block_table: np.ndarray, *args) -> list[np.ndarray]:
+        """Run the `kind` step program (of speculation `shape`, for decode); the cache key is the
+        kind, the shape and the bucketed array shapes."""
         dcfg = self.draft.config if self.draft is not None else None
         dparams = self.draft.params if self.draft is not None else None
-        key = (kind, block_table.shape, np.shape(args[1]))  # args[1]: tokens or tree, [batch, width]
+        static = (self.target.config, dcfg) if kind == "prefill" else (self.target.config, dcfg, shape)
+        key = (kind, shape, block_table.shape, np.shape(args[1]))  # args[1]: tokens (prefill) or slots (decode)
         with mesh_context(self.target.mesh):
-            *outs, self._pools = self.programs.run(_PROGRAMS[kind], (self.target.config, dcfg, self.spec), key,
-                                                   self.target.params, dparams, self._pools, block_table, *args)
+            *outs, self._pools = self.programs.run(_PROGRAMS[kind], static, key, self.target.params, dparams,
+                                                   self._pools, block_table, *args)
             # Every output is read, in order, on every process: reading a batch split over a
             # multi-host `data` axis is a collective (sharding.to_host).
             return [to_host(o) for o in outs]
@@ -448,8 +477,8 @@ class Scheduler:
         if channel.is_leader:
             raise RuntimeError("process 0 leads (lead()); follow() is for the other processes")
         while (message := channel.receive()) is not None:
-            kind, block_table, args = message
-            self._execute(kind, block_table, *args)
+            kind, shape, block_table, args = message
+            self._execute(kind, shape, block_table, *args)
             steps += 1
         return steps
 
@@ -461,15 +490,18 @@ class Scheduler:
         following = np.full((batch,), -1, np.int32)
         lengths = np.zeros((batch,), np.int32)
         counter = np.zeros((batch,), np.int32)
+        slots = np.full((batch,), self.max_num_seqs, np.int32)  # scratch slot unless the prompt ends here
         for i, (req, n) in enumerate(rows):
             c = req.computed
             tokens[i, :n] = req.prefill_ids[c: c + n]
             n_valid[i], lengths[i], counter[i] = n, c, len(req.output)
             if c + n < len(req.prefill_ids):
                 following[i] = req.prefill_ids[c + n]
+            else:
+                slots[i] = req.slot
         sp = SamplingArrays.from_params([r.sampling for r, _ in rows], batch)
-        first, tree_tokens, tree_parents = self._run_program(
-            "prefill", self._block_table([r for r, _ in rows], batch), lengths, tokens, n_valid, following, sp, counter)
+        (first,) = self._run_program("prefill", None, self._block_table([r for r, _ in rows], batch), lengths, tokens,
+                                     n_valid, following, slots, sp, counter)
         now = time.perf_counter()
         deltas = []
         for i, (req, n) in enumerate(rows):
@@ -479,35 +511,46 @@ class Scheduler:
             if req.computed < len(req.prefill_ids):
                 continue
             req.state = _DECODE
-            req.tree_tokens, req.tree_parents = tree_tokens[i], tree_parents[i]
             deltas.append(self._emit(req, first[i: i + 1], now))
         return deltas
 
     def _run_decode(self, rows: list[_Request]) -> list[RequestDelta]:
         batch = bucket(len(rows), 1, self.max_num_seqs)
-        n = self._tree_size
-        tree_tokens = np.zeros((batch, n), np.int32)
-        tree_parents = np.zeros((batch, n), np.int32)
+        block_table = self._block_table(rows, batch)
+        shape = self._shape_for(rows, block_table.shape)
         lengths = np.zeros((batch,), np.int32)
         counter = np.zeros((batch,), np.int32)
+        slots = np.full((batch,), self.max_num_seqs, np.int32)
         for i, req in enumerate(rows):
-            tree_tokens[i], tree_parents[i] = req.tree_tokens, req.tree_parents
-            lengths[i], counter[i] = req.length, len(req.output)
+            lengths[i], counter[i], slots[i] = req.length, len(req.output), req.slot
         sp = SamplingArrays.from_params([r.sampling for r in rows], batch)
-        out, count, tree_tokens, tree_parents = self._run_program(
-            "decode", self._block_table(rows, batch), lengths, tree_tokens, tree_parents, sp, counter)
+        compiles, start = self.programs.num_compiles, time.perf_counter()
+        out, count = self._run_program("decode", shape, block_table, lengths, slots, sp, counter)
         now = time.perf_counter()
+        depth = shape_depth(shape)
+        if self._adaptive is not None:
+            seconds = None if self.programs.num_compiles != compiles else now - start
+            self._adaptive.observe(shape, block_table.shape, seconds, {r.id: int(count[i]) - 1 for i, r in enumerate(rows)})
         deltas = []
         for i, req in enumerate(rows):
             k = int(count[i])
             req.length += k
-            req.tree_tokens, req.tree_parents = tree_tokens[i], tree_parents[i]
             req.accept_lengths.append(k)
+            req.step_depths.append(depth)
+            req.draft_passes += shape.num_steps if shape is not None else 0
             self._counters["num_decode_steps_total"] += 1
             self._counters["accepted_tokens_total"] += k
             self._per_position[: k - 1] += 1
+            self._per_position_drafted[:depth] += 1
             deltas.append(self._emit(req, out[i, :k], now))
         return deltas
+
+    def _shape_for(self, rows: Sequence[_Request], key: tuple[int, int]) -> Shape:
+        """The speculation shape of the next decode step: the fixed one, or the adaptive choice
+        for these requests at this program key (batch bucket, block-table width)."""
+        if self._adaptive is None:
+            return self.spec
+        return self._adaptive.choose([r.id for r in rows], key)
 
     # ---- output --------------------------------------------------------------------------------
     def _emit(self, req: _Request, tokens: np.ndarray, now: float) -> RequestDelta:
@@ -534,20 +577,24 @@ class Scheduler:
     def _finish(self, req: _Request, reason: str, now: float) -> RequestDelta:
         req.state, req.finish_reason = _DONE, reason
         del self._requests[req.id]
+        if self._adaptive is not None:
+            self._adaptive.forget(req.id)
         new, req.sent = req.output[req.sent:], len(req.output)
         return RequestDelta(req.id, new, now, True, reason, RequestOutput(req.output, reason, self._metrics(req, now)))
 
     def _metrics(self, req: _Request, now: float) -> dict:
         steps = len(req.accept_lengths)
         depth = self.spec.max_accept if self.spec else 0
-        acc = np.asarray(req.accept_lengths)
+        acc, drafted = np.asarray(req.accept_lengths), np.asarray(req.step_depths)
         times = req.token_times
+        per_position = [float(np.mean(acc[drafted >= d] - 1 >= d)) if np.any(drafted >= d) else 0.0
+                        for d in range(1, depth + 1)]
         return {
             "mean_accept_length": float(acc.mean()) if steps else 1.0,
             "accept_lengths": [int(a) for a in acc],
-            "per_position_acceptance": [float(np.mean(acc - 1 >= d)) if steps else 0.0 for d in range(1, depth + 1)],
+            "per_position_acceptance": per_position,
             "num_target_passes": steps + (1 if times else 0),
-            "num_draft_passes": (steps + 1) * self.spec.num_steps if self.spec and times else 0,
+            "num_draft_passes": req.draft_passes,
             "num_output_tokens": len(req.output),
             "num_preemptions": req.num_preemptions,
             "queue_s": (req.admitted - req.arrival) if req.admitted is not None else now - req.arrival,

@@ -200,6 +200,11 @@ def shard_pages(k: jax.Array, v: jax.Array, cfg: ModelConfig, mesh: Mesh) -> tup
     return _place(k, k_axes, mesh), _place(v, v_axes, mesh)
 
 
+def replicate(tree, mesh: Mesh):
+    """Place every array of `tree` (None leaves kept) whole on every device of `mesh`."""
+    return jax.tree.map(lambda a: _place(a, (None,) * a.ndim, mesh), tree)
+
+
 def mesh_context(mesh: Mesh | None):
     """Trace and run under `mesh` (`jax.set_mesh`), which makes the MoE expert-parallel
     (moe.expert_parallel); a no-op without a mesh. Every program over a sharded Target runs in it."""

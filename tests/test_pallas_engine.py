@@ -84,7 +84,7 @@ def test_speculative_step_lowers_with_triton_attention(platform, monkeypatch):
     from eagle3_jax import kernels as kernels_lib
     from eagle3_jax.engine import _spec_step
     from eagle3_jax.sampling import SamplingArrays
-    from eagle3_jax.spec.propose import DraftTree
+    from eagle3_jax.spec.propose import DraftRoot
 
     monkeypatch.setattr(kernels_lib, "interpret", lambda: False)
     target = pallas(random_target(FAMILIES["deepseek_v3"]))
@@ -92,9 +92,9 @@ def test_speculative_step_lowers_with_triton_attention(platform, monkeypatch):
     spec = e3.SpecConfig(3, 1, 4)
     tcache = target.init_cache(2, 64)
     dcache = kv_cache.init_cache(draft.config.layers, 2, 64, draft.dtype)
-    tree = DraftTree(tokens=jnp.zeros((2, 4), jnp.int32), parents=jnp.zeros((2, 4), jnp.int32))
+    root = DraftRoot(token=jnp.zeros((2,), jnp.int32), hidden=jnp.zeros((2, draft.config.hidden_size), draft.dtype))
     sp = SamplingArrays.from_params([e3.SamplingParams()], 2)
-    lowered = _spec_step.trace(target.params, target.config, draft.params, draft.config, spec, tcache, dcache, tree, sp,
+    lowered = _spec_step.trace(target.params, target.config, draft.params, draft.config, spec, tcache, dcache, root, sp,
                                jnp.ones((2,), jnp.int32)).lower(lowering_platforms=(platform,))
     text = lowered.as_text()
     for kernel in ("eagle3_paged_prefix_attention", "eagle3_grouped_swiglu", "eagle3_grouped_matmul"):

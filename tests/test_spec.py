@@ -9,6 +9,7 @@ import pytest
 import eagle3_jax as e3
 from eagle3_jax import draft as draft_lib
 from eagle3_jax.spec import propose
+from eagle3_jax.spec import step as step_lib
 from random_models import FAMILIES, draft_config_dict, random_draft, random_target
 
 SPECS = [e3.SpecConfig(3, 1, 4), e3.SpecConfig(3, 2, 6), e3.SpecConfig(4, 4, 12)]
@@ -31,27 +32,38 @@ def steered(monkeypatch, base_outputs, corrupt_rate: float):
     `corrupt_rate` of the positions (the same positions every run).
 
     Draft position t pairs feature t with token t+1 and predicts token t+2. The logits put the
-    steered token first and a fixed ranking after it, so trees still get distinct siblings.
+    steered token first and a fixed ranking after it, so trees still get distinct siblings. Both
+    the draft's passes and the root's logits, which a step computes from the root's hidden state
+    (the pair at draft position lengths - 1), are steered.
     """
     seqs = np.zeros((4, 160), np.int32)
     for i, (p, out) in enumerate(zip(PROMPTS, base_outputs)):
         full = p + out
         seqs[i, : len(full)] = full
     seqs = jnp.asarray(seqs)
-    real = draft_lib.draft_forward
+    real_forward, real_expand = draft_lib.draft_forward, propose.expand
 
-    def fake(params, cfg, embeds, hidden, positions, cache, *visibility):
-        logits, h, cache = real(params, cfg, embeds, hidden, positions, cache, *visibility)
+    def steer(positions, vocab):
         target_pos = jnp.clip(positions + 2, 0, seqs.shape[1] - 1)
         want = jnp.take_along_axis(seqs[: positions.shape[0]], target_pos, axis=1)
         hashed = (target_pos.astype(jnp.uint32) * jnp.uint32(2654435761)) >> 16
         wrong = (hashed % 1000) < int(corrupt_rate * 1000)
-        want = jnp.where(wrong, (want + 1) % cfg.draft_vocab_size, want)
-        ranking = -0.01 * jnp.arange(logits.shape[-1], dtype=jnp.float32)
-        steer = jax.nn.one_hot(want, logits.shape[-1]) * 10.0 + ranking
-        return steer, h, cache
+        want = jnp.where(wrong, (want + 1) % vocab, want)
+        ranking = -0.01 * jnp.arange(vocab, dtype=jnp.float32)
+        return jax.nn.one_hot(want, vocab) * 10.0 + ranking
 
-    monkeypatch.setattr(propose, "draft_forward", fake)
+    def fake_forward(params, cfg, embeds, hidden, positions, cache, *visibility):
+        _, h, cache = real_forward(params, cfg, embeds, hidden, positions, cache, *visibility)
+        return steer(positions, cfg.draft_vocab_size), h, cache
+
+    def fake_propose(params, cfg, cache, root, spec):
+        if spec is None:
+            return propose.root_only(root.token)
+        root_logits = steer((cache.lengths - 1)[:, None], cfg.draft_vocab_size)[:, 0]
+        return real_expand(params, cfg, cache, root_logits, root.hidden, root.token, spec)
+
+    monkeypatch.setattr(propose, "draft_forward", fake_forward)
+    monkeypatch.setattr(step_lib, "propose", fake_propose)
     jax.clear_caches()  # the jitted step must be retraced with the steered draft, and again after
 
 

@@ -1,5 +1,9 @@
 """Draft side of a step: extend over newly accepted pairs, then expand the next tree (EAGLE-2).
 
+Between steps a sequence's draft state is its `DraftRoot`: the last emitted token and the draft's
+output hidden for the last accepted pair. A step first proposes a tree from it (`propose`), so
+each step may pick its own speculation shape, or none at all.
+
 Extend: the draft consumes the (target feature, next token) pairs of the tokens just accepted,
 caching only those; its last output gives the root's children.
 
@@ -20,6 +24,8 @@ from flax import struct
 
 from .. import kv_cache
 from ..draft import DraftConfig, draft_forward, draft_to_target_ids, project_features
+from ..layers import rms_norm
+from ..quant import linear
 from .tree import SpecConfig
 
 
@@ -27,6 +33,31 @@ from .tree import SpecConfig
 class DraftTree:
     tokens: jax.Array  # [B, N] target token ids; tokens[:, 0] is the root (last emitted token)
     parents: jax.Array  # [B, N] tree index of each node's parent (parents[:, 0] = 0)
+
+
+@struct.dataclass
+class DraftRoot:
+    token: jax.Array  # [B] last emitted token: the next tree's root, not yet in the target cache
+    hidden: jax.Array  # [B, H] draft output hidden (before the final norm) of the last accepted pair
+
+
+def root_only(token: jax.Array) -> DraftTree:
+    """The tree of a step that does not speculate: the root alone."""
+    return DraftTree(tokens=token[:, None].astype(jnp.int32), parents=jnp.zeros((token.shape[0], 1), jnp.int32))
+
+
+def draft_head(params: dict, cfg: DraftConfig, hidden: jax.Array) -> jax.Array:
+    """Draft-vocab logits (float32) from draft output hiddens (final norm, then lm_head)."""
+    return linear(rms_norm(hidden, params["final_norm"], cfg.layers.rms_norm_eps), params["lm_head"],
+                  out_dtype=jnp.float32)
+
+
+def propose(params: dict, cfg: DraftConfig, cache: kv_cache.KVCache, root: DraftRoot,
+            spec: SpecConfig | None) -> DraftTree:
+    """The tree a step verifies: expanded from `root` by `spec`, or the root alone for None."""
+    if spec is None:
+        return root_only(root.token)
+    return expand(params, cfg, cache, draft_head(params, cfg, root.hidden), root.hidden, root.token, spec)
 
 
 def draft_extend(params: dict, cfg: DraftConfig, cache: kv_cache.KVCache, features: jax.Array,

@@ -1,8 +1,11 @@
 """The speculative programs: prefill (target + draft) and one decode step.
 
-One step, all on device: target verify over the tree (ancestor mask, positions by depth, aux
-features captured) -> acceptance -> compact the accepted path into the target cache -> draft extend
-over the accepted (feature, next token) pairs -> draft expansion of the next tree.
+One step, all on device: draft expansion of a tree from each sequence's root (or the root alone,
+for a step that does not speculate) -> target verify over the tree (ancestor mask, positions by
+depth, aux features captured) -> acceptance -> compact the accepted path into the target cache ->
+draft extend over the accepted (feature, next token) pairs, which gives the next root. The draft
+cache is extended whatever the step's shape, so a sequence that stops speculating for a while
+resumes with a draft that has seen every accepted token.
 """
 
 from __future__ import annotations
@@ -15,22 +18,22 @@ from ..config import ModelConfig
 from ..draft import DraftConfig
 from ..sampling import SamplingArrays, sample
 from ..target import forward
-from .propose import DraftTree, draft_extend, expand
+from .propose import DraftRoot, draft_extend, propose
 from .tree import SpecConfig, ancestor_mask, depths, path_to
 from .verify import accept, commit_path, emitted_tokens
 
 
-def spec_prefill(tparams: dict, tcfg: ModelConfig, dparams: dict, dcfg: DraftConfig, spec: SpecConfig,
+def spec_prefill(tparams: dict, tcfg: ModelConfig, dparams: dict, dcfg: DraftConfig,
                  tcache: kv_cache.KVCache, dcache: kv_cache.KVCache, tokens: jax.Array, prompt_lens: jax.Array,
                  sp: SamplingArrays, counter: jax.Array | None = None, following: jax.Array | None = None,
                  absorb: bool | None = None):
-    """Prompt tokens [B, T] (right-padded; `prompt_lens` valid) -> first token [B], caches, draft tree.
+    """Prompt tokens [B, T] (right-padded; `prompt_lens` valid) -> first token [B], caches, draft root.
 
     The tokens go after each row's cached prefix (cache lengths, equal in both caches), so a long
     prompt can be prefilled in chunks. `following` [B] is the prompt token after a chunk that is
     not the prompt's last, or -1 for a final chunk (the default): a final chunk samples the first
     generated token with key `counter` (default 0) and the draft pairs its last feature with it.
-    The first token and tree are meaningful for final chunks only. `absorb` picks the MLA form
+    The first token and root are meaningful for final chunks only. `absorb` picks the MLA form
     (see target.forward).
     """
     b, t = tokens.shape
@@ -47,28 +50,29 @@ def spec_prefill(tparams: dict, tcfg: ModelConfig, dparams: dict, dcfg: DraftCon
     after = jnp.where(following >= 0, following, first)
     shifted = jnp.concatenate([tokens[:, 1:], tokens[:, :1]], axis=1)
     next_tokens = jnp.where(jnp.arange(t)[None, :] == last, after[:, None], shifted)
-    root_logits, root_hidden, dcache = draft_extend(dparams, dcfg, dcache, aux, next_tokens, prompt_lens)
-    tree = expand(dparams, dcfg, dcache, root_logits, root_hidden, first, spec)
-    return first, tcache, dcache, tree
+    _, root_hidden, dcache = draft_extend(dparams, dcfg, dcache, aux, next_tokens, prompt_lens)
+    return first, tcache, dcache, DraftRoot(token=first, hidden=root_hidden)
 
 
-def spec_step(tparams: dict, tcfg: ModelConfig, dparams: dict, dcfg: DraftConfig, spec: SpecConfig,
-              tcache: kv_cache.KVCache, dcache: kv_cache.KVCache, tree: DraftTree, sp: SamplingArrays,
+def spec_step(tparams: dict, tcfg: ModelConfig, dparams: dict, dcfg: DraftConfig, spec: SpecConfig | None,
+              tcache: kv_cache.KVCache, dcache: kv_cache.KVCache, root: DraftRoot, sp: SamplingArrays,
               counter: jax.Array):
-    """Verify `tree`, emit tokens [B, D+1] (-1 padded) and counts [B]; return caches and next tree."""
+    """Propose a tree from `root` (`spec`; None: the root alone), verify it, emit tokens [B, D+1]
+    (-1 padded; D = spec.max_accept, 0 for None) and counts [B]; return caches, next root, counter."""
+    tree = propose(dparams, dcfg, dcache, root, spec)
+    max_accept = spec.max_accept if spec is not None else 0
     anc = ancestor_mask(tree.parents)
     depth = depths(anc)
     start = tcache.lengths
     logits, aux, tcache = forward(tparams, tcfg, tree.tokens, start[:, None] + depth, tcache, tree_mask=anc)
     node, bonus = accept(logits, tree.tokens, tree.parents, anc, depth, sp, counter)
     n_accept = jnp.take_along_axis(depth, node[:, None], axis=1)[:, 0]
-    path = path_to(anc, depth, node, spec.max_accept + 1)
+    path = path_to(anc, depth, node, max_accept + 1)
     out = emitted_tokens(tree.tokens, path, n_accept, bonus)
     count = n_accept + 1
     tcache = commit_path(tcache, path, count)
 
     features = jnp.take_along_axis(aux, path[:, :, None], axis=1)
     next_tokens = jnp.where(out >= 0, out, 0)
-    root_logits, root_hidden, dcache = draft_extend(dparams, dcfg, dcache, features, next_tokens, count)
-    next_tree = expand(dparams, dcfg, dcache, root_logits, root_hidden, bonus, spec)
-    return out, count, tcache, dcache, next_tree, counter + count
+    _, root_hidden, dcache = draft_extend(dparams, dcfg, dcache, features, next_tokens, count)
+    return out, count, tcache, dcache, DraftRoot(token=bonus, hidden=root_hidden), counter + count

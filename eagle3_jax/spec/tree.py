@@ -47,6 +47,15 @@ class SpecConfig:
                 f"num_steps={self.num_steps}, topk={self.topk} produce (+1 root); lower it or raise topk/num_steps"
             )
 
+    @classmethod
+    def auto(cls, num_steps: int = 3, trees: "tuple[SpecConfig, ...]" = (), **options):
+        """Adaptive speculation (an `AutoSpec`, run by the Scheduler): each decode step picks no
+        speculation, a chain of 1..num_steps draft tokens or one of `trees`, whichever promises the
+        most output tokens per second (see spec/adaptive.py; `options` tune it)."""
+        from .adaptive import AutoSpec
+
+        return AutoSpec.chains(num_steps, trees, **options)
+
     @property
     def pool_size(self) -> int:
         """Candidates the draft proposes: topk at depth 1, topk * topk at each later depth."""

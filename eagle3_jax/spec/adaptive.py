@@ -1,0 +1,306 @@
+"""Adaptive speculation: each decode step runs the shape with the most expected tokens per second.
+
+`AutoSpec` is a small fixed menu of step shapes: no speculation, chains of a few lengths, and any
+trees the user adds. Before every decode step the scheduler asks `AdaptiveSpeculation.choose` for
+one of them. The choice maximises
+
+    sum over the step's rows of E_r(shape)  /  cost(shape, batch, context)
+
+- E_r(chain of k) = 1 + the sum of request r's first k per-position acceptance rates (the chance
+  that at least i draft tokens are accepted, i = 1..k); a chain's i-th token does not depend on the
+  chain's length, so every chain length shares these rates. A tree has its own mean accepted
+  count. A request's rates blend its own counts with the running global rates, weighted as
+  `prior_weight` steps, so a new request starts from the global estimate and a request whose
+  acceptance collapses soon contributes nothing but its one token: with no gain left in the
+  batch, the scheduler stops speculating.
+- cost(shape, batch, context) is the measured wall time of that compiled program: the key is the
+  program's own (batch bucket, block-table width), so the context length is in the model (long
+  KV makes verifying many tokens dearer). Steps that compiled are not timed. A shape not yet timed
+  at a key is run once to measure it, unless timings at the nearest key where both it and an
+  already-timed shape ran predict it to lose clearly (`skip_margin`); it then keeps that estimate.
+
+Hysteresis: the step keeps the previous shape unless another promises more than
+`1 + hysteresis` times its rate. While no row speculates nothing updates the acceptance rates,
+so every `probe_interval` non-speculative steps one step runs the best speculative shape to
+refresh them. The draft cache is extended on every step, speculative or not (spec/step.py).
+
+The choice never affects correctness: every shape's step is lossless, so greedy output is the
+same whatever runs (sampled output keeps the target's distribution).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from .tree import SpecConfig
+
+# Shapes are menu entries; None is "no speculation". Names are the speculation notation.
+Shape = SpecConfig | None
+NO_SPEC = "none"
+
+
+def shape_name(shape: Shape) -> str:
+    if shape is None:
+        return NO_SPEC
+    kind = "chain" if shape.topk == 1 else "tree"
+    return f"{kind}:{shape.num_steps}:{shape.topk}:{shape.num_draft_tokens}"
+
+
+def shape_depth(shape: Shape) -> int:
+    """Most draft tokens a step of this shape can accept (0 without speculation)."""
+    return 0 if shape is None else shape.max_accept
+
+
+def is_chain(shape: Shape) -> bool:
+    return shape is not None and shape.topk == 1
+
+
+@dataclasses.dataclass(frozen=True)
+class AutoSpec:
+    """Adaptive speculation over a menu of step shapes (`SpecConfig.auto(...)` builds one).
+
+    menu: the shapes a step may run; None (no speculation) is always among them.
+    hysteresis: another shape must promise this much more throughput to replace the current one.
+    prior_weight: how many steps of a request's own acceptance weigh as much as the global rate.
+    probe_interval: non-speculative steps in a row before one speculative probe step.
+    skip_margin: a shape predicted (from other keys) below (1 - skip_margin) x the best is not tried.
+    """
+
+    menu: tuple[Shape, ...]
+    hysteresis: float = 0.05
+    prior_weight: float = 8.0
+    probe_interval: int = 64
+    skip_margin: float = 0.25
+
+    def __post_init__(self) -> None:
+        menu = tuple(dict.fromkeys(self.menu))  # drop repeats, keep order
+        if any(s is not None and not isinstance(s, SpecConfig) for s in menu):
+            raise ValueError("AutoSpec.menu holds SpecConfig shapes (or None for no speculation)")
+        if None not in menu:
+            menu = (None, *menu)
+        if len(menu) < 2:
+            raise ValueError("AutoSpec.menu needs at least one speculative shape")
+        object.__setattr__(self, "menu", menu)
+        if not 0 <= self.hysteresis < 1:
+            raise ValueError(f"AutoSpec.hysteresis must be in [0, 1); got {self.hysteresis!r}")
+        if not self.prior_weight > 0:
+            raise ValueError(f"AutoSpec.prior_weight must be > 0; got {self.prior_weight!r}")
+        if not (isinstance(self.probe_interval, int) and self.probe_interval >= 1):
+            raise ValueError(f"AutoSpec.probe_interval must be an integer >= 1; got {self.probe_interval!r}")
+        if not 0 <= self.skip_margin < 1:
+            raise ValueError(f"AutoSpec.skip_margin must be in [0, 1); got {self.skip_margin!r}")
+
+    @classmethod
+    def chains(cls, num_steps: int = 3, trees: Sequence[SpecConfig] = (), **options) -> "AutoSpec":
+        """No speculation, chains of 1..num_steps draft tokens, and the given trees."""
+        if not (isinstance(num_steps, int) and num_steps >= 1):
+            raise ValueError(f"num_steps must be an integer >= 1; got {num_steps!r}")
+        chains = [SpecConfig(k, 1, k + 1) for k in range(1, num_steps + 1)]
+        return cls(menu=(None, *chains, *trees), **options)
+
+    @property
+    def shapes(self) -> tuple[SpecConfig, ...]:
+        """The speculative shapes of the menu."""
+        return tuple(s for s in self.menu if s is not None)
+
+    @property
+    def max_accept(self) -> int:
+        return max(s.max_accept for s in self.shapes)
+
+    @property
+    def name(self) -> str:
+        return "auto"
+
+    def __str__(self) -> str:
+        return f"auto({', '.join(shape_name(s) for s in self.menu)})"
+
+
+# ---- acceptance --------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Counts:
+    """One request's acceptance: per chain position, steps that drafted it and that accepted it;
+    per tree shape, steps run and draft tokens accepted."""
+
+    drafted: np.ndarray
+    accepted: np.ndarray
+    tree_steps: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    tree_accepted: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+
+
+class Acceptance:
+    """Running acceptance estimates, global (exponential moving averages over steps) and per request."""
+
+    def __init__(self, depth: int, trees: Iterable[SpecConfig], prior_weight: float, rate: float = 0.1):
+        self.depth = depth
+        self.prior_weight = prior_weight
+        self.rate = rate
+        # Optimistic until measured, so every shape gets tried.
+        self.chain = 0.9 ** np.arange(1, depth + 1)
+        self.tree = {shape_name(t): float(self.chain[: t.max_accept].sum()) for t in trees}
+        self._requests: dict[str, _Counts] = {}
+
+    def forget(self, request_id: str) -> None:
+        self._requests.pop(request_id, None)
+
+    def observe(self, shape: SpecConfig, accepted: dict[str, int]) -> None:
+        """One step of `shape`: draft tokens accepted per request id."""
+        if not accepted:
+            return
+        if is_chain(shape):
+            k = shape.max_accept
+            hits = np.zeros(k)
+            for rid, a in accepted.items():
+                c = self._counts(rid)
+                c.drafted[:k] += 1
+                c.accepted[: min(a, k)] += 1
+                hits[: min(a, k)] += 1
+            self.chain[:k] += self.rate * (hits / len(accepted) - self.chain[:k])
+        else:
+            name = shape_name(shape)
+            for rid, a in accepted.items():
+                c = self._counts(rid)
+                c.tree_steps[name] += 1
+                c.tree_accepted[name] += a
+            mean = sum(accepted.values()) / len(accepted)
+            self.tree[name] += self.rate * (mean - self.tree[name])
+
+    def expected_tokens(self, shape: Shape, request_id: str) -> float:
+        """Tokens one step of `shape` is expected to emit for the request (bonus token included)."""
+        if shape is None:
+            return 1.0
+        c = self._requests.get(request_id)
+        w = self.prior_weight
+        if is_chain(shape):
+            k = shape.max_accept
+            prior = self.chain[:k]
+            if c is None:
+                return 1.0 + float(prior.sum())
+            return 1.0 + float(((c.accepted[:k] + w * prior) / (c.drafted[:k] + w)).sum())
+        name = shape_name(shape)
+        prior = self.tree[name]
+        if c is None:
+            return 1.0 + prior
+        return 1.0 + (c.tree_accepted[name] + w * prior) / (c.tree_steps[name] + w)
+
+    def _counts(self, request_id: str) -> _Counts:
+        c = self._requests.get(request_id)
+        if c is None:
+            c = self._requests[request_id] = _Counts(np.zeros(self.depth), np.zeros(self.depth))
+        return c
+
+
+# ---- step cost -----------------------------------------------------------------------------------------
+
+Key = tuple[int, int]  # (batch bucket, block-table width bucket) of a decode program
+
+
+class StepCosts:
+    """Measured wall time of each (shape, batch, width) program, as an exponential moving average."""
+
+    def __init__(self, rate: float = 0.3):
+        self.rate = rate
+        self._seconds: dict[tuple[str, Key], float] = {}
+
+    def observe(self, shape: Shape, key: Key, seconds: float) -> None:
+        k = (shape_name(shape), key)
+        old = self._seconds.get(k)
+        self._seconds[k] = seconds if old is None else old + self.rate * (seconds - old)
+
+    def measured(self, shape: Shape, key: Key) -> float | None:
+        return self._seconds.get((shape_name(shape), key))
+
+    def predicted(self, shape: Shape, key: Key, menu: Sequence[Shape]) -> float | None:
+        """An estimate for an untimed (shape, key) from the nearest key where it and another shape
+        were timed, scaled by that other shape's time here; None when nothing supports one."""
+        best, best_distance = None, math.inf
+        for ref in menu:
+            here = self.measured(ref, key)
+            if ref == shape or here is None:
+                continue
+            for (name, other), seconds in self._seconds.items():
+                if name != shape_name(shape) or other == key:
+                    continue
+                ref_there = self.measured(ref, other)
+                if ref_there is None:
+                    continue
+                distance = abs(math.log2(other[0] / key[0])) + abs(math.log2(other[1] / key[1]))
+                if distance < best_distance:
+                    best, best_distance = here * seconds / ref_there, distance
+        return best
+
+    def table(self) -> dict[str, float]:
+        return {f"{name}@b{b}w{w}": s for (name, (b, w)), s in sorted(self._seconds.items())}
+
+
+# ---- the choice ----------------------------------------------------------------------------------------
+
+
+class AdaptiveSpeculation:
+    """Host-side state of adaptive speculation for one scheduler (not thread-safe)."""
+
+    def __init__(self, auto: AutoSpec):
+        self.auto = auto
+        chains = [s for s in auto.shapes if is_chain(s)]
+        trees = [s for s in auto.shapes if not is_chain(s)]
+        self.acceptance = Acceptance(max((s.max_accept for s in chains), default=0), trees, auto.prior_weight)
+        self.costs = StepCosts()
+        self.current: Shape = None
+        self.steps_without_spec = 0
+        self.choices: collections.Counter = collections.Counter()
+
+    def choose(self, request_ids: Sequence[str], key: Key) -> Shape:
+        """The shape the next decode step of these requests runs, at program key `key`."""
+        shape = self._choose(request_ids, key)
+        self.current = shape
+        self.steps_without_spec = self.steps_without_spec + 1 if shape is None else 0
+        self.choices[shape_name(shape)] += 1
+        return shape
+
+    def _choose(self, request_ids: Sequence[str], key: Key) -> Shape:
+        menu, auto = self.auto.menu, self.auto
+        rates = {s: self.rate(s, request_ids, key) for s in menu}
+        known = {s: r for s, r in rates.items() if r is not None}
+        best_known = max(known.values(), default=0.0)
+        for s in menu:  # time each shape once at this key, unless predicted to lose clearly
+            if self.costs.measured(s, key) is None and (rates[s] is None or rates[s] >= (1 - auto.skip_margin) * best_known):
+                return s
+        speculative = [s for s in known if s is not None]
+        if speculative and self.steps_without_spec >= auto.probe_interval:
+            return max(speculative, key=known.__getitem__)
+        best = max(known, key=known.__getitem__)
+        if self.current in known and known[best] <= (1 + auto.hysteresis) * known[self.current]:
+            return self.current
+        return best
+
+    def rate(self, shape: Shape, request_ids: Sequence[str], key: Key) -> float | None:
+        """Expected output tokens per second of one step of `shape`; None when its cost is unknown."""
+        seconds = self.costs.measured(shape, key)
+        if seconds is None:
+            seconds = self.costs.predicted(shape, key, self.auto.menu)
+        if seconds is None or seconds <= 0:
+            return None
+        return sum(self.acceptance.expected_tokens(shape, rid) for rid in request_ids) / seconds
+
+    def observe(self, shape: Shape, key: Key, seconds: float | None, accepted: dict[str, int]) -> None:
+        """A finished step: its wall time (None if it compiled) and draft tokens accepted per request."""
+        if seconds is not None:
+            self.costs.observe(shape, key, seconds)
+        if shape is not None:
+            self.acceptance.observe(shape, accepted)
+
+    def forget(self, request_id: str) -> None:
+        self.acceptance.forget(request_id)
+
+    def stats(self) -> dict:
+        return {
+            "steps_by_shape": dict(self.choices),
+            "chain_acceptance": [float(x) for x in self.acceptance.chain],
+            "tree_accepted": dict(self.acceptance.tree),
+        }
