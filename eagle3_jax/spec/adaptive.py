@@ -9,10 +9,11 @@ one of them. The choice maximises
 - E_r(chain of k) = 1 + the sum of request r's first k per-position acceptance rates (the chance
   that at least i draft tokens are accepted, i = 1..k); a chain's i-th token does not depend on the
   chain's length, so every chain length shares these rates. A tree has its own mean accepted
-  count. A request's rates blend its own counts with the running global rates, weighted as
-  `prior_weight` steps, so a new request starts from the global estimate and a request whose
-  acceptance collapses soon contributes nothing but its one token: with no gain left in the
-  batch, the scheduler stops speculating.
+  count. A request's rates blend its own recent counts (decayed by `request_decay` per step, a
+  window of about 20 steps) with the running global rates, weighted as `prior_weight` steps, so a
+  new request starts from the global estimate and a request whose acceptance collapses soon
+  contributes nothing but its one token: with no gain left in the batch, the scheduler stops
+  speculating.
 - cost(shape, batch, context) is the measured wall time of that compiled program: the key is the
   program's own (batch bucket, block-table width), so the context length is in the model (long
   KV makes verifying many tokens dearer). Steps that compiled are not timed. A shape not yet timed
@@ -67,13 +68,15 @@ class AutoSpec:
     menu: the shapes a step may run; None (no speculation) is always among them.
     hysteresis: another shape must promise this much more throughput to replace the current one.
     prior_weight: how many steps of a request's own acceptance weigh as much as the global rate.
+    request_decay: per-step decay of a request's own acceptance counts (recent steps count most).
     probe_interval: non-speculative steps in a row before one speculative probe step.
     skip_margin: a shape predicted (from other keys) below (1 - skip_margin) x the best is not tried.
     """
 
     menu: tuple[Shape, ...]
     hysteresis: float = 0.05
-    prior_weight: float = 8.0
+    prior_weight: float = 2.0
+    request_decay: float = 0.95
     probe_interval: int = 64
     skip_margin: float = 0.25
 
@@ -90,6 +93,8 @@ class AutoSpec:
             raise ValueError(f"AutoSpec.hysteresis must be in [0, 1); got {self.hysteresis!r}")
         if not self.prior_weight > 0:
             raise ValueError(f"AutoSpec.prior_weight must be > 0; got {self.prior_weight!r}")
+        if not 0 < self.request_decay <= 1:
+            raise ValueError(f"AutoSpec.request_decay must be in (0, 1]; got {self.request_decay!r}")
         if not (isinstance(self.probe_interval, int) and self.probe_interval >= 1):
             raise ValueError(f"AutoSpec.probe_interval must be an integer >= 1; got {self.probe_interval!r}")
         if not 0 <= self.skip_margin < 1:
@@ -125,21 +130,23 @@ class AutoSpec:
 
 @dataclasses.dataclass
 class _Counts:
-    """One request's acceptance: per chain position, steps that drafted it and that accepted it;
-    per tree shape, steps run and draft tokens accepted."""
+    """One request's recent acceptance (decayed counts): per chain position, steps that drafted it
+    and that accepted it; per tree shape, steps run and draft tokens accepted."""
 
     drafted: np.ndarray
     accepted: np.ndarray
-    tree_steps: collections.Counter = dataclasses.field(default_factory=collections.Counter)
-    tree_accepted: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    tree_steps: collections.defaultdict = dataclasses.field(default_factory=lambda: collections.defaultdict(float))
+    tree_accepted: collections.defaultdict = dataclasses.field(default_factory=lambda: collections.defaultdict(float))
 
 
 class Acceptance:
     """Running acceptance estimates, global (exponential moving averages over steps) and per request."""
 
-    def __init__(self, depth: int, trees: Iterable[SpecConfig], prior_weight: float, rate: float = 0.1):
+    def __init__(self, depth: int, trees: Iterable[SpecConfig], prior_weight: float, request_decay: float,
+                 rate: float = 0.1):
         self.depth = depth
         self.prior_weight = prior_weight
+        self.decay = request_decay
         self.rate = rate
         # Optimistic until measured, so every shape gets tried.
         self.chain = 0.9 ** np.arange(1, depth + 1)
@@ -158,16 +165,16 @@ class Acceptance:
             hits = np.zeros(k)
             for rid, a in accepted.items():
                 c = self._counts(rid)
-                c.drafted[:k] += 1
-                c.accepted[: min(a, k)] += 1
+                c.drafted[:k] = self.decay * c.drafted[:k] + 1
+                c.accepted[:k] = self.decay * c.accepted[:k] + (np.arange(k) < a)
                 hits[: min(a, k)] += 1
             self.chain[:k] += self.rate * (hits / len(accepted) - self.chain[:k])
         else:
             name = shape_name(shape)
             for rid, a in accepted.items():
                 c = self._counts(rid)
-                c.tree_steps[name] += 1
-                c.tree_accepted[name] += a
+                c.tree_steps[name] = self.decay * c.tree_steps[name] + 1
+                c.tree_accepted[name] = self.decay * c.tree_accepted[name] + a
             mean = sum(accepted.values()) / len(accepted)
             self.tree[name] += self.rate * (mean - self.tree[name])
 
@@ -249,7 +256,8 @@ class AdaptiveSpeculation:
         self.auto = auto
         chains = [s for s in auto.shapes if is_chain(s)]
         trees = [s for s in auto.shapes if not is_chain(s)]
-        self.acceptance = Acceptance(max((s.max_accept for s in chains), default=0), trees, auto.prior_weight)
+        self.acceptance = Acceptance(max((s.max_accept for s in chains), default=0), trees, auto.prior_weight,
+                                     auto.request_decay)
         self.costs = StepCosts()
         self.current: Shape = None
         self.steps_without_spec = 0

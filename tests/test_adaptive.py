@@ -1,0 +1,151 @@
+"""Adaptive speculation: the choice rule on synthetic costs and acceptance, and in the scheduler,
+greedy output equal to plain decoding whatever shapes the steps run, with the draft cache kept
+complete through steps that do not speculate."""
+
+import itertools
+
+import numpy as np
+import pytest
+
+import eagle3_jax as e3
+from eagle3_jax import kv_cache
+from eagle3_jax.scheduler import Scheduler
+from eagle3_jax.spec.adaptive import AdaptiveSpeculation, AutoSpec, shape_name
+from random_models import FAMILIES, random_draft, random_target
+
+C1, C2, C3 = (e3.SpecConfig(k, 1, k + 1) for k in (1, 2, 3))
+TREE = e3.SpecConfig(3, 2, 6)
+KEY = (8, 4)
+PROMPTS = [[1, 2, 3], [7] * 11, [5, 9, 11, 13, 17], [4] * 29, [8, 6]]
+
+
+def teach(ctl: AdaptiveSpeculation, seconds: dict, accepted: int, rows=("a", "b"), steps: int = 30, key=KEY):
+    """Feed `steps` rounds of every shape's step time at `key` and `accepted` draft tokens per row."""
+    for _ in range(steps):
+        for shape in ctl.auto.menu:
+            accept = {} if shape is None else {r: min(accepted, shape.max_accept) for r in rows}
+            ctl.observe(shape, key, seconds[shape_name(shape)], accept)
+
+
+def test_auto_spec_menu_and_validation():
+    auto = e3.SpecConfig.auto(3, trees=(TREE,))
+    assert auto.menu == (None, C1, C2, C3, TREE) and auto.max_accept == 3 and auto.name == "auto"
+    assert AutoSpec(menu=(C3, C3)).menu == (None, C3)  # no-spec always on the menu, repeats dropped
+    for bad in ({"menu": (None,)}, {"menu": (C1,), "hysteresis": 1.5}, {"menu": (C1,), "probe_interval": 0},
+                {"menu": ("chain:3:1:4",)}):
+        with pytest.raises(ValueError):
+            AutoSpec(**bad)
+    with pytest.raises(ValueError, match="num_steps"):
+        e3.SpecConfig.auto(0)
+
+
+def test_choice_maximises_expected_tokens_per_second():
+    ctl = AdaptiveSpeculation(e3.SpecConfig.auto(3))
+    # Every proposal accepted: chain k emits k + 1 tokens. Costs make chain 2 the best rate (3 / 1.2).
+    teach(ctl, {"none": 1.0, "chain:1:1:2": 1.1, "chain:2:1:3": 1.2, "chain:3:1:4": 2.0}, accepted=3)
+    assert ctl.choose(["a", "b"], KEY) == C2
+    # Nothing accepted any more: every chain emits one token, so speculating only costs.
+    ctl2 = AdaptiveSpeculation(e3.SpecConfig.auto(3))
+    teach(ctl2, {"none": 1.0, "chain:1:1:2": 1.1, "chain:2:1:3": 1.2, "chain:3:1:4": 2.0}, accepted=0)
+    assert ctl2.choose(["a", "b"], KEY) is None
+
+
+def test_untimed_shapes_are_measured_once_unless_predicted_to_lose():
+    ctl = AdaptiveSpeculation(AutoSpec(menu=(None, C3)))
+    assert ctl.choose(["a"], KEY) is None  # nothing timed yet: measure no-spec first
+    ctl.observe(None, KEY, 1.0, {})
+    assert ctl.choose(["a"], KEY) == C3
+    ctl.observe(C3, KEY, 10.0, {"a": 0})
+    # At a new key, C3 is predicted (from KEY, scaled by no-spec's time here) to lose clearly.
+    other = (16, 4)
+    assert ctl.choose(["a"], other) is None
+    ctl.observe(None, other, 2.0, {})
+    assert ctl.choose(["a"], other) is None and ctl.costs.measured(C3, other) is None
+    assert ctl.costs.predicted(C3, other, ctl.auto.menu) == pytest.approx(20.0)
+
+
+def test_hysteresis_keeps_the_current_shape_within_the_margin():
+    ctl = AdaptiveSpeculation(AutoSpec(menu=(None, C1), hysteresis=0.1))
+    teach(ctl, {"none": 1.0, "chain:1:1:2": 1.0}, accepted=1)
+    ctl.current = None
+    ctl.acceptance.chain[:] = 0.05  # chain 1 promises 1.05x: within the margin, keep no-spec
+    assert ctl.choose(["z"], KEY) is None
+    ctl.acceptance.chain[:] = 0.5  # 1.5x: switch
+    assert ctl.choose(["z"], KEY) == C1
+
+
+def test_a_collapsed_request_stops_speculating_and_probes_resume_it():
+    ctl = AdaptiveSpeculation(AutoSpec(menu=(None, C3), probe_interval=4))
+    teach(ctl, {"none": 1.0, "chain:3:1:4": 1.5}, accepted=3, rows=("good",))
+    assert ctl.choose(["good"], KEY) == C3 and ctl.choose(["new"], KEY) == C3  # new requests start from the global rate
+    for _ in range(40):  # request "bad" never gets a draft token accepted
+        ctl.observe(C3, KEY, 1.5, {"bad": 0})
+    ctl.acceptance.chain[:] = 0.9  # the global rate stays high (other requests), "bad" alone decides its own
+    assert ctl.choose(["bad"], KEY) is None
+    choices = [ctl.choose(["bad"], KEY) for _ in range(4)]
+    assert choices == [None, None, None, C3]  # a probe after probe_interval steps without speculation
+
+
+@pytest.fixture(scope="module")
+def mla_pair():
+    target = random_target(FAMILIES["deepseek_v3"])
+    return target, random_draft(target)
+
+
+def forced(sched: Scheduler, shapes) -> Scheduler:
+    """Make the scheduler's adaptive choice cycle through `shapes`."""
+    cycle = itertools.cycle(shapes)
+    sched._adaptive.choose = lambda request_ids, key: next(cycle)
+    return sched
+
+
+def test_greedy_output_equals_plain_decoding_whatever_the_steps_run(mla_pair):
+    target, draft = mla_pair
+    prompts, sp = PROMPTS[:3], e3.SamplingParams(max_tokens=16)
+    base = [o.token_ids for o in Scheduler(target, max_num_seqs=4, max_seq_len=64).generate(prompts, sp)]
+    auto = e3.SpecConfig.auto(2, trees=(TREE,))
+    sched = forced(Scheduler(target, draft=draft, spec=auto, max_num_seqs=4, max_seq_len=64),
+                   [None, TREE, None, None, C2, C1])
+    outs = sched.generate(prompts, sp)
+    assert [o.token_ids for o in outs] == base
+    assert {a - 1 for o in outs for a in o.metrics["accept_lengths"]} <= {0, 1, 2, 3}
+    # The real choice, too: measured costs and acceptance, greedy output unchanged.
+    auto = e3.SpecConfig.auto(2)
+    sched = Scheduler(target, draft=draft, spec=auto, max_num_seqs=4, max_seq_len=64)
+    assert [o.token_ids for o in sched.generate(prompts, sp)] == base
+    stats = sched.stats()["adaptive"]
+    assert 0 < sum(stats["steps_by_shape"].values()) <= sched.stats()["num_decode_steps_total"]  # batch vs row steps
+    assert set(stats["steps_by_shape"]) <= {shape_name(s) for s in auto.menu}
+
+
+def draft_kv(sched: Scheduler, prompt, steps: int):
+    """Run one request `steps` decode steps; its draft K/V slots [0, length) of layer 0 and its length."""
+    rid = sched.add_request(prompt, e3.SamplingParams(max_tokens=64))
+    for _ in range(steps + 1):
+        sched.step()
+    req = sched._requests[rid]
+    table = np.asarray([req.pages], np.int32)
+    cache = kv_cache.paged_view(sched._pools[2], sched._pools[3], table, np.asarray([req.length]))
+    k, v = kv_cache.read(cache, 0)
+    return np.asarray(k)[0, : req.length], np.asarray(v)[0, : req.length], req.length
+
+
+def test_steps_without_speculation_still_extend_the_draft_cache(mla_pair):
+    """The draft K/V of a request that ran only no-spec steps equals a speculating run's: when it
+    resumes speculating, its draft has seen every accepted token."""
+    target, draft = mla_pair
+    auto = e3.SpecConfig.auto(3)
+    plain_k, plain_v, n_plain = draft_kv(forced(Scheduler(target, draft=draft, spec=auto, max_num_seqs=2,
+                                                          max_seq_len=96), [None]), PROMPTS[2], steps=12)
+    spec_k, spec_v, n_spec = draft_kv(Scheduler(target, draft=draft, spec=C3, max_num_seqs=2, max_seq_len=96),
+                                      PROMPTS[2], steps=6)
+    n = min(n_plain, n_spec)
+    assert n >= len(PROMPTS[2]) + 6
+    np.testing.assert_allclose(plain_k[:n], spec_k[:n], rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(plain_v[:n], spec_v[:n], rtol=1e-4, atol=1e-5)
+
+
+def test_engine_refuses_auto_with_a_clear_message(mla_pair):
+    target, draft = mla_pair
+    with pytest.raises(ValueError, match="Scheduler"):
+        e3.Engine(target, draft=draft, spec=e3.SpecConfig.auto())
