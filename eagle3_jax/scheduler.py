@@ -43,6 +43,7 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
 
 from . import kv_cache
 from .config import ModelConfig
@@ -59,7 +60,7 @@ from .target import Target, forward
 
 MIN_CHUNK_BUCKET = 16
 MIN_PAGES_BUCKET = 4
-DONATED = 2  # position of the pools (KV pages and state slots) among a step program's dynamic arguments
+DONATED = 2  # position of the DeviceState among a step program's dynamic arguments
 
 
 class CapacityError(ValueError):
@@ -90,50 +91,81 @@ def step_lookahead(spec: SpecConfig | AutoSpec | None) -> int:
 # ---- device programs -------------------------------------------------------------------------------
 
 
-def _prefill_program(tcfg: ModelConfig, dcfg: DraftConfig | None, tparams: dict, dparams: dict | None,
-                     pools: tuple, block_table, lengths, tokens, n_valid, following, slots, sp: SamplingArrays,
-                     counter):
-    """One prompt chunk per row after its cached prefix -> (first token, pools).
+@struct.dataclass
+class DeviceState:
+    """What the step programs carry from step to step, on device (donated to each program).
 
-    Rows whose chunk ends the prompt store their first token (and draft root) in state slot
-    `slots[i]`; the others pass the scratch slot. Prefill always uses the expanded MLA form,
+    KV page pools of the target and the draft, and per state slot (one per running request, the
+    last one scratch for padding rows): the committed cache length, the last emitted token (the
+    next step's root) and, with a draft, the draft's output hidden from which the next step
+    proposes. Keeping them on device lets the host launch a step before reading the previous one.
+    """
+
+    tk: jax.Array
+    tv: jax.Array
+    dk: jax.Array | None
+    dv: jax.Array | None
+    length: jax.Array  # [S + 1] int32
+    last_token: jax.Array  # [S + 1] int32
+    draft_hidden: jax.Array | None  # [S + 1, H]
+
+    def target_cache(self, block_table, lengths) -> kv_cache.KVCache:
+        return kv_cache.paged_view(self.tk, self.tv, block_table, lengths)
+
+    def draft_cache(self, block_table, lengths) -> kv_cache.KVCache:
+        return kv_cache.paged_view(self.dk, self.dv, block_table, lengths)
+
+
+def _prefill_program(tcfg: ModelConfig, dcfg: DraftConfig | None, tparams: dict, dparams: dict | None,
+                     state: DeviceState, block_table, tokens, lengths, n_valid, following, slots,
+                     sp: SamplingArrays, counter):
+    """One prompt chunk per row after its cached prefix (`lengths`) -> (first token, state).
+
+    Rows whose chunk ends the prompt store their length, first token (and draft root) in state
+    slot `slots[i]`; the others pass the scratch slot. Prefill always uses the expanded MLA form,
     whatever the chunk length, so numerics do not depend on the batch's bucket.
     """
-    tk, tv, dk, dv, root_tokens, root_hidden = pools
-    tcache = kv_cache.paged_view(tk, tv, block_table, lengths)
+    tcache = state.target_cache(block_table, lengths)
+    length = state.length.at[slots].set(lengths + n_valid)
     if dcfg is None:
         t = tokens.shape[1]
         positions = lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
         logits, _, tcache = forward(tparams, tcfg, tokens, positions, tcache, absorb=False)
         last = jnp.take_along_axis(logits, (n_valid - 1)[:, None, None], axis=1)[:, 0]
         first = sample(last, sp, counter)
-        return first, (tcache.k, tcache.v, dk, dv, root_tokens.at[slots].set(first), root_hidden)
-    dcache = kv_cache.paged_view(dk, dv, block_table, lengths)
-    first, tcache, dcache, root = spec_prefill(tparams, tcfg, dparams, dcfg, tcache, dcache, tokens, n_valid,
-                                               sp, counter, following, absorb=False)
-    return first, (tcache.k, tcache.v, dcache.k, dcache.v, root_tokens.at[slots].set(root.token),
-                   root_hidden.at[slots].set(root.hidden))
+        return first, state.replace(tk=tcache.k, tv=tcache.v, length=length, last_token=state.last_token.at[slots].set(first))
+    first, tcache, dcache, root = spec_prefill(tparams, tcfg, dparams, dcfg, tcache, state.draft_cache(block_table, lengths),
+                                               tokens, n_valid, sp, counter, following, absorb=False)
+    return first, state.replace(tk=tcache.k, tv=tcache.v, dk=dcache.k, dv=dcache.v, length=length,
+                                last_token=state.last_token.at[slots].set(root.token),
+                                draft_hidden=state.draft_hidden.at[slots].set(root.hidden))
 
 
 def _decode_program(tcfg: ModelConfig, dcfg: DraftConfig | None, shape: Shape, tparams: dict,
-                    dparams: dict | None, pools: tuple, block_table, lengths, slots, sp: SamplingArrays, counter):
-    """One decode step per row from its state slot -> (tokens [B, D+1] (-1 padded), counts [B], pools).
+                    dparams: dict | None, state: DeviceState, block_table, slots, prompt_lens, sp: SamplingArrays):
+    """One decode step per row from its state slot -> (tokens [B, D+1] (-1 padded), counts [B], state).
 
     `shape` is the step's speculation (None: one token per row, through the draft's extend when
-    there is a draft, so its cache stays complete).
+    there is a draft, so its cache stays complete). A row's sampling counter (tokens generated so
+    far) is its committed length - prompt length + 1.
     """
-    tk, tv, dk, dv, root_tokens, root_hidden = pools
-    tcache = kv_cache.paged_view(tk, tv, block_table, lengths)
+    live = slots < state.length.shape[0] - 1  # padding rows use the scratch slot
+    lengths = jnp.where(live, state.length[slots], 0)
+    counter = jnp.where(live, lengths - prompt_lens + 1, 0)
+    tcache = state.target_cache(block_table, lengths)
     if dcfg is None:
-        logits, _, tcache = forward(tparams, tcfg, root_tokens[slots][:, None], lengths[:, None], tcache)
+        logits, _, tcache = forward(tparams, tcfg, state.last_token[slots][:, None], lengths[:, None], tcache)
         nxt = sample(logits[:, 0], sp, counter)
-        return nxt[:, None], jnp.ones_like(nxt), (tcache.k, tcache.v, dk, dv, root_tokens.at[slots].set(nxt), root_hidden)
-    dcache = kv_cache.paged_view(dk, dv, block_table, lengths)
-    root = DraftRoot(token=root_tokens[slots], hidden=root_hidden[slots])
-    out, count, tcache, dcache, root, _ = spec_step(tparams, tcfg, dparams, dcfg, shape, tcache, dcache, root, sp,
-                                                    counter)
-    return out, count, (tcache.k, tcache.v, dcache.k, dcache.v, root_tokens.at[slots].set(root.token),
-                        root_hidden.at[slots].set(root.hidden))
+        count = jnp.ones_like(nxt)
+        return nxt[:, None], count, state.replace(tk=tcache.k, tv=tcache.v, length=state.length.at[slots].set(lengths + count),
+                                                  last_token=state.last_token.at[slots].set(nxt))
+    root = DraftRoot(token=state.last_token[slots], hidden=state.draft_hidden[slots])
+    out, count, tcache, dcache, root, _ = spec_step(tparams, tcfg, dparams, dcfg, shape, tcache,
+                                                    state.draft_cache(block_table, lengths), root, sp, counter)
+    return out, count, state.replace(tk=tcache.k, tv=tcache.v, dk=dcache.k, dv=dcache.v,
+                                     length=state.length.at[slots].set(lengths + count),
+                                     last_token=state.last_token.at[slots].set(root.token),
+                                     draft_hidden=state.draft_hidden.at[slots].set(root.hidden))
 
 
 _PROGRAMS = {"prefill": _prefill_program, "decode": _decode_program}
@@ -180,6 +212,19 @@ _WAITING, _PREFILL, _DECODE, _DONE = "waiting", "prefill", "decode", "done"
 
 
 @dataclasses.dataclass
+class _Launch:
+    """A step program launched on the device, its outputs not read yet."""
+
+    kind: str  # "prefill" | "decode"
+    rows: list  # (request, its epoch at launch, prefill: whether the chunk ends its prompt)
+    outputs: list  # device arrays
+    shape: Shape = None
+    key: tuple = ()
+    launched: float = 0.0
+    compiled: bool = False
+
+
+@dataclasses.dataclass
 class _Request:
     id: str
     prompt: list[int]
@@ -197,6 +242,8 @@ class _Request:
     accept_lengths: list[int] = dataclasses.field(default_factory=list)  # tokens emitted per decode step
     step_depths: list[int] = dataclasses.field(default_factory=list)  # draft depth of each decode step's shape
     draft_passes: int = 0
+    pending: int = 0  # decode steps launched but not read yet
+    epoch: int = 0  # bumped when the request leaves the running batch: results launched before are void
     sent: int = 0  # tokens already handed out in deltas
     admitted: float | None = None
     num_preemptions: int = 0
@@ -211,7 +258,8 @@ class Scheduler:
 
     def __init__(self, target: Target, draft: Draft | None = None, spec: SpecConfig | AutoSpec | None = None, *,
                  max_num_seqs: int = 64, max_seq_len: int = 2048, page_size: int = 16,
-                 num_pages: int | None = None, prefill_chunk: int = 256, max_compiled_programs: int = 48):
+                 num_pages: int | None = None, prefill_chunk: int = 256, max_compiled_programs: int = 48,
+                 overlap: bool = True):
         for name, value, low in (("max_num_seqs", max_num_seqs, 1), ("max_seq_len", max_seq_len, 2),
                                  ("page_size", page_size, 1), ("prefill_chunk", prefill_chunk, 1),
                                  ("max_compiled_programs", max_compiled_programs, 2)):
@@ -225,17 +273,24 @@ class Scheduler:
         self.page_size = int(page_size)
         self.prefill_chunk = int(prefill_chunk)
         self.lookahead = step_lookahead(self.spec)
-        self.max_pages_per_seq = pages_for(self.max_seq_len + self.lookahead, self.page_size)
+        self.overlap = bool(overlap)
+        # Cache slots one step may commit; with overlap a step launches before the previous one
+        # is read, so pages must cover one more step than the host has seen.
+        self._step_tokens = self.spec.max_accept + 1 if self.spec else 1
+        self._overshoot = self._step_tokens if self.overlap else 0
+        self.max_pages_per_seq = pages_for(self.max_seq_len + self.lookahead + self._overshoot, self.page_size)
         if num_pages is None:
             num_pages = self.max_num_seqs * self.max_pages_per_seq + 1
         if not isinstance(num_pages, (int, np.integer)) or num_pages < 2:
             raise ValueError(f"num_pages must be an integer >= 2 (page 0 is reserved); got {num_pages!r}")
         self._alloc = PageAllocator(int(num_pages))
-        self._pools = self._init_pools(int(num_pages))
+        self._state = self._init_state(int(num_pages))
         self._free_slots = list(range(self.max_num_seqs - 1, -1, -1))  # slot max_num_seqs: scratch for padding rows
         self._adaptive = AdaptiveSpeculation(self.spec) if isinstance(self.spec, AutoSpec) else None
         self.programs = ProgramCache(int(max_compiled_programs))
         self._channel = None  # set by lead(): multi-host leader
+        self._inflight: list[_Launch] = []  # launched last iteration, read in the next (overlap)
+        self._last_decode_read = 0.0
 
         self._waiting: collections.deque[_Request] = collections.deque()
         self._running: list[_Request] = []  # admission order: prefilling and decoding
@@ -247,24 +302,27 @@ class Scheduler:
         self._per_position = np.zeros((depth,), np.int64)  # decode-step rows that accepted >= d draft tokens
         self._per_position_drafted = np.zeros((depth,), np.int64)  # ... whose shape drafted d tokens
 
-    def _init_pools(self, num_pages: int) -> tuple:
-        """KV page pools (target, draft) and the state slots (last token, draft root hidden)."""
+    def _init_state(self, num_pages: int) -> DeviceState:
+        """KV page pools (target, draft) and the state slots, placed on the target's mesh."""
         tcfg = self.target.config
         tk, tv = kv_cache.init_pages(tcfg, num_pages, self.page_size, self.target.dtype)
-        dk = dv = root_hidden = None
+        dk = dv = hidden = None
         slots = self.max_num_seqs + 1
-        root_tokens = np.zeros((slots,), np.int32)
         if self.draft is not None:
             dk, dv = kv_cache.init_pages(self.draft.config.layers, num_pages, self.page_size, self.draft.dtype)
-            root_hidden = np.zeros((slots, self.draft.config.hidden_size), self.draft.dtype)
+            hidden = np.zeros((slots, self.draft.config.hidden_size), self.draft.dtype)
+        per_slot = (np.zeros((slots,), np.int32), np.zeros((slots,), np.int32), hidden)
         if self.target.mesh is not None:
             from .sharding import replicate, shard_pages
 
             tk, tv = shard_pages(tk, tv, tcfg, self.target.mesh)
             if dk is not None:
                 dk, dv = shard_pages(dk, dv, self.draft.config.layers, self.target.mesh)
-            return tk, tv, dk, dv, *replicate((root_tokens, root_hidden), self.target.mesh)
-        return tk, tv, dk, dv, *jax.tree.map(jnp.asarray, (root_tokens, root_hidden))
+            per_slot = replicate(per_slot, self.target.mesh)
+        else:
+            per_slot = jax.tree.map(jnp.asarray, per_slot)
+        length, last_token, hidden = per_slot
+        return DeviceState(tk=tk, tv=tv, dk=dk, dv=dv, length=length, last_token=last_token, draft_hidden=hidden)
 
     # ---- requests ------------------------------------------------------------------------------
     def add_request(self, prompt_ids: Sequence[int], sampling: SamplingParams | None = None,
@@ -280,7 +338,7 @@ class Scheduler:
         if rid in self._requests:
             raise ValueError(f"request id {rid!r} is already in use")
         budget = min(sampling.max_tokens, self.max_seq_len - len(ids))
-        need = pages_for(len(ids) + budget + self.lookahead, self.page_size)
+        need = pages_for(len(ids) + budget + self.lookahead + self._overshoot, self.page_size)
         if need > self._alloc.num_usable:
             raise CapacityError(
                 f"a request of {len(ids)} prompt tokens + {budget} new tokens needs {need} KV pages of "
@@ -311,7 +369,7 @@ class Scheduler:
         return True
 
     def has_unfinished(self) -> bool:
-        return bool(self._waiting or self._running or self._aborted)
+        return bool(self._waiting or self._running or self._aborted or self._inflight)
 
     def generate(self, prompts: Sequence[Sequence[int]],
                  sampling: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
@@ -351,22 +409,36 @@ class Scheduler:
             "mean_accept_length": c["accepted_tokens_total"] / steps if steps else 1.0,
             "per_position_accepted_total": [int(x) for x in self._per_position],
             "per_position_drafted_total": [int(x) for x in self._per_position_drafted],
+            "num_iterations_total": c["num_iterations_total"],
+            "host_seconds_total": c["host_seconds_total"],  # step() time not spent waiting for the device
             **adaptive,
         }
 
     # ---- one iteration -------------------------------------------------------------------------
     def step(self) -> list[RequestDelta]:
-        """Admit, prefill one chunk batch, decode one step; returns the news of this iteration."""
+        """Admit, launch one prefill chunk batch and one decode step, and return the news.
+
+        With `overlap` (the default) the news is that of the previous iteration's programs, read
+        while this iteration's run on the device, so host work (admission, page growth, block
+        tables, sampling arrays, detokenising callers) overlaps device work; without it, of this
+        iteration's.
+        """
         deltas, self._aborted = self._aborted, []
+        start = time.perf_counter()
         self._admit()
+        launches = []
         prefill_rows = self._prefill_rows()
         if prefill_rows:
-            deltas += self._run_prefill(prefill_rows)
+            launches.append(self._launch_prefill(prefill_rows))
         self._grow_pages()
         decode_rows = [r for r in self._running if r.state == _DECODE]
         if decode_rows:
-            deltas += self._run_decode(decode_rows)
-        return deltas
+            launches.append(self._launch_decode(decode_rows))
+        ready, self._inflight = (self._inflight, launches) if self.overlap else (launches, [])
+        news, waited = self._collect(ready)
+        self._counters["host_seconds_total"] += time.perf_counter() - start - waited
+        self._counters["num_iterations_total"] += 1
+        return deltas + news
 
     def _admit(self) -> None:
         while self._waiting and len(self._running) < self.max_num_seqs:
@@ -402,7 +474,9 @@ class Scheduler:
         for req in list(self._running):
             if req.state != _DECODE:
                 continue
-            need = pages_for(req.length + self.lookahead, self.page_size) - len(req.pages)
+            unread = req.pending * self._step_tokens  # committed by launched steps not read yet
+            need = min(pages_for(req.length + unread + self.lookahead, self.page_size),
+                       self.max_pages_per_seq) - len(req.pages)
             while need > self._alloc.num_free and req.state == _DECODE:
                 self._preempt(self._running[-1])
             if req.state == _DECODE and need > 0:
@@ -418,10 +492,13 @@ class Scheduler:
         self._waiting.appendleft(req)
 
     def _release(self, req: _Request) -> None:
+        """Free a request's pages and slot. Programs launched before still write them, but every
+        later program runs after those on the device, so the next owner sees its own data."""
         self._alloc.free(req.pages)
         if req.slot is not None:
             self._free_slots.append(req.slot)
-        req.pages, req.computed, req.length, req.slot = [], 0, 0, None
+        req.pages, req.computed, req.length, req.slot, req.pending = [], 0, 0, None, 0
+        req.epoch += 1
 
     def _block_table(self, rows: Sequence[_Request], batch: int) -> np.ndarray:
         width = bucket(max(len(r.pages) for r in rows), MIN_PAGES_BUCKET, self.max_pages_per_seq)
@@ -430,26 +507,30 @@ class Scheduler:
             table[i, : len(r.pages)] = r.pages
         return table
 
-    def _run_program(self, kind: str, shape: Shape, block_table: np.ndarray, *args) -> list[np.ndarray]:
-        """Run a step program on the pools (first sending its inputs to the followers of a
-        multi-host leader); returns its outputs on the host."""
+    def _launch(self, kind: str, shape: Shape, block_table: np.ndarray, *args) -> list[jax.Array]:
+        """Launch a step program on the device state (first sending its inputs to the followers of
+        a multi-host leader); returns its outputs as device arrays, not waited for."""
         if self._channel is not None:
             self._channel.send((kind, shape, block_table, jax.tree.map(np.asarray, args)))
         return self._execute(kind, shape, block_table, *args)
 
-    def _execute(self, kind: str, shape: Shape, block_table: np.ndarray, *args) -> list[np.ndarray]:
-        """Run the `kind` step program (of speculation `shape`, for decode); the cache key is the
-        kind, the shape and the bucketed array shapes."""
+    def _execute(self, kind: str, shape: Shape, block_table: np.ndarray, *args) -> list[jax.Array]:
+        """Launch the `kind` step program (of speculation `shape`, for decode); the cache key is
+        the kind, the shape and the bucketed array shapes."""
         dcfg = self.draft.config if self.draft is not None else None
         dparams = self.draft.params if self.draft is not None else None
         static = (self.target.config, dcfg) if kind == "prefill" else (self.target.config, dcfg, shape)
-        key = (kind, shape, block_table.shape, np.shape(args[1]))  # args[1]: tokens (prefill) or slots (decode)
+        key = (kind, shape, block_table.shape, np.shape(args[0]))
         with mesh_context(self.target.mesh):
-            *outs, self._pools = self.programs.run(_PROGRAMS[kind], static, key, self.target.params, dparams,
-                                                   self._pools, block_table, *args)
-            # Every output is read, in order, on every process: reading a batch split over a
-            # multi-host `data` axis is a collective (sharding.to_host).
-            return [to_host(o) for o in outs]
+            *outs, self._state = self.programs.run(_PROGRAMS[kind], static, key, self.target.params, dparams,
+                                                   self._state, block_table, *args)
+        return outs
+
+    def _read(self, outputs: list[jax.Array]) -> list[np.ndarray]:
+        # Every output is read, in order, on every process: reading a batch split over a
+        # multi-host `data` axis is a collective (sharding.to_host).
+        with mesh_context(self.target.mesh):
+            return [to_host(o) for o in outputs]
 
     # ---- multi-host serving ----------------------------------------------------------------------
     def lead(self) -> None:
@@ -476,13 +557,19 @@ class Scheduler:
         channel, steps = StepChannel(), 0
         if channel.is_leader:
             raise RuntimeError("process 0 leads (lead()); follow() is for the other processes")
+        unread: collections.deque[list[jax.Array]] = collections.deque()
         while (message := channel.receive()) is not None:
+            if message[0] == "read":  # the leader reads the outputs of its oldest launches now
+                for _ in range(message[1]):
+                    self._read(unread.popleft())
+                continue
             kind, shape, block_table, args = message
-            self._execute(kind, shape, block_table, *args)
+            unread.append(self._execute(kind, shape, block_table, *args))
             steps += 1
         return steps
 
-    def _run_prefill(self, rows: list[tuple[_Request, int]]) -> list[RequestDelta]:
+    def _launch_prefill(self, rows: list[tuple[_Request, int]]) -> _Launch:
+        """Launch the next prompt chunks; a request whose prompt ends here decodes from now on."""
         batch = bucket(len(rows), 1, self.max_num_seqs)
         t = bucket(max(n for _, n in rows), MIN_CHUNK_BUCKET, max(self.prefill_chunk, MIN_CHUNK_BUCKET))
         tokens = np.zeros((batch, t), np.int32)
@@ -491,53 +578,77 @@ class Scheduler:
         lengths = np.zeros((batch,), np.int32)
         counter = np.zeros((batch,), np.int32)
         slots = np.full((batch,), self.max_num_seqs, np.int32)  # scratch slot unless the prompt ends here
+        launched = []
         for i, (req, n) in enumerate(rows):
             c = req.computed
             tokens[i, :n] = req.prefill_ids[c: c + n]
             n_valid[i], lengths[i], counter[i] = n, c, len(req.output)
-            if c + n < len(req.prefill_ids):
-                following[i] = req.prefill_ids[c + n]
-            else:
+            final = c + n == len(req.prefill_ids)
+            if final:
                 slots[i] = req.slot
+            else:
+                following[i] = req.prefill_ids[c + n]
+            launched.append((req, req.epoch, final))
         sp = SamplingArrays.from_params([r.sampling for r, _ in rows], batch)
-        (first,) = self._run_program("prefill", None, self._block_table([r for r, _ in rows], batch), lengths, tokens,
-                                     n_valid, following, slots, sp, counter)
-        now = time.perf_counter()
-        deltas = []
-        for i, (req, n) in enumerate(rows):
+        outputs = self._launch("prefill", None, self._block_table([r for r, _ in rows], batch), tokens, lengths,
+                               n_valid, following, slots, sp, counter)
+        for req, n in rows:
             req.computed += n
             req.length = req.computed
             self._counters["prompt_tokens_total"] += n
-            if req.computed < len(req.prefill_ids):
-                continue
-            req.state = _DECODE
-            deltas.append(self._emit(req, first[i: i + 1], now))
-        return deltas
+            if req.computed == len(req.prefill_ids):
+                req.state = _DECODE
+        return _Launch("prefill", launched, outputs)
 
-    def _run_decode(self, rows: list[_Request]) -> list[RequestDelta]:
+    def _launch_decode(self, rows: list[_Request]) -> _Launch:
         batch = bucket(len(rows), 1, self.max_num_seqs)
         block_table = self._block_table(rows, batch)
         shape = self._shape_for(rows, block_table.shape)
-        lengths = np.zeros((batch,), np.int32)
-        counter = np.zeros((batch,), np.int32)
         slots = np.full((batch,), self.max_num_seqs, np.int32)
+        prompt_lens = np.zeros((batch,), np.int32)
         for i, req in enumerate(rows):
-            lengths[i], counter[i], slots[i] = req.length, len(req.output), req.slot
+            slots[i], prompt_lens[i] = req.slot, len(req.prompt)
+            req.pending += 1
         sp = SamplingArrays.from_params([r.sampling for r in rows], batch)
-        compiles, start = self.programs.num_compiles, time.perf_counter()
-        out, count = self._run_program("decode", shape, block_table, lengths, slots, sp, counter)
-        now = time.perf_counter()
-        depth = shape_depth(shape)
+        compiles, launched = self.programs.num_compiles, time.perf_counter()
+        outputs = self._launch("decode", shape, block_table, slots, prompt_lens, sp)
+        return _Launch("decode", [(r, r.epoch, True) for r in rows], outputs, shape, block_table.shape, launched,
+                       self.programs.num_compiles != compiles)
+
+    def _collect(self, launches: list[_Launch]) -> tuple[list[RequestDelta], float]:
+        """Read launched programs' outputs, in launch order -> (deltas, seconds spent waiting)."""
+        if self._channel is not None and launches:
+            self._channel.send(("read", len(launches)))
+        deltas, waited = [], 0.0
+        for launch in launches:
+            start = time.perf_counter()
+            outputs = self._read(launch.outputs)
+            now = time.perf_counter()
+            waited += now - start
+            # Results of requests preempted, aborted or finished since the launch are void.
+            rows = [(i, req) for i, (req, epoch, final) in enumerate(launch.rows) if final and req.epoch == epoch]
+            if launch.kind == "prefill":
+                deltas += [self._emit(req, outputs[0][i: i + 1], now) for i, req in rows]
+            else:
+                deltas += self._collect_decode(launch, rows, *outputs, now)
+        return deltas, waited
+
+    def _collect_decode(self, launch: _Launch, rows: list[tuple[int, _Request]], out: np.ndarray, count: np.ndarray,
+                        now: float) -> list[RequestDelta]:
+        depth = shape_depth(launch.shape)
         if self._adaptive is not None:
-            seconds = None if self.programs.num_compiles != compiles else now - start
-            self._adaptive.observe(shape, block_table.shape, seconds, {r.id: int(count[i]) - 1 for i, r in enumerate(rows)})
+            # Device time of the step: from its launch, or from the previous step's end if later.
+            seconds = None if launch.compiled else now - max(launch.launched, self._last_decode_read)
+            self._adaptive.observe(launch.shape, launch.key, seconds, {req.id: int(count[i]) - 1 for i, req in rows})
+        self._last_decode_read = now
         deltas = []
-        for i, req in enumerate(rows):
+        for i, req in rows:
             k = int(count[i])
+            req.pending -= 1
             req.length += k
             req.accept_lengths.append(k)
             req.step_depths.append(depth)
-            req.draft_passes += shape.num_steps if shape is not None else 0
+            req.draft_passes += launch.shape.num_steps if launch.shape is not None else 0
             self._counters["num_decode_steps_total"] += 1
             self._counters["accepted_tokens_total"] += k
             self._per_position[: k - 1] += 1

@@ -125,7 +125,7 @@ def draft_kv(sched: Scheduler, prompt, steps: int):
         sched.step()
     req = sched._requests[rid]
     table = np.asarray([req.pages], np.int32)
-    cache = kv_cache.paged_view(sched._pools[2], sched._pools[3], table, np.asarray([req.length]))
+    cache = sched._state.draft_cache(table, np.asarray([req.length]))
     k, v = kv_cache.read(cache, 0)
     return np.asarray(k)[0, : req.length], np.asarray(v)[0, : req.length], req.length
 

@@ -193,8 +193,9 @@ def test_bad_requests_are_rejected_and_lose_nothing(llama_pair):
         Scheduler(target, num_pages=1)
     with pytest.raises(ValueError, match="max_num_seqs"):
         Scheduler(target, max_num_seqs=0)
+    deltas = []
     while sched.has_unfinished():
-        deltas = sched.step()
+        deltas += sched.step()
     assert deltas[-1].request_id == ok and len(deltas[-1].output.token_ids) == 5
     assert_no_leak(sched)
 

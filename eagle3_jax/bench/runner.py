@@ -245,9 +245,22 @@ def run_cell(sched, setting: SpecSetting, workload: Workload, concurrency: int, 
             break
     extra = {"num_preemptions": after.get("num_preemptions", 0) - before.get("num_preemptions", 0),
              "measure_attempts": attempt, "compiles_during_measurement": compiles.count,
-             "compile_s_during_measurement": compiles.seconds}
+             "compile_s_during_measurement": compiles.seconds, **scheduler_figures(before, after)}
     return make_cell(setting, concurrency, seed, records, duration, num_warmups=n_warm, num_devices=num_devices,
                      with_acceptance=True, extra=extra)
+
+
+def scheduler_figures(before: dict, after: dict) -> dict:
+    """What the scheduler did between two `stats()`: host time per iteration (time in `step()` not
+    spent waiting for the device) and, with adaptive speculation, the steps each shape ran."""
+    iterations = after.get("num_iterations_total", 0) - before.get("num_iterations_total", 0)
+    host = after.get("host_seconds_total", 0.0) - before.get("host_seconds_total", 0.0)
+    figures = {"host_ms_per_iteration": 1e3 * host / iterations if iterations else None}
+    if "adaptive" in after:
+        old = before.get("adaptive", {}).get("steps_by_shape", {})
+        figures["steps_by_shape"] = {k: v - old.get(k, 0) for k, v in after["adaptive"]["steps_by_shape"].items()
+                                     if v - old.get(k, 0)}
+    return figures
 
 
 def num_devices_of(target) -> int:
@@ -257,7 +270,8 @@ def num_devices_of(target) -> int:
 
 
 def make_scheduler(target, draft, setting: SpecSetting, *, max_num_seqs: int, max_seq_len: int,
-                   page_size: int | None = None, prefill_chunk: int | None = None, num_pages: int | None = None):
+                   page_size: int | None = None, prefill_chunk: int | None = None, num_pages: int | None = None,
+                   overlap: bool = True):
     """A Scheduler for one speculation setting (the draft is attached only for speculative ones)."""
     from ..scheduler import Scheduler
 
@@ -266,7 +280,7 @@ def make_scheduler(target, draft, setting: SpecSetting, *, max_num_seqs: int, ma
     kw = {k: v for k, v in (("page_size", page_size), ("prefill_chunk", prefill_chunk), ("num_pages", num_pages))
           if v is not None}
     return Scheduler(target, draft=draft if setting.spec is not None else None, spec=setting.spec,
-                     max_num_seqs=max_num_seqs, max_seq_len=max_seq_len, **kw)
+                     max_num_seqs=max_num_seqs, max_seq_len=max_seq_len, overlap=overlap, **kw)
 
 
 def ordered(settings: Sequence[SpecSetting]) -> list[SpecSetting]:
@@ -276,7 +290,7 @@ def ordered(settings: Sequence[SpecSetting]) -> list[SpecSetting]:
 
 def run_benchmark(target, draft, settings: Sequence[SpecSetting], workload: Workload, cfg: RunConfig, *,
                   max_seq_len: int, page_size: int | None = None, prefill_chunk: int | None = None,
-                  num_pages: int | None = None, num_devices: int | None = None,
+                  num_pages: int | None = None, num_devices: int | None = None, overlap: bool = True,
                   log: Callable[[str], None] = print) -> list[dict]:
     """Every cell of the grid (settings x concurrencies x seeds), with speedups and identity checks.
 
@@ -292,7 +306,8 @@ def run_benchmark(target, draft, settings: Sequence[SpecSetting], workload: Work
     devices = num_devices if num_devices is not None else num_devices_of(target)
     max_c = max(cfg.concurrencies)
     build = lambda s: make_scheduler(target, draft, s, max_num_seqs=max_c, max_seq_len=max_seq_len,  # noqa: E731
-                                     page_size=page_size, prefill_chunk=prefill_chunk, num_pages=num_pages)
+                                     page_size=page_size, prefill_chunk=prefill_chunk, num_pages=num_pages,
+                                     overlap=overlap)
     cells: list[dict] = []
 
     def one(sched, s: SpecSetting, c: int, seed: int) -> None:
@@ -300,8 +315,11 @@ def run_benchmark(target, draft, settings: Sequence[SpecSetting], workload: Work
         cells.append(cell)
         m = cell["metrics"]
         tau = m.get("acceptance", {}).get("tau")
+        host = cell.get("host_ms_per_iteration")
         log(f"{s.label:>24} C={c:<4} seed={seed}: {m['output_throughput']:9.1f} tok/s, "
             f"TPOT {m['tpot_ms']['mean'] or 0:.2f} ms" + (f", tau {tau:.2f}" if tau is not None else "")
+            + (f", host {host:.2f} ms/step" if host is not None else "")
+            + (f", shapes {cell['steps_by_shape']}" if "steps_by_shape" in cell else "")
             + (f" ({cell['measure_attempts']} measured passes: compiles)" if cell["measure_attempts"] > 1 else ""))
 
     if cfg.interleave:
