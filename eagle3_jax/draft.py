@@ -88,6 +88,10 @@ def parse_draft_config(raw: dict) -> DraftConfig:
             "(Llama-layer and MLA-layer EAGLE-3 drafts)"
         )
     mla = arch in MLA_ARCHITECTURES
+    for variant in ("fc_norm", "norm_output"):  # vLLM options that change the draft's inputs / outputs
+        if raw.get(variant):
+            raise ConfigError(f"draft config sets {variant}=true, a variant not supported here; supported: EAGLE-3 drafts "
+                              "that feed fc(features) and hand on the hidden state before the final norm")
     body = dict(raw, model_type="deepseek_v3" if mla else "llama")
     quant = _parse_draft_quant(body.pop("quantization_config", None))
     if mla:  # dense MLA decoder layers: no routed experts, whatever MoE fields the config carries

@@ -702,6 +702,7 @@ BAD = {
     "missing_d2t": (dict(draft_vocab_size=40), True, _drop("d2t"), CheckpointError, "no d2t"),
     "architecture": (dict(architectures=["MedusaModel"]), True, None, ConfigError, "architecture 'MedusaModel'"),
     "draft_vocab_too_big": (dict(draft_vocab_size=80), True, None, ConfigError, "draft_vocab_size=80"),
+    "fc_norm_variant": (dict(fc_norm=True), True, None, ConfigError, "fc_norm=true"),
     "no_embed_and_other_hidden": (dict(hidden_size=48, target_hidden_size=TARGET_H), False, None, CheckpointError,
                                   "no embed_tokens"),
 }
