@@ -56,6 +56,7 @@ def test_kimi_int4_with_draft_fits_eight_mi325x_at_batch_64():
     assert experts / 8 + rest <= plan.weight_bytes <= experts / 8 + rest + 8e9  # + the draft (own embedding and full-vocab head)
 
 
+@pytest.mark.slow  # a second full-size step compile; the default run plans the Llama-layer draft above
 @needs_8
 def test_kimi_with_mla_draft_plans_the_mla_draft_programs():
     """The published Kimi-K2.5 MLA draft: its cache is one MLA latent + rope key per token (not
