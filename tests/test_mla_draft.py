@@ -104,6 +104,35 @@ def test_mla_draft_expansion_on_pallas_attention_equals_xla(pair, kernel_calls):
     np.testing.assert_array_equal(np.asarray(got[2]), np.asarray(want[2]))
 
 
+@pytest.mark.parametrize("platform", ["rocm", pytest.param("cuda", marks=pytest.mark.slow)])
+def test_speculative_step_with_mla_draft_lowers_with_triton_attention(pair, platform, monkeypatch):
+    """Deviceless lowering of the whole tree step with kernels="pallas" (compiled, not
+    interpreted): the MLA draft's extend and both expansion levels call the Triton kernel too."""
+    from eagle3_jax import kernels as kernels_lib
+    from eagle3_jax.draft import with_target_kernels
+    from eagle3_jax.engine import _spec_step
+    from eagle3_jax.sampling import SamplingArrays
+    from eagle3_jax.spec.propose import DraftTree
+
+    monkeypatch.setattr(kernels_lib, "interpret", lambda: False)
+    target, draft, _ = pair
+    target = with_pallas(target)
+
+    def lowered(d):
+        tcache = target.init_cache(2, 64)
+        dcache = kv_cache.init_cache(d.config.layers, 2, 64, d.dtype)
+        tree = DraftTree(tokens=np.zeros((2, TREE.num_draft_tokens), np.int32),
+                         parents=np.zeros((2, TREE.num_draft_tokens), np.int32))
+        sp = SamplingArrays.from_params([e3.SamplingParams()], 2)
+        return _spec_step.trace(target.params, target.config, d.params, d.config, TREE, tcache, dcache, tree, sp,
+                                np.ones((2,), np.int32)).lower(lowering_platforms=(platform,)).as_text()
+
+    kernel = "eagle3_paged_prefix_attention"
+    with_draft_kernel = lowered(with_target_kernels(draft, target)).count(kernel)
+    target_only = lowered(draft).count(kernel)  # the draft's own kernels="xla"
+    assert with_draft_kernel > target_only > 0
+
+
 # ---- training: train -> export -> load ------------------------------------------------------------
 
 PUBLISHED_LAYER_KEYS = {  # the HF names vLLM's / SGLang's Eagle3DeepseekV2ForCausalLM loaders read
