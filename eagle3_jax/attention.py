@@ -192,7 +192,7 @@ def mla_block(p: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Array, cac
         if prefix_lengths is None:  # the window is the new tokens: use them as computed
             out_lat = _mla_kernel_attention(cfg, q_lat, q_pe, c_kv, k_pe, cache, layer, tree_mask)
             cache = kv_cache.write(cache, layer, c_kv, k_pe)
-        else:
+        else:  # the draft's tree expansion: the window is scratch slots written by earlier levels and this one
             cache = kv_cache.write(cache, layer, c_kv, k_pe)
             window = prefix_lengths[:, None] + jnp.arange(tree_mask.shape[-1], dtype=jnp.int32)[None, :]
             lat_w, pe_w = kv_cache.read_slots(cache, layer, window)

@@ -47,7 +47,7 @@ DRAFT_ARCHITECTURES = LLAMA_ARCHITECTURES + MLA_ARCHITECTURES
 
 @dataclasses.dataclass(frozen=True)
 class DraftConfig:
-    """An EAGLE-3 draft: a Llama-shaped `layers` config plus the EAGLE-specific fields."""
+    """An EAGLE-3 draft: its decoder-layer config (Llama GQA or DeepSeek MLA) plus the EAGLE-specific fields."""
 
     layers: ModelConfig  # hidden size, attention (GQA or MLA), rope, number of decoder layers
     draft_vocab_size: int
