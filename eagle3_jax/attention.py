@@ -150,12 +150,15 @@ def _mla_kernel_attention(cfg: ModelConfig, q_lat, q_pe, c_kv, k_pe, cache, laye
     return out.transpose(0, 2, 1, 3).astype(q_lat.dtype)
 
 
-def mla_block(p: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Array, cache: kv_cache.KVCache,
-              layer: jax.Array, mask: jax.Array, absorb: bool, tree_mask: jax.Array | None = None
-              ) -> tuple[jax.Array, kv_cache.KVCache]:
-    """Multi-head latent attention; caches kv_a_layernorm(c_kv) and the roped k_pe only."""
+def mla_project(p: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Array
+                ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """x [B, T, W] -> q_nope [B, T, heads, nope], roped q_pe [B, T, heads, rope], the normalised
+    latent c_kv [B, T, kv_lora] and the roped shared key k_pe [B, T, rope] (what the cache holds).
+
+    W is whatever width the projections read: hidden_size in the target, 2 x hidden_size in an
+    EAGLE-3 draft's first layer."""
     b, t, _ = x.shape
-    nh, dn, dr, dv, r = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+    nh, dn, dr, r = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
     q = _mla_query(p, cfg, x).reshape(b, t, nh, dn + dr)
     q_nope, q_pe = q[..., :dn], q[..., dn:]
     kv_a = linear(x, p["kv_a_proj"])
@@ -163,14 +166,40 @@ def mla_block(p: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Array, cac
     k_pe = kv_a[..., r:][:, :, None, :]  # one rope key shared by all heads
     cos, sin = rotary_cos_sin(cfg.rope, positions)
     q_pe, k_pe = apply_rotary(q_pe, cos, sin, cfg.rope), apply_rotary(k_pe, cos, sin, cfg.rope)[:, :, 0]
+    return q_nope, q_pe, c_kv, k_pe
 
-    kv_b = dequantize(p["kv_b_proj"], x.dtype).reshape(r, nh, dn + dv)
-    w_uk, w_uv = kv_b[..., :dn], kv_b[..., dn:]  # [r, nh, dn], [r, nh, dv]
+
+def mla_up_projections(p: dict, cfg: ModelConfig, dtype) -> tuple[jax.Array, jax.Array]:
+    """kv_b_proj split per head: W_UK [kv_lora, heads, nope] (latent -> nope keys) and W_UV
+    [kv_lora, heads, v] (latent -> values)."""
+    dn = cfg.qk_nope_head_dim
+    kv_b = dequantize(p["kv_b_proj"], dtype).reshape(cfg.kv_lora_rank, cfg.num_heads, dn + cfg.v_head_dim)
+    return kv_b[..., :dn], kv_b[..., dn:]
+
+
+def mla_block(p: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Array, cache: kv_cache.KVCache,
+              layer: jax.Array, mask: jax.Array, absorb: bool, tree_mask: jax.Array | None = None,
+              prefix_lengths: jax.Array | None = None) -> tuple[jax.Array, kv_cache.KVCache]:
+    """Multi-head latent attention; caches kv_a_layernorm(c_kv) and the roped k_pe only.
+
+    mask, tree_mask and prefix_lengths as in gqa_block (the Pallas path needs the absorbed form)."""
+    b, t, _ = x.shape
+    nh, dv = cfg.num_heads, cfg.v_head_dim
+    q_nope, q_pe, c_kv, k_pe = mla_project(p, cfg, x, positions)
+    w_uk, w_uv = mla_up_projections(p, cfg, x.dtype)  # [r, nh, dn], [r, nh, dv]
     if absorb and _uses_kernel(cfg, t, tree_mask):
-        out_lat = _mla_kernel_attention(cfg, jnp.einsum("bthd,rhd->bthr", q_nope, w_uk), q_pe, c_kv, k_pe, cache, layer,
-                                        tree_mask)
+        q_lat = jnp.einsum("bthd,rhd->bthr", q_nope, w_uk)
+        if prefix_lengths is None:  # the window is the new tokens: use them as computed
+            out_lat = _mla_kernel_attention(cfg, q_lat, q_pe, c_kv, k_pe, cache, layer, tree_mask)
+            cache = kv_cache.write(cache, layer, c_kv, k_pe)
+        else:  # the draft's tree expansion: the window is scratch slots written by earlier levels and this one
+            cache = kv_cache.write(cache, layer, c_kv, k_pe)
+            window = prefix_lengths[:, None] + jnp.arange(tree_mask.shape[-1], dtype=jnp.int32)[None, :]
+            lat_w, pe_w = kv_cache.read_slots(cache, layer, window)
+            out_lat = _mla_kernel_attention(cfg, q_lat, q_pe, lat_w, pe_w, cache.replace(lengths=prefix_lengths), layer,
+                                            tree_mask)
         out = jnp.einsum("bthr,rhd->bthd", out_lat, w_uv)
-        return linear(out.reshape(b, t, nh * dv), p["o_proj"]), kv_cache.write(cache, layer, c_kv, k_pe)
+        return linear(out.reshape(b, t, nh * dv), p["o_proj"]), cache
 
     cache = kv_cache.write(cache, layer, c_kv, k_pe)
     latents, rope_keys = kv_cache.read(cache, layer)  # [B, S, r], [B, S, dr]

@@ -1,10 +1,19 @@
-"""EAGLE-3 draft model (HF `LlamaForCausalLMEagle3` layout, as SGLang and vLLM load it).
+"""EAGLE-3 draft model, in the two published HF layouts SGLang and vLLM load:
+`LlamaForCausalLMEagle3` (GQA attention) and `Eagle3DeepseekV2ForCausalLM` (DeepSeek MLA
+attention, e.g. the Kimi-K2.5 EAGLE-3 MLA draft).
 
 The draft sees three target feature layers concatenated, `fc` projects them to its width, and one
 decoder layer (the "midlayer") whose attention input is
 `concat(input_layernorm(embed(token)), hidden_norm(hidden))` (width 2H) predicts the next token
 over a reduced draft vocabulary; `target_id = draft_id + d2t[draft_id]`. Extra layers, when a
-draft has `num_hidden_layers > 1`, are ordinary Llama layers on the hidden stream.
+draft has `num_hidden_layers > 1`, are ordinary decoder layers on the hidden stream. The MLP is
+always a dense SwiGLU.
+
+In an MLA draft the 2H input goes through the projections that read the layer input (`q_a_proj`,
+or `q_proj` without a q LoRA, and `kv_a_proj_with_mqa`); everything after them is the target's
+MLA: q/kv LoRA norms, nope + rope heads, DeepSeek interleaved rotary with YaRN (mscale in the
+softmax scale), and a KV cache holding the normalised latent and the roped shared rope key. The
+attention itself is attention.mla_block, the target's code (XLA or the Pallas kernel).
 
 Alignment: draft position t pairs the target feature at t with the embedding of token x_{t+1}
 and predicts x_{t+2}. Its output hidden (before the final norm) stands in for the target feature
@@ -23,23 +32,24 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import kv_cache
-from .attention import gqa_block
+from .attention import gqa_block, mla_block
 from .config import ConfigError, ModelConfig, QuantConfig, _parse_quant, parse_model_config
 from .layers import rms_norm, swiglu
-from .params import ParamSpec
+from .params import ParamSpec, attention_specs
 from .quant import QArray, linear
-from .target import Target, resolve_dtype, uses_fnuz
+from .target import ABSORB_MAX_TOKENS, Target, resolve_dtype, uses_fnuz
 
-DRAFT_ARCHITECTURES = ("LlamaForCausalLMEagle3",)
-# Parsed (for planning and validation) but not runnable here yet: MLA-layer EAGLE-3 drafts.
-PARSE_ONLY_ARCHITECTURES = ("Eagle3DeepseekV2ForCausalLM",)
+LLAMA_ARCHITECTURES = ("LlamaForCausalLMEagle3",)
+# vLLM and SGLang register the V3 name as an alias of the V2 class: the same layout.
+MLA_ARCHITECTURES = ("Eagle3DeepseekV2ForCausalLM", "Eagle3DeepseekV3ForCausalLM")
+DRAFT_ARCHITECTURES = LLAMA_ARCHITECTURES + MLA_ARCHITECTURES
 
 
 @dataclasses.dataclass(frozen=True)
 class DraftConfig:
-    """An EAGLE-3 draft: a Llama-shaped `layers` config plus the EAGLE-specific fields."""
+    """An EAGLE-3 draft: its decoder-layer config (Llama GQA or DeepSeek MLA) plus the EAGLE-specific fields."""
 
-    layers: ModelConfig  # hidden size, heads, rope, number of decoder layers (Llama family)
+    layers: ModelConfig  # hidden size, attention (GQA or MLA), rope, number of decoder layers
     draft_vocab_size: int
     target_hidden_size: int
     aux_layer_ids: tuple[int, ...] | None  # target hidden_states indices; None = target's default
@@ -58,6 +68,10 @@ class DraftConfig:
     def has_draft_vocab(self) -> bool:
         return self.draft_vocab_size != self.vocab_size
 
+    @property
+    def is_mla(self) -> bool:
+        return self.layers.attention == "mla"
+
 
 def parse_draft_config(raw: dict) -> DraftConfig:
     """Parse an EAGLE-3 draft config.json.
@@ -68,15 +82,19 @@ def parse_draft_config(raw: dict) -> DraftConfig:
     if not isinstance(raw, dict):
         raise ConfigError(f"draft config.json must hold a JSON object; got {type(raw).__name__}")
     arch = (raw.get("architectures") or ["LlamaForCausalLMEagle3"])[0]
-    if arch not in DRAFT_ARCHITECTURES + PARSE_ONLY_ARCHITECTURES:
+    if arch not in DRAFT_ARCHITECTURES:
         raise ConfigError(
             f"draft architecture {arch!r} is not supported; supported: {', '.join(DRAFT_ARCHITECTURES)} "
-            "(Llama-layer EAGLE-3 drafts)"
+            "(Llama-layer and MLA-layer EAGLE-3 drafts)"
         )
-    mla = arch in PARSE_ONLY_ARCHITECTURES
+    mla = arch in MLA_ARCHITECTURES
+    for variant in ("fc_norm", "norm_output"):  # vLLM options that change the draft's inputs / outputs
+        if raw.get(variant):
+            raise ConfigError(f"draft config sets {variant}=true, a variant not supported here; supported: EAGLE-3 drafts "
+                              "that feed fc(features) and hand on the hidden state before the final norm")
     body = dict(raw, model_type="deepseek_v3" if mla else "llama")
     quant = _parse_draft_quant(body.pop("quantization_config", None))
-    if mla:  # one dense MLA decoder layer: no routed experts
+    if mla:  # dense MLA decoder layers: no routed experts, whatever MoE fields the config carries
         body.update(n_routed_experts=0, first_k_dense_replace=body.get("num_hidden_layers", 1))
     layers = parse_model_config(body)
     vocab = layers.vocab_size
@@ -109,9 +127,13 @@ def _parse_draft_quant(raw) -> QuantConfig | None:
 
 
 def draft_specs(cfg: DraftConfig, with_embed: bool) -> dict[str, ParamSpec]:
-    """Flat param layout of a draft; matrices [in, out] like the target's."""
+    """Flat param layout of a draft; matrices [in, out] like the target's.
+
+    Layer 0's attention projections read the 2H concatenation (embedding, hidden); the rest of
+    every layer has the target's layout for its attention kind (params.attention_specs).
+    """
     lc = cfg.layers
-    h, nh, nkv, d, i = lc.hidden_size, lc.num_heads, lc.num_kv_heads, lc.head_dim, lc.intermediate_size
+    h, i = lc.hidden_size, lc.intermediate_size
     s = {
         "fc": ParamSpec((3 * cfg.target_hidden_size, h), (None, "embed")),
         "final_norm": ParamSpec((h,), ("norm",)),
@@ -120,15 +142,12 @@ def draft_specs(cfg: DraftConfig, with_embed: bool) -> dict[str, ParamSpec]:
     if with_embed:
         s["embed"] = ParamSpec((cfg.vocab_size, h), ("vocab", "embed"))
     for layer in range(lc.num_layers):
-        width = 2 * h if layer == 0 else h
         p = f"layers.{layer}."
         s[p + "attn_norm"] = ParamSpec((h,), ("norm",))
         if layer == 0:
             s[p + "hidden_norm"] = ParamSpec((h,), ("norm",))
-        s[p + "q_proj"] = ParamSpec((width, nh * d), ("embed", "q_heads"))
-        s[p + "k_proj"] = ParamSpec((width, nkv * d), ("embed", "kv_heads"))
-        s[p + "v_proj"] = ParamSpec((width, nkv * d), ("embed", "kv_heads"))
-        s[p + "o_proj"] = ParamSpec((nh * d, h), ("q_heads", "embed"))
+        for name, spec in attention_specs(lc, input_width=2 * h if layer == 0 else h).items():
+            s[p + name] = spec
         s[p + "mlp_norm"] = ParamSpec((h,), ("norm",))
         s[p + "gate_proj"] = ParamSpec((h, i), ("embed", "mlp"))
         s[p + "up_proj"] = ParamSpec((h, i), ("embed", "mlp"))
@@ -141,16 +160,20 @@ def draft_specs(cfg: DraftConfig, with_embed: bool) -> dict[str, ParamSpec]:
 
 def draft_forward(params: dict, cfg: DraftConfig, embeds: jax.Array, hidden: jax.Array, positions: jax.Array,
                   cache: kv_cache.KVCache, mask: jax.Array, tree_mask: jax.Array | None = None,
-                  prefix_lengths: jax.Array | None = None) -> tuple[jax.Array, jax.Array, kv_cache.KVCache]:
+                  prefix_lengths: jax.Array | None = None, absorb: bool | None = None
+                  ) -> tuple[jax.Array, jax.Array, kv_cache.KVCache]:
     """One draft pass over T new pairs per row.
 
     embeds [B, T, H]: embeddings of the tokens x_{t+1}; hidden [B, T, H]: fc(target features) or
     the draft's own previous output hidden; positions [B, T]; mask [B, T, S] cache visibility
     (K/V of the new pairs are written at slots cache.lengths[b] + t); tree_mask / prefix_lengths:
     the same visibility in the form the Pallas attention path takes (see attention.gqa_block).
+    absorb: the MLA form (see target.forward; default: absorbed up to ABSORB_MAX_TOKENS new pairs).
     Returns draft-vocab logits [B, T, Vd] (float32), output hidden [B, T, H], cache.
     """
     lc = cfg.layers
+    if absorb is None:
+        absorb = embeds.shape[1] <= ABSORB_MAX_TOKENS
     layers = params["layers"]
     p0 = layers[0]
     normed_hidden = rms_norm(hidden, p0["hidden_norm"], lc.rms_norm_eps)
@@ -159,7 +182,10 @@ def draft_forward(params: dict, cfg: DraftConfig, embeds: jax.Array, hidden: jax
     for layer, p in enumerate(layers):
         if layer > 0:
             x = rms_norm(residual, p["attn_norm"], lc.rms_norm_eps)
-        attn, cache = gqa_block(p, lc, x, positions, cache, jnp.int32(layer), mask, tree_mask, prefix_lengths)
+        if cfg.is_mla:
+            attn, cache = mla_block(p, lc, x, positions, cache, jnp.int32(layer), mask, absorb, tree_mask, prefix_lengths)
+        else:
+            attn, cache = gqa_block(p, lc, x, positions, cache, jnp.int32(layer), mask, tree_mask, prefix_lengths)
         h = residual + attn
         residual = h + swiglu(rms_norm(h, p["mlp_norm"], lc.rms_norm_eps), p["gate_proj"], p["up_proj"], p["down_proj"])
     logits = linear(rms_norm(residual, params["final_norm"], lc.rms_norm_eps), params["lm_head"], out_dtype=jnp.float32)
@@ -246,6 +272,10 @@ def _map_draft_key(key: str) -> str | None:
             "post_attention_layernorm.weight": "mlp_norm",
             "self_attn.q_proj.weight": "q_proj", "self_attn.k_proj.weight": "k_proj",
             "self_attn.v_proj.weight": "v_proj", "self_attn.o_proj.weight": "o_proj",
+            # MLA layers (Eagle3DeepseekV2ForCausalLM)
+            "self_attn.q_a_proj.weight": "q_a_proj", "self_attn.q_a_layernorm.weight": "q_a_norm",
+            "self_attn.q_b_proj.weight": "q_b_proj", "self_attn.kv_a_proj_with_mqa.weight": "kv_a_proj",
+            "self_attn.kv_a_layernorm.weight": "kv_a_norm", "self_attn.kv_b_proj.weight": "kv_b_proj",
             "mlp.gate_proj.weight": "gate_proj", "mlp.up_proj.weight": "up_proj", "mlp.down_proj.weight": "down_proj",
         }.get(rest)
         return f"layers.{idx}.{sub}" if sub else None
@@ -286,7 +316,8 @@ def _read_draft_tensors(path: str) -> dict[str, np.ndarray]:
 
 
 def load_draft(path: str | os.PathLike, target: Target, dtype="bfloat16", *, fp8_format: str = "auto") -> Draft:
-    """Load an EAGLE-3 draft folder (config.json + safetensors or pytorch_model.bin) for `target`.
+    """Load an EAGLE-3 draft folder (config.json + safetensors or pytorch_model.bin) for `target`:
+    a `LlamaForCausalLMEagle3` or an `Eagle3DeepseekV2ForCausalLM` (MLA) draft.
 
     The target is switched to capture the draft's feature layers (`eagle_aux_hidden_state_layer_ids`
     when the draft config names them, else the default 2, L//2, L-3). Per-channel FP8 layer weights
@@ -304,11 +335,6 @@ def load_draft(path: str | os.PathLike, target: Target, dtype="bfloat16", *, fp8
             cfg = parse_draft_config(json.load(f))
         except json.JSONDecodeError as e:
             raise ConfigError(f"{cfg_path} is not valid JSON: {e}") from e
-    if cfg.layers.attention != "gqa":
-        raise ConfigError(
-            f"{cfg_path}: MLA-layer EAGLE-3 drafts (Eagle3DeepseekV2ForCausalLM) are parsed but cannot run here yet; "
-            "use a LlamaForCausalLMEagle3 draft"
-        )
     check_fits_target(cfg, target.config)
     if cfg.aux_layer_ids is not None:
         target.config = target.config.with_aux_layers(cfg.aux_layer_ids)

@@ -80,27 +80,30 @@ def _hf_module(cfg: ModelConfig):
     return module_of
 
 
-def _attention_specs(cfg: ModelConfig) -> dict[str, ParamSpec]:
+def attention_specs(cfg: ModelConfig, input_width: int | None = None) -> dict[str, ParamSpec]:
+    """Specs of one attention block. `input_width` is the width the projections read (default
+    hidden_size; an EAGLE-3 draft's first layer reads 2 x hidden); the output is hidden_size wide."""
     h = cfg.hidden_size
+    w = input_width or h
     if cfg.attention == "mla":
         nh, qk, r = cfg.num_heads, cfg.qk_head_dim, cfg.kv_lora_rank
         s: dict[str, ParamSpec] = {}
         if cfg.q_lora_rank is None:
-            s["q_proj"] = ParamSpec((h, nh * qk), ("embed", "q_heads"))
+            s["q_proj"] = ParamSpec((w, nh * qk), ("embed", "q_heads"))
         else:
-            s["q_a_proj"] = ParamSpec((h, cfg.q_lora_rank), ("embed", "q_lora"))
+            s["q_a_proj"] = ParamSpec((w, cfg.q_lora_rank), ("embed", "q_lora"))
             s["q_a_norm"] = ParamSpec((cfg.q_lora_rank,), ("q_lora",))
             s["q_b_proj"] = ParamSpec((cfg.q_lora_rank, nh * qk), ("q_lora", "q_heads"))
-        s["kv_a_proj"] = ParamSpec((h, r + cfg.qk_rope_head_dim), ("embed", "kv_lora"))
+        s["kv_a_proj"] = ParamSpec((w, r + cfg.qk_rope_head_dim), ("embed", "kv_lora"))
         s["kv_a_norm"] = ParamSpec((r,), ("kv_lora",))
         s["kv_b_proj"] = ParamSpec((r, nh * (cfg.qk_nope_head_dim + cfg.v_head_dim)), ("kv_lora", "q_heads"))
         s["o_proj"] = ParamSpec((nh * cfg.v_head_dim, h), ("q_heads", "embed"))
         return s
     qd, kd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     s = {
-        "q_proj": ParamSpec((h, qd), ("embed", "q_heads")),
-        "k_proj": ParamSpec((h, kd), ("embed", "kv_heads")),
-        "v_proj": ParamSpec((h, kd), ("embed", "kv_heads")),
+        "q_proj": ParamSpec((w, qd), ("embed", "q_heads")),
+        "k_proj": ParamSpec((w, kd), ("embed", "kv_heads")),
+        "v_proj": ParamSpec((w, kd), ("embed", "kv_heads")),
         "o_proj": ParamSpec((qd, h), ("q_heads", "embed")),
     }
     if cfg.qk_norm:
@@ -141,7 +144,7 @@ def layer_specs(cfg: ModelConfig, kind: str) -> dict[str, ParamSpec]:
     """Specs of one layer of `kind` ("dense" | "moe")."""
     h = cfg.hidden_size
     s = {"attn_norm": ParamSpec((h,), ("norm",)), "mlp_norm": ParamSpec((h,), ("norm",))}
-    s.update(_attention_specs(cfg))
+    s.update(attention_specs(cfg))
     s.update(_moe_specs(cfg) if kind == "moe" else _dense_mlp_specs(cfg))
     return s
 

@@ -10,6 +10,8 @@ sampled, --temperatures) -> draft vocabulary from response-token frequencies -> 
 training with teacher features computed on the fly (--mode=online) or written once to
 --feature_dir and streamed (--mode=offline) -> HF folder (config.json + model.safetensors) that
 e3.load_draft, vLLM and SGLang load. Resumes from --ckpt_dir after an interruption.
+--draft_arch=mla trains an MLA draft (Eagle3DeepseekV2ForCausalLM, like the Kimi-K2.5 EAGLE-3 MLA
+draft) instead of a Llama-layer one.
 """
 
 from __future__ import annotations
@@ -34,6 +36,9 @@ flags.DEFINE_integer("max_tokens", 128, "Response tokens regenerated per prompt.
 flags.DEFINE_list("temperatures", ["0"], "One response per prompt per temperature (0 = greedy).")
 flags.DEFINE_integer("gen_batch_size", 256, "Requests per regeneration wave.", lower_bound=1)
 flags.DEFINE_integer("draft_vocab_size", 0, "Draft vocabulary size (0 = the full target vocabulary).", lower_bound=0)
+flags.DEFINE_enum("draft_arch", "llama", ["llama", "mla"],
+                  "Draft decoder layers: llama (LlamaForCausalLMEagle3, GQA) or mla (Eagle3DeepseekV2ForCausalLM: DeepSeek "
+                  "MLA attention, copied from an MLA target such as Kimi-K2.5, else sized from the target's heads).")
 flags.DEFINE_integer("draft_layers", 1, "Decoder layers in the draft.", lower_bound=1)
 flags.DEFINE_integer("draft_intermediate_size", 0, "Draft MLP width (0 = 4 x hidden).", lower_bound=0)
 flags.DEFINE_integer("ttt_steps", 7, "Training-time-test unroll depth.", lower_bound=1)
@@ -125,7 +130,7 @@ def main(argv: Sequence[str]) -> None:
     if steps_per_epoch < 1:
         raise app.UsageError(f"{len(train_tok)} training sequences do not fill one batch of {FLAGS.batch_size}")
 
-    dcfg = new_draft_config(cfg_t, vocab, num_layers=FLAGS.draft_layers,
+    dcfg = new_draft_config(cfg_t, vocab, arch=FLAGS.draft_arch, num_layers=FLAGS.draft_layers,
                             intermediate_size=FLAGS.draft_intermediate_size or None)
     params, frozen = init_draft_params(dcfg, target, vocab, seed=FLAGS.seed)
     mesh = e3.make_mesh(*map(int, FLAGS.mesh)) if FLAGS.mesh else None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -59,6 +61,20 @@ def draft_config_dict(target_cfg, draft_vocab_size=None, num_layers=1, **extra) 
     return raw
 
 
+def mla_draft_config_dict(target_cfg, draft_vocab_size=None, num_layers=1, **extra) -> dict:
+    """An MLA EAGLE-3 draft config.json dict (`Eagle3DeepseekV2ForCausalLM`) sized for `target_cfg`,
+    with the DeepSeek YaRN rotary of random_models.DEEPSEEK."""
+    raw = dict(architectures=["Eagle3DeepseekV2ForCausalLM"], model_type="deepseek_v3",
+               hidden_size=target_cfg.hidden_size, intermediate_size=48, num_hidden_layers=num_layers,
+               num_attention_heads=4, num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
+               qk_rope_head_dim=4, v_head_dim=8, vocab_size=target_cfg.vocab_size, max_position_embeddings=64,
+               rms_norm_eps=1e-6, rope_theta=10000.0, rope_scaling=dict(DEEPSEEK["rope_scaling"]))
+    if draft_vocab_size:
+        raw["draft_vocab_size"] = draft_vocab_size
+    raw.update(extra)
+    return {k: v for k, v in raw.items() if v is not None or k == "q_lora_rank"}
+
+
 def random_draft(target: Target, raw: dict | None = None, seed: int = 1, with_embed: bool = True, d2t=None):
     """A random EAGLE-3 draft bound to `target` (d2t: offsets when the draft vocab is reduced)."""
     from eagle3_jax.draft import Draft, _assemble, draft_specs, parse_draft_config
@@ -79,16 +95,29 @@ def random_draft(target: Target, raw: dict | None = None, seed: int = 1, with_em
     return Draft(config=cfg, params=_assemble(flat, cfg, target.dtype, target), dtype=target.dtype, target=target)
 
 
-def causal_draft_pass(draft, hidden_in, tokens):
+def causal_draft_pass(draft, hidden_in, tokens, pad_to: int = 16):
     """Plain causal draft pass over one sequence of (hidden, next-token) pairs -> (logits, hidden) at every
-    position: no scratch slots, no tree masks (the reference that tree expansion and TTT must match)."""
+    position: no scratch slots, no tree masks (the reference that tree expansion and TTT must match).
+
+    The pairs are padded to `pad_to` (a causal pass: padding after a position never changes it), so
+    one compiled program serves every length."""
+    t = len(tokens)
+    pad = max(pad_to, t)
+    hidden = jnp.zeros((pad, draft.config.hidden_size), jnp.float32).at[:t].set(jnp.stack(hidden_in))
+    ids = jnp.zeros((pad,), jnp.int32).at[:t].set(jnp.asarray(tokens, jnp.int32))
+    logits, out = _jitted_causal_pass(draft.params, draft.config, hidden[None], ids[None])
+    return logits[0, :t], out[0, :t]
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _jitted_causal_pass(params, cfg, hidden, ids):
     from eagle3_jax import kv_cache
     from eagle3_jax.draft import draft_forward
 
-    t = len(tokens)
-    cache = kv_cache.init_cache(draft.config.layers, 1, t, jnp.float32)
+    t = ids.shape[1]
+    cache = kv_cache.init_cache(cfg.layers, 1, t, jnp.float32)
     mask = kv_cache.visibility(cache.lengths, kv_cache.causal_mask(1, t), t)
     pos = jnp.arange(t, dtype=jnp.int32)[None]
-    emb = draft.params["embed"][jnp.asarray(tokens)[None]]
-    logits, hidden, _ = draft_forward(draft.params, draft.config, emb, jnp.stack(hidden_in)[None], pos, cache, mask)
-    return logits[0], hidden[0]
+    logits, out, _ = draft_forward(params, cfg, params["embed"][ids], hidden.astype(params["embed"].dtype), pos, cache,
+                                   mask)
+    return logits, out

@@ -11,6 +11,8 @@ layout), in float64 NumPy, and shares no code with `eagle3_jax`:
         h2 = h1 + down(silu(gate(post_attention_layernorm(h1))) * up(...))
     layers 1..: ordinary Llama decoder layers on the hidden stream
     logits = norm(h_final) @ lm_head.T                                 [draft_vocab]
+
+MLA drafts (`Eagle3DeepseekV2ForCausalLM`) have their own reference below (section 1b).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import numpy as np
 import pytest
 
 import eagle3_jax as e3
-from eagle3_jax import draft as draft_lib
+from eagle3_jax import draft as draft_lib, kv_cache
 from eagle3_jax.checkpoint import CheckpointError
 from eagle3_jax.config import ConfigError, load_model_config
 from random_models import LLAMA, random_target
@@ -392,6 +394,211 @@ def test_engine_with_reduced_vocab_draft_is_lossless(reduced_pair):
     assert all(len(o.token_ids) == 12 for o in spec)
 
 
+# ---- 1b. MLA drafts (Eagle3DeepseekV2ForCausalLM) vs their own NumPy reference ------------------
+#
+# Written from the vLLM / SGLang DeepSeek formulation with naive (non-absorbed) attention over
+# full per-head K/V, in float64, sharing no code with eagle3_jax:
+#     q = q_b_proj(q_a_layernorm(q_a_proj(a_in)))  (q_proj(a_in) without q_lora_rank)   [heads, nope + rope]
+#     c, k_pe = split(kv_a_proj_with_mqa(a_in), [kv_lora, rope]); c = kv_a_layernorm(c)
+#     k_nope, v = split(kv_b_proj(c), [nope, v]) per head
+#     k = [k_nope, rope(k_pe)] (k_pe shared by every head), q = [q_nope, rope(q_pe)]
+#     rotary: interleaved pairs (x0, x1), (x2, x3), ...; DeepSeek YaRN inverse frequencies (ramp
+#     bounds floor / ceil); cos and sin times mscale(factor, mscale) / mscale(factor, mscale_all_dim)
+#     softmax scale (nope + rope)^-0.5 * mscale(factor, mscale_all_dim)^2
+# Layer 0 reads a_in = concat(input_layernorm(e), hidden_norm(h)) [2H] through q_a_proj (q_proj)
+# and kv_a_proj_with_mqa; the rest of the layer is as in the Llama draft.
+
+MLA_YARN = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "beta_fast": 32, "beta_slow": 1,
+            "mscale": 0.9, "mscale_all_dim": 1.0}
+KIMI_YARN = {"type": "yarn", "factor": 64.0, "original_max_position_embeddings": 4096, "beta_fast": 1.0,
+             "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
+
+
+def mla_draft_cfg(**over) -> dict:
+    c = dict(architectures=["Eagle3DeepseekV2ForCausalLM"], model_type="deepseek_v3", hidden_size=TARGET_H,
+             intermediate_size=40, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=12,
+             kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=6, v_head_dim=10, vocab_size=VOCAB,
+             rms_norm_eps=1e-5, max_position_embeddings=16, rope_theta=10000.0, rope_scaling=MLA_YARN)
+    c.update(over)
+    return {k: v for k, v in c.items() if v is not None}
+
+
+def mla_hf_weights(c: dict, seed: int = 0, with_embed: bool = True, spelling: str = "midlayer", d2t=None) -> dict:
+    """Random weights of an MLA draft under the published HF names ([out, in] matrices)."""
+    rng = np.random.default_rng(seed)
+    h, nh = c["hidden_size"], c["num_attention_heads"]
+    dn, dr, dv, r = c["qk_nope_head_dim"], c["qk_rope_head_dim"], c["v_head_dim"], c["kv_lora_rank"]
+    ql, inter = c.get("q_lora_rank"), c["intermediate_size"]
+    vd = c.get("draft_vocab_size") or c["vocab_size"]
+
+    def mat(out, inp):
+        return (rng.standard_normal((out, inp)) / np.sqrt(inp)).astype(np.float32)
+
+    def norm(n):
+        return (1 + 0.1 * rng.standard_normal(n)).astype(np.float32)
+
+    w = {"fc.weight": mat(h, 3 * TARGET_H), "norm.weight": norm(h), "lm_head.weight": mat(vd, h)}
+    if with_embed:
+        w["embed_tokens.weight"] = rng.standard_normal((c["vocab_size"], h)).astype(np.float32)
+    for i in range(c["num_hidden_layers"]):
+        p = ("midlayer." if spelling == "midlayer" else "layers.0.") if i == 0 else f"layers.{i}."
+        width = 2 * h if i == 0 else h
+        w[p + "input_layernorm.weight"] = norm(h)
+        if i == 0:
+            w[p + "hidden_norm.weight"] = norm(h)
+        if ql:
+            w[p + "self_attn.q_a_proj.weight"] = mat(ql, width)
+            w[p + "self_attn.q_a_layernorm.weight"] = norm(ql)
+            w[p + "self_attn.q_b_proj.weight"] = mat(nh * (dn + dr), ql)
+        else:
+            w[p + "self_attn.q_proj.weight"] = mat(nh * (dn + dr), width)
+        w[p + "self_attn.kv_a_proj_with_mqa.weight"] = mat(r + dr, width)
+        w[p + "self_attn.kv_a_layernorm.weight"] = norm(r)
+        w[p + "self_attn.kv_b_proj.weight"] = mat(nh * (dn + dv), r)
+        w[p + "self_attn.o_proj.weight"] = mat(h, nh * dv)
+        w[p + "post_attention_layernorm.weight"] = norm(h)
+        w[p + "mlp.gate_proj.weight"] = mat(inter, h)
+        w[p + "mlp.up_proj.weight"] = mat(inter, h)
+        w[p + "mlp.down_proj.weight"] = mat(h, inter)
+    if vd != c["vocab_size"]:
+        w["d2t"] = np.asarray(np.zeros(vd) if d2t is None else d2t, np.int64)
+    return w
+
+
+def np_yarn_mscale(factor: float, mscale: float) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def np_deepseek_rotary(c: dict) -> tuple[np.ndarray, float, float]:
+    """(inverse frequencies [rope / 2], cos/sin factor, softmax scale) of an MLA config."""
+    dim, base = c["qk_rope_head_dim"], c.get("rope_theta", 10000.0)
+    scale = (c["qk_nope_head_dim"] + dim) ** -0.5
+    rs = c.get("rope_scaling")
+    pos_freqs = base ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
+    if not rs:
+        return 1.0 / pos_freqs, 1.0, scale
+    factor, orig = rs["factor"], rs["original_max_position_embeddings"]
+
+    def correction_dim(rotations):
+        return dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low = max(math.floor(correction_dim(rs["beta_fast"])), 0)
+    high = min(math.ceil(correction_dim(rs["beta_slow"])), dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float64) - low) / (high - low), 0, 1)
+    extrapolate = 1 - ramp  # high-frequency channels keep their frequency, low ones are interpolated
+    inv = (1.0 / (factor * pos_freqs)) * (1 - extrapolate) + (1.0 / pos_freqs) * extrapolate
+    m, m_all = rs.get("mscale", 1.0), rs.get("mscale_all_dim", 0.0)
+    cos_sin_factor = np_yarn_mscale(factor, m) / np_yarn_mscale(factor, m_all)
+    if m_all:
+        scale *= np_yarn_mscale(factor, m_all) ** 2
+    return inv, cos_sin_factor, scale
+
+
+def np_rope_interleaved(x, inv, factor):
+    """Rotate channel pairs (x0, x1), (x2, x3), ... of x [T, heads, rope] at positions 0..T-1."""
+    ang = np.arange(x.shape[0], dtype=np.float64)[:, None, None] * inv[None, None, :]
+    cos, sin = np.cos(ang) * factor, np.sin(ang) * factor
+    even, odd = x[..., 0::2], x[..., 1::2]
+    out = np.empty_like(x)
+    out[..., 0::2] = even * cos - odd * sin
+    out[..., 1::2] = odd * cos + even * sin
+    return out
+
+
+def np_mla_attention(a_in, w, p, c):
+    t = a_in.shape[0]
+    nh, dn, dr, dv = c["num_attention_heads"], c["qk_nope_head_dim"], c["qk_rope_head_dim"], c["v_head_dim"]
+    r, eps = c["kv_lora_rank"], c["rms_norm_eps"]
+    inv, factor, scale = np_deepseek_rotary(c)
+    if p + "self_attn.q_a_proj.weight" in w:
+        q_lat = np_rms(a_in @ w[p + "self_attn.q_a_proj.weight"].T, w[p + "self_attn.q_a_layernorm.weight"], eps)
+        q = q_lat @ w[p + "self_attn.q_b_proj.weight"].T
+    else:
+        q = a_in @ w[p + "self_attn.q_proj.weight"].T
+    q = q.reshape(t, nh, dn + dr)
+    kv = a_in @ w[p + "self_attn.kv_a_proj_with_mqa.weight"].T
+    latent = np_rms(kv[:, :r], w[p + "self_attn.kv_a_layernorm.weight"], eps)
+    k_pe = np_rope_interleaved(kv[:, None, r:], inv, factor)
+    kv_b = (latent @ w[p + "self_attn.kv_b_proj.weight"].T).reshape(t, nh, dn + dv)
+    k = np.concatenate([kv_b[..., :dn], np.repeat(k_pe, nh, axis=1)], axis=-1)
+    v = kv_b[..., dn:]
+    q = np.concatenate([q[..., :dn], np_rope_interleaved(q[..., dn:], inv, factor)], axis=-1)
+    scores = np.einsum("thd,shd->hts", q, k) * scale
+    scores = np.where(np.tril(np.ones((t, t), bool))[None], scores, -np.inf)
+    probs = np.exp(scores - scores.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    return np.einsum("hts,shd->thd", probs, v).reshape(t, nh * dv) @ w[p + "self_attn.o_proj.weight"].T
+
+
+def np_mla_draft_logits(w: dict, c: dict, target_embed: np.ndarray, ids: np.ndarray, aux: np.ndarray) -> np.ndarray:
+    w = {k: np.asarray(v, np.float64) for k, v in w.items()}
+    eps = c["rms_norm_eps"]
+    embed = w.get("embed_tokens.weight", np.asarray(target_embed, np.float64))
+    p0 = "midlayer." if any(k.startswith("midlayer.") for k in w) else "layers.0."
+    out = []
+    for b in range(ids.shape[0]):
+        h = np.asarray(aux[b], np.float64) @ w["fc.weight"].T
+        normed = np_rms(h, w[p0 + "hidden_norm.weight"], eps)
+        residual = normed if c.get("norm_before_residual") else h
+        a_in = np.concatenate([np_rms(embed[ids[b]], w[p0 + "input_layernorm.weight"], eps), normed], axis=-1)
+        h1 = residual + np_mla_attention(a_in, w, p0, c)
+        x = h1 + np_mlp(np_rms(h1, w[p0 + "post_attention_layernorm.weight"], eps), w, p0)
+        for i in range(1, c["num_hidden_layers"]):
+            p = f"layers.{i}."
+            h1 = x + np_mla_attention(np_rms(x, w[p + "input_layernorm.weight"], eps), w, p, c)
+            x = h1 + np_mlp(np_rms(h1, w[p + "post_attention_layernorm.weight"], eps), w, p)
+        out.append(np_rms(x, w["norm.weight"], eps) @ w["lm_head.weight"].T)
+    return np.stack(out)
+
+
+MLA_VARIANTS = {
+    # name: (config overrides, with_embed, key spelling, target layers)
+    "q_lora_yarn_shared_embed": (dict(), False, "midlayer", None),
+    "no_q_lora_two_layers_d2t": (dict(q_lora_rank=None, num_hidden_layers=2, draft_vocab_size=40, rope_scaling=None,
+                                      norm_before_residual=True), True, "layers", None),
+    "kimi_k2_layout": (dict(model_type="kimi_k2", architectures=["Eagle3DeepseekV3ForCausalLM"], rope_scaling=KIMI_YARN,
+                            rope_theta=50000.0, eagle_config={"eagle_aux_hidden_state_layer_ids": [0, 1, 2]}),
+                       True, "midlayer", 4),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MLA_VARIANTS))
+def test_mla_draft_forward_matches_numpy_reference(name, tmp_path):
+    over, with_embed, spelling, layers = MLA_VARIANTS[name]
+    c = mla_draft_cfg(**over)
+    d2t = (np.arange(40) % 7) if c.get("draft_vocab_size") else None
+    w = mla_hf_weights(c, with_embed=with_embed, spelling=spelling, d2t=d2t)
+    target = fresh_target(layers)
+    draft = e3.load_draft(write_draft(tmp_path / "d", c, w), target=target, dtype="float32")
+    lc = draft.config.layers
+    assert draft.config.is_mla and lc.attention == "mla" and lc.num_experts == 0
+    assert lc.rope.interleaved and lc.q_lora_rank == c.get("q_lora_rank")
+    assert draft.config.norm_before_residual == bool(c.get("norm_before_residual"))
+    if "eagle_config" in c:
+        assert draft.aux_layer_ids == target.config.aux_layer_ids == (1, 2, 3)
+    # the draft cache is the MLA latent + rope key, like the target's MLA cache
+    cache = kv_cache.init_cache(lc, 1, 8)
+    assert cache.k.shape[-1] == c["kv_lora_rank"] and cache.v.shape[-1] == c["qk_rope_head_dim"]
+
+    ids, aux = rand_inputs()
+    want = np_mla_draft_logits(w, c, np.asarray(target.params["embed"]), ids, aux)
+    got = draft.logits(ids, aux)  # 24 pairs: the expanded MLA form
+    assert got.shape == (B, T, c.get("draft_vocab_size", VOCAB))
+    assert rel_err(got, want) <= 1e-5, rel_err(got, want)
+    short = draft.logits(ids[:, :12], aux[:, :12])  # 12 pairs: the absorbed form (decode / verify sizes)
+    assert rel_err(short, want[:, :12]) <= 1e-5, rel_err(short, want[:, :12])
+
+
+def test_mla_draft_with_llama_attention_weights_is_refused(tmp_path):
+    """An MLA config.json over Llama-layer weights names the tensors it does not use."""
+    c = mla_draft_cfg()
+    w = hf_weights(draft_cfg())
+    with pytest.raises(CheckpointError, match="does not use"):
+        e3.load_draft(write_draft(tmp_path / "d", c, w), target=fresh_target(), dtype="float32")
+
+
 # ---- 3. real draft configs ----------------------------------------------------------------------
 
 REAL = {
@@ -423,9 +630,17 @@ def test_real_draft_configs_parse(fname):
     if aux is not None:
         assert tcfg.with_aux_layers(aux).aux_layer_ids == aux
     if "mla" in fname:
-        assert cfg.layers.attention == "mla"
+        assert cfg.layers.attention == "mla" and cfg.is_mla
         assert (cfg.layers.kv_lora_rank, cfg.layers.q_lora_rank, cfg.layers.qk_rope_head_dim) == (512, 1536, 64)
         assert cfg.layers.num_experts == 0 and cfg.layers.segments == (("dense", 0, 1),)
+        assert cfg.layers.rope.interleaved and cfg.layers.rope.rope_type == "yarn" and cfg.layers.rope.factor == 64.0
+        specs = draft_lib.draft_specs(cfg, with_embed=False)
+        # the first layer's q and kv down-projections read the 2H concatenation; the rest is Kimi's MLA
+        assert specs["layers.0.q_a_proj"].shape == (2 * hidden, 1536)
+        assert specs["layers.0.kv_a_proj"].shape == (2 * hidden, 512 + 64)
+        assert specs["layers.0.q_b_proj"].shape == (1536, 64 * (128 + 64))
+        assert specs["layers.0.kv_b_proj"].shape == (512, 64 * (128 + 128))
+        assert specs["layers.0.o_proj"].shape == (64 * 128, hidden)
     else:
         assert cfg.layers.attention == "gqa"
         specs = draft_lib.draft_specs(cfg, with_embed=False)
@@ -443,15 +658,6 @@ def test_real_draft_config_details():
     minimax = draft_lib.parse_draft_config(read_json("minimax-m2.5-eagle3.draft.json"))
     assert minimax.layers.rope.rope_type == "default" and minimax.layers.rope.theta == 5e6
     assert (minimax.layers.num_heads, minimax.layers.head_dim) == (48, 128)
-
-
-def test_mla_draft_parses_but_does_not_load(tmp_path):
-    folder = tmp_path / "mla"
-    os.makedirs(folder)
-    with open(folder / "config.json", "w") as f:
-        json.dump(read_json("kimi-k2.5-eagle3-mla.draft.json"), f)
-    with pytest.raises(ConfigError, match="MLA"):
-        e3.load_draft(folder, target=fresh_target(), dtype="float32")
 
 
 # ---- 4. bad input -------------------------------------------------------------------------------
@@ -496,6 +702,7 @@ BAD = {
     "missing_d2t": (dict(draft_vocab_size=40), True, _drop("d2t"), CheckpointError, "no d2t"),
     "architecture": (dict(architectures=["MedusaModel"]), True, None, ConfigError, "architecture 'MedusaModel'"),
     "draft_vocab_too_big": (dict(draft_vocab_size=80), True, None, ConfigError, "draft_vocab_size=80"),
+    "fc_norm_variant": (dict(fc_norm=True), True, None, ConfigError, "fc_norm=true"),
     "no_embed_and_other_hidden": (dict(hidden_size=48, target_hidden_size=TARGET_H), False, None, CheckpointError,
                                   "no embed_tokens"),
 }

@@ -56,6 +56,33 @@ def test_kimi_int4_with_draft_fits_eight_mi325x_at_batch_64():
     assert experts / 8 + rest <= plan.weight_bytes <= experts / 8 + rest + 8e9  # + the draft (own embedding and full-vocab head)
 
 
+@pytest.mark.slow  # a second full-size step compile; the default run plans the Llama-layer draft above
+@needs_8
+def test_kimi_with_mla_draft_plans_the_mla_draft_programs():
+    """The published Kimi-K2.5 MLA draft: its cache is one MLA latent + rope key per token (not
+    per-head K/V), its weights are the 2H-input MLA layer, and the speculative step compiles."""
+    import json
+
+    from eagle3_jax.draft import draft_specs, parse_draft_config
+
+    mesh = e3.make_mesh(1, 1, 8)
+    draft = os.path.join(DATA, "kimi-k2.5-eagle3-mla.draft.json")
+    plan = plan_memory(os.path.join(DATA, "kimi-k2.5.config.json"), draft, mesh=mesh, batch=64, max_len=2304,
+                       spec=e3.SpecConfig(3, 1, 4), programs=("step",))
+    assert plan.fits(DEVICES["MI325X"])
+    target_kv = 61 * 64 * 2304 * (512 + 64) * 2
+    assert plan.kv_bytes == target_kv + 1 * 64 * 2304 * (512 + 64) * 2  # one draft layer, same latent layout
+    with open(draft) as f:
+        dcfg = parse_draft_config(json.load(f))
+    draft_bytes = sum(s.nbytes("bfloat16") for s in draft_specs(dcfg, with_embed=True).values())
+    specs = flat_specs(e3.load_model_config(os.path.join(DATA, "kimi-k2.5.config.json")))
+    experts = sum(s.nbytes("bfloat16") for s in specs.values() if s.quant is not None)
+    rest = sum(s.nbytes("bfloat16") for s in specs.values() if s.quant is None)
+    assert plan.weight_bytes == experts // 8 + rest + draft_bytes
+    held = plan.weight_bytes + plan.kv_bytes
+    assert held <= plan.argument_bytes <= held * 1.01 + 2**20
+
+
 @needs_8
 def test_int4_reads_fewer_bytes_per_decode_step_than_bf16():
     mesh = e3.make_mesh(1, 1, 8)

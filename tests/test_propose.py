@@ -14,7 +14,7 @@ import eagle3_jax as e3
 from eagle3_jax import kv_cache
 from eagle3_jax.draft import draft_to_target_ids, project_features
 from eagle3_jax.spec.propose import draft_extend, expand
-from random_models import FAMILIES, causal_draft_pass, draft_config_dict, random_draft, random_target
+from random_models import FAMILIES, causal_draft_pass, draft_config_dict, mla_draft_config_dict, random_draft, random_target
 
 
 def causal_draft(draft, hidden_in, tokens):
@@ -56,11 +56,14 @@ def reference_tree(draft, feats, next_tokens, root_token, spec):
     return tokens, parents
 
 
-@pytest.mark.parametrize("spec", [e3.SpecConfig(3, 1, 4), e3.SpecConfig(3, 2, 6), e3.SpecConfig(3, 3, 9)],
-                         ids=lambda s: f"topk{s.topk}")
-def test_expand_matches_brute_force_per_path_forwards(spec):
+@pytest.mark.parametrize("arch, spec", [("llama", e3.SpecConfig(3, 1, 4)), ("llama", e3.SpecConfig(3, 2, 6)),
+                                        ("llama", e3.SpecConfig(3, 3, 9)),
+                                        pytest.param("mla", e3.SpecConfig(3, 3, 9), marks=pytest.mark.slow)],
+                         ids=lambda x: x if isinstance(x, str) else f"topk{x.topk}")
+def test_expand_matches_brute_force_per_path_forwards(arch, spec):
     target = random_target(FAMILIES["llama"])
-    draft = random_draft(target, draft_config_dict(target.config, draft_vocab_size=48),
+    make_config = mla_draft_config_dict if arch == "mla" else draft_config_dict
+    draft = random_draft(target, make_config(target.config, draft_vocab_size=48),
                          d2t=np.random.default_rng(0).integers(0, 16, 48))
     b, t, n_valid = 2, 6, np.array([6, 4])
     rng = np.random.default_rng(3)

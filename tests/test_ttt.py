@@ -6,12 +6,17 @@ import numpy as np
 
 from eagle3_jax.draft import project_features
 from eagle3_jax.train.ttt import ttt_loss, ttt_unroll
-from random_models import FAMILIES, causal_draft_pass, draft_config_dict, random_draft, random_target
+import pytest
+
+from random_models import FAMILIES, causal_draft_pass, draft_config_dict, mla_draft_config_dict, random_draft, random_target
 
 
-def test_ttt_steps_equal_chain_inference_unroll():
+@pytest.mark.parametrize("arch", ["llama", "mla"])
+def test_ttt_steps_equal_chain_inference_unroll(arch):
+    """Every step k at every origin equals a plain causal draft pass over the chain."""
     target = random_target(FAMILIES["llama"])
-    draft = random_draft(target, draft_config_dict(target.config, num_layers=2))
+    make_config = mla_draft_config_dict if arch == "mla" else draft_config_dict
+    draft = random_draft(target, make_config(target.config, num_layers=2))
     rng = np.random.default_rng(0)
     t, steps = 9, 3
     aux = rng.standard_normal((1, t, 3 * target.config.hidden_size)).astype(np.float32)

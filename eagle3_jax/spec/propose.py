@@ -61,11 +61,12 @@ def propose(params: dict, cfg: DraftConfig, cache: kv_cache.KVCache, root: Draft
 
 
 def draft_extend(params: dict, cfg: DraftConfig, cache: kv_cache.KVCache, features: jax.Array,
-                 next_tokens: jax.Array, n_valid: jax.Array) -> tuple[jax.Array, jax.Array, kv_cache.KVCache]:
+                 next_tokens: jax.Array, n_valid: jax.Array, absorb: bool | None = None
+                 ) -> tuple[jax.Array, jax.Array, kv_cache.KVCache]:
     """Append pairs (features[t], next_tokens[t]) at draft positions lengths + t, t < n_valid.
 
     Returns the draft logits [B, Vd] and output hidden [B, H] of each row's last valid pair, and
-    the cache advanced by n_valid.
+    the cache advanced by n_valid. `absorb` picks an MLA draft's form (see draft.draft_forward).
     """
     b, t = next_tokens.shape
     positions = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
@@ -73,7 +74,7 @@ def draft_extend(params: dict, cfg: DraftConfig, cache: kv_cache.KVCache, featur
     mask = kv_cache.visibility(cache.lengths, causal, cache.max_len)
     embeds = params["embed"][next_tokens]
     logits, hidden, cache = draft_forward(params, cfg, embeds, project_features(params, features), positions, cache, mask,
-                                          causal)
+                                          causal, None, absorb)
     last = (n_valid - 1)[:, None]
     root_logits = jnp.take_along_axis(logits, last[:, :, None], axis=1)[:, 0]
     root_hidden = jnp.take_along_axis(hidden, last[:, :, None], axis=1)[:, 0]

@@ -34,7 +34,7 @@ def spec_prefill(tparams: dict, tcfg: ModelConfig, dparams: dict, dcfg: DraftCon
     not the prompt's last, or -1 for a final chunk (the default): a final chunk samples the first
     generated token with key `counter` (default 0) and the draft pairs its last feature with it.
     The first token and root are meaningful for final chunks only. `absorb` picks the MLA form
-    (see target.forward).
+    (see target.forward) of the target and, for an MLA draft, of the draft's extend.
     """
     b, t = tokens.shape
     if counter is None:
@@ -50,7 +50,7 @@ def spec_prefill(tparams: dict, tcfg: ModelConfig, dparams: dict, dcfg: DraftCon
     after = jnp.where(following >= 0, following, first)
     shifted = jnp.concatenate([tokens[:, 1:], tokens[:, :1]], axis=1)
     next_tokens = jnp.where(jnp.arange(t)[None, :] == last, after[:, None], shifted)
-    _, root_hidden, dcache = draft_extend(dparams, dcfg, dcache, aux, next_tokens, prompt_lens)
+    _, root_hidden, dcache = draft_extend(dparams, dcfg, dcache, aux, next_tokens, prompt_lens, absorb)
     return first, tcache, dcache, DraftRoot(token=first, hidden=root_hidden)
 
 

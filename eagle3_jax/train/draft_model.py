@@ -15,26 +15,70 @@ from .ttt import ttt_loss
 from .vocab import DraftVocab
 
 
-def new_draft_config(target_cfg: ModelConfig, vocab: DraftVocab, *, num_layers: int = 1,
+DRAFT_ARCHS = ("llama", "mla")
+
+
+def new_draft_config(target_cfg: ModelConfig, vocab: DraftVocab, *, arch: str = "llama", num_layers: int = 1,
                      intermediate_size: int | None = None, num_heads: int | None = None,
                      num_kv_heads: int | None = None, head_dim: int | None = None) -> DraftConfig:
-    """A Llama-layer EAGLE-3 draft as wide as the target (it shares the target's embedding).
+    """An EAGLE-3 draft as wide as the target (it shares the target's embedding).
 
-    Attention defaults to the target's head count over the draft width; rotary is the plain NeoX
-    form with the target's theta, computed from positions (no table bounds its length).
+    arch "llama" (`LlamaForCausalLMEagle3`): attention defaults to the target's head count over
+    the draft width; rotary is the plain NeoX form with the target's theta. arch "mla"
+    (`Eagle3DeepseekV2ForCausalLM`): see `mla_layers`. Rotary is computed from positions either
+    way (no table bounds its length).
     """
+    if arch not in DRAFT_ARCHS:
+        raise ValueError(f"draft arch {arch!r} is not supported; use one of {', '.join(DRAFT_ARCHS)}")
     h = target_cfg.hidden_size
-    heads = num_heads or target_cfg.num_heads
-    hd = head_dim or h // heads
-    layers = ModelConfig(
-        model_type="llama", family="llama", vocab_size=target_cfg.vocab_size, hidden_size=h,
-        num_layers=num_layers, num_heads=heads, num_kv_heads=num_kv_heads or heads, head_dim=hd,
-        intermediate_size=intermediate_size or 4 * h, rms_norm_eps=target_cfg.rms_norm_eps,
-        rope=RopeConfig(theta=target_cfg.rope.theta, dim=hd), max_position_embeddings=target_cfg.max_position_embeddings,
-        bos_token_id=target_cfg.bos_token_id, eos_token_ids=target_cfg.eos_token_ids,
-    )
+    inter = intermediate_size or 4 * h
+    if arch == "mla":
+        if num_kv_heads is not None or head_dim is not None:
+            raise ValueError("an MLA draft has no num_kv_heads / head_dim: its heads read one shared latent")
+        layers = mla_layers(target_cfg, num_layers, inter, num_heads)
+    else:
+        heads = num_heads or target_cfg.num_heads
+        hd = head_dim or h // heads
+        layers = ModelConfig(
+            model_type="llama", family="llama", vocab_size=target_cfg.vocab_size, hidden_size=h,
+            num_layers=num_layers, num_heads=heads, num_kv_heads=num_kv_heads or heads, head_dim=hd,
+            intermediate_size=inter, rms_norm_eps=target_cfg.rms_norm_eps,
+            rope=RopeConfig(theta=target_cfg.rope.theta, dim=hd), max_position_embeddings=target_cfg.max_position_embeddings,
+            bos_token_id=target_cfg.bos_token_id, eos_token_ids=target_cfg.eos_token_ids,
+        )
     return DraftConfig(layers=layers, draft_vocab_size=len(vocab.draft_ids), target_hidden_size=h,
                        aux_layer_ids=tuple(target_cfg.aux_layer_ids))
+
+
+def mla_layers(target_cfg: ModelConfig, num_layers: int, intermediate_size: int, num_heads: int | None) -> ModelConfig:
+    """Dense MLA decoder layers for a draft of `target_cfg`.
+
+    Over an MLA target (DeepSeek-V3, Kimi-K2.5) they copy its attention: heads, q / kv LoRA ranks,
+    nope / rope / v head dims and its YaRN rotary, as the published Kimi-K2.5 MLA draft does. Over
+    a GQA target they take DeepSeek's proportions from its head size d: nope = v = d, rope = d / 2,
+    kv_lora = 4 d, no q LoRA, interleaved rotary with the target's theta.
+    """
+    h = target_cfg.hidden_size
+    if target_cfg.attention == "mla":
+        t = target_cfg
+        heads = num_heads or t.num_heads
+        dims = dict(q_lora_rank=t.q_lora_rank, kv_lora_rank=t.kv_lora_rank, qk_nope_head_dim=t.qk_nope_head_dim,
+                    qk_rope_head_dim=t.qk_rope_head_dim, v_head_dim=t.v_head_dim)
+        rope = t.rope
+    else:
+        heads = num_heads or target_cfg.num_heads
+        d = target_cfg.head_dim
+        rope_dim = max(2, d // 4 * 2)
+        dims = dict(q_lora_rank=None, kv_lora_rank=4 * d, qk_nope_head_dim=d, qk_rope_head_dim=rope_dim, v_head_dim=d)
+        rope = RopeConfig(theta=target_cfg.rope.theta, dim=rope_dim, interleaved=True)
+    return ModelConfig(
+        model_type="deepseek_v3", family="deepseek_v3", vocab_size=target_cfg.vocab_size, hidden_size=h,
+        num_layers=num_layers, num_heads=heads, num_kv_heads=heads,
+        head_dim=dims["qk_nope_head_dim"] + dims["qk_rope_head_dim"], intermediate_size=intermediate_size,
+        rms_norm_eps=target_cfg.rms_norm_eps, rope=rope, max_position_embeddings=target_cfg.max_position_embeddings,
+        attention="mla", first_k_dense_replace=num_layers, bos_token_id=target_cfg.bos_token_id,
+        eos_token_ids=target_cfg.eos_token_ids, **dims,
+    )
 
 
 def init_draft_params(cfg: DraftConfig, target: Target, vocab: DraftVocab, seed: int = 0,

@@ -1,11 +1,17 @@
-"""Write a trained draft as an HF EAGLE-3 folder (`LlamaForCausalLMEagle3`).
+"""Write a trained draft as an HF EAGLE-3 folder: `LlamaForCausalLMEagle3` (GQA layers) or
+`Eagle3DeepseekV2ForCausalLM` (MLA layers).
 
-The folder is what `e3.load_draft` reads and what vLLM (`llama_eagle3.py`) and SGLang load:
+The folder is what `e3.load_draft` reads and what vLLM (`llama_eagle3.py`, `deepseek_eagle3.py`)
+and SGLang load:
 
-- `config.json`: a Llama config plus `draft_vocab_size`, `target_hidden_size` and, when the draft
-  names its feature layers, `eagle_config.eagle_aux_hidden_state_layer_ids` in the SpecForge /
-  vLLM convention (id i = output of target layer i = HF `hidden_states[i + 1]`);
+- `config.json`: a Llama config, or for an MLA draft a DeepSeek-V3 one (`q_lora_rank`,
+  `kv_lora_rank`, `qk_nope_head_dim`, `qk_rope_head_dim`, `v_head_dim`, YaRN `rope_scaling`),
+  plus `draft_vocab_size`, `target_hidden_size` and, when the draft names its feature layers,
+  `eagle_config.eagle_aux_hidden_state_layer_ids` in the SpecForge / vLLM convention (id i =
+  output of target layer i = HF `hidden_states[i + 1]`);
 - `model.safetensors` with HF `[out, in]` weights: `fc.weight`; the decoder layer as `midlayer.*`
+  (MLA attention under DeepSeek's names: `self_attn.q_a_proj`, `q_a_layernorm`, `q_b_proj` or
+  `q_proj`, `kv_a_proj_with_mqa`, `kv_a_layernorm`, `kv_b_proj`, `o_proj`)
   for single-layer drafts (vLLM renames `midlayer.` to `layers.0.`) or `layers.{i}.*` for deeper
   ones (layer 0 carries `hidden_norm`); `norm.weight`; `lm_head.weight`; `d2t` (int64 offsets,
   target = draft + d2t[draft]) and `t2d` (bool [V], skipped by vLLM) when the vocabulary is
@@ -25,12 +31,13 @@ import jax
 import ml_dtypes
 import numpy as np
 
-from ..config import RopeConfig
-from ..draft import DraftConfig, draft_specs
+from ..config import ModelConfig, RopeConfig
+from ..draft import LLAMA_ARCHITECTURES, MLA_ARCHITECTURES, DraftConfig, draft_specs
 from ..checkpoint.atomic import atomic_dir
 from .vocab import DraftVocab
 
-ARCHITECTURE = "LlamaForCausalLMEagle3"
+ARCHITECTURE = LLAMA_ARCHITECTURES[0]
+MLA_ARCHITECTURE = MLA_ARCHITECTURES[0]
 
 _OUT_DTYPES = {"bfloat16": np.dtype(ml_dtypes.bfloat16), "float32": np.dtype(np.float32), "float16": np.dtype(np.float16)}
 _ST_TAGS = {
@@ -42,6 +49,9 @@ _LAYER_KEYS = {
     "attn_norm": "input_layernorm.weight", "hidden_norm": "hidden_norm.weight",
     "q_proj": "self_attn.q_proj.weight", "k_proj": "self_attn.k_proj.weight",
     "v_proj": "self_attn.v_proj.weight", "o_proj": "self_attn.o_proj.weight",
+    "q_a_proj": "self_attn.q_a_proj.weight", "q_a_norm": "self_attn.q_a_layernorm.weight",
+    "q_b_proj": "self_attn.q_b_proj.weight", "kv_a_proj": "self_attn.kv_a_proj_with_mqa.weight",
+    "kv_a_norm": "self_attn.kv_a_layernorm.weight", "kv_b_proj": "self_attn.kv_b_proj.weight",
     "mlp_norm": "post_attention_layernorm.weight",
     "gate_proj": "mlp.gate_proj.weight", "up_proj": "mlp.up_proj.weight", "down_proj": "mlp.down_proj.weight",
 }
@@ -108,22 +118,14 @@ def rope_scaling_json(rope: RopeConfig) -> dict | None:
 
 
 def draft_config_json(cfg: DraftConfig, dtype: str = "bfloat16") -> dict:
-    """The HF config.json dict of a `LlamaForCausalLMEagle3` draft."""
+    """The HF config.json dict of a `LlamaForCausalLMEagle3` or `Eagle3DeepseekV2ForCausalLM` draft."""
     lc = cfg.layers
-    if lc.attention != "gqa" or lc.family != "llama" or lc.num_experts:
-        raise ValueError("only Llama-layer EAGLE-3 drafts (GQA attention, dense MLP) can be exported")
-    if lc.rope.dim != lc.head_dim or lc.rope.interleaved:
-        raise ValueError(f"draft rotary covers {lc.rope.dim} of {lc.head_dim} channels (interleaved={lc.rope.interleaved}); "
-                         "a Llama config can only express full, half-split rotary")
-    raw: dict = {
-        "architectures": [ARCHITECTURE],
-        "model_type": "llama",
-        "hidden_size": lc.hidden_size,
-        "intermediate_size": lc.intermediate_size,
-        "num_attention_heads": lc.num_heads,
-        "num_key_value_heads": lc.num_kv_heads,
-        "head_dim": lc.head_dim,
+    if lc.num_experts:
+        raise ValueError("EAGLE-3 draft layers have a dense MLP; a draft with routed experts cannot be exported")
+    raw = _mla_config_json(lc) if cfg.is_mla else _llama_config_json(lc)
+    raw.update({
         "num_hidden_layers": lc.num_layers,
+        "intermediate_size": lc.intermediate_size,
         "rms_norm_eps": lc.rms_norm_eps,
         "rope_theta": lc.rope.theta,
         "rope_scaling": rope_scaling_json(lc.rope),
@@ -134,9 +136,8 @@ def draft_config_json(cfg: DraftConfig, dtype: str = "bfloat16") -> dict:
         "tie_word_embeddings": False,
         "hidden_act": "silu",
         "attention_bias": False,
-        "mlp_bias": False,
         "torch_dtype": dtype,
-    }
+    })
     if lc.bos_token_id is not None:
         raw["bos_token_id"] = int(lc.bos_token_id)
     if lc.eos_token_ids:
@@ -154,6 +155,27 @@ def draft_config_json(cfg: DraftConfig, dtype: str = "bfloat16") -> dict:
             "use_aux_hidden_state": True,
         }
     return raw
+
+
+def _llama_config_json(lc: ModelConfig) -> dict:
+    if lc.attention != "gqa" or lc.family != "llama":
+        raise ValueError("a LlamaForCausalLMEagle3 draft has Llama (GQA) layers")
+    if lc.rope.dim != lc.head_dim or lc.rope.interleaved:
+        raise ValueError(f"draft rotary covers {lc.rope.dim} of {lc.head_dim} channels (interleaved={lc.rope.interleaved}); "
+                         "a Llama config can only express full, half-split rotary")
+    return {"architectures": [ARCHITECTURE], "model_type": "llama", "hidden_size": lc.hidden_size,
+            "num_attention_heads": lc.num_heads, "num_key_value_heads": lc.num_kv_heads, "head_dim": lc.head_dim,
+            "mlp_bias": False}
+
+
+def _mla_config_json(lc: ModelConfig) -> dict:
+    if lc.rope.dim != lc.qk_rope_head_dim or not lc.rope.interleaved:
+        raise ValueError(f"MLA draft rotary covers {lc.rope.dim} channels (interleaved={lc.rope.interleaved}); a DeepSeek "
+                         f"config expresses interleaved rotary over all {lc.qk_rope_head_dim} rope channels")
+    return {"architectures": [MLA_ARCHITECTURE], "model_type": "deepseek_v3", "hidden_size": lc.hidden_size,
+            "num_attention_heads": lc.num_heads, "num_key_value_heads": lc.num_heads, "q_lora_rank": lc.q_lora_rank,
+            "kv_lora_rank": lc.kv_lora_rank, "qk_nope_head_dim": lc.qk_nope_head_dim,
+            "qk_rope_head_dim": lc.qk_rope_head_dim, "v_head_dim": lc.v_head_dim, "rope_interleave": True}
 
 
 # ---- weights ----------------------------------------------------------------------------------------------
@@ -227,7 +249,7 @@ def hf_draft_tensors(cfg: DraftConfig, params: dict, vocab: DraftVocab | None, *
 def _is_draft_folder(path: str) -> bool:
     try:
         with open(os.path.join(path, "config.json")) as f:
-            return ARCHITECTURE in (json.load(f).get("architectures") or [])
+            return bool({ARCHITECTURE, MLA_ARCHITECTURE} & set(json.load(f).get("architectures") or []))
     except (OSError, ValueError, AttributeError):
         return False
 

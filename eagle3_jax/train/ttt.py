@@ -4,7 +4,8 @@ Step 0 is the inference-time extend: draft position t pairs the target feature f
 x_{t+1} and predicts x_{t+2}. Step k >= 1 replays what the draft does k levels deep in a tree:
 at origin t its hidden input is its own step-(k-1) output, its token input the teacher-forced
 x_{t+k+1}, its rotary position t + k, and it attends to the step-0 pairs at positions <= t plus
-its own predecessors (steps 1..k) at the same origin: exactly a depth-k node's ancestors.
+its own predecessors (steps 1..k) at the same origin: exactly a depth-k node's ancestors. Llama
+(GQA) and MLA drafts unroll alike; MLA attends over keys and values expanded from its latents.
 
 Loss = sum_k 0.8^k * soft cross-entropy against the target's distribution at position t+k+1
 restricted to (and renormalised over) the draft vocabulary, on response tokens only, and masked
@@ -16,7 +17,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from ..attention import gqa_project
+from ..attention import gqa_project, mla_project, mla_up_projections
 from ..config import ModelConfig
 from ..draft import DraftConfig, project_features
 from ..layers import rms_norm, swiglu
@@ -32,12 +33,30 @@ def _shift(x: jax.Array, k: int, fill=0) -> jax.Array:
     return jnp.concatenate([x[:, k:], pad], axis=1)
 
 
-def _ttt_attention(q, k0, v0, diag_k, diag_v, lc: ModelConfig) -> jax.Array:
-    """q [B,T,nh,d]; step-0 keys/values [B,T,nkv,d] (causal); diag_* lists of [B,T,nkv,d] (same origin only)."""
+def _heads(p: dict, lc: ModelConfig, x: jax.Array, positions: jax.Array
+           ) -> tuple[jax.Array, jax.Array, jax.Array, float]:
+    """Roped q [B,T,nh,dq], k [B,T,nkv,dq], v [B,T,nkv,dv] of a layer input, and the softmax scale.
+
+    MLA layers run the target's projections (attention.mla_project) and expand the latent into
+    per-head keys and values: training sees every pair at once, so the expanded form is the cheap one."""
+    if lc.attention != "mla":
+        q, k, v = gqa_project(p, lc, x, positions)
+        return q, k, v, lc.head_dim ** -0.5
+    q_nope, q_pe, c_kv, k_pe = mla_project(p, lc, x, positions)
+    w_uk, w_uv = mla_up_projections(p, lc, x.dtype)
+    k_nope = jnp.einsum("btr,rhd->bthd", c_kv, w_uk)
+    k_rope = jnp.broadcast_to(k_pe[:, :, None, :], k_nope.shape[:3] + k_pe.shape[-1:])  # shared by all heads
+    q = jnp.concatenate([q_nope, q_pe], axis=-1)
+    k = jnp.concatenate([k_nope, k_rope], axis=-1)
+    return q, k, jnp.einsum("btr,rhd->bthd", c_kv, w_uv), lc.softmax_scale
+
+
+def _ttt_attention(q, k0, v0, diag_k, diag_v, scale: float) -> jax.Array:
+    """q [B,T,nh,dq]; step-0 keys [B,T,nkv,dq] and values [B,T,nkv,dv] (causal); diag_* lists of
+    the same shapes (same origin only). Returns [B,T,nh*dv]."""
     b, t, nh, d = q.shape
-    nkv = lc.num_kv_heads
+    nkv, dv = k0.shape[2], v0.shape[-1]
     qg = q.reshape(b, t, nkv, nh // nkv, d)
-    scale = d ** -0.5
     s0 = jnp.einsum("btkgd,bskd->bkgts", qg, k0, preferred_element_type=jnp.float32) * scale
     causal = jnp.tril(jnp.ones((t, t), bool))
     s0 = jnp.where(causal, s0, _NEG)
@@ -46,7 +65,7 @@ def _ttt_attention(q, k0, v0, diag_k, diag_v, lc: ModelConfig) -> jax.Array:
     out = jnp.einsum("bkgts,bskd->btkgd", probs[..., :t].astype(v0.dtype), v0)
     for j, vj in enumerate(diag_v):
         out = out + jnp.einsum("bkgt,btkd->btkgd", probs[..., t + j].astype(vj.dtype), vj)
-    return out.reshape(b, t, nh * d)
+    return out.reshape(b, t, nh * dv)
 
 
 def ttt_unroll(params: dict, cfg: DraftConfig, aux: jax.Array, tokens: jax.Array, num_steps: int) -> list[jax.Array]:
@@ -67,10 +86,10 @@ def ttt_unroll(params: dict, cfg: DraftConfig, aux: jax.Array, tokens: jax.Array
         for layer, p in enumerate(params["layers"]):
             if layer > 0:
                 x = rms_norm(residual, p["attn_norm"], lc.rms_norm_eps)
-            q, k, v = gqa_project(p, lc, x, positions)
+            q, k, v, scale = _heads(p, lc, x, positions)
             cache_k[layer].append(k)
             cache_v[layer].append(v)
-            attn = _ttt_attention(q, cache_k[layer][0], cache_v[layer][0], cache_k[layer][1:], cache_v[layer][1:], lc)
+            attn = _ttt_attention(q, cache_k[layer][0], cache_v[layer][0], cache_k[layer][1:], cache_v[layer][1:], scale)
             h = residual + attn @ p["o_proj"]
             residual = h + swiglu(rms_norm(h, p["mlp_norm"], lc.rms_norm_eps), p["gate_proj"], p["up_proj"], p["down_proj"])
         hidden = residual
