@@ -112,7 +112,7 @@ def test_speculative_step_with_mla_draft_lowers_with_triton_attention(pair, plat
     from eagle3_jax.draft import with_target_kernels
     from eagle3_jax.engine import _spec_step
     from eagle3_jax.sampling import SamplingArrays
-    from eagle3_jax.spec.propose import DraftTree
+    from eagle3_jax.spec.propose import DraftRoot
 
     monkeypatch.setattr(kernels_lib, "interpret", lambda: False)
     target, draft, _ = pair
@@ -121,10 +121,9 @@ def test_speculative_step_with_mla_draft_lowers_with_triton_attention(pair, plat
     def lowered(d):
         tcache = target.init_cache(2, 64)
         dcache = kv_cache.init_cache(d.config.layers, 2, 64, d.dtype)
-        tree = DraftTree(tokens=np.zeros((2, TREE.num_draft_tokens), np.int32),
-                         parents=np.zeros((2, TREE.num_draft_tokens), np.int32))
+        root = DraftRoot(token=np.zeros((2,), np.int32), hidden=np.zeros((2, d.config.hidden_size), d.dtype))
         sp = SamplingArrays.from_params([e3.SamplingParams()], 2)
-        return _spec_step.trace(target.params, target.config, d.params, d.config, TREE, tcache, dcache, tree, sp,
+        return _spec_step.trace(target.params, target.config, d.params, d.config, TREE, tcache, dcache, root, sp,
                                 np.ones((2,), np.int32)).lower(lowering_platforms=(platform,)).as_text()
 
     kernel = "eagle3_paged_prefix_attention"
