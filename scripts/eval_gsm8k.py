@@ -30,12 +30,13 @@ runs its own speculation), one run per --base_url, compared with the first:
 Stop strings go to the server when it takes them (vLLM, SGLang); scripts/serve.py takes stop
 token ids only, so its completions run to EOS or --max_tokens and are cut here (same text, more
 tokens generated). Output tokens/s counts every token the engine generated, over the run's wall
-time; in-process, a warm-up pass compiles most programs first, and compilations during the timed
-run are reported beside it.
+time, after a warm-up pass over the first --concurrency questions (--nowarmup skips it) that
+compiles most programs; in-process, compilations during the timed run are reported beside it.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -83,8 +84,8 @@ flags.DEFINE_integer("prefill_chunk", None, "Prompt tokens per prefill chunk (de
 define_mesh_flags("Every process runs the same questions; process 0 prints and writes the report.")
 flags.DEFINE_string("output", None, "Write the report as JSON here (scores, tau, tokens/s, agreement, and every "
                     "question's completions and extracted answers).")
-flags.DEFINE_bool("warmup", True, "In-process: answer the first --concurrency questions once, untimed, before "
-                  "each timed run, so that its tokens/s mostly excludes compilation.")
+flags.DEFINE_bool("warmup", True, "Answer the first --concurrency questions once, untimed, before each timed run, "
+                  "so that its tokens/s mostly excludes compilation (in-process, or on a fresh server).")
 flags.DEFINE_bool("progress", True, "Show tqdm progress bars.")
 
 _HELP_FLAGS = ("--help", "-help", "-h", "--helpshort", "-helpshort", "--helpfull", "-helpfull", "--helpxml",
@@ -137,6 +138,9 @@ def _usage_checks() -> None:
             raise UserError(f"--labels names {len(FLAGS.labels)} runs but --base_url lists {len(FLAGS.base_url)}")
         if len(set(FLAGS.base_url)) != len(FLAGS.base_url):
             raise UserError("--base_url lists a server more than once")
+        if FLAGS.target is not None or FLAGS.draft is not None:
+            raise UserError("--target and --draft are for in-process runs; with --base_url the servers hold the "
+                            "models (drop them, or drop --base_url)")
     elif FLAGS.target is None:
         raise UserError("give --target (a model folder, for an in-process run) or --base_url (a running server)")
     elif FLAGS.labels:
@@ -169,10 +173,12 @@ def run_servers(problems, shots) -> tuple[list, dict]:
     runs = []
     for url, label in zip(FLAGS.base_url, FLAGS.labels or FLAGS.base_url):
         print(f"{label}: {len(problems)} questions to {url} ...", flush=True)
+        ask = functools.partial(gsm8k.generate_http, url, max_tokens=FLAGS.max_tokens, concurrency=FLAGS.concurrency,
+                                model=FLAGS.served_model_name)
         try:
-            out = gsm8k.generate_http(url, conversations, max_tokens=FLAGS.max_tokens,
-                                      concurrency=FLAGS.concurrency, model=FLAGS.served_model_name,
-                                      progress=FLAGS.progress, desc=label)
+            if FLAGS.warmup:  # a fresh server compiles its programs on its first requests
+                ask(conversations[:FLAGS.concurrency])
+            out = ask(conversations, progress=FLAGS.progress, desc=label)
         except ConnectionError as e:
             raise UserError(str(e)) from None
         runs.append((label, out))
@@ -205,6 +211,10 @@ def run_in_process(problems, shots) -> tuple[list, dict]:
         longest = max(len(p) for p in prompts)
         max_seq_len = FLAGS.max_seq_len or min(longest + FLAGS.max_tokens, model_cfg.max_position_embeddings)
         check_prompt_lengths([len(p) for p in prompts], max_seq_len)
+        short = sum(len(p) + FLAGS.max_tokens > max_seq_len for p in prompts)
+        if short:  # the scheduler cuts their budget to the room left, as scripts/serve.py does
+            print(f"note: {short} of {len(prompts)} prompts leave fewer than --max_tokens={FLAGS.max_tokens} tokens "
+                  f"within max_seq_len={max_seq_len}; their answers end there", flush=True)
         target = e3.load_target(FLAGS.target, dtype=FLAGS.dtype, mesh=mesh, **quant_options())
         draft = e3.load_draft(FLAGS.draft, target=target, dtype=FLAGS.dtype,
                               fp8_format=FLAGS.fp8_format) if needs_draft else None
@@ -255,9 +265,11 @@ def run(argv: Sequence[str]) -> None:
     print()
     print(gsm8k.format_report(report))
     for row in report["runs"]:
-        if row.get("compiles"):
+        if row.get("compiles"):  # the engine thread waits for a compile, so its time adds up with the rest
+            rest = row["wall_s"] - row["compile_s"]
             print(f"{row['label']}: {row['compiles']} XLA compilations took {row['compile_s']:.1f} s of its "
-                  f"{row['wall_s']:.1f} s")
+                  f"{row['wall_s']:.1f} s" + (f" ({row['num_output_tokens'] / rest:.1f} tok/s without them)"
+                                               if rest > 0 else ""))
     if FLAGS.output:
         os.makedirs(os.path.dirname(os.path.abspath(FLAGS.output)), exist_ok=True)
         with open(FLAGS.output, "w", encoding="utf-8") as f:

@@ -259,6 +259,7 @@ def test_script_help_and_usage_errors():
     assert_usage_error(run_script("--limit=0"), "--limit=0")
     assert_usage_error(run_script(), "give --target")
     assert_usage_error(run_script("--base_url=http://127.0.0.1:1", "--spec=none"), "drop --spec")
+    assert_usage_error(run_script("--base_url=http://127.0.0.1:1", f"--target={KIMI}"), "the servers hold the models")
 
 
 @pytest.mark.slow
