@@ -181,6 +181,8 @@ def run_servers(problems, shots) -> tuple[list, dict]:
             out = ask(conversations, progress=FLAGS.progress, desc=label)
         except ConnectionError as e:
             raise UserError(str(e)) from None
+        except RuntimeError as e:  # a refused request (e.g. a prompt over the server's max_seq_len) or a failed one
+            raise UserError(f"{label}: {e}") from None
         runs.append((label, out))
     return runs, {"mode": "HTTP " + ", ".join(FLAGS.base_url)}
 

@@ -229,6 +229,9 @@ def test_through_the_server_same_answers(demo):
     try:
         conversations = [G.fewshot_messages(p.question, []) for p in demo["problems"]]
         out = G.generate_http(server.base_url, conversations, max_tokens=MAX_TOKENS, concurrency=CONCURRENCY)
+        five_shot = G.fewshot_messages(demo["problems"][0].question, G.load_problems(G.DEFAULT_FEWSHOT_FILE))
+        with pytest.raises(RuntimeError, match="HTTP 400.*max_seq_len is 256"):  # ~1,300 tokens: refused
+            G.generate_http(server.base_url, [five_shot], max_tokens=MAX_TOKENS, concurrency=1)
     finally:
         server.stop()
         engine.shutdown(timeout=30)
