@@ -7,8 +7,10 @@
 - `runner`: the in-process driver over `eagle3_jax.scheduler.Scheduler`.
 - `http_client`: the same driver against an OpenAI-compatible server (`/v1/completions`, SSE).
 - `report`: JSON, a markdown table in the AMD blog's shape, and throughput / TPOT plots.
+- `gsm8k`: GSM8K accuracy scored as lm-evaluation-harness's `gsm8k` task, in-process or against a
+  server, with the agreement between runs with and without speculation.
 
-`scripts/bench.py` is the command-line front end.
+`scripts/bench.py` and `scripts/eval_gsm8k.py` are the command-line front ends.
 """
 
 from .metrics import RequestRecord, summarize
