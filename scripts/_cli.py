@@ -140,27 +140,37 @@ def configure_logging() -> None:
     An explicit --verbosity wins."""
     if FLAGS["verbosity"].present:
         return
-    level = logging.INFO if FLAGS.verbose else logging.WARNING
-    logging.set_verbosity(level)
-    std_logging.getLogger().setLevel(std_logging.INFO if FLAGS.verbose else std_logging.WARNING)
+    verbose = FLAGS["verbose"].value
+    logging.set_verbosity(logging.INFO if verbose else logging.WARNING)
+    std_logging.getLogger().setLevel(std_logging.INFO if verbose else std_logging.WARNING)
 
 
-def run(main: Callable[[list[str]], int | None]) -> None:
-    """`absl.app.run(main)` with the conventions above."""
+def guarded(main: Callable[[list[str]], int | None]) -> Callable[[list[str]], int | None]:
+    """`main` answering a user error with its one line and USAGE_EXIT; other errors propagate."""
 
     def wrapped(argv: list[str]) -> int | None:
-        configure_logging()
         try:
             return main(argv)
         except Exception as e:
             if not is_user_error(e):
                 raise  # a bug: absl prints the traceback
-            if FLAGS.verbose:
+            if FLAGS["verbose"].value:
                 traceback.print_exc()
             print(error_line(e), file=sys.stderr)
             return USAGE_EXIT
 
-    app.run(wrapped, flags_parser=parse_flags)
+    return wrapped
+
+
+def run(main: Callable[[list[str]], int | None]) -> None:
+    """`absl.app.run(main)` with the conventions above."""
+    guarded_main = guarded(main)
+
+    def logged_main(argv: list[str]) -> int | None:
+        configure_logging()
+        return guarded_main(argv)
+
+    app.run(logged_main, flags_parser=parse_flags)
 
 
 def reject_positional(argv: Sequence[str]) -> None:

@@ -138,7 +138,7 @@ def check_max_seq_len(requested: int | None, max_positions: int, default_cap: in
     if requested is None:
         return min(int(max_positions), default_cap)
     if requested > max_positions:
-        if not FLAGS.allow_long_max_seq_len:
+        if not FLAGS["allow_long_max_seq_len"].value:
             raise app.UsageError(f"--max_seq_len={requested} exceeds the model's max_position_embeddings="
                                  f"{max_positions}; lower it, or add --allow_long_max_seq_len to run past the "
                                  "positions the model was trained on")
