@@ -2,7 +2,8 @@
 status 0; a bug keeps its traceback.
 
 The scripts run as subprocesses, a few at a time: most cases stop before any weights load (the
-tiny stories260K pair where one must), so the whole file takes well under a minute.
+tiny stories260K model where one must); the default run takes about half a minute, the slow run
+adds more cases of the same kinds.
 """
 
 from __future__ import annotations
@@ -64,23 +65,26 @@ INPUT_CASES = [
     ("generate", (f"--model={STORIES}", "--top_p=1.5"), "top_p must be in (0, 1]"),
     ("generate", (f"--model={STORIES}", "--prompts_file=/no/prompts.txt"), "--prompts_file /no/prompts.txt"),
     ("generate", (f"--model={STORIES}", "--mesh=1,1,2"), "--mesh"),
-    ("generate", (f"--model={STORIES}", "--max_seq_len=4", "--prompt=Once upon a time there was"),
-     "leaves no room to generate within --max_seq_len=4"),
     ("generate", (f"--model={STORIES}", "--max_seq_len=1000"), "--allow_long_max_seq_len"),
     ("generate", (f"--model={STORIES}", "--spec=chain:3:2"), "needs 3 numbers"),
-    ("generate", (f"--model={STORIES}", "--draft=checkpoints/stories260K-eagle3", "--spec=chain:3:1:4",
-                  "--num_steps=5"), "disagrees with --num_steps=5"),
     ("bench", ("--spec=chain:3:2",), "--spec: speculation setting 'chain:3:2'"),
-    ("bench", ("--target=/no/model",), "no config.json"),
     ("bench", ("--base_url=http://127.0.0.1:9", "--spec=none", "--concurrency=1"), "no server answers"),
     ("bench_kernels", ("--device=XYZ",), "--device must be one of"),
-    ("convert", ("--hf_dir=/no/model", "--out_dir=/tmp/never"), "no config.json"),
     ("demo", ("--chain=chain:3:2:4",), "a chain has topk=1"),
-    ("demo", ("--prompts=/no/prompts.txt",), "/no/prompts.txt"),
     ("plan", (f"--target={KIMI}", "--draft=x", "--spec=tree:2:2:16"), "exceeds"),
+    ("make_corpus", (f"--model={STORIES}", "--out=/tmp/never.npy", "--top_p=1.5", "--num_sequences=1"), "top_p"),
+]
+# More of the same kind, in the slow run.
+MORE_INPUT_CASES = [
+    ("generate", (f"--model={STORIES}", "--max_seq_len=4", "--prompt=Once upon a time there was"),
+     "leaves no room to generate within --max_seq_len=4"),
+    ("generate", (f"--model={STORIES}", "--draft=checkpoints/stories260K-eagle3", "--spec=chain:3:1:4",
+                  "--num_steps=5"), "disagrees with --num_steps=5"),
+    ("bench", ("--target=/no/model",), "no config.json"),
+    ("convert", ("--hf_dir=/no/model", "--out_dir=/tmp/never"), "no config.json"),
+    ("demo", ("--prompts=/no/prompts.txt",), "/no/prompts.txt"),
     ("quantize", ("--src=/no/model", "--out=/tmp/never"), "no config.json"),
     ("train_target", ("--config=/no/config.json", "--corpus=/no/c.npy", "--out=/tmp/never"), "/no/config.json"),
-    ("make_corpus", (f"--model={STORIES}", "--out=/tmp/never.npy", "--top_p=1.5", "--num_sequences=1"), "top_p"),
 ]
 
 
@@ -99,6 +103,12 @@ def test_flag_mistakes_are_one_line():
 
 def test_input_mistakes_are_one_line():
     for case, r in zip(INPUT_CASES, run_all(INPUT_CASES)):
+        assert_one_line_error(case, r)
+
+
+@pytest.mark.slow
+def test_more_input_mistakes_are_one_line():
+    for case, r in zip(MORE_INPUT_CASES, run_all(MORE_INPUT_CASES)):
         assert_one_line_error(case, r)
 
 
