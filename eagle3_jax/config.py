@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import json
+import logging
 import math
 import os
 import re
@@ -28,6 +29,25 @@ SUPPORTED_MODEL_TYPES: dict[str, str] = {
     "minimax_m2": "minimax_m2",
 }
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+logger = logging.getLogger(__name__)
+
+# transformers' DeepseekV3Config defaults for the MoE fields: a config.json that leaves one out
+# means this value to transformers (a full DeepSeek-V3 MoE), so it means the same here. A dense
+# DeepSeek-V3-architecture model says so with n_routed_experts = 0.
+DEEPSEEK_V3_MOE_DEFAULTS: dict[str, Any] = {
+    "n_routed_experts": 256,
+    "num_experts_per_tok": 8,
+    "moe_intermediate_size": 2048,
+    "n_shared_experts": 1,
+    "n_group": 8,
+    "topk_group": 4,
+    "norm_topk_prob": True,
+    "routed_scaling_factor": 2.5,
+    "first_k_dense_replace": 3,
+}
+# The fields that decide which expert tensors a checkpoint must hold: defaulting one is announced.
+_MOE_SHAPE_FIELDS = ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size")
 
 
 class ConfigError(ValueError):
@@ -203,6 +223,31 @@ def _require(d: Mapping[str, Any], key: str, model_type: str) -> Any:
     if key not in d or d[key] is None:
         raise ConfigError(f"config.json for model_type={model_type!r} is missing required field {key!r}")
     return d[key]
+
+
+def deepseek_moe_fields(d: Mapping[str, Any], model_type: str) -> dict[str, Any]:
+    """The MoE fields of a DeepSeek-V3-family config, transformers' defaults where it has none
+    (null counts as none); logs a warning naming each defaulted field that shapes the experts."""
+    fields = {k: (default if d.get(k) is None else d[k]) for k, default in DEEPSEEK_V3_MOE_DEFAULTS.items()}
+    if not fields["n_routed_experts"]:  # dense: no experts to shape
+        return dict(fields, num_experts_per_tok=0, moe_intermediate_size=0, n_shared_experts=0)
+    missing = [k for k in _MOE_SHAPE_FIELDS if d.get(k) is None]
+    if missing:
+        _warn_once(f"config.json (model_type={model_type}) does not set {', '.join(missing)}; using transformers' "
+                   f"DeepseekV3Config default{'s' * (len(missing) > 1)} "
+                   f"{', '.join(f'{k}={fields[k]}' for k in missing)}. Set {'them' if len(missing) > 1 else 'it'} "
+                   "in config.json (n_routed_experts: 0 for a dense model) if the checkpoint was made otherwise")
+    return fields
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    """Log `message` as a warning the first time only (a config is parsed several times per load)."""
+    if message not in _warned:
+        _warned.add(message)
+        logger.warning(message)
 
 
 def _parse_rope(d: Mapping[str, Any], dim: int, interleaved: bool, model_type: str) -> RopeConfig:
@@ -390,11 +435,12 @@ def _parse_model_config(raw: Mapping[str, Any]) -> ModelConfig:
                 "supported: noaux_tc with sigmoid (DeepSeek-V3, Kimi-K2/K2.5)"
             )
         nope, rope_dim = int(req("qk_nope_head_dim")), int(req("qk_rope_head_dim"))
-        n_experts = int(d.get("n_routed_experts") or 0)
-        n_group = int(d.get("n_group") or 1)
+        moe = deepseek_moe_fields(d, model_type)
+        n_experts = int(moe["n_routed_experts"])
+        n_group = int(moe["n_group"]) or 1
         if n_experts and n_experts % n_group:
             raise ConfigError(f"n_routed_experts={n_experts} is not divisible by n_group={n_group}")
-        moe_inter = int(d.get("moe_intermediate_size") or 0)
+        moe_inter = int(moe["moe_intermediate_size"])
         q_lora = d.get("q_lora_rank")
         return ModelConfig(
             **common,
@@ -408,16 +454,16 @@ def _parse_model_config(raw: Mapping[str, Any]) -> ModelConfig:
             qk_rope_head_dim=rope_dim,
             v_head_dim=int(req("v_head_dim")),
             num_experts=n_experts,
-            num_experts_per_tok=int(d.get("num_experts_per_tok") or 0),
+            num_experts_per_tok=int(moe["num_experts_per_tok"]),
             moe_intermediate_size=moe_inter,
-            shared_intermediate_size=moe_inter * int(d.get("n_shared_experts") or 0),
+            shared_intermediate_size=moe_inter * int(moe["n_shared_experts"]),
             scoring_func="sigmoid",
             use_routing_bias=True,
             n_group=n_group,
-            topk_group=int(d.get("topk_group") or 1),
-            norm_topk_prob=bool(d.get("norm_topk_prob", True)),
-            routed_scaling_factor=float(d.get("routed_scaling_factor", 1.0)),
-            first_k_dense_replace=int(d.get("first_k_dense_replace", 0)),
+            topk_group=int(moe["topk_group"]) or 1,
+            norm_topk_prob=bool(moe["norm_topk_prob"]),
+            routed_scaling_factor=float(moe["routed_scaling_factor"]),
+            first_k_dense_replace=int(moe["first_k_dense_replace"]),
             moe_layer_freq=int(d.get("moe_layer_freq", 1)),
         )
 

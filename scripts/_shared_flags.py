@@ -1,11 +1,16 @@
 """absl flags that generate.py, serve.py and bench.py share: how quantized weights are loaded, which
-kernels run, and the device mesh (one host or several)."""
+kernels run, the device mesh (one host or several), the speculation setting and the sequence length."""
 
 from __future__ import annotations
 
+from typing import Sequence
+
 from absl import app, flags
 
+from _cli import warn
+
 FLAGS = flags.FLAGS
+_SHAPE_FLAGS = ("num_steps", "topk", "num_draft_tokens")
 
 
 def define_quant_flags() -> None:
@@ -61,3 +66,98 @@ def mesh_from_flags():
         return e3.make_mesh(*dims)
     except ValueError as e:
         raise app.UsageError(f"--mesh: {e}") from None
+
+
+# ---- speculation -----------------------------------------------------------------------------------
+
+
+def define_spec_flags() -> None:
+    """--spec (the written form) and the older --num_steps / --topk / --num_draft_tokens."""
+    flags.DEFINE_string("spec", None, "Speculation with --draft: chain:num_steps:topk:num_draft_tokens (e.g. "
+                        "chain:3:1:4) or tree:num_steps:topk:num_draft_tokens (e.g. tree:5:4:16); none = plain "
+                        "decoding. Default with --draft: chain:3:1:4, or what --num_steps/--topk/--num_draft_tokens say.")
+    flags.DEFINE_integer("num_steps", 3, "Draft levels per speculative step (tree depth); --spec says it too.",
+                         lower_bound=1)
+    flags.DEFINE_integer("topk", 1, "Children expanded per draft node; 1 = chain; --spec says it too.", lower_bound=1)
+    flags.DEFINE_integer("num_draft_tokens", None, "Tree nodes verified per step, root included (default: "
+                         "num_steps + 1, a chain's size); --spec says it too.", lower_bound=2)
+
+
+def parse_spec_text(text: str, flag: str):
+    """A SpecConfig (or None for `none`) from a flag value: the written form (`chain:3:1:4`) or the
+    older bare shape `3,1,4` / `3:1:4` (num_steps, topk, num_draft_tokens)."""
+    import eagle3_jax as e3
+
+    bare = text.replace(",", ":").split(":")
+    if len(bare) == 3 and all(p.strip().isdigit() for p in bare):
+        text = ("chain:" if int(bare[1]) == 1 else "tree:") + ":".join(p.strip() for p in bare)
+    try:
+        return e3.SpecConfig.parse(text)
+    except ValueError as e:
+        raise app.UsageError(f"--{flag}: {e}") from None
+
+
+def spec_from_flags(has_draft: bool):
+    """The SpecConfig of --spec or of --num_steps/--topk/--num_draft_tokens (None without --draft);
+    a usage error when both are given and disagree, or --spec is given without --draft."""
+    import eagle3_jax as e3
+
+    given = {name: FLAGS[name].value for name in _SHAPE_FLAGS if FLAGS[name].present}
+    if FLAGS.spec is None:
+        if not has_draft:
+            return None
+        steps = FLAGS.num_steps
+        try:
+            return e3.SpecConfig(num_steps=steps, topk=FLAGS.topk, num_draft_tokens=FLAGS.num_draft_tokens or steps + 1)
+        except ValueError as e:
+            raise app.UsageError(f"--num_steps/--topk/--num_draft_tokens: {e}") from None
+    spec = parse_spec_text(FLAGS.spec, "spec")
+    if spec is not None and not has_draft:
+        raise app.UsageError(f"--spec={FLAGS.spec} needs an EAGLE-3 draft: add --draft=<folder>, or drop --spec")
+    if spec is None and has_draft:
+        raise app.UsageError("--spec=none decodes without a draft: drop --draft, or pick a setting like chain:3:1:4")
+    clash = [f"--{k}={v}" for k, v in given.items() if spec is None or getattr(spec, k) != v]
+    if clash:
+        raise app.UsageError(f"--spec={FLAGS.spec} disagrees with {' '.join(clash)}; give --spec alone")
+    return spec
+
+
+# ---- sequence length -------------------------------------------------------------------------------
+
+
+def define_max_seq_len_flags(help_text: str) -> None:
+    flags.DEFINE_integer("max_seq_len", None, help_text, lower_bound=2)
+    flags.DEFINE_bool("allow_long_max_seq_len", False, "Allow --max_seq_len above the model's "
+                      "max_position_embeddings (positions it was not trained on; output quality may drop).")
+
+
+def check_max_seq_len(requested: int | None, max_positions: int, default_cap: int = 2048) -> int:
+    """--max_seq_len, or its default min(model max positions, default_cap); a usage error when it
+    exceeds the model's max positions unless --allow_long_max_seq_len (as vLLM refuses a
+    max_model_len above the model's unless VLLM_ALLOW_LONG_MAX_MODEL_LEN is set)."""
+    if requested is None:
+        return min(int(max_positions), default_cap)
+    if requested > max_positions:
+        if not FLAGS["allow_long_max_seq_len"].value:
+            raise app.UsageError(f"--max_seq_len={requested} exceeds the model's max_position_embeddings="
+                                 f"{max_positions}; lower it, or add --allow_long_max_seq_len to run past the "
+                                 "positions the model was trained on")
+        warn(f"--max_seq_len={requested} exceeds the model's max_position_embeddings={max_positions} "
+             f"(--allow_long_max_seq_len): output past position {max_positions} may be poor")
+    return int(requested)
+
+
+def max_tokens_caps(prompt_lens: Sequence[int], max_tokens: int, max_seq_len: int) -> dict[int, int]:
+    """{prompt index: tokens it can generate} for the prompts whose max_tokens does not fit in
+    max_seq_len (the engine stops them there, with finish_reason "length")."""
+    return {i: max_seq_len - n for i, n in enumerate(prompt_lens) if n + max_tokens > max_seq_len}
+
+
+def warn_max_tokens_caps(prompt_lens: Sequence[int], max_tokens: int, max_seq_len: int) -> None:
+    """Log a warning for each prompt whose --max_tokens is cut to fit --max_seq_len."""
+    caps = max_tokens_caps(prompt_lens, max_tokens, max_seq_len)
+    for i, room in list(caps.items())[:3]:
+        warn(f"--max_tokens={max_tokens} is cut to {room} for prompt {i}: its {prompt_lens[i]} tokens plus "
+             f"max_tokens must fit --max_seq_len={max_seq_len}")
+    if len(caps) > 3:
+        warn(f"... and for {len(caps) - 3} more prompts")

@@ -7,7 +7,9 @@ request generates exactly the workload's output length (ignore-EOS), so all sett
 work. Reports output tokens/s (also per device), requests/s, TTFT, TPOT, ITL and E2E latency
 (mean, median, p99), tau and per-position acceptance, and each setting's speedup over the no-spec
 cell of the same run; writes <out_dir>/<name>.json (everything, with the command line, machine and
-date), <name>.md (the table), <name>_throughput.png and <name>_tpot.png, and prints the table.
+date), <name>.md (the table), <name>_throughput.png and <name>_tpot.png (titled with the model,
+machine and workload), and prints the table. The default <name> of a --base_url run ends in
+`_http`, so it does not overwrite an in-process run's files.
 
 In-process (the default), on the bundled demo pair, InferenceX 1k1k scaled by 1/16 (64 in / 64 out):
 
@@ -32,6 +34,7 @@ writes the report.
 
 Speculation settings: `none`, `chain:num_steps:topk:num_draft_tokens` (topk 1, num_draft_tokens =
 num_steps + 1) and `tree:num_steps:topk:num_draft_tokens` (an EAGLE-2 dynamic tree).
+Mistakes in the flags, paths or inputs end the script with one line on stderr and exit status 2.
 """
 
 from __future__ import annotations
@@ -41,12 +44,15 @@ import os
 import sys
 from typing import Sequence
 
-from absl import app, flags, logging
+from absl import app, flags
 
 # Run from a checkout without installing: make the repository's package importable.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from _shared_flags import define_mesh_flags, define_quant_flags, mesh_from_flags, quant_options  # noqa: E402
+import _cli  # noqa: E402
+from _shared_flags import (  # noqa: E402
+    check_max_seq_len, define_max_seq_len_flags, define_mesh_flags, define_quant_flags, mesh_from_flags,
+    quant_options)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("target", "checkpoints/kimi-mini", "Target model folder (HF or Orbax). With --base_url only its "
@@ -73,9 +79,9 @@ flags.DEFINE_list("seeds", ["0"], "Seeds (prompts, per-request sampling); every 
 flags.DEFINE_float("temperature", 0.0, "Sampling temperature of every request; 0 = greedy.", lower_bound=0.0)
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16", "float16"], "Compute dtype of the weights.")
 define_quant_flags()
-flags.DEFINE_integer("max_seq_len", None, "Prompt + output tokens per sequence. Workloads must fit it; default: "
-                     "the model's max_position_embeddings for that check, and the workload's longest prompt plus "
-                     "output for the scheduler.", lower_bound=2)
+define_max_seq_len_flags("Prompt + output tokens per sequence. Workloads must fit it; default: the model's "
+                         "max_position_embeddings for that check, and the workload's longest prompt plus output "
+                         "for the scheduler.")
 flags.DEFINE_integer("page_size", None, "KV-cache page size in tokens (default: the scheduler's).", lower_bound=1)
 flags.DEFINE_integer("prefill_chunk", None, "Prompt tokens per prefill chunk (default: the scheduler's).",
                      lower_bound=1)
@@ -92,7 +98,7 @@ flags.DEFINE_integer("num_devices", None, "Devices behind the figures, for token
                      "in-process target's devices; 1 with --base_url).", lower_bound=1)
 flags.DEFINE_string("out_dir", "benchmarks/results", "Folder for <name>.json, <name>.md and the two PNG plots.")
 flags.DEFINE_string("name", None, "File stem of the outputs (default: <target>_random-<shape>_x<scale>, or "
-                    "<target>_<dataset>_out<output_len>).")
+                    "<target>_<dataset>_out<output_len>; with --base_url, followed by _http).")
 flags.DEFINE_bool("progress", True, "Show tqdm progress bars.")
 
 
@@ -108,18 +114,20 @@ def _ints(values: Sequence[str], flag: str, lo: int) -> tuple[int, ...]:
     return out
 
 
-def default_name(target: str, workload) -> str:
+def default_name(target: str, workload, over_http: bool = False) -> str:
+    """The outputs' file stem; runs against a server end in `_http`, so they keep in-process results."""
     stem = os.path.basename(os.path.normpath(target))
     if workload.info.get("kind") == "random":
-        return f"{stem}_{workload.name}_x{workload.info['scale']:g}"
-    return f"{stem}_{workload.name}_out{workload.output_len}"
+        name = f"{stem}_{workload.name}_x{workload.info['scale']:g}"
+    else:
+        name = f"{stem}_{workload.name}_out{workload.output_len}"
+    return name + ("_http" if over_http else "")
 
 
 def main(argv: Sequence[str]) -> None:
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
-    if not FLAGS["verbosity"].present:
-        logging.set_verbosity(logging.WARNING)  # keep JAX / Orbax INFO lines out of the report
+    _cli.reject_positional(argv)
+    if FLAGS.name is not None and (not FLAGS.name or os.sep in FLAGS.name or FLAGS.name in (".", "..")):
+        raise app.UsageError(f"--name is a file stem (no folders; --out_dir picks the folder); got {FLAGS.name!r}")
 
     import jax
 
@@ -151,7 +159,9 @@ def main(argv: Sequence[str]) -> None:
         raise app.UsageError(str(e)) from None
 
     model_cfg = e3.load_model_config(FLAGS.target)
-    limit = FLAGS.max_seq_len or model_cfg.max_position_embeddings
+    limit = model_cfg.max_position_embeddings
+    if FLAGS.max_seq_len is not None:
+        limit = check_max_seq_len(FLAGS.max_seq_len, model_cfg.max_position_embeddings)
     tok_dir = FLAGS.tokenizer or FLAGS.target
     template_dir = os.path.dirname(tok_dir) if tok_dir.endswith(".json") else tok_dir  # chat template beside it
     tokenizer = load_tokenizer(tok_dir, bos_id=model_cfg.bos_token_id)
@@ -173,8 +183,8 @@ def main(argv: Sequence[str]) -> None:
         try:
             cells = run_http_benchmark(FLAGS.base_url, settings[0], workload, cfg, model=FLAGS.model,
                                        num_devices=FLAGS.num_devices or 1)
-        except ConnectionError as e:
-            sys.exit(str(e))
+        except ConnectionError as e:  # no server there: the user's --base_url or a server not started
+            raise app.UsageError(f"--base_url: {e}") from None
         mode = f"HTTP {FLAGS.base_url}"
         config["dtype"] = None  # the server's business
     else:
@@ -194,7 +204,7 @@ def main(argv: Sequence[str]) -> None:
         return
     report = report_lib.build_report(cells, settings=[s.name for s in settings], workload=workload.info,
                                      config=config, argv=sys.argv, mode=mode)
-    name = FLAGS.name or default_name(FLAGS.target, workload)
+    name = FLAGS.name or default_name(FLAGS.target, workload, over_http=bool(FLAGS.base_url))
     paths = report_lib.write_report(report, FLAGS.out_dir, name)
     print()
     print(report_lib.markdown(report))
@@ -204,4 +214,4 @@ def main(argv: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    _cli.run(main)

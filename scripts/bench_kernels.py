@@ -1,9 +1,9 @@
 """Kernel benchmark: each Pallas kernel against its XLA reference, at a model's per-device shapes.
 
     python scripts/bench_kernels.py                       # Kimi-K2.5 per-device shapes (on a GPU)
-    python scripts/bench_kernels.py --kind=gqa --heads=48 --kv_heads=8 --head_dim=128 \
+    python scripts/bench_kernels.py --kind=gqa --heads=48 --kv_heads=8 --head_dim=128 \\
         --hidden=3072 --moe_inter=1536 --experts=256 --local_experts=32 --moe_format=fp8_block   # MiniMax-M2.5
-    python scripts/bench_kernels.py --batches=1 --tokens=1 --contexts=64 --repeats=2 --hidden=64 \
+    python scripts/bench_kernels.py --batches=1 --tokens=1 --contexts=64 --repeats=2 --hidden=64 \\
         --moe_inter=64 --experts=16 --local_experts=4 --moe_tokens=1,32   # a CPU smoke run
 
 Attention (--ops includes attention): for every (batch, new tokens T, context) it builds random
@@ -36,9 +36,11 @@ import sys
 import time
 from typing import Sequence
 
-from absl import app, flags, logging
+from absl import app, flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import _cli  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("ops", ["attention", "moe"], "Kernels to measure: attention, moe.")
@@ -230,10 +232,7 @@ def moe_rows(peak: float, interpret: bool) -> list[dict]:
 
 
 def main(argv: Sequence[str]) -> None:
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
-    if not FLAGS["verbosity"].present:
-        logging.set_verbosity(logging.WARNING)  # keep JAX's backend-probing lines out of the table
+    _cli.reject_positional(argv)
     import jax
 
     from eagle3_jax.plan import DEVICES
@@ -258,4 +257,4 @@ def main(argv: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    _cli.run(main)

@@ -6,6 +6,8 @@ Works layer by layer (host memory ~ one layer), keeps quantized weights (int4, F
 quantized format (or dequantizes them with --dequantize), and writes the output atomically: the
 folder appears only once it is complete, and an interrupted run resumes when run again. Loading
 the result with `read_flat_params` / `load_target` gives bit-identical tensors to loading the HF folder.
+Orbax's per-array INFO lines are hidden unless --verbose. Mistakes in the flags, paths, config or
+checkpoint end the script with one line on stderr and exit status 2.
 """
 
 from __future__ import annotations
@@ -19,9 +21,7 @@ from absl import app, flags
 # Run from a checkout without installing: make the repository's package importable.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from eagle3_jax.checkpoint import CheckpointError, save_orbax
-from eagle3_jax.config import ConfigError, load_model_config
-from eagle3_jax.target import with_quant_options
+import _cli  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("hf_dir", None, "HF model folder: config.json + model.safetensors or a sharded index.")
@@ -42,13 +42,14 @@ flags.mark_flags_as_required(["hf_dir", "out_dir"])
 def main(argv: list[str]) -> int:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected positional arguments: {' '.join(argv[1:])} (use --hf_dir / --out_dir)")
+    from eagle3_jax.checkpoint import save_orbax  # imported here so that --help works without loading JAX
+    from eagle3_jax.config import load_model_config
+    from eagle3_jax.target import with_quant_options
+
     start = time.time()
-    try:
-        cfg = with_quant_options(load_model_config(FLAGS.hf_dir), dequantize=FLAGS.dequantize, fp8_format="e4m3fn")
-        marker = save_orbax(FLAGS.hf_dir, FLAGS.out_dir, cfg, progress=FLAGS.progress, dtype=FLAGS.dtype, overwrite=FLAGS.overwrite)
-    except (CheckpointError, ConfigError) as e:
-        print(f"convert: error: {e}", file=sys.stderr)
-        return 1
+    cfg = with_quant_options(load_model_config(FLAGS.hf_dir), dequantize=FLAGS.dequantize, fp8_format="e4m3fn")
+    marker = save_orbax(FLAGS.hf_dir, FLAGS.out_dir, cfg, progress=FLAGS.progress, dtype=FLAGS.dtype,
+                        overwrite=FLAGS.overwrite)
     dtypes = sorted({t["dtype"] for t in marker["tensors"].values()})
     print(
         f"converted {cfg.model_type} ({cfg.num_layers} layers, {len(marker['tensors'])} tensors, "
@@ -59,4 +60,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    _cli.run(main)

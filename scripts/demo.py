@@ -7,9 +7,14 @@ Runs the same greedy requests (batch 1, one prompt at a time, as a latency-bound
 without speculation, with an EAGLE-3 chain and with an EAGLE-3 tree; checks that all three emit
 identical tokens; and prints one table: output tokens/s, TPOT (mean time per output token after
 the first), tau (mean acceptance length, bonus included), per-position acceptance rates and the
-speedup over plain decoding. Every configuration is compiled and run once before it is timed; the
-timed passes alternate between the modes and the table reports each mode's median pass.
+speedup over plain decoding, a legend of those columns, and the first prompt's continuation as
+text. Every configuration is compiled and run once before it is timed (with progress lines);
+the timed passes alternate between the modes and the table reports each mode's median pass.
 With --json, the figures are also written to a file.
+
+Speculation settings are written chain:num_steps:topk:num_draft_tokens and
+tree:num_steps:topk:num_draft_tokens, as everywhere in eagle3-jax; --chain and --tree also take the
+older num_steps,topk,num_draft_tokens.
 """
 
 from __future__ import annotations
@@ -20,34 +25,61 @@ import os
 import platform
 import statistics
 import sys
+import textwrap
 import time
 from typing import Sequence
 
-from absl import app, flags, logging
+from absl import app, flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import _cli  # noqa: E402
+from _shared_flags import parse_spec_text  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("target", "checkpoints/kimi-mini", "Target model folder.")
 flags.DEFINE_string("draft", "checkpoints/kimi-mini-eagle3", "EAGLE-3 draft folder.")
 flags.DEFINE_string("prompts", "checkpoints/demo_prompts.txt", "One prompt per line.")
 flags.DEFINE_integer("max_tokens", 128, "Tokens generated per prompt.", lower_bound=1)
-flags.DEFINE_string("chain", "3,1,4", "Chain shape num_steps,topk,num_draft_tokens.")
-flags.DEFINE_string("tree", "5,4,16", "Tree shape num_steps,topk,num_draft_tokens.")
+flags.DEFINE_string("chain", "chain:3:1:4", "The chain: chain:num_steps:1:num_draft_tokens (or the older "
+                    "num_steps,topk,num_draft_tokens).")
+flags.DEFINE_string("tree", "tree:5:4:16", "The tree: tree:num_steps:topk:num_draft_tokens (or the older "
+                    "num_steps,topk,num_draft_tokens).")
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Compute dtype.")
 flags.DEFINE_integer("repeats", 5, "Timed passes over the prompt set per mode, interleaved across modes; "
                      "the table reports the median pass.", lower_bound=1)
 flags.DEFINE_string("json", None, "Also write the figures to this JSON file.")
 
 
-def spec_of(text: str):
-    import eagle3_jax as e3
+LEGEND = """\
+output tok/s: generated tokens / wall time of the median pass (each prompt alone, batch 1)
+TPOT: time per output token after the first, median over requests
+tau: tokens emitted per target verify pass, bonus token included (1.00 without speculation)
+per-position acceptance: share of verify passes that accepted at least k draft tokens, k = 1, 2, ...
+speedup: output tok/s over the baseline (plain decoding)
+chain:S:K:N / tree:S:K:N: EAGLE-3 with S draft steps, K children per draft node (a chain has K = 1)
+  and N tokens verified per step, the root included"""
 
-    try:
-        steps, topk, tokens = (int(x) for x in text.split(","))
-    except ValueError as e:
-        raise app.UsageError(f"speculation shapes are num_steps,topk,num_draft_tokens; got {text!r}") from e
-    return e3.SpecConfig(num_steps=steps, topk=topk, num_draft_tokens=tokens)
+
+def spec_of(text: str, flag: str):
+    """The SpecConfig of --chain / --tree (`none` is no speculation setting here)."""
+    spec = parse_spec_text(text, flag)
+    if spec is None:
+        raise app.UsageError(f"--{flag} needs a speculation setting like chain:3:1:4 or tree:5:4:16; got {text!r}")
+    return spec
+
+
+def progress(message: str) -> None:
+    """A progress line, at once (stdout, before the table: stderr is kept for errors)."""
+    print(message, flush=True)
+
+
+def sample_text(prompt: str, continuation: str, limit: int = 400) -> str:
+    """The prompt and its continuation as plain text, indented, cut to `limit` characters."""
+    text = prompt + continuation
+    if len(text) > limit:
+        text = text[:limit].rstrip() + " ..."
+    return textwrap.indent(text, "  ")
 
 
 def timed_pass(engine, prompts, sampling) -> tuple[float, list, list[float]]:
@@ -93,35 +125,43 @@ def summarize(engine, passes: list) -> dict:
 
 
 def main(argv: Sequence[str]) -> None:
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
-    if not FLAGS["verbosity"].present:
-        logging.set_verbosity(logging.WARNING)  # keep JAX / Orbax INFO lines out of the report
+    _cli.reject_positional(argv)
+    specs = [spec_of(FLAGS.chain, "chain"), spec_of(FLAGS.tree, "tree")]
+    with open(FLAGS.prompts, encoding="utf-8") as f:
+        texts = [line.strip() for line in f if line.strip()]
+    if not texts:
+        raise app.UsageError(f"--prompts {FLAGS.prompts} has no prompts (one per line)")
     import jax
 
     import eagle3_jax as e3
     from eagle3_jax.tokenizer import load_tokenizer
 
-    with open(FLAGS.prompts, encoding="utf-8") as f:
-        texts = [line.strip() for line in f if line.strip()]
-    if not texts:
-        raise app.UsageError(f"{FLAGS.prompts} has no prompts")
+    start = time.perf_counter()
+    progress(f"loading {FLAGS.target} and {FLAGS.draft} ...")
     target = e3.load_target(FLAGS.target, dtype=FLAGS.dtype)
     draft = e3.load_draft(FLAGS.draft, target=target, dtype=FLAGS.dtype)
     tok = load_tokenizer(FLAGS.target, bos_id=target.config.bos_token_id)
     prompts = [tok.encode(t, add_bos=True) for t in texts]
     sampling = e3.SamplingParams(temperature=0.0, max_tokens=FLAGS.max_tokens)
     max_len = max(len(p) for p in prompts) + FLAGS.max_tokens + 1
-    rows = [("baseline", None), (f"EAGLE-3 chain {FLAGS.chain}", spec_of(FLAGS.chain)),
-            (f"EAGLE-3 tree {FLAGS.tree}", spec_of(FLAGS.tree))]
-    engines = {name: e3.Engine(target, draft=draft if spec else None, spec=spec, max_batch_size=1, max_seq_len=max_len)
-               for name, spec in rows}
-    for engine in engines.values():
-        engine.generate(prompts[:1], sampling)  # compile
+    rows = [("baseline", None)] + [(f"EAGLE-3 {spec}", spec) for spec in specs]
+    with _cli.usage_errors():  # a spec the draft cannot run (topk above its vocabulary, ...)
+        engines = {name: e3.Engine(target, draft=draft if spec else None, spec=spec, max_batch_size=1,
+                                   max_seq_len=max_len) for name, spec in rows}
+    for i, (name, engine) in enumerate(engines.items(), 1):
+        t0 = time.perf_counter()
+        progress(f"[{i}/{len(engines)}] compiling {name} (one request) ...")
+        engine.generate(prompts[:1], sampling)
+        progress(f"      done in {time.perf_counter() - t0:.1f} s")
     passes: dict[str, list] = {name: [] for name in engines}
-    for _ in range(FLAGS.repeats):  # interleaved, so slow spells of a shared machine hit every mode alike
+    for r in range(FLAGS.repeats):  # interleaved, so slow spells of a shared machine hit every mode alike
+        t0 = time.perf_counter()
         for name, engine in engines.items():
             passes[name].append(timed_pass(engine, prompts, sampling))
+        times = ", ".join(f"{name} {passes[name][-1][0]:.1f} s" for name in engines)
+        progress(f"timed pass {r + 1}/{FLAGS.repeats} over {len(prompts)} prompts: {times} "
+                 f"({time.perf_counter() - t0:.0f} s)")
+    progress(f"total {time.perf_counter() - start:.0f} s")
     results = {name: summarize(engines[name], passes[name]) for name in engines}
 
     base = results["baseline"]
@@ -136,7 +176,9 @@ def main(argv: Sequence[str]) -> None:
         per_pos = " ".join(f"{x:.2f}" for x in r["per_position"]) or "-"
         print(f"| {name} | {r['tokens_per_s']:.1f} | {r['tpot_ms']:.2f} | {r['tau']:.2f} | {per_pos} | "
               f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x |")
-    print(f"\nsample continuation: {texts[0]!r} ->{tok.decode_continuation(prompts[0], base['outputs'][0])[:300]!r}")
+    print("\n" + LEGEND)
+    print(f"\nprompt 1 of {len(texts)} and its greedy continuation (the same in every mode):")
+    print(sample_text(texts[0], tok.decode_continuation(prompts[0], base["outputs"][0])))
     if FLAGS.json:
         summary = {k: {kk: vv for kk, vv in v.items() if kk != "outputs"} for k, v in results.items()}
         with open(FLAGS.json, "w") as f:
@@ -147,4 +189,4 @@ def main(argv: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    _cli.run(main)

@@ -14,9 +14,11 @@ import sys
 import time
 from typing import Sequence
 
-from absl import app, flags, logging
+from absl import flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import _cli  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", None, "Model folder to sample from.")
@@ -31,10 +33,7 @@ flags.mark_flags_as_required(["model", "out"])
 
 
 def main(argv: Sequence[str]) -> None:
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
-    if not FLAGS["verbosity"].present:
-        logging.set_verbosity(logging.WARNING)  # keep JAX / Orbax INFO lines out of the report
+    _cli.reject_positional(argv)
     import numpy as np
 
     import eagle3_jax as e3
@@ -42,8 +41,10 @@ def main(argv: Sequence[str]) -> None:
     target = e3.load_target(FLAGS.model, dtype="float32")
     bos = target.config.bos_token_id if target.config.bos_token_id is not None else 0
     engine = e3.Engine(target, max_batch_size=FLAGS.batch_size, max_seq_len=FLAGS.seq_len)
-    sampling = [e3.SamplingParams(temperature=FLAGS.temperature, top_p=FLAGS.top_p, max_tokens=FLAGS.seq_len - 1,
-                                  seed=FLAGS.seed + i) for i in range(FLAGS.num_sequences)]
+    with _cli.usage_errors():  # SamplingParams names the bad flag value (top_p, ...)
+        sampling = [e3.SamplingParams(temperature=FLAGS.temperature, top_p=FLAGS.top_p,
+                                      max_tokens=FLAGS.seq_len - 1, seed=FLAGS.seed + i)
+                    for i in range(FLAGS.num_sequences)]
     start = time.perf_counter()
     outs = engine.generate([[bos]] * FLAGS.num_sequences, sampling)
     corpus = np.zeros((FLAGS.num_sequences, FLAGS.seq_len), np.int32)
@@ -56,4 +57,4 @@ def main(argv: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    _cli.run(main)

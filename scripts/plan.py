@@ -1,6 +1,6 @@
 """Plan memory before loading anything: per-device arguments, temps, weights, KV and a roofline step time.
 
-    python scripts/plan.py --target=tests/data/kimi-k2.5.config.json --draft=tests/data/kimi-k2.5-eagle3.draft.json \
+    python scripts/plan.py --target=tests/data/kimi-k2.5.config.json --draft=tests/data/kimi-k2.5-eagle3.draft.json \\
         --meshes=1,1,8 --batches=1,64 --max_len=2304 --devices=MI325X,MI355X
 
 For every mesh (data,tensor,expert) and batch size it AOT-compiles the real programs (speculative
@@ -17,9 +17,12 @@ import json
 import os
 import sys
 
-from absl import app, flags, logging
+from absl import app, flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import _cli  # noqa: E402
+from _shared_flags import parse_spec_text  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("target", None, "Target HF / converted folder, or a bare config.json.")
@@ -27,7 +30,8 @@ flags.DEFINE_string("draft", None, "EAGLE-3 draft folder or config.json (omit: p
 flags.DEFINE_string("meshes", "1,1,8", "Meshes data,tensor,expert separated by ';', e.g. '1,1,8;1,2,4'.")
 flags.DEFINE_list("batches", ["1", "64"], "Batch sizes.")
 flags.DEFINE_integer("max_len", 2304, "Cache length per sequence (prompt + output + lookahead).")
-flags.DEFINE_string("spec", "3:1:4", "Speculation num_steps:topk:num_draft_tokens (with --draft).")
+flags.DEFINE_string("spec", "chain:3:1:4", "Speculation with --draft: chain:num_steps:1:num_draft_tokens or "
+                    "tree:num_steps:topk:num_draft_tokens (the older num_steps:topk:num_draft_tokens works too).")
 flags.DEFINE_enum("quant", "auto", ["auto", "dequantize", "w4a8"], "auto: weights as the config stores them.")
 flags.DEFINE_list("devices", ["MI300X", "MI325X", "MI355X", "H100", "H200"], "Devices to compare against.")
 flags.DEFINE_float("tau", 1.0, "Mean acceptance length for the roofline TPOT (1 = plain decoding).")
@@ -48,13 +52,10 @@ def _meshes(raw: str) -> list[tuple[int, int, int]]:
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected positional arguments: {' '.join(argv[1:])}")
-    logging.set_verbosity(logging.WARNING)
+    _cli.reject_positional(argv)
     import jax
 
     import eagle3_jax as e3
-    from eagle3_jax.config import ConfigError
     from eagle3_jax.plan import DEVICES, plan_memory
 
     meshes = _meshes(FLAGS.meshes)
@@ -63,14 +64,15 @@ def main(argv: list[str]) -> int:
         raise app.UsageError(f"unknown --devices {unknown}; known: {', '.join(DEVICES)}")
     try:
         batches = [int(b) for b in FLAGS.batches]
-        steps, topk, n = (int(x) for x in FLAGS.spec.split(":"))
-        spec = e3.SpecConfig(steps, topk, n)
-    except ValueError as e:
-        raise app.UsageError(f"bad --batches or --spec: {e}") from None
+    except ValueError:
+        raise app.UsageError(f"--batches must be comma-separated integers; got {','.join(FLAGS.batches)!r}") from None
+    spec = parse_spec_text(FLAGS.spec, "spec")
+    if spec is None and FLAGS.draft:
+        raise app.UsageError("--spec=none plans plain decoding: drop --draft, or pick a setting like chain:3:1:4")
     devices = [DEVICES[d] for d in FLAGS.devices]
     G = {"GiB": 2**30, "MiB": 2**20}[FLAGS.unit]
     plans = []
-    print(f"target {FLAGS.target}" + (f", draft {FLAGS.draft}, spec {FLAGS.spec}" if FLAGS.draft else "")
+    print(f"target {FLAGS.target}" + (f", draft {FLAGS.draft}, spec {spec}" if FLAGS.draft else "")
           + f", max_len {FLAGS.max_len}, quant {FLAGS.quant}, tau {FLAGS.tau} ({FLAGS.unit} per device)")
     head = "| mesh d,t,e | batch | arguments | temps | args+temps | weights | KV | read/step | " + " | ".join(
         f"{d.name} fits / KV tok left / TPOT ms" for d in devices) + " |"
@@ -81,15 +83,15 @@ def main(argv: list[str]) -> int:
         if count > jax.device_count():
             raise app.UsageError(f"mesh {shape} needs {count} devices but {jax.device_count()} exist; set "
                                  f"XLA_FLAGS=--xla_force_host_platform_device_count={count} on a CPU host")
-        mesh = e3.make_mesh(*shape, devices=jax.devices()[:count])
+        with _cli.usage_errors("--meshes"):
+            mesh = e3.make_mesh(*shape, devices=jax.devices()[:count])
         for batch in batches:
-            try:
+            # plan_memory's ValueErrors name a configuration it cannot plan (a mesh the model does not
+            # divide, an unknown dtype, ...): the flags' doing
+            with _cli.usage_errors():
                 p = plan_memory(FLAGS.target, FLAGS.draft, mesh=mesh, batch=batch, max_len=FLAGS.max_len,
                                 spec=spec if FLAGS.draft else None,
                                 quant=None if FLAGS.quant == "auto" else FLAGS.quant, dtype=FLAGS.dtype)
-            except (ConfigError, OSError, ValueError) as e:
-                print(f"plan: error: {e}", file=sys.stderr)
-                return 2
             plans.append(p)
             cells = [f"{'yes' if p.fits(d) else 'NO'} / {p.kv_tokens_left(d):,} / {p.tpot_ms(d, FLAGS.tau):.2f}"
                      for d in devices]
@@ -102,4 +104,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    _cli.run(main)

@@ -18,10 +18,12 @@ import os
 import sys
 from typing import Sequence
 
-from absl import app, flags
+from absl import flags
 
 # Run from a checkout without installing: make the repository's package importable.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import _cli  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("src", None, "Float HF target folder (config.json + safetensors).")
@@ -35,22 +37,20 @@ flags.mark_flags_as_required(["src", "out"])
 
 
 def main(argv: Sequence[str]) -> None:
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
-    from eagle3_jax.checkpoint import CheckpointError
+    _cli.reject_positional(argv)
     from eagle3_jax.checkpoint.quantize import quantize_checkpoint
-    from eagle3_jax.config import ConfigError, load_model_config
+    from eagle3_jax.config import load_model_config
     from eagle3_jax.params import flat_specs
 
-    try:
+    # quantize_checkpoint's ValueErrors name what the flags asked for and the model cannot take
+    # (a --group_size that does not divide a weight, an --out that is not an earlier model folder)
+    with _cli.usage_errors():
         out = quantize_checkpoint(FLAGS.src, FLAGS.out, FLAGS.method, FLAGS.group_size, FLAGS.scope)
-        cfg = load_model_config(out)
-    except (CheckpointError, ConfigError, ValueError, OSError) as e:
-        sys.exit(f"quantize.py: {e}")
+    cfg = load_model_config(out)
     quantized = [n for n, s in flat_specs(cfg).items() if s.quant is not None]
     print(f"wrote {out}: {cfg.quant.method} ({len(quantized)} of {len(flat_specs(cfg))} tensors quantized, "
           f"scope {FLAGS.scope})")
 
 
 if __name__ == "__main__":
-    app.run(main)
+    _cli.run(main)

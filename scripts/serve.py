@@ -1,7 +1,7 @@
 """Serve a target model (plainly or with EAGLE-3 speculation) over an OpenAI-compatible HTTP API.
 
     python scripts/serve.py --target=checkpoints/kimi-mini --draft=checkpoints/kimi-mini-eagle3 \\
-        --num_steps=3 --topk=1 --num_draft_tokens=4 --max_seq_len=512 --port=8000
+        --spec=chain:3:1:4 --max_seq_len=512 --port=8000
     python scripts/serve.py --target=/models/Kimi-K2.5 --draft=/models/Kimi-K2.5-eagle3 --dtype=bfloat16 \\
         --max_num_seqs=128 --max_seq_len=4096 --served_model_name=kimi-k2.5
 
@@ -24,30 +24,36 @@ GET /metrics (Prometheus). Requests run in a continuous-batching `Scheduler` (up
 at once, paged KV cache) driven by one engine thread; see eagle3_jax/serving/openai_api.py for
 the accepted request fields. The server listens on loopback only unless --host says otherwise; it
 has no authentication, so expose it only behind something that has. Ctrl-C stops it.
+
+The port is checked before the model loads: a busy port, like any other mistake in the flags,
+paths or checkpoints, ends the script with one line on stderr and exit status 2. A request whose
+max_tokens is cut to fit --max_seq_len, or that carries fields the server ignores, is answered
+with a `warnings` list and an X-Eagle3-Warnings header (see eagle3_jax/serving/openai_api.py).
 """
 
 from __future__ import annotations
 
 import os
+import socket
 import sys
 import time
 from typing import Sequence
 
-from absl import app, flags, logging
+from absl import app, flags
 
 # Run from a checkout without installing: make the repository's package importable.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from _shared_flags import define_mesh_flags, define_quant_flags, mesh_from_flags, quant_options  # noqa: E402
+import _cli  # noqa: E402
+from _shared_flags import (  # noqa: E402
+    check_max_seq_len, define_max_seq_len_flags, define_mesh_flags, define_quant_flags, define_spec_flags,
+    mesh_from_flags, quant_options, spec_from_flags)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("target", None, "Target model: HF folder (safetensors + config.json) or Orbax folder from "
                     "scripts/convert.py.")
 flags.DEFINE_string("draft", None, "EAGLE-3 draft folder (HF LlamaForCausalLMEagle3 layout); unset = plain decoding.")
-flags.DEFINE_integer("num_steps", 3, "Draft levels per speculative step (tree depth).", lower_bound=1)
-flags.DEFINE_integer("topk", 1, "Children expanded per draft node; 1 = chain.", lower_bound=1)
-flags.DEFINE_integer("num_draft_tokens", None, "Tree nodes verified per step, root included "
-                     "(default: num_steps + 1, a chain's size).", lower_bound=2)
+define_spec_flags()
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16", "float16"], "Compute dtype of the weights.")
 define_quant_flags()
 flags.DEFINE_string("tokenizer", None, "Folder (or tokenizer.json) to tokenize with and read the chat template "
@@ -58,8 +64,7 @@ flags.DEFINE_string("host", "127.0.0.1", "Address to listen on; the default is l
 flags.DEFINE_integer("port", 8000, "TCP port to listen on.", lower_bound=0, upper_bound=65535)
 flags.DEFINE_integer("max_num_seqs", 64, "Requests running at once (the decode batch); more wait in a queue.",
                      lower_bound=1)
-flags.DEFINE_integer("max_seq_len", None, "Prompt + generated tokens per request (default: min(model max "
-                     "positions, 2048)).", lower_bound=2)
+define_max_seq_len_flags("Prompt + generated tokens per request (default: min(model max positions, 2048)).")
 flags.DEFINE_integer("page_size", 16, "Tokens per KV cache page.", lower_bound=1)
 flags.DEFINE_integer("num_pages", None, "KV cache pages in the pool (default: enough for max_num_seqs "
                      "sequences of max_seq_len tokens).", lower_bound=1)
@@ -71,9 +76,25 @@ flags.DEFINE_bool("warmup", True, "Run a few tiny requests before listening, so 
 flags.mark_flag_as_required("target")
 
 
-def default_max_seq_len(max_position_embeddings: int, cap: int = 2048) -> int:
-    """min(model max positions, cap): the --max_seq_len default (as scripts/generate.py)."""
-    return min(int(max_position_embeddings), cap)
+def check_port_free(host: str, port: int) -> None:
+    """A usage error when nothing can listen on host:port (busy, or not an address of this machine),
+    found before the model loads rather than after. Port 0 (any free port) always works."""
+    if port == 0:
+        return
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server will
+            sock.bind(address)
+    except OSError as e:
+        raise app.UsageError(f"cannot listen on {host}:{port} ({e.strerror or e}); stop what uses that port or "
+                             "pick another with --port (or --host)") from None
+
+
+def say(message: str) -> None:
+    """A progress line for the operator (logging stays at WARNING unless --verbose)."""
+    print(f"serve.py: {message}", file=sys.stderr, flush=True)
 
 
 def stop_ids(model_eos: Sequence[int], tokenizer_eos: Sequence[int]) -> tuple[int, ...]:
@@ -110,50 +131,46 @@ def warm_up(scheduler, prompts: list[list[int]], max_tokens: int = 8) -> float:
 
 
 def main(argv: Sequence[str]) -> None:
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
-    if not FLAGS["verbosity"].present:
-        logging.set_verbosity(logging.INFO)
+    _cli.reject_positional(argv)
+    spec = spec_from_flags(has_draft=FLAGS.draft is not None)
     import jax
     from aiohttp import web
 
     import eagle3_jax as e3  # imported here so that --help works without loading JAX
 
-    from eagle3_jax.checkpoint import CheckpointError
     from eagle3_jax.scheduler import Scheduler
     from eagle3_jax.serving import AsyncEngine, make_app
-    from eagle3_jax.tokenizer import TokenizerError, load_tokenizer
+    from eagle3_jax.tokenizer import load_tokenizer
 
     tok_path = FLAGS.tokenizer or FLAGS.target
     mesh = mesh_from_flags()
-    try:  # config and tokenizer first: their errors come before a long weight load
-        cfg = e3.load_model_config(FLAGS.target)
-        tok = load_tokenizer(tok_path, bos_id=cfg.bos_token_id)
-        target = e3.load_target(FLAGS.target, dtype=FLAGS.dtype, mesh=mesh, **quant_options())
-        draft = None if FLAGS.draft is None else e3.load_draft(FLAGS.draft, target=target, dtype=FLAGS.dtype,
-                                                                fp8_format=FLAGS.fp8_format)
-        spec = None if draft is None else e3.SpecConfig(
-            num_steps=FLAGS.num_steps, topk=FLAGS.topk,
-            num_draft_tokens=FLAGS.num_draft_tokens or FLAGS.num_steps + 1)
-        max_seq_len = FLAGS.max_seq_len or default_max_seq_len(cfg.max_position_embeddings)
+    leader = jax.process_index() == 0
+    if leader:  # process 0 listens: a busy port fails now, not after a long load and warm-up
+        check_port_free(FLAGS.host, FLAGS.port)
+    # config, tokenizer and length first: their errors come before a long weight load
+    cfg = e3.load_model_config(FLAGS.target)
+    tok = load_tokenizer(tok_path, bos_id=cfg.bos_token_id)
+    max_seq_len = check_max_seq_len(FLAGS.max_seq_len, cfg.max_position_embeddings)
+    target = e3.load_target(FLAGS.target, dtype=FLAGS.dtype, mesh=mesh, **quant_options())
+    draft = None if FLAGS.draft is None else e3.load_draft(FLAGS.draft, target=target, dtype=FLAGS.dtype,
+                                                            fp8_format=FLAGS.fp8_format)
+    with _cli.usage_errors():  # what the flags ask of the scheduler (pages, chunk, a spec the draft cannot run)
         scheduler = Scheduler(target, draft=draft, spec=spec, max_num_seqs=FLAGS.max_num_seqs,
                               max_seq_len=max_seq_len, page_size=FLAGS.page_size, num_pages=FLAGS.num_pages,
                               prefill_chunk=FLAGS.prefill_chunk)
-    except (e3.ConfigError, CheckpointError, TokenizerError, ValueError) as e:
-        sys.exit(f"serve.py: {e}")
     model_name = FLAGS.served_model_name or os.path.basename(os.path.normpath(FLAGS.target))
-    if jax.process_index() > 0:  # multi-host follower: mirror process 0's steps until it stops
-        logging.info("process %d: running process 0's steps on this host's devices", jax.process_index())
+    if not leader:  # multi-host follower: mirror process 0's steps until it stops
+        say(f"process {jax.process_index()}: running process 0's steps on this host's devices")
         steps = scheduler.follow()
-        logging.info("process 0 stopped serving after %d steps", steps)
+        say(f"process 0 stopped serving after {steps} steps")
         return
     if jax.process_count() > 1:
         scheduler.lead()
 
     if FLAGS.warmup:
-        logging.info("warming up (compiling the prefill and decode programs)...")
+        say("warming up (compiling the prefill and decode programs)...")
         seconds = warm_up(scheduler, warmup_prompts(tok.bos_id, FLAGS.prefill_chunk, max_seq_len))
-        logging.info("warm-up done in %.1f s", seconds)
+        say(f"warm-up done in {seconds:.1f} s (not counted in /metrics)")
 
     engine = AsyncEngine(scheduler).start()
     application = make_app(engine, tok, model_name, max_seq_len=max_seq_len,
@@ -164,8 +181,8 @@ def main(argv: Sequence[str]) -> None:
 
     application.on_cleanup.append(close_engine)
     mode = "plain decoding" if spec is None else f"EAGLE-3 {spec}"
-    logging.info("serving %s as %r (%s, max_num_seqs %d, max_seq_len %d) on http://%s:%d/v1", FLAGS.target,
-                 model_name, mode, FLAGS.max_num_seqs, max_seq_len, FLAGS.host, FLAGS.port)
+    say(f"serving {FLAGS.target} as {model_name!r} ({mode}, max_num_seqs {FLAGS.max_num_seqs}, max_seq_len "
+        f"{max_seq_len}) on http://{FLAGS.host}:{FLAGS.port}/v1")
     # handler_cancellation: a client that disconnects cancels its handler, which aborts its request.
     try:
         web.run_app(application, host=FLAGS.host, port=FLAGS.port, handler_cancellation=True, print=None)
@@ -175,4 +192,4 @@ def main(argv: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    _cli.run(main)

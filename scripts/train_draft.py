@@ -22,9 +22,11 @@ import sys
 import time
 from typing import Sequence
 
-from absl import app, flags, logging
+from absl import app, flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import _cli  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("target", None, "Target model folder (HF or Orbax).")
@@ -66,7 +68,8 @@ def prompt_ids(target, tokenizer_dir: str) -> list[list[int]]:
     if (FLAGS.prompts is None) == (FLAGS.corpus is None):
         raise app.UsageError("give exactly one of --prompts and --corpus")
     if FLAGS.corpus is not None:
-        corpus = np.load(FLAGS.corpus)
+        with _cli.usage_errors(f"--corpus {FLAGS.corpus}"):  # not a .npy file
+            corpus = np.load(FLAGS.corpus)
         if corpus.ndim != 2 or corpus.shape[1] < FLAGS.prompt_len:
             raise app.UsageError(f"--corpus must be [N, L >= prompt_len]; got {corpus.shape}")
         return [list(map(int, row[: FLAGS.prompt_len])) for row in corpus[: FLAGS.num_prompts]]
@@ -79,10 +82,16 @@ def prompt_ids(target, tokenizer_dir: str) -> list[list[int]]:
 
 
 def main(argv: Sequence[str]) -> None:
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
-    if not FLAGS["verbosity"].present:
-        logging.set_verbosity(logging.WARNING)  # keep JAX / Orbax INFO lines out of the report
+    _cli.reject_positional(argv)
+    if (FLAGS.prompts is None) == (FLAGS.corpus is None):
+        raise app.UsageError("give exactly one of --prompts and --corpus")
+    source = FLAGS.prompts or FLAGS.corpus
+    if not os.path.isfile(source):  # before the target loads
+        raise app.UsageError(f"--{'prompts' if FLAGS.prompts else 'corpus'} {source} does not exist or is not a file")
+    try:
+        temps = [float(t) for t in FLAGS.temperatures]
+    except ValueError:
+        raise app.UsageError(f"--temperatures must be numbers; got {','.join(FLAGS.temperatures)!r}") from None
     import numpy as np
 
     import eagle3_jax as e3
@@ -96,7 +105,6 @@ def main(argv: Sequence[str]) -> None:
     target = e3.load_target(FLAGS.target, dtype=FLAGS.target_dtype)
     cfg_t = target.config
     prompts = prompt_ids(target, FLAGS.target)
-    temps = [float(t) for t in FLAGS.temperatures]
     examples = data_lib.regenerate(target, prompts, max_tokens=FLAGS.max_tokens, temperatures=temps, seed=FLAGS.seed,
                                    batch_size=FLAGS.gen_batch_size, stop_token_ids=cfg_t.eos_token_ids)
     print(f"regenerated {len(examples)} responses ({len(prompts)} prompts x temperatures {temps}) "
@@ -133,7 +141,11 @@ def main(argv: Sequence[str]) -> None:
     dcfg = new_draft_config(cfg_t, vocab, arch=FLAGS.draft_arch, num_layers=FLAGS.draft_layers,
                             intermediate_size=FLAGS.draft_intermediate_size or None)
     params, frozen = init_draft_params(dcfg, target, vocab, seed=FLAGS.seed)
-    mesh = e3.make_mesh(*map(int, FLAGS.mesh)) if FLAGS.mesh else None
+    from eagle3_jax.sharding import parse_mesh
+
+    with _cli.usage_errors("--mesh"):
+        dims = parse_mesh(FLAGS.mesh)
+        mesh = None if dims is None else e3.make_mesh(*dims)
     tc = TrainConfig(epochs=FLAGS.epochs, learning_rate=FLAGS.learning_rate, warmup_steps=FLAGS.warmup_steps,
                      max_grad_norm=FLAGS.max_grad_norm, compute_dtype=FLAGS.compute_dtype, seed=FLAGS.seed)
     trainer = Trainer(make_ttt_loss(dcfg, vocab, FLAGS.ttt_steps), params, frozen, tc,
@@ -154,4 +166,4 @@ def main(argv: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    _cli.run(main)

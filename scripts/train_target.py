@@ -15,9 +15,11 @@ import sys
 import time
 from typing import Sequence
 
-from absl import app, flags, logging
+from absl import app, flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import _cli  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("config", None, "HF config.json of the model to train.")
@@ -39,10 +41,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 
 def main(argv: Sequence[str]) -> None:
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
-    if not FLAGS["verbosity"].present:
-        logging.set_verbosity(logging.WARNING)  # keep JAX / Orbax INFO lines out of the report
+    _cli.reject_positional(argv)
     import jax
     import numpy as np
 
@@ -52,9 +51,13 @@ def main(argv: Sequence[str]) -> None:
     from eagle3_jax.train.trainer import Trainer, TrainConfig
 
     with open(FLAGS.config) as f:
-        raw = json.load(f)
+        try:
+            raw = json.load(f)
+        except json.JSONDecodeError as e:
+            raise app.UsageError(f"--config {FLAGS.config} is not valid JSON: {e}") from None
     cfg = parse_model_config(raw)
-    corpus = np.load(FLAGS.corpus)
+    with _cli.usage_errors(f"--corpus {FLAGS.corpus}"):  # not a .npy file
+        corpus = np.load(FLAGS.corpus)
     if corpus.ndim != 2 or corpus.max() >= cfg.vocab_size:
         raise app.UsageError(f"--corpus must be int [N, seq_len] with ids < {cfg.vocab_size}")
     rng = np.random.default_rng(FLAGS.seed)
@@ -93,4 +96,4 @@ def main(argv: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    _cli.run(main)

@@ -100,9 +100,21 @@ def test_speedups_against_no_spec_cell():
 def test_parse_spec():
     assert parse_spec("none").spec is None and parse_spec(" None ").name == "none"
     chain = parse_spec("chain:3:1:4")
-    assert chain.spec == SpecConfig(num_steps=3, topk=1, num_draft_tokens=4) and chain.label == "EAGLE-3 chain 3:1:4"
+    assert chain.spec == SpecConfig(num_steps=3, topk=1, num_draft_tokens=4) and chain.label == "EAGLE-3 chain:3:1:4"
     assert parse_spec("tree:5:4:16").spec == SpecConfig(num_steps=5, topk=4, num_draft_tokens=16)
     assert [s.name for s in parse_specs(["none", "chain:3:1:4", ""])] == ["none", "chain:3:1:4"]
+
+
+def test_spec_config_written_form():
+    """SpecConfig.parse reads the one written form and .name / str() write it back."""
+    assert SpecConfig.parse("none") is None and SpecConfig.parse(" NONE ") is None
+    for text in ("chain:3:1:4", "tree:5:4:16", "chain:1:1:2"):
+        spec = SpecConfig.parse(text)
+        assert spec.name == str(spec) == text and SpecConfig.parse(spec.name) == spec
+    assert SpecConfig.parse("tree:3:1:4").name == "chain:3:1:4"  # a tree with topk=1 is a chain
+    assert f"EAGLE-3 {SpecConfig(5, 4, 16)}" == "EAGLE-3 tree:5:4:16"
+    with pytest.raises(ValueError, match="none, chain:num_steps:topk:num_draft_tokens"):
+        SpecConfig.parse("3,1,4")
 
 
 @pytest.mark.parametrize("bad, msg", [
@@ -226,8 +238,8 @@ def test_report_files(tmp_path):
     assert len(data["cells"]) == 4 and len(data["rows"]) == 4
     table = R.markdown_table(report)
     lines = table.splitlines()
-    assert lines[0] == ("| concurrency | no-spec tok/s | EAGLE-3 chain 3:1:4 tok/s (speedup) | no-spec TPOT (ms) "
-                        "| chain 3:1:4 TPOT (ms) | chain 3:1:4 tau |")
+    assert lines[0] == ("| concurrency | no-spec tok/s | EAGLE-3 chain:3:1:4 tok/s (speedup) | no-spec TPOT (ms) "
+                        "| chain:3:1:4 TPOT (ms) | chain:3:1:4 tau |")
     assert lines[2] == "| 1 | 6.0 | 12.0 (2.00x) | 100.00 | 100.00 | 1.33 |"
     assert lines[3].startswith("| 4 | 12.0 | 24.0 (2.00x) |")
     with open(paths["md"]) as f:
@@ -236,6 +248,9 @@ def test_report_files(tmp_path):
     for key in ("throughput", "tpot"):
         with open(paths[key], "rb") as f:
             assert f.read(8) == PNG_SIGNATURE
+    title = R.plot_title(dict(report, config=dict(report["config"], target="checkpoints/kimi-mini",
+                                                  draft="checkpoints/kimi-mini-eagle3")))
+    assert title.startswith("kimi-mini + kimi-mini-eagle3 on cpu x") and "64 in / 64 out" in title
 
 
 # ---- the drivers, on stand-ins ---------------------------------------------------------------------------

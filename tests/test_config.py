@@ -344,3 +344,29 @@ def test_malformed_config_files_give_config_errors(tmp_path):
     with pytest.raises(ConfigError, match="wrong type"):
         parse_model_config({"model_type": "llama", "hidden_size": "abc", "num_attention_heads": 4,
                             "num_hidden_layers": 2, "vocab_size": 10, "intermediate_size": 8})
+
+
+def test_deepseek_v3_moe_fields_default_as_transformers_does(caplog, monkeypatch):
+    """A DeepSeek-V3 config without n_routed_experts is transformers' 256-expert MoE, and the
+    warning names the field; n_routed_experts: 0 is a dense model, without a warning."""
+    import logging
+
+    from eagle3_jax import config as config_lib
+    from eagle3_jax.config import DEEPSEEK_V3_MOE_DEFAULTS, parse_model_config
+
+    monkeypatch.setattr(config_lib, "_warned", set())  # warned once per process: start afresh
+    with open(TARGETS["deepseek"]) as f:
+        raw = json.load(f)
+    for key in DEEPSEEK_V3_MOE_DEFAULTS:
+        raw.pop(key, None)
+    with caplog.at_level(logging.WARNING, logger="eagle3_jax.config"):
+        cfg = parse_model_config(raw)
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size) == (256, 8, 2048)
+    assert (cfg.n_group, cfg.topk_group, cfg.routed_scaling_factor, cfg.first_k_dense_replace) == (8, 4, 2.5, 3)
+    assert "n_routed_experts, num_experts_per_tok, moe_intermediate_size" in caplog.text
+    assert "n_routed_experts=256" in caplog.text
+
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="eagle3_jax.config"):
+        dense = parse_model_config(dict(raw, n_routed_experts=0))
+    assert dense.num_experts == 0 and dense.segments == (("dense", 0, dense.num_layers),) and not caplog.text

@@ -169,6 +169,45 @@ def test_models_health_metrics(served):
     assert any(k.startswith('eagle3_http_requests_total{route="/v1/completions",status="200"}') for k in samples)
 
 
+def post_with_headers(port: int, path: str, body: dict) -> tuple[int, dict[str, str], str]:
+    """One POST: (status, response headers, body text)."""
+    import http.client
+
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    try:
+        conn.request("POST", path, body=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        return resp.status, dict(resp.getheaders()), resp.read().decode("utf-8")
+    finally:
+        conn.close()
+
+
+def test_caps_and_ignored_fields_are_announced(served, caplog):
+    """max_tokens cut to fit max_seq_len and unknown fields are told in the body, a header and the log."""
+    import logging
+
+    from eagle3_jax.serving.openai_api import WARNINGS_HEADER
+
+    server = served[0]
+    prompt = [1] + [300] * (MAX_SEQ_LEN - 8)  # room for 7 tokens
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 100000, "temperature": 0, "ignore_eos": True,
+            "frobnicate": 1}
+    with caplog.at_level(logging.WARNING):
+        status, headers, text = post_with_headers(server.port, "/v1/completions", body)
+    answer = json.loads(text)
+    assert status == 200 and answer["usage"]["completion_tokens"] == 7
+    assert answer["choices"][0]["finish_reason"] == "length"
+    assert any("max_tokens=100000 was cut to 7" in w for w in answer["warnings"]), answer["warnings"]
+    assert any("frobnicate" in w for w in answer["warnings"])
+    assert "max_tokens=100000 was cut to 7" in headers[WARNINGS_HEADER] and "frobnicate" in headers[WARNINGS_HEADER]
+    assert "The following fields were present in the request but ignored: {'frobnicate'}" in caplog.text
+
+    status, headers, text = post_with_headers(server.port, "/v1/completions", dict(body, stream=True))
+    assert status == 200 and "was cut to 7" in headers[WARNINGS_HEADER] and text.endswith("data: [DONE]\n\n")
+    status, headers, _ = post_with_headers(server.port, "/v1/completions", _OK)
+    assert status == 200 and WARNINGS_HEADER not in headers  # nothing changed, nothing said
+
+
 # ---- validation -------------------------------------------------------------------------------------
 
 _OK = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 8, "temperature": 0}
@@ -429,6 +468,38 @@ class _StubScheduler:
 
     def stats(self):
         return {"num_waiting": 0, "num_running": 0, "num_pages": 8, "num_free_pages": 8}
+
+
+def test_metrics_count_from_engine_start():
+    """Counters, tau and per-position acceptance leave out what ran before AsyncEngine.start() (warm-up)."""
+    from eagle3_jax.serving.async_engine import stats_since
+
+    warm = {"generation_tokens_total": 40, "num_decode_steps_total": 10, "accepted_tokens_total": 30,
+            "mean_accept_length": 3.0, "per_position_accepted_total": [9, 8, 3], "num_running": 0}
+    now = {"generation_tokens_total": 100, "num_decode_steps_total": 30, "accepted_tokens_total": 70,
+           "mean_accept_length": 70 / 30, "per_position_accepted_total": [25, 15, 5], "num_running": 2}
+    since = stats_since(now, warm)
+    assert (since["generation_tokens_total"], since["num_decode_steps_total"]) == (60, 20)
+    assert since["mean_accept_length"] == 2.0 and since["per_position_accepted_total"] == [16, 7, 2]
+    assert since["num_running"] == 2  # gauges are not counted from anywhere
+    assert stats_since(warm, warm)["mean_accept_length"] == 1.0
+
+
+def test_each_server_has_its_own_metrics_registry():
+    from eagle3_jax.bench.http_client import parse_prometheus as parse
+    from eagle3_jax.serving import ServerMetrics
+
+    a = ServerMetrics(lambda: {"generation_tokens_total": 5, "engine_healthy": True})
+    b = ServerMetrics(lambda: {"generation_tokens_total": 7, "engine_healthy": False,
+                               "num_decode_steps_total": 4, "per_position_accepted_total": [2, 1]})
+    a.count_http("/v1/completions", 200)
+    a.count_http("/v1/completions", 200)
+    sa, sb = parse(a.render().decode()), parse(b.render().decode())
+    assert (sa["eagle3_generation_tokens_total"], sb["eagle3_generation_tokens_total"]) == (5, 7)
+    assert sa['eagle3_http_requests_total{route="/v1/completions",status="200"}'] == 2
+    assert not any(k.startswith("eagle3_http_requests_total") for k in sb)
+    assert (sa["eagle3_engine_healthy"], sb["eagle3_engine_healthy"]) == (1, 0)
+    assert sb['eagle3_spec_acceptance_rate{position="2"}'] == 0.25
 
 
 def test_capacity_error_and_step_failure_are_reported():

@@ -142,17 +142,15 @@ async def run_requests(base_url: str, bodies: Sequence[dict], concurrency: int, 
 
 
 def parse_prometheus(text: str) -> dict[str, float]:
-    """Samples of a Prometheus text exposition: `name` or `name{labels}` -> value (comments skipped)."""
+    """Samples of a Prometheus text exposition, parsed by `prometheus_client`: `name` or
+    `name{label="value",...}` (labels in the order the text gives them) -> value."""
+    from prometheus_client.parser import text_string_to_metric_families
+
     out = {}
-    for line in text.splitlines():
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        key, _, value = line.rpartition(" ")
-        try:
-            out[key] = float(value)
-        except ValueError:
-            continue  # not a sample line
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sample.labels.items())
+            out[f"{sample.name}{{{labels}}}" if labels else sample.name] = float(sample.value)
     return out
 
 

@@ -2,8 +2,8 @@
 
 The table has one row per concurrency:
 
-    | concurrency | no-spec tok/s | EAGLE-3 chain 3:1:4 tok/s (speedup) | ... | no-spec TPOT (ms) | ...
-      ... | chain 3:1:4 tau | ...
+    | concurrency | no-spec tok/s | EAGLE-3 chain:3:1:4 tok/s (speedup) | ... | no-spec TPOT (ms) | ...
+      ... | chain:3:1:4 tau | ...
 
 Figures are means over the seeds of a run; a speculative setting's speedup is its mean output
 tokens/s over the no-spec mean at the same concurrency. The plots show output tokens/s and mean
@@ -172,6 +172,17 @@ def markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
+def plot_title(report: dict) -> str:
+    """Two lines naming what was measured: model (and server, over HTTP) and machine, then the workload."""
+    cfg, m = report["config"], report["machine"]
+    model = os.path.basename(os.path.normpath(cfg.get("target") or "?"))
+    if cfg.get("draft"):
+        model += " + " + os.path.basename(os.path.normpath(cfg["draft"]))
+    devices = f"{m['jax_backend']} x{len(m['jax_devices'])}" + (f" ({m['device_kind']})" if m.get("device_kind") else "")
+    where = devices if report["mode"] == "in-process" else f"{report['mode']}, client on {devices}"
+    return f"{model} on {where}, {m['cpu_count']} CPUs\n{_describe_workload(report['workload'])}"
+
+
 def plot(report: dict, key: str, ylabel: str, path: str) -> None:
     """A PNG of row figure `key` against concurrency, one line per setting (log2 x axis)."""
     import matplotlib
@@ -191,7 +202,7 @@ def plot(report: dict, key: str, ylabel: str, path: str) -> None:
         ax.set_xticks(concs, [str(c) for c in concs])
         ax.set_xlabel("concurrency")
         ax.set_ylabel(ylabel)
-        ax.set_title(_describe_workload(report["workload"]), fontsize=9)
+        ax.set_title(plot_title(report), fontsize=9)
         ax.grid(True, alpha=0.3)
         ax.legend()
         fig.tight_layout()

@@ -213,6 +213,7 @@ def _agreed(value: int) -> int:
 
     if jax.process_count() == 1:
         return value
+    import numpy as np
     from jax.experimental import multihost_utils
 
     return int(multihost_utils.broadcast_one_to_all(np.int32(value)))

@@ -6,7 +6,8 @@ HTTP API over it (`scripts/serve.py` runs both).
 """
 
 from .async_engine import AsyncEngine, EngineClosedError, EngineDeadError, EngineError, EngineStepError
-from .openai_api import ChatTemplate, IncrementalDetokenizer, make_app, render_metrics
+from .metrics import ServerMetrics
+from .openai_api import ChatTemplate, IncrementalDetokenizer, make_app
 
 __all__ = [
     "AsyncEngine",
@@ -16,6 +17,6 @@ __all__ = [
     "EngineError",
     "EngineStepError",
     "IncrementalDetokenizer",
+    "ServerMetrics",
     "make_app",
-    "render_metrics",
 ]

@@ -18,6 +18,9 @@ aborts its request, so the KV pages are freed at once. An exception inside `step
 fails every in-flight request with `EngineStepError`; after `max_consecutive_failures` failures in a
 row the engine stops stepping and refuses new work with `EngineDeadError` (health checks see it
 through `is_healthy`).
+
+`stats()` counts from `start()`: what the scheduler did before (`scripts/serve.py`'s warm-up
+requests) is left out of the counters, tau and per-position acceptance.
 """
 
 from __future__ import annotations
@@ -36,6 +39,26 @@ if TYPE_CHECKING:  # only for annotations: the scheduler module loads JAX
     from ..scheduler import RequestDelta, Scheduler
 
 logger = logging.getLogger(__name__)
+
+# Cumulative scheduler counters, counted from AsyncEngine.start().
+COUNTER_KEYS = ("num_preemptions", "num_requests_finished", "num_requests_aborted", "prompt_tokens_total",
+                "generation_tokens_total", "num_decode_steps_total", "accepted_tokens_total")
+
+
+def stats_since(stats: dict[str, Any], baseline: dict[str, Any]) -> dict[str, Any]:
+    """`stats` with the counters of `baseline` (an earlier snapshot) subtracted, and tau and the
+    per-position acceptance counts recomputed over the steps in between."""
+    out = dict(stats)
+    for key in COUNTER_KEYS:
+        if key in out and key in baseline:
+            out[key] = out[key] - baseline[key]
+    per_pos, base_pos = stats.get("per_position_accepted_total"), baseline.get("per_position_accepted_total")
+    if per_pos is not None and base_pos is not None:
+        out["per_position_accepted_total"] = [a - b for a, b in zip(per_pos, base_pos)]
+    if "mean_accept_length" in out and "num_decode_steps_total" in out:
+        steps = out["num_decode_steps_total"]
+        out["mean_accept_length"] = out.get("accepted_tokens_total", 0) / steps if steps else 1.0
+    return out
 
 
 class EngineError(RuntimeError):
@@ -107,6 +130,7 @@ class AsyncEngine:
         self._failures_in_a_row = 0
         # Written by the engine thread, read anywhere: each is replaced whole, never mutated.
         self._stats: dict[str, Any] = {}
+        self._baseline: dict[str, Any] = {}  # the scheduler's counters at start()
         self._dead: EngineDeadError | None = None
 
     # ---- lifecycle -------------------------------------------------------------------------------------
@@ -115,7 +139,8 @@ class AsyncEngine:
         """Start the engine thread (once). Returns self."""
         if self._thread is not None:
             raise RuntimeError("AsyncEngine.start() was already called")
-        self._stats = self._snapshot()  # safe: the engine thread does not exist yet
+        self._baseline = dict(self.scheduler.stats())  # safe: the engine thread does not exist yet
+        self._stats = self._snapshot()
         self._thread = threading.Thread(target=self._run, name=self._thread_name, daemon=True)
         self._thread.start()
         return self
@@ -194,9 +219,9 @@ class AsyncEngine:
         self._abort(request_id, detach=False)
 
     def stats(self) -> dict[str, Any]:
-        """Snapshot of `scheduler.stats()` taken by the engine thread after its last step, plus
-        `request_queue_depth` (commands not yet taken by the engine thread), `num_in_flight`
-        (requests with a consumer attached) and `engine_healthy`."""
+        """Snapshot of `scheduler.stats()` taken by the engine thread after its last step, counted
+        from `start()`, plus `request_queue_depth` (commands not yet taken by the engine thread),
+        `num_in_flight` (requests with a consumer attached) and `engine_healthy`."""
         snap = dict(self._stats)
         snap["request_queue_depth"] = self._commands.qsize()
         snap["engine_healthy"] = self.is_healthy
@@ -342,6 +367,6 @@ class AsyncEngine:
             logger.exception("Scheduler.stats() failed at shutdown")
 
     def _snapshot(self) -> dict[str, Any]:
-        stats = dict(self.scheduler.stats())
+        stats = stats_since(dict(self.scheduler.stats()), self._baseline)
         stats["num_in_flight"] = len(self._streams)
         return stats

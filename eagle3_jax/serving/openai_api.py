@@ -7,7 +7,8 @@ Endpoints:
 - `POST /v1/chat/completions`: `messages` are rendered with the model's chat template (see
   `ChatTemplate`).
 - `GET /v1/models`, `GET /health` (200 while the engine runs, 503 when it stopped),
-  `GET /metrics` (Prometheus text format, metric names prefixed `eagle3_`).
+  `GET /metrics` (Prometheus text format through `prometheus_client`, metric names prefixed
+  `eagle3_`; see `metrics.py`).
 
 Sampling fields: `max_tokens` (chat also `max_completion_tokens`), `temperature` (default 1.0;
 0 = greedy), `top_p`, `top_k` (-1 or 0 = off), `seed` (default: a random one), `n` (must be 1),
@@ -15,8 +16,14 @@ Sampling fields: `max_tokens` (chat also `max_completion_tokens`), `temperature`
 `ignore_eos` (by default a request also stops at the model's EOS ids). Parameters this engine does
 not implement (`stop` strings, `logprobs`, `echo`, penalties, `logit_bias`, `best_of` > 1, tools,
 `suffix`, non-text `response_format`) get a 400 when set to anything but their neutral value,
-rather than being ignored. `max_tokens` beyond the room left in `max_seq_len` is cut to that room
-(finish_reason "length").
+rather than being ignored.
+
+What the server changes or skips in a request is announced, never silent: `max_tokens` beyond the
+room left in `max_seq_len` is cut to that room (finish_reason "length"), and fields it does not
+know are ignored with vLLM's log line "The following fields were present in the request but
+ignored: {...}". Both are also told to the client: a `warnings` list in the (non-streamed)
+response body and the `X-Eagle3-Warnings` header (the messages joined by "; ") on every answer,
+streamed or not.
 
 Errors use OpenAI's body, `{"error": {"message", "type", "param", "code"}}`: 400 for malformed
 requests, 404 for an unknown model or route, 500 / 503 when the engine fails.
@@ -52,6 +59,8 @@ from ..sampling import SamplingParams
 from ..scheduler import CapacityError
 from ..tokenizer import Tokenizer
 from .async_engine import AsyncEngine, EngineDeadError, EngineError
+from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from .metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -142,6 +151,25 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "function_call": (None, "none"),
 }
 _HINTS = {"stop": "; use 'stop_token_ids' (token ids) instead"}
+# Fields a request may carry without a warning: the ones read here, the refused ones above, and
+# `user` (an end-user id OpenAI's API takes and this server has no use for).
+_COMMON_FIELDS = frozenset({"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "n", "stream",
+                            "stream_options", "stop_token_ids", "ignore_eos", "response_format", "user",
+                            *_NEUTRAL})
+KNOWN_FIELDS = {"completion": _COMMON_FIELDS | {"prompt"},
+                "chat": _COMMON_FIELDS | {"messages", "max_completion_tokens"}}
+WARNINGS_HEADER = "X-Eagle3-Warnings"
+
+
+def ignored_fields(body: Mapping[str, Any], kind: str) -> list[str]:
+    """The request's fields this server does not read (`kind` is "completion" or "chat"), sorted."""
+    return sorted(k for k in body if k not in KNOWN_FIELDS[kind])
+
+
+def max_tokens_cap(prompt_len: int, max_tokens: int, max_seq_len: int) -> int | None:
+    """The tokens a request can generate when its max_tokens does not fit in max_seq_len, else None."""
+    room = max_seq_len - prompt_len
+    return room if max_tokens > room else None
 
 
 def check_unsupported(body: Mapping[str, Any]) -> None:
@@ -417,66 +445,6 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-# ---- metrics -----------------------------------------------------------------------------------------------
-
-# (metric name, type, help, key of AsyncEngine.stats()); stats without the key are left out.
-_METRICS: tuple[tuple[str, str, str, str], ...] = (
-    ("eagle3_prompt_tokens_total", "counter", "Prompt tokens of admitted requests.", "prompt_tokens_total"),
-    ("eagle3_generation_tokens_total", "counter", "Generated tokens.", "generation_tokens_total"),
-    ("eagle3_requests_finished_total", "counter", "Requests finished (stop or length).", "num_requests_finished"),
-    ("eagle3_requests_aborted_total", "counter", "Requests aborted (client gone or cancelled).",
-     "num_requests_aborted"),
-    ("eagle3_preemptions_total", "counter", "Requests preempted to free KV pages.", "num_preemptions"),
-    ("eagle3_decode_steps_total", "counter", "Verify passes, summed over requests.", "num_decode_steps_total"),
-    ("eagle3_accepted_tokens_total", "counter", "Tokens emitted by verify passes (tau summed over passes).",
-     "accepted_tokens_total"),
-    ("eagle3_num_requests_waiting", "gauge", "Requests queued in the scheduler, not yet running.", "num_waiting"),
-    ("eagle3_num_requests_running", "gauge", "Requests running (holding KV pages).", "num_running"),
-    ("eagle3_request_queue_depth", "gauge", "Commands (new requests, aborts) not yet taken by the engine thread.",
-     "request_queue_depth"),
-    ("eagle3_kv_pages_free", "gauge", "Free KV cache pages.", "num_free_pages"),
-    ("eagle3_kv_pages_total", "gauge", "Usable KV cache pages.", "num_pages"),
-    ("eagle3_kv_page_size", "gauge", "Tokens per KV cache page.", "page_size"),
-    ("eagle3_mean_accept_length", "gauge", "Mean acceptance length tau (tokens per verify pass, bonus included).",
-     "mean_accept_length"),
-)
-
-
-def _fmt(v: float) -> str:
-    return repr(float(v)) if isinstance(v, float) else str(int(v))
-
-
-def render_metrics(stats: Mapping[str, Any], http_requests: Mapping[tuple[str, int], int]) -> str:
-    """Prometheus text exposition (format 0.0.4) of engine stats and HTTP request counts.
-
-    Per-position acceptance is `eagle3_spec_acceptance_rate{position="k"}`: the fraction of verify
-    passes that accepted at least k draft tokens.
-    """
-    lines = []
-    for name, kind, help_, key in _METRICS:
-        if stats.get(key) is not None:
-            lines += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f"{name} {_fmt(stats[key])}"]
-    if stats.get("num_pages"):
-        used = 1 - stats.get("num_free_pages", 0) / stats["num_pages"]
-        lines += ["# HELP eagle3_kv_cache_usage_ratio Fraction of KV pages in use.",
-                  "# TYPE eagle3_kv_cache_usage_ratio gauge", f"eagle3_kv_cache_usage_ratio {_fmt(float(used))}"]
-    per_pos = stats.get("per_position_accepted_total")
-    if per_pos is not None:
-        steps = stats.get("num_decode_steps_total") or 0
-        lines += ["# HELP eagle3_spec_acceptance_rate Fraction of verify passes accepting at least `position` "
-                  "draft tokens.", "# TYPE eagle3_spec_acceptance_rate gauge"]
-        lines += [f'eagle3_spec_acceptance_rate{{position="{k}"}} {_fmt(float(n / steps) if steps else 0.0)}'
-                  for k, n in enumerate(per_pos, 1)]
-    lines += ["# HELP eagle3_engine_healthy 1 while the engine thread runs and steps.",
-              "# TYPE eagle3_engine_healthy gauge", f"eagle3_engine_healthy {int(bool(stats.get('engine_healthy')))}"]
-    if http_requests:
-        lines += ["# HELP eagle3_http_requests_total HTTP requests answered, by route and status.",
-                  "# TYPE eagle3_http_requests_total counter"]
-        lines += [f'eagle3_http_requests_total{{route="{route}",status="{status}"}} {n}'
-                  for (route, status), n in sorted(http_requests.items())]
-    return "\n".join(lines) + "\n"
-
-
 # ---- the server ----------------------------------------------------------------------------------------
 
 
@@ -489,6 +457,10 @@ class _Job:
     sampling: SamplingParams
     stream: bool
     include_usage: bool
+    warnings: tuple[str, ...] = ()  # what was changed or skipped in the request, told to the client
+
+    def headers(self) -> dict[str, str]:
+        return {WARNINGS_HEADER: "; ".join(self.warnings)} if self.warnings else {}
 
 
 class _Server:
@@ -498,7 +470,7 @@ class _Server:
         self.max_seq_len, self.eos_token_ids = int(max_seq_len), tuple(int(t) for t in eos_token_ids)
         self.chat_template, self.default_max_tokens = chat_template, int(default_max_tokens)
         self.created = int(time.time())
-        self.http_requests: dict[tuple[str, int], int] = {}
+        self.metrics_registry = ServerMetrics(engine.stats)
 
     # -- middleware: OpenAI error bodies everywhere, request counts for /metrics
 
@@ -525,8 +497,7 @@ class _Server:
             logger.exception("unhandled error in %s %s", request.method, request.path)
             response = error_response(f"internal server error: {type(e).__name__}: {e}", status=500,
                                       type="server_error", code="internal_error")
-        key = (route, response.status)
-        self.http_requests[key] = self.http_requests.get(key, 0) + 1
+        self.metrics_registry.count_http(route, response.status)
         return response
 
     # -- simple endpoints
@@ -541,9 +512,7 @@ class _Server:
         return web.json_response({"object": "list", "data": [self._model_card()]})
 
     async def metrics(self, request: web.Request) -> web.Response:
-        text = render_metrics(self.engine.stats(), self.http_requests)
-        return web.Response(body=text.encode("utf-8"),
-                            headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+        return web.Response(body=self.metrics_registry.render(), headers={"Content-Type": METRICS_CONTENT_TYPE})
 
     def _model_card(self) -> dict[str, Any]:
         return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "eagle3-jax",
@@ -591,7 +560,16 @@ class _Server:
             raise ApiError(f"the prompt has {len(prompt_ids)} tokens, but this server's max_seq_len is "
                            f"{self.max_seq_len} and at least one token must be generated; shorten the prompt",
                            param=prompt_param, code="context_length_exceeded")
-        return _Job(kind, prompt_ids, sampling, stream, include_usage)
+        warnings = []
+        cap = max_tokens_cap(len(prompt_ids), sampling.max_tokens, self.max_seq_len)
+        if cap is not None:
+            warnings.append(f"max_tokens={sampling.max_tokens} was cut to {cap}: the prompt's {len(prompt_ids)} "
+                            f"tokens plus max_tokens must fit max_seq_len={self.max_seq_len}")
+        ignored = ignored_fields(body, kind)
+        if ignored:
+            logger.warning("The following fields were present in the request but ignored: %s", set(ignored))
+            warnings.append(f"these fields are not supported and were ignored: {', '.join(ignored)}")
+        return _Job(kind, prompt_ids, sampling, stream, include_usage, tuple(warnings))
 
     async def _run(self, request: web.Request, job: _Job, request_id: str) -> web.StreamResponse:
         async with contextlib.aclosing(self.engine.generate(job.prompt_ids, job.sampling, request_id)) as deltas:
@@ -619,16 +597,19 @@ class _Server:
         else:
             choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
                       "finish_reason": reason}
-        return web.json_response({
+        body = {
             "id": request_id, "object": "text_completion" if job.kind == "completion" else "chat.completion",
             "created": int(time.time()), "model": self.model_name, "choices": [choice],
             "usage": usage(len(job.prompt_ids), len(tokens)),
-        })
+        }
+        if job.warnings:
+            body["warnings"] = list(job.warnings)
+        return web.json_response(body, headers=job.headers())
 
     async def _stream(self, request: web.Request, job: _Job, request_id: str, first: Any,
                       deltas: Any) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8",
-                                               "Cache-Control": "no-cache"})
+                                               "Cache-Control": "no-cache", **job.headers()})
         created = int(time.time())
         chat = job.kind == "chat"
         obj = "chat.completion.chunk" if chat else "text_completion"

@@ -6,6 +6,11 @@ emitted token, not yet in the target cache. Nodes are ordered parents-before-chi
 
 Every node attends to exactly its true ancestors (itself included) among the tree nodes, plus the
 committed prefix; `ancestor_mask` builds that relation and is used by the draft and the target.
+
+Speculation settings have one written form everywhere (scripts, tables, logs): `none`,
+`chain:num_steps:topk:num_draft_tokens` (e.g. `chain:3:1:4`) or
+`tree:num_steps:topk:num_draft_tokens` (e.g. `tree:5:4:16`); `SpecConfig.parse` reads it and
+`SpecConfig.name` writes it.
 """
 
 from __future__ import annotations
@@ -14,6 +19,16 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+
+
+NO_SPEC = "none"
+# The grammar of a written setting, in one place: a keyword, then its integer fields.
+SPEC_KINDS: dict[str, tuple[str, ...]] = {
+    "chain": ("num_steps", "topk", "num_draft_tokens"),
+    "tree": ("num_steps", "topk", "num_draft_tokens"),
+}
+SPEC_SYNTAX = ("none, chain:num_steps:topk:num_draft_tokens (e.g. chain:3:1:4) or "
+               "tree:num_steps:topk:num_draft_tokens (e.g. tree:5:4:16)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +70,41 @@ class SpecConfig:
         from .adaptive import AutoSpec
 
         return AutoSpec.chains(num_steps, trees, **options)
+
+    @property
+    def name(self) -> str:
+        """The canonical written form, `chain:3:1:4` or `tree:5:4:16` (a tree with topk=1 is a chain)."""
+        kind = "chain" if self.topk == 1 else "tree"
+        return f"{kind}:{self.num_steps}:{self.topk}:{self.num_draft_tokens}"
+
+    def __str__(self) -> str:
+        return self.name
+
+    @classmethod
+    def parse(cls, text: str) -> "SpecConfig | None":
+        """A written setting -> its SpecConfig, or None for `none` (plain decoding).
+
+        Raises ValueError naming the expected syntax (SPEC_SYNTAX) on bad input.
+        """
+        keyword, *fields = text.strip().lower().split(":")
+        if keyword == NO_SPEC and not fields:
+            return None
+        if keyword not in SPEC_KINDS:
+            raise ValueError(f"unknown speculation setting {text!r}; expected {SPEC_SYNTAX}")
+        names = SPEC_KINDS[keyword]
+        if len(fields) != len(names):
+            raise ValueError(f"speculation setting {text!r} needs {len(names)} numbers after '{keyword}:' "
+                             f"({':'.join(names)}); expected {SPEC_SYNTAX}")
+        try:
+            values = dict(zip(names, (int(f) for f in fields)))
+        except ValueError:
+            raise ValueError(f"speculation setting {text!r} has a non-integer field; expected {SPEC_SYNTAX}") from None
+        if keyword == "chain" and values["topk"] != 1:
+            raise ValueError(f"a chain has topk=1; got {text!r}. Use tree:{':'.join(fields)} for a tree")
+        try:
+            return cls(**values)
+        except ValueError as e:
+            raise ValueError(f"speculation setting {text!r}: {e}") from None
 
     @property
     def pool_size(self) -> int:

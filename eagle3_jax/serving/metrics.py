@@ -1,0 +1,98 @@
+"""The server's Prometheus metrics, through `prometheus_client`.
+
+Each server has its own `CollectorRegistry` (never the process-wide default), so several servers
+in one process keep separate counts. Engine figures are read from `AsyncEngine.stats()` at scrape
+time by a collector (the engine thread owns them); HTTP answers are counted by a labelled Counter.
+Metric names carry the `eagle3_` prefix:
+
+- counters: `eagle3_prompt_tokens_total`, `eagle3_generation_tokens_total`,
+  `eagle3_requests_finished_total`, `eagle3_requests_aborted_total`, `eagle3_preemptions_total`,
+  `eagle3_decode_steps_total`, `eagle3_accepted_tokens_total`,
+  `eagle3_http_requests_total{route, status}`;
+- gauges: `eagle3_num_requests_waiting`, `eagle3_num_requests_running`, `eagle3_request_queue_depth`,
+  `eagle3_kv_pages_free`, `eagle3_kv_pages_total`, `eagle3_kv_page_size`, `eagle3_kv_cache_usage_ratio`,
+  `eagle3_mean_accept_length`, `eagle3_spec_acceptance_rate{position="k"}` (the fraction of
+  verify passes accepting at least k draft tokens), `eagle3_engine_healthy`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator, Mapping
+
+from prometheus_client import CollectorRegistry, Counter, exposition, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+# generate_latest writes the classic text format 0.0.4 (every name here is a classic name); newer
+# prometheus_client releases call that content type CONTENT_TYPE_PLAIN_0_0_4, older ones LATEST.
+CONTENT_TYPE = getattr(exposition, "CONTENT_TYPE_PLAIN_0_0_4", exposition.CONTENT_TYPE_LATEST)
+
+# (family name, help, key of AsyncEngine.stats()); a counter's samples get the `_total` suffix.
+COUNTERS: tuple[tuple[str, str, str], ...] = (
+    ("eagle3_prompt_tokens", "Prompt tokens of admitted requests.", "prompt_tokens_total"),
+    ("eagle3_generation_tokens", "Generated tokens.", "generation_tokens_total"),
+    ("eagle3_requests_finished", "Requests finished (stop or length).", "num_requests_finished"),
+    ("eagle3_requests_aborted", "Requests aborted (client gone or cancelled).", "num_requests_aborted"),
+    ("eagle3_preemptions", "Requests preempted to free KV pages.", "num_preemptions"),
+    ("eagle3_decode_steps", "Verify passes, summed over requests.", "num_decode_steps_total"),
+    ("eagle3_accepted_tokens", "Tokens emitted by verify passes (tau summed over passes).", "accepted_tokens_total"),
+)
+GAUGES: tuple[tuple[str, str, str], ...] = (
+    ("eagle3_num_requests_waiting", "Requests queued in the scheduler, not yet running.", "num_waiting"),
+    ("eagle3_num_requests_running", "Requests running (holding KV pages).", "num_running"),
+    ("eagle3_request_queue_depth", "Commands (new requests, aborts) not yet taken by the engine thread.",
+     "request_queue_depth"),
+    ("eagle3_kv_pages_free", "Free KV cache pages.", "num_free_pages"),
+    ("eagle3_kv_pages_total", "Usable KV cache pages.", "num_pages"),
+    ("eagle3_kv_page_size", "Tokens per KV cache page.", "page_size"),
+    ("eagle3_mean_accept_length", "Mean acceptance length tau (tokens per verify pass, bonus included).",
+     "mean_accept_length"),
+)
+
+
+def engine_metrics(stats: Mapping[str, Any]) -> Iterator[Metric]:
+    """The metric families of one `AsyncEngine.stats()` snapshot; stats without a key are left out."""
+    for name, help_, key in COUNTERS:
+        if stats.get(key) is not None:
+            yield CounterMetricFamily(name, help_, value=stats[key])
+    for name, help_, key in GAUGES:
+        if stats.get(key) is not None:
+            yield GaugeMetricFamily(name, help_, value=stats[key])
+    if stats.get("num_pages"):
+        used = 1 - stats.get("num_free_pages", 0) / stats["num_pages"]
+        yield GaugeMetricFamily("eagle3_kv_cache_usage_ratio", "Fraction of KV pages in use.", value=used)
+    per_pos = stats.get("per_position_accepted_total")
+    if per_pos is not None:
+        steps = stats.get("num_decode_steps_total") or 0
+        rate = GaugeMetricFamily("eagle3_spec_acceptance_rate", "Fraction of verify passes accepting at least "
+                                 "`position` draft tokens.", labels=["position"])
+        for k, n in enumerate(per_pos, 1):
+            rate.add_metric([str(k)], n / steps if steps else 0.0)
+        yield rate
+    yield GaugeMetricFamily("eagle3_engine_healthy", "1 while the engine thread runs and steps.",
+                            value=int(bool(stats.get("engine_healthy"))))
+
+
+class _EngineCollector(Collector):
+    def __init__(self, stats: Callable[[], Mapping[str, Any]]):
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        return engine_metrics(self._stats())
+
+
+class ServerMetrics:
+    """One server's registry: the engine's figures (read at scrape time) and HTTP answer counts."""
+
+    def __init__(self, stats: Callable[[], Mapping[str, Any]]):
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(_EngineCollector(stats))
+        self.http_requests = Counter("eagle3_http_requests", "HTTP requests answered, by route and status.",
+                                     ["route", "status"], registry=self.registry)
+
+    def count_http(self, route: str, status: int) -> None:
+        self.http_requests.labels(route=route, status=str(status)).inc()
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition (format 0.0.4) of everything in the registry."""
+        return generate_latest(self.registry)
