@@ -1,7 +1,7 @@
 """eagle3-jax: EAGLE-3 speculative decoding for large MoE models, in pure JAX.
 
 Public API (kept stable):
-    load_target, Target, load_draft, Draft, Engine, Scheduler, CapacityError, SpecConfig,
+    load_target, Target, load_draft, Draft, Engine, Scheduler, CapacityError, SpecConfig, AutoSpec,
     SamplingParams, RequestOutput, make_mesh, initialize_distributed, plan_memory
 """
 
@@ -12,10 +12,11 @@ from .plan import plan_memory
 from .sampling import SamplingParams
 from .scheduler import CapacityError, Scheduler
 from .sharding import initialize_distributed, make_mesh
-from .spec import SpecConfig
+from .spec import AutoSpec, SpecConfig
 from .target import Target, load_target
 
 __all__ = [
+    "AutoSpec",
     "CapacityError",
     "ConfigError",
     "Draft",

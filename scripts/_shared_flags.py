@@ -74,8 +74,9 @@ def mesh_from_flags():
 def define_spec_flags() -> None:
     """--spec (the written form) and the older --num_steps / --topk / --num_draft_tokens."""
     flags.DEFINE_string("spec", None, "Speculation with --draft: chain:num_steps:topk:num_draft_tokens (e.g. "
-                        "chain:3:1:4) or tree:num_steps:topk:num_draft_tokens (e.g. tree:5:4:16); none = plain "
-                        "decoding. Default with --draft: chain:3:1:4, or what --num_steps/--topk/--num_draft_tokens say.")
+                        "chain:3:1:4), tree:num_steps:topk:num_draft_tokens (e.g. tree:5:4:16) or, where continuous "
+                        "batching runs (serve.py, bench.py), auto / auto:K (each step picks no speculation or a chain "
+                        "of up to K draft tokens, whichever is fastest); none = plain decoding. Default with --draft: chain:3:1:4, or what --num_steps/--topk/--num_draft_tokens say.")
     flags.DEFINE_integer("num_steps", 3, "Draft levels per speculative step (tree depth); --spec says it too.",
                          lower_bound=1)
     flags.DEFINE_integer("topk", 1, "Children expanded per draft node; 1 = chain; --spec says it too.", lower_bound=1)
@@ -97,9 +98,10 @@ def parse_spec_text(text: str, flag: str):
         raise app.UsageError(f"--{flag}: {e}") from None
 
 
-def spec_from_flags(has_draft: bool):
-    """The SpecConfig of --spec or of --num_steps/--topk/--num_draft_tokens (None without --draft);
-    a usage error when both are given and disagree, or --spec is given without --draft."""
+def spec_from_flags(has_draft: bool, allow_auto: bool = True):
+    """The SpecConfig (or AutoSpec) of --spec or of --num_steps/--topk/--num_draft_tokens (None
+    without --draft); a usage error when both are given and disagree, or --spec is given without
+    --draft, or is adaptive where `allow_auto` is False."""
     import eagle3_jax as e3
 
     given = {name: FLAGS[name].value for name in _SHAPE_FLAGS if FLAGS[name].present}
@@ -116,7 +118,11 @@ def spec_from_flags(has_draft: bool):
         raise app.UsageError(f"--spec={FLAGS.spec} needs an EAGLE-3 draft: add --draft=<folder>, or drop --spec")
     if spec is None and has_draft:
         raise app.UsageError("--spec=none decodes without a draft: drop --draft, or pick a setting like chain:3:1:4")
-    clash = [f"--{k}={v}" for k, v in given.items() if spec is None or getattr(spec, k) != v]
+    if isinstance(spec, e3.AutoSpec) and not allow_auto:
+        raise app.UsageError(f"--spec={FLAGS.spec}: adaptive speculation runs with continuous batching (serve.py, "
+                             "bench.py); here give a fixed setting like chain:3:1:4")
+    clash = [f"--{k}={v}" for k, v in given.items()
+             if spec is None or isinstance(spec, e3.AutoSpec) or getattr(spec, k) != v]
     if clash:
         raise app.UsageError(f"--spec={FLAGS.spec} disagrees with {' '.join(clash)}; give --spec alone")
     return spec

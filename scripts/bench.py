@@ -33,7 +33,11 @@ On several hosts (one process per host, same command, see BUILD.md "Multi-host")
 writes the report.
 
 Speculation settings: `none`, `chain:num_steps:topk:num_draft_tokens` (topk 1, num_draft_tokens =
-num_steps + 1) and `tree:num_steps:topk:num_draft_tokens` (an EAGLE-2 dynamic tree).
+num_steps + 1), `tree:num_steps:topk:num_draft_tokens` (an EAGLE-2 dynamic tree) and `auto` /
+`auto:K` (adaptive: each step runs no speculation or a chain of 1..K draft tokens, whichever its
+measured step times and running acceptance rates say is fastest; cells record the steps each
+shape ran). Each cell also records the scheduler's host time per iteration (`--nooverlap` turns
+off the overlap of host and device work, to measure what it saves).
 Mistakes in the flags, paths or inputs end the script with one line on stderr and exit status 2.
 """
 
@@ -61,7 +65,8 @@ flags.DEFINE_string("draft", "checkpoints/kimi-mini-eagle3", "EAGLE-3 draft fold
                     "settings (ignored with --base_url).")
 flags.DEFINE_string("tokenizer", None, "Folder or tokenizer.json to tokenize with (default: --target).")
 flags.DEFINE_list("spec", ["none", "chain:3:1:4", "tree:5:4:16"], "Speculation settings: none, "
-                  "chain:num_steps:topk:num_draft_tokens, tree:num_steps:topk:num_draft_tokens. With --base_url, "
+                  "chain:num_steps:topk:num_draft_tokens, tree:num_steps:topk:num_draft_tokens, auto[:K] "
+                  "(adaptive). With --base_url, "
                   "exactly one: the setting the server runs (a label only).")
 flags.DEFINE_string("workload", "random", "random (fixed-shape random tokens, see --shape/--scale) or a dataset: "
                     "mt_bench, gsm8k, sharegpt, spec_bench (see --output_len).")
@@ -100,6 +105,8 @@ flags.DEFINE_string("out_dir", "benchmarks/results", "Folder for <name>.json, <n
 flags.DEFINE_string("name", None, "File stem of the outputs (default: <target>_random-<shape>_x<scale>, or "
                     "<target>_<dataset>_out<output_len>; with --base_url, followed by _http).")
 flags.DEFINE_bool("progress", True, "Show tqdm progress bars.")
+flags.DEFINE_bool("overlap", True, "In-process: the scheduler launches each step before reading the previous one's "
+                  "tokens (--nooverlap: launch, wait, read, the older way; to measure what overlap saves).")
 
 
 def _ints(values: Sequence[str], flag: str, lo: int) -> tuple[int, ...]:
@@ -194,10 +201,11 @@ def main(argv: Sequence[str]) -> None:
         needs_draft = any(s.spec is not None for s in settings)
         draft = e3.load_draft(FLAGS.draft, target=target, dtype=FLAGS.dtype, fp8_format=FLAGS.fp8_format) if needs_draft else None
         sched_len = FLAGS.max_seq_len or workload.max_total_len
-        config.update({"draft": FLAGS.draft if needs_draft else None, "scheduler_max_seq_len": sched_len})
+        config.update({"draft": FLAGS.draft if needs_draft else None, "scheduler_max_seq_len": sched_len,
+                       "overlap": FLAGS.overlap})
         cells = run_benchmark(target, draft, settings, workload, cfg, max_seq_len=sched_len,
                               page_size=FLAGS.page_size, prefill_chunk=FLAGS.prefill_chunk,
-                              num_devices=FLAGS.num_devices)
+                              num_devices=FLAGS.num_devices, overlap=FLAGS.overlap)
         mode = "in-process"
 
     if jax.process_index() > 0:  # multi-host: process 0 reports

@@ -86,7 +86,7 @@ def main(argv: Sequence[str]) -> None:
     if FLAGS.prompts_file is not None and FLAGS.prompt:
         raise app.UsageError("give --prompt or --prompts_file, not both")
     texts = read_prompts(FLAGS.prompt, FLAGS.prompts_file)
-    spec = spec_from_flags(has_draft=FLAGS.draft is not None)
+    spec = spec_from_flags(has_draft=FLAGS.draft is not None, allow_auto=False)
 
     import jax
 

@@ -29,7 +29,12 @@ def teach(ctl: AdaptiveSpeculation, seconds: dict, accepted: int, rows=("a", "b"
 
 def test_auto_spec_menu_and_validation():
     auto = e3.SpecConfig.auto(3, trees=(TREE,))
-    assert auto.menu == (None, C1, C2, C3, TREE) and auto.max_accept == 3 and auto.name == "auto"
+    assert auto.menu == (None, C1, C2, C3, TREE) and auto.max_accept == 3
+    assert e3.SpecConfig.parse("auto") == e3.SpecConfig.auto(3) and e3.SpecConfig.parse("auto").name == "auto:3"
+    assert e3.SpecConfig.parse("auto:2").menu == (None, C1, C2)
+    for bad in ("auto:0", "auto:x", "auto:1:2"):
+        with pytest.raises(ValueError, match="auto"):
+            e3.SpecConfig.parse(bad)
     assert AutoSpec(menu=(C3, C3)).menu == (None, C3)  # no-spec always on the menu, repeats dropped
     for bad in ({"menu": (None,)}, {"menu": (C1,), "hysteresis": 1.5}, {"menu": (C1,), "probe_interval": 0},
                 {"menu": ("chain:3:1:4",)}):

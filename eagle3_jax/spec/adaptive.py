@@ -38,18 +38,14 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from .tree import SpecConfig
+from .tree import AUTO, NO_SPEC, SpecConfig
 
 # Shapes are menu entries; None is "no speculation". Names are the speculation notation.
 Shape = SpecConfig | None
-NO_SPEC = "none"
 
 
 def shape_name(shape: Shape) -> str:
-    if shape is None:
-        return NO_SPEC
-    kind = "chain" if shape.topk == 1 else "tree"
-    return f"{kind}:{shape.num_steps}:{shape.topk}:{shape.num_draft_tokens}"
+    return NO_SPEC if shape is None else shape.name
 
 
 def shape_depth(shape: Shape) -> int:
@@ -119,10 +115,15 @@ class AutoSpec:
 
     @property
     def name(self) -> str:
-        return "auto"
+        """`auto:K` for the menu `SpecConfig.auto(K)` builds, else the menu written out."""
+        chains = [s for s in self.shapes if is_chain(s)]
+        k = len(chains)
+        if self.menu == (None, *(SpecConfig(i, 1, i + 1) for i in range(1, k + 1))):
+            return f"{AUTO}:{k}"
+        return f"{AUTO}({', '.join(shape_name(s) for s in self.menu)})"
 
     def __str__(self) -> str:
-        return f"auto({', '.join(shape_name(s) for s in self.menu)})"
+        return self.name
 
 
 # ---- acceptance --------------------------------------------------------------------------------------

@@ -22,13 +22,15 @@ import jax.numpy as jnp
 
 
 NO_SPEC = "none"
+AUTO = "auto"  # adaptive speculation: `auto` or `auto:max_chain_steps` (spec/adaptive.py)
+DEFAULT_AUTO_STEPS = 3
 # The grammar of a written setting, in one place: a keyword, then its integer fields.
 SPEC_KINDS: dict[str, tuple[str, ...]] = {
     "chain": ("num_steps", "topk", "num_draft_tokens"),
     "tree": ("num_steps", "topk", "num_draft_tokens"),
 }
-SPEC_SYNTAX = ("none, chain:num_steps:topk:num_draft_tokens (e.g. chain:3:1:4) or "
-               "tree:num_steps:topk:num_draft_tokens (e.g. tree:5:4:16)")
+SPEC_SYNTAX = ("none, chain:num_steps:topk:num_draft_tokens (e.g. chain:3:1:4), "
+               "tree:num_steps:topk:num_draft_tokens (e.g. tree:5:4:16) or auto[:max_chain_steps] (adaptive)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +65,7 @@ class SpecConfig:
             )
 
     @classmethod
-    def auto(cls, num_steps: int = 3, trees: "tuple[SpecConfig, ...]" = (), **options):
+    def auto(cls, num_steps: int = DEFAULT_AUTO_STEPS, trees: "tuple[SpecConfig, ...]" = (), **options):
         """Adaptive speculation (an `AutoSpec`, run by the Scheduler): each decode step picks no
         speculation, a chain of 1..num_steps draft tokens or one of `trees`, whichever promises the
         most output tokens per second (see spec/adaptive.py; `options` tune it)."""
@@ -81,14 +83,21 @@ class SpecConfig:
         return self.name
 
     @classmethod
-    def parse(cls, text: str) -> "SpecConfig | None":
-        """A written setting -> its SpecConfig, or None for `none` (plain decoding).
+    def parse(cls, text: str):
+        """A written setting -> its SpecConfig, an AutoSpec for `auto` / `auto:K` (no speculation
+        or chains of up to K draft tokens, chosen per step), or None for `none` (plain decoding).
 
         Raises ValueError naming the expected syntax (SPEC_SYNTAX) on bad input.
         """
         keyword, *fields = text.strip().lower().split(":")
         if keyword == NO_SPEC and not fields:
             return None
+        if keyword == AUTO and len(fields) <= 1:
+            try:
+                return cls.auto(int(fields[0]) if fields else DEFAULT_AUTO_STEPS)
+            except ValueError:
+                raise ValueError(f"speculation setting {text!r}: auto takes the longest chain to try, an "
+                                 f"integer >= 1 (e.g. auto:3); expected {SPEC_SYNTAX}") from None
         if keyword not in SPEC_KINDS:
             raise ValueError(f"unknown speculation setting {text!r}; expected {SPEC_SYNTAX}")
         names = SPEC_KINDS[keyword]
