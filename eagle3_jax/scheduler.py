@@ -51,9 +51,9 @@ from .draft import Draft, DraftConfig, with_target_kernels
 from .engine import RequestOutput, bucket, check_request, check_speculation
 from .page_allocator import PageAllocator, pages_for
 from .sampling import SamplingArrays, SamplingParams, sample
-from .sharding import mesh_context, to_host
+from .sharding import mesh_context, replicate, to_host
 from .spec.adaptive import AdaptiveSpeculation, AutoSpec, Shape, shape_depth, shape_name
-from .spec.propose import DraftRoot
+from .spec.propose import DraftRoot, draft_extend
 from .spec.step import spec_prefill, spec_step
 from .spec.tree import SpecConfig
 from .target import Target, forward
@@ -83,8 +83,8 @@ def step_lookahead(spec: SpecConfig | AutoSpec | None) -> int:
     """Slots past the committed length that one step may write (tree nodes, draft extend + scratch)."""
     if spec is None:
         return 1
-    if isinstance(spec, AutoSpec):
-        return max(step_lookahead(s) for s in spec.shapes)
+    if isinstance(spec, AutoSpec):  # also the draft's catch-up over up to max_gap stored pairs
+        return max(spec.max_gap, *(step_lookahead(s) for s in spec.shapes))
     return max(spec.num_draft_tokens, spec.max_accept + 1 + max(spec.num_steps - 1, 1) * spec.topk)
 
 
@@ -108,6 +108,11 @@ class DeviceState:
     length: jax.Array  # [S + 1] int32
     last_token: jax.Array  # [S + 1] int32
     draft_hidden: jax.Array | None  # [S + 1, H]
+    # Adaptive speculation: (target feature, next token) pairs of steps that did not speculate,
+    # which the draft has not seen yet (spec/adaptive.py).
+    gap: jax.Array | None = None  # [S + 1] int32
+    gap_features: jax.Array | None = None  # [S + 1, max_gap, 3 * target hidden]
+    gap_tokens: jax.Array | None = None  # [S + 1, max_gap] int32
 
     def target_cache(self, block_table, lengths) -> kv_cache.KVCache:
         return kv_cache.paged_view(self.tk, self.tv, block_table, lengths)
@@ -127,6 +132,8 @@ def _prefill_program(tcfg: ModelConfig, dcfg: DraftConfig | None, tparams: dict,
     """
     tcache = state.target_cache(block_table, lengths)
     length = state.length.at[slots].set(lengths + n_valid)
+    if state.gap is not None:  # the prefill extends the draft over the whole prompt
+        state = state.replace(gap=state.gap.at[slots].set(0))
     if dcfg is None:
         t = tokens.shape[1]
         positions = lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
@@ -141,13 +148,14 @@ def _prefill_program(tcfg: ModelConfig, dcfg: DraftConfig | None, tparams: dict,
                                 draft_hidden=state.draft_hidden.at[slots].set(root.hidden))
 
 
-def _decode_program(tcfg: ModelConfig, dcfg: DraftConfig | None, shape: Shape, tparams: dict,
+def _decode_program(tcfg: ModelConfig, dcfg: DraftConfig | None, shape: Shape, catch_up: bool, tparams: dict,
                     dparams: dict | None, state: DeviceState, block_table, slots, prompt_lens, sp: SamplingArrays):
     """One decode step per row from its state slot -> (tokens [B, D+1] (-1 padded), counts [B], state).
 
-    `shape` is the step's speculation (None: one token per row, through the draft's extend when
-    there is a draft, so its cache stays complete). A row's sampling counter (tokens generated so
-    far) is its committed length - prompt length + 1.
+    `shape` is the step's speculation. None with a draft (adaptive speculation): one token per row
+    and no draft work; the row's (feature, next token) pair is stored for the draft. `catch_up`:
+    first extend the draft over each row's stored pairs. A row's sampling counter (tokens
+    generated so far) is its committed length - prompt length + 1.
     """
     live = slots < state.length.shape[0] - 1  # padding rows use the scratch slot
     lengths = jnp.where(live, state.length[slots], 0)
@@ -159,13 +167,43 @@ def _decode_program(tcfg: ModelConfig, dcfg: DraftConfig | None, shape: Shape, t
         count = jnp.ones_like(nxt)
         return nxt[:, None], count, state.replace(tk=tcache.k, tv=tcache.v, length=state.length.at[slots].set(lengths + count),
                                                   last_token=state.last_token.at[slots].set(nxt))
+    if shape is None:
+        return _store_for_draft(tparams, tcfg, state, tcache, slots, lengths, sp, counter)
     root = DraftRoot(token=state.last_token[slots], hidden=state.draft_hidden[slots])
-    out, count, tcache, dcache, root, _ = spec_step(tparams, tcfg, dparams, dcfg, shape, tcache,
-                                                    state.draft_cache(block_table, lengths), root, sp, counter)
+    dcache = state.draft_cache(block_table, lengths)
+    if catch_up:
+        gap = jnp.where(live, state.gap[slots], 0)
+        dcache, root = _draft_catch_up(dparams, dcfg, state.draft_cache(block_table, lengths - gap),
+                                       state.gap_features[slots], state.gap_tokens[slots], gap, root)
+        state = state.replace(gap=state.gap.at[slots].set(0))
+    out, count, tcache, dcache, root, _ = spec_step(tparams, tcfg, dparams, dcfg, shape, tcache, dcache, root, sp,
+                                                    counter)
     return out, count, state.replace(tk=tcache.k, tv=tcache.v, dk=dcache.k, dv=dcache.v,
                                      length=state.length.at[slots].set(lengths + count),
                                      last_token=state.last_token.at[slots].set(root.token),
                                      draft_hidden=state.draft_hidden.at[slots].set(root.hidden))
+
+
+def _store_for_draft(tparams: dict, tcfg: ModelConfig, state: DeviceState, tcache: kv_cache.KVCache, slots, lengths,
+                     sp: SamplingArrays, counter):
+    """A step without speculation or draft work: one target token per row; the pair (its target
+    feature, the sampled next token) waits in the row's gap buffer for `_draft_catch_up`."""
+    logits, aux, tcache = forward(tparams, tcfg, state.last_token[slots][:, None], lengths[:, None], tcache)
+    nxt = sample(logits[:, 0], sp, counter)
+    gap = state.gap[slots]  # < max_gap: the host speculates before a buffer is full
+    count = jnp.ones_like(nxt)
+    return nxt[:, None], count, state.replace(
+        tk=tcache.k, tv=tcache.v, length=state.length.at[slots].set(lengths + count),
+        last_token=state.last_token.at[slots].set(nxt), gap=state.gap.at[slots].set(gap + 1),
+        gap_features=state.gap_features.at[slots, gap].set(aux[:, 0].astype(state.gap_features.dtype)),
+        gap_tokens=state.gap_tokens.at[slots, gap].set(nxt))
+
+
+def _draft_catch_up(dparams: dict, dcfg: DraftConfig, dcache: kv_cache.KVCache, features, tokens, gap, root: DraftRoot):
+    """Extend the draft (cache at lengths - gap) over each row's `gap` stored pairs; rows with none
+    keep their root hidden. Slots written past a row's pairs lie beyond its committed length."""
+    _, hidden, dcache = draft_extend(dparams, dcfg, dcache, features, tokens, gap)
+    return dcache, root.replace(hidden=jnp.where((gap > 0)[:, None], hidden, root.hidden))
 
 
 _PROGRAMS = {"prefill": _prefill_program, "decode": _decode_program}
@@ -221,7 +259,7 @@ class _Launch:
     shape: Shape = None
     key: tuple = ()
     launched: float = 0.0
-    compiled: bool = False
+    untimed: bool = False  # compiled, or caught a draft up: not a sample of its shape's step time
 
 
 @dataclasses.dataclass
@@ -243,6 +281,7 @@ class _Request:
     step_depths: list[int] = dataclasses.field(default_factory=list)  # draft depth of each decode step's shape
     draft_passes: int = 0
     pending: int = 0  # decode steps launched but not read yet
+    gap: int = 0  # steps since the draft last saw this request's tokens (adaptive speculation)
     epoch: int = 0  # bumped when the request leaves the running batch: results launched before are void
     sent: int = 0  # tokens already handed out in deltas
     admitted: float | None = None
@@ -313,7 +352,7 @@ class Scheduler:
             hidden = np.zeros((slots, self.draft.config.hidden_size), self.draft.dtype)
         per_slot = (np.zeros((slots,), np.int32), np.zeros((slots,), np.int32), hidden)
         if self.target.mesh is not None:
-            from .sharding import replicate, shard_pages
+            from .sharding import shard_pages
 
             tk, tv = shard_pages(tk, tv, tcfg, self.target.mesh)
             if dk is not None:
@@ -322,7 +361,14 @@ class Scheduler:
         else:
             per_slot = jax.tree.map(jnp.asarray, per_slot)
         length, last_token, hidden = per_slot
-        return DeviceState(tk=tk, tv=tv, dk=dk, dv=dv, length=length, last_token=last_token, draft_hidden=hidden)
+        gaps = {}
+        if isinstance(self.spec, AutoSpec):
+            width = len(tcfg.aux_layer_ids) * tcfg.hidden_size
+            gaps = {"gap": np.zeros((slots,), np.int32),
+                    "gap_features": np.zeros((slots, self.spec.max_gap, width), self.target.dtype),
+                    "gap_tokens": np.zeros((slots, self.spec.max_gap), np.int32)}
+            gaps = replicate(gaps, self.target.mesh) if self.target.mesh is not None else jax.tree.map(jnp.asarray, gaps)
+        return DeviceState(tk=tk, tv=tv, dk=dk, dv=dv, length=length, last_token=last_token, draft_hidden=hidden, **gaps)
 
     # ---- requests ------------------------------------------------------------------------------
     def add_request(self, prompt_ids: Sequence[int], sampling: SamplingParams | None = None,
@@ -497,7 +543,7 @@ class Scheduler:
         self._alloc.free(req.pages)
         if req.slot is not None:
             self._free_slots.append(req.slot)
-        req.pages, req.computed, req.length, req.slot, req.pending = [], 0, 0, None, 0
+        req.pages, req.computed, req.length, req.slot, req.pending, req.gap = [], 0, 0, None, 0, 0
         req.epoch += 1
 
     def _block_table(self, rows: Sequence[_Request], batch: int) -> np.ndarray:
@@ -515,11 +561,11 @@ class Scheduler:
         return self._execute(kind, shape, block_table, *args)
 
     def _execute(self, kind: str, shape: Shape, block_table: np.ndarray, *args) -> list[jax.Array]:
-        """Launch the `kind` step program (of speculation `shape`, for decode); the cache key is
-        the kind, the shape and the bucketed array shapes."""
+        """Launch the `kind` step program (for decode, `shape` is (speculation, catch_up)); the cache
+        key is the kind, the shape and the bucketed array shapes."""
         dcfg = self.draft.config if self.draft is not None else None
         dparams = self.draft.params if self.draft is not None else None
-        static = (self.target.config, dcfg) if kind == "prefill" else (self.target.config, dcfg, shape)
+        static = (self.target.config, dcfg) if kind == "prefill" else (self.target.config, dcfg, *shape)
         key = (kind, shape, block_table.shape, np.shape(args[0]))
         with mesh_context(self.target.mesh):
             *outs, self._state = self.programs.run(_PROGRAMS[kind], static, key, self.target.params, dparams,
@@ -604,16 +650,20 @@ class Scheduler:
         batch = bucket(len(rows), 1, self.max_num_seqs)
         block_table = self._block_table(rows, batch)
         shape = self._shape_for(rows, block_table.shape)
+        catch_up = shape is not None and any(r.gap for r in rows)
         slots = np.full((batch,), self.max_num_seqs, np.int32)
         prompt_lens = np.zeros((batch,), np.int32)
         for i, req in enumerate(rows):
             slots[i], prompt_lens[i] = req.slot, len(req.prompt)
             req.pending += 1
+            req.gap = req.gap + 1 if shape is None and self.draft is not None else 0
         sp = SamplingArrays.from_params([r.sampling for r in rows], batch)
         compiles, launched = self.programs.num_compiles, time.perf_counter()
-        outputs = self._launch("decode", shape, block_table, slots, prompt_lens, sp)
+        outputs = self._launch("decode", (shape, catch_up), block_table, slots, prompt_lens, sp)
+        # A catch-up step's time includes the draft's catch-up: not a sample of its shape's cost.
+        untimed = self.programs.num_compiles != compiles or catch_up
         return _Launch("decode", [(r, r.epoch, True) for r in rows], outputs, shape, block_table.shape, launched,
-                       self.programs.num_compiles != compiles)
+                       untimed)
 
     def _collect(self, launches: list[_Launch]) -> tuple[list[RequestDelta], float]:
         """Read launched programs' outputs, in launch order -> (deltas, seconds spent waiting)."""
@@ -638,7 +688,7 @@ class Scheduler:
         depth = shape_depth(launch.shape)
         if self._adaptive is not None:
             # Device time of the step: from its launch, or from the previous step's end if later.
-            seconds = None if launch.compiled else now - max(launch.launched, self._last_decode_read)
+            seconds = None if launch.untimed else now - max(launch.launched, self._last_decode_read)
             self._adaptive.observe(launch.shape, launch.key, seconds, {req.id: int(count[i]) - 1 for i, req in rows})
         self._last_decode_read = now
         deltas = []
@@ -661,7 +711,8 @@ class Scheduler:
         for these requests at this program key (batch bucket, block-table width)."""
         if self._adaptive is None:
             return self.spec
-        return self._adaptive.choose([r.id for r in rows], key)
+        full = any(r.gap >= self.spec.max_gap for r in rows)  # its draft must catch up now
+        return self._adaptive.choose([r.id for r in rows], key, speculate=full)
 
     # ---- output --------------------------------------------------------------------------------
     def _emit(self, req: _Request, tokens: np.ndarray, now: float) -> RequestDelta:

@@ -36,7 +36,7 @@ def test_auto_spec_menu_and_validation():
         with pytest.raises(ValueError, match="auto"):
             e3.SpecConfig.parse(bad)
     assert AutoSpec(menu=(C3, C3)).menu == (None, C3)  # no-spec always on the menu, repeats dropped
-    for bad in ({"menu": (None,)}, {"menu": (C1,), "hysteresis": 1.5}, {"menu": (C1,), "probe_interval": 0},
+    for bad in ({"menu": (None,)}, {"menu": (C1,), "hysteresis": 1.5}, {"menu": (C1,), "max_gap": 0},
                 {"menu": ("chain:3:1:4",)}):
         with pytest.raises(ValueError):
             AutoSpec(**bad)
@@ -79,16 +79,15 @@ def test_hysteresis_keeps_the_current_shape_within_the_margin():
     assert ctl.choose(["z"], KEY) == C1
 
 
-def test_a_collapsed_request_stops_speculating_and_probes_resume_it():
-    ctl = AdaptiveSpeculation(AutoSpec(menu=(None, C3), probe_interval=4))
+def test_a_collapsed_request_stops_speculating():
+    ctl = AdaptiveSpeculation(AutoSpec(menu=(None, C3)))
     teach(ctl, {"none": 1.0, "chain:3:1:4": 1.5}, accepted=3, rows=("good",))
     assert ctl.choose(["good"], KEY) == C3 and ctl.choose(["new"], KEY) == C3  # new requests start from the global rate
     for _ in range(40):  # request "bad" never gets a draft token accepted
         ctl.observe(C3, KEY, 1.5, {"bad": 0})
     ctl.acceptance.chain[:] = 0.9  # the global rate stays high (other requests), "bad" alone decides its own
     assert ctl.choose(["bad"], KEY) is None
-    choices = [ctl.choose(["bad"], KEY) for _ in range(4)]
-    assert choices == [None, None, None, C3]  # a probe after probe_interval steps without speculation
+    assert ctl.choose(["bad"], KEY, speculate=True) == C3  # when its draft must catch up
 
 
 @pytest.fixture(scope="module")
@@ -97,10 +96,11 @@ def mla_pair():
     return target, random_draft(target)
 
 
-def forced(sched: Scheduler, shapes) -> Scheduler:
-    """Make the scheduler's adaptive choice cycle through `shapes`."""
-    cycle = itertools.cycle(shapes)
-    sched._adaptive.choose = lambda request_ids, key: next(cycle)
+def forced(sched: Scheduler, shapes, then=None) -> Scheduler:
+    """Make the scheduler's adaptive choice run `shapes` in turn (cycling them, or then `then`
+    forever); when a draft must catch up, the scheduler's demand for speculation wins."""
+    it = itertools.cycle(shapes) if then is None else itertools.chain(shapes, itertools.repeat(then))
+    sched._adaptive.choose = lambda request_ids, key, speculate=False: C1 if speculate else next(it)
     return sched
 
 
@@ -135,13 +135,15 @@ def draft_kv(sched: Scheduler, prompt, steps: int):
     return np.asarray(k)[0, : req.length], np.asarray(v)[0, : req.length], req.length
 
 
-def test_steps_without_speculation_still_extend_the_draft_cache(mla_pair):
-    """The draft K/V of a request that ran only no-spec steps equals a speculating run's: when it
-    resumes speculating, its draft has seen every accepted token."""
+@pytest.mark.parametrize("gap", [10, 20], ids=["resumed", "gap-full"])
+def test_draft_catches_up_on_tokens_of_steps_without_speculation(mla_pair, gap):
+    """A request runs `gap` steps without speculation (no draft work), then speculates (at most
+    max_gap = 16 steps later): its draft K/V then equals that of a run that speculated throughout,
+    so its draft has seen every accepted token."""
     target, draft = mla_pair
     auto = e3.SpecConfig.auto(3)
-    plain_k, plain_v, n_plain = draft_kv(forced(Scheduler(target, draft=draft, spec=auto, max_num_seqs=2,
-                                                          max_seq_len=96), [None]), PROMPTS[2], steps=12)
+    sched = forced(Scheduler(target, draft=draft, spec=auto, max_num_seqs=2, max_seq_len=96), [None] * gap, then=C3)
+    plain_k, plain_v, n_plain = draft_kv(sched, PROMPTS[2], steps=gap + 2)
     spec_k, spec_v, n_spec = draft_kv(Scheduler(target, draft=draft, spec=C3, max_num_seqs=2, max_seq_len=96),
                                       PROMPTS[2], steps=6)
     n = min(n_plain, n_spec)

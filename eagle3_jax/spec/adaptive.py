@@ -21,9 +21,13 @@ one of them. The choice maximises
   already-timed shape ran predict it to lose clearly (`skip_margin`); it then keeps that estimate.
 
 Hysteresis: the step keeps the previous shape unless another promises more than
-`1 + hysteresis` times its rate. While no row speculates nothing updates the acceptance rates,
-so every `probe_interval` non-speculative steps one step runs the best speculative shape to
-refresh them. The draft cache is extended on every step, speculative or not (spec/step.py).
+`1 + hysteresis` times its rate.
+
+A step without speculation runs no draft at all: it stores each row's (target feature, next
+token) pair, and the next speculative step first extends the draft cache over the stored pairs
+(one draft pass over up to `max_gap` tokens), so the draft has seen every accepted token when it
+proposes again. A request may go `max_gap` steps without speculating; then the scheduler runs the
+best speculative shape, which both catches its draft up and refreshes its acceptance estimate.
 
 The choice never affects correctness: every shape's step is lossless, so greedy output is the
 same whatever runs (sampled output keeps the target's distribution).
@@ -65,7 +69,8 @@ class AutoSpec:
     hysteresis: another shape must promise this much more throughput to replace the current one.
     prior_weight: how many steps of a request's own acceptance weigh as much as the global rate.
     request_decay: per-step decay of a request's own acceptance counts (recent steps count most).
-    probe_interval: non-speculative steps in a row before one speculative probe step.
+    max_gap: steps a request may go without speculating before one speculative step catches its
+        draft up (and measures its acceptance again).
     skip_margin: a shape predicted (from other keys) below (1 - skip_margin) x the best is not tried.
     """
 
@@ -73,7 +78,7 @@ class AutoSpec:
     hysteresis: float = 0.05
     prior_weight: float = 2.0
     request_decay: float = 0.95
-    probe_interval: int = 64
+    max_gap: int = 16
     skip_margin: float = 0.25
 
     def __post_init__(self) -> None:
@@ -91,8 +96,8 @@ class AutoSpec:
             raise ValueError(f"AutoSpec.prior_weight must be > 0; got {self.prior_weight!r}")
         if not 0 < self.request_decay <= 1:
             raise ValueError(f"AutoSpec.request_decay must be in (0, 1]; got {self.request_decay!r}")
-        if not (isinstance(self.probe_interval, int) and self.probe_interval >= 1):
-            raise ValueError(f"AutoSpec.probe_interval must be an integer >= 1; got {self.probe_interval!r}")
+        if not (isinstance(self.max_gap, int) and self.max_gap >= 1):
+            raise ValueError(f"AutoSpec.max_gap must be an integer >= 1; got {self.max_gap!r}")
         if not 0 <= self.skip_margin < 1:
             raise ValueError(f"AutoSpec.skip_margin must be in [0, 1); got {self.skip_margin!r}")
 
@@ -261,16 +266,20 @@ class AdaptiveSpeculation:
                                      auto.request_decay)
         self.costs = StepCosts()
         self.current: Shape = None
-        self.steps_without_spec = 0
         self.choices: collections.Counter = collections.Counter()
 
-    def choose(self, request_ids: Sequence[str], key: Key) -> Shape:
-        """The shape the next decode step of these requests runs, at program key `key`."""
-        shape = self._choose(request_ids, key)
+    def choose(self, request_ids: Sequence[str], key: Key, speculate: bool = False) -> Shape:
+        """The shape the next decode step of these requests runs, at program key `key`; with
+        `speculate`, the best speculative one (a request's draft must catch up)."""
+        shape = self._best_speculative(request_ids, key) if speculate else self._choose(request_ids, key)
         self.current = shape
-        self.steps_without_spec = self.steps_without_spec + 1 if shape is None else 0
         self.choices[shape_name(shape)] += 1
         return shape
+
+    def _best_speculative(self, request_ids: Sequence[str], key: Key) -> SpecConfig:
+        rates = {s: self.rate(s, request_ids, key) for s in self.auto.shapes}
+        untimed = [s for s, r in rates.items() if r is None]
+        return untimed[0] if untimed else max(rates, key=rates.__getitem__)
 
     def _choose(self, request_ids: Sequence[str], key: Key) -> Shape:
         menu, auto = self.auto.menu, self.auto
@@ -280,9 +289,6 @@ class AdaptiveSpeculation:
         for s in menu:  # time each shape once at this key, unless predicted to lose clearly
             if self.costs.measured(s, key) is None and (rates[s] is None or rates[s] >= (1 - auto.skip_margin) * best_known):
                 return s
-        speculative = [s for s in known if s is not None]
-        if speculative and self.steps_without_spec >= auto.probe_interval:
-            return max(speculative, key=known.__getitem__)
         best = max(known, key=known.__getitem__)
         if self.current in known and known[best] <= (1 + auto.hysteresis) * known[self.current]:
             return self.current
