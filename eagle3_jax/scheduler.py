@@ -259,7 +259,8 @@ class _Launch:
     shape: Shape = None
     key: tuple = ()
     launched: float = 0.0
-    untimed: bool = False  # compiled, or caught a draft up: not a sample of its shape's step time
+    untimed: bool = False  # caught a draft up: not a sample of its shape's step time
+    compiles: int = 0  # programs compiled before it was launched
 
 
 @dataclasses.dataclass
@@ -329,7 +330,7 @@ class Scheduler:
         self.programs = ProgramCache(int(max_compiled_programs))
         self._channel = None  # set by lead(): multi-host leader
         self._inflight: list[_Launch] = []  # launched last iteration, read in the next (overlap)
-        self._last_decode_read = 0.0
+        self._last_read = 0.0  # when the device last handed back a program's outputs
 
         self._waiting: collections.deque[_Request] = collections.deque()
         self._running: list[_Request] = []  # admission order: prefilling and decoding
@@ -661,9 +662,8 @@ class Scheduler:
         compiles, launched = self.programs.num_compiles, time.perf_counter()
         outputs = self._launch("decode", (shape, catch_up), block_table, slots, prompt_lens, sp)
         # A catch-up step's time includes the draft's catch-up: not a sample of its shape's cost.
-        untimed = self.programs.num_compiles != compiles or catch_up
         return _Launch("decode", [(r, r.epoch, True) for r in rows], outputs, shape, block_table.shape, launched,
-                       untimed)
+                       catch_up, compiles)
 
     def _collect(self, launches: list[_Launch]) -> tuple[list[RequestDelta], float]:
         """Read launched programs' outputs, in launch order -> (deltas, seconds spent waiting)."""
@@ -681,6 +681,7 @@ class Scheduler:
                 deltas += [self._emit(req, outputs[0][i: i + 1], now) for i, req in rows]
             else:
                 deltas += self._collect_decode(launch, rows, *outputs, now)
+            self._last_read = now
         return deltas, waited
 
     def _collect_decode(self, launch: _Launch, rows: list[tuple[int, _Request]], out: np.ndarray, count: np.ndarray,
@@ -688,9 +689,12 @@ class Scheduler:
         depth = shape_depth(launch.shape)
         if self._adaptive is not None:
             # Device time of the step: from its launch, or from the previous step's end if later.
-            seconds = None if launch.untimed else now - max(launch.launched, self._last_decode_read)
+            # Its device time: from its launch, or from the end of the program before it (a prefill
+            # of the same iteration, or the previous step), whichever is later. Not timed when a
+            # program compiled between its launch and now (the host was busy compiling).
+            compiled = self.programs.num_compiles != launch.compiles
+            seconds = None if launch.untimed or compiled else now - max(launch.launched, self._last_read)
             self._adaptive.observe(launch.shape, launch.key, seconds, {req.id: int(count[i]) - 1 for i, req in rows})
-        self._last_decode_read = now
         deltas = []
         for i, req in rows:
             k = int(count[i])

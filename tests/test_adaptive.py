@@ -55,16 +55,23 @@ def test_choice_maximises_expected_tokens_per_second():
     assert ctl2.choose(["a", "b"], KEY) is None
 
 
-def test_untimed_shapes_are_measured_once_unless_predicted_to_lose():
+def test_untimed_shapes_are_measured_unless_predicted_to_lose():
     ctl = AdaptiveSpeculation(AutoSpec(menu=(None, C3)))
     assert ctl.choose(["a"], KEY) is None  # nothing timed yet: measure no-spec first
-    ctl.observe(None, KEY, 1.0, {})
+    for _ in range(3):  # a shape counts as timed after 3 samples (their median)
+        ctl.observe(None, KEY, 1.0, {})
+    for _ in range(ctl.explore_after - 1):  # a key is explored only once it is visited often
+        assert ctl.choose(["a"], KEY) is None
     assert ctl.choose(["a"], KEY) == C3
-    ctl.observe(C3, KEY, 10.0, {"a": 0})
+    for seconds in (10.0, 99.0, 10.0):  # one outlier: the median ignores it
+        ctl.observe(C3, KEY, seconds, {"a": 0})
+    assert ctl.costs.measured(C3, KEY) == 10.0
     # At a new key, C3 is predicted (from KEY, scaled by no-spec's time here) to lose clearly.
     other = (16, 4)
+    ctl.explore_after = 0
     assert ctl.choose(["a"], other) is None
-    ctl.observe(None, other, 2.0, {})
+    for _ in range(3):
+        ctl.observe(None, other, 2.0, {})
     assert ctl.choose(["a"], other) is None and ctl.costs.measured(C3, other) is None
     assert ctl.costs.predicted(C3, other, ctl.auto.menu) == pytest.approx(20.0)
 

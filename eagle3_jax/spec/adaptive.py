@@ -16,8 +16,9 @@ one of them. The choice maximises
   speculating.
 - cost(shape, batch, context) is the measured wall time of that compiled program: the key is the
   program's own (batch bucket, block-table width), so the context length is in the model (long
-  KV makes verifying many tokens dearer). Steps that compiled are not timed. A shape not yet timed
-  at a key is run once to measure it, unless timings at the nearest key where both it and an
+  KV makes verifying many tokens dearer): the median of its last samples. Steps during which a
+  program compiled are not timed. At a key visited more than 8 times, a shape not yet timed runs
+  until it has 3 samples, unless timings at the nearest key where both it and an
   already-timed shape ran predict it to lose clearly (`skip_margin`); it then keeps that estimate.
 
 Hysteresis: the step keeps the previous shape unless another promises more than
@@ -215,16 +216,20 @@ Key = tuple[int, int]  # (batch bucket, block-table width bucket) of a decode pr
 
 
 class StepCosts:
-    """Measured wall time of each (shape, batch, width) program, as an exponential moving average."""
+    """Measured wall time of each (shape, batch, width) program: the median of its last `window`
+    samples (a shared host's hiccups and collections land in single samples; a median ignores them)."""
 
-    def __init__(self, rate: float = 0.3):
-        self.rate = rate
+    def __init__(self, window: int = 15, min_samples: int = 3):
+        self.window, self.min_samples = window, min_samples
+        self._samples: dict[tuple[str, Key], collections.deque] = {}
         self._seconds: dict[tuple[str, Key], float] = {}
 
     def observe(self, shape: Shape, key: Key, seconds: float) -> None:
         k = (shape_name(shape), key)
-        old = self._seconds.get(k)
-        self._seconds[k] = seconds if old is None else old + self.rate * (seconds - old)
+        samples = self._samples.setdefault(k, collections.deque(maxlen=self.window))
+        samples.append(seconds)
+        if len(samples) >= self.min_samples:  # fewer: still being measured
+            self._seconds[k] = float(np.median(samples))
 
     def measured(self, shape: Shape, key: Key) -> float | None:
         return self._seconds.get((shape_name(shape), key))
@@ -266,6 +271,11 @@ class AdaptiveSpeculation:
                                      auto.request_decay)
         self.costs = StepCosts()
         self.current: Shape = None
+        # Steps chosen at each key: a key is explored (each shape's program compiled and timed)
+        # only once it has been visited `explore_after` times, so passing batch sizes (requests
+        # coming and going) compile one program each, as with a fixed shape.
+        self.key_steps: collections.Counter = collections.Counter()
+        self.explore_after = 8
         self.choices: collections.Counter = collections.Counter()
 
     def choose(self, request_ids: Sequence[str], key: Key, speculate: bool = False) -> Shape:
@@ -283,12 +293,16 @@ class AdaptiveSpeculation:
 
     def _choose(self, request_ids: Sequence[str], key: Key) -> Shape:
         menu, auto = self.auto.menu, self.auto
+        self.key_steps[key] += 1
         rates = {s: self.rate(s, request_ids, key) for s in menu}
         known = {s: r for s, r in rates.items() if r is not None}
         best_known = max(known.values(), default=0.0)
-        for s in menu:  # time each shape once at this key, unless predicted to lose clearly
-            if self.costs.measured(s, key) is None and (rates[s] is None or rates[s] >= (1 - auto.skip_margin) * best_known):
-                return s
+        if self.key_steps[key] > self.explore_after or not known:
+            for s in menu:  # time each shape at this key, unless predicted to lose clearly
+                if self.costs.measured(s, key) is None and (rates[s] is None or rates[s] >= (1 - auto.skip_margin) * best_known):
+                    return s
+        if not known:
+            return self.current
         best = max(known, key=known.__getitem__)
         if self.current in known and known[best] <= (1 + auto.hysteresis) * known[self.current]:
             return self.current
