@@ -163,3 +163,29 @@ def test_engine_refuses_auto_with_a_clear_message(mla_pair):
     target, draft = mla_pair
     with pytest.raises(ValueError, match="Scheduler"):
         e3.Engine(target, draft=draft, spec=e3.SpecConfig.auto())
+
+
+def test_metrics_report_the_shapes_chosen():
+    """/metrics (serving.metrics) exposes the steps each shape ran and acceptance per drafted position."""
+    from prometheus_client.parser import text_string_to_metric_families
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from eagle3_jax.serving.async_engine import stats_since
+    from eagle3_jax.serving.metrics import engine_metrics
+
+    before = {"num_decode_steps_total": 2, "per_position_accepted_total": [1, 0], "per_position_drafted_total": [2, 2],
+              "adaptive": {"steps_by_shape": {"none": 1, "chain:2:1:3": 1}}}
+    after = {"num_decode_steps_total": 10, "per_position_accepted_total": [5, 2], "per_position_drafted_total": [6, 4],
+             "adaptive": {"steps_by_shape": {"none": 5, "chain:2:1:3": 3, "chain:1:1:2": 2}}}
+
+    class Snapshot:
+        def collect(self):
+            return engine_metrics(stats_since(after, before))
+
+    registry = CollectorRegistry()
+    registry.register(Snapshot())
+    families = {f.name: f for f in text_string_to_metric_families(generate_latest(registry).decode())}
+    steps = {s.labels["shape"]: s.value for s in families["eagle3_spec_steps"].samples if s.name.endswith("_total")}
+    assert steps == {"none": 4, "chain:2:1:3": 2, "chain:1:1:2": 2}
+    rates = {s.labels["position"]: s.value for s in families["eagle3_spec_acceptance_rate"].samples}
+    assert rates == {"1": 4 / 4, "2": 2 / 2}

@@ -42,7 +42,8 @@ logger = logging.getLogger(__name__)
 
 # Cumulative scheduler counters, counted from AsyncEngine.start().
 COUNTER_KEYS = ("num_preemptions", "num_requests_finished", "num_requests_aborted", "prompt_tokens_total",
-                "generation_tokens_total", "num_decode_steps_total", "accepted_tokens_total")
+                "generation_tokens_total", "num_decode_steps_total", "accepted_tokens_total", "num_iterations_total",
+                "host_seconds_total")
 
 
 def stats_since(stats: dict[str, Any], baseline: dict[str, Any]) -> dict[str, Any]:
@@ -52,9 +53,14 @@ def stats_since(stats: dict[str, Any], baseline: dict[str, Any]) -> dict[str, An
     for key in COUNTER_KEYS:
         if key in out and key in baseline:
             out[key] = out[key] - baseline[key]
-    per_pos, base_pos = stats.get("per_position_accepted_total"), baseline.get("per_position_accepted_total")
-    if per_pos is not None and base_pos is not None:
-        out["per_position_accepted_total"] = [a - b for a, b in zip(per_pos, base_pos)]
+    for key in ("per_position_accepted_total", "per_position_drafted_total"):
+        now, base = stats.get(key), baseline.get(key)
+        if now is not None and base is not None:
+            out[key] = [a - b for a, b in zip(now, base)]
+    if "adaptive" in stats and "adaptive" in baseline:
+        old = baseline["adaptive"]["steps_by_shape"]
+        steps = {k: v - old.get(k, 0) for k, v in stats["adaptive"]["steps_by_shape"].items()}
+        out["adaptive"] = dict(stats["adaptive"], steps_by_shape=steps)
     if "mean_accept_length" in out and "num_decode_steps_total" in out:
         steps = out["num_decode_steps_total"]
         out["mean_accept_length"] = out.get("accepted_tokens_total", 0) / steps if steps else 1.0

@@ -36,6 +36,10 @@ COUNTERS: tuple[tuple[str, str, str], ...] = (
     ("eagle3_preemptions", "Requests preempted to free KV pages.", "num_preemptions"),
     ("eagle3_decode_steps", "Verify passes, summed over requests.", "num_decode_steps_total"),
     ("eagle3_accepted_tokens", "Tokens emitted by verify passes (tau summed over passes).", "accepted_tokens_total"),
+    ("eagle3_scheduler_iterations", "Scheduler iterations (each launches a prefill and / or a decode step).",
+     "num_iterations_total"),
+    ("eagle3_scheduler_host_seconds", "Host time of scheduler iterations not spent waiting for the device.",
+     "host_seconds_total"),
 )
 GAUGES: tuple[tuple[str, str, str], ...] = (
     ("eagle3_num_requests_waiting", "Requests queued in the scheduler, not yet running.", "num_waiting"),
@@ -64,11 +68,19 @@ def engine_metrics(stats: Mapping[str, Any]) -> Iterator[Metric]:
     per_pos = stats.get("per_position_accepted_total")
     if per_pos is not None:
         steps = stats.get("num_decode_steps_total") or 0
-        rate = GaugeMetricFamily("eagle3_spec_acceptance_rate", "Fraction of verify passes accepting at least "
-                                 "`position` draft tokens.", labels=["position"])
-        for k, n in enumerate(per_pos, 1):
-            rate.add_metric([str(k)], n / steps if steps else 0.0)
+        drafted = stats.get("per_position_drafted_total") or [steps] * len(per_pos)
+        rate = GaugeMetricFamily("eagle3_spec_acceptance_rate", "Fraction of verify passes that drafted `position` "
+                                 "tokens accepting at least `position` draft tokens.", labels=["position"])
+        for k, (n, d) in enumerate(zip(per_pos, drafted), 1):
+            rate.add_metric([str(k)], n / d if d else 0.0)
         yield rate
+    adaptive = stats.get("adaptive")
+    if adaptive is not None:  # adaptive speculation: what the steps ran
+        shapes = CounterMetricFamily("eagle3_spec_steps", "Decode steps by the speculation shape adaptive "
+                                     "speculation chose (none, chain:k:1:k+1, ...).", labels=["shape"])
+        for shape, n in sorted(adaptive["steps_by_shape"].items()):
+            shapes.add_metric([shape], n)
+        yield shapes
     yield GaugeMetricFamily("eagle3_engine_healthy", "1 while the engine thread runs and steps.",
                             value=int(bool(stats.get("engine_healthy"))))
 
