@@ -148,14 +148,13 @@ def draft_cfg(**over) -> dict:
     return {k: v for k, v in c.items() if v is not None}
 
 
-def hf_weights(c: dict, seed: int = 0, with_embed: bool = True, spelling: str = "midlayer", d2t=None) -> dict:
-    """Random weights under HF draft key names ([out, in] matrices)."""
+def _hf_draft_weights(c: dict, seed: int, with_embed: bool, spelling: str, d2t, attention, target_h: int,
+                      with_t2d: bool) -> dict:
+    """Random draft weights under HF key names ([out, in] matrices); `attention(prefix, width, mat,
+    norm)` gives a layer's attention tensors."""
     rng = np.random.default_rng(seed)
-    h, nh, nkv = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"]
-    d = c.get("head_dim") or h // nh
-    th = c.get("target_hidden_size") or h
-    dv = c.get("draft_vocab_size") or c["vocab_size"]
-    inter = c["intermediate_size"]
+    h, inter = c["hidden_size"], c["intermediate_size"]
+    vd = c.get("draft_vocab_size") or c["vocab_size"]
 
     def mat(out, inp):
         return (rng.standard_normal((out, inp)) / np.sqrt(inp)).astype(np.float32)
@@ -163,7 +162,7 @@ def hf_weights(c: dict, seed: int = 0, with_embed: bool = True, spelling: str = 
     def norm(n):
         return (1 + 0.1 * rng.standard_normal(n)).astype(np.float32)
 
-    w = {"fc.weight": mat(h, 3 * th), "norm.weight": norm(h), "lm_head.weight": mat(dv, h)}
+    w = {"fc.weight": mat(h, 3 * target_h), "norm.weight": norm(h), "lm_head.weight": mat(vd, h)}
     if with_embed:
         w["embed_tokens.weight"] = rng.standard_normal((c["vocab_size"], h)).astype(np.float32)
     for i in range(c["num_hidden_layers"]):
@@ -172,21 +171,31 @@ def hf_weights(c: dict, seed: int = 0, with_embed: bool = True, spelling: str = 
         w[p + "input_layernorm.weight"] = norm(h)
         if i == 0:
             w[p + "hidden_norm.weight"] = norm(h)
-        w[p + "self_attn.q_proj.weight"] = mat(nh * d, width)
-        w[p + "self_attn.k_proj.weight"] = mat(nkv * d, width)
-        w[p + "self_attn.v_proj.weight"] = mat(nkv * d, width)
-        w[p + "self_attn.o_proj.weight"] = mat(h, nh * d)
+        w.update(attention(p, width, mat, norm))
         w[p + "post_attention_layernorm.weight"] = norm(h)
         w[p + "mlp.gate_proj.weight"] = mat(inter, h)
         w[p + "mlp.up_proj.weight"] = mat(inter, h)
         w[p + "mlp.down_proj.weight"] = mat(h, inter)
-    if dv != c["vocab_size"]:
-        d2t = np.zeros(dv, np.int64) if d2t is None else np.asarray(d2t, np.int64)
+    if vd != c["vocab_size"]:
+        d2t = np.zeros(vd, np.int64) if d2t is None else np.asarray(d2t, np.int64)
         w["d2t"] = d2t
-        t2d = np.zeros(c["vocab_size"], bool)
-        t2d[np.clip(np.arange(dv) + d2t, 0, c["vocab_size"] - 1)] = True
-        w["t2d"] = t2d
+        if with_t2d:
+            t2d = np.zeros(c["vocab_size"], bool)
+            t2d[np.clip(np.arange(vd) + d2t, 0, c["vocab_size"] - 1)] = True
+            w["t2d"] = t2d
     return w
+
+
+def hf_weights(c: dict, seed: int = 0, with_embed: bool = True, spelling: str = "midlayer", d2t=None) -> dict:
+    """Random weights of a Llama-layer draft under HF draft key names ([out, in] matrices)."""
+    h, nh, nkv = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"]
+    d = c.get("head_dim") or h // nh
+
+    def gqa(p, width, mat, norm):
+        return {p + "self_attn.q_proj.weight": mat(nh * d, width), p + "self_attn.k_proj.weight": mat(nkv * d, width),
+                p + "self_attn.v_proj.weight": mat(nkv * d, width), p + "self_attn.o_proj.weight": mat(h, nh * d)}
+
+    return _hf_draft_weights(c, seed, with_embed, spelling, d2t, gqa, c.get("target_hidden_size") or h, with_t2d=True)
 
 
 def write_draft(folder, c: dict, w: dict, fmt: str = "safetensors") -> str:
@@ -425,27 +434,12 @@ def mla_draft_cfg(**over) -> dict:
 
 def mla_hf_weights(c: dict, seed: int = 0, with_embed: bool = True, spelling: str = "midlayer", d2t=None) -> dict:
     """Random weights of an MLA draft under the published HF names ([out, in] matrices)."""
-    rng = np.random.default_rng(seed)
     h, nh = c["hidden_size"], c["num_attention_heads"]
     dn, dr, dv, r = c["qk_nope_head_dim"], c["qk_rope_head_dim"], c["v_head_dim"], c["kv_lora_rank"]
-    ql, inter = c.get("q_lora_rank"), c["intermediate_size"]
-    vd = c.get("draft_vocab_size") or c["vocab_size"]
+    ql = c.get("q_lora_rank")
 
-    def mat(out, inp):
-        return (rng.standard_normal((out, inp)) / np.sqrt(inp)).astype(np.float32)
-
-    def norm(n):
-        return (1 + 0.1 * rng.standard_normal(n)).astype(np.float32)
-
-    w = {"fc.weight": mat(h, 3 * TARGET_H), "norm.weight": norm(h), "lm_head.weight": mat(vd, h)}
-    if with_embed:
-        w["embed_tokens.weight"] = rng.standard_normal((c["vocab_size"], h)).astype(np.float32)
-    for i in range(c["num_hidden_layers"]):
-        p = ("midlayer." if spelling == "midlayer" else "layers.0.") if i == 0 else f"layers.{i}."
-        width = 2 * h if i == 0 else h
-        w[p + "input_layernorm.weight"] = norm(h)
-        if i == 0:
-            w[p + "hidden_norm.weight"] = norm(h)
+    def mla(p, width, mat, norm):
+        w = {}
         if ql:
             w[p + "self_attn.q_a_proj.weight"] = mat(ql, width)
             w[p + "self_attn.q_a_layernorm.weight"] = norm(ql)
@@ -456,13 +450,9 @@ def mla_hf_weights(c: dict, seed: int = 0, with_embed: bool = True, spelling: st
         w[p + "self_attn.kv_a_layernorm.weight"] = norm(r)
         w[p + "self_attn.kv_b_proj.weight"] = mat(nh * (dn + dv), r)
         w[p + "self_attn.o_proj.weight"] = mat(h, nh * dv)
-        w[p + "post_attention_layernorm.weight"] = norm(h)
-        w[p + "mlp.gate_proj.weight"] = mat(inter, h)
-        w[p + "mlp.up_proj.weight"] = mat(inter, h)
-        w[p + "mlp.down_proj.weight"] = mat(h, inter)
-    if vd != c["vocab_size"]:
-        w["d2t"] = np.asarray(np.zeros(vd) if d2t is None else d2t, np.int64)
-    return w
+        return w
+
+    return _hf_draft_weights(c, seed, with_embed, spelling, d2t, mla, TARGET_H, with_t2d=False)
 
 
 def np_yarn_mscale(factor: float, mscale: float) -> float:
