@@ -53,11 +53,12 @@ class SamplingArrays:
     def from_params(params: Sequence[SamplingParams], batch: int) -> "SamplingArrays":
         pad = batch - len(params)
         params = list(params) + [SamplingParams()] * pad
+        # Host arrays: the jitted step takes them as they are (no per-array device dispatch).
         return SamplingArrays(
-            temperature=jnp.asarray([p.temperature for p in params], jnp.float32),
-            top_k=jnp.asarray([p.top_k for p in params], jnp.int32),
-            top_p=jnp.asarray([p.top_p for p in params], jnp.float32),
-            seed=jnp.asarray([p.seed for p in params], jnp.uint32),
+            temperature=np.asarray([p.temperature for p in params], np.float32),
+            top_k=np.asarray([p.top_k for p in params], np.int32),
+            top_p=np.asarray([p.top_p for p in params], np.float32),
+            seed=np.asarray([p.seed for p in params], np.uint32),
         )
 
 

@@ -39,6 +39,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
+import statistics
 from typing import Iterable, Sequence
 
 import numpy as np
@@ -229,7 +230,7 @@ class StepCosts:
         samples = self._samples.setdefault(k, collections.deque(maxlen=self.window))
         samples.append(seconds)
         if len(samples) >= self.min_samples:  # fewer: still being measured
-            self._seconds[k] = float(np.median(samples))
+            self._seconds[k] = statistics.median(samples)
 
     def measured(self, shape: Shape, key: Key) -> float | None:
         return self._seconds.get((shape_name(shape), key))
