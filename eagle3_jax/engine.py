@@ -3,8 +3,8 @@
 Requests run in waves of up to `max_batch_size`. Shapes are bucketed (batch and cache length to
 powers of two, prompt length to a power of two >= 16) so a handful of programs serve every wave.
 Each decode step is one jitted program with the caches donated: without a draft, a forward over
-one token per row -> sample -> commit; with an EAGLE-3 draft, spec/step.py's verify -> accept ->
-commit -> draft extend -> draft expand, emitting 1..max_accept+1 tokens per row. The host reads a
+one token per row -> sample -> commit; with an EAGLE-3 draft, spec/step.py's draft expand ->
+verify -> accept -> commit -> draft extend, emitting 1..max_accept+1 tokens per row. The host reads a
 step's tokens while the next step already runs on the device, so device work never waits on
 stop-token checks.
 """

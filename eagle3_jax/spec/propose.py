@@ -1,4 +1,5 @@
-"""Draft side of a step: extend over newly accepted pairs, then expand the next tree (EAGLE-2).
+"""Draft side of a step: expand a tree from the draft root (EAGLE-2), and after verification extend
+the draft over the newly accepted pairs, which gives the next root.
 
 Between steps a sequence's draft state is its `DraftRoot`: the last emitted token and the draft's
 output hidden for the last accepted pair. A step first proposes a tree from it (`propose`), so
