@@ -2,7 +2,6 @@
 greedy output equal to plain decoding whatever shapes the steps run, with the draft cache kept
 complete through steps that do not speculate."""
 
-import collections
 import itertools
 
 import numpy as np
@@ -190,16 +189,3 @@ def test_metrics_report_the_shapes_chosen():
     assert steps == {"none": 4, "chain:2:1:3": 2, "chain:1:1:2": 2}
     rates = {s.labels["position"]: s.value for s in families["eagle3_spec_acceptance_rate"].samples}
     assert rates == {"1": 4 / 4, "2": 2 / 2}
-
-
-def test_shapes_not_timed_for_a_while_are_timed_afresh():
-    """A verdict from early, noisy samples does not stick: after refresh_after steps at a key, a shape
-    that has not run is measured again, and wins if it is now the faster."""
-    ctl = AdaptiveSpeculation(AutoSpec(menu=(None, C1)))
-    teach(ctl, {"none": 3.0, "chain:1:1:2": 1.0}, accepted=0, rows=("a",), steps=3)  # no-spec timed slow once
-    runs = collections.Counter()
-    for _ in range(ctl.refresh_after + 20):
-        shape = ctl.choose(["a"], KEY)
-        runs[shape_name(shape)] += 1
-        ctl.observe(shape, KEY, {"none": 1.0, "chain:1:1:2": 1.2}[shape_name(shape)], {} if shape is None else {"a": 0})
-    assert ctl.current is None and runs["none"] >= 3  # re-timed at its true cost and chosen

@@ -17,8 +17,8 @@ one of them. The choice maximises
 - cost(shape, batch, context) is the measured wall time of that compiled program: the key is the
   program's own (batch bucket, block-table width), so the context length is in the model (long
   KV makes verifying many tokens dearer): the median of its last samples. Steps during which a
-  program compiled are not timed. At a key visited more than 8 times, a shape not yet timed (or
-  not timed for its last 256 steps: costs drift) runs until it has 3 samples, unless timings at the nearest key where both it and an
+  program compiled are not timed. At a key visited more than 8 times, a shape not yet timed runs
+  until it has 3 samples, unless timings at the nearest key where both it and an
   already-timed shape ran predict it to lose clearly (`skip_margin`); it then keeps that estimate.
 
 Hysteresis: the step keeps the previous shape unless another promises more than
@@ -232,10 +232,6 @@ class StepCosts:
         if len(samples) >= self.min_samples:  # fewer: still being measured
             self._seconds[k] = statistics.median(samples)
 
-    def forget(self, shape: Shape, key: Key) -> None:
-        self._samples.pop((shape_name(shape), key), None)
-        self._seconds.pop((shape_name(shape), key), None)
-
     def measured(self, shape: Shape, key: Key) -> float | None:
         return self._seconds.get((shape_name(shape), key))
 
@@ -281,10 +277,6 @@ class AdaptiveSpeculation:
         # coming and going) compile one program each, as with a fixed shape.
         self.key_steps: collections.Counter = collections.Counter()
         self.explore_after = 8
-        # A shape not timed at a key for `refresh_after` of its steps is timed afresh: costs drift
-        # (a shape explored early, on a cold machine or cache, would otherwise keep that verdict).
-        self.timed_at: dict[tuple[str, Key], int] = {}
-        self.refresh_after = 256
         self.choices: collections.Counter = collections.Counter()
 
     def choose(self, request_ids: Sequence[str], key: Key, speculate: bool = False) -> Shape:
@@ -303,10 +295,6 @@ class AdaptiveSpeculation:
     def _choose(self, request_ids: Sequence[str], key: Key) -> Shape:
         menu, auto = self.auto.menu, self.auto
         self.key_steps[key] += 1
-        for s in menu:
-            if self.key_steps[key] - self.timed_at.get((shape_name(s), key), 0) > self.refresh_after:
-                self.costs.forget(s, key)
-                self.timed_at[(shape_name(s), key)] = self.key_steps[key]
         rates = {s: self.rate(s, request_ids, key) for s in menu}
         known = {s: r for s, r in rates.items() if r is not None}
         best_known = max(known.values(), default=0.0)
@@ -334,7 +322,6 @@ class AdaptiveSpeculation:
         """A finished step: its wall time (None if it compiled) and draft tokens accepted per request."""
         if seconds is not None:
             self.costs.observe(shape, key, seconds)
-            self.timed_at[(shape_name(shape), key)] = self.key_steps[key]
         if shape is not None:
             self.acceptance.observe(shape, accepted)
 
