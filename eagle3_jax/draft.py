@@ -188,8 +188,14 @@ def draft_forward(params: dict, cfg: DraftConfig, embeds: jax.Array, hidden: jax
             attn, cache = gqa_block(p, lc, x, positions, cache, jnp.int32(layer), mask, tree_mask, prefix_lengths)
         h = residual + attn
         residual = h + swiglu(rms_norm(h, p["mlp_norm"], lc.rms_norm_eps), p["gate_proj"], p["up_proj"], p["down_proj"])
-    logits = linear(rms_norm(residual, params["final_norm"], lc.rms_norm_eps), params["lm_head"], out_dtype=jnp.float32)
+    logits = draft_head(params, cfg, residual)
     return logits, residual, cache
+
+
+def draft_head(params: dict, cfg: DraftConfig, hidden: jax.Array) -> jax.Array:
+    """Draft-vocab logits (float32) from draft output hiddens (final norm, then lm_head)."""
+    return linear(rms_norm(hidden, params["final_norm"], cfg.layers.rms_norm_eps), params["lm_head"],
+                  out_dtype=jnp.float32)
 
 
 def project_features(params: dict, aux: jax.Array) -> jax.Array:

@@ -8,8 +8,8 @@
   on stderr, `<script>: error: <what is wrong and how to fix it>`, and exit status 2, the
   convention of argparse. The errors taken for the user's are `app.UsageError`, absl flag errors,
   the library's own error types for bad input (`ConfigError`, `CheckpointError`, `TokenizerError`,
-  `CapacityError`) and a missing or unreadable file. Anything else is a bug and keeps its
-  traceback; so does every error with `--verbose`.
+  `CapacityError`, GSM8K's `DataError`) and a missing or unreadable file. Anything else is a bug
+  and keeps its traceback; so does every error with `--verbose`.
 - JAX, Orbax and absl log at WARNING unless `--verbose` (INFO) or an explicit `--verbosity` asks
   for more.
 
@@ -42,6 +42,7 @@ _LIBRARY_USER_ERRORS = (
     ("eagle3_jax.checkpoint.errors", "CheckpointError"),
     ("eagle3_jax.tokenizer", "TokenizerError"),
     ("eagle3_jax.scheduler", "CapacityError"),
+    ("eagle3_jax.bench.gsm8k", "DataError"),
 )
 
 

@@ -42,14 +42,14 @@ import os
 import sys
 from typing import Sequence
 
-from absl import app, flags, logging
+from absl import app, flags
 
 # Run from a checkout without installing: make the repository's package importable.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import _cli  # noqa: E402
 from _shared_flags import define_mesh_flags, define_quant_flags, mesh_from_flags, quant_options  # noqa: E402
 
-PROG = "eval_gsm8k.py"
 FLAGS = flags.FLAGS
 flags.DEFINE_string("target", None, "Target model folder (HF or Orbax) for in-process runs.")
 flags.DEFINE_alias("model", "target")
@@ -88,63 +88,38 @@ flags.DEFINE_bool("warmup", True, "Answer the first --concurrency questions once
                   "so that its tokens/s mostly excludes compilation (in-process, or on a fresh server).")
 flags.DEFINE_bool("progress", True, "Show tqdm progress bars.")
 
-_HELP_FLAGS = ("--help", "-help", "-h", "--helpshort", "-helpshort", "--helpfull", "-helpfull", "--helpxml",
-               "-helpxml", "-?")
-
-
-class UserError(Exception):
-    """A mistake in the command line or its inputs: one line naming it and the fix, exit status 2."""
-
-
-def parse_flags(argv: list[str]) -> list[str]:
-    """absl's flag parsing, but a bad flag is one line with exit status 2, and --help exits 0."""
-    try:
-        return FLAGS(argv)
-    except flags.Error as e:
-        _fail(f"{e}; see --help")
-    except SystemExit:  # absl's help flags print the usage, then exit 1
-        if any(a.split("=")[0] in _HELP_FLAGS for a in argv[1:]):
-            raise SystemExit(0) from None
-        raise
-
-
-def _fail(message: str) -> None:
-    sys.stderr.write(f"{PROG}: {message}\n")
-    sys.exit(2)
-
-
 def _template_dir(tok_path: str) -> str:
     """The folder a chat template is read from: the tokenizer folder, or the folder of a tokenizer.json."""
     return os.path.dirname(tok_path) if tok_path.endswith(".json") else tok_path
 
 
 def check_prompt_lengths(lengths: Sequence[int], max_seq_len: int) -> None:
-    """UserError unless every prompt leaves room for at least one answer token."""
+    """A usage error unless every prompt leaves room for at least one answer token."""
     over = [n for n in lengths if n >= max_seq_len]
     if over:
-        raise UserError(f"{len(over)} of {len(lengths)} prompts have >= max_seq_len={max_seq_len} tokens (longest "
+        raise app.UsageError(f"{len(over)} of {len(lengths)} prompts have >= max_seq_len={max_seq_len} tokens (longest "
                         f"{max(lengths)}); lower --num_fewshot or raise --max_seq_len (up to what the model supports)")
 
 
 def _usage_checks() -> None:
     if FLAGS.base_url:
         if FLAGS["spec"].present:
-            raise UserError("with --base_url each server runs its own speculation; drop --spec and name the runs "
+            raise app.UsageError("with --base_url each server runs its own speculation; drop --spec and name the runs "
                             "with --labels")
         if FLAGS.mesh or FLAGS.distributed:
-            raise UserError("--mesh and --distributed are for the in-process model; a server has its own "
+            raise app.UsageError("--mesh and --distributed are for the in-process model; a server has its own "
                             "(scripts/serve.py --mesh)")
         if FLAGS.labels and len(FLAGS.labels) != len(FLAGS.base_url):
-            raise UserError(f"--labels names {len(FLAGS.labels)} runs but --base_url lists {len(FLAGS.base_url)}")
+            raise app.UsageError(f"--labels names {len(FLAGS.labels)} runs but --base_url lists {len(FLAGS.base_url)}")
         if len(set(FLAGS.base_url)) != len(FLAGS.base_url):
-            raise UserError("--base_url lists a server more than once")
+            raise app.UsageError("--base_url lists a server more than once")
         if FLAGS.target is not None or FLAGS.draft is not None:
-            raise UserError("--target and --draft are for in-process runs; with --base_url the servers hold the "
+            raise app.UsageError("--target and --draft are for in-process runs; with --base_url the servers hold the "
                             "models (drop them, or drop --base_url)")
     elif FLAGS.target is None:
-        raise UserError("give --target (a model folder, for an in-process run) or --base_url (a running server)")
+        raise app.UsageError("give --target (a model folder, for an in-process run) or --base_url (a running server)")
     elif FLAGS.labels:
-        raise UserError("--labels names --base_url runs; in-process runs are named by --spec")
+        raise app.UsageError("--labels names --base_url runs; in-process runs are named by --spec")
 
 
 def load_inputs():
@@ -154,13 +129,13 @@ def load_inputs():
     try:
         problems = gsm8k.load_problems(FLAGS.data or gsm8k.DEFAULT_TEST_FILE, FLAGS.limit)
     except gsm8k.DataError as e:
-        raise UserError(f"--data: {e}") from None
+        raise app.UsageError(f"--data: {e}") from None
     try:
         shots = gsm8k.load_problems(FLAGS.fewshot_file or gsm8k.DEFAULT_FEWSHOT_FILE, FLAGS.num_fewshot)
     except gsm8k.DataError as e:
-        raise UserError(f"--fewshot_file: {e}") from None
+        raise app.UsageError(f"--fewshot_file: {e}") from None
     if len(shots) < FLAGS.num_fewshot:
-        raise UserError(f"--num_fewshot={FLAGS.num_fewshot} but the few-shot file has only {len(shots)} examples; "
+        raise app.UsageError(f"--num_fewshot={FLAGS.num_fewshot} but the few-shot file has only {len(shots)} examples; "
                         "lower --num_fewshot or pass a longer --fewshot_file")
     return problems, shots
 
@@ -180,9 +155,9 @@ def run_servers(problems, shots) -> tuple[list, dict]:
                 ask(conversations[:FLAGS.concurrency])
             out = ask(conversations, progress=FLAGS.progress, desc=label)
         except ConnectionError as e:
-            raise UserError(str(e)) from None
+            raise app.UsageError(str(e)) from None
         except RuntimeError as e:  # a refused request (e.g. a prompt over the server's max_seq_len) or a failed one
-            raise UserError(f"{label}: {e}") from None
+            raise app.UsageError(f"{label}: {e}") from None
         runs.append((label, out))
     return runs, {"mode": "HTTP " + ", ".join(FLAGS.base_url)}
 
@@ -198,10 +173,10 @@ def run_in_process(problems, shots) -> tuple[list, dict]:
     try:
         settings = ordered(parse_specs(FLAGS.spec))
     except ValueError as e:
-        raise UserError(f"--spec: {e}") from None
+        raise app.UsageError(f"--spec: {e}") from None
     needs_draft = any(s.spec is not None for s in settings)
     if needs_draft and FLAGS.draft is None:
-        raise UserError("a speculative --spec setting needs --draft (an EAGLE-3 draft folder); or use --spec=none")
+        raise app.UsageError("a speculative --spec setting needs --draft (an EAGLE-3 draft folder); or use --spec=none")
     mesh = mesh_from_flags()
     tok_path = FLAGS.tokenizer or FLAGS.target
     try:  # config, tokenizer and prompts first: their errors come before a long weight load
@@ -221,7 +196,7 @@ def run_in_process(problems, shots) -> tuple[list, dict]:
         draft = e3.load_draft(FLAGS.draft, target=target, dtype=FLAGS.dtype,
                               fp8_format=FLAGS.fp8_format) if needs_draft else None
     except (e3.ConfigError, CheckpointError, TokenizerError, FileNotFoundError, ValueError) as e:
-        raise UserError(str(e)) from None
+        raise app.UsageError(str(e)) from None
     stop_ids = tuple(dict.fromkeys([*target.config.eos_token_ids, *tok.eos_ids]))
     runs = []
     for s in settings:
@@ -244,10 +219,7 @@ def run_in_process(problems, shots) -> tuple[list, dict]:
 
 
 def run(argv: Sequence[str]) -> None:
-    if len(argv) > 1:
-        raise UserError(f"unexpected arguments: {' '.join(argv[1:])}")
-    if not FLAGS["verbosity"].present:
-        logging.set_verbosity(logging.WARNING)  # keep JAX / Orbax INFO lines out of the report
+    _cli.reject_positional(argv)
     _usage_checks()
     from eagle3_jax.bench import gsm8k
 
@@ -279,28 +251,5 @@ def run(argv: Sequence[str]) -> None:
         print(f"wrote {FLAGS.output}")
 
 
-def _is_user_error(e: BaseException) -> bool:
-    """The library's errors that name a user mistake (bad path, config, tokenizer, data, KV capacity).
-
-    Imported only now: a mistake found before the model loads should not wait for JAX to import."""
-    from eagle3_jax.bench.gsm8k import DataError
-    from eagle3_jax.config import ConfigError
-    from eagle3_jax.scheduler import CapacityError
-    from eagle3_jax.tokenizer import TokenizerError
-
-    return isinstance(e, (DataError, ConfigError, CapacityError, TokenizerError, FileNotFoundError))
-
-
-def main(argv: Sequence[str]) -> None:
-    try:
-        run(argv)
-    except (UserError, app.UsageError) as e:
-        _fail(str(e))
-    except (ValueError, FileNotFoundError) as e:
-        if not _is_user_error(e):
-            raise
-        _fail(str(e))
-
-
 if __name__ == "__main__":
-    app.run(main, flags_parser=parse_flags)
+    _cli.run(run)

@@ -271,9 +271,9 @@ def test_script_end_to_end_on_the_demo_pair(tmp_path):
     r = run_script(f"--target={KIMI}", f"--draft={KIMI_DRAFT}", "--spec=none,chain:3:1:4", "--num_fewshot=0",
                    "--limit=3", "--max_tokens=16", "--concurrency=2", "--noprogress", f"--output={out}")
     assert r.returncode == 0, r.stderr
-    assert "EAGLE-3 chain 3:1:4 vs no-spec: identical completions 1.000" in r.stdout
+    assert "EAGLE-3 chain:3:1:4 vs no-spec: identical completions 1.000" in r.stdout
     report = json.loads(out.read_text())
-    assert [row["label"] for row in report["runs"]] == ["no-spec", "EAGLE-3 chain 3:1:4"]
+    assert [row["label"] for row in report["runs"]] == ["no-spec", "EAGLE-3 chain:3:1:4"]
     assert report["config"]["num_questions"] == 3 and len(report["samples"]) == 3
     assert_usage_error(run_script("--base_url=http://127.0.0.1:1", "--limit=1"),  # nothing listens on port 1
                        "no server answers at http://127.0.0.1:1")

@@ -254,9 +254,6 @@ class StepCosts:
                     best, best_distance = here * seconds / ref_there, distance
         return best
 
-    def table(self) -> dict[str, float]:
-        return {f"{name}@b{b}w{w}": s for (name, (b, w)), s in sorted(self._seconds.items())}
-
 
 # ---- the choice ----------------------------------------------------------------------------------------
 

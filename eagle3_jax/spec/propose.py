@@ -24,9 +24,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from .. import kv_cache
-from ..draft import DraftConfig, draft_forward, draft_to_target_ids, project_features
-from ..layers import rms_norm
-from ..quant import linear
+from ..draft import DraftConfig, draft_forward, draft_head, draft_to_target_ids, project_features
 from .tree import SpecConfig
 
 
@@ -45,12 +43,6 @@ class DraftRoot:
 def root_only(token: jax.Array) -> DraftTree:
     """The tree of a step that does not speculate: the root alone."""
     return DraftTree(tokens=token[:, None].astype(jnp.int32), parents=jnp.zeros((token.shape[0], 1), jnp.int32))
-
-
-def draft_head(params: dict, cfg: DraftConfig, hidden: jax.Array) -> jax.Array:
-    """Draft-vocab logits (float32) from draft output hiddens (final norm, then lm_head)."""
-    return linear(rms_norm(hidden, params["final_norm"], cfg.layers.rms_norm_eps), params["lm_head"],
-                  out_dtype=jnp.float32)
 
 
 def propose(params: dict, cfg: DraftConfig, cache: kv_cache.KVCache, root: DraftRoot,
