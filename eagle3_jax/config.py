@@ -159,6 +159,8 @@ class ModelConfig:
     aux_layer_ids: tuple[int, ...] = ()  # hidden_states indices captured for the draft
     # run time: which ops run Pallas kernels, e.g. "attention=pallas,moe=xla" (kernels.py; load_target's `kernels`)
     kernels: str = "xla"
+    # run time: batch-invariant numerics (invariant.py; load_target's `batch_invariant`)
+    batch_invariant: bool = False
 
     # ---- derived -----------------------------------------------------------------------------
     def is_moe_layer(self, i: int) -> bool:

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import kernels as kernels_lib, kv_cache, params as params_lib
+from . import invariant, kernels as kernels_lib, kv_cache, params as params_lib
 from .attention import gqa_block, mla_block
 from .checkpoint.lazy import LazyArray
 from .config import ModelConfig, load_model_config
@@ -63,9 +63,18 @@ def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, positions: jax.Ar
     b, t = tokens.shape
     if tree_mask is None:
         tree_mask = kv_cache.causal_mask(b, t)
-    if absorb is None:
-        absorb = t <= ABSORB_MAX_TOKENS
-    mask = kv_cache.visibility(cache.lengths, tree_mask, cache.max_len)
+    if cfg.batch_invariant:
+        anc = invariant.ancestor_slots(cache.lengths, tree_mask)
+
+        def run_layer(p, kind, x, cache, layer):
+            return invariant.layer(p, cfg, kind, x, positions, cache, layer, anc)
+    else:
+        absorb = t <= ABSORB_MAX_TOKENS if absorb is None else absorb
+        mask = kv_cache.visibility(cache.lengths, tree_mask, cache.max_len)
+
+        def run_layer(p, kind, x, cache, layer):
+            return _layer(p, cfg, kind, x, positions, cache, layer, mask, absorb, tree_mask)
+
     x = params["embed"][tokens]
     aux_ids = jnp.asarray(cfg.aux_layer_ids or (0,), jnp.int32)
     aux = jnp.zeros((len(aux_ids),) + x.shape, x.dtype)
@@ -75,13 +84,13 @@ def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, positions: jax.Ar
             x, cache, aux = carry
             p, layer = xs
             aux = jnp.where((aux_ids == layer)[:, None, None, None], x[None], aux)
-            x, cache = _layer(p, cfg, kind, x, positions, cache, layer, mask, absorb, tree_mask)
+            x, cache = run_layer(p, kind, x, cache, layer)
             return (x, cache, aux), None
 
         layers = jnp.arange(start, stop, dtype=jnp.int32)
         (x, cache, aux), _ = jax.lax.scan(body, (x, cache, aux), (seg, layers))
 
-    logits = final_logits(params, cfg, x)
+    logits = invariant.final_logits(params, cfg, x) if cfg.batch_invariant else final_logits(params, cfg, x)
     aux = jnp.moveaxis(aux, 0, 2).reshape(b, t, -1) if cfg.aux_layer_ids else aux[:0].reshape(b, t, 0)
     return logits, aux, cache
 
@@ -188,9 +197,22 @@ def _full_forward(params, cfg, ids, dtype):
     return logits, aux
 
 
+def check_batch_invariant(batch_invariant: bool, kernels: str, mesh) -> str:
+    """The kernels choice to load with, or a ValueError for what batch-invariant numerics cannot run."""
+    if not batch_invariant:
+        return kernels
+    if mesh is not None:
+        raise ValueError("batch_invariant=True runs on one device for now; load without a mesh, or drop "
+                         "batch_invariant")
+    if any(impl == "pallas" for impl in kernels_lib.parse(kernels).values()):
+        raise ValueError(f"batch_invariant=True runs its own XLA ops, not Pallas kernels; use kernels='xla' "
+                         f"(got {kernels!r})")
+    return "xla"  # "auto" would pick kernels on a GPU; the invariant path uses none
+
+
 def load_target(path: str | os.PathLike, dtype="bfloat16", mesh: jax.sharding.Mesh | None = None,
                 aux_layer_ids: Sequence[int] | None = None, *, dequantize: bool = False, w4a8: bool = False,
-                fp8_format: str = "auto", kernels: str = "xla") -> Target:
+                fp8_format: str = "auto", kernels: str = "xla", batch_invariant: bool = False) -> Target:
     """Load a target from an HF folder (safetensors) or an Orbax folder made by scripts/convert.py.
 
     Quantized weights (int4 pack-quantized experts, block FP8, MXFP4) stay quantized on device and
@@ -203,16 +225,20 @@ def load_target(path: str | os.PathLike, dtype="bfloat16", mesh: jax.sharding.Me
     (default 2, L//2, L-3). `kernels`: "xla" (default), "pallas" (decode / verify attention through
     the paged Pallas kernel, routed experts through the grouped-matmul kernels; interpreted on CPU),
     "auto" (Pallas on a GPU) or one choice per op, e.g. "attention=pallas,moe=xla" (see kernels.py;
-    attention keeps XLA on a mesh).
+    attention keeps XLA on a mesh). `batch_invariant=True` computes every token the same way
+    whatever shares its pass (invariant.py): greedy speculative output then equals greedy plain
+    decoding in bfloat16 too, at a cost in speed; it runs XLA ops on one device.
     """
     from .checkpoint import is_orbax_dir, keeps_quantized, read_flat_params
     from .sharding import shard_params
 
     path = os.fspath(path)
+    kernels = check_batch_invariant(batch_invariant, kernels, mesh)
     cfg = load_model_config(path)
     if cfg.quant is not None and is_orbax_dir(path) and not keeps_quantized(path):
         dequantize = True  # converted with dequantization: the folder holds float weights only
-    cfg = dataclasses.replace(with_quant_options(cfg, dequantize, w4a8, fp8_format), kernels=kernels_lib.resolve(kernels, mesh))
+    cfg = dataclasses.replace(with_quant_options(cfg, dequantize, w4a8, fp8_format), kernels=kernels_lib.resolve(kernels, mesh),
+                              batch_invariant=bool(batch_invariant))
     if aux_layer_ids is not None:
         cfg = cfg.with_aux_layers(tuple(aux_layer_ids))
     dt = resolve_dtype(dtype)
