@@ -19,6 +19,11 @@ same way, whatever shares its pass:
   cache's length, nor the block table's width, nor whether the keys were committed or are still in
   the verify window changes a result.
 
+Activations and all arithmetic are float32 here, whatever the load dtype (weights and the KV
+cache keep it): XLA computes bfloat16 elementwise ops in float32 and may keep or drop the rounding
+to bfloat16 between two fused ops (excess precision), and which it does depends on how the rest
+of the program fused, so a bfloat16 intermediate is not a fixed function of its inputs. The only
+roundings left are the K/V written to the cache, which go through memory in every program alike.
 MLA always uses its absorbed form here (prefill too), so prefill, decode and verify share one path.
 The guarantee is per compiled backend and device: a token's logits are bitwise equal across batch
 sizes, tokens per row, dense or paged caches and cache lengths, hence greedy speculation (chain or
@@ -109,7 +114,7 @@ def attend(queries: tuple[jax.Array, ...], keys: tuple[jax.Array, ...], values: 
             alpha = jnp.exp(m_run - m_new)
             p = jnp.exp(scores - m_new[..., None])
             v = values[rows, slots]
-            pv = jnp.einsum("ikgc,ickd->ikgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+            pv = jnp.einsum("ikgc,ickd->ikgd", p, v.astype(jnp.float32), preferred_element_type=jnp.float32)
             return (m_new, l_run * alpha + p.sum(-1), acc * alpha[..., None] + pv), None
 
         init = (jnp.full((bm, kh, g), _NEG, jnp.float32), jnp.zeros((bm, kh, g), jnp.float32),

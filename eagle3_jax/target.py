@@ -76,6 +76,9 @@ def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, positions: jax.Ar
             return _layer(p, cfg, kind, x, positions, cache, layer, mask, absorb, tree_mask)
 
     x = params["embed"][tokens]
+    act_dtype = x.dtype
+    if cfg.batch_invariant:  # activations in float32: see invariant.py
+        x = x.astype(jnp.float32)
     aux_ids = jnp.asarray(cfg.aux_layer_ids or (0,), jnp.int32)
     aux = jnp.zeros((len(aux_ids),) + x.shape, x.dtype)
 
@@ -92,7 +95,7 @@ def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, positions: jax.Ar
 
     logits = invariant.final_logits(params, cfg, x) if cfg.batch_invariant else final_logits(params, cfg, x)
     aux = jnp.moveaxis(aux, 0, 2).reshape(b, t, -1) if cfg.aux_layer_ids else aux[:0].reshape(b, t, 0)
-    return logits, aux, cache
+    return logits, aux.astype(act_dtype), cache
 
 
 # ---- the public handle ------------------------------------------------------------------------------

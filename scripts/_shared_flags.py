@@ -24,6 +24,12 @@ def define_quant_flags() -> None:
                         "op like attention=pallas,moe=xla. On CPU Pallas kernels run interpreted (slow).")
     flags.register_validator("kernels", _valid_kernels, message="--kernels must be xla, pallas, auto, or per op like "
                              "attention=pallas,moe=xla (ops: attention, moe)")
+    flags.DEFINE_bool("batch_invariant", False, "Batch-invariant numerics: the target computes every token the same "
+                      "way whatever shares its pass, so greedy speculation emits exactly greedy plain decoding's "
+                      "tokens in bfloat16 too. Slower; one device, XLA ops only.")
+    flags.register_multi_flags_validator(
+        ["batch_invariant", "kernels"], _invariant_runs_xla,
+        message="--batch_invariant runs its own XLA ops, not Pallas kernels: use --kernels=xla or drop --batch_invariant")
 
 
 def _valid_kernels(value: str) -> bool:
@@ -36,6 +42,17 @@ def _valid_kernels(value: str) -> bool:
     return True
 
 
+def _invariant_runs_xla(values: dict) -> bool:
+    from eagle3_jax.kernels import parse
+
+    if not values["batch_invariant"]:
+        return True
+    try:
+        return "pallas" not in parse(values["kernels"]).values()
+    except ValueError:
+        return True  # the --kernels validator reports it
+
+
 def define_mesh_flags(distributed_help: str) -> None:
     flags.DEFINE_list("mesh", [], "Device mesh sizes data,tensor,expert (e.g. 1,1,8: experts over 8 devices); "
                       "empty = one device.")
@@ -44,8 +61,11 @@ def define_mesh_flags(distributed_help: str) -> None:
 
 
 def quant_options() -> dict:
-    """load_target's quantization and kernel keywords from the flags."""
-    return {"w4a8": FLAGS.w4a8, "dequantize": FLAGS.dequantize, "fp8_format": FLAGS.fp8_format, "kernels": FLAGS.kernels}
+    """load_target's quantization, kernel and numerics keywords from the flags."""
+    if FLAGS.batch_invariant and "mesh" in FLAGS and FLAGS.mesh:
+        raise app.UsageError("--batch_invariant runs on one device for now: drop --mesh or --batch_invariant")
+    return {"w4a8": FLAGS.w4a8, "dequantize": FLAGS.dequantize, "fp8_format": FLAGS.fp8_format, "kernels": FLAGS.kernels,
+            "batch_invariant": FLAGS.batch_invariant}
 
 
 def mesh_from_flags():

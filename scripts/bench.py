@@ -198,6 +198,7 @@ def main(argv: Sequence[str]) -> None:
         target = e3.load_target(FLAGS.target, dtype=FLAGS.dtype, mesh=mesh, **quant_options())
         config["mesh"] = None if mesh is None else list(mesh.devices.shape)
         config["kernels"] = target.config.kernels
+        config["batch_invariant"] = target.config.batch_invariant
         needs_draft = any(s.spec is not None for s in settings)
         draft = e3.load_draft(FLAGS.draft, target=target, dtype=FLAGS.dtype, fp8_format=FLAGS.fp8_format) if needs_draft else None
         sched_len = FLAGS.max_seq_len or workload.max_total_len

@@ -214,7 +214,8 @@ def run_in_process(problems, shots) -> tuple[list, dict]:
         del sched  # one scheduler's KV pool at a time
     config = {"mode": "in-process", "target": FLAGS.target, "draft": FLAGS.draft if needs_draft else None,
               "dtype": FLAGS.dtype, "max_seq_len": max_seq_len, "prompt_tokens_max": longest,
-              "mesh": None if mesh is None else list(mesh.devices.shape), "kernels": target.config.kernels}
+              "mesh": None if mesh is None else list(mesh.devices.shape), "kernels": target.config.kernels,
+              "batch_invariant": target.config.batch_invariant}
     return runs, config
 
 
