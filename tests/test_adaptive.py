@@ -142,7 +142,7 @@ def draft_kv(sched: Scheduler, prompt, steps: int):
     return np.asarray(k)[0, : req.length], np.asarray(v)[0, : req.length], req.length
 
 
-@pytest.mark.parametrize("gap", [10, 20], ids=["resumed", "gap-full"])
+@pytest.mark.parametrize("gap", [pytest.param(10, marks=pytest.mark.slow), 20], ids=["resumed", "gap-full"])
 def test_draft_catches_up_on_tokens_of_steps_without_speculation(mla_pair, gap):
     """A request runs `gap` steps without speculation (no draft work), then speculates (at most
     max_gap = 16 steps later): its draft K/V then equals that of a run that speculated throughout,

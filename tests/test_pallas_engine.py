@@ -45,7 +45,8 @@ def test_decode_and_verify_logits_equal_xla(family, kernel_calls):
 
 @pytest.mark.parametrize("family,engine_spec,scheduler_spec", [
     ("deepseek_v3", e3.SpecConfig(3, 1, 4), e3.SpecConfig(3, 2, 6)),  # MLA+MoE: chain dense, tree paged
-    ("minimax_m2", e3.SpecConfig(3, 2, 6), e3.SpecConfig(3, 1, 4)),  # GQA+MoE: tree dense, chain paged
+    pytest.param("minimax_m2", e3.SpecConfig(3, 2, 6), e3.SpecConfig(3, 1, 4),  # GQA+MoE: tree dense, chain paged
+                 marks=pytest.mark.slow),  # GQA kernel logits: test_decode_and_verify_logits_equal_xla
 ])
 def test_greedy_speculation_with_pallas_kernels_equals_plain(family, engine_spec, scheduler_spec):
     """Target attention, draft attention and the expert kernels all on: greedy speculation emits the

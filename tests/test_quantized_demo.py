@@ -43,6 +43,7 @@ def test_only_routed_experts_are_int4_on_device(int4_copy):
     assert not isinstance(target.params["lm_head"], QArray)
 
 
+@pytest.mark.slow  # about 15 s; test_server_serves_the_int4_copy runs the same copy through a script
 def test_demo_script_runs_the_int4_copy(int4_copy, tmp_path):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("Once upon a time\nLily and Ben went to the park\n")

@@ -57,6 +57,7 @@ FLAG_CASES = [(s, ("--no_such_flag=1",), "Unknown command line flag 'no_such_fla
     ("convert", ("--hf_dir=x",), "--out_dir is required"),
     ("generate", (f"--model={STORIES}", "--max_tokens=0"), "--max_tokens"),
     ("serve", (f"--target={KIMI}", "--kernels=fast"), "--kernels"),
+    ("generate", (f"--model={STORIES}", "--batch_invariant", "--kernels=pallas"), "use --kernels=xla"),
     ("train_draft", (f"--target={STORIES}", "--out=/tmp/x"), "exactly one of --prompts and --corpus"),
     ("train_draft", (f"--target={STORIES}", "--out=/tmp/x", "--corpus=/no/corpus.npy"), "/no/corpus.npy"),
 ]
@@ -65,6 +66,7 @@ INPUT_CASES = [
     ("generate", (f"--model={STORIES}", "--top_p=1.5"), "top_p must be in (0, 1]"),
     ("generate", (f"--model={STORIES}", "--prompts_file=/no/prompts.txt"), "--prompts_file /no/prompts.txt"),
     ("generate", (f"--model={STORIES}", "--mesh=1,1,2"), "--mesh"),
+    ("generate", (f"--model={STORIES}", "--batch_invariant", "--mesh=1,1,1"), "drop --mesh or --batch_invariant"),
     ("generate", (f"--model={STORIES}", "--max_seq_len=1000"), "--allow_long_max_seq_len"),
     ("generate", (f"--model={STORIES}", "--spec=chain:3:2"), "needs 3 numbers"),
     ("bench", ("--spec=chain:3:2",), "--spec: speculation setting 'chain:3:2'"),

@@ -370,7 +370,8 @@ async def _load(base: str, tok, refs, num_requests: int, concurrency: int) -> li
         return await asyncio.wait_for(asyncio.gather(*(bounded(i) for i in range(num_requests))), 150)
 
 
-@pytest.mark.parametrize("num_requests,concurrency", [(100, 32), pytest.param(200, 64, marks=pytest.mark.slow)])
+@pytest.mark.slow  # about 30 s; the other server tests cover concurrent requests on a smaller scale
+@pytest.mark.parametrize("num_requests,concurrency", [(100, 32), (200, 64)])
 def test_load_under_concurrency(served, num_requests, concurrency):
     server, engine, tok, refs = served
     before = engine.stats()
