@@ -122,7 +122,10 @@ def attend(queries: tuple[jax.Array, ...], keys: tuple[jax.Array, ...], values: 
         (_, l_run, acc), _ = jax.lax.scan(chunk, init, jnp.arange(num_chunks, dtype=jnp.int32))
         return acc / l_run[..., None]
 
-    return map_rows(lambda *a: block(a[:-4], *a[-4:]), *queries, row, position, length, anc)
+    def per_block(*arrays):  # the query parts, then row, position, length, anc of ROW_BLOCK queries
+        return block(arrays[:-4], *arrays[-4:])
+
+    return map_rows(per_block, *queries, row, position, length, anc)
 
 
 # ---- one decoder layer ---------------------------------------------------------------------------

@@ -59,6 +59,7 @@ def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, positions: jax.Ar
     Returns float32 logits [B, T, V], aux features [B, T, len(aux_layer_ids) * H] (the residual
     stream entering each aux layer, concatenated in `cfg.aux_layer_ids` order), and the cache with
     the new tokens' K/V written at slots `lengths[b] + t` (lengths unchanged: see kv_cache.advance).
+    With `cfg.batch_invariant` the layers run invariant.layer (absorbed MLA whatever `absorb` says).
     """
     b, t = tokens.shape
     if tree_mask is None:
