@@ -155,12 +155,13 @@ def layer(p: dict, cfg: ModelConfig, kind: str, x: jax.Array, positions: jax.Arr
     b, t, hidden = x.shape
     rows = x.reshape(b * t, hidden)
     row, position, length, anc_rows = _query_rows(b, t, cache, positions, anc)
+    if cfg.attention == "mla":
+        w_uk, w_uv = mla_up_projections(p, cfg, jnp.float32)  # once per layer, shared by every block
 
     def project(xr, pos):
         h = rms_norm(xr, p["attn_norm"], cfg.rms_norm_eps)[None]
         if cfg.attention == "mla":
             q_nope, q_pe, c_kv, k_pe = mla_project(p, cfg, h, pos[None])
-            w_uk, _ = mla_up_projections(p, cfg, xr.dtype)
             q_lat = jnp.einsum("bthd,rhd->bthr", q_nope, w_uk)
             return q_lat[0][:, None], q_pe[0][:, None], c_kv[0], k_pe[0]
         q, k, v = gqa_project(p, cfg, h, pos[None])
@@ -180,9 +181,7 @@ def layer(p: dict, cfg: ModelConfig, kind: str, x: jax.Array, positions: jax.Arr
         out = attend((q,), (keys,), vals, row, position, length, anc_rows, cfg.head_dim ** -0.5)
 
     def finish(xr, attn):
-        attn = attn.astype(xr.dtype)
         if cfg.attention == "mla":
-            _, w_uv = mla_up_projections(p, cfg, xr.dtype)
             attn = jnp.einsum("thr,rhd->thd", attn, w_uv)
         xr = xr + linear(attn.reshape(xr.shape[0], -1), p["o_proj"])
         return xr + _mlp(p, cfg, kind, rms_norm(xr, p["mlp_norm"], cfg.rms_norm_eps))

@@ -44,13 +44,17 @@ def _valid_kernels(value: str) -> bool:
 
 def _invariant_runs_xla(values: dict) -> bool:
     from eagle3_jax.kernels import parse
+    from eagle3_jax.target import check_batch_invariant
 
-    if not values["batch_invariant"]:
-        return True
     try:
-        return "pallas" not in parse(values["kernels"]).values()
+        parse(values["kernels"])
     except ValueError:
         return True  # the --kernels validator reports it
+    try:
+        check_batch_invariant(values["batch_invariant"], values["kernels"], mesh=None)
+    except ValueError:
+        return False
+    return True
 
 
 def define_mesh_flags(distributed_help: str) -> None:

@@ -97,7 +97,11 @@ def np_mlp(x, w, p):
     return (g / (1 + np.exp(-g)) * u) @ w[p + "mlp.down_proj.weight"].T
 
 
-def np_draft_logits(w: dict, c: dict, target_embed: np.ndarray, ids: np.ndarray, aux: np.ndarray) -> np.ndarray:
+def np_draft_logits(w: dict, c: dict, target_embed: np.ndarray, ids: np.ndarray, aux: np.ndarray,
+                    attention=None) -> np.ndarray:
+    """float64 reference of a draft pass; `attention(x, w, prefix, c)` is the layers' attention
+    (default: np_attention, the Llama layer)."""
+    attention = attention or np_attention
     w = {k: np.asarray(v, np.float64) for k, v in w.items()}
     eps = c["rms_norm_eps"]
     embed = w.get("embed_tokens.weight", np.asarray(target_embed, np.float64))
@@ -109,11 +113,11 @@ def np_draft_logits(w: dict, c: dict, target_embed: np.ndarray, ids: np.ndarray,
         normed = np_rms(h, w[p0 + "hidden_norm.weight"], eps)
         residual = normed if c.get("norm_before_residual") else h
         a_in = np.concatenate([np_rms(e, w[p0 + "input_layernorm.weight"], eps), normed], axis=-1)
-        h1 = residual + np_attention(a_in, w, p0, c)
+        h1 = residual + attention(a_in, w, p0, c)
         x = h1 + np_mlp(np_rms(h1, w[p0 + "post_attention_layernorm.weight"], eps), w, p0)
         for i in range(1, c["num_hidden_layers"]):
             p = f"layers.{i}."
-            h1 = x + np_attention(np_rms(x, w[p + "input_layernorm.weight"], eps), w, p, c)
+            h1 = x + attention(np_rms(x, w[p + "input_layernorm.weight"], eps), w, p, c)
             x = h1 + np_mlp(np_rms(h1, w[p + "post_attention_layernorm.weight"], eps), w, p)
         out.append(np_rms(x, w["norm.weight"], eps) @ w["lm_head.weight"].T)
     return np.stack(out)
@@ -523,24 +527,7 @@ def np_mla_attention(a_in, w, p, c):
 
 
 def np_mla_draft_logits(w: dict, c: dict, target_embed: np.ndarray, ids: np.ndarray, aux: np.ndarray) -> np.ndarray:
-    w = {k: np.asarray(v, np.float64) for k, v in w.items()}
-    eps = c["rms_norm_eps"]
-    embed = w.get("embed_tokens.weight", np.asarray(target_embed, np.float64))
-    p0 = "midlayer." if any(k.startswith("midlayer.") for k in w) else "layers.0."
-    out = []
-    for b in range(ids.shape[0]):
-        h = np.asarray(aux[b], np.float64) @ w["fc.weight"].T
-        normed = np_rms(h, w[p0 + "hidden_norm.weight"], eps)
-        residual = normed if c.get("norm_before_residual") else h
-        a_in = np.concatenate([np_rms(embed[ids[b]], w[p0 + "input_layernorm.weight"], eps), normed], axis=-1)
-        h1 = residual + np_mla_attention(a_in, w, p0, c)
-        x = h1 + np_mlp(np_rms(h1, w[p0 + "post_attention_layernorm.weight"], eps), w, p0)
-        for i in range(1, c["num_hidden_layers"]):
-            p = f"layers.{i}."
-            h1 = x + np_mla_attention(np_rms(x, w[p + "input_layernorm.weight"], eps), w, p, c)
-            x = h1 + np_mlp(np_rms(h1, w[p + "post_attention_layernorm.weight"], eps), w, p)
-        out.append(np_rms(x, w["norm.weight"], eps) @ w["lm_head.weight"].T)
-    return np.stack(out)
+    return np_draft_logits(w, c, target_embed, ids, aux, attention=np_mla_attention)
 
 
 MLA_VARIANTS = {
