@@ -83,8 +83,8 @@ def step_lookahead(spec: SpecConfig | AutoSpec | None) -> int:
     """Slots past the committed length that one step may write (tree nodes, draft extend + scratch)."""
     if spec is None:
         return 1
-    if isinstance(spec, AutoSpec):  # also the draft's catch-up over up to max_gap stored pairs
-        return max(spec.max_gap, *(step_lookahead(s) for s in spec.shapes))
+    if isinstance(spec, AutoSpec):  # a catch-up's writes past the stored pairs need no room (see _catch_up_program)
+        return max(step_lookahead(s) for s in spec.shapes)
     return max(spec.num_draft_tokens, spec.max_accept + 1 + max(spec.num_steps - 1, 1) * spec.topk)
 
 
@@ -148,14 +148,15 @@ def _prefill_program(tcfg: ModelConfig, dcfg: DraftConfig | None, tparams: dict,
                                 draft_hidden=state.draft_hidden.at[slots].set(root.hidden))
 
 
-def _decode_program(tcfg: ModelConfig, dcfg: DraftConfig | None, shape: Shape, catch_up: bool, tparams: dict,
+def _decode_program(tcfg: ModelConfig, dcfg: DraftConfig | None, shape: Shape, tparams: dict,
                     dparams: dict | None, state: DeviceState, block_table, slots, prompt_lens, sp: SamplingArrays):
     """One decode step per row from its state slot -> (tokens [B, D+1] (-1 padded), counts [B], state).
 
     `shape` is the step's speculation. None with a draft (adaptive speculation): one token per row
-    and no draft work; the row's (feature, next token) pair is stored for the draft. `catch_up`:
-    first extend the draft over each row's stored pairs. A row's sampling counter (tokens
-    generated so far) is its committed length - prompt length + 1.
+    and no draft work; the row's (feature, next token) pair is stored for the draft (whose stored
+    pairs `_catch_up_program` runs through before the next speculative step, or when a buffer is
+    full). A row's sampling counter (tokens generated so far) is its committed length - prompt
+    length + 1.
     """
     live = slots < state.length.shape[0] - 1  # padding rows use the scratch slot
     lengths = jnp.where(live, state.length[slots], 0)
@@ -171,11 +172,6 @@ def _decode_program(tcfg: ModelConfig, dcfg: DraftConfig | None, shape: Shape, c
         return _store_for_draft(tparams, tcfg, state, tcache, slots, lengths, sp, counter)
     root = DraftRoot(token=state.last_token[slots], hidden=state.draft_hidden[slots])
     dcache = state.draft_cache(block_table, lengths)
-    if catch_up:
-        gap = jnp.where(live, state.gap[slots], 0)
-        dcache, root = _draft_catch_up(dparams, dcfg, state.draft_cache(block_table, lengths - gap),
-                                       state.gap_features[slots], state.gap_tokens[slots], gap, root)
-        state = state.replace(gap=state.gap.at[slots].set(0))
     out, count, tcache, dcache, root, _ = spec_step(tparams, tcfg, dparams, dcfg, shape, tcache, dcache, root, sp,
                                                     counter)
     return out, count, state.replace(tk=tcache.k, tv=tcache.v, dk=dcache.k, dv=dcache.v,
@@ -187,10 +183,10 @@ def _decode_program(tcfg: ModelConfig, dcfg: DraftConfig | None, shape: Shape, c
 def _store_for_draft(tparams: dict, tcfg: ModelConfig, state: DeviceState, tcache: kv_cache.KVCache, slots, lengths,
                      sp: SamplingArrays, counter):
     """A step without speculation or draft work: one target token per row; the pair (its target
-    feature, the sampled next token) waits in the row's gap buffer for `_draft_catch_up`."""
+    feature, the sampled next token) waits in the row's gap buffer for `_catch_up_program`."""
     logits, aux, tcache = forward(tparams, tcfg, state.last_token[slots][:, None], lengths[:, None], tcache)
     nxt = sample(logits[:, 0], sp, counter)
-    gap = state.gap[slots]  # < max_gap: the host speculates before a buffer is full
+    gap = state.gap[slots]  # < max_gap: the host has a full buffer caught up first
     count = jnp.ones_like(nxt)
     return nxt[:, None], count, state.replace(
         tk=tcache.k, tv=tcache.v, length=state.length.at[slots].set(lengths + count),
@@ -199,14 +195,23 @@ def _store_for_draft(tparams: dict, tcfg: ModelConfig, state: DeviceState, tcach
         gap_tokens=state.gap_tokens.at[slots, gap].set(nxt))
 
 
-def _draft_catch_up(dparams: dict, dcfg: DraftConfig, dcache: kv_cache.KVCache, features, tokens, gap, root: DraftRoot):
-    """Extend the draft (cache at lengths - gap) over each row's `gap` stored pairs; rows with none
-    keep their root hidden. Slots written past a row's pairs lie beyond its committed length."""
-    _, hidden, dcache = draft_extend(dparams, dcfg, dcache, features, tokens, gap)
-    return dcache, root.replace(hidden=jnp.where((gap > 0)[:, None], hidden, root.hidden))
+def _catch_up_program(tcfg: ModelConfig, dcfg: DraftConfig, tparams: dict, dparams: dict, state: DeviceState,
+                      block_table, slots) -> tuple[DeviceState]:
+    """Extend the draft over each row's stored (feature, token) pairs: from its cache at length -
+    gap, in one draft pass; rows without pairs keep their draft hidden. Slots written past a row's
+    pairs lie beyond its committed length (in its own pages, the scratch page, or past the table,
+    where writes are dropped), so they need no room reserved."""
+    live = slots < state.length.shape[0] - 1
+    lengths = jnp.where(live, state.length[slots], 0)
+    gap = jnp.where(live, state.gap[slots], 0)
+    _, hidden, dcache = draft_extend(dparams, dcfg, state.draft_cache(block_table, lengths - gap),
+                                     state.gap_features[slots], state.gap_tokens[slots], gap)
+    hidden = jnp.where((gap > 0)[:, None], hidden, state.draft_hidden[slots])
+    return (state.replace(dk=dcache.k, dv=dcache.v, draft_hidden=state.draft_hidden.at[slots].set(hidden),
+                          gap=state.gap.at[slots].set(0)),)
 
 
-_PROGRAMS = {"prefill": _prefill_program, "decode": _decode_program}
+_PROGRAMS = {"prefill": _prefill_program, "decode": _decode_program, "catch_up": _catch_up_program}
 
 
 class ProgramCache:
@@ -259,7 +264,7 @@ class _Launch:
     shape: Shape = None
     key: tuple = ()
     launched: float = 0.0
-    untimed: bool = False  # caught a draft up: not a sample of its shape's step time
+    untimed: bool = False  # after a catch-up, whose end the host does not see: not timed
     compiles: int = 0  # programs compiled before it was launched
 
 
@@ -330,7 +335,7 @@ class Scheduler:
         self.programs = ProgramCache(int(max_compiled_programs))
         self._channel = None  # set by lead(): multi-host leader
         self._inflight: list[_Launch] = []  # launched last iteration, read in the next (overlap)
-        self._last_read = 0.0  # when the device last handed back a program's outputs
+        self._last_read = 0.0  # when the host last had a program's outputs
 
         self._waiting: collections.deque[_Request] = collections.deque()
         self._running: list[_Request] = []  # admission order: prefilling and decoding
@@ -562,11 +567,11 @@ class Scheduler:
         return self._execute(kind, shape, block_table, *args)
 
     def _execute(self, kind: str, shape: Shape, block_table: np.ndarray, *args) -> list[jax.Array]:
-        """Launch the `kind` step program (for decode, `shape` is (speculation, catch_up)); the cache
-        key is the kind, the shape and the bucketed array shapes."""
+        """Launch the `kind` step program (for decode, of speculation `shape`); the cache key is
+        the kind, the shape and the bucketed array shapes."""
         dcfg = self.draft.config if self.draft is not None else None
         dparams = self.draft.params if self.draft is not None else None
-        static = (self.target.config, dcfg) if kind == "prefill" else (self.target.config, dcfg, *shape)
+        static = (self.target.config, dcfg) if kind != "decode" else (self.target.config, dcfg, shape)
         key = (kind, shape, block_table.shape, np.shape(args[0]))
         with mesh_context(self.target.mesh):
             *outs, self._state = self.programs.run(_PROGRAMS[kind], static, key, self.target.params, dparams,
@@ -611,7 +616,9 @@ class Scheduler:
                     self._read(unread.popleft())
                 continue
             kind, shape, block_table, args = message
-            unread.append(self._execute(kind, shape, block_table, *args))
+            outputs = self._execute(kind, shape, block_table, *args)
+            if outputs:  # a catch-up returns nothing to read
+                unread.append(outputs)
             steps += 1
         return steps
 
@@ -651,17 +658,23 @@ class Scheduler:
         batch = bucket(len(rows), 1, self.max_num_seqs)
         block_table = self._block_table(rows, batch)
         shape = self._shape_for(rows, block_table.shape)
-        catch_up = shape is not None and any(r.gap for r in rows)
         slots = np.full((batch,), self.max_num_seqs, np.int32)
         prompt_lens = np.zeros((batch,), np.int32)
         for i, req in enumerate(rows):
             slots[i], prompt_lens[i] = req.slot, len(req.prompt)
+        # The draft catches up before it proposes, and when a row has no room left to store a pair.
+        catch_up = self._adaptive is not None and any(
+            r.gap >= self.spec.max_gap or (shape is not None and r.gap) for r in rows)
+        if catch_up:
+            self._launch("catch_up", None, block_table, slots)
+        for req in rows:
             req.pending += 1
-            req.gap = req.gap + 1 if shape is None and self.draft is not None else 0
+            if self._adaptive is not None:
+                req.gap = (0 if catch_up else req.gap) + 1 if shape is None else 0
         sp = SamplingArrays.from_params([r.sampling for r in rows], batch)
         compiles, launched = self.programs.num_compiles, time.perf_counter()
-        outputs = self._launch("decode", (shape, catch_up), block_table, slots, prompt_lens, sp)
-        # A catch-up step's time includes the draft's catch-up: not a sample of its shape's cost.
+        outputs = self._launch("decode", shape, block_table, slots, prompt_lens, sp)
+        # A step after a catch-up starts when the catch-up ends, which the host does not see.
         return _Launch("decode", [(r, r.epoch, True) for r in rows], outputs, shape, block_table.shape, launched,
                        catch_up, compiles)
 
@@ -688,10 +701,11 @@ class Scheduler:
                         now: float) -> list[RequestDelta]:
         depth = shape_depth(launch.shape)
         if self._adaptive is not None:
-            # Device time of the step: from its launch, or from the previous step's end if later.
-            # Its device time: from its launch, or from the end of the program before it (a prefill
-            # of the same iteration, or the previous step), whichever is later. Not timed when a
-            # program compiled between its launch and now (the host was busy compiling).
+            # What the step cost the serving loop: the wall time since the previous program's
+            # outputs were read (the previous step's, or a prefill's of the same iteration), or
+            # since its launch if later (an idle loop), so host work the device did not hide
+            # counts too. Not timed when a program compiled
+            # meanwhile (the host was busy compiling) or after a catch-up.
             compiled = self.programs.num_compiles != launch.compiles
             seconds = None if launch.untimed or compiled else now - max(launch.launched, self._last_read)
             self._adaptive.observe(launch.shape, launch.key, seconds, {req.id: int(count[i]) - 1 for i, req in rows})
@@ -715,8 +729,7 @@ class Scheduler:
         for these requests at this program key (batch bucket, block-table width)."""
         if self._adaptive is None:
             return self.spec
-        full = any(r.gap >= self.spec.max_gap for r in rows)  # its draft must catch up now
-        return self._adaptive.choose([r.id for r in rows], key, speculate=full)
+        return self._adaptive.choose([r.id for r in rows], key)
 
     # ---- output --------------------------------------------------------------------------------
     def _emit(self, req: _Request, tokens: np.ndarray, now: float) -> RequestDelta:

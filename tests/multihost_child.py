@@ -33,8 +33,8 @@ def checkerboard_devices(mesh_shape: tuple[int, int, int]) -> list:
 
 
 def generate_all(target_path: str, draft_path: str, mesh_shape: tuple[int, int, int]) -> dict:
-    """Token ids of a sampled tree run of the Engine, driven by every process alike, and of a greedy
-    chain run of the Scheduler as multi-host serving runs it: process 0 leads (takes the requests,
+    """Token ids of a sampled tree run of the Engine, driven by every process alike, and of greedy
+    chain and adaptive runs of the Scheduler as multi-host serving runs it: process 0 leads (takes the requests,
     sends each step), the others follow. A follower reports how many steps it mirrored instead.
     In a single process the same runs happen without followers (the test's reference)."""
     import jax
@@ -49,14 +49,18 @@ def generate_all(target_path: str, draft_path: str, mesh_shape: tuple[int, int, 
     sampled = [e3.SamplingParams(temperature=0.8, top_p=0.9, max_tokens=10, seed=s) for s in (3, 4)]
     tree = e3.Engine(target, draft, e3.SpecConfig(3, 2, 6), max_batch_size=2, max_seq_len=64)
     result = {"tree_sampled": [o.token_ids for o in tree.generate(prompts, sampled)]}
-    sched = e3.Scheduler(target, draft, e3.SpecConfig(3, 1, 4), max_num_seqs=2, max_seq_len=64)
-    if jax.process_index() > 0:
-        result["follower_steps"] = sched.follow()
-        return result
-    if jax.process_count() > 1:
-        sched.lead()
-    result["scheduler_chain"] = [o.token_ids for o in sched.generate(prompts, greedy)]
-    sched.release_followers()
+    # Adaptive speculation too: its leader-only choices and the draft catch-up programs (every
+    # 2 steps without speculation) are mirrored by the followers.
+    runs = {"scheduler_chain": e3.SpecConfig(3, 1, 4), "scheduler_auto": e3.SpecConfig.auto(2, max_gap=2)}
+    for name, spec in runs.items():
+        sched = e3.Scheduler(target, draft, spec, max_num_seqs=2, max_seq_len=64)
+        if jax.process_index() > 0:
+            result[f"follower_steps_{name}"] = sched.follow()
+            continue
+        if jax.process_count() > 1:
+            sched.lead()
+        result[name] = [o.token_ids for o in sched.generate(prompts, greedy)]
+        sched.release_followers()
     return result
 
 

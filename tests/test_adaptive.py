@@ -94,7 +94,25 @@ def test_a_collapsed_request_stops_speculating():
         ctl.observe(C3, KEY, 1.5, {"bad": 0})
     ctl.acceptance.chain[:] = 0.9  # the global rate stays high (other requests), "bad" alone decides its own
     assert ctl.choose(["bad"], KEY) is None
-    assert ctl.choose(["bad"], KEY, speculate=True) == C3  # when its draft must catch up
+
+
+def test_a_probe_measures_acceptance_again_after_steps_without_speculation():
+    ctl = AdaptiveSpeculation(AutoSpec(menu=(None, C1, C3), probe_every=5))
+    teach(ctl, {"none": 1.0, "chain:1:1:2": 1.6, "chain:3:1:4": 3.0}, accepted=0)
+    assert [ctl.choose(["a"], KEY) for _ in range(5)] == [None] * 5
+    assert ctl.choose(["a"], KEY) == C1  # the best speculative shape at this key (least bad)
+    assert ctl.current is None  # a probe is not a switch: the choice stays no speculation
+    assert [ctl.choose(["a"], KEY) for _ in range(5)] == [None] * 5
+    ctl.observe(C1, KEY, 1.6, {"a": 1})  # the probe found the draft good again: speculation resumes
+    for _ in range(30):
+        ctl.observe(C3, KEY, 3.0, {"a": 3})
+    assert ctl.choose(["a"], KEY) == C3
+    # No speculative shape timed at a key: no probe there (it would stall on a compile).
+    other = (16, 4)
+    ctl2 = AdaptiveSpeculation(AutoSpec(menu=(None, C1), probe_every=2, skip_margin=0.0))
+    for _ in range(3):
+        ctl2.observe(None, other, 1.0, {})
+    assert ctl2._probe({None: 1.0, C1: None}, other) is None
 
 
 @pytest.fixture(scope="module")
@@ -105,9 +123,9 @@ def mla_pair():
 
 def forced(sched: Scheduler, shapes, then=None) -> Scheduler:
     """Make the scheduler's adaptive choice run `shapes` in turn (cycling them, or then `then`
-    forever); when a draft must catch up, the scheduler's demand for speculation wins."""
+    forever)."""
     it = itertools.cycle(shapes) if then is None else itertools.chain(shapes, itertools.repeat(then))
-    sched._adaptive.choose = lambda request_ids, key, speculate=False: C1 if speculate else next(it)
+    sched._adaptive.choose = lambda request_ids, key: next(it)
     return sched
 
 
@@ -144,9 +162,9 @@ def draft_kv(sched: Scheduler, prompt, steps: int):
 
 @pytest.mark.parametrize("gap", [pytest.param(10, marks=pytest.mark.slow), 20], ids=["resumed", "gap-full"])
 def test_draft_catches_up_on_tokens_of_steps_without_speculation(mla_pair, gap):
-    """A request runs `gap` steps without speculation (no draft work), then speculates (at most
-    max_gap = 16 steps later): its draft K/V then equals that of a run that speculated throughout,
-    so its draft has seen every accepted token."""
+    """A request runs `gap` steps without speculation (no draft work; past max_gap = 16 a step
+    without speculation catches the draft up), then speculates: its draft K/V then equals that of
+    a run that speculated throughout, so its draft has seen every accepted token."""
     target, draft = mla_pair
     auto = e3.SpecConfig.auto(3)
     sched = forced(Scheduler(target, draft=draft, spec=auto, max_num_seqs=2, max_seq_len=96), [None] * gap, then=C3)

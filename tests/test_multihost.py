@@ -91,4 +91,6 @@ def test_two_processes_generate_like_one(tmp_path):
     want = generate_all(target, draft, MESH)
     assert results[0]["tokens"] == want
     assert results[1]["tokens"]["tree_sampled"] == want["tree_sampled"]
-    assert results[1]["tokens"]["follower_steps"] > len(want["scheduler_chain"][0]) // 4  # it mirrored the decode steps
+    assert want["scheduler_auto"] == want["scheduler_chain"]  # greedy: whatever the adaptive steps ran
+    for name in ("scheduler_chain", "scheduler_auto"):  # the follower mirrored the decode steps
+        assert results[1]["tokens"][f"follower_steps_{name}"] > len(want[name][0]) // 4

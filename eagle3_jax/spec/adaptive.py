@@ -14,10 +14,12 @@ one of them. The choice maximises
   new request starts from the global estimate and a request whose acceptance collapses soon
   contributes nothing but its one token: with no gain left in the batch, the scheduler stops
   speculating.
-- cost(shape, batch, context) is the measured wall time of that compiled program: the key is the
-  program's own (batch bucket, block-table width), so the context length is in the model (long
-  KV makes verifying many tokens dearer): the median of its last samples. Steps during which a
-  program compiled are not timed. At a key visited more than 8 times, a shape not yet timed runs
+- cost(shape, batch, context) is the measured wall time of a step of that compiled program: the
+  key is the program's own (batch bucket, block-table width), so the context length is in the
+  model (long KV makes verifying many tokens dearer). A step's time runs from the host's read of
+  the program before it to the read of its own tokens, so host work the device did not hide counts
+  too: the median of its last samples. Steps during which a program compiled, and steps right
+  after a draft catch-up, are not timed. At a key visited more than 8 times, a shape not yet timed runs
   until it has 3 samples, unless timings at the nearest key where both it and an
   already-timed shape ran predict it to lose clearly (`skip_margin`); it then keeps that estimate.
 
@@ -27,8 +29,10 @@ Hysteresis: the step keeps the previous shape unless another promises more than
 A step without speculation runs no draft at all: it stores each row's (target feature, next
 token) pair, and the next speculative step first extends the draft cache over the stored pairs
 (one draft pass over up to `max_gap` tokens), so the draft has seen every accepted token when it
-proposes again. A request may go `max_gap` steps without speculating; then the scheduler runs the
-best speculative shape, which both catches its draft up and refreshes its acceptance estimate.
+proposes again. When a row's buffer is full (`max_gap` steps without speculating), the step
+catches the draft up anyway, speculating or not. After `probe_every` steps in a row without
+speculation, one step runs the best speculative shape already timed at its key, so acceptance
+is measured again and speculation resumes when it pays again.
 
 The choice never affects correctness: every shape's step is lossless, so greedy output is the
 same whatever runs (sampled output keeps the target's distribution).
@@ -71,8 +75,10 @@ class AutoSpec:
     hysteresis: another shape must promise this much more throughput to replace the current one.
     prior_weight: how many steps of a request's own acceptance weigh as much as the global rate.
     request_decay: per-step decay of a request's own acceptance counts (recent steps count most).
-    max_gap: steps a request may go without speculating before one speculative step catches its
-        draft up (and measures its acceptance again).
+    max_gap: steps a request may go without draft work before a step catches its draft up (one
+        draft pass over the stored tokens; a buffer of max_gap x 3 x target hidden per sequence).
+    probe_every: after this many steps in a row without speculation, one speculative step
+        measures acceptance again.
     skip_margin: a shape predicted (from other keys) below (1 - skip_margin) x the best is not tried.
     """
 
@@ -81,6 +87,7 @@ class AutoSpec:
     prior_weight: float = 2.0
     request_decay: float = 0.95
     max_gap: int = 16
+    probe_every: int = 64
     skip_margin: float = 0.25
 
     def __post_init__(self) -> None:
@@ -100,6 +107,8 @@ class AutoSpec:
             raise ValueError(f"AutoSpec.request_decay must be in (0, 1]; got {self.request_decay!r}")
         if not (isinstance(self.max_gap, int) and self.max_gap >= 1):
             raise ValueError(f"AutoSpec.max_gap must be an integer >= 1; got {self.max_gap!r}")
+        if not (isinstance(self.probe_every, int) and self.probe_every >= 1):
+            raise ValueError(f"AutoSpec.probe_every must be an integer >= 1; got {self.probe_every!r}")
         if not 0 <= self.skip_margin < 1:
             raise ValueError(f"AutoSpec.skip_margin must be in [0, 1); got {self.skip_margin!r}")
 
@@ -204,6 +213,31 @@ class Acceptance:
             return 1.0 + prior
         return 1.0 + (c.tree_accepted[name] + w * prior) / (c.tree_steps[name] + w)
 
+    def total_expected_tokens(self, shapes: Sequence[Shape], request_ids: Sequence[str]) -> list[float]:
+        """For each shape, the tokens one step of it is expected to emit summed over the requests:
+        `expected_tokens` summed, with every chain length from one array sum (this runs before
+        every decode step, over the whole batch)."""
+        n = len(request_ids)
+        chain_sum = np.zeros(self.depth)  # per position: the requests' acceptance rates summed
+        if self.depth and any(is_chain(s) for s in shapes):
+            known = [c for c in map(self._requests.get, request_ids) if c is not None]
+            chain_sum = (n - len(known)) * self.chain
+            if known:
+                w = self.prior_weight
+                accepted = np.stack([c.accepted for c in known])
+                drafted = np.stack([c.drafted for c in known])
+                chain_sum = chain_sum + ((accepted + w * self.chain) / (drafted + w)).sum(axis=0)
+        chain_total = np.cumsum(chain_sum)
+        totals = []
+        for shape in shapes:
+            if shape is None:
+                totals.append(float(n))
+            elif is_chain(shape):
+                totals.append(n + float(chain_total[shape.max_accept - 1]))
+            else:
+                totals.append(sum(self.expected_tokens(shape, rid) for rid in request_ids))
+        return totals
+
     def _counts(self, request_id: str) -> _Counts:
         c = self._requests.get(request_id)
         if c is None:
@@ -223,31 +257,31 @@ class StepCosts:
     def __init__(self, window: int = 15, min_samples: int = 3):
         self.window, self.min_samples = window, min_samples
         self._samples: dict[tuple[str, Key], collections.deque] = {}
-        self._seconds: dict[tuple[str, Key], float] = {}
+        self._seconds: dict[str, dict[Key, float]] = collections.defaultdict(dict)  # shape name -> key -> s
 
     def observe(self, shape: Shape, key: Key, seconds: float) -> None:
-        k = (shape_name(shape), key)
-        samples = self._samples.setdefault(k, collections.deque(maxlen=self.window))
+        name = shape_name(shape)
+        samples = self._samples.setdefault((name, key), collections.deque(maxlen=self.window))
         samples.append(seconds)
         if len(samples) >= self.min_samples:  # fewer: still being measured
-            self._seconds[k] = statistics.median(samples)
+            self._seconds[name][key] = statistics.median(samples)
 
     def measured(self, shape: Shape, key: Key) -> float | None:
-        return self._seconds.get((shape_name(shape), key))
+        return self._seconds[shape_name(shape)].get(key)
 
     def predicted(self, shape: Shape, key: Key, menu: Sequence[Shape]) -> float | None:
         """An estimate for an untimed (shape, key) from the nearest key where it and another shape
         were timed, scaled by that other shape's time here; None when nothing supports one."""
         best, best_distance = None, math.inf
+        timed = self._seconds[shape_name(shape)]
         for ref in menu:
-            here = self.measured(ref, key)
+            ref_times = self._seconds[shape_name(ref)]
+            here = ref_times.get(key)
             if ref == shape or here is None:
                 continue
-            for (name, other), seconds in self._seconds.items():
-                if name != shape_name(shape) or other == key:
-                    continue
-                ref_there = self.measured(ref, other)
-                if ref_there is None:
+            for other, seconds in timed.items():
+                ref_there = ref_times.get(other)
+                if other == key or ref_there is None:
                     continue
                 distance = abs(math.log2(other[0] / key[0])) + abs(math.log2(other[1] / key[1]))
                 if distance < best_distance:
@@ -275,28 +309,25 @@ class AdaptiveSpeculation:
         self.key_steps: collections.Counter = collections.Counter()
         self.explore_after = 8
         self.choices: collections.Counter = collections.Counter()
+        self.steps_without_speculation = 0
 
-    def choose(self, request_ids: Sequence[str], key: Key, speculate: bool = False) -> Shape:
-        """The shape the next decode step of these requests runs, at program key `key`; with
-        `speculate`, the best speculative one (a request's draft must catch up)."""
-        shape = self._best_speculative(request_ids, key) if speculate else self._choose(request_ids, key)
-        self.current = shape
+    def choose(self, request_ids: Sequence[str], key: Key) -> Shape:
+        """The shape the next decode step of these requests runs, at program key `key`."""
+        rates = self.rates(request_ids, key)
+        shape = self.current = self._choose(rates, key)
+        if shape is None and self.steps_without_speculation >= self.auto.probe_every:
+            shape = self._probe(rates, key)
+        self.steps_without_speculation = 0 if shape is not None else self.steps_without_speculation + 1
         self.choices[shape_name(shape)] += 1
         return shape
 
-    def _best_speculative(self, request_ids: Sequence[str], key: Key) -> SpecConfig:
-        rates = {s: self.rate(s, request_ids, key) for s in self.auto.shapes}
-        untimed = [s for s, r in rates.items() if r is None]
-        return untimed[0] if untimed else max(rates, key=rates.__getitem__)
-
-    def _choose(self, request_ids: Sequence[str], key: Key) -> Shape:
-        menu, auto = self.auto.menu, self.auto
+    def _choose(self, rates: dict[Shape, float | None], key: Key) -> Shape:
+        auto = self.auto
         self.key_steps[key] += 1
-        rates = {s: self.rate(s, request_ids, key) for s in menu}
         known = {s: r for s, r in rates.items() if r is not None}
         best_known = max(known.values(), default=0.0)
         if self.key_steps[key] > self.explore_after or not known:
-            for s in menu:  # time each shape at this key, unless predicted to lose clearly
+            for s in auto.menu:  # time each shape at this key, unless predicted to lose clearly
                 if self.costs.measured(s, key) is None and (rates[s] is None or rates[s] >= (1 - auto.skip_margin) * best_known):
                     return s
         if not known:
@@ -306,14 +337,22 @@ class AdaptiveSpeculation:
             return self.current
         return best
 
-    def rate(self, shape: Shape, request_ids: Sequence[str], key: Key) -> float | None:
-        """Expected output tokens per second of one step of `shape`; None when its cost is unknown."""
-        seconds = self.costs.measured(shape, key)
-        if seconds is None:
-            seconds = self.costs.predicted(shape, key, self.auto.menu)
-        if seconds is None or seconds <= 0:
-            return None
-        return sum(self.acceptance.expected_tokens(shape, rid) for rid in request_ids) / seconds
+    def _probe(self, rates: dict[Shape, float | None], key: Key) -> SpecConfig | None:
+        """The best speculative shape timed at this key (its program is compiled), if any."""
+        timed = [s for s in self.auto.shapes if self.costs.measured(s, key) is not None]
+        return max(timed, key=rates.__getitem__) if timed else None
+
+    def rates(self, request_ids: Sequence[str], key: Key) -> dict[Shape, float | None]:
+        """Expected output tokens per second of one step of each shape; None where its cost is unknown."""
+        menu = self.auto.menu
+        expected = self.acceptance.total_expected_tokens(menu, request_ids)
+        rates = {}
+        for shape, tokens in zip(menu, expected):
+            seconds = self.costs.measured(shape, key)
+            if seconds is None:
+                seconds = self.costs.predicted(shape, key, menu)
+            rates[shape] = tokens / seconds if seconds is not None and seconds > 0 else None
+        return rates
 
     def observe(self, shape: Shape, key: Key, seconds: float | None, accepted: dict[str, int]) -> None:
         """A finished step: its wall time (None if it compiled) and draft tokens accepted per request."""
