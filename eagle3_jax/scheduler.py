@@ -670,7 +670,7 @@ class Scheduler:
         for req in rows:
             req.pending += 1
             if self._adaptive is not None:
-                req.gap = (0 if catch_up else req.gap) + 1 if shape is None else 0
+                req.gap = 0 if shape is not None else (0 if catch_up else req.gap) + 1  # pairs stored
         sp = SamplingArrays.from_params([r.sampling for r in rows], batch)
         compiles, launched = self.programs.num_compiles, time.perf_counter()
         outputs = self._launch("decode", shape, block_table, slots, prompt_lens, sp)
@@ -704,8 +704,8 @@ class Scheduler:
             # What the step cost the serving loop: the wall time since the previous program's
             # outputs were read (the previous step's, or a prefill's of the same iteration), or
             # since its launch if later (an idle loop), so host work the device did not hide
-            # counts too. Not timed when a program compiled
-            # meanwhile (the host was busy compiling) or after a catch-up.
+            # counts too. Not timed when a program compiled meanwhile (the host was busy
+            # compiling) or after a catch-up.
             compiled = self.programs.num_compiles != launch.compiles
             seconds = None if launch.untimed or compiled else now - max(launch.launched, self._last_read)
             self._adaptive.observe(launch.shape, launch.key, seconds, {req.id: int(count[i]) - 1 for i, req in rows})

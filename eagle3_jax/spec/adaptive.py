@@ -19,8 +19,8 @@ one of them. The choice maximises
   model (long KV makes verifying many tokens dearer). A step's time runs from the host's read of
   the program before it to the read of its own tokens, so host work the device did not hide counts
   too: the median of its last samples. Steps during which a program compiled, and steps right
-  after a draft catch-up, are not timed. At a key visited more than 8 times, a shape not yet timed runs
-  until it has 3 samples, unless timings at the nearest key where both it and an
+  after a draft catch-up, are not timed. At a key visited more than 8 times, a shape not yet
+  timed runs until it has 3 samples, unless timings at the nearest key where both it and an
   already-timed shape ran predict it to lose clearly (`skip_margin`); it then keeps that estimate.
 
 Hysteresis: the step keeps the previous shape unless another promises more than
@@ -195,28 +195,11 @@ class Acceptance:
             mean = sum(accepted.values()) / len(accepted)
             self.tree[name] += self.rate * (mean - self.tree[name])
 
-    def expected_tokens(self, shape: Shape, request_id: str) -> float:
-        """Tokens one step of `shape` is expected to emit for the request (bonus token included)."""
-        if shape is None:
-            return 1.0
-        c = self._requests.get(request_id)
-        w = self.prior_weight
-        if is_chain(shape):
-            k = shape.max_accept
-            prior = self.chain[:k]
-            if c is None:
-                return 1.0 + float(prior.sum())
-            return 1.0 + float(((c.accepted[:k] + w * prior) / (c.drafted[:k] + w)).sum())
-        name = shape_name(shape)
-        prior = self.tree[name]
-        if c is None:
-            return 1.0 + prior
-        return 1.0 + (c.tree_accepted[name] + w * prior) / (c.tree_steps[name] + w)
-
     def total_expected_tokens(self, shapes: Sequence[Shape], request_ids: Sequence[str]) -> list[float]:
-        """For each shape, the tokens one step of it is expected to emit summed over the requests:
-        `expected_tokens` summed, with every chain length from one array sum (this runs before
-        every decode step, over the whole batch)."""
+        """For each shape, the tokens one step of it is expected to emit (bonus token included),
+        summed over the requests. A request's rate per chain position (or mean accepted count of
+        a tree) blends its own counts with the global rate, weighted as `prior_weight` steps; every
+        chain length comes from one array sum (this runs before every decode step)."""
         n = len(request_ids)
         chain_sum = np.zeros(self.depth)  # per position: the requests' acceptance rates summed
         if self.depth and any(is_chain(s) for s in shapes):
@@ -235,8 +218,16 @@ class Acceptance:
             elif is_chain(shape):
                 totals.append(n + float(chain_total[shape.max_accept - 1]))
             else:
-                totals.append(sum(self.expected_tokens(shape, rid) for rid in request_ids))
+                totals.append(sum(self._tree_expected_tokens(shape_name(shape), rid) for rid in request_ids))
         return totals
+
+    def _tree_expected_tokens(self, name: str, request_id: str) -> float:
+        prior = self.tree[name]
+        c = self._requests.get(request_id)
+        if c is None:
+            return 1.0 + prior
+        w = self.prior_weight
+        return 1.0 + (c.tree_accepted[name] + w * prior) / (c.tree_steps[name] + w)
 
     def _counts(self, request_id: str) -> _Counts:
         c = self._requests.get(request_id)
