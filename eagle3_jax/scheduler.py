@@ -211,7 +211,9 @@ def _catch_up_program(tcfg: ModelConfig, dcfg: DraftConfig, tparams: dict, dpara
                           gap=state.gap.at[slots].set(0)),)
 
 
-_PROGRAMS = {"prefill": _prefill_program, "decode": _decode_program, "catch_up": _catch_up_program}
+# "plain_" programs run without the draft (for requests adaptive speculation admitted without it).
+_PROGRAMS = {"prefill": _prefill_program, "decode": _decode_program, "catch_up": _catch_up_program,
+             "plain_prefill": _prefill_program, "plain_decode": _decode_program}
 
 
 class ProgramCache:
@@ -266,6 +268,7 @@ class _Launch:
     launched: float = 0.0
     untimed: bool = False  # after a catch-up, whose end the host does not see: not timed
     compiles: int = 0  # programs compiled before it was launched
+    plain: bool = False  # a decode step without the draft (no row had it)
 
 
 @dataclasses.dataclass
@@ -288,6 +291,7 @@ class _Request:
     draft_passes: int = 0
     pending: int = 0  # decode steps launched but not read yet
     gap: int = 0  # steps since the draft last saw this request's tokens (adaptive speculation)
+    with_draft: bool = True  # the draft follows it (adaptive speculation may admit a request without)
     epoch: int = 0  # bumped when the request leaves the running batch: results launched before are void
     sent: int = 0  # tokens already handed out in deltas
     admitted: float | None = None
@@ -336,6 +340,7 @@ class Scheduler:
         self._channel = None  # set by lead(): multi-host leader
         self._inflight: list[_Launch] = []  # launched last iteration, read in the next (overlap)
         self._last_read = 0.0  # when the host last had a program's outputs
+        self._last_decode_key: tuple[int, int] | None = None  # (batch, width) buckets of the last decode step
 
         self._waiting: collections.deque[_Request] = collections.deque()
         self._running: list[_Request] = []  # admission order: prefilling and decoding
@@ -503,6 +508,8 @@ class Scheduler:
             req.pages = self._alloc.allocate(need)
             req.slot = self._free_slots.pop()
             req.state, req.computed, req.length = _PREFILL, 0, 0
+            if self._adaptive is not None:
+                req.with_draft = self._adaptive.wants_draft(self._last_decode_key)
             if req.admitted is None:
                 req.admitted = time.perf_counter()
             self._running.append(req)
@@ -526,8 +533,10 @@ class Scheduler:
         for req in list(self._running):
             if req.state != _DECODE:
                 continue
-            unread = req.pending * self._step_tokens  # committed by launched steps not read yet
-            need = min(pages_for(req.length + unread + self.lookahead, self.page_size),
+            # A request without the draft (adaptive speculation) never speculates: one token a step.
+            step_tokens, lookahead = (self._step_tokens, self.lookahead) if req.with_draft else (1, step_lookahead(None))
+            unread = req.pending * step_tokens  # committed by launched steps not read yet
+            need = min(pages_for(req.length + unread + lookahead, self.page_size),
                        self.max_pages_per_seq) - len(req.pages)
             while need > self._alloc.num_free and req.state == _DECODE:
                 self._preempt(self._running[-1])
@@ -569,9 +578,10 @@ class Scheduler:
     def _execute(self, kind: str, shape: Shape, block_table: np.ndarray, *args) -> list[jax.Array]:
         """Launch the `kind` step program (for decode, of speculation `shape`); the cache key is
         the kind, the shape and the bucketed array shapes."""
-        dcfg = self.draft.config if self.draft is not None else None
-        dparams = self.draft.params if self.draft is not None else None
-        static = (self.target.config, dcfg) if kind != "decode" else (self.target.config, dcfg, shape)
+        with_draft = self.draft is not None and not kind.startswith("plain_")
+        dcfg = self.draft.config if with_draft else None
+        dparams = self.draft.params if with_draft else None
+        static = (self.target.config, dcfg) if not kind.endswith("decode") else (self.target.config, dcfg, shape)
         key = (kind, shape, block_table.shape, np.shape(args[0]))
         with mesh_context(self.target.mesh):
             *outs, self._state = self.programs.run(_PROGRAMS[kind], static, key, self.target.params, dparams,
@@ -644,7 +654,9 @@ class Scheduler:
                 following[i] = req.prefill_ids[c + n]
             launched.append((req, req.epoch, final))
         sp = SamplingArrays.from_params([r.sampling for r, _ in rows], batch)
-        outputs = self._launch("prefill", None, self._block_table([r for r, _ in rows], batch), tokens, lengths,
+        # With the draft when any row has it (a row without it then has a draft cache it never uses).
+        kind = "prefill" if any(r.with_draft for r, _ in rows) else "plain_prefill"
+        outputs = self._launch(kind, None, self._block_table([r for r, _ in rows], batch), tokens, lengths,
                                n_valid, following, slots, sp, counter)
         for req, n in rows:
             req.computed += n
@@ -657,26 +669,29 @@ class Scheduler:
     def _launch_decode(self, rows: list[_Request]) -> _Launch:
         batch = bucket(len(rows), 1, self.max_num_seqs)
         block_table = self._block_table(rows, batch)
+        self._last_decode_key = block_table.shape
+        # Adaptive speculation with no row followed by the draft: the plain program, nothing stored.
+        plain = self._adaptive is not None and not any(r.with_draft for r in rows)
         shape = self._shape_for(rows, block_table.shape)
         slots = np.full((batch,), self.max_num_seqs, np.int32)
         prompt_lens = np.zeros((batch,), np.int32)
         for i, req in enumerate(rows):
             slots[i], prompt_lens[i] = req.slot, len(req.prompt)
         # The draft catches up before it proposes, and when a row has no room left to store a pair.
-        catch_up = self._adaptive is not None and any(
+        catch_up = self._adaptive is not None and not plain and any(
             r.gap >= self.spec.max_gap or (shape is not None and r.gap) for r in rows)
         if catch_up:
             self._launch("catch_up", None, block_table, slots)
         for req in rows:
             req.pending += 1
-            if self._adaptive is not None:
+            if self._adaptive is not None and not plain:
                 req.gap = 0 if shape is not None else (0 if catch_up else req.gap) + 1  # pairs stored
         sp = SamplingArrays.from_params([r.sampling for r in rows], batch)
         compiles, launched = self.programs.num_compiles, time.perf_counter()
-        outputs = self._launch("decode", shape, block_table, slots, prompt_lens, sp)
+        outputs = self._launch("plain_decode" if plain else "decode", shape, block_table, slots, prompt_lens, sp)
         # A step after a catch-up starts when the catch-up ends, which the host does not see.
         return _Launch("decode", [(r, r.epoch, True) for r in rows], outputs, shape, block_table.shape, launched,
-                       catch_up, compiles)
+                       catch_up, compiles, plain)
 
     def _collect(self, launches: list[_Launch]) -> tuple[list[RequestDelta], float]:
         """Read launched programs' outputs, in launch order -> (deltas, seconds spent waiting)."""
@@ -708,7 +723,8 @@ class Scheduler:
             # compiling) or after a catch-up.
             compiled = self.programs.num_compiles != launch.compiles
             seconds = None if launch.untimed or compiled else now - max(launch.launched, self._last_read)
-            self._adaptive.observe(launch.shape, launch.key, seconds, {req.id: int(count[i]) - 1 for i, req in rows})
+            accepted = {req.id: int(count[i]) - 1 for i, req in rows if req.with_draft}
+            self._adaptive.observe(launch.shape, launch.key, seconds, accepted, plain=launch.plain)
         deltas = []
         for i, req in rows:
             k = int(count[i])
@@ -729,6 +745,9 @@ class Scheduler:
         for these requests at this program key (batch bucket, block-table width)."""
         if self._adaptive is None:
             return self.spec
+        if not all(r.with_draft for r in rows):  # a row without the draft has pages for one token a step
+            self._adaptive.no_choice(any_with_draft=any(r.with_draft for r in rows))
+            return None
         return self._adaptive.choose([r.id for r in rows], key)
 
     # ---- output --------------------------------------------------------------------------------

@@ -115,6 +115,30 @@ def test_a_probe_measures_acceptance_again_after_steps_without_speculation():
     assert ctl2._probe({None: 1.0, C1: None}, other) is None
 
 
+def test_requests_get_the_draft_only_while_speculation_may_pay():
+    ctl = AdaptiveSpeculation(AutoSpec.chains(2, resample_every=5))
+    assert ctl.wants_draft(None) and ctl.wants_draft(KEY)  # nothing timed: speculation may pay
+    # One draft token accepted a step; chains cost 3-4x a plain step: speculation loses clearly.
+    teach(ctl, {"none": 1.0, "chain:1:1:2": 3.0, "chain:2:1:3": 4.0}, accepted=1)
+    assert not ctl.wants_draft(KEY)
+    # A key where only the plain program ran: chain costs predicted from KEY, scaled by plain's time.
+    other = (16, 4)
+    for _ in range(3):
+        ctl.observe(None, other, 2.0, {}, plain=True)
+    assert ctl.costs.predicted(C1, other, ctl.auto.menu) == pytest.approx(6.0)
+    assert not ctl.wants_draft(other)
+    # After resample_every steps in which no row had the draft, one request gets it again.
+    for _ in range(5):
+        ctl.no_choice(any_with_draft=False)
+    assert ctl.wants_draft(other) and not ctl.wants_draft(other)
+    stats = ctl.stats()
+    assert (stats["requests_with_draft"], stats["requests_without_draft"], stats["steps_without_draft"]) == (3, 3, 5)
+    # Cheap chains: speculation pays, every request gets the draft.
+    ctl = AdaptiveSpeculation(AutoSpec.chains(2))
+    teach(ctl, {"none": 1.0, "chain:1:1:2": 1.1, "chain:2:1:3": 1.2}, accepted=2)
+    assert ctl.wants_draft(KEY)
+
+
 @pytest.fixture(scope="module")
 def mla_pair():
     target = random_target(FAMILIES["deepseek_v3"])
@@ -146,6 +170,28 @@ def test_greedy_output_equals_plain_decoding_whatever_the_steps_run(mla_pair):
     stats = sched.stats()["adaptive"]
     assert 0 < sum(stats["steps_by_shape"].values()) <= sched.stats()["num_decode_steps_total"]  # batch vs row steps
     assert set(stats["steps_by_shape"]) <= {shape_name(s) for s in auto.menu}
+
+
+def test_requests_without_the_draft_decode_plainly_beside_those_with_it(mla_pair):
+    """Requests admitted without the draft: greedy output unchanged, no draft pass for them, no
+    speculation while one is in the batch, and the plain programs once none has the draft."""
+    target, draft = mla_pair
+    prompts, sp = PROMPTS, e3.SamplingParams(max_tokens=12)
+    base = [o.token_ids for o in Scheduler(target, max_num_seqs=2, max_seq_len=64).generate(prompts, sp)]
+    # Small pages: rows without the draft cross page boundaries (they reserve one slot a step).
+    sched = forced(Scheduler(target, draft=draft, spec=e3.SpecConfig.auto(2), max_num_seqs=2, max_seq_len=64,
+                             page_size=4), [C2, None, C1])
+    # Batches of two as requests finish together: {0 with, 1 without}, {2, 3 with}, {4 without}.
+    admitted = iter([True, False, True, True, False])
+    sched._adaptive.wants_draft = lambda key: next(admitted)
+    outs = sched.generate(prompts, sp)
+    assert [o.token_ids for o in outs] == base
+    passes = [o.metrics["num_draft_passes"] for o in outs]
+    assert passes[0] == passes[1] == passes[4] == 0 and passes[2] > 0 and passes[3] > 0
+    assert all(a == 1 for i in (0, 1, 4) for a in outs[i].metrics["accept_lengths"])
+    kinds = {key[0] for key in sched.programs._programs}
+    assert {"plain_prefill", "plain_decode", "prefill", "decode"} <= kinds
+    assert sched.stats()["adaptive"]["steps_without_draft"] > 0
 
 
 def draft_kv(sched: Scheduler, prompt, steps: int):
@@ -192,9 +238,11 @@ def test_metrics_report_the_shapes_chosen():
     from eagle3_jax.serving.metrics import engine_metrics
 
     before = {"num_decode_steps_total": 2, "per_position_accepted_total": [1, 0], "per_position_drafted_total": [2, 2],
-              "adaptive": {"steps_by_shape": {"none": 1, "chain:2:1:3": 1}}}
+              "adaptive": {"steps_by_shape": {"none": 1, "chain:2:1:3": 1}, "steps_without_draft": 1,
+                           "requests_with_draft": 2, "requests_without_draft": 0}}
     after = {"num_decode_steps_total": 10, "per_position_accepted_total": [5, 2], "per_position_drafted_total": [6, 4],
-             "adaptive": {"steps_by_shape": {"none": 5, "chain:2:1:3": 3, "chain:1:1:2": 2}}}
+             "adaptive": {"steps_by_shape": {"none": 5, "chain:2:1:3": 3, "chain:1:1:2": 2}, "steps_without_draft": 3,
+                          "requests_with_draft": 3, "requests_without_draft": 4}}
 
     class Snapshot:
         def collect(self):
@@ -205,5 +253,8 @@ def test_metrics_report_the_shapes_chosen():
     families = {f.name: f for f in text_string_to_metric_families(generate_latest(registry).decode())}
     steps = {s.labels["shape"]: s.value for s in families["eagle3_spec_steps"].samples if s.name.endswith("_total")}
     assert steps == {"none": 4, "chain:2:1:3": 2, "chain:1:1:2": 2}
+    assert families["eagle3_spec_steps_without_draft"].samples[0].value == 2
+    requests = {s.labels["draft"]: s.value for s in families["eagle3_spec_requests"].samples}
+    assert requests == {"with": 1, "without": 4}
     rates = {s.labels["position"]: s.value for s in families["eagle3_spec_acceptance_rate"].samples}
     assert rates == {"1": 4 / 4, "2": 2 / 2}

@@ -261,6 +261,8 @@ def scheduler_figures(before: dict, after: dict) -> dict:
         old = before.get("adaptive", {}).get("steps_by_shape", {})
         figures["steps_by_shape"] = {k: v - old.get(k, 0) for k, v in after["adaptive"]["steps_by_shape"].items()
                                      if v - old.get(k, 0)}
+        for key in ("steps_without_draft", "requests_without_draft"):
+            figures[key] = after["adaptive"].get(key, 0) - before.get("adaptive", {}).get(key, 0)
     return figures
 
 
@@ -320,7 +322,8 @@ def run_benchmark(target, draft, settings: Sequence[SpecSetting], workload: Work
         log(f"{s.label:>24} C={c:<4} seed={seed}: {m['output_throughput']:9.1f} tok/s, "
             f"TPOT {m['tpot_ms']['mean'] or 0:.2f} ms" + (f", tau {tau:.2f}" if tau is not None else "")
             + (f", host {host:.2f} ms/step" if host is not None else "")
-            + (f", shapes {cell['steps_by_shape']}" if "steps_by_shape" in cell else "")
+            + (f", shapes {cell['steps_by_shape']} ({cell['steps_without_draft']} without draft)"
+               if "steps_by_shape" in cell else "")
             + (f" ({cell['measure_attempts']} measured passes: compiles)" if cell["measure_attempts"] > 1 else ""))
 
     if cfg.interleave:

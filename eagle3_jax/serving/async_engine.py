@@ -44,6 +44,7 @@ logger = logging.getLogger(__name__)
 COUNTER_KEYS = ("num_preemptions", "num_requests_finished", "num_requests_aborted", "prompt_tokens_total",
                 "generation_tokens_total", "num_decode_steps_total", "accepted_tokens_total", "num_iterations_total",
                 "host_seconds_total")
+ADAPTIVE_COUNTER_KEYS = ("steps_without_draft", "requests_with_draft", "requests_without_draft")
 
 
 def stats_since(stats: dict[str, Any], baseline: dict[str, Any]) -> dict[str, Any]:
@@ -58,9 +59,11 @@ def stats_since(stats: dict[str, Any], baseline: dict[str, Any]) -> dict[str, An
         if now is not None and base is not None:
             out[key] = [a - b for a, b in zip(now, base)]
     if "adaptive" in stats and "adaptive" in baseline:
-        old = baseline["adaptive"]["steps_by_shape"]
-        steps = {k: v - old.get(k, 0) for k, v in stats["adaptive"]["steps_by_shape"].items()}
-        out["adaptive"] = dict(stats["adaptive"], steps_by_shape=steps)
+        now, base = stats["adaptive"], baseline["adaptive"]
+        old = base["steps_by_shape"]
+        steps = {k: v - old.get(k, 0) for k, v in now["steps_by_shape"].items()}
+        counts = {k: now[k] - base.get(k, 0) for k in ADAPTIVE_COUNTER_KEYS if k in now}
+        out["adaptive"] = dict(now, steps_by_shape=steps, **counts)
     if "mean_accept_length" in out and "num_decode_steps_total" in out:
         steps = out["num_decode_steps_total"]
         out["mean_accept_length"] = out.get("accepted_tokens_total", 0) / steps if steps else 1.0

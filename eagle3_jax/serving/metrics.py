@@ -81,6 +81,14 @@ def engine_metrics(stats: Mapping[str, Any]) -> Iterator[Metric]:
         for shape, n in sorted(adaptive["steps_by_shape"].items()):
             shapes.add_metric([shape], n)
         yield shapes
+        if "steps_without_draft" in adaptive:
+            yield CounterMetricFamily("eagle3_spec_steps_without_draft", "Decode steps in which no request had the "
+                                      "draft (the plain program ran).", value=adaptive["steps_without_draft"])
+            admitted = CounterMetricFamily("eagle3_spec_requests", "Requests admitted with the draft following them "
+                                           "(draft=with) or decoding without it (draft=without).", labels=["draft"])
+            admitted.add_metric(["with"], adaptive["requests_with_draft"])
+            admitted.add_metric(["without"], adaptive["requests_without_draft"])
+            yield admitted
     yield GaugeMetricFamily("eagle3_engine_healthy", "1 while the engine thread runs and steps.",
                             value=int(bool(stats.get("engine_healthy"))))
 

@@ -34,6 +34,14 @@ catches the draft up anyway, speculating or not. After `probe_every` steps in a 
 speculation, one step runs the best speculative shape already timed at its key, so acceptance
 is measured again and speculation resumes when it pays again.
 
+Keeping the draft ready costs even when no step speculates (its prefill over every prompt, the
+stored pairs, the catch-ups), so the draft follows only requests that may use it: a request
+admitted while speculation is not expected to pay at the batch's current key (`wants_draft`)
+decodes without the draft to its end. A step speculates only when every row has the draft (a row
+without it reserves KV pages for one token a step), and a batch in which no row has it runs the
+plain decode program, as if speculation were off. One request in a while gets the draft anyway
+(`resample_every`), so acceptance stays measured and speculation returns when the load changes.
+
 The choice never affects correctness: every shape's step is lossless, so greedy output is the
 same whatever runs (sampled output keeps the target's distribution).
 """
@@ -80,6 +88,8 @@ class AutoSpec:
     probe_every: after this many steps in a row without speculation, one speculative step
         measures acceptance again.
     skip_margin: a shape predicted (from other keys) below (1 - skip_margin) x the best is not tried.
+    resample_every: after this many decode steps in which no running request had the draft, the
+        next admitted request gets it (its acceptance is measured) whatever the prediction.
     """
 
     menu: tuple[Shape, ...]
@@ -89,6 +99,7 @@ class AutoSpec:
     max_gap: int = 16
     probe_every: int = 64
     skip_margin: float = 0.25
+    resample_every: int = 1024
 
     def __post_init__(self) -> None:
         menu = tuple(dict.fromkeys(self.menu))  # drop repeats, keep order
@@ -109,6 +120,8 @@ class AutoSpec:
             raise ValueError(f"AutoSpec.max_gap must be an integer >= 1; got {self.max_gap!r}")
         if not (isinstance(self.probe_every, int) and self.probe_every >= 1):
             raise ValueError(f"AutoSpec.probe_every must be an integer >= 1; got {self.probe_every!r}")
+        if not (isinstance(self.resample_every, int) and self.resample_every >= 1):
+            raise ValueError(f"AutoSpec.resample_every must be an integer >= 1; got {self.resample_every!r}")
         if not 0 <= self.skip_margin < 1:
             raise ValueError(f"AutoSpec.skip_margin must be in [0, 1); got {self.skip_margin!r}")
 
@@ -221,6 +234,13 @@ class Acceptance:
                 totals.append(sum(self._tree_expected_tokens(shape_name(shape), rid) for rid in request_ids))
         return totals
 
+    def new_request_expected_tokens(self, shapes: Sequence[Shape]) -> list[float]:
+        """For each shape, the tokens one step of it is expected to emit for a request not seen yet
+        (the global rates)."""
+        chain_total = np.cumsum(self.chain)
+        return [1.0 if s is None else 1.0 + float(chain_total[s.max_accept - 1]) if is_chain(s)
+                else 1.0 + self.tree[shape_name(s)] for s in shapes]
+
     def _tree_expected_tokens(self, name: str, request_id: str) -> float:
         prior = self.tree[name]
         c = self._requests.get(request_id)
@@ -240,6 +260,14 @@ class Acceptance:
 
 Key = tuple[int, int]  # (batch bucket, block-table width bucket) of a decode program
 
+# StepCosts also times this program, which is not a menu shape: a step without speculation in which
+# no row has the draft (no pairs stored), the alternative to keeping the draft for a new request.
+PLAIN = "plain"
+
+
+def _cost_name(shape: Shape | str) -> str:
+    return shape if isinstance(shape, str) else shape_name(shape)
+
 
 class StepCosts:
     """Measured wall time of each (shape, batch, width) program: the median of its last `window`
@@ -250,23 +278,24 @@ class StepCosts:
         self._samples: dict[tuple[str, Key], collections.deque] = {}
         self._seconds: dict[str, dict[Key, float]] = collections.defaultdict(dict)  # shape name -> key -> s
 
-    def observe(self, shape: Shape, key: Key, seconds: float) -> None:
-        name = shape_name(shape)
+    def observe(self, shape: Shape | str, key: Key, seconds: float) -> None:
+        name = _cost_name(shape)
         samples = self._samples.setdefault((name, key), collections.deque(maxlen=self.window))
         samples.append(seconds)
         if len(samples) >= self.min_samples:  # fewer: still being measured
             self._seconds[name][key] = statistics.median(samples)
 
-    def measured(self, shape: Shape, key: Key) -> float | None:
-        return self._seconds[shape_name(shape)].get(key)
+    def measured(self, shape: Shape | str, key: Key) -> float | None:
+        return self._seconds[_cost_name(shape)].get(key)
 
-    def predicted(self, shape: Shape, key: Key, menu: Sequence[Shape]) -> float | None:
-        """An estimate for an untimed (shape, key) from the nearest key where it and another shape
-        were timed, scaled by that other shape's time here; None when nothing supports one."""
+    def predicted(self, shape: Shape, key: Key, references: Sequence[Shape | str]) -> float | None:
+        """An estimate for an untimed (shape, key) from the nearest key where it and one of the
+        reference programs were timed, scaled by that reference's time here; None when nothing
+        supports one."""
         best, best_distance = None, math.inf
-        timed = self._seconds[shape_name(shape)]
-        for ref in menu:
-            ref_times = self._seconds[shape_name(ref)]
+        timed = self._seconds[_cost_name(shape)]
+        for ref in references:
+            ref_times = self._reference_times(ref)
             here = ref_times.get(key)
             if ref == shape or here is None:
                 continue
@@ -278,6 +307,14 @@ class StepCosts:
                 if distance < best_distance:
                     best, best_distance = here * seconds / ref_there, distance
         return best
+
+    def _reference_times(self, ref: Shape | str) -> dict[Key, float]:
+        """`ref`'s times by key, where steps without speculation stand in for each other (the plain
+        program and the one storing pairs for the draft differ by a few stores)."""
+        name = _cost_name(ref)
+        if name not in (NO_SPEC, PLAIN):
+            return self._seconds[name]
+        return {**self._seconds[PLAIN if name == NO_SPEC else NO_SPEC], **self._seconds[name]}
 
 
 # ---- the choice ----------------------------------------------------------------------------------------
@@ -301,16 +338,55 @@ class AdaptiveSpeculation:
         self.explore_after = 8
         self.choices: collections.Counter = collections.Counter()
         self.steps_without_speculation = 0
+        self.steps_without_draft = 0  # decode steps in a row in which no row had the draft
+        self.plain_steps = 0
+        self.admitted: collections.Counter = collections.Counter()  # requests admitted with / without the draft
 
     def choose(self, request_ids: Sequence[str], key: Key) -> Shape:
-        """The shape the next decode step of these requests runs, at program key `key`."""
+        """The shape the next decode step of these requests (all with the draft) runs, at program key `key`."""
         rates = self.rates(request_ids, key)
         shape = self.current = self._choose(rates, key)
         if shape is None and self.steps_without_speculation >= self.auto.probe_every:
             shape = self._probe(rates, key)
         self.steps_without_speculation = 0 if shape is not None else self.steps_without_speculation + 1
+        self.steps_without_draft = 0
         self.choices[shape_name(shape)] += 1
         return shape
+
+    def no_choice(self, any_with_draft: bool) -> None:
+        """Count a decode step that cannot speculate (a row has no draft): with rows that have the
+        draft, their pairs are stored; without any, the plain program runs."""
+        self.choices[shape_name(None)] += 1
+        if any_with_draft:
+            self.steps_without_draft = 0
+        else:
+            self.steps_without_draft += 1
+            self.plain_steps += 1
+
+    def wants_draft(self, key: Key | None) -> bool:
+        """Whether a request admitted now gets the draft (a draft prefill over its prompt, its pairs
+        stored for catch-ups), given the key of the last decode step (None: no step yet).
+
+        Yes while no speculative shape has a measured or predicted cost at the key, or the best
+        one is expected to reach (1 - hysteresis) x the throughput of plain decoding there for a
+        new request (the global acceptance rates), or when no running request has had the draft
+        for `resample_every` steps; otherwise the request decodes without it to its end.
+        """
+        want = key is None or self._speculation_may_pay(key)
+        if not want and self.steps_without_draft >= self.auto.resample_every:
+            want, self.steps_without_draft = True, 0
+        self.admitted["with_draft" if want else "without_draft"] += 1
+        return want
+
+    def _speculation_may_pay(self, key: Key) -> bool:
+        plain = self.costs.measured(PLAIN, key) or self.costs.measured(None, key)
+        shapes = self.auto.shapes
+        spec = []
+        for shape, tokens in zip(shapes, self.acceptance.new_request_expected_tokens(shapes)):
+            seconds = self.costs.measured(shape, key) or self.costs.predicted(shape, key, self.auto.menu)
+            if seconds:
+                spec.append(tokens / seconds)
+        return not plain or not spec or max(spec) >= (1 - self.auto.hysteresis) / plain
 
     def _choose(self, rates: dict[Shape, float | None], key: Key) -> Shape:
         auto = self.auto
@@ -341,15 +417,17 @@ class AdaptiveSpeculation:
         for shape, tokens in zip(menu, expected):
             seconds = self.costs.measured(shape, key)
             if seconds is None:
-                seconds = self.costs.predicted(shape, key, menu)
+                seconds = self.costs.predicted(shape, key, self.auto.menu)
             rates[shape] = tokens / seconds if seconds is not None and seconds > 0 else None
         return rates
 
-    def observe(self, shape: Shape, key: Key, seconds: float | None, accepted: dict[str, int]) -> None:
-        """A finished step: its wall time (None if it compiled) and draft tokens accepted per request."""
+    def observe(self, shape: Shape, key: Key, seconds: float | None, accepted: dict[str, int],
+                plain: bool = False) -> None:
+        """A finished step: its wall time (None if it compiled) and draft tokens accepted per request
+        with the draft; `plain`: a step of the plain program (no row had the draft)."""
         if seconds is not None:
-            self.costs.observe(shape, key, seconds)
-        if shape is not None:
+            self.costs.observe(PLAIN if plain else shape, key, seconds)
+        if shape is not None and accepted:
             self.acceptance.observe(shape, accepted)
 
     def forget(self, request_id: str) -> None:
@@ -358,6 +436,9 @@ class AdaptiveSpeculation:
     def stats(self) -> dict:
         return {
             "steps_by_shape": dict(self.choices),
+            "steps_without_draft": self.plain_steps,
+            "requests_with_draft": self.admitted["with_draft"],
+            "requests_without_draft": self.admitted["without_draft"],
             "chain_acceptance": [float(x) for x in self.acceptance.chain],
             "tree_accepted": dict(self.acceptance.tree),
         }
