@@ -211,7 +211,9 @@ def _catch_up_program(tcfg: ModelConfig, dcfg: DraftConfig, tparams: dict, dpara
                           gap=state.gap.at[slots].set(0)),)
 
 
-# "plain_" programs run without the draft (for requests adaptive speculation admitted without it).
+# "plain_" programs run without the draft (for requests adaptive speculation admitted without it), on
+# the state without these arrays (the gap counts stay: a plain prefill zeroes its slot's).
+_DRAFT_STATE = ("dk", "dv", "draft_hidden", "gap_features", "gap_tokens")
 _PROGRAMS = {"prefill": _prefill_program, "decode": _decode_program, "catch_up": _catch_up_program,
              "plain_prefill": _prefill_program, "plain_decode": _decode_program}
 
@@ -583,9 +585,14 @@ class Scheduler:
         dparams = self.draft.params if with_draft else None
         static = (self.target.config, dcfg) if not kind.endswith("decode") else (self.target.config, dcfg, shape)
         key = (kind, shape, block_table.shape, np.shape(args[0]))
+        state, held = self._state, {}
+        if self.draft is not None and not with_draft:  # a plain program gets no draft arrays: fewer to dispatch
+            held = {name: getattr(state, name) for name in _DRAFT_STATE}
+            state = state.replace(**dict.fromkeys(_DRAFT_STATE))
         with mesh_context(self.target.mesh):
-            *outs, self._state = self.programs.run(_PROGRAMS[kind], static, key, self.target.params, dparams,
-                                                   self._state, block_table, *args)
+            *outs, state = self.programs.run(_PROGRAMS[kind], static, key, self.target.params, dparams, state,
+                                             block_table, *args)
+        self._state = state.replace(**held)
         return outs
 
     def _read(self, outputs: list[jax.Array]) -> list[np.ndarray]:

@@ -76,7 +76,11 @@ flags.DEFINE_float("scale", 0.0625, "Multiplies the random shape's lengths (0.06
 flags.DEFINE_integer("output_len", 128, "Tokens generated per request by dataset workloads.", lower_bound=1)
 flags.DEFINE_string("data_dir", None, "Folder holding the dataset files (default: the repository's data/).")
 flags.DEFINE_list("concurrency", ["4", "8", "16", "32", "64"], "Max requests in flight, one cell each.")
-flags.DEFINE_integer("num_prompts", None, "Measured requests per cell (default: 10 x concurrency).", lower_bound=1)
+flags.DEFINE_integer("num_prompts", None, "Measured requests per cell (default: 10 x concurrency, at least "
+                     "--min_prompts).", lower_bound=1)
+flags.DEFINE_integer("min_prompts", 0, "Least measured requests per cell when --num_prompts is not given (a cell "
+                     "at concurrency 1 with 10 requests lasts under a second on a small model: too short to time).",
+                     lower_bound=0)
 flags.DEFINE_integer("num_warmups", None, "Unmeasured warm-up requests per cell (default: 2 x concurrency).",
                      lower_bound=0)
 flags.DEFINE_list("seeds", ["0"], "Seeds (prompts, per-request sampling); every cell runs once per seed and the "
@@ -159,7 +163,7 @@ def main(argv: Sequence[str]) -> None:
         raise app.UsageError(f"--workload must be random or one of {', '.join(DATASETS)}; got {FLAGS.workload!r}")
     try:
         cfg = RunConfig(concurrencies=_ints(FLAGS.concurrency, "concurrency", 1), seeds=_ints(FLAGS.seeds, "seeds", 0),
-                        num_prompts=FLAGS.num_prompts, num_warmups=FLAGS.num_warmups,
+                        num_prompts=FLAGS.num_prompts, num_warmups=FLAGS.num_warmups, min_prompts=FLAGS.min_prompts,
                         temperature=FLAGS.temperature, interleave=FLAGS.interleave, progress=FLAGS.progress,
                         max_measure_attempts=FLAGS.max_measure_attempts)
     except ValueError as e:

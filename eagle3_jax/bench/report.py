@@ -133,8 +133,10 @@ def _describe_workload(w: dict) -> str:
     return str(w)
 
 
-def _count(n: int | None, per_c: int) -> str:
-    return f"{per_c} x concurrency" if n is None else str(n)
+def _count(n: int | None, per_c: int, least: int | None = None) -> str:
+    if n is not None:
+        return str(n)
+    return f"{per_c} x concurrency" + (f" (at least {least})" if least else "")
 
 
 def _compile_note(cells: Sequence[dict]) -> list[str]:
@@ -157,7 +159,7 @@ def markdown(report: dict) -> str:
     where = "Machine" if report["mode"] == "in-process" else "Client machine"
     lines = [
         f"Workload: {_describe_workload(report['workload'])}, ignore-EOS.",
-        f"Requests per cell: {_count(cfg.get('num_prompts'), 10)}, after {_count(cfg.get('num_warmups'), 2)} "
+        f"Requests per cell: {_count(cfg.get('num_prompts'), 10, cfg.get('min_prompts'))}, after {_count(cfg.get('num_warmups'), 2)} "
         f"warm-ups; seeds {', '.join(map(str, cfg.get('seeds') or []))}; temperature {cfg.get('temperature')}; "
         f"{dtype}{report['mode']}.",
         f"{where}: {m['jax_backend']} x{len(m['jax_devices'])} ({m['device_kind']}), {m['machine']}, "

@@ -99,7 +99,7 @@ class AutoSpec:
     max_gap: int = 16
     probe_every: int = 64
     skip_margin: float = 0.25
-    resample_every: int = 1024
+    resample_every: int = 4096
 
     def __post_init__(self) -> None:
         menu = tuple(dict.fromkeys(self.menu))  # drop repeats, keep order
@@ -271,19 +271,32 @@ def _cost_name(shape: Shape | str) -> str:
 
 class StepCosts:
     """Measured wall time of each (shape, batch, width) program: the median of its last `window`
-    samples (a shared host's hiccups and collections land in single samples; a median ignores them)."""
+    samples (a shared host's hiccups and collections land in single samples; a median ignores them).
+    Medians are taken when read, not per step: most steps only add a sample."""
 
     def __init__(self, window: int = 15, min_samples: int = 3):
         self.window, self.min_samples = window, min_samples
         self._samples: dict[tuple[str, Key], collections.deque] = {}
-        self._seconds: dict[str, dict[Key, float]] = collections.defaultdict(dict)  # shape name -> key -> s
+        self._stale: set[tuple[str, Key]] = set()  # samples added since the last median
+        self._medians: dict[str, dict[Key, float]] = collections.defaultdict(dict)  # shape name -> key -> s
 
     def observe(self, shape: Shape | str, key: Key, seconds: float) -> None:
-        name = _cost_name(shape)
-        samples = self._samples.setdefault((name, key), collections.deque(maxlen=self.window))
+        entry = (_cost_name(shape), key)
+        samples = self._samples.get(entry)
+        if samples is None:
+            samples = self._samples[entry] = collections.deque(maxlen=self.window)
         samples.append(seconds)
-        if len(samples) >= self.min_samples:  # fewer: still being measured
-            self._seconds[name][key] = statistics.median(samples)
+        self._stale.add(entry)
+
+    @property
+    def _seconds(self) -> dict[str, dict[Key, float]]:
+        """Shape name -> key -> median seconds, for entries with `min_samples` (fewer: still being measured)."""
+        for name, key in self._stale:
+            samples = self._samples[name, key]
+            if len(samples) >= self.min_samples:
+                self._medians[name][key] = statistics.median(samples)
+        self._stale.clear()
+        return self._medians
 
     def measured(self, shape: Shape | str, key: Key) -> float | None:
         return self._seconds[_cost_name(shape)].get(key)
@@ -311,10 +324,10 @@ class StepCosts:
     def _reference_times(self, ref: Shape | str) -> dict[Key, float]:
         """`ref`'s times by key, where steps without speculation stand in for each other (the plain
         program and the one storing pairs for the draft differ by a few stores)."""
-        name = _cost_name(ref)
+        name, seconds = _cost_name(ref), self._seconds
         if name not in (NO_SPEC, PLAIN):
-            return self._seconds[name]
-        return {**self._seconds[PLAIN if name == NO_SPEC else NO_SPEC], **self._seconds[name]}
+            return seconds[name]
+        return {**seconds[PLAIN if name == NO_SPEC else NO_SPEC], **seconds[name]}
 
 
 # ---- the choice ----------------------------------------------------------------------------------------
@@ -338,7 +351,9 @@ class AdaptiveSpeculation:
         self.explore_after = 8
         self.choices: collections.Counter = collections.Counter()
         self.steps_without_speculation = 0
+        self.observed = 0  # decode steps observed
         self.steps_without_draft = 0  # decode steps in a row in which no row had the draft
+        self._verdict: tuple = (None, -1, True)  # (key, observed, whether speculation may pay there)
         self.plain_steps = 0
         self.admitted: collections.Counter = collections.Counter()  # requests admitted with / without the draft
 
@@ -372,7 +387,12 @@ class AdaptiveSpeculation:
         new request (the global acceptance rates), or when no running request has had the draft
         for `resample_every` steps; otherwise the request decodes without it to its end.
         """
-        want = key is None or self._speculation_may_pay(key)
+        if key is None:
+            want = True
+        else:  # judged again once a step has been observed (a wave of admissions shares the verdict)
+            if self._verdict[:2] != (key, self.observed):
+                self._verdict = (key, self.observed, self._speculation_may_pay(key))
+            want = self._verdict[2]
         if not want and self.steps_without_draft >= self.auto.resample_every:
             want, self.steps_without_draft = True, 0
         self.admitted["with_draft" if want else "without_draft"] += 1
@@ -425,6 +445,7 @@ class AdaptiveSpeculation:
                 plain: bool = False) -> None:
         """A finished step: its wall time (None if it compiled) and draft tokens accepted per request
         with the draft; `plain`: a step of the plain program (no row had the draft)."""
+        self.observed += 1
         if seconds is not None:
             self.costs.observe(PLAIN if plain else shape, key, seconds)
         if shape is not None and accepted:
