@@ -81,7 +81,10 @@ flags.DEFINE_integer("num_prompts", None, "Measured requests per cell (default: 
 flags.DEFINE_integer("min_prompts", 0, "Least measured requests per cell when --num_prompts is not given (a cell "
                      "at concurrency 1 with 10 requests lasts under a second on a small model: too short to time).",
                      lower_bound=0)
-flags.DEFINE_integer("num_warmups", None, "Unmeasured warm-up requests per cell (default: 2 x concurrency).",
+flags.DEFINE_integer("min_warmups", 0, "Least warm-up requests per cell when --num_warmups is not given (adaptive "
+                     "speculation times its shapes at each batch and context size first).", lower_bound=0)
+flags.DEFINE_integer("num_warmups", None, "Unmeasured warm-up requests per cell (default: 2 x concurrency, at least "
+                     "--min_warmups).",
                      lower_bound=0)
 flags.DEFINE_list("seeds", ["0"], "Seeds (prompts, per-request sampling); every cell runs once per seed and the "
                   "table shows the mean over seeds.")
@@ -164,6 +167,7 @@ def main(argv: Sequence[str]) -> None:
     try:
         cfg = RunConfig(concurrencies=_ints(FLAGS.concurrency, "concurrency", 1), seeds=_ints(FLAGS.seeds, "seeds", 0),
                         num_prompts=FLAGS.num_prompts, num_warmups=FLAGS.num_warmups, min_prompts=FLAGS.min_prompts,
+                        min_warmups=FLAGS.min_warmups,
                         temperature=FLAGS.temperature, interleave=FLAGS.interleave, progress=FLAGS.progress,
                         max_measure_attempts=FLAGS.max_measure_attempts)
     except ValueError as e:

@@ -315,8 +315,13 @@ def test_drive_keeps_concurrency_and_records_deltas():
 def test_run_config_defaults_and_errors():
     cfg = RunConfig(concurrencies=(4, 8))
     assert (cfg.prompts_for(4), cfg.warmups_for(8)) == (40, 16)
+    floors = RunConfig(concurrencies=(1, 64), min_prompts=64, min_warmups=16)
+    assert [floors.prompts_for(c) for c in (1, 64)] == [64, 640] and [floors.warmups_for(c) for c in (1, 64)] == [16, 128]
+    assert RunConfig(concurrencies=(1,), num_prompts=5, min_prompts=64).prompts_for(1) == 5  # an explicit count wins
     with pytest.raises(ValueError, match="concurrencies"):
         RunConfig(concurrencies=(0,))
+    with pytest.raises(ValueError, match="min_warmups"):
+        RunConfig(concurrencies=(1,), min_warmups=-1)
 
 
 def test_sse_parsing_and_payload():

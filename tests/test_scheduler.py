@@ -97,21 +97,22 @@ def test_demo_pair_greedy_identical_at_concurrency_1_and_64_with_and_without_spe
     tok = load_tokenizer("checkpoints/kimi-mini")
     with open("checkpoints/demo_prompts.txt", encoding="utf-8") as f:
         texts = [line.strip() for line in f if line.strip()]
-    prompts = [tok.encode(t) for t in texts] * 8  # 64 requests
+    distinct = [tok.encode(t) for t in texts]
+    prompts = distinct * 8  # 64 requests
     sampling = [e3.SamplingParams(max_tokens=16 + 3 * (i % 5)) for i in range(len(prompts))]
 
-    def run(d, spec, seqs):
+    def run(d, spec, seqs, prompts, sampling):
         sched = Scheduler(target, d, spec, max_num_seqs=seqs, max_seq_len=256, prefill_chunk=64, num_pages=1200)
         outs = sched.generate(prompts, sampling)
         assert_no_leak(sched)
         return [o.token_ids for o in outs], sched.stats()
 
-    base, _ = run(None, None, 1)
-    for i in range(8, len(prompts)):  # a repeated prompt repeats its tokens, up to the shorter budget
-        n = min(len(base[i]), len(base[i - 8]))
-        assert base[i][:n] == base[i - 8][:n]
-    assert run(None, None, 64)[0] == base
-    chain, stats = run(draft, CHAIN, 64)
+    # One at a time, each distinct prompt with the longest budget: a request's greedy tokens are
+    # that run's first max_tokens (the same tokens, cut by its own budget).
+    alone, _ = run(None, None, 1, distinct, e3.SamplingParams(max_tokens=max(s.max_tokens for s in sampling)))
+    base = [alone[i % len(distinct)][: s.max_tokens] for i, s in enumerate(sampling)]
+    assert run(None, None, 64, prompts, sampling)[0] == base
+    chain, stats = run(draft, CHAIN, 64, prompts, sampling)
     assert chain == base and stats["mean_accept_length"] > 2.0  # the trained draft really accepts
 
 

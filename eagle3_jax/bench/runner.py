@@ -35,15 +35,16 @@ from .workloads import MEASURED, WARMUP, Workload
 
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
-    """The grid and the per-cell request counts (None = vLLM-style defaults 10 x C and 2 x C; the
-    default measured count is raised to `min_prompts`, so cells at low concurrency last long enough
-    to time)."""
+    """The grid and the per-cell request counts (None = vLLM-style defaults 10 x C and 2 x C, raised
+    to `min_prompts` and `min_warmups`: cells at low concurrency then last long enough to time, and
+    adaptive speculation has timed its shapes before the measurement)."""
 
     concurrencies: tuple[int, ...]
     seeds: tuple[int, ...] = (0,)
     num_prompts: int | None = None
     num_warmups: int | None = None
     min_prompts: int = 0
+    min_warmups: int = 0
     temperature: float = 0.0
     interleave: bool = True
     progress: bool = True
@@ -58,8 +59,8 @@ class RunConfig:
             raise ValueError(f"seeds must be a non-empty list without repeats; got {self.seeds!r}")
         if self.num_prompts is not None and self.num_prompts < 1:
             raise ValueError(f"num_prompts must be >= 1; got {self.num_prompts}")
-        if self.min_prompts < 0:
-            raise ValueError(f"min_prompts must be >= 0; got {self.min_prompts}")
+        if self.min_prompts < 0 or self.min_warmups < 0:
+            raise ValueError(f"min_prompts and min_warmups must be >= 0; got {self.min_prompts}, {self.min_warmups}")
         if self.max_measure_attempts < 1:
             raise ValueError(f"max_measure_attempts must be >= 1; got {self.max_measure_attempts}")
         if self.num_warmups is not None and self.num_warmups < 0:
@@ -70,7 +71,7 @@ class RunConfig:
         return self.num_prompts if self.num_prompts is not None else max(10 * concurrency, self.min_prompts)
 
     def warmups_for(self, concurrency: int) -> int:
-        return self.num_warmups if self.num_warmups is not None else 2 * concurrency
+        return self.num_warmups if self.num_warmups is not None else max(2 * concurrency, self.min_warmups)
 
     @property
     def greedy(self) -> bool:
