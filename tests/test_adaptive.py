@@ -115,7 +115,20 @@ def test_a_probe_measures_acceptance_again_after_steps_without_speculation():
     assert ctl2._probe({None: 1.0, C1: None}, other) is None
 
 
-def test_requests_get_the_draft_only_while_speculation_may_pay():
+def test_acceptance_rates_never_rise_with_the_position():
+    """P(at least i+1 accepted) <= P(at least i): a position that long chains seldom measure keeps
+    an optimistic prior that must not promise more than the position before it."""
+    ctl = AdaptiveSpeculation(e3.SpecConfig.auto(3))
+    for _ in range(40):  # only chain 1 runs: position 1 measured at 0.5, positions 2-3 keep the prior 0.81, 0.73
+        ctl.observe(C1, KEY, None, {"a": 1, "b": 0})
+    first = ctl.acceptance.chain[0]
+    assert first == pytest.approx(0.5, abs=0.02)
+    np.testing.assert_allclose(ctl.acceptance.global_chain_rates, [first] * 3)
+    assert ctl.acceptance.total_expected_tokens([C3], ["new"]) == pytest.approx([1 + 3 * first])
+    assert ctl.acceptance.new_request_expected_tokens([C3]) == pytest.approx([1 + 3 * first])
+
+
+def test_requests_get_the_draft_only_while_speculation_pays():
     ctl = AdaptiveSpeculation(AutoSpec.chains(2, resample_every=5))
     assert ctl.wants_draft(None) and ctl.wants_draft(KEY)  # nothing timed: speculation may pay
     # One draft token accepted a step; chains cost 3-4x a plain step: speculation loses clearly.

@@ -7,7 +7,7 @@ one of them. The choice maximises
     sum over the step's rows of E_r(shape)  /  cost(shape, batch, context)
 
 - E_r(chain of k) = 1 + the sum of request r's first k per-position acceptance rates (the chance
-  that at least i draft tokens are accepted, i = 1..k); a chain's i-th token does not depend on the
+  that at least i draft tokens are accepted, i = 1..k, so never rising with i); a chain's i-th token does not depend on the
   chain's length, so every chain length shares these rates. A tree has its own mean accepted
   count. A request's rates blend its own recent counts (decayed by `request_decay` per step, a
   window of about 20 steps) with the running global rates, weighted as `prior_weight` steps, so a
@@ -217,12 +217,13 @@ class Acceptance:
         chain_sum = np.zeros(self.depth)  # per position: the requests' acceptance rates summed
         if self.depth and any(is_chain(s) for s in shapes):
             known = [c for c in map(self._requests.get, request_ids) if c is not None]
-            chain_sum = (n - len(known)) * self.chain
+            chain_sum = (n - len(known)) * self.global_chain_rates
             if known:
                 w = self.prior_weight
                 accepted = np.stack([c.accepted for c in known])
                 drafted = np.stack([c.drafted for c in known])
-                chain_sum = chain_sum + ((accepted + w * self.chain) / (drafted + w)).sum(axis=0)
+                rates = np.minimum.accumulate((accepted + w * self.chain) / (drafted + w), axis=1)
+                chain_sum = chain_sum + rates.sum(axis=0)
         chain_total = np.cumsum(chain_sum)
         totals = []
         for shape in shapes:
@@ -234,10 +235,17 @@ class Acceptance:
                 totals.append(sum(self._tree_expected_tokens(shape_name(shape), rid) for rid in request_ids))
         return totals
 
+    @property
+    def global_chain_rates(self) -> np.ndarray:
+        """The global chance that at least i draft tokens are accepted, i = 1..depth. A position
+        drafted rarely (long chains seldom run) keeps an old or optimistic estimate; it cannot
+        exceed the position before it."""
+        return np.minimum.accumulate(self.chain)
+
     def new_request_expected_tokens(self, shapes: Sequence[Shape]) -> list[float]:
         """For each shape, the tokens one step of it is expected to emit for a request not seen yet
         (the global rates)."""
-        chain_total = np.cumsum(self.chain)
+        chain_total = np.cumsum(self.global_chain_rates)
         return [1.0 if s is None else 1.0 + float(chain_total[s.max_accept - 1]) if is_chain(s)
                 else 1.0 + self.tree[shape_name(s)] for s in shapes]
 
@@ -383,22 +391,23 @@ class AdaptiveSpeculation:
         stored for catch-ups), given the key of the last decode step (None: no step yet).
 
         Yes while no speculative shape has a measured or predicted cost at the key, or the best
-        one is expected to reach (1 - hysteresis) x the throughput of plain decoding there for a
-        new request (the global acceptance rates), or when no running request has had the draft
-        for `resample_every` steps; otherwise the request decodes without it to its end.
+        one is expected to beat plain decoding's throughput there by the hysteresis margin for a
+        new request (the global acceptance rates: keeping the draft costs a few percent, so a
+        break-even is not worth it), or when no running request has had the draft for
+        `resample_every` steps; otherwise the request decodes without it to its end.
         """
         if key is None:
             want = True
         else:  # judged again once a step has been observed (a wave of admissions shares the verdict)
             if self._verdict[:2] != (key, self.observed):
-                self._verdict = (key, self.observed, self._speculation_may_pay(key))
+                self._verdict = (key, self.observed, self._speculation_pays(key))
             want = self._verdict[2]
         if not want and self.steps_without_draft >= self.auto.resample_every:
             want, self.steps_without_draft = True, 0
         self.admitted["with_draft" if want else "without_draft"] += 1
         return want
 
-    def _speculation_may_pay(self, key: Key) -> bool:
+    def _speculation_pays(self, key: Key) -> bool:
         plain = self.costs.measured(PLAIN, key) or self.costs.measured(None, key)
         shapes = self.auto.shapes
         spec = []
@@ -406,7 +415,7 @@ class AdaptiveSpeculation:
             seconds = self.costs.measured(shape, key) or self.costs.predicted(shape, key, self.auto.menu)
             if seconds:
                 spec.append(tokens / seconds)
-        return not plain or not spec or max(spec) >= (1 - self.auto.hysteresis) / plain
+        return not plain or not spec or max(spec) >= (1 + self.auto.hysteresis) / plain
 
     def _choose(self, rates: dict[Shape, float | None], key: Key) -> Shape:
         auto = self.auto
