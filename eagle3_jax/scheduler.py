@@ -15,7 +15,8 @@ Requests queue up and join or leave the running batch between steps. Each `step(
    expand, verify, accept, commit, draft extend, see spec/step.py), one token without, and hands
    back each request's new tokens. With adaptive speculation (`SpecConfig.auto`) the step's shape
    (no speculation, a chain of some length, a tree) is chosen per step from measured step times
-   and running acceptance rates (spec/adaptive.py).
+   and running acceptance rates (spec/adaptive.py); a request admitted while speculation does not
+   pay decodes without the draft, and a batch of such requests runs the plain programs.
 
 Target and draft K/V live in page pools shared by all requests; a request owns a list of pages
 (its block table) that indexes both, and a state slot that keeps, on device, its last token and
