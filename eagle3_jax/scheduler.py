@@ -330,6 +330,9 @@ class Scheduler:
         # is read, so pages must cover one more step than the host has seen.
         self._step_tokens = self.spec.max_accept + 1 if self.spec else 1
         self._overshoot = self._step_tokens if self.overlap else 0
+        # (slots one step commits, lookahead) by whether a request has the draft: one without it
+        # (adaptive speculation) never speculates.
+        self._reserve = {True: (self._step_tokens, self.lookahead), False: (1, step_lookahead(None))}
         self.max_pages_per_seq = pages_for(self.max_seq_len + self.lookahead + self._overshoot, self.page_size)
         if num_pages is None:
             num_pages = self.max_num_seqs * self.max_pages_per_seq + 1
@@ -536,8 +539,7 @@ class Scheduler:
         for req in list(self._running):
             if req.state != _DECODE:
                 continue
-            # A request without the draft (adaptive speculation) never speculates: one token a step.
-            step_tokens, lookahead = (self._step_tokens, self.lookahead) if req.with_draft else (1, step_lookahead(None))
+            step_tokens, lookahead = self._reserve[req.with_draft]
             unread = req.pending * step_tokens  # committed by launched steps not read yet
             need = min(pages_for(req.length + unread + lookahead, self.page_size),
                        self.max_pages_per_seq) - len(req.pages)
@@ -678,9 +680,10 @@ class Scheduler:
         batch = bucket(len(rows), 1, self.max_num_seqs)
         block_table = self._block_table(rows, batch)
         self._last_decode_key = block_table.shape
+        with_draft = sum(r.with_draft for r in rows)
         # Adaptive speculation with no row followed by the draft: the plain program, nothing stored.
-        plain = self._adaptive is not None and not any(r.with_draft for r in rows)
-        shape = self._shape_for(rows, block_table.shape)
+        plain = self._adaptive is not None and not with_draft
+        shape = self._shape_for(rows, block_table.shape, with_draft)
         slots = np.full((batch,), self.max_num_seqs, np.int32)
         prompt_lens = np.zeros((batch,), np.int32)
         for i, req in enumerate(rows):
@@ -748,13 +751,14 @@ class Scheduler:
             deltas.append(self._emit(req, out[i, :k], now))
         return deltas
 
-    def _shape_for(self, rows: Sequence[_Request], key: tuple[int, int]) -> Shape:
+    def _shape_for(self, rows: Sequence[_Request], key: tuple[int, int], with_draft: int) -> Shape:
         """The speculation shape of the next decode step: the fixed one, or the adaptive choice
-        for these requests at this program key (batch bucket, block-table width)."""
+        for these requests (`with_draft` of them followed by the draft) at this program key
+        (batch bucket, block-table width)."""
         if self._adaptive is None:
             return self.spec
-        if not all(r.with_draft for r in rows):  # a row without the draft has pages for one token a step
-            self._adaptive.no_choice(any_with_draft=any(r.with_draft for r in rows))
+        if with_draft < len(rows):  # a row without the draft has pages for one token a step
+            self._adaptive.no_choice(any_with_draft=with_draft > 0)
             return None
         return self._adaptive.choose([r.id for r in rows], key)
 

@@ -159,8 +159,8 @@ def markdown(report: dict) -> str:
     where = "Machine" if report["mode"] == "in-process" else "Client machine"
     lines = [
         f"Workload: {_describe_workload(report['workload'])}, ignore-EOS.",
-        f"Requests per cell: {_count(cfg.get('num_prompts'), 10, cfg.get('min_prompts'))}, after {_count(cfg.get('num_warmups'), 2, cfg.get('min_warmups'))} "
-        f"warm-ups; seeds {', '.join(map(str, cfg.get('seeds') or []))}; temperature {cfg.get('temperature')}; "
+        f"Requests per cell: {_count(cfg.get('num_prompts'), 10, cfg.get('min_prompts'))}, "
+        f"after {_count(cfg.get('num_warmups'), 2, cfg.get('min_warmups'))} warm-ups; seeds {', '.join(map(str, cfg.get('seeds') or []))}; temperature {cfg.get('temperature')}; "
         f"{dtype}{report['mode']}.",
         f"{where}: {m['jax_backend']} x{len(m['jax_devices'])} ({m['device_kind']}), {m['machine']}, "
         f"{m['cpu_count']} CPUs, JAX {m['jax']}. Date: {report['date']}.",

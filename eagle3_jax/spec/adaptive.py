@@ -7,8 +7,8 @@ one of them. The choice maximises
     sum over the step's rows of E_r(shape)  /  cost(shape, batch, context)
 
 - E_r(chain of k) = 1 + the sum of request r's first k per-position acceptance rates (the chance
-  that at least i draft tokens are accepted, i = 1..k, so never rising with i); a chain's i-th token does not depend on the
-  chain's length, so every chain length shares these rates. A tree has its own mean accepted
+  that at least i draft tokens are accepted, i = 1..k, so never rising with i); a chain's i-th
+  token does not depend on the chain's length, so every chain length shares these rates. A tree has its own mean accepted
   count. A request's rates blend its own recent counts (decayed by `request_decay` per step, a
   window of about 20 steps) with the running global rates, weighted as `prior_weight` steps, so a
   new request starts from the global estimate and a request whose acceptance collapses soon
