@@ -387,7 +387,7 @@ def test_expand_proposes_mapped_target_ids(reduced_pair):
     root_hidden = jnp.asarray(rng.standard_normal((B, TARGET_H)), jnp.float32)
     cache = kv_cache.init_cache(draft.config.layers, B, 32, jnp.float32)
     cache = kv_cache.advance(cache, jnp.asarray([3, 5], jnp.int32))
-    tree = jax.jit(propose.expand, static_argnames=("cfg", "spec"))(
+    tree, _ = jax.jit(propose.expand, static_argnames=("cfg", "spec"))(
         draft.params, draft.config, cache, root_logits, root_hidden, jnp.asarray([1, 2], jnp.int32), spec=spec)
     tokens, parents = np.asarray(tree.tokens), np.asarray(tree.parents)
     assert set(tokens[:, 1:].ravel()) <= set(SUBSET.tolist())

@@ -91,7 +91,7 @@ def test_mla_draft_expansion_on_pallas_attention_equals_xla(pair, kernel_calls):
         k, v = kv_cache.init_pages(cfg.layers, 1 + 2 * 2, 16, np.float32)
         cache = kv_cache.paged_view(k, v, np.array([[2, 1], [4, 3]]), [0, 0])  # pages out of order
         logits, hidden, cache = draft_extend(params, cfg, cache, feats, toks, np.array([5, 3], np.int32))
-        tree = expand(params, cfg, cache, logits, hidden, toks[:, -1], spec)
+        tree, _ = expand(params, cfg, cache, logits, hidden, toks[:, -1], spec)
         return logits, tree.tokens, tree.parents
 
     want = propose(draft.params, draft.config)

@@ -135,7 +135,7 @@ def test_draft_propose_with_pallas_attention_equals_xla(monkeypatch, kernel_call
         cache = kv_cache.paged_view(k, v, np.arange(1, 9).reshape(2, 4)[:, ::-1], [0, 0])  # pages out of order
         _, _, cache = draft_extend(d.params, d.config, cache, prompt_feats, prompt_toks, jnp.asarray([9, 6]))
         logits, hidden, cache = draft_extend(d.params, d.config, cache, step_feats, step_toks, jnp.asarray([3, 2]))
-        tree = expand(d.params, d.config, cache, logits, hidden, step_toks[:, -1], spec)
+        tree, _ = expand(d.params, d.config, cache, logits, hidden, step_toks[:, -1], spec)
         return logits, tree
 
     want_logits, want_tree = run(draft)

@@ -58,7 +58,7 @@ def steered(monkeypatch, base_outputs, corrupt_rate: float):
 
     def fake_propose(params, cfg, cache, root, spec):
         if spec is None:
-            return propose.root_only(root.token)
+            return propose.root_only(root.token), cache
         root_logits = steer((cache.lengths - 1)[:, None], cfg.draft_vocab_size)[:, 0]
         return real_expand(params, cfg, cache, root_logits, root.hidden, root.token, spec)
 

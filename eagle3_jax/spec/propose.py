@@ -46,10 +46,11 @@ def root_only(token: jax.Array) -> DraftTree:
 
 
 def propose(params: dict, cfg: DraftConfig, cache: kv_cache.KVCache, root: DraftRoot,
-            spec: SpecConfig | None) -> DraftTree:
-    """The tree a step verifies: expanded from `root` by `spec`, or the root alone for None."""
+            spec: SpecConfig | None) -> tuple[DraftTree, kv_cache.KVCache]:
+    """The tree a step verifies (expanded from `root` by `spec`, or the root alone for None) and
+    the cache holding the frontier's scratch K/V (see `expand`)."""
     if spec is None:
-        return root_only(root.token)
+        return root_only(root.token), cache
     return expand(params, cfg, cache, draft_head(params, cfg, root.hidden), root.hidden, root.token, spec)
 
 
@@ -75,8 +76,13 @@ def draft_extend(params: dict, cfg: DraftConfig, cache: kv_cache.KVCache, featur
 
 
 def expand(params: dict, cfg: DraftConfig, cache: kv_cache.KVCache, root_logits: jax.Array, root_hidden: jax.Array,
-           root_token: jax.Array, spec: SpecConfig) -> DraftTree:
-    """Build the next draft tree from the root's draft logits/hidden (cache lengths unchanged)."""
+           root_token: jax.Array, spec: SpecConfig) -> tuple[DraftTree, kv_cache.KVCache]:
+    """Build the next draft tree from the root's draft logits/hidden -> (tree, cache).
+
+    The returned cache has the same lengths and committed entries; past them it holds the
+    frontier's scratch K/V, which the step's extend overwrites. Carry it on, not the cache passed
+    in: keeping both alive makes XLA copy the whole draft page pool every step.
+    """
     b = root_logits.shape[0]
     k, n = spec.topk, spec.num_draft_tokens
     base = cache.lengths
@@ -124,7 +130,8 @@ def expand(params: dict, cfg: DraftConfig, cache: kv_cache.KVCache, root_logits:
     parent_pool = jnp.take_along_axis(pool_parent, chosen, axis=1)
     parents = jnp.where(parent_pool < 0, 0, jnp.take_along_axis(tree_index, jnp.maximum(parent_pool, 0), axis=1))
     tokens = draft_to_target_ids(params, jnp.take_along_axis(pool_tok, chosen, axis=1))
-    return DraftTree(
+    tree = DraftTree(
         tokens=jnp.concatenate([root_token[:, None], tokens], axis=1).astype(jnp.int32),
         parents=jnp.concatenate([jnp.zeros((b, 1), jnp.int32), parents], axis=1).astype(jnp.int32),
     )
+    return tree, cache

@@ -59,7 +59,7 @@ def spec_step(tparams: dict, tcfg: ModelConfig, dparams: dict, dcfg: DraftConfig
               counter: jax.Array):
     """Propose a tree from `root` (`spec`; None: the root alone), verify it, emit tokens [B, D+1]
     (-1 padded; D = spec.max_accept, 0 for None) and counts [B]; return caches, next root, counter."""
-    tree = propose(dparams, dcfg, dcache, root, spec)
+    tree, dcache = propose(dparams, dcfg, dcache, root, spec)
     max_accept = spec.max_accept if spec is not None else 0
     anc = ancestor_mask(tree.parents)
     depth = depths(anc)
