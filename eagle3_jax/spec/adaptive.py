@@ -36,8 +36,9 @@ is measured again and speculation resumes when it pays again.
 
 Keeping the draft ready costs even when no step speculates (its prefill over every prompt, the
 stored pairs, the catch-ups), so the draft follows only requests that may use it: a request
-admitted while speculation is not expected to pay at the batch's current key (`wants_draft`)
-decodes without the draft to its end. A step speculates only when every row has the draft (a row
+admitted while speculation is not expected to pay at the batch's current key (`wants_draft`; a
+key without the timings to judge keeps the nearest judged key's verdict) decodes without the draft
+to its end. A step speculates only when every row has the draft (a row
 without it reserves KV pages for one token a step), and a batch in which no row has it runs the
 plain decode program, as if speculation were off. One request in a while gets the draft anyway
 (`resample_every`), so acceptance stays measured and speculation returns when the load changes.
@@ -268,6 +269,11 @@ class Acceptance:
 
 Key = tuple[int, int]  # (batch bucket, block-table width bucket) of a decode program
 
+def key_distance(a: Key, b: Key) -> float:
+    """How far apart two program keys are: octaves of batch plus octaves of block-table width."""
+    return abs(math.log2(a[0] / b[0])) + abs(math.log2(a[1] / b[1]))
+
+
 # StepCosts also times this program, which is not a menu shape: a step without speculation in which
 # no row has the draft (no pairs stored), the alternative to keeping the draft for a new request.
 PLAIN = "plain"
@@ -324,7 +330,7 @@ class StepCosts:
                 ref_there = ref_times.get(other)
                 if other == key or ref_there is None:
                     continue
-                distance = abs(math.log2(other[0] / key[0])) + abs(math.log2(other[1] / key[1]))
+                distance = key_distance(other, key)
                 if distance < best_distance:
                     best, best_distance = here * seconds / ref_there, distance
         return best
@@ -362,6 +368,7 @@ class AdaptiveSpeculation:
         self.observed = 0  # decode steps observed
         self.steps_without_draft = 0  # decode steps in a row in which no row had the draft
         self._verdict: tuple = (None, -1, True)  # (key, observed, whether speculation may pay there)
+        self._judged: dict[Key, bool] = {}  # the last verdict at each key that had the timings for one
         self.plain_steps = 0
         self.admitted: collections.Counter = collections.Counter()  # requests admitted with / without the draft
 
@@ -390,24 +397,38 @@ class AdaptiveSpeculation:
         """Whether a request admitted now gets the draft (a draft prefill over its prompt, its pairs
         stored for catch-ups), given the key of the last decode step (None: no step yet).
 
-        Yes while no speculative shape has a measured or predicted cost at the key, or the best
-        one is expected to beat plain decoding's throughput there by the hysteresis margin for a
-        new request (the global acceptance rates: keeping the draft costs a few percent, so a
-        break-even is not worth it), or when no running request has had the draft for
-        `resample_every` steps; otherwise the request decodes without it to its end.
+        Yes when the best speculative shape is expected to beat plain decoding's throughput at
+        the key by the hysteresis margin for a new request (the global acceptance rates: keeping
+        the draft costs a few percent, so a break-even is not worth it), or when no running
+        request has had the draft for `resample_every` steps; otherwise the request decodes
+        without it to its end. At a key without the timings to judge (plain or every speculative
+        shape unknown there), the verdict of the nearest key judged is kept: a batch whose context
+        grows into a new block-table width has not changed its mind, and drafting every request
+        admitted there would compile and time programs that lost one width earlier. Yes before
+        any key is judged.
         """
         if key is None:
             want = True
         else:  # judged again once a step has been observed (a wave of admissions shares the verdict)
             if self._verdict[:2] != (key, self.observed):
-                self._verdict = (key, self.observed, self._speculation_pays(key))
+                self._verdict = (key, self.observed, self._judge(key))
             want = self._verdict[2]
         if not want and self.steps_without_draft >= self.auto.resample_every:
             want, self.steps_without_draft = True, 0
         self.admitted["with_draft" if want else "without_draft"] += 1
         return want
 
-    def _speculation_pays(self, key: Key) -> bool:
+    def _judge(self, key: Key) -> bool:
+        """Whether a new request's draft pays at `key`, from its timings or the nearest judged key's."""
+        pays = self._speculation_pays(key)
+        if pays is not None:
+            self._judged[key] = pays
+            return pays
+        nearest = min(self._judged, key=lambda k: key_distance(k, key), default=None)
+        return True if nearest is None else self._judged[nearest]
+
+    def _speculation_pays(self, key: Key) -> bool | None:
+        """None when the key lacks the timings to judge."""
         plain = self.costs.measured(PLAIN, key) or self.costs.measured(None, key)
         shapes = self.auto.shapes
         spec = []
@@ -415,7 +436,9 @@ class AdaptiveSpeculation:
             seconds = self.costs.measured(shape, key) or self.costs.predicted(shape, key, self.auto.menu)
             if seconds:
                 spec.append(tokens / seconds)
-        return not plain or not spec or max(spec) >= (1 + self.auto.hysteresis) / plain
+        if not plain or not spec:
+            return None
+        return max(spec) >= (1 + self.auto.hysteresis) / plain
 
     def _choose(self, rates: dict[Shape, float | None], key: Key) -> Shape:
         auto = self.auto
