@@ -19,7 +19,7 @@ one of them. The choice maximises
   model (long KV makes verifying many tokens dearer). A step's time runs from the host's read of
   the program before it to the read of its own tokens, so host work the device did not hide counts
   too: the median of its last samples. Steps during which a program compiled, and steps right
-  after a draft catch-up, are not timed. At a key visited more than 8 times, a shape not yet
+  after a draft catch-up, are not timed. At a key visited more than 32 times, a shape not yet
   timed runs until it has 3 samples, unless timings at the nearest key where both it and an
   already-timed shape ran predict it to lose clearly (`skip_margin`); it then keeps that estimate.
 
@@ -81,7 +81,11 @@ class AutoSpec:
     """Adaptive speculation over a menu of step shapes (`SpecConfig.auto(...)` builds one).
 
     menu: the shapes a step may run; None (no speculation) is always among them.
-    hysteresis: another shape must promise this much more throughput to replace the current one.
+    hysteresis: another shape must promise this much more throughput to replace the current one,
+        and speculation this much more than plain decoding for a new request to get the draft.
+        Step times leave out what speculation costs between steps (the draft's prefill,
+        catch-ups), and on a busy host their medians wander by several percent: at 5% a CPU
+        server near break-even drafted requests it then could not speculate for.
     prior_weight: how many steps of a request's own acceptance weigh as much as the global rate.
     request_decay: per-step decay of a request's own acceptance counts (recent steps count most).
     max_gap: steps a request may go without draft work before a step catches its draft up (one
@@ -94,7 +98,7 @@ class AutoSpec:
     """
 
     menu: tuple[Shape, ...]
-    hysteresis: float = 0.05
+    hysteresis: float = 0.10
     prior_weight: float = 2.0
     request_decay: float = 0.95
     max_gap: int = 16
@@ -360,9 +364,10 @@ class AdaptiveSpeculation:
         self.current: Shape = None
         # Steps chosen at each key: a key is explored (each shape's program compiled and timed)
         # only once it has been visited `explore_after` times, so passing batch sizes (requests
-        # coming and going) compile one program each, as with a fixed shape.
+        # coming and going, a batch draining at the end of a burst) compile one program each, as
+        # with a fixed shape; each compile stalls the serving loop.
         self.key_steps: collections.Counter = collections.Counter()
-        self.explore_after = 8
+        self.explore_after = 32
         self.choices: collections.Counter = collections.Counter()
         self.steps_without_speculation = 0
         self.observed = 0  # decode steps observed
