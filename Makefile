@@ -27,9 +27,11 @@ demo: $(VENV)/.stamp-demo
 		--prompts=checkpoints/demo_prompts.txt --max_tokens=128
 
 # The sharding tests need 8 (fake) CPU devices. The tests compile far more than they run, so LLVM
-# optimizes the CPU programs at -O0 (same results, about a fifth less time).
+# optimizes the CPU programs at -O0 (same results, about a fifth less time), and two pytest
+# workers compile side by side (XLA compiles a program on one thread); a test file stays on one
+# worker, so its module fixtures are built once.
 test: $(VENV)/.stamp-test
-	XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0" $(VPY) -m pytest -q
+	XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0" $(VPY) -m pytest -q -n 2 --dist loadfile
 
 clean-venv:
 	rm -rf $(VENV)
