@@ -73,9 +73,15 @@ def test_expand_matches_brute_force_per_path_forwards(arch, spec):
     cache = kv_cache.init_cache(draft.config.layers, b, 32, jnp.float32)
     root_logits, root_hidden, cache = draft_extend(draft.params, draft.config, cache, jnp.asarray(feats),
                                                    jnp.asarray(nxt), jnp.asarray(n_valid, jnp.int32))
-    tree = expand(draft.params, draft.config, cache, root_logits, root_hidden, jnp.asarray(root), spec)
+    tree, after = expand(draft.params, draft.config, cache, root_logits, root_hidden, jnp.asarray(root), spec)
     for row in range(b):
         n = n_valid[row]
         want_tokens, want_parents = reference_tree(draft, feats[row, :n], nxt[row, :n], root[row], spec)
         assert np.asarray(tree.tokens[row]).tolist() == want_tokens
         assert np.asarray(tree.parents[row]).tolist() == want_parents
+    # The cache carried on keeps its lengths and committed entries (the frontier's K/V lie past them).
+    np.testing.assert_array_equal(after.lengths, cache.lengths)
+    for row in range(b):
+        n = n_valid[row]
+        for old, new in zip(jax.tree.leaves((cache.k, cache.v)), jax.tree.leaves((after.k, after.v))):
+            np.testing.assert_array_equal(np.asarray(new)[:, row, :n], np.asarray(old)[:, row, :n])
