@@ -5,7 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from eagle3_jax.config import parse_model_config
-from eagle3_jax.moe import gathered_experts, route, grouped_experts
+from eagle3_jax import moe
+from eagle3_jax.moe import gathered_experts, gathers_experts, route, grouped_experts
 from random_models import DEEPSEEK
 
 
@@ -19,6 +20,15 @@ def test_gathered_and_grouped_expert_forms_agree():
     wd = jnp.asarray(rng.standard_normal((e, i, h)), jnp.float32)
     np.testing.assert_allclose(gathered_experts(x, w, ids, wg, wu, wd), grouped_experts(x, w, ids, wg, wu, wd),
                                rtol=1e-5, atol=1e-5)
+
+
+def test_the_gathered_form_is_for_few_assignments(monkeypatch):
+    # XLA:CPU runs lax.ragged_dot through every expert: gathering pays up to twice the experts.
+    assert gathers_experts(16, 8) and not gathers_experts(17, 8)
+    # A native grouped matmul reads each chosen expert once: gather while at most half the experts.
+    monkeypatch.setattr(moe.jax, "default_backend", lambda: "gpu")
+    assert gathers_experts(4, 8) and not gathers_experts(5, 8)
+    assert gathers_experts(192, 384) and not gathers_experts(256, 384)
 
 
 def test_noaux_tc_routing_by_hand():
