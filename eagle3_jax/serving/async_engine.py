@@ -343,12 +343,14 @@ class AsyncEngine:
                 self.scheduler.abort(rid)
             except Exception:
                 logger.exception("Scheduler.abort(%r) failed after a step failure", rid)
-        self._fail_all(error)
+        # Stop before failing the requests: a client that gets its error and asks /health at once
+        # must already see the engine down.
         if self._failures_in_a_row >= self.max_consecutive_failures:
             self._dead = EngineDeadError(
                 f"the engine stopped after {self._failures_in_a_row} failed steps in a row; last error: "
                 f"{type(exc).__name__}: {exc}. Check the server log and restart the server")
             logger.error("%s", self._dead)
+        self._fail_all(error)
 
     def _fail_all(self, error: BaseException) -> None:
         streams, self._streams = self._streams, {}
