@@ -339,6 +339,11 @@ class StepCosts:
                     best, best_distance = here * seconds / ref_there, distance
         return best
 
+    def estimated(self, shape: Shape, key: Key, references: Sequence[Shape | str]) -> float | None:
+        """The measured time at `key`, else the prediction from other keys (see `predicted`)."""
+        seconds = self.measured(shape, key)
+        return seconds if seconds is not None else self.predicted(shape, key, references)
+
     def _reference_times(self, ref: Shape | str) -> dict[Key, float]:
         """`ref`'s times by key, where steps without speculation stand in for each other (the plain
         program and the one storing pairs for the draft differ by a few stores)."""
@@ -438,7 +443,7 @@ class AdaptiveSpeculation:
         shapes = self.auto.shapes
         spec = []
         for shape, tokens in zip(shapes, self.acceptance.new_request_expected_tokens(shapes)):
-            seconds = self.costs.measured(shape, key) or self.costs.predicted(shape, key, self.auto.menu)
+            seconds = self.costs.estimated(shape, key, self.auto.menu)
             if seconds:
                 spec.append(tokens / seconds)
         if not plain or not spec:
@@ -472,9 +477,7 @@ class AdaptiveSpeculation:
         expected = self.acceptance.total_expected_tokens(menu, request_ids)
         rates = {}
         for shape, tokens in zip(menu, expected):
-            seconds = self.costs.measured(shape, key)
-            if seconds is None:
-                seconds = self.costs.predicted(shape, key, self.auto.menu)
+            seconds = self.costs.estimated(shape, key, self.auto.menu)
             rates[shape] = tokens / seconds if seconds is not None and seconds > 0 else None
         return rates
 
