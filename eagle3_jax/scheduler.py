@@ -271,7 +271,8 @@ class _Launch:
     launched: float = 0.0
     untimed: bool = False  # after a catch-up, whose end the host does not see: not timed
     compiles: int = 0  # programs compiled before it was launched
-    plain: bool = False  # a decode step without the draft (no row had it)
+    plain: bool = False  # a program without the draft (no row had it)
+    tokens: int = 0  # prefill: prompt tokens computed
 
 
 @dataclasses.dataclass
@@ -347,6 +348,7 @@ class Scheduler:
         self._inflight: list[_Launch] = []  # launched last iteration, read in the next (overlap)
         self._last_read = 0.0  # when the host last had a program's outputs
         self._last_decode_key: tuple[int, int] | None = None  # (batch, width) buckets of the last decode step
+        self._last_decode_rows = 0  # requests in the last decode step
 
         self._waiting: collections.deque[_Request] = collections.deque()
         self._running: list[_Request] = []  # admission order: prefilling and decoding
@@ -515,7 +517,9 @@ class Scheduler:
             req.slot = self._free_slots.pop()
             req.state, req.computed, req.length = _PREFILL, 0, 0
             if self._adaptive is not None:
-                req.with_draft = self._adaptive.wants_draft(self._last_decode_key)
+                req.with_draft = self._adaptive.wants_draft(self._last_decode_key, rows=self._last_decode_rows + 1,
+                                                            prompt_len=len(req.prefill_ids),
+                                                            max_tokens=req.budget - len(req.output))
             if req.admitted is None:
                 req.admitted = time.perf_counter()
             self._running.append(req)
@@ -652,7 +656,7 @@ class Scheduler:
         lengths = np.zeros((batch,), np.int32)
         counter = np.zeros((batch,), np.int32)
         slots = np.full((batch,), self.max_num_seqs, np.int32)  # scratch slot unless the prompt ends here
-        launched = []
+        launched_rows = []
         for i, (req, n) in enumerate(rows):
             c = req.computed
             tokens[i, :n] = req.prefill_ids[c: c + n]
@@ -662,10 +666,11 @@ class Scheduler:
                 slots[i] = req.slot
             else:
                 following[i] = req.prefill_ids[c + n]
-            launched.append((req, req.epoch, final))
+            launched_rows.append((req, req.epoch, final))
         sp = SamplingArrays.from_params([r.sampling for r, _ in rows], batch)
         # With the draft when any row has it (a row without it then has a draft cache it never uses).
         kind = "prefill" if any(r.with_draft for r, _ in rows) else "plain_prefill"
+        compiles, launched = self.programs.num_compiles, time.perf_counter()
         outputs = self._launch(kind, None, self._block_table([r for r, _ in rows], batch), tokens, lengths,
                                n_valid, following, slots, sp, counter)
         for req, n in rows:
@@ -674,12 +679,13 @@ class Scheduler:
             self._counters["prompt_tokens_total"] += n
             if req.computed == len(req.prefill_ids):
                 req.state = _DECODE
-        return _Launch("prefill", launched, outputs)
+        return _Launch("prefill", launched_rows, outputs, key=(batch, t), launched=launched, compiles=compiles,
+                       plain=kind == "plain_prefill", tokens=int(n_valid[: len(rows)].sum()))
 
     def _launch_decode(self, rows: list[_Request]) -> _Launch:
         batch = bucket(len(rows), 1, self.max_num_seqs)
         block_table = self._block_table(rows, batch)
-        self._last_decode_key = block_table.shape
+        self._last_decode_key, self._last_decode_rows = block_table.shape, len(rows)
         with_draft = sum(r.with_draft for r in rows)
         # Adaptive speculation with no row followed by the draft: the plain program, nothing stored.
         plain = self._adaptive is not None and not with_draft
@@ -717,25 +723,31 @@ class Scheduler:
             # Results of requests preempted, aborted or finished since the launch are void.
             rows = [(i, req) for i, (req, epoch, final) in enumerate(launch.rows) if final and req.epoch == epoch]
             if launch.kind == "prefill":
+                if self._adaptive is not None:
+                    self._adaptive.observe_prefill(not launch.plain, launch.key, launch.tokens,
+                                                   self._step_seconds(launch, now))
                 deltas += [self._emit(req, outputs[0][i: i + 1], now) for i, req in rows]
             else:
                 deltas += self._collect_decode(launch, rows, *outputs, now)
             self._last_read = now
         return deltas, waited
 
+    def _step_seconds(self, launch: _Launch, now: float) -> float | None:
+        """What a program cost the serving loop: the wall time since the previous program's
+        outputs were read (the previous step's, or a prefill's of the same iteration), or since
+        its launch if later (an idle loop), so host work the device did not hide counts too. None
+        when a program compiled meanwhile (the host was busy compiling) or after a catch-up."""
+        if launch.untimed or self.programs.num_compiles != launch.compiles:
+            return None
+        return now - max(launch.launched, self._last_read)
+
     def _collect_decode(self, launch: _Launch, rows: list[tuple[int, _Request]], out: np.ndarray, count: np.ndarray,
                         now: float) -> list[RequestDelta]:
         depth = shape_depth(launch.shape)
         if self._adaptive is not None:
-            # What the step cost the serving loop: the wall time since the previous program's
-            # outputs were read (the previous step's, or a prefill's of the same iteration), or
-            # since its launch if later (an idle loop), so host work the device did not hide
-            # counts too. Not timed when a program compiled meanwhile (the host was busy
-            # compiling) or after a catch-up.
-            compiled = self.programs.num_compiles != launch.compiles
-            seconds = None if launch.untimed or compiled else now - max(launch.launched, self._last_read)
             accepted = {req.id: int(count[i]) - 1 for i, req in rows if req.with_draft}
-            self._adaptive.observe(launch.shape, launch.key, seconds, accepted, plain=launch.plain)
+            self._adaptive.observe(launch.shape, launch.key, self._step_seconds(launch, now), accepted,
+                                   plain=launch.plain)
         deltas = []
         for i, req in rows:
             k = int(count[i])
@@ -788,7 +800,7 @@ class Scheduler:
         req.state, req.finish_reason = _DONE, reason
         del self._requests[req.id]
         if self._adaptive is not None:
-            self._adaptive.forget(req.id)
+            self._adaptive.finished(req.id, len(req.output))
         new, req.sent = req.output[req.sent:], len(req.output)
         return RequestDelta(req.id, new, now, True, reason, RequestOutput(req.output, reason, self._metrics(req, now)))
 

@@ -154,6 +154,40 @@ def test_requests_get_the_draft_only_while_speculation_pays():
     assert ctl.wants_draft(KEY)
 
 
+def test_the_draft_must_pay_for_its_prefill_over_the_whole_request():
+    ctl = AdaptiveSpeculation(AutoSpec.chains(1))
+    # Per step, chain 1 emits 2 tokens for 1.25x a plain step: 1.6x plain decoding's rate.
+    teach(ctl, {"none": 1.0, "chain:1:1:2": 1.25}, accepted=1)
+    # Prefill: 0.01 s per prompt token plain, 0.02 with the draft (chunk batches of 4 x 64).
+    assert ctl.prefill.per_token(True) is None
+    for with_draft, per_token in ((True, 0.02), (False, 0.01)):
+        for _ in range(3):
+            ctl.observe_prefill(with_draft, (4, 64), 100, 100 * per_token)
+    ctl.observe_prefill(True, (4, 64), 100, None)  # a prefill that compiled is not timed
+    assert ctl.stats()["prefill_s_per_token"] == {"with_draft": pytest.approx(0.02), "plain": pytest.approx(0.01)}
+    # Only plain prefills at a smaller chunk (dearer per token): the draft's cost there is
+    # predicted from the key where both ran.
+    for _ in range(3):
+        ctl.observe_prefill(False, (1, 16), 10, 10 * 0.015)
+    assert ctl.prefill.per_token(False) == pytest.approx(0.015) and ctl.prefill.per_token(True) == pytest.approx(0.03)
+    for _ in range(3):
+        ctl.observe_prefill(False, (4, 64), 100, 100 * 0.01)
+    # One row, 100 tokens out: plain 10 + 100 x 1.0 = 110 s; with the draft 20 + 100 x 0.625 = 82.5 s
+    # (about: the global acceptance rate approaches 1 from its prior).
+    assert ctl.request_seconds(ctl._step_figures(KEY, 1), 1000, 100) == pytest.approx((110.0, 82.5), rel=0.01)
+    assert ctl.wants_draft(KEY, rows=1, prompt_len=1000, max_tokens=100)
+    # A long prompt with a short output: plain 100 + 10 = 110 s, with the draft 200 + 6.25 s.
+    assert not ctl.wants_draft(KEY, rows=1, prompt_len=10_000, max_tokens=10)
+    # A large budget counts only as far as recent requests went: they stopped after 10 tokens.
+    for i in range(5):
+        ctl.finished(f"done{i}", 10)
+    assert ctl.expected_output_len(4096) == 10 and ctl.expected_output_len(4) == 4
+    assert not ctl.wants_draft(KEY, rows=1, prompt_len=10_000, max_tokens=4096)
+    # Sharing the step with more rows shrinks each row's step time, not its prefill.
+    assert ctl.wants_draft(KEY, rows=1, prompt_len=100, max_tokens=100)
+    assert not ctl.wants_draft(KEY, rows=64, prompt_len=100, max_tokens=100)
+
+
 @pytest.fixture(scope="module")
 def mla_pair():
     target = random_target(FAMILIES["deepseek_v3"])
@@ -198,7 +232,7 @@ def test_requests_without_the_draft_decode_plainly_beside_those_with_it(mla_pair
                              page_size=4), [C2, None, C1])
     # Batches of two as requests finish together: {0 with, 1 without}, {2, 3 with}, {4 without}.
     admitted = iter([True, False, True, True, False])
-    sched._adaptive.wants_draft = lambda key: next(admitted)
+    sched._adaptive.wants_draft = lambda key, **_: next(admitted)
     outs = sched.generate(prompts, sp)
     assert [o.token_ids for o in outs] == base
     passes = [o.metrics["num_draft_passes"] for o in outs]

@@ -312,6 +312,12 @@ def test_drive_keeps_concurrency_and_records_deltas():
         check_lengths(records, 8, "fake")
 
 
+def test_settings_order_rotates_between_blocks():
+    from eagle3_jax.bench.runner import rotated
+
+    assert [rotated("abc", k) for k in range(4)] == [list("abc"), list("bca"), list("cab"), list("abc")]
+
+
 def test_run_config_defaults_and_errors():
     cfg = RunConfig(concurrencies=(4, 8))
     assert (cfg.prompts_for(4), cfg.warmups_for(8)) == (40, 16)
@@ -413,6 +419,7 @@ def test_end_to_end_in_process_demo_pair():
     cells = run_benchmark(target, draft, parse_specs(["chain:3:1:4", "none"]), wl, cfg,
                           max_seq_len=wl.max_total_len, log=lambda s: None)
     assert [c["setting"] for c in cells] == ["none", "chain:3:1:4"]  # baseline first
+    assert [c["run_position"] for c in cells] == [0, 1]  # the first block runs in table order
     none, chain = cells
     for c in cells:
         m = c["metrics"]

@@ -56,8 +56,9 @@ def aggregate(cells: Sequence[dict]) -> list[dict]:
     groups: dict[tuple[str, int], list[dict]] = {}
     for c in cells:
         groups.setdefault((c["setting"], c["concurrency"]), []).append(c)
+    settings = list(dict.fromkeys(c["setting"] for c in cells))  # cells may run in rotating order
     rows = []
-    for (setting, conc), group in groups.items():
+    for (setting, conc), group in sorted(groups.items(), key=lambda kv: (kv[0][1], settings.index(kv[0][0]))):
         row = {"setting": setting, "label": group[0]["label"], "concurrency": conc,
                "seeds": [c["seed"] for c in group]}
         row.update({k: mean_or_none(get(c["metrics"]) for c in group) for k, get in _ROW_KEYS.items()})

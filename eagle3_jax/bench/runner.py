@@ -10,7 +10,9 @@ speculation setting (max_num_seqs = the largest concurrency), reused by all its 
 
 With `interleave=True` (the default) the cells run concurrency by concurrency, every setting in
 turn, so slow spells of a shared machine hit every setting alike; all Schedulers (and their KV
-pools) then live at once. With `interleave=False` the settings run one after the other and each
+pools) then live at once. The settings' order rotates from one (seed, concurrency) block to the
+next, so each runs first, second, ... equally often over the blocks and no setting always follows
+the same one (cells record their `run_position`). With `interleave=False` the settings run one after the other and each
 Scheduler is dropped before the next is built.
 
 Every request must generate exactly the workload's output length (requests carry no stop tokens:
@@ -297,6 +299,12 @@ def ordered(settings: Sequence[SpecSetting]) -> list[SpecSetting]:
     return sorted(settings, key=lambda s: s.spec is not None)
 
 
+def rotated(items: Sequence, k: int) -> list:
+    """`items` rotated left by k (mod its length)."""
+    k %= len(items)
+    return [*items[k:], *items[:k]]
+
+
 def run_benchmark(target, draft, settings: Sequence[SpecSetting], workload: Workload, cfg: RunConfig, *,
                   max_seq_len: int, page_size: int | None = None, prefill_chunk: int | None = None,
                   num_pages: int | None = None, num_devices: int | None = None, overlap: bool = True,
@@ -319,8 +327,9 @@ def run_benchmark(target, draft, settings: Sequence[SpecSetting], workload: Work
                                      overlap=overlap)
     cells: list[dict] = []
 
-    def one(sched, s: SpecSetting, c: int, seed: int) -> None:
+    def one(sched, s: SpecSetting, c: int, seed: int, position: int = 0) -> None:
         cell = run_cell(sched, s, workload, c, seed, cfg, num_devices=devices)
+        cell["run_position"] = position
         cells.append(cell)
         m = cell["metrics"]
         tau = m.get("acceptance", {}).get("tau")
@@ -334,10 +343,10 @@ def run_benchmark(target, draft, settings: Sequence[SpecSetting], workload: Work
 
     if cfg.interleave:
         scheds = {s.name: build(s) for s in settings}
-        for seed in cfg.seeds:
-            for c in cfg.concurrencies:
-                for s in settings:
-                    one(scheds[s.name], s, c, seed)
+        blocks = [(seed, c) for seed in cfg.seeds for c in cfg.concurrencies]
+        for block, (seed, c) in enumerate(blocks):
+            for position, s in enumerate(rotated(settings, block)):
+                one(scheds[s.name], s, c, seed, position)
     else:
         for s in settings:
             sched = build(s)

@@ -36,9 +36,14 @@ is measured again and speculation resumes when it pays again.
 
 Keeping the draft ready costs even when no step speculates (its prefill over every prompt, the
 stored pairs, the catch-ups), so the draft follows only requests that may use it: a request
-admitted while speculation is not expected to pay at the batch's current key (`wants_draft`; a
-key without the timings to judge keeps the nearest judged key's verdict) decodes without the draft
-to its end. A step speculates only when every row has the draft (a row
+admitted while speculation is not expected to pay for it (`wants_draft`) decodes without the draft
+to its end. That judgement weighs the whole request, not one step: its prompt's prefill (timed per
+prompt token, with and without the draft) plus its expected output (the mean length of recent
+finished requests, at most its budget) at its share of the batch's step time, plain or at the best
+speculative shape's time per expected token. Long prompts with short outputs therefore stay plain
+even where a speculative step pays: the draft's prefill over the prompt costs more than its steps
+save (at an 8K-token prompt and 1K output this is where the gain goes). A key without the step
+timings to judge uses the nearest judged key's. A step speculates only when every row has the draft (a row
 without it reserves KV pages for one token a step), and a batch in which no row has it runs the
 plain decode program, as if speculation were off. One request in a while gets the draft anyway
 (`resample_every`), so acceptance stays measured and speculation returns when the load changes.
@@ -319,7 +324,7 @@ class StepCosts:
     def measured(self, shape: Shape | str, key: Key) -> float | None:
         return self._seconds[_cost_name(shape)].get(key)
 
-    def predicted(self, shape: Shape, key: Key, references: Sequence[Shape | str]) -> float | None:
+    def predicted(self, shape: Shape | str, key: Key, references: Sequence[Shape | str]) -> float | None:
         """An estimate for an untimed (shape, key) from the nearest key where it and one of the
         reference programs were timed, scaled by that reference's time here; None when nothing
         supports one."""
@@ -339,7 +344,7 @@ class StepCosts:
                     best, best_distance = here * seconds / ref_there, distance
         return best
 
-    def estimated(self, shape: Shape, key: Key, references: Sequence[Shape | str]) -> float | None:
+    def estimated(self, shape: Shape | str, key: Key, references: Sequence[Shape | str]) -> float | None:
         """The measured time at `key`, else the prediction from other keys (see `predicted`)."""
         seconds = self.measured(shape, key)
         return seconds if seconds is not None else self.predicted(shape, key, references)
@@ -351,6 +356,33 @@ class StepCosts:
         if name not in (NO_SPEC, PLAIN):
             return seconds[name]
         return {**seconds[PLAIN if name == NO_SPEC else NO_SPEC], **seconds[name]}
+
+
+# Prefill program names in PrefillCosts.
+PREFILL, PLAIN_PREFILL = "prefill", "plain_prefill"
+
+
+class PrefillCosts:
+    """Prefill seconds per prompt token with the draft and without, by program key (batch bucket,
+    chunk bucket): the median of each (kind, key)'s last samples (a chunk batch's wall time over
+    its prompt tokens). Read at the key of the last prefill: a kind not timed there is predicted
+    from the nearest key where both ran, so the draft's share compares like with like (per-token
+    times depend on how full a chunk batch is)."""
+
+    def __init__(self, window: int = 15, min_samples: int = 3):
+        self._costs = StepCosts(window, min_samples)
+        self._last_key: Key | None = None
+
+    def observe(self, with_draft: bool, key: Key, tokens: int, seconds: float) -> None:
+        if tokens > 0:
+            self._costs.observe(PREFILL if with_draft else PLAIN_PREFILL, key, seconds / tokens)
+            self._last_key = key
+
+    def per_token(self, with_draft: bool) -> float | None:
+        if self._last_key is None:
+            return None
+        name, other = (PREFILL, PLAIN_PREFILL) if with_draft else (PLAIN_PREFILL, PREFILL)
+        return self._costs.estimated(name, self._last_key, (other,))
 
 
 # ---- the choice ----------------------------------------------------------------------------------------
@@ -375,10 +407,11 @@ class AdaptiveSpeculation:
         self.explore_after = 32
         self.choices: collections.Counter = collections.Counter()
         self.steps_without_speculation = 0
-        self.observed = 0  # decode steps observed
         self.steps_without_draft = 0  # decode steps in a row in which no row had the draft
-        self._verdict: tuple = (None, -1, True)  # (key, observed, whether speculation may pay there)
-        self._judged: dict[Key, bool] = {}  # the last verdict at each key that had the timings for one
+        self.prefill = PrefillCosts()
+        self.output_lens: collections.deque = collections.deque(maxlen=64)  # of recent finished requests
+        # Per key with the timings: (plain, best speculative per expected token) seconds per row of a step.
+        self._judged: dict[Key, tuple[float, float]] = {}
         self.plain_steps = 0
         self.admitted: collections.Counter = collections.Counter()  # requests admitted with / without the draft
 
@@ -403,52 +436,70 @@ class AdaptiveSpeculation:
             self.steps_without_draft += 1
             self.plain_steps += 1
 
-    def wants_draft(self, key: Key | None) -> bool:
+    def wants_draft(self, key: Key | None, rows: int = 1, prompt_len: int = 0, max_tokens: int | None = None) -> bool:
         """Whether a request admitted now gets the draft (a draft prefill over its prompt, its pairs
-        stored for catch-ups), given the key of the last decode step (None: no step yet).
+        stored for catch-ups), given the key and row count of the last decode step (key None: no
+        step yet), its prompt length and its token budget.
 
-        Yes when the best speculative shape is expected to beat plain decoding's throughput at
-        the key by the hysteresis margin for a new request (the global acceptance rates: keeping
-        the draft costs a few percent, so a break-even is not worth it), or when no running
-        request has had the draft for `resample_every` steps; otherwise the request decodes
-        without it to its end. At a key without the timings to judge (plain or every speculative
-        shape unknown there), the verdict of the nearest key judged is kept: a batch whose context
+        Yes when the request is expected to finish sooner with it by the hysteresis margin, or
+        when no running request has had the draft for `resample_every` steps; otherwise the
+        request decodes without it to its end. Its expected time (see `request_seconds`) is its
+        prompt's prefill plus its expected output at its share of a step: plain, or at the best
+        speculative shape's time per expected token for a new request (the global acceptance
+        rates). At a key without the step timings to judge (plain or every speculative shape
+        unknown there), the nearest judged key's per-row figures stand in: a batch whose context
         grows into a new block-table width has not changed its mind, and drafting every request
         admitted there would compile and time programs that lost one width earlier. Yes before
         any key is judged.
         """
-        if key is None:
-            want = True
-        else:  # judged again once a step has been observed (a wave of admissions shares the verdict)
-            if self._verdict[:2] != (key, self.observed):
-                self._verdict = (key, self.observed, self._judge(key))
-            want = self._verdict[2]
+        figures = None if key is None else self._step_figures(key, max(rows, 1))
+        want = True
+        if figures is not None:
+            plain, spec = self.request_seconds(figures, prompt_len, max_tokens)
+            want = plain >= (1 + self.auto.hysteresis) * spec
         if not want and self.steps_without_draft >= self.auto.resample_every:
             want, self.steps_without_draft = True, 0
         self.admitted["with_draft" if want else "without_draft"] += 1
         return want
 
-    def _judge(self, key: Key) -> bool:
-        """Whether a new request's draft pays at `key`, from its timings or the nearest judged key's."""
-        pays = self._speculation_pays(key)
-        if pays is not None:
-            self._judged[key] = pays
-            return pays
-        nearest = min(self._judged, key=lambda k: key_distance(k, key), default=None)
-        return True if nearest is None else self._judged[nearest]
+    def request_seconds(self, figures: tuple[float, float], prompt_len: int, max_tokens: int | None
+                        ) -> tuple[float, float]:
+        """A new request's expected serving time (plain, with the draft): prompt_len x prefill
+        seconds per token + expected output tokens x `figures` (step seconds per row per token,
+        plain and best speculative). While only one prefill kind is timed, both take its cost
+        (until a plain prefill is timed, the draft's prefill is taken as free)."""
+        with_draft, plain = self.prefill.per_token(True), self.prefill.per_token(False)
+        with_draft, plain = (with_draft or plain or 0.0), (plain or with_draft or 0.0)
+        tokens = self.expected_output_len(max_tokens)
+        return prompt_len * plain + tokens * figures[0], prompt_len * with_draft + tokens * figures[1]
 
-    def _speculation_pays(self, key: Key) -> bool | None:
-        """None when the key lacks the timings to judge."""
+    def expected_output_len(self, max_tokens: int | None) -> float:
+        """Tokens a new request is expected to generate: the mean of recent finished requests (its
+        budget while none has finished), at most its budget."""
+        mean = statistics.fmean(self.output_lens) if self.output_lens else None
+        if max_tokens is None:
+            return mean if mean is not None else 1.0
+        return float(max_tokens) if mean is None else min(float(max_tokens), mean)
+
+    def _step_figures(self, key: Key, rows: int) -> tuple[float, float] | None:
+        """(plain step seconds, best speculative step seconds per expected token for a new request),
+        per row of a step at `key`; from the nearest judged key when `key` lacks the timings, None
+        when no key has them."""
         plain = self.costs.measured(PLAIN, key) or self.costs.measured(None, key)
         shapes = self.auto.shapes
-        spec = []
-        for shape, tokens in zip(shapes, self.acceptance.new_request_expected_tokens(shapes)):
-            seconds = self.costs.estimated(shape, key, self.auto.menu)
-            if seconds:
-                spec.append(tokens / seconds)
-        if not plain or not spec:
-            return None
-        return max(spec) >= (1 + self.auto.hysteresis) / plain
+        spec = [seconds / tokens for shape, tokens in zip(shapes, self.acceptance.new_request_expected_tokens(shapes))
+                if (seconds := self.costs.estimated(shape, key, self.auto.menu))]
+        if plain and spec:
+            figures = self._judged[key] = (plain / rows, min(spec) / rows)
+            return figures
+        nearest = min(self._judged, key=lambda k: key_distance(k, key), default=None)
+        return None if nearest is None else self._judged[nearest]
+
+    def observe_prefill(self, with_draft: bool, key: Key, tokens: int, seconds: float | None) -> None:
+        """A finished prefill chunk batch of `tokens` prompt tokens at program key `key` (seconds
+        None: it compiled)."""
+        if seconds is not None:
+            self.prefill.observe(with_draft, key, tokens, seconds)
 
     def _choose(self, rates: dict[Shape, float | None], key: Key) -> Shape:
         auto = self.auto
@@ -485,14 +536,15 @@ class AdaptiveSpeculation:
                 plain: bool = False) -> None:
         """A finished step: its wall time (None if it compiled) and draft tokens accepted per request
         with the draft; `plain`: a step of the plain program (no row had the draft)."""
-        self.observed += 1
         if seconds is not None:
             self.costs.observe(PLAIN if plain else shape, key, seconds)
         if shape is not None and accepted:
             self.acceptance.observe(shape, accepted)
 
-    def forget(self, request_id: str) -> None:
+    def finished(self, request_id: str, num_output_tokens: int) -> None:
+        """A request left: drop its acceptance counts, remember its output length."""
         self.acceptance.forget(request_id)
+        self.output_lens.append(num_output_tokens)
 
     def stats(self) -> dict:
         return {
@@ -502,4 +554,5 @@ class AdaptiveSpeculation:
             "requests_without_draft": self.admitted["without_draft"],
             "chain_acceptance": [float(x) for x in self.acceptance.chain],
             "tree_accepted": dict(self.acceptance.tree),
+            "prefill_s_per_token": {"with_draft": self.prefill.per_token(True), "plain": self.prefill.per_token(False)},
         }
