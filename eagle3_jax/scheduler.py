@@ -348,7 +348,6 @@ class Scheduler:
         self._inflight: list[_Launch] = []  # launched last iteration, read in the next (overlap)
         self._last_read = 0.0  # when the host last had a program's outputs
         self._last_decode_key: tuple[int, int] | None = None  # (batch, width) buckets of the last decode step
-        self._last_decode_rows = 0  # requests in the last decode step
 
         self._waiting: collections.deque[_Request] = collections.deque()
         self._running: list[_Request] = []  # admission order: prefilling and decoding
@@ -517,12 +516,19 @@ class Scheduler:
             req.slot = self._free_slots.pop()
             req.state, req.computed, req.length = _PREFILL, 0, 0
             if self._adaptive is not None:
-                req.with_draft = self._adaptive.wants_draft(self._last_decode_key, rows=self._last_decode_rows + 1,
-                                                            prompt_len=len(req.prefill_ids),
-                                                            max_tokens=req.budget - len(req.output))
+                req.with_draft = self._wants_draft(req)
             if req.admitted is None:
                 req.admitted = time.perf_counter()
             self._running.append(req)
+
+    def _wants_draft(self, req: _Request) -> bool:
+        """Adaptive speculation's verdict on a request being admitted, judged at the batch it joins:
+        every running request and it (a wave admitted at once after a quiet spell must not be
+        judged by the last step's small batch), at the last decode step's block-table width."""
+        rows = len(self._running) + 1
+        key = None if self._last_decode_key is None else (bucket(rows, 1, self.max_num_seqs), self._last_decode_key[1])
+        return self._adaptive.wants_draft(key, rows=rows, prompt_len=len(req.prefill_ids),
+                                          max_tokens=req.budget - len(req.output))
 
     def _prefill_rows(self) -> list[tuple[_Request, int]]:
         rows, budget = [], self.prefill_chunk
@@ -685,7 +691,7 @@ class Scheduler:
     def _launch_decode(self, rows: list[_Request]) -> _Launch:
         batch = bucket(len(rows), 1, self.max_num_seqs)
         block_table = self._block_table(rows, batch)
-        self._last_decode_key, self._last_decode_rows = block_table.shape, len(rows)
+        self._last_decode_key = block_table.shape
         with_draft = sum(r.with_draft for r in rows)
         # Adaptive speculation with no row followed by the draft: the plain program, nothing stored.
         plain = self._adaptive is not None and not with_draft

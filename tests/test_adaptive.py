@@ -231,10 +231,13 @@ def test_requests_without_the_draft_decode_plainly_beside_those_with_it(mla_pair
     sched = forced(Scheduler(target, draft=draft, spec=e3.SpecConfig.auto(2), max_num_seqs=2, max_seq_len=64,
                              page_size=4), [C2, None, C1])
     # Batches of two as requests finish together: {0 with, 1 without}, {2, 3 with}, {4 without}.
-    admitted = iter([True, False, True, True, False])
-    sched._adaptive.wants_draft = lambda key, **_: next(admitted)
+    admitted, asked = iter([True, False, True, True, False]), []
+    sched._adaptive.wants_draft = lambda key, **kw: asked.append((key, kw)) or next(admitted)
     outs = sched.generate(prompts, sp)
     assert [o.token_ids for o in outs] == base
+    # Each judged at the batch it joins (the running requests and itself), with its own prompt and budget.
+    assert [(k, kw["rows"], kw["prompt_len"], kw["max_tokens"]) for k, kw in asked[:2]] == [(None, 1, 3, 12), (None, 2, 11, 12)]
+    assert all(k[0] == kw["rows"] for k, kw in asked[2:])
     passes = [o.metrics["num_draft_passes"] for o in outs]
     assert passes[0] == passes[1] == passes[4] == 0 and passes[2] > 0 and passes[3] > 0
     assert all(a == 1 for i in (0, 1, 4) for a in outs[i].metrics["accept_lengths"])

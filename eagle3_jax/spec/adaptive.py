@@ -438,8 +438,8 @@ class AdaptiveSpeculation:
 
     def wants_draft(self, key: Key | None, rows: int = 1, prompt_len: int = 0, max_tokens: int | None = None) -> bool:
         """Whether a request admitted now gets the draft (a draft prefill over its prompt, its pairs
-        stored for catch-ups), given the key and row count of the last decode step (key None: no
-        step yet), its prompt length and its token budget.
+        stored for catch-ups), given the program key and row count of the batch it joins (key
+        None: no decode step yet), its prompt length and its token budget.
 
         Yes when the request is expected to finish sooner with it by the hysteresis margin, or
         when no running request has had the draft for `resample_every` steps; otherwise the
