@@ -100,7 +100,8 @@ flags.DEFINE_integer("prefill_chunk", None, "Prompt tokens per prefill chunk (de
 flags.DEFINE_integer("max_measure_attempts", 3, "Measured passes per cell at most: a pass during which XLA "
                      "compiled a program is repeated, as the compile stalls the requests in flight.", lower_bound=1)
 flags.DEFINE_bool("interleave", True, "Run all settings at each concurrency in turn (one scheduler each, all held at "
-                  "once) so slow spells hit every setting alike; --nointerleave runs the settings one after another.")
+                  "once) so slow spells hit every setting alike, their order rotating from one (seed, concurrency) to the "
+                  "next; --nointerleave runs the settings one after another.")
 define_mesh_flags("In-process runs only: every process drives the same requests (the scheduler's steps "
                   "depend only on them); process 0 writes and prints the report.")
 flags.DEFINE_string("base_url", None, "Benchmark the server at this URL (e.g. http://localhost:8000) over HTTP "
