@@ -38,14 +38,15 @@ Keeping the draft ready costs even when no step speculates (its prefill over eve
 stored pairs, the catch-ups), so the draft follows only requests that may use it: a request
 admitted while speculation is not expected to pay for it (`wants_draft`) decodes without the draft
 to its end. That judgement weighs the whole request, not one step: its prompt's prefill (timed per
-prompt token, with and without the draft) plus its expected output (the mean length of recent
-finished requests, at most its budget) at its share of the batch's step time, plain or at the best
-speculative shape's time per expected token. Long prompts with short outputs therefore stay plain
-even where a speculative step pays: the draft's prefill over the prompt costs more than its steps
-save (at an 8K-token prompt and 1K output this is where the gain goes). A key without the step
-timings to judge uses the nearest judged key's. A step speculates only when every row has the draft (a row
-without it reserves KV pages for one token a step), and a batch in which no row has it runs the
-plain decode program, as if speculation were off. One request in a while gets the draft anyway
+prompt token with and without the draft, by chunk program: `PrefillCosts`) plus its expected
+output (the mean length of recent finished requests, at most its budget) at its share of the step
+time of the batch it joins, plain or at the best speculative shape's time per expected token.
+Long prompts with short outputs therefore stay plain even where a speculative step pays: the
+draft's prefill over the prompt costs more than its steps save (at an 8K-token prompt and 1K
+output this is where the gain goes). A key without the step timings to judge uses the nearest
+judged key's. A step speculates only when every row has the draft (a row without it reserves KV
+pages for one token a step), and a batch in which no row has it runs the plain decode program, as
+if speculation were off. One request in a while gets the draft anyway
 (`resample_every`), so acceptance stays measured and speculation returns when the load changes.
 
 The choice never affects correctness: every shape's step is lossless, so greedy output is the
