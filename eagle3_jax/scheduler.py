@@ -751,7 +751,7 @@ class Scheduler:
                         now: float) -> list[RequestDelta]:
         depth = shape_depth(launch.shape)
         if self._adaptive is not None:
-            accepted = {req.id: int(count[i]) - 1 for i, req in rows if req.with_draft}
+            accepted = {} if launch.plain else {req.id: int(count[i]) - 1 for i, req in rows if req.with_draft}
             self._adaptive.observe(launch.shape, launch.key, self._step_seconds(launch, now), accepted,
                                    plain=launch.plain)
         deltas = []

@@ -56,9 +56,10 @@ def aggregate(cells: Sequence[dict]) -> list[dict]:
     groups: dict[tuple[str, int], list[dict]] = {}
     for c in cells:
         groups.setdefault((c["setting"], c["concurrency"]), []).append(c)
-    settings = list(dict.fromkeys(c["setting"] for c in cells))  # cells may run in rotating order
+    # Rows by concurrency, then settings in first-run order (cells may run in rotating order).
+    order = {s: i for i, s in enumerate(dict.fromkeys(c["setting"] for c in cells))}
     rows = []
-    for (setting, conc), group in sorted(groups.items(), key=lambda kv: (kv[0][1], settings.index(kv[0][0]))):
+    for (setting, conc), group in sorted(groups.items(), key=lambda kv: (kv[0][1], order[kv[0][0]])):
         row = {"setting": setting, "label": group[0]["label"], "concurrency": conc,
                "seeds": [c["seed"] for c in group]}
         row.update({k: mean_or_none(get(c["metrics"]) for c in group) for k, get in _ROW_KEYS.items()})
