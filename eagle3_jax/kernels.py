@@ -73,8 +73,11 @@ def uses(kernels: str, op: str) -> bool:
 
 
 def interpret() -> bool:
-    """Pallas kernels run interpreted on a CPU host (tests monkeypatch this to lower for GPUs)."""
-    return jax.default_backend() == "cpu"
+    """Pallas kernels run interpreted on a CPU host, unless the trace is for a named GPU
+    architecture (`pallas_kernels.launch.for_arch`: deviceless lowering, the compile gate)."""
+    from pallas_kernels import launch
+
+    return jax.default_backend() == "cpu" and not launch.is_overridden()
 
 
 @functools.lru_cache(maxsize=None)

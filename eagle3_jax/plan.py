@@ -119,13 +119,14 @@ def _draft_config(draft) -> DraftConfig | None:
         return parse_draft_config(json.load(f))
 
 
-def _apply_quant(cfg: ModelConfig, quant: str | None) -> ModelConfig:
-    """quant: None = as the config says; "dequantize" = floats; "w4a8" = int4 with int8 activations."""
+def _apply_quant(cfg: ModelConfig, quant: str | None, fp8_format: str = "e4m3fn") -> ModelConfig:
+    """quant: None = as the config says; "dequantize" = floats; "w4a8" = int4 with int8 activations.
+    fp8_format: the on-device float8 flavour (e4m3fnuz is gfx942's)."""
     if quant is None:
-        return with_quant_options(cfg, fp8_format="e4m3fn")
+        return with_quant_options(cfg, fp8_format=fp8_format)
     if quant not in ("dequantize", "w4a8"):
         raise ValueError(f"quant {quant!r} is not supported; use None (as the config says), 'dequantize' or 'w4a8'")
-    return with_quant_options(cfg, dequantize=quant == "dequantize", w4a8=quant == "w4a8", fp8_format="e4m3fn")
+    return with_quant_options(cfg, dequantize=quant == "dequantize", w4a8=quant == "w4a8", fp8_format=fp8_format)
 
 
 # ---- shapes with shardings ------------------------------------------------------------------------------
@@ -243,6 +244,85 @@ def _analysis(compiled) -> dict[str, int]:
             "output_bytes": int(m.output_size_in_bytes), "alias_bytes": int(m.alias_size_in_bytes)}
 
 
+@dataclasses.dataclass(frozen=True)
+class AbstractSetup:
+    """A configuration's configs and shape-only, sharded arguments (see `abstract_setup`)."""
+
+    cfg: ModelConfig
+    dcfg: DraftConfig | None
+    spec: SpecConfig | None
+    mesh: Mesh
+    batch: int
+    dtype: jnp.dtype
+    tparams: dict
+    tcache: kv_cache.KVCache
+    dparams: dict | None
+    dcache: kv_cache.KVCache | None
+
+
+def abstract_setup(target, draft=None, mesh: Mesh | None = None, batch: int = 1, max_len: int = 2048,
+                   spec: SpecConfig | None = None, quant: str | None = None, dtype="bfloat16",
+                   kernels: str | None = None, fp8_format: str = "e4m3fn") -> AbstractSetup:
+    """Target (+ draft) configs with the draft's aux layers applied, and their params and caches
+    as sharded ShapeDtypeStructs on `mesh` (default: one device). `kernels` (canonical per-op form,
+    kernels.py) is what the programs run; default as the config says (XLA)."""
+    cfg = _apply_quant(_target_config(target), quant, fp8_format)
+    dcfg = _draft_config(draft)
+    if kernels is not None:
+        cfg = dataclasses.replace(cfg, kernels=kernels)
+    if dcfg is not None:
+        from .draft import check_fits_target
+
+        check_fits_target(dcfg, cfg)
+        if dcfg.aux_layer_ids is not None:
+            cfg = cfg.with_aux_layers(dcfg.aux_layer_ids)
+        dcfg = dataclasses.replace(dcfg, layers=dataclasses.replace(dcfg.layers, kernels=cfg.kernels))
+        spec = spec or SpecConfig(3, 1, 4)
+    else:
+        spec = None
+    if mesh is None:
+        mesh = Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1, 1), ("data", "tensor", "expert"))
+    dt = resolve_dtype(dtype)
+    dparams = dcache = None
+    if dcfg is not None:
+        dparams = abstract_draft(dcfg, dt, mesh)
+        dcache = abstract_cache(dcfg.layers, batch, max_len, dt, mesh)
+    return AbstractSetup(cfg, dcfg, spec, mesh, batch, dt, abstract_target(cfg, dt, mesh),
+                         abstract_cache(cfg, batch, max_len, dt, mesh), dparams, dcache)
+
+
+def trace_programs(setup: AbstractSetup, prefill_chunk: int = 256,
+                   programs: Sequence[str] = ("step", "decode", "prefill")) -> dict[str, jax.stages.Traced]:
+    """The engine's programs over `setup`'s shapes, traced (call under `mesh_context(setup.mesh)`):
+    "spec_step" (with a draft), "decode" (the plain step; always without a draft) and "prefill"
+    (one chunk of `prefill_chunk` tokens per row), as `programs` asks."""
+    from .engine import _decode
+    from .spec.step import spec_prefill, spec_step
+
+    cfg, dcfg, mesh, batch = setup.cfg, setup.dcfg, setup.mesh, setup.batch
+    sp = _sampling(batch, mesh)
+    vec = _vec(batch, jnp.int32, mesh)
+    traced: dict[str, jax.stages.Traced] = {}
+    if dcfg is not None:
+        root = DraftRoot(token=vec, hidden=_rows(batch, dcfg.hidden_size, mesh, setup.dtype))
+        static = ("tcfg", "dcfg", "spec")
+        if "step" in programs:
+            step = jax.jit(spec_step, static_argnames=static, donate_argnames=("tcache", "dcache"))
+            traced["spec_step"] = step.trace(setup.tparams, cfg, setup.dparams, dcfg, setup.spec, setup.tcache,
+                                             setup.dcache, root, sp, vec)
+        if "prefill" in programs:
+            prefill = jax.jit(spec_prefill, static_argnames=static[:2], donate_argnames=("tcache", "dcache"))
+            traced["prefill"] = prefill.trace(setup.tparams, cfg, setup.dparams, dcfg, setup.tcache, setup.dcache,
+                                              _rows(batch, prefill_chunk, mesh), vec, sp)
+    elif "prefill" in programs:
+        from .engine import _prefill
+
+        traced["prefill"] = _prefill.trace(setup.tparams, cfg, setup.tcache, _rows(batch, prefill_chunk, mesh), vec, sp)
+    if "decode" in programs or dcfg is None:
+        traced["decode"] = _decode.trace(setup.tparams, cfg, setup.tcache, vec, vec, sp)
+    return traced
+
+
 def plan_memory(target, draft=None, mesh: Mesh | None = None, batch: int = 1, max_len: int = 2048,
                 spec: SpecConfig | None = None, quant: str | None = None, dtype="bfloat16",
                 prefill_chunk: int = 256, programs: Sequence[str] = ("step", "decode", "prefill")) -> MemoryPlan:
@@ -253,49 +333,12 @@ def plan_memory(target, draft=None, mesh: Mesh | None = None, batch: int = 1, ma
     "w4a8". spec: the speculation shape (default chain 3/1/4 when a draft is given). The numbers
     come from the speculative step when a draft is given, else from the plain decode step.
     """
-    from .engine import _decode
-    from .spec.step import spec_prefill, spec_step
-
-    cfg = _apply_quant(_target_config(target), quant)
-    dcfg = _draft_config(draft)
-    if dcfg is not None:
-        from .draft import check_fits_target
-
-        check_fits_target(dcfg, cfg)
-        if dcfg.aux_layer_ids is not None:
-            cfg = cfg.with_aux_layers(dcfg.aux_layer_ids)
-        spec = spec or SpecConfig(3, 1, 4)
-    else:
-        spec = None
-    if mesh is None:
-        mesh = Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1, 1), ("data", "tensor", "expert"))
-    dt = resolve_dtype(dtype)
-    tparams = abstract_target(cfg, dt, mesh)
-    tcache = abstract_cache(cfg, batch, max_len, dt, mesh)
-    sp = _sampling(batch, mesh)
-    vec = _vec(batch, jnp.int32, mesh)
-    results: dict[str, dict[str, int]] = {}
+    setup = abstract_setup(target, draft, mesh, batch, max_len, spec, quant, dtype)
+    cfg, dcfg, spec, mesh = setup.cfg, setup.dcfg, setup.spec, setup.mesh
+    tparams, tcache, dparams, dcache = setup.tparams, setup.tcache, setup.dparams, setup.dcache
     with mesh_context(mesh):
-        if dcfg is not None:
-            dparams = abstract_draft(dcfg, dt, mesh)
-            dcache = abstract_cache(dcfg.layers, batch, max_len, dt, mesh)
-            root = DraftRoot(token=vec, hidden=_rows(batch, dcfg.hidden_size, mesh, dt))
-            static = ("tcfg", "dcfg", "spec")
-            if "step" in programs:
-                step = jax.jit(spec_step, static_argnames=static, donate_argnames=("tcache", "dcache"))
-                results["spec_step"] = _analysis(step.trace(tparams, cfg, dparams, dcfg, spec, tcache, dcache, root, sp,
-                                                            vec).lower().compile())
-            if "prefill" in programs:
-                prefill = jax.jit(spec_prefill, static_argnames=static[:2], donate_argnames=("tcache", "dcache"))
-                results["prefill"] = _analysis(prefill.trace(tparams, cfg, dparams, dcfg, tcache, dcache,
-                                                             _rows(batch, prefill_chunk, mesh), vec, sp).lower().compile())
-        elif "prefill" in programs:
-            from .engine import _prefill
-
-            results["prefill"] = _analysis(_prefill.trace(tparams, cfg, tcache, _rows(batch, prefill_chunk, mesh), vec,
-                                                          sp).lower().compile())
-        if "decode" in programs or dcfg is None:
-            results["decode"] = _analysis(_decode.trace(tparams, cfg, tcache, vec, vec, sp).lower().compile())
+        traced = trace_programs(setup, prefill_chunk, programs)
+        results = {name: _analysis(t.lower().compile()) for name, t in traced.items()}
 
     main = results["spec_step"] if "spec_step" in results else results["decode"]
     tokens = batch * (spec.num_draft_tokens if spec else 1)

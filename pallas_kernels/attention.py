@@ -14,10 +14,15 @@ One kernel serves both attention kinds, as "M query rows against one shared key 
 - MLA (absorbed): all query heads x T tokens are the rows of the single "head"; the key is the
   latent (rank r) plus the roped key (dr) as two dots, and the value is the latent itself.
 
-Rows are padded to a power of two >= 16 (Triton's smallest dot). Portable subset only: grid +
-BlockSpecs, whole-array refs indexed in kernel, `fori_loop` with traced bounds, 2-D dots with
-float32 accumulation, no scalar prefetch, no dynamic grid. `paged_prefix_attention_reference` is
-the pure-jnp twin the tests compare with.
+The rows of a head are cut into blocks of `block_rows` (power of two >= 16, Triton's smallest
+dot), one program per (row, head x row block, split): each program holds a float32 [block_rows,
+Dv] accumulator and its [block_rows, D] queries in registers for its whole walk, so the block, not
+the heads x tokens of a step, sets the registers (Kimi-K2.5 verifying a 64-node tree has 64 x 64
+MLA rows of 512 lanes). The blocks of one head read the same pages, which stay in L2 between them.
+Block rows, num_warps and num_stages come from the launch table per architecture (launch.py).
+Portable subset only: grid + BlockSpecs, whole-array refs indexed in kernel, `fori_loop` with
+traced bounds, 2-D dots with float32 accumulation, no scalar prefetch, no dynamic grid.
+`paged_prefix_attention_reference` is the pure-jnp twin the tests compare with.
 """
 
 from __future__ import annotations
@@ -28,8 +33,15 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from pallas_kernels import launch as launch_table
+from pallas_kernels.launch import AttentionLaunch
+
 _NEG = -1e30
 _MIN_ROWS = 16
+# Every dot states its precision: HIGHEST keeps float32 operands in IEEE float32 (the Triton
+# lowering otherwise emits TF32 / xf32 matrix instructions on sm_90 and gfx942 for float32 dots)
+# and changes nothing for bfloat16 operands, which the matrix units take as they are.
+PRECISION = jax.lax.Precision.HIGHEST
 
 
 def _rows_bucket(m: int) -> int:
@@ -38,17 +50,19 @@ def _rows_bucket(m: int) -> int:
 
 def _dot_t(a: jax.Array, b: jax.Array) -> jax.Array:
     """a [M, D] . b [N, D]^T -> [M, N] float32."""
-    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=PRECISION,
+                               preferred_element_type=jnp.float32)
 
 
 def _kernel(layer_ref, lengths_ref, table_ref, q_ref, k_ref, *refs, page_size: int, pages_per_split: int,
-            scale: float, has_rope: bool, shared_value: bool):
+            row_blocks: int, scale: float, has_rope: bool, shared_value: bool):
     refs = list(refs)
     q2_ref = refs.pop(0) if has_rope else None
     k2_ref = refs.pop(0) if has_rope else None
     v_ref = None if shared_value else refs.pop(0)
     o_ref, lse_ref = refs
-    b, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    b, split = pl.program_id(0), pl.program_id(2)
+    h = pl.program_id(1) // row_blocks
     layer, length = layer_ref[0], lengths_ref[b]
     q = q_ref[...]
     q2 = q2_ref[...] if has_rope else None
@@ -72,7 +86,7 @@ def _kernel(layer_ref, lengths_ref, table_ref, q_ref, k_ref, *refs, page_size: i
         alpha = jnp.exp(m - m_new)
         v = k if shared_value else v_ref[layer, page, :, h, :]
         acc = acc * alpha[:, None] + jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
-                                                         preferred_element_type=jnp.float32)
+                                                         precision=PRECISION, preferred_element_type=jnp.float32)
         return m_new, l * alpha + p.sum(axis=1), acc
 
     init = (jnp.full((rows,), _NEG, jnp.float32), jnp.zeros((rows,), jnp.float32), jnp.zeros((rows, dv), jnp.float32))
@@ -82,29 +96,45 @@ def _kernel(layer_ref, lengths_ref, table_ref, q_ref, k_ref, *refs, page_size: i
     lse_ref[...] = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
 
 
+def block_rows_for(rows: int, dv: int, itemsize: int, launch: AttentionLaunch, reference_dv: int) -> int:
+    """Query rows per program: the launch table's block, which is set for 2-byte operands and
+    values `reference_dv` wide (512 for MLA's latent, 128 for GQA); wider values or wider operands
+    get proportionally fewer rows (the accumulator and the queries are what fill the registers);
+    never more than the rows there are (padded to a power of two >= 16)."""
+    budget = launch.block_rows * reference_dv * 2 // (max(dv, reference_dv) * max(itemsize, 2))
+    return max(_MIN_ROWS, min(_rows_bucket(rows), 1 << (max(budget, 1).bit_length() - 1)))
+
+
 def paged_prefix_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array | None, layer, block_table: jax.Array,
                            lengths: jax.Array, *, scale: float, q2: jax.Array | None = None,
                            k2_pool: jax.Array | None = None, num_splits: int = 1, interpret: bool = False,
-                           num_warps: int = 4, num_stages: int = 2) -> tuple[jax.Array, jax.Array]:
+                           launch: AttentionLaunch | None = None) -> tuple[jax.Array, jax.Array]:
     """Attention of query rows over each row's committed prefix of paged K/V.
 
     q: [B, H, M, D] (H KV heads, M query rows each); q2 [B, H, M, D2] with k2_pool: a second
     score term (MLA's rope part). Pools [L, pages, page_size, H, D]; `v_pool` None = the values are
     `k_pool` (MLA's latent). block_table [B, P] int32, lengths [B] int32 (slots visible per row),
-    `layer` the pool layer. Returns out [B, H, M, Dv] float32 (softmax-normalised over the prefix)
-    and lse [B, H, M] float32 (-inf where a row's prefix is empty).
+    `layer` the pool layer. `launch` (block rows, num_warps, num_stages) defaults to the launch
+    table's entry for this form ("mla_attention" when the values are the keys, else
+    "gqa_attention") on the architecture traced for. Returns out [B, H, M, Dv] float32
+    (softmax-normalised over the prefix) and lse [B, H, M] float32 (-inf where a row's prefix is
+    empty).
     """
     from jax.experimental.pallas import triton as plt
 
     b, h, m, d = q.shape
     _, _, page_size, _, _ = k_pool.shape
     dv = (k_pool if v_pool is None else v_pool).shape[-1]
-    rows = _rows_bucket(m)
+    form = "mla_attention" if v_pool is None else "gqa_attention"
+    launch = launch_table.launch(form) if launch is None else launch
+    block = block_rows_for(m, dv, jnp.dtype(k_pool.dtype).itemsize, launch, 512 if form == "mla_attention" else 128)
+    rows = pl.cdiv(m, block) * block
+    row_blocks = rows // block
     pad = ((0, 0), (0, 0), (0, rows - m), (0, 0))
     q = jnp.pad(q, pad)
     has_rope = q2 is not None
     pages_per_split = pl.cdiv(block_table.shape[1], num_splits)
-    row_spec = lambda dim: pl.BlockSpec((None, None, rows, dim), lambda i, j, s: (i, j, 0, 0))  # noqa: E731
+    row_spec = lambda dim: pl.BlockSpec((None, None, block, dim), lambda i, j, s: (i, j // row_blocks, j % row_blocks, 0))  # noqa: E731
     whole = pl.no_block_spec
     inputs = [jnp.asarray(layer, jnp.int32).reshape(1), lengths.astype(jnp.int32), block_table.astype(jnp.int32), q, k_pool]
     in_specs = [whole, whole, whole, row_spec(d), whole]
@@ -114,19 +144,19 @@ def paged_prefix_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array | 
     if v_pool is not None:
         inputs.append(v_pool)
         in_specs.append(whole)
-    kernel = functools.partial(_kernel, page_size=page_size, pages_per_split=pages_per_split, scale=scale,
-                               has_rope=has_rope, shared_value=v_pool is None)
+    kernel = functools.partial(_kernel, page_size=page_size, pages_per_split=pages_per_split, row_blocks=row_blocks,
+                               scale=scale, has_rope=has_rope, shared_value=v_pool is None)
     out, lse = pl.pallas_call(
         kernel,
-        grid=(b, h, num_splits),
+        grid=(b, h * row_blocks, num_splits),
         in_specs=in_specs,
-        out_specs=[pl.BlockSpec((None, None, None, rows, dv), lambda i, j, s: (i, j, s, 0, 0)),
-                   pl.BlockSpec((None, None, None, rows), lambda i, j, s: (i, j, s, 0))],
+        out_specs=[pl.BlockSpec((None, None, None, block, dv), lambda i, j, s: (i, j // row_blocks, s, j % row_blocks, 0)),
+                   pl.BlockSpec((None, None, None, block), lambda i, j, s: (i, j // row_blocks, s, j % row_blocks))],
         out_shape=[jax.ShapeDtypeStruct((b, h, num_splits, rows, dv), jnp.float32),
                    jax.ShapeDtypeStruct((b, h, num_splits, rows), jnp.float32)],
         interpret=interpret,
-        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        name="eagle3_paged_prefix_attention",
+        compiler_params=plt.CompilerParams(num_warps=launch.num_warps, num_stages=launch.num_stages),
+        name=f"eagle3_paged_prefix_attention_{form.split('_')[0]}",  # _mla / _gqa: the form shows in profiles
     )(*inputs)
     out, lse = merge_splits(out, lse)
     return out[:, :, :m], lse[:, :, :m]
@@ -158,13 +188,14 @@ def paged_prefix_attention_reference(q, k_pool, v_pool, layer, block_table, leng
         return pages.reshape((pages.shape[0], -1) + pages.shape[3:])
 
     keys = gather(k_pool)
-    scores = jnp.einsum("bhmd,bshd->bhms", q, keys, preferred_element_type=jnp.float32)
+    scores = jnp.einsum("bhmd,bshd->bhms", q, keys, precision=PRECISION, preferred_element_type=jnp.float32)
     if q2 is not None:
-        scores = scores + jnp.einsum("bhmd,bshd->bhms", q2, gather(k2_pool), preferred_element_type=jnp.float32)
+        scores = scores + jnp.einsum("bhmd,bshd->bhms", q2, gather(k2_pool), precision=PRECISION,
+                                     preferred_element_type=jnp.float32)
     visible = jnp.arange(keys.shape[1])[None, :] < lengths[:, None]  # [B, S]
     scores = jnp.where(visible[:, None, None, :], scores * scale, -jnp.inf)
     lse = jax.nn.logsumexp(scores, axis=-1)
     probs = jnp.where(visible[:, None, None, :], jnp.exp(scores - jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None]), 0.0)
     values = keys if v_pool is None else gather(v_pool)
-    out = jnp.einsum("bhms,bshd->bhmd", probs, values.astype(jnp.float32))
+    out = jnp.einsum("bhms,bshd->bhmd", probs, values.astype(jnp.float32), precision=PRECISION)
     return out, lse

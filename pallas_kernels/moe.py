@@ -26,8 +26,10 @@ worked out in XLA beforehand (`tile_plan`: each expert's rows are cut into tiles
 tile never mixes experts, and empty experts get no tile) and read in kernel. The number of row
 tiles is N // block_m + min(E, N), so a decode step with a few routed assignments launches a few
 tiles, each reading one routed expert's weights: the kernel's decode form, with no dependence on
-how many experts the layer has. Tiles are power-of-two and small enough for the 64 KB LDS of
-MI300X / MI325X at two pipeline stages. `grouped_matmul_reference` and `grouped_swiglu_reference`
+how many experts the layer has. Tiles are powers of two; the row tile, the largest column tile and
+K step, num_warps and num_stages come from the launch table per architecture (launch.py; a smaller
+tile is taken where a weight's shape or scale blocks need one). A float8 weight scaled per output
+column is scaled once after the K loop. `grouped_matmul_reference` and `grouped_swiglu_reference`
 are the XLA twins (`quant.ragged_linear`).
 """
 
@@ -41,10 +43,21 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from eagle3_jax.quant import QArray, quantize_rows_int8, ragged_linear
+from pallas_kernels import launch as launch_table
+from pallas_kernels.launch import MoeLaunch
 
-_BLOCK_M = 16  # Triton's smallest dot
-_BLOCK_N = (64, 32, 16)  # preferred column tiles, largest first
-_BLOCK_K = (64, 32, 16)  # preferred K steps of unpacked weights
+_TILES = (256, 128, 64, 32, 16)  # power-of-two tiles, largest first; Triton's smallest dot is 16
+# Every dot states its precision: HIGHEST keeps float32 operands in IEEE float32 (the Triton
+# lowering otherwise emits TF32 / xf32 on sm_90 and gfx942) and changes nothing for bfloat16.
+PRECISION = jax.lax.Precision.HIGHEST
+
+
+def _dot(a: jax.Array, b: jax.Array) -> jax.Array:
+    return jnp.dot(a, b, precision=PRECISION, preferred_element_type=jnp.float32)
+
+
+def _tiles_up_to(largest: int) -> tuple[int, ...]:
+    return tuple(t for t in _TILES if t <= largest)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,10 +70,18 @@ class _Layout:
     scale_cols: int  # output columns sharing a scale
     fnuz: bool = False
     int8: bool = False  # W4A8
+    column_scales: bool = False  # one scale per output column over all of K: applied once, after the K loop
 
     @property
     def packed(self) -> bool:
         return self.fmt in ("int4", "mxfp4")
+
+    @property
+    def label(self) -> str:
+        """float / int4 / w4a8 / mxfp4 / fp8_block / fp8_channel (+ _fnuz): the kernel's name suffix."""
+        if self.fmt == "float":
+            return "float"
+        return ("w4a8" if self.int8 else self.fmt) + ("_fnuz" if self.fnuz else "")
 
 
 def _largest_dividing(choices: tuple[int, ...], *sizes: int) -> int | None:
@@ -78,29 +99,34 @@ def layout_error(w, k: int) -> str | None:
         if bi < 32 or bi & (bi - 1) or k % bi or bo != 1:
             return (f"{w.qformat.fmt} needs scale groups along K of a power of two >= 32 dividing K={k}, one per "
                     f"column (got {bi} x {bo})")
-    elif _largest_dividing(_BLOCK_K, k, bi) is None:  # a K step stays inside one scale block
+    elif _largest_dividing(_TILES, k, bi) is None:  # a K step stays inside one scale block
         return f"K={k} and the K scale block ({bi}) need a common power-of-two step >= 16"
-    if _largest_dividing(_BLOCK_N, n_out, *([bo] if bo > 1 else [])) is None:
+    if _largest_dividing(_TILES, n_out, *([bo] if bo > 1 else [])) is None:
         return f"Nout={n_out} and the column scale block ({bo}) need a common power-of-two tile >= 16"
     return None
 
 
-def _layout(w, k: int) -> _Layout:
+def _layout(w, k: int, max_block_k: int) -> _Layout:
     error = layout_error(w, k)
     if error:
         raise ValueError(f"the Pallas grouped matmul cannot take this weight: {error}")
+    steps = _tiles_up_to(max_block_k) or (16,)
     if not isinstance(w, QArray):
-        return _Layout("float", _largest_dividing(_BLOCK_K, k), k, 1)
+        return _Layout("float", _largest_dividing(steps, k), k, 1)
     q = w.qformat
     bi, bo = q.scale_block(w.shape)
-    if q.fmt in ("int4", "mxfp4"):
+    if q.fmt in ("int4", "mxfp4"):  # one scale group per K step: its nibbles are split per group
         return _Layout(q.fmt, bi, bi, bo, int8=q.act == "int8")
-    return _Layout(q.fmt, _largest_dividing(_BLOCK_K, k, bi), bi, bo, fnuz=q.fnuz)
+    # float8: a per-column scale (one block over all of K) is applied once after the K loop, not
+    # per step: loading it inside the loop is what gfx950's direct-to-LDS copies cannot take
+    return _Layout(q.fmt, _largest_dividing(steps, k, bi) or _largest_dividing(_TILES, k, bi), bi, bo, fnuz=q.fnuz,
+                   column_scales=bi >= k and bo == 1)
 
 
-def _block_n(layouts: tuple[_Layout, ...], n_out: int) -> int:
+def _block_n(layouts: tuple[_Layout, ...], n_out: int, max_block_n: int) -> int:
     """Column tile: divides Nout and every column scale block, so a tile meets one scale per row."""
-    return _largest_dividing(_BLOCK_N, n_out, *(lay.scale_cols for lay in layouts if lay.scale_cols > 1))
+    sizes = (n_out, *(lay.scale_cols for lay in layouts if lay.scale_cols > 1))
+    return _largest_dividing(_tiles_up_to(max_block_n), *sizes) or _largest_dividing(_TILES, *sizes)
 
 
 def tile_plan(group_sizes: jax.Array, num_rows: int, block_m: int) -> tuple[jax.Array, jax.Array, jax.Array, int]:
@@ -171,13 +197,15 @@ def _step(x_ref, w_ref, s_ref, lay: _Layout, expert, rows, k, j, block_n: int) -
     bk = lay.block_k
     if lay.fmt == "float":
         xk = x_ref[rows, pl.ds(k * bk, bk)]
-        return jnp.dot(xk, w_ref[expert, pl.ds(k * bk, bk), cols].astype(xk.dtype), preferred_element_type=jnp.float32)
-    scale = _scale_tile(s_ref, lay, expert, k, j, block_n)
+        return _dot(xk, w_ref[expert, pl.ds(k * bk, bk), cols].astype(xk.dtype))
     if not lay.packed:  # float8 bytes, decoded with integer ops
         xk = x_ref[rows, pl.ds(k * bk, bk)]
         bits = jax.lax.bitcast_convert_type(w_ref[expert, pl.ds(k * bk, bk), cols], jnp.int8).astype(jnp.int32) & 0xFF
-        w = (decode_e4m3(bits, lay.fnuz) * scale).astype(xk.dtype)
-        return jnp.dot(xk, w, preferred_element_type=jnp.float32)
+        w = decode_e4m3(bits, lay.fnuz)
+        if not lay.column_scales:  # e4m3 values are exact in bfloat16: unscaled, nothing is rounded
+            w = w * _scale_tile(s_ref, lay, expert, k, j, block_n)
+        return _dot(xk, w.astype(xk.dtype))
+    scale = _scale_tile(s_ref, lay, expert, k, j, block_n)
     half = bk // 2
     even, odd = x_ref[rows, pl.ds(k * bk, half)], x_ref[rows, pl.ds(k * bk + half, half)]
     packed = w_ref[expert, pl.ds(k * half, half), cols].astype(jnp.int32)
@@ -187,13 +215,12 @@ def _step(x_ref, w_ref, s_ref, lay: _Layout, expert, rows, k, j, block_n: int) -
         # exact in bfloat16, and every partial sum is an integer below 2^24, exact in the float32
         # accumulator: the same numbers as an int32 dot, without int8 dot-shape limits (K >= 32 on
         # some targets) or signedness rules. Then the group's scale.
-        acc = (jnp.dot(even.astype(jnp.bfloat16), (low - 8).astype(jnp.bfloat16), preferred_element_type=jnp.float32)
-               + jnp.dot(odd.astype(jnp.bfloat16), (high - 8).astype(jnp.bfloat16), preferred_element_type=jnp.float32))
+        acc = (_dot(even.astype(jnp.bfloat16), (low - 8).astype(jnp.bfloat16))
+               + _dot(odd.astype(jnp.bfloat16), (high - 8).astype(jnp.bfloat16)))
         return acc * scale
     decode = decode_e2m1 if lay.fmt == "mxfp4" else (lambda n: (n - 8).astype(jnp.float32))
     w_low, w_high = ((decode(n) * scale).astype(even.dtype) for n in (low, high))
-    return (jnp.dot(even, w_low, preferred_element_type=jnp.float32)
-            + jnp.dot(odd, w_high, preferred_element_type=jnp.float32))
+    return _dot(even, w_low) + _dot(odd, w_high)
 
 
 def _kernel(expert_ref, first_ref, end_ref, x_ref, *refs, layouts: tuple[_Layout, ...], has_scales: tuple[bool, ...],
@@ -219,6 +246,8 @@ def _kernel(expert_ref, first_ref, end_ref, x_ref, *refs, layouts: tuple[_Layout
 
         zeros = tuple(jnp.zeros((block_m, block_n), jnp.float32) for _ in weights)
         accs = jax.lax.fori_loop(0, k_steps, body, zeros)
+        accs = tuple(acc * _scale_tile(s_ref, lay, expert, 0, j, block_n) if lay.column_scales else acc
+                     for acc, (_, s_ref), lay in zip(accs, weights, layouts))
         if row_scaled:  # W4A8: each row's int8 quantization scale
             accs = tuple(acc * xs_ref[rows, pl.ds(0, 1)] for acc in accs)
         if swiglu:  # as the XLA path: gate and up rounded to the output dtype, silu in float32
@@ -242,58 +271,61 @@ def _weight_inputs(w) -> list[jax.Array]:
 
 
 def _grouped_call(x: jax.Array, ws: tuple, group_sizes: jax.Array, *, out_dtype, swiglu: bool, interpret: bool,
-                  num_warps: int, num_stages: int, name: str) -> jax.Array:
+                  launch: MoeLaunch | None, name: str) -> jax.Array:
     from jax.experimental.pallas import triton as plt
 
+    launch = launch_table.launch("moe") if launch is None else launch
+    block_m = launch.block_m
     n, k = x.shape
-    layouts = tuple(_layout(w, k) for w in ws)
+    layouts = tuple(_layout(w, k, launch.max_block_k) for w in ws)
     if len(set(layouts)) != 1:
         raise ValueError("fused gate/up needs both weights in the same format and scale layout")
     lay = layouts[0]
     e, n_out = ws[0].shape[0], ws[0].shape[-1]
-    block_n = _block_n(layouts, n_out)
+    block_n = _block_n(layouts, n_out, launch.max_block_n)
     row_scale = None
     if lay.int8:
         xq, row_scale = quantize_rows_int8(x, lay.block_k)
         x = xq.reshape(n, k)
     if lay.packed:
         x = _split_even_odd(x, lay.block_k)
-    expert, first, end, tiles = tile_plan(group_sizes, n, _BLOCK_M)
-    pad = lambda a: jnp.pad(a, ((0, _BLOCK_M), (0, 0)))  # noqa: E731  (a tile's row window never runs off the end)
+    expert, first, end, tiles = tile_plan(group_sizes, n, block_m)
+    pad = lambda a: jnp.pad(a, ((0, block_m), (0, 0)))  # noqa: E731  (a tile's row window never runs off the end)
     inputs = [expert, first, end, pad(x)] + ([pad(row_scale)] if lay.int8 else [])
     for w in ws:
         inputs += _weight_inputs(w)
     kernel = functools.partial(
         _kernel, layouts=layouts, has_scales=tuple(isinstance(w, QArray) for w in ws), row_scaled=lay.int8,
-        num_experts=e, block_m=_BLOCK_M, block_n=block_n, k_steps=k // lay.block_k, swiglu=swiglu)
+        num_experts=e, block_m=block_m, block_n=block_n, k_steps=k // lay.block_k, swiglu=swiglu)
     out = pl.pallas_call(
         kernel,
         grid=(tiles, n_out // block_n),
         in_specs=[pl.no_block_spec] * len(inputs),
         out_specs=pl.no_block_spec,
-        out_shape=jax.ShapeDtypeStruct((n + _BLOCK_M, n_out), out_dtype),
+        out_shape=jax.ShapeDtypeStruct((n + block_m, n_out), out_dtype),
         interpret=interpret,
-        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        name=name,
+        compiler_params=plt.CompilerParams(num_warps=launch.num_warps, num_stages=launch.num_stages),
+        name=f"{name}_{lay.label}",  # the weight format shows in profiles and in the compile gate
     )(*inputs)
     # rows no tile wrote (past the groups) hold whatever the buffer held: select, never multiply
     grouped = jnp.arange(n)[:, None] < jnp.sum(group_sizes)
     return jnp.where(grouped, out[:n], jnp.zeros((), out_dtype))
 
 
-def grouped_matmul(x: jax.Array, w, group_sizes: jax.Array, *, interpret: bool = False, num_warps: int = 4,
-                   num_stages: int = 2) -> jax.Array:
-    """Rows x [N, K] sorted by expert @ w[expert] -> float32 [N, Nout] (see the module docstring)."""
+def grouped_matmul(x: jax.Array, w, group_sizes: jax.Array, *, interpret: bool = False,
+                   launch: MoeLaunch | None = None) -> jax.Array:
+    """Rows x [N, K] sorted by expert @ w[expert] -> float32 [N, Nout] (see the module docstring).
+    `launch` defaults to the launch table's "moe" entry for the architecture traced for."""
     return _grouped_call(x, (w,), group_sizes, out_dtype=jnp.float32, swiglu=False, interpret=interpret,
-                         num_warps=num_warps, num_stages=num_stages, name="eagle3_grouped_matmul")
+                         launch=launch, name="eagle3_grouped_matmul")
 
 
 def grouped_swiglu(x: jax.Array, w_gate, w_up, group_sizes: jax.Array, *, interpret: bool = False,
-                   num_warps: int = 4, num_stages: int = 2) -> jax.Array:
+                   launch: MoeLaunch | None = None) -> jax.Array:
     """silu(x @ w_gate[expert]) * (x @ w_up[expert]) for rows x [N, K] sorted by expert -> [N, I] in
     x's dtype; both weights in the same format."""
     return _grouped_call(x, (w_gate, w_up), group_sizes, out_dtype=x.dtype, swiglu=True, interpret=interpret,
-                         num_warps=num_warps, num_stages=num_stages, name="eagle3_grouped_swiglu")
+                         launch=launch, name="eagle3_grouped_swiglu")
 
 
 def grouped_matmul_reference(x: jax.Array, w, group_sizes: jax.Array, **_) -> jax.Array:

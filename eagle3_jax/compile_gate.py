@@ -1,0 +1,239 @@
+"""The compile gate: every Pallas kernel the engine launches, compiled to GPU machine code.
+
+For each bundled full-size configuration (`tests/data`: Kimi-K2.5 int4 and MXFP4, DeepSeek-V3 FP8,
+MiniMax-M2.5 FP8, Llama-3.1-8B, each with its EAGLE-3 draft) on its documented meshes, in the
+formats its checkpoints come in plus bfloat16 (and W4A8 for int4), the engine's own programs are
+built from shapes alone (`plan.abstract_setup` / `plan.trace_programs`: the plain decode step,
+the speculative step of a chain (T = 4) and of trees (T = 16 and T = KERNEL_MAX_TOKENS = 64), and a
+prefill chunk, which runs the MoE kernels' prefill form) at batch 1 and 64 with an 8K cache, and
+lowered for each architecture of the launch table. Every Triton module they hold (attention in
+each form the target and the draft use; fused gate/up and down of the experts, per device under
+expert parallelism) is captured with the launch parameters the table gave it and compiled with the
+`triton` package (pallas_kernels/isa.py). Identical modules compile once.
+
+Float8 weights are e4m3fnuz on gfx942 (what the engine converts to there) and OCP e4m3fn
+elsewhere. Beside the configurations, `EXTRA` adds kernel forms no bundled config reaches (float8
+per-channel experts) at Kimi-K2.5's per-device expert shapes.
+
+`REPRESENTATIVE` is the subset the default test run compiles: each configuration at its largest
+launched shape (T = 64, batch 64) on its first mesh, in its own format, and the extras.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Callable, Iterator
+
+import jax
+import jax.numpy as jnp
+
+from . import attention, plan
+from .quant import QArray, QFormat
+from .sharding import make_mesh, mesh_context
+from .spec.tree import SpecConfig
+
+DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "data")
+KERNELS = "attention=pallas,moe=pallas"
+TOKENS = (1, 4, 16, attention.KERNEL_MAX_TOKENS)
+BATCHES = (1, 64)
+CONTEXT = 8192
+PREFILL_CHUNK = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class GateConfig:
+    """A bundled configuration and the meshes and weight formats it is served with."""
+
+    name: str
+    target: str  # file in tests/data
+    draft: str | None
+    meshes: tuple[tuple[int, int, int], ...]  # (data, tensor, expert)
+    quants: tuple[str | None, ...]  # plan.abstract_setup's quant: None = as the checkpoint, "dequantize", "w4a8"
+
+
+CONFIGS: tuple[GateConfig, ...] = (
+    GateConfig("kimi-k2.5-int4", "kimi-k2.5.config.json", "kimi-k2.5-eagle3.draft.json",
+               ((1, 1, 8), (1, 2, 4), (1, 8, 1)), (None, "w4a8", "dequantize")),
+    GateConfig("kimi-k2.5-int4-mla-draft", "kimi-k2.5.config.json", "kimi-k2.5-eagle3-mla.draft.json",
+               ((1, 1, 8),), (None,)),
+    GateConfig("kimi-k2.5-mxfp4", "kimi-k2.5-mxfp4.config.json", "kimi-k2.5-eagle3.draft.json",
+               ((1, 1, 4), (1, 2, 2), (1, 4, 1)), (None,)),
+    GateConfig("deepseek-v3-fp8", "deepseek-v3.config.json", "deepseek-v3-eagle3.draft.json",
+               ((1, 1, 8),), (None, "dequantize")),
+    GateConfig("minimax-m2.5-fp8", "minimax-m2.5.config.json", "minimax-m2.5-eagle3.draft.json",
+               ((1, 1, 4), (1, 2, 2), (1, 4, 1)), (None, "dequantize")),
+    GateConfig("llama-3.1-8b", "llama-3.1-8b-instruct.config.json", "llama3.1-8b-eagle3.draft.json",
+               ((1, 1, 1),), (None,)),
+)
+
+
+def spec_for(tokens: int) -> SpecConfig | None:
+    """The speculation shape that verifies `tokens` per row (1: plain decoding)."""
+    return {1: None, 4: SpecConfig(3, 1, 4), 16: SpecConfig(5, 4, 16),
+            attention.KERNEL_MAX_TOKENS: SpecConfig(6, 8, attention.KERNEL_MAX_TOKENS)}[tokens]
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One program of one configuration: what the gate lowers."""
+
+    config: GateConfig
+    mesh: tuple[int, int, int]
+    quant: str | None
+    batch: int
+    tokens: int  # new tokens per row; 0 = the prefill chunk program
+    program: str  # "decode", "spec_step" or "prefill"
+
+    @property
+    def label(self) -> str:
+        mesh = ",".join(map(str, self.mesh))
+        shape = f"prefill {PREFILL_CHUNK}" if self.program == "prefill" else f"T={self.tokens}"
+        return f"{self.config.name} [{mesh}] {self.quant or 'as stored'} B={self.batch} {shape}"
+
+
+def cases(configs=CONFIGS, tokens=TOKENS, batches=BATCHES) -> Iterator[Case]:
+    """The full sweep: every configuration x mesh x format x batch x tokens, plus a prefill chunk."""
+    for config in configs:
+        for mesh in config.meshes:
+            for quant in config.quants:
+                for batch in batches:
+                    for t in tokens:
+                        yield Case(config, mesh, quant, batch, t, "decode" if t == 1 else "spec_step")
+                    yield Case(config, mesh, quant, batch, 0, "prefill")
+
+
+def representative_cases(configs=CONFIGS) -> Iterator[Case]:
+    """Each configuration's largest launched shape (T = 64, batch 64) on its first mesh, as stored."""
+    for config in configs:
+        yield Case(config, config.meshes[0], None, max(BATCHES), max(TOKENS), "spec_step")
+
+
+def _fp8_format(arch: str) -> str:
+    return "e4m3fnuz" if arch == "gfx942" else "e4m3fn"
+
+
+def _mesh(shape: tuple[int, int, int]):
+    need = shape[0] * shape[1] * shape[2]
+    if len(jax.devices()) < need:
+        raise RuntimeError(f"mesh {shape} needs {need} devices; on a CPU host set "
+                           f"XLA_FLAGS=--xla_force_host_platform_device_count={need} before JAX starts")
+    return make_mesh(*shape, devices=jax.devices()[:need])
+
+
+def lower_case(case: Case, arch: str) -> Callable:
+    """A function that traces and lowers `case`'s program for `arch` (call it under isa's capture)."""
+    from pallas_kernels import launch
+
+    def run():
+        mesh = _mesh(case.mesh)
+        spec = spec_for(case.tokens) if case.program == "spec_step" else None
+        draft = os.path.join(DATA, case.config.draft) if case.config.draft and case.program != "decode" else None
+        with launch.for_arch(arch):
+            setup = plan.abstract_setup(os.path.join(DATA, case.config.target), draft, mesh, case.batch,
+                                        CONTEXT, spec, case.quant, kernels=KERNELS, fp8_format=_fp8_format(arch))
+            programs = {"decode": ("decode",), "spec_step": ("step",), "prefill": ("prefill",)}[case.program]
+            with mesh_context(mesh):
+                for traced in plan.trace_programs(setup, PREFILL_CHUNK, programs).values():
+                    traced.lower(lowering_platforms=(launch.ARCHS[arch].platform,))
+
+    return run
+
+
+# ---- kernel forms no bundled configuration reaches -------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Extra:
+    """A kernel called directly at given per-device shapes."""
+
+    name: str
+    build: Callable[[str], tuple[Callable, tuple]]  # arch -> (function, abstract args)
+
+    @property
+    def label(self) -> str:
+        return self.name
+
+
+def _fp8_channel_experts(fnuz: bool, swiglu: bool) -> Callable[[str], tuple[Callable, tuple]]:
+    """Float8 per-output-channel experts at Kimi-K2.5's expert-parallel shapes (48 local experts,
+    hidden 7168, intermediate 2048, batch 64 x T 64 x top-8 assignments)."""
+    from pallas_kernels.moe import grouped_matmul, grouped_swiglu
+
+    def build(arch: str):
+        sds = jax.ShapeDtypeStruct
+        experts, hidden, inter, rows = 48, 7168, 2048, 64 * 64 * 8
+        k, n = (hidden, inter) if swiglu else (inter, hidden)
+        fmt = QFormat("fp8_channel", (0, 1), "float32", fnuz=fnuz)
+
+        def weight():
+            return QArray(sds((experts, k, n), fmt.values_dtype), sds((experts, 1, n), jnp.float32), fmt)
+
+        x, groups = sds((rows, k), jnp.bfloat16), sds((experts,), jnp.int32)
+        if swiglu:
+            return (lambda x, wg, wu, g: grouped_swiglu(x, wg, wu, g)), (x, weight(), weight(), groups)
+        return (lambda x, w, g: grouped_matmul(x, w, g)), (x, weight(), groups)
+
+    return build
+
+
+EXTRA: tuple[Extra, ...] = tuple(
+    Extra(f"fp8_channel{'_fnuz' if fnuz else ''} experts {'gate/up' if swiglu else 'down'} (Kimi-K2.5 shapes)",
+          _fp8_channel_experts(fnuz, swiglu))
+    for fnuz in (False, True) for swiglu in (True, False))
+
+
+def lower_extra(extra: Extra, arch: str) -> Callable:
+    from pallas_kernels import launch
+
+    def run():
+        with launch.for_arch(arch):
+            fn, args = extra.build(arch)
+            jax.jit(lambda *a: fn(*a)).trace(*args).lower(lowering_platforms=(launch.ARCHS[arch].platform,))
+
+    return run
+
+
+# ---- the sweep ------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class GateRow:
+    """One distinct kernel compiled for one architecture, and every launch that shares its code."""
+
+    arch: str
+    module: "object"  # isa.TritonModule
+    report: "object"  # isa.CompileReport
+    problems: list[str]
+    launches: list[str]
+
+    def as_dict(self) -> dict:
+        return {"arch": self.arch, "kernel": self.module.name, "operands": list(self.module.operands),
+                "grid": list(self.module.grid), "key": self.module.key, **self.report.as_row(),
+                "problems": self.problems, "passes": not self.problems, "launches": self.launches}
+
+
+def run_gate(items, archs, progress: Callable[[str], None] = lambda _: None) -> list[GateRow]:
+    """Lower every case / extra in `items` for every architecture in `archs`, compile each distinct
+    Triton module once per architecture, and return one row per (architecture, module)."""
+    from pallas_kernels import isa
+
+    rows: list[GateRow] = []
+    for arch in archs:
+        by_key: dict[str, GateRow] = {}
+        for item in items:
+            modules: list = []
+            lower = lower_case(item, arch) if isinstance(item, Case) else lower_extra(item, arch)
+            with isa.capturing(modules):
+                lower()
+            for module in modules:
+                row = by_key.get(module.key)
+                if row is None:
+                    report = isa.compile_kernel(module, arch)
+                    row = by_key[module.key] = GateRow(arch, module, report, isa.check(report), [])
+                    progress(f"{arch} {module.name} {module.operands[3] if len(module.operands) > 3 else ''}: "
+                             + ("ok" if not row.problems else "; ".join(row.problems)))
+                if item.label not in row.launches:
+                    row.launches.append(item.label)
+        rows.extend(by_key.values())
+    return rows

@@ -1,0 +1,171 @@
+"""Launch parameters of every kernel, per GPU architecture: the one table the runtime and the
+compile gate (`isa.py`, scripts/compile_gate.py) both read.
+
+A kernel asks `launch(form)` at trace time. The architecture is, in order: the one named by an
+enclosing `for_arch(name)` (deviceless lowering for a GPU this host does not have, and the compile
+gate), else the first local GPU's (`gfx942` from ROCm's gfx name, `sm_90` from CUDA's compute
+capability 9.0), else "default" (a CPU host, where the kernels run interpreted). A GPU the table
+does not know gets the default entry and one log line saying so.
+
+Why the numbers differ by architecture (each entry compiled by scripts/compile_gate.py with 0
+spills and fitting shared memory at every shape the engine launches):
+- MI300X / MI325X (gfx942) have 64 KB of LDS per workgroup and 512 VGPRs per lane split into 256
+  arch VGPRs and AGPRs: past 256 the compiler copies into AGPRs (a spill in all but name) and the
+  SIMD runs one wave. MI355X (gfx950) has 160 KB of LDS and the same register file.
+- H100 / H200 (sm_90) have 255 registers per thread and 227 KB of shared memory per block.
+- Attention keeps a float32 [block_rows, Dv] accumulator and the [block_rows, D] query in
+  registers for the whole walk over the pages; MLA's Dv = 512 latent is what bounds its rows.
+  Block rows are set for 2-byte operands and values of 512 (MLA) / 128 (GQA) lanes; wider values
+  or float32 operands get proportionally fewer rows (pallas_kernels/attention.py). Measured
+  (scripts/compile_gate.py, triton 3.9.0): MLA at 64 rows spills or lands in AGPRs on every
+  architecture at 4 warps; at 32 rows gfx950 needs one stage (two put 98 values in AGPRs).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import functools
+import logging
+
+import jax
+
+log = logging.getLogger("eagle3_jax")
+
+
+@dataclasses.dataclass(frozen=True)
+class Arch:
+    """A GPU architecture the kernels are tuned and compiled for."""
+
+    name: str  # "gfx942", "sm_90", ...
+    vendor: str  # "amd" or "nvidia"
+    platform: str  # JAX lowering platform: "rocm" or "cuda"
+    shared_bytes: int  # LDS / shared memory one workgroup may use
+    warp_size: int
+    max_registers: int  # per lane before spilling (AMD: arch VGPRs; NVIDIA: registers per thread)
+    devices: str  # what it is
+
+
+ARCHS: dict[str, Arch] = {a.name: a for a in (
+    Arch("gfx942", "amd", "rocm", 64 * 1024, 64, 256, "MI300X / MI325X"),
+    Arch("gfx950", "amd", "rocm", 160 * 1024, 64, 256, "MI355X"),
+    Arch("sm_90", "nvidia", "cuda", 227 * 1024, 32, 255, "H100 / H200"),
+    Arch("sm_100", "nvidia", "cuda", 227 * 1024, 32, 255, "B200"),
+)}
+DEFAULT = "default"
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionLaunch:
+    """Paged prefix attention: query rows per program (power of two >= 16) and Triton's knobs."""
+
+    block_rows: int
+    num_warps: int
+    num_stages: int
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeLaunch:
+    """Grouped matmul: a row tile (power of two >= 16), the largest column tile and K step tried
+    (a smaller one is taken where a weight's shape or scale blocks need it), Triton's knobs."""
+
+    block_m: int
+    max_block_n: int
+    max_block_k: int
+    num_warps: int
+    num_stages: int
+
+
+Launch = AttentionLaunch | MoeLaunch
+FORMS = ("mla_attention", "gqa_attention", "moe")
+
+# (form, architecture) -> launch. "default" is the entry for CPU hosts and unknown GPUs: the most
+# conservative one (it compiles without spills on every architecture above).
+TABLE: dict[tuple[str, str], Launch] = {
+    ("mla_attention", DEFAULT): AttentionLaunch(block_rows=16, num_warps=4, num_stages=2),
+    ("mla_attention", "gfx942"): AttentionLaunch(block_rows=32, num_warps=8, num_stages=2),
+    ("mla_attention", "gfx950"): AttentionLaunch(block_rows=32, num_warps=8, num_stages=1),
+    ("mla_attention", "sm_90"): AttentionLaunch(block_rows=32, num_warps=8, num_stages=2),
+    ("mla_attention", "sm_100"): AttentionLaunch(block_rows=32, num_warps=8, num_stages=2),
+    ("gqa_attention", DEFAULT): AttentionLaunch(block_rows=32, num_warps=4, num_stages=2),
+    ("gqa_attention", "gfx942"): AttentionLaunch(block_rows=64, num_warps=4, num_stages=2),
+    ("gqa_attention", "gfx950"): AttentionLaunch(block_rows=64, num_warps=4, num_stages=2),
+    ("gqa_attention", "sm_90"): AttentionLaunch(block_rows=64, num_warps=4, num_stages=2),
+    ("gqa_attention", "sm_100"): AttentionLaunch(block_rows=64, num_warps=4, num_stages=2),
+    ("moe", DEFAULT): MoeLaunch(block_m=16, max_block_n=64, max_block_k=64, num_warps=4, num_stages=2),
+    ("moe", "gfx942"): MoeLaunch(block_m=16, max_block_n=64, max_block_k=64, num_warps=4, num_stages=2),
+    ("moe", "gfx950"): MoeLaunch(block_m=16, max_block_n=64, max_block_k=64, num_warps=4, num_stages=2),
+    ("moe", "sm_90"): MoeLaunch(block_m=16, max_block_n=64, max_block_k=64, num_warps=4, num_stages=2),
+    ("moe", "sm_100"): MoeLaunch(block_m=16, max_block_n=64, max_block_k=64, num_warps=4, num_stages=2),
+}
+
+_override: contextvars.ContextVar[str | None] = contextvars.ContextVar("eagle3_kernel_arch", default=None)
+
+
+@contextlib.contextmanager
+def for_arch(name: str):
+    """Trace kernels for architecture `name` (a key of ARCHS) whatever this host has.
+
+    JAX's tracing and lowering caches key on functions and arguments, not on the architecture the
+    launch table was read for, so they are cleared on entering and leaving a different one (a
+    program traced for gfx942 must not be reused for sm_90, nor an interpreted one for either)."""
+    if name not in ARCHS:
+        raise ValueError(f"unknown GPU architecture {name!r}; known: {', '.join(ARCHS)}")
+    switching = _override.get() != name
+    if switching:
+        jax.clear_caches()
+    token = _override.set(name)
+    try:
+        yield ARCHS[name]
+    finally:
+        _override.reset(token)
+        if switching:
+            jax.clear_caches()
+
+
+def is_overridden() -> bool:
+    """Whether an enclosing `for_arch` names the architecture traced for."""
+    return _override.get() is not None
+
+
+def arch_of_device(device) -> str:
+    """The table's name for a JAX GPU device: ROCm's gfx name ("gfx942:sramecc+:xnack-" ->
+    "gfx942"), CUDA's compute capability ("9.0" -> "sm_90"); the raw name when it is neither."""
+    capability = str(getattr(device, "compute_capability", "") or "")
+    if capability.startswith("gfx"):
+        return capability.split(":")[0]
+    major, _, minor = capability.partition(".")
+    return f"sm_{major}{minor or '0'}" if major.isdigit() else capability
+
+
+@functools.lru_cache(maxsize=None)
+def _local_gpu_arch() -> str:
+    try:
+        device = jax.local_devices(backend="gpu")[0]
+    except RuntimeError:
+        return DEFAULT
+    name = arch_of_device(device)
+    if name not in ARCHS:
+        log.warning("Pallas kernels: GPU architecture %r has no tuned launch parameters; using the "
+                    "conservative defaults (known: %s)", name, ", ".join(ARCHS))
+        return DEFAULT
+    return name
+
+
+def current_arch() -> str:
+    """The architecture kernels are traced for now (see the module docstring)."""
+    override = _override.get()
+    if override is not None:
+        return override
+    if jax.default_backend() == "cpu":
+        return DEFAULT
+    return _local_gpu_arch()
+
+
+def launch(form: str, arch: str | None = None) -> Launch:
+    """The launch parameters of kernel `form` (one of FORMS) on `arch` (default: current_arch())."""
+    if form not in FORMS:
+        raise ValueError(f"unknown kernel form {form!r}; known: {', '.join(FORMS)}")
+    arch = current_arch() if arch is None else arch
+    return TABLE.get((form, arch), TABLE[(form, DEFAULT)])
