@@ -15,8 +15,8 @@ Float8 weights are e4m3fnuz on gfx942 (what the engine converts to there) and OC
 elsewhere. Beside the configurations, `EXTRA` adds kernel forms no bundled config reaches (float8
 per-channel experts) at Kimi-K2.5's per-device expert shapes.
 
-`REPRESENTATIVE` is the subset the default test run compiles: each configuration at its largest
-launched shape (T = 64, batch 64) on its first mesh, in its own format, and the extras.
+`representative_cases` is the subset the default test run compiles: each configuration at its
+largest launched shape (T = 64, batch 64) on its first mesh, in each of its formats; and the extras.
 """
 
 from __future__ import annotations
@@ -104,9 +104,11 @@ def cases(configs=CONFIGS, tokens=TOKENS, batches=BATCHES) -> Iterator[Case]:
 
 
 def representative_cases(configs=CONFIGS) -> Iterator[Case]:
-    """Each configuration's largest launched shape (T = 64, batch 64) on its first mesh, as stored."""
+    """Each configuration's largest launched shape (T = 64, batch 64) on its first mesh, in each of
+    its weight formats."""
     for config in configs:
-        yield Case(config, config.meshes[0], None, max(BATCHES), max(TOKENS), "spec_step")
+        for quant in config.quants:
+            yield Case(config, config.meshes[0], quant, max(BATCHES), max(TOKENS), "spec_step")
 
 
 def _fp8_format(arch: str) -> str:

@@ -19,6 +19,9 @@ spills and fitting shared memory at every shape the engine launches):
   or float32 operands get proportionally fewer rows (pallas_kernels/attention.py). Measured
   (scripts/compile_gate.py, triton 3.9.0): MLA at 64 rows spills or lands in AGPRs on every
   architecture at 4 warps; at 32 rows gfx950 needs one stage (two put 98 values in AGPRs).
+- MoE on sm_90 runs 8 warps and three stages: at 4 warps ptxas gives the bfloat16 down
+  projection an 8-byte stack frame (spill stores and loads) at 40-48 registers, at two stages for
+  DeepSeek-V3's shapes and at three for MiniMax-M2.5's.
 """
 
 from __future__ import annotations
@@ -96,8 +99,8 @@ TABLE: dict[tuple[str, str], Launch] = {
     ("moe", DEFAULT): MoeLaunch(block_m=16, max_block_n=64, max_block_k=64, num_warps=4, num_stages=2),
     ("moe", "gfx942"): MoeLaunch(block_m=16, max_block_n=64, max_block_k=64, num_warps=4, num_stages=2),
     ("moe", "gfx950"): MoeLaunch(block_m=16, max_block_n=64, max_block_k=64, num_warps=4, num_stages=2),
-    ("moe", "sm_90"): MoeLaunch(block_m=16, max_block_n=64, max_block_k=64, num_warps=4, num_stages=2),
-    ("moe", "sm_100"): MoeLaunch(block_m=16, max_block_n=64, max_block_k=64, num_warps=4, num_stages=2),
+    ("moe", "sm_90"): MoeLaunch(block_m=16, max_block_n=64, max_block_k=64, num_warps=8, num_stages=3),
+    ("moe", "sm_100"): MoeLaunch(block_m=16, max_block_n=64, max_block_k=64, num_warps=8, num_stages=3),
 }
 
 _override: contextvars.ContextVar[str | None] = contextvars.ContextVar("eagle3_kernel_arch", default=None)

@@ -1,0 +1,120 @@
+"""The compile gate: Pallas kernels compiled to AMDGCN (gfx942, gfx950) and PTX + cubin (sm_90) with
+the `triton` package on this CPU host, at the shapes the engine launches; and the launch table.
+
+The representative subset runs here (each configuration's largest launched shape, in each of its
+weight formats, plus the float8 per-channel extras); `scripts/compile_gate.py --scope=full` is the
+whole sweep (its table is in benchmarks/)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+pytest.importorskip("triton")
+
+from eagle3_jax import compile_gate as gate  # noqa: E402
+from pallas_kernels import isa, launch  # noqa: E402
+from pallas_kernels.attention import paged_prefix_attention  # noqa: E402
+from pallas_kernels.launch import AttentionLaunch  # noqa: E402
+
+ARCHS = ("gfx942", "gfx950", "sm_90")
+needs_8_devices = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs XLA_FLAGS=--xla_force_host_platform_device_count=8")
+
+
+def kimi_mla(nh: int, t: int, launch_params: AttentionLaunch | None = None):
+    """Kimi-K2.5's absorbed MLA prefix attention (latent 512 + rope 64, pages of 16, 8K context)."""
+    sds = jax.ShapeDtypeStruct
+    batch, pages = 4, 512
+    args = (sds((batch, 1, nh * t, 512), jnp.bfloat16), sds((batch, 1, nh * t, 64), jnp.bfloat16),
+            sds((2, batch * pages, 16, 1, 512), jnp.bfloat16), sds((2, batch * pages, 16, 1, 64), jnp.bfloat16),
+            sds((batch, pages), jnp.int32), sds((batch,), jnp.int32))
+
+    def attend(q, q2, lat, rope, table, lengths):
+        return paged_prefix_attention(q, lat, None, 1, table, lengths, scale=0.1, q2=q2, k2_pool=rope,
+                                      launch=launch_params)
+
+    return attend, args
+
+
+@needs_8_devices
+def test_every_kernel_form_compiles_without_spills_on_every_architecture():
+    items = list(gate.representative_cases()) + list(gate.EXTRA)
+    rows = gate.run_gate(items, ARCHS)
+    failed = [f"{r.arch} {r.module.name} {r.module.operands[3]}: {r.problems} ({r.launches[0]})" for r in rows if r.problems]
+    assert not failed, "\n".join(failed)
+    names = {r.module.name for r in rows}
+    for form in ("paged_prefix_attention_mla", "paged_prefix_attention_gqa", "grouped_swiglu_int4",
+                 "grouped_matmul_int4", "grouped_swiglu_w4a8", "grouped_swiglu_mxfp4", "grouped_swiglu_float",
+                 "grouped_matmul_fp8_block", "grouped_swiglu_fp8_block_fnuz", "grouped_matmul_fp8_channel",
+                 "grouped_matmul_fp8_channel_fnuz"):
+        assert any(form in n for n in names), form
+    for r in rows:  # what the gate read is there: registers, shared memory, occupancy, matrix instructions
+        assert r.report.registers and r.report.shared_bytes is not None and r.report.occupancy
+        assert r.report.matrix_instructions, (r.arch, r.module.name)
+    # each architecture's kernels carry that architecture's launch parameters
+    mla = {r.arch: r.report for r in rows if r.module.name.endswith("attention_mla")}
+    for arch, report in mla.items():
+        entry = launch.launch("mla_attention", arch)
+        assert (report.num_warps, report.num_stages) == (entry.num_warps, entry.num_stages)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_gate_fails_a_kernel_that_spills(arch):
+    """Kimi-K2.5's MLA with all 64 heads x 4 verify tokens in one program, as the kernel was laid out
+    before rows were tiled: past the register file on every architecture."""
+    fn, args = kimi_mla(64, 4, AttentionLaunch(block_rows=256, num_warps=4, num_stages=2))
+    [module] = isa.capture(fn, *args, arch=arch)
+    report = isa.compile_kernel(module, arch)
+    problems = isa.check(report)
+    assert problems and any("spill" in p or "AGPR" in p for p in problems), report
+    # the tiled kernel at the same shape passes
+    fn, args = kimi_mla(64, 4)
+    [module] = isa.capture(fn, *args, arch=arch)
+    assert isa.check(isa.compile_kernel(module, arch)) == []
+
+
+def test_compile_errors_and_oversized_shared_memory_fail_the_gate():
+    broken = isa.TritonModule("broken", "module { tt.func @broken() { tt.bogus } }", 4, 2)
+    report = isa.compile_kernel(broken, "gfx950")
+    assert report.error and isa.check(report)[0].startswith("does not compile")
+    fn, args = kimi_mla(64, 1)
+    [module] = isa.capture(fn, *args, arch="gfx942")
+    report = isa.compile_kernel(module, "gfx942")
+    assert isa.check(report) == []
+    too_big = dataclasses.replace(report, shared_bytes=launch.ARCHS["gfx942"].shared_bytes + 1)
+    assert any("shared memory" in p for p in isa.check(too_big))
+
+
+def test_launch_table_covers_every_form_and_architecture():
+    for form in launch.FORMS:
+        for arch in (*launch.ARCHS, launch.DEFAULT):
+            assert (form, arch) in launch.TABLE, (form, arch)
+    with pytest.raises(ValueError, match="unknown GPU architecture"):
+        with launch.for_arch("gfx9000"):
+            pass
+    with launch.for_arch("gfx950"):
+        assert launch.current_arch() == "gfx950"
+        assert launch.launch("mla_attention") == launch.TABLE[("mla_attention", "gfx950")]
+    assert launch.current_arch() == launch.DEFAULT  # a CPU host
+
+
+def test_architecture_read_from_the_device(monkeypatch, caplog):
+    class Device:
+        def __init__(self, capability):
+            self.compute_capability = capability
+
+    assert launch.arch_of_device(Device("gfx942:sramecc+:xnack-")) == "gfx942"
+    assert launch.arch_of_device(Device("9.0")) == "sm_90"
+    assert launch.arch_of_device(Device("10.0")) == "sm_100"
+    monkeypatch.setattr(jax, "local_devices", lambda backend=None: [Device("gfx1100")])
+    launch._local_gpu_arch.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="eagle3_jax"):
+            assert launch._local_gpu_arch() == launch.DEFAULT
+        assert "gfx1100" in caplog.text and "conservative defaults" in caplog.text
+    finally:
+        launch._local_gpu_arch.cache_clear()
