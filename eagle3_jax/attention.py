@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from . import kernels, kv_cache
 from .config import ModelConfig
 from .layers import apply_rotary, rms_norm, rotary_cos_sin
-from .quant import dequantize, linear
+from .quant import PRECISION, dequantize, linear
 
 _NEG = -1e30  # finite "minus infinity": every query sees at least itself, so no row is empty
 
@@ -64,7 +64,7 @@ def _tree_partial(scores: jax.Array, tree_mask: jax.Array, values: jax.Array, sp
     scores = jnp.where(visible, scores, -jnp.inf)
     lse = jax.nn.logsumexp(scores, axis=-1)  # finite: every node sees itself
     probs = jnp.exp(scores - lse[..., None])
-    return jnp.einsum(spec, probs.astype(values.dtype), values, preferred_element_type=jnp.float32), lse
+    return jnp.einsum(spec, probs.astype(values.dtype), values, preferred_element_type=jnp.float32, precision=PRECISION), lse
 
 
 def _prefix_partial(cache: kv_cache.KVCache, layer, q, q2, scale: float, value_pool: bool):
@@ -88,7 +88,7 @@ def _gqa_kernel_attention(cfg: ModelConfig, q, k, v, cache, layer, tree_mask) ->
     qg = q.reshape(b, t, nkv, g, d).transpose(0, 2, 3, 1, 4)  # [B, kv, g, T, d]
     out_a, lse_a = _prefix_partial(cache, layer, qg.reshape(b, nkv, g * t, d).astype(cache.k.dtype), None, scale, True)
     kn, vn = k.astype(cache.k.dtype), v.astype(cache.v.dtype)
-    scores = jnp.einsum("bkgtd,bjkd->bkgtj", qg, kn, preferred_element_type=jnp.float32) * scale
+    scores = jnp.einsum("bkgtd,bjkd->bkgtj", qg, kn, preferred_element_type=jnp.float32, precision=PRECISION) * scale
     out_b, lse_b = _tree_partial(scores.reshape(b, nkv * g, t, kn.shape[1]), tree_mask,
                                  jnp.repeat(vn, g, axis=2), "bhtj,bjhd->bhtd")
     out = merge_partials(out_a.reshape(b, nkv * g, t, d), lse_a.reshape(b, nkv * g, t), out_b, lse_b)
@@ -122,9 +122,9 @@ def gqa_block(p: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Array, cac
     keys, values = kv_cache.read(cache, layer)  # [B, S, nkv, d]
 
     qg = q.reshape(b, t, nkv, nh // nkv, d)
-    scores = jnp.einsum("btkgd,bskd->bkgts", qg, keys, preferred_element_type=jnp.float32)
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg, keys, preferred_element_type=jnp.float32, precision=PRECISION)
     probs = _masked_softmax(scores * (d ** -0.5), mask)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(values.dtype), values)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(values.dtype), values, precision=PRECISION)
     return linear(out.reshape(b, t, nh * d), p["o_proj"]), cache
 
 
@@ -143,8 +143,9 @@ def _mla_kernel_attention(cfg: ModelConfig, q_lat, q_pe, c_kv, k_pe, cache, laye
     rows = lambda a: a.transpose(0, 2, 1, 3).reshape(b, 1, nh * t, a.shape[-1]).astype(dt)  # noqa: E731
     out_a, lse_a = _prefix_partial(cache, layer, rows(q_lat), rows(q_pe), cfg.softmax_scale, False)
     lat_new, rope_new = c_kv.astype(dt), k_pe.astype(cache.v.dtype)
-    scores = (jnp.einsum("bthr,bjr->bhtj", q_lat.astype(dt), lat_new, preferred_element_type=jnp.float32)
-              + jnp.einsum("bthd,bjd->bhtj", q_pe.astype(dt), rope_new, preferred_element_type=jnp.float32))
+    f32 = dict(preferred_element_type=jnp.float32, precision=PRECISION)
+    scores = (jnp.einsum("bthr,bjr->bhtj", q_lat.astype(dt), lat_new, **f32)
+              + jnp.einsum("bthd,bjd->bhtj", q_pe.astype(dt), rope_new, **f32))
     out_b, lse_b = _tree_partial(scores * cfg.softmax_scale, tree_mask, lat_new, "bhtj,bjr->bhtr")
     out = merge_partials(out_a.reshape(b, nh, t, r), lse_a.reshape(b, nh, t), out_b, lse_b)
     return out.transpose(0, 2, 1, 3).astype(q_lat.dtype)
@@ -188,7 +189,7 @@ def mla_block(p: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Array, cac
     q_nope, q_pe, c_kv, k_pe = mla_project(p, cfg, x, positions)
     w_uk, w_uv = mla_up_projections(p, cfg, x.dtype)  # [r, nh, dn], [r, nh, dv]
     if absorb and _uses_kernel(cfg, t, tree_mask):
-        q_lat = jnp.einsum("bthd,rhd->bthr", q_nope, w_uk)
+        q_lat = jnp.einsum("bthd,rhd->bthr", q_nope, w_uk, precision=PRECISION)
         if prefix_lengths is None:  # the window is the new tokens: use them as computed
             out_lat = _mla_kernel_attention(cfg, q_lat, q_pe, c_kv, k_pe, cache, layer, tree_mask)
             cache = kv_cache.write(cache, layer, c_kv, k_pe)
@@ -198,22 +199,22 @@ def mla_block(p: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Array, cac
             lat_w, pe_w = kv_cache.read_slots(cache, layer, window)
             out_lat = _mla_kernel_attention(cfg, q_lat, q_pe, lat_w, pe_w, cache.replace(lengths=prefix_lengths), layer,
                                             tree_mask)
-        out = jnp.einsum("bthr,rhd->bthd", out_lat, w_uv)
+        out = jnp.einsum("bthr,rhd->bthd", out_lat, w_uv, precision=PRECISION)
         return linear(out.reshape(b, t, nh * dv), p["o_proj"]), cache
 
     cache = kv_cache.write(cache, layer, c_kv, k_pe)
     latents, rope_keys = kv_cache.read(cache, layer)  # [B, S, r], [B, S, dr]
-    rope_scores = jnp.einsum("bthd,bsd->bhts", q_pe, rope_keys, preferred_element_type=jnp.float32)
+    rope_scores = jnp.einsum("bthd,bsd->bhts", q_pe, rope_keys, preferred_element_type=jnp.float32, precision=PRECISION)
     if absorb:
-        q_lat = jnp.einsum("bthd,rhd->bthr", q_nope, w_uk)
-        nope_scores = jnp.einsum("bthr,bsr->bhts", q_lat, latents, preferred_element_type=jnp.float32)
+        q_lat = jnp.einsum("bthd,rhd->bthr", q_nope, w_uk, precision=PRECISION)
+        nope_scores = jnp.einsum("bthr,bsr->bhts", q_lat, latents, preferred_element_type=jnp.float32, precision=PRECISION)
         probs = _masked_softmax((nope_scores + rope_scores) * cfg.softmax_scale, mask)
-        out_lat = jnp.einsum("bhts,bsr->bthr", probs.astype(latents.dtype), latents)
-        out = jnp.einsum("bthr,rhd->bthd", out_lat, w_uv)
+        out_lat = jnp.einsum("bhts,bsr->bthr", probs.astype(latents.dtype), latents, precision=PRECISION)
+        out = jnp.einsum("bthr,rhd->bthd", out_lat, w_uv, precision=PRECISION)
     else:
-        k_nope = jnp.einsum("bsr,rhd->bshd", latents, w_uk)
-        values = jnp.einsum("bsr,rhd->bshd", latents, w_uv)
-        nope_scores = jnp.einsum("bthd,bshd->bhts", q_nope, k_nope, preferred_element_type=jnp.float32)
+        k_nope = jnp.einsum("bsr,rhd->bshd", latents, w_uk, precision=PRECISION)
+        values = jnp.einsum("bsr,rhd->bshd", latents, w_uv, precision=PRECISION)
+        nope_scores = jnp.einsum("bthd,bshd->bhts", q_nope, k_nope, preferred_element_type=jnp.float32, precision=PRECISION)
         probs = _masked_softmax((nope_scores + rope_scores) * cfg.softmax_scale, mask)
-        out = jnp.einsum("bhts,bshd->bthd", probs.astype(values.dtype), values)
+        out = jnp.einsum("bhts,bshd->bthd", probs.astype(values.dtype), values, precision=PRECISION)
     return linear(out.reshape(b, t, nh * dv), p["o_proj"]), cache

@@ -36,7 +36,7 @@ from .attention import gqa_block, mla_block
 from .config import ConfigError, ModelConfig, QuantConfig, _parse_quant, parse_model_config
 from .layers import rms_norm, swiglu
 from .params import ParamSpec, attention_specs
-from .quant import QArray, linear
+from .quant import PRECISION, QArray, linear
 from .target import ABSORB_MAX_TOKENS, Target, resolve_dtype, uses_fnuz
 
 LLAMA_ARCHITECTURES = ("LlamaForCausalLMEagle3",)
@@ -200,7 +200,7 @@ def draft_head(params: dict, cfg: DraftConfig, hidden: jax.Array) -> jax.Array:
 
 def project_features(params: dict, aux: jax.Array) -> jax.Array:
     """fc: concatenated target features [.., 3 * Ht] -> draft hidden [.., H]."""
-    return aux.astype(params["fc"].dtype) @ params["fc"]
+    return jnp.matmul(aux.astype(params["fc"].dtype), params["fc"], precision=PRECISION)
 
 
 def draft_to_target_ids(params: dict, draft_ids: jax.Array) -> jax.Array:

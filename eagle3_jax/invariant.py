@@ -42,7 +42,7 @@ from .attention import gqa_project, mla_project, mla_up_projections
 from .config import ModelConfig
 from .layers import rms_norm, swiglu
 from .moe import gathered_experts, route
-from .quant import linear
+from .quant import PRECISION, linear
 
 ROW_BLOCK = 8  # rows per fixed-shape block of row-local work, and queries per attention block
 KEY_CHUNK = 128  # logical positions per online-softmax chunk
@@ -107,14 +107,16 @@ def attend(queries: tuple[jax.Array, ...], keys: tuple[jax.Array, ...], values: 
             slots = jnp.clip(_logical_slots(pos, length, anc), 0, s - 1)
             visible = (pos[None, :] <= position[:, None]) & (pos[None, :] < s)
             rows = row[:, None]
-            scores = sum(jnp.einsum("ikgd,ickd->ikgc", q, k[rows, slots], preferred_element_type=jnp.float32)
+            scores = sum(jnp.einsum("ikgd,ickd->ikgc", q, k[rows, slots], preferred_element_type=jnp.float32,
+                                    precision=PRECISION)
                          for q, k in zip(q_parts, keys)) * scale
             scores = jnp.where(visible[:, None, None, :], scores, _NEG)
             m_new = jnp.maximum(m_run, scores.max(-1))
             alpha = jnp.exp(m_run - m_new)
             p = jnp.exp(scores - m_new[..., None])
             v = values[rows, slots]
-            pv = jnp.einsum("ikgc,ickd->ikgd", p, v.astype(jnp.float32), preferred_element_type=jnp.float32)
+            pv = jnp.einsum("ikgc,ickd->ikgd", p, v.astype(jnp.float32), preferred_element_type=jnp.float32,
+                            precision=PRECISION)
             return (m_new, l_run * alpha + p.sum(-1), acc * alpha[..., None] + pv), None
 
         init = (jnp.full((bm, kh, g), _NEG, jnp.float32), jnp.zeros((bm, kh, g), jnp.float32),
@@ -141,7 +143,7 @@ def _mlp(p: dict, cfg: ModelConfig, kind: str, h: jax.Array) -> jax.Array:
     """MLP or routed experts (+ shared experts) of rows h [bm, H]."""
     if kind != "moe":
         return swiglu(h, p["gate_proj"], p["up_proj"], p["down_proj"])
-    logits = jnp.dot(h.astype(jnp.float32), p["router"], preferred_element_type=jnp.float32)
+    logits = jnp.dot(h.astype(jnp.float32), p["router"], preferred_element_type=jnp.float32, precision=PRECISION)
     weights, ids = route(logits, p.get("router_bias"), cfg)
     out = gathered_experts(h, weights, ids, p["experts_gate"], p["experts_up"], p["experts_down"]).astype(h.dtype)
     if "shared_gate" in p:
@@ -162,7 +164,7 @@ def layer(p: dict, cfg: ModelConfig, kind: str, x: jax.Array, positions: jax.Arr
         h = rms_norm(xr, p["attn_norm"], cfg.rms_norm_eps)[None]
         if cfg.attention == "mla":
             q_nope, q_pe, c_kv, k_pe = mla_project(p, cfg, h, pos[None])
-            q_lat = jnp.einsum("bthd,rhd->bthr", q_nope, w_uk)
+            q_lat = jnp.einsum("bthd,rhd->bthr", q_nope, w_uk, precision=PRECISION)
             return q_lat[0][:, None], q_pe[0][:, None], c_kv[0], k_pe[0]
         q, k, v = gqa_project(p, cfg, h, pos[None])
         g = cfg.num_heads // cfg.num_kv_heads
@@ -182,7 +184,7 @@ def layer(p: dict, cfg: ModelConfig, kind: str, x: jax.Array, positions: jax.Arr
 
     def finish(xr, attn):
         if cfg.attention == "mla":
-            attn = jnp.einsum("thr,rhd->thd", attn, w_uv)
+            attn = jnp.einsum("thr,rhd->thd", attn, w_uv, precision=PRECISION)
         xr = xr + linear(attn.reshape(xr.shape[0], -1), p["o_proj"])
         return xr + _mlp(p, cfg, kind, rms_norm(xr, p["mlp_norm"], cfg.rms_norm_eps))
 

@@ -34,7 +34,7 @@ from jax.sharding import PartitionSpec as P
 from . import kernels
 from .config import ModelConfig
 from .layers import swiglu
-from .quant import QArray, expert_matmul, ragged_linear, take
+from .quant import PRECISION, QArray, expert_matmul, ragged_linear, take
 
 EXPERT_AXES = {
     "experts_gate": ("experts", "embed", "expert_mlp"),
@@ -123,7 +123,7 @@ def gathered_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate, w
     xk = jnp.broadcast_to(x[:, None, :], ids.shape + x.shape[-1:])
     h = jax.nn.silu(expert_matmul(xk, take(w_gate, safe))) * expert_matmul(xk, take(w_up, safe))
     y = expert_matmul(h, take(w_down, safe)).astype(jnp.float32)
-    return jnp.einsum("nkh,nk->nh", y, jnp.where(local, weights, 0.0))
+    return jnp.einsum("nkh,nk->nh", y, jnp.where(local, weights, 0.0), precision=PRECISION)
 
 
 def gathers_experts(num_assignments: int, num_experts: int) -> bool:
@@ -204,7 +204,7 @@ def moe_block(p: dict, cfg: ModelConfig, x: jax.Array) -> jax.Array:
     """Routed experts (+ shared experts when the model has them) for x [B, T, H]."""
     shape = x.shape
     flat = x.reshape(-1, shape[-1])
-    logits = jnp.dot(flat.astype(jnp.float32), p["router"], preferred_element_type=jnp.float32)
+    logits = jnp.dot(flat.astype(jnp.float32), p["router"], preferred_element_type=jnp.float32, precision=PRECISION)
     weights, ids = route(logits, p.get("router_bias"), cfg)
     mesh = _expert_mesh()
     experts = (p["experts_gate"], p["experts_up"], p["experts_down"])

@@ -34,6 +34,12 @@ import ml_dtypes
 import numpy as np
 from flax import struct
 
+# The precision every matmul of the model states (here and in attention, moe, invariant, draft,
+# train): HIGHEST keeps float32 operands in IEEE float32 on GPUs, where a default-precision float32
+# dot runs as TF32 (sm_90) or xf32 (gfx942), so float32 reference runs are float32 there too.
+# bfloat16 and integer operands are unaffected, and XLA:CPU computes float32 dots in full anyway.
+PRECISION = jax.lax.Precision.HIGHEST
+
 FORMATS = ("int4", "mxfp4", "fp8_block", "fp8_channel")
 PACKED_FORMATS = ("int4", "mxfp4")
 ACTIVATIONS = ("float", "int8")
@@ -188,8 +194,8 @@ def _w4a8_matmul(x: jax.Array, w: QArray) -> jax.Array:
     k, n = w.shape
     lead = x.shape[:-1]
     xq, x_scale = quantize_rows_int8(x.reshape(-1, k), w.qformat.block[0])
-    acc = jnp.einsum("mgk,gkn->mgn", xq, _int4_groups(w), preferred_element_type=jnp.int32)  # exact per group
-    y = jnp.einsum("mgn,gn->mn", acc.astype(jnp.float32), decode_scales(w)) * x_scale
+    acc = jnp.einsum("mgk,gkn->mgn", xq, _int4_groups(w), preferred_element_type=jnp.int32, precision=PRECISION)  # exact per group
+    y = jnp.einsum("mgn,gn->mn", acc.astype(jnp.float32), decode_scales(w), precision=PRECISION) * x_scale
     return y.reshape(lead + (n,)).astype(x.dtype)
 
 
@@ -203,7 +209,7 @@ def _ragged_w4a8(xs: jax.Array, w: QArray, group_sizes: jax.Array) -> jax.Array:
 
     def one_group(y, parts):
         xg, wg, sg = parts  # [M, g], [E, g, N], [M, N]
-        acc = jax.lax.ragged_dot(xg, wg, group_sizes, preferred_element_type=jnp.int32)
+        acc = jax.lax.ragged_dot(xg, wg, group_sizes, preferred_element_type=jnp.int32, precision=PRECISION)
         return y + acc.astype(jnp.float32) * sg, None
 
     parts = (jnp.moveaxis(xq, 1, 0), jnp.moveaxis(_int4_groups(w), 1, 0), jnp.moveaxis(row_scales, 1, 0))
@@ -216,7 +222,7 @@ def ragged_linear(xs: jax.Array, w, group_sizes: jax.Array) -> jax.Array:
     rows past sum(group_sizes) give zeros."""
     if isinstance(w, QArray) and w.qformat.act == "int8":
         return _ragged_w4a8(xs, w, group_sizes)
-    return jax.lax.ragged_dot(xs, dequantize(w, xs.dtype), group_sizes)
+    return jax.lax.ragged_dot(xs, dequantize(w, xs.dtype), group_sizes, precision=PRECISION)
 
 
 def linear(x: jax.Array, w, out_dtype=None) -> jax.Array:
@@ -228,8 +234,8 @@ def linear(x: jax.Array, w, out_dtype=None) -> jax.Array:
             return y if out_dtype is None else y.astype(out_dtype)
         w = dequantize(w, x.dtype)
     if out_dtype is None:
-        return x @ w
-    return jnp.dot(x, w, preferred_element_type=out_dtype)
+        return jnp.matmul(x, w, precision=PRECISION)
+    return jnp.dot(x, w, preferred_element_type=out_dtype, precision=PRECISION)
 
 
 def take(w, ids: jax.Array):
@@ -242,4 +248,4 @@ def expert_matmul(x: jax.Array, w) -> jax.Array:
     """Per-assignment expert matmul: x [n, k, in] with gathered weights [n, k, in, out] -> [n, k, out]."""
     if isinstance(w, QArray) and w.qformat.act == "int8":
         return jax.vmap(jax.vmap(_w4a8_matmul))(x[:, :, None, :], w)[:, :, 0, :]
-    return jnp.einsum("nki,nkio->nko", x, dequantize(w, x.dtype))
+    return jnp.einsum("nki,nkio->nko", x, dequantize(w, x.dtype), precision=PRECISION)

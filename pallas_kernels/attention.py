@@ -134,7 +134,10 @@ def paged_prefix_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array | 
     q = jnp.pad(q, pad)
     has_rope = q2 is not None
     pages_per_split = pl.cdiv(block_table.shape[1], num_splits)
-    row_spec = lambda dim: pl.BlockSpec((None, None, block, dim), lambda i, j, s: (i, j // row_blocks, j % row_blocks, 0))  # noqa: E731
+
+    def row_spec(dim: int) -> pl.BlockSpec:  # axis 1 of the grid walks (head, row block) pairs
+        return pl.BlockSpec((None, None, block, dim), lambda i, j, s: (i, j // row_blocks, j % row_blocks, 0))
+
     whole = pl.no_block_spec
     inputs = [jnp.asarray(layer, jnp.int32).reshape(1), lengths.astype(jnp.int32), block_table.astype(jnp.int32), q, k_pool]
     in_specs = [whole, whole, whole, row_spec(d), whole]

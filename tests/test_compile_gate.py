@@ -118,3 +118,22 @@ def test_architecture_read_from_the_device(monkeypatch, caplog):
         assert "gfx1100" in caplog.text and "conservative defaults" in caplog.text
     finally:
         launch._local_gpu_arch.cache_clear()
+
+
+@pytest.mark.parametrize("arch", ["gfx942", "sm_90"])
+def test_float32_kernel_dots_stay_float32(arch):
+    """A float32 dot at default precision becomes TF32 (sm_90) / xf32 (gfx942) matrix instructions;
+    the kernels state HIGHEST, so their float32 runs compute in float32 on a GPU."""
+    from pallas_kernels.moe import grouped_matmul
+
+    sds = jax.ShapeDtypeStruct
+    attention_args = (sds((2, 2, 16, 32), jnp.float32), sds((1, 8, 16, 2, 32), jnp.float32),
+                      sds((1, 8, 16, 2, 32), jnp.float32), sds((2, 4), jnp.int32), sds((2,), jnp.int32))
+    moe_args = (sds((64, 128), jnp.float32), sds((4, 128, 64), jnp.float32), sds((4,), jnp.int32))
+    for fn, args in ((lambda q, k, v, t, n: paged_prefix_attention(q, k, v, 0, t, n, scale=0.1), attention_args),
+                     (grouped_matmul, moe_args)):
+        [module] = isa.capture(fn, *args, arch=arch)
+        assert "tf32" not in module.ttir and "tt.dot" in module.ttir
+        report = isa.compile_kernel(module, arch)
+        assert isa.check(report) == []
+        assert not any("tf32" in m or "xf32" in m for m in report.matrix_instructions), report.matrix_instructions

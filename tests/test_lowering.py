@@ -104,3 +104,17 @@ def test_lower_real(fname, platform):
     # A short prefill too (expanded MLA); batch 1, 16 tokens.
     lower_forward(cfg, batch=1, t=16, max_len=64, dtype=jnp.bfloat16, absorb=False, platform=platform)
     assert time.perf_counter() - t0 < 60
+
+
+@pytest.mark.parametrize("name", TINY)
+def test_every_model_dot_states_full_precision(name):
+    """On GPUs a default-precision float32 dot runs as TF32 / xf32: every dot of the model's
+    programs (prefill, decode; both MLA forms) states HIGHEST, so float32 runs are float32 there."""
+    pytest.importorskip("transformers")
+    cfg = tiny_cfg(name)
+    texts = [lower_forward(cfg, batch=2, t=t, max_len=64, dtype=jnp.float32, absorb=absorb, platform="cuda")
+             for t, absorb in ((16, False), (1, True), (1, False))]
+    dots = [line for text in texts for line in text.splitlines() if "dot_general" in line or "ragged_dot" in line]
+    assert dots
+    unstated = [line.strip()[:160] for line in dots if "HIGHEST" not in line]
+    assert not unstated, unstated[:5]

@@ -21,6 +21,7 @@ from ..attention import gqa_project, mla_project, mla_up_projections
 from ..config import ModelConfig
 from ..draft import DraftConfig, project_features
 from ..layers import rms_norm, swiglu
+from ..quant import PRECISION
 
 _NEG = -1e30
 
@@ -44,11 +45,11 @@ def _heads(p: dict, lc: ModelConfig, x: jax.Array, positions: jax.Array
         return q, k, v, lc.head_dim ** -0.5
     q_nope, q_pe, c_kv, k_pe = mla_project(p, lc, x, positions)
     w_uk, w_uv = mla_up_projections(p, lc, x.dtype)
-    k_nope = jnp.einsum("btr,rhd->bthd", c_kv, w_uk)
+    k_nope = jnp.einsum("btr,rhd->bthd", c_kv, w_uk, precision=PRECISION)
     k_rope = jnp.broadcast_to(k_pe[:, :, None, :], k_nope.shape[:3] + k_pe.shape[-1:])  # shared by all heads
     q = jnp.concatenate([q_nope, q_pe], axis=-1)
     k = jnp.concatenate([k_nope, k_rope], axis=-1)
-    return q, k, jnp.einsum("btr,rhd->bthd", c_kv, w_uv), lc.softmax_scale
+    return q, k, jnp.einsum("btr,rhd->bthd", c_kv, w_uv, precision=PRECISION), lc.softmax_scale
 
 
 def _ttt_attention(q, k0, v0, diag_k, diag_v, scale: float) -> jax.Array:
@@ -57,14 +58,15 @@ def _ttt_attention(q, k0, v0, diag_k, diag_v, scale: float) -> jax.Array:
     b, t, nh, d = q.shape
     nkv, dv = k0.shape[2], v0.shape[-1]
     qg = q.reshape(b, t, nkv, nh // nkv, d)
-    s0 = jnp.einsum("btkgd,bskd->bkgts", qg, k0, preferred_element_type=jnp.float32) * scale
+    s0 = jnp.einsum("btkgd,bskd->bkgts", qg, k0, preferred_element_type=jnp.float32, precision=PRECISION) * scale
     causal = jnp.tril(jnp.ones((t, t), bool))
     s0 = jnp.where(causal, s0, _NEG)
-    diag = [jnp.einsum("btkgd,btkd->bkgt", qg, kj, preferred_element_type=jnp.float32)[..., None] * scale for kj in diag_k]
+    diag = [jnp.einsum("btkgd,btkd->bkgt", qg, kj, preferred_element_type=jnp.float32, precision=PRECISION)[..., None]
+            * scale for kj in diag_k]
     probs = jax.nn.softmax(jnp.concatenate([s0] + diag, axis=-1), axis=-1)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs[..., :t].astype(v0.dtype), v0)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs[..., :t].astype(v0.dtype), v0, precision=PRECISION)
     for j, vj in enumerate(diag_v):
-        out = out + jnp.einsum("bkgt,btkd->btkgd", probs[..., t + j].astype(vj.dtype), vj)
+        out = out + jnp.einsum("bkgt,btkd->btkgd", probs[..., t + j].astype(vj.dtype), vj, precision=PRECISION)
     return out.reshape(b, t, nh * dv)
 
 
@@ -90,11 +92,11 @@ def ttt_unroll(params: dict, cfg: DraftConfig, aux: jax.Array, tokens: jax.Array
             cache_k[layer].append(k)
             cache_v[layer].append(v)
             attn = _ttt_attention(q, cache_k[layer][0], cache_v[layer][0], cache_k[layer][1:], cache_v[layer][1:], scale)
-            h = residual + attn @ p["o_proj"]
+            h = residual + jnp.matmul(attn, p["o_proj"], precision=PRECISION)
             residual = h + swiglu(rms_norm(h, p["mlp_norm"], lc.rms_norm_eps), p["gate_proj"], p["up_proj"], p["down_proj"])
         hidden = residual
         outs.append(jnp.dot(rms_norm(hidden, params["final_norm"], lc.rms_norm_eps), params["lm_head"],
-                            preferred_element_type=jnp.float32))
+                            preferred_element_type=jnp.float32, precision=PRECISION))
     return outs
 
 
