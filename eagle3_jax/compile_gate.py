@@ -135,7 +135,7 @@ def lower_case(case: Case, arch: str) -> Callable:
             setup = plan.abstract_setup(os.path.join(DATA, case.config.target), draft, mesh, case.batch,
                                         CONTEXT, spec, case.quant, kernels=KERNELS, fp8_format=_fp8_format(arch))
             programs = {"decode": ("decode",), "spec_step": ("step",), "prefill": ("prefill",)}[case.program]
-            with mesh_context(mesh):
+            with mesh_context(mesh), launch.abstract_gpu():
                 for traced in plan.trace_programs(setup, PREFILL_CHUNK, programs).values():
                     traced.lower(lowering_platforms=(launch.ARCHS[arch].platform,))
 
@@ -189,7 +189,7 @@ def lower_extra(extra: Extra, arch: str) -> Callable:
     from pallas_kernels import launch
 
     def run():
-        with launch.for_arch(arch):
+        with launch.deviceless(arch):
             fn, args = extra.build(arch)
             jax.jit(lambda *a: fn(*a)).trace(*args).lower(lowering_platforms=(launch.ARCHS[arch].platform,))
 

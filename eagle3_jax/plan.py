@@ -10,6 +10,7 @@ device's HBM would hold, and a roofline step time from the bytes one decode step
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -27,6 +28,7 @@ from .draft import DraftConfig, draft_specs, parse_draft_config
 from .params import ParamSpec, abstract_leaf, abstract_params, qformat_for
 from .quant import QArray
 from .sampling import SamplingArrays
+from .kernels import parse, splits_attention
 from .sharding import leaf_partition_spec, mesh_context, param_axes, param_shardings, partition_spec
 from .spec.propose import DraftRoot
 from .spec.tree import SpecConfig
@@ -68,6 +70,7 @@ class MemoryPlan:
     kv_bytes_per_token: int  # per device, one token of one sequence, target + draft
     step_read_bytes: int  # bytes one step reads on this device (roofline)
     programs: dict[str, dict[str, int]]  # memory_analysis of each compiled program
+    path: str = "xla"  # what was compiled: "xla", or "pallas kernels on <arch> (shape-only)"
 
     @property
     def total_bytes(self) -> int:
@@ -325,18 +328,43 @@ def trace_programs(setup: AbstractSetup, prefill_chunk: int = 256,
 
 def plan_memory(target, draft=None, mesh: Mesh | None = None, batch: int = 1, max_len: int = 2048,
                 spec: SpecConfig | None = None, quant: str | None = None, dtype="bfloat16",
-                prefill_chunk: int = 256, programs: Sequence[str] = ("step", "decode", "prefill")) -> MemoryPlan:
+                prefill_chunk: int = 256, programs: Sequence[str] = ("step", "decode", "prefill"),
+                kernels: str = "xla", arch: str | None = None) -> MemoryPlan:
     """Compile the programs for `target` (+ `draft`) on `mesh` from shapes alone and report per device.
 
     target / draft: an HF or converted folder, a bare config.json path, a config, or a loaded
     Target / Draft (only its config is used). quant: None (as the config says), "dequantize" or
     "w4a8". spec: the speculation shape (default chain 3/1/4 when a draft is given). The numbers
     come from the speculative step when a draft is given, else from the plain decode step.
+
+    kernels: "xla" plans the XLA path (its MoE dequantizes FP8 / int4 experts to bf16 before the
+    dot, so their temps count). "pallas" (or per op, as `load_target` takes it, resolved as on
+    the GPU: attention keeps XLA on a mesh that splits it) plans the program a GPU runs with the
+    Pallas kernels, for `arch` (a key of `pallas_kernels.launch.ARCHS`, e.g. "gfx942"; required,
+    since this host has no such GPU): each kernel stands in as an opaque op of its exact output
+    shapes (`launch.shape_only`), so the plan counts the kernels' outputs and no dequantized
+    weight copies. `MemoryPlan.path` says which path a plan is for.
     """
-    setup = abstract_setup(target, draft, mesh, batch, max_len, spec, quant, dtype)
+    from pallas_kernels import launch
+
+    choice = parse(kernels)
+    wants_kernels = "pallas" in choice.values() or "auto" in choice.values()
+    if wants_kernels and arch not in launch.ARCHS:
+        raise ValueError(f"planning the Pallas kernels needs the GPU they run on: arch={arch!r}; use one of "
+                         f"{', '.join(launch.ARCHS)}")
+    if wants_kernels:
+        kernels = ",".join(f"{op}={'pallas' if impl == 'auto' else impl}" for op, impl in choice.items())
+        if mesh is not None and splits_attention(mesh):
+            kernels = kernels.replace("attention=pallas", "attention=xla")
+    setup = abstract_setup(target, draft, mesh, batch, max_len, spec, quant, dtype,
+                           kernels=kernels if wants_kernels else None)
     cfg, dcfg, spec, mesh = setup.cfg, setup.dcfg, setup.spec, setup.mesh
     tparams, tcache, dparams, dcache = setup.tparams, setup.tcache, setup.dparams, setup.dcache
-    with mesh_context(mesh):
+    stand_ins = contextlib.ExitStack()
+    if wants_kernels:
+        stand_ins.enter_context(launch.for_arch(arch))
+        stand_ins.enter_context(launch.shape_only())
+    with stand_ins, mesh_context(mesh):
         traced = trace_programs(setup, prefill_chunk, programs)
         results = {name: _analysis(t.lower().compile()) for name, t in traced.items()}
 
@@ -355,4 +383,5 @@ def plan_memory(target, draft=None, mesh: Mesh | None = None, batch: int = 1, ma
         argument_bytes=main["argument_bytes"], temp_bytes=main["temp_bytes"], output_bytes=main["output_bytes"],
         alias_bytes=main["alias_bytes"], weight_bytes=weight_held, kv_bytes=kv, kv_bytes_per_token=kv_per_token,
         step_read_bytes=weight_read + kv, programs=results,
+        path=f"{kernels} on {arch} (kernels shape-only)" if wants_kernels else "xla",
     )

@@ -149,18 +149,19 @@ def paged_prefix_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array | 
         in_specs.append(whole)
     kernel = functools.partial(_kernel, page_size=page_size, pages_per_split=pages_per_split, row_blocks=row_blocks,
                                scale=scale, has_rope=has_rope, shared_value=v_pool is None)
-    out, lse = pl.pallas_call(
+    out_shape = [jax.ShapeDtypeStruct((b, h, num_splits, rows, dv), jnp.float32),
+                 jax.ShapeDtypeStruct((b, h, num_splits, rows), jnp.float32)]
+    out, lse = launch_table.call(pl.pallas_call(
         kernel,
         grid=(b, h * row_blocks, num_splits),
         in_specs=in_specs,
         out_specs=[pl.BlockSpec((None, None, None, block, dv), lambda i, j, s: (i, j // row_blocks, s, j % row_blocks, 0)),
                    pl.BlockSpec((None, None, None, block), lambda i, j, s: (i, j // row_blocks, s, j % row_blocks))],
-        out_shape=[jax.ShapeDtypeStruct((b, h, num_splits, rows, dv), jnp.float32),
-                   jax.ShapeDtypeStruct((b, h, num_splits, rows), jnp.float32)],
+        out_shape=out_shape,
         interpret=interpret,
         compiler_params=plt.CompilerParams(num_warps=launch.num_warps, num_stages=launch.num_stages),
         name=f"eagle3_paged_prefix_attention_{form.split('_')[0]}",  # _mla / _gqa: the form shows in profiles
-    )(*inputs)
+    ), out_shape, *inputs)
     out, lse = merge_splits(out, lse)
     return out[:, :, :m], lse[:, :, :m]
 

@@ -116,7 +116,7 @@ def capture(fn: Callable, *args, arch: str) -> list[TritonModule]:
     ShapeDtypeStructs), traced and lowered for `arch` (a key of launch.ARCHS) without its device."""
     target = launch_table.ARCHS[arch]
     modules: list[TritonModule] = []
-    with launch_table.for_arch(arch), capturing(modules):
+    with launch_table.deviceless(arch), capturing(modules):
         # a fresh wrapper per call: jit's caches key on the function, not on the architecture the
         # launch table was read for
         jax.jit(lambda *a: fn(*a)).trace(*args).lower(lowering_platforms=(target.platform,))

@@ -31,6 +31,7 @@ import contextvars
 import dataclasses
 import functools
 import logging
+import warnings
 
 import jax
 
@@ -48,15 +49,18 @@ class Arch:
     warp_size: int
     max_registers: int  # per lane before spilling (AMD: arch VGPRs; NVIDIA: registers per thread)
     devices: str  # what it is
+    device_kind: str  # JAX's device kind for it: what an AbstractDevice names in a deviceless lowering
 
 
 ARCHS: dict[str, Arch] = {a.name: a for a in (
-    Arch("gfx942", "amd", "rocm", 64 * 1024, 64, 256, "MI300X / MI325X"),
-    Arch("gfx950", "amd", "rocm", 160 * 1024, 64, 256, "MI355X"),
-    Arch("sm_90", "nvidia", "cuda", 227 * 1024, 32, 255, "H100 / H200"),
-    Arch("sm_100", "nvidia", "cuda", 227 * 1024, 32, 255, "B200"),
+    Arch("gfx942", "amd", "rocm", 64 * 1024, 64, 256, "MI300X / MI325X", "gfx942"),
+    Arch("gfx950", "amd", "rocm", 160 * 1024, 64, 256, "MI355X", "gfx950"),
+    Arch("sm_90", "nvidia", "cuda", 227 * 1024, 32, 255, "H100 / H200", "NVIDIA H100"),
+    Arch("sm_100", "nvidia", "cuda", 227 * 1024, 32, 255, "B200", "NVIDIA B200"),
 )}
 DEFAULT = "default"
+# The architecture a deviceless lowering for a JAX platform assumes when none is named.
+PLATFORM_ARCH = {"rocm": "gfx942", "cuda": "sm_90"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,6 +131,56 @@ def for_arch(name: str):
             jax.clear_caches()
 
 
+@contextlib.contextmanager
+def abstract_gpu(name: str | None = None):
+    """Lower for GPU architecture `name` (default: the one an enclosing `for_arch` names) on a host
+    without it. JAX >= 0.12's Triton lowering asks the abstract mesh which GPU it lowers for (an
+    `AbstractDevice`); this sets one on the current abstract mesh, so enter it inside any
+    `jax.set_mesh` (older JAX reads nothing from it). A no-op when no architecture is named."""
+    name = _override.get() if name is None else name
+    if name is None:
+        yield
+        return
+    device = jax.sharding.AbstractDevice(device_kind=ARCHS[name].device_kind, num_cores=None, platform="gpu")
+    with jax.sharding.use_abstract_mesh(jax.sharding.get_abstract_mesh().update(abstract_device=device)):
+        yield
+
+
+@contextlib.contextmanager
+def deviceless(name: str):
+    """`for_arch(name)` and `abstract_gpu()` together: trace and lower kernels for `name` here
+    (programs that set their own mesh enter `abstract_gpu()` inside it)."""
+    with for_arch(name) as arch, abstract_gpu(name):
+        yield arch
+
+
+_shape_only: contextvars.ContextVar[bool] = contextvars.ContextVar("eagle3_kernel_shape_only", default=False)
+
+
+@contextlib.contextmanager
+def shape_only():
+    """Within: kernels stand in as opaque ops of their exact output shapes (`call`). What the
+    memory planner compiles to plan a GPU program on a host without the GPU: XLA's memory
+    analysis then counts each kernel's outputs and keeps its inputs (packed weights, pools) alive
+    to that point, and counts nothing a kernel does not allocate (no dequantized weight copies:
+    the kernels dequantize in registers and use no global workspace)."""
+    token = _shape_only.set(True)
+    try:
+        yield
+    finally:
+        _shape_only.reset(token)
+
+
+def call(kernel, out_shape, *inputs):
+    """`kernel(*inputs)` (a pallas_call), or under `shape_only()` an optimization barrier that
+    takes the inputs and gives buffers of `out_shape` (a ShapeDtypeStruct or a list of them)."""
+    if not _shape_only.get():
+        return kernel(*inputs)
+    outputs = jax.tree.map(lambda s: jax.numpy.zeros(s.shape, s.dtype), out_shape)
+    outputs, _ = jax.lax.optimization_barrier((outputs, list(inputs)))
+    return outputs
+
+
 def is_overridden() -> bool:
     """Whether an enclosing `for_arch` names the architecture traced for."""
     return _override.get() is not None
@@ -166,8 +220,20 @@ def current_arch() -> str:
     return _local_gpu_arch()
 
 
+TRITON_DEPRECATION = "The Pallas Triton backend is deprecated"
+
+
+@functools.lru_cache(maxsize=None)
+def _quiet_triton_deprecation() -> None:
+    """JAX >= 0.11 warns at every Pallas Triton lowering that the backend is deprecated; it is the
+    only Pallas GPU backend that runs on ROCm (BUILD.md says what happens when it goes). Filtered
+    by its exact text, once, when a kernel is first traced."""
+    warnings.filterwarnings("ignore", message=TRITON_DEPRECATION, category=DeprecationWarning)
+
+
 def launch(form: str, arch: str | None = None) -> Launch:
     """The launch parameters of kernel `form` (one of FORMS) on `arch` (default: current_arch())."""
+    _quiet_triton_deprecation()
     if form not in FORMS:
         raise ValueError(f"unknown kernel form {form!r}; known: {', '.join(FORMS)}")
     arch = current_arch() if arch is None else arch

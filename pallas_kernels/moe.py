@@ -297,16 +297,17 @@ def _grouped_call(x: jax.Array, ws: tuple, group_sizes: jax.Array, *, out_dtype,
     kernel = functools.partial(
         _kernel, layouts=layouts, has_scales=tuple(isinstance(w, QArray) for w in ws), row_scaled=lay.int8,
         num_experts=e, block_m=block_m, block_n=block_n, k_steps=k // lay.block_k, swiglu=swiglu)
-    out = pl.pallas_call(
+    out_shape = jax.ShapeDtypeStruct((n + block_m, n_out), out_dtype)
+    out = launch_table.call(pl.pallas_call(
         kernel,
         grid=(tiles, n_out // block_n),
         in_specs=[pl.no_block_spec] * len(inputs),
         out_specs=pl.no_block_spec,
-        out_shape=jax.ShapeDtypeStruct((n + block_m, n_out), out_dtype),
+        out_shape=out_shape,
         interpret=interpret,
         compiler_params=plt.CompilerParams(num_warps=launch.num_warps, num_stages=launch.num_stages),
         name=f"{name}_{lay.label}",  # the weight format shows in profiles and in the compile gate
-    )(*inputs)
+    ), out_shape, *inputs)
     # rows no tile wrote (past the groups) hold whatever the buffer held: select, never multiply
     grouped = jnp.arange(n)[:, None] < jnp.sum(group_sizes)
     return jnp.where(grouped, out[:n], jnp.zeros((), out_dtype))

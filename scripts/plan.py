@@ -9,6 +9,14 @@ memory_analysis of the step per device, next to the weight and KV bytes the devi
 tokens left in each device's HBM, the bytes one step reads (weights it touches + KV), and a roofline TPOT (bytes one step reads / HBM bandwidth / tau).
 Meshes may use fewer devices than exist (the first N devices); on a CPU host, fake as many as you
 need with XLA_FLAGS=--xla_force_host_platform_device_count=8.
+
+By default it plans the XLA path, whose MoE dequantizes FP8 / int4 experts to bf16 before the dot.
+`--kernels=pallas --arch=gfx942` plans the program the GPU runs with the Pallas kernels (they
+dequantize in registers): each kernel stands in as an op of its exact output shapes.
+
+The plans are compiled by XLA:CPU. For bfloat16 caches it adds copies a GPU program does not
+make: it cannot scatter the new tokens into a bfloat16 cache in place, so temps include about two
+copies of the target's KV cache (float32 caches plan with no such temps).
 """
 
 from __future__ import annotations
@@ -38,6 +46,11 @@ flags.DEFINE_float("tau", 1.0, "Mean acceptance length for the roofline TPOT (1 
 flags.DEFINE_string("dtype", "bfloat16", "Compute dtype of unquantized weights and caches.")
 flags.DEFINE_enum("unit", "GiB", ["GiB", "MiB"], "Unit of the byte columns (MiB for small models).")
 flags.DEFINE_string("json_out", None, "Also write every plan as JSON here.")
+flags.DEFINE_string("kernels", "xla", "xla: plan the XLA path (its MoE dequantizes FP8 / int4 experts to bf16 before the "
+                    "dot); pallas (or per op, e.g. attention=xla,moe=pallas): plan the program a GPU runs with the Pallas "
+                    "kernels, each standing in as an op of its exact output shapes. Needs --arch.")
+flags.DEFINE_string("arch", None, "With --kernels=pallas: the GPU the kernels run on (gfx942 = MI300X / MI325X, gfx950 = "
+                    "MI355X, sm_90 = H100 / H200, sm_100); its launch parameters are used.")
 flags.mark_flag_as_required("target")
 
 
@@ -69,11 +82,21 @@ def main(argv: list[str]) -> int:
     spec = parse_spec_text(FLAGS.spec, "spec")
     if spec is None and FLAGS.draft:
         raise app.UsageError("--spec=none plans plain decoding: drop --draft, or pick a setting like chain:3:1:4")
+    from eagle3_jax.kernels import parse
+    from pallas_kernels.launch import ARCHS
+
+    with _cli.usage_errors("--kernels"):
+        kernel_choice = parse(FLAGS.kernels)
+    if any(impl != "xla" for impl in kernel_choice.values()) and FLAGS.arch not in ARCHS:
+        raise app.UsageError(f"--kernels={FLAGS.kernels} plans a GPU program: name the GPU with --arch "
+                             f"(one of {', '.join(ARCHS)})")
     devices = [DEVICES[d] for d in FLAGS.devices]
     G = {"GiB": 2**30, "MiB": 2**20}[FLAGS.unit]
     plans = []
     print(f"target {FLAGS.target}" + (f", draft {FLAGS.draft}, spec {spec}" if FLAGS.draft else "")
-          + f", max_len {FLAGS.max_len}, quant {FLAGS.quant}, tau {FLAGS.tau} ({FLAGS.unit} per device)")
+          + f", max_len {FLAGS.max_len}, quant {FLAGS.quant}, tau {FLAGS.tau} ({FLAGS.unit} per device)"
+          + (f"; program: Pallas kernels ({FLAGS.kernels}) on {FLAGS.arch}, each as an op of its output shapes"
+             if FLAGS.kernels != "xla" else "; program: the XLA path"))
     head = "| mesh d,t,e | batch | arguments | temps | args+temps | weights | KV | read/step | " + " | ".join(
         f"{d.name} fits / KV tok left / TPOT ms" for d in devices) + " |"
     print(head)
@@ -91,7 +114,8 @@ def main(argv: list[str]) -> int:
             with _cli.usage_errors():
                 p = plan_memory(FLAGS.target, FLAGS.draft, mesh=mesh, batch=batch, max_len=FLAGS.max_len,
                                 spec=spec if FLAGS.draft else None,
-                                quant=None if FLAGS.quant == "auto" else FLAGS.quant, dtype=FLAGS.dtype)
+                                quant=None if FLAGS.quant == "auto" else FLAGS.quant, dtype=FLAGS.dtype,
+                                kernels=FLAGS.kernels, arch=FLAGS.arch)
             plans.append(p)
             cells = [f"{'yes' if p.fits(d) else 'NO'} / {p.kv_tokens_left(d):,} / {p.tpot_ms(d, FLAGS.tau):.2f}"
                      for d in devices]

@@ -15,8 +15,6 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-import hf_models as H
-
 e3 = pytest.importorskip("eagle3_jax")
 from eagle3_jax import kv_cache  # noqa: E402
 from eagle3_jax import params as params_lib  # noqa: E402
@@ -57,6 +55,11 @@ def lower_forward(cfg, batch: int, t: int, max_len: int, dtype, absorb: bool, pl
 
 
 def tiny_cfg(name):
+    """A tiny config of the reference models' (tests/hf_models.py: needs torch and transformers)."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    import hf_models as H
+
     spec = H.CONFIGS[name]
     cfg_cls, _ = H._classes(spec["family"])
     raw = cfg_cls(**spec["kwargs"]).to_dict()

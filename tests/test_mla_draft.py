@@ -17,6 +17,7 @@ import pytest
 
 import eagle3_jax as e3
 from eagle3_jax import kv_cache
+from pallas_kernels import launch
 from random_models import FAMILIES, mla_draft_config_dict, random_draft, random_target
 
 PROMPTS = [[1, 5, 9, 2], [3, 4, 5, 6, 7, 8, 9]]
@@ -123,8 +124,9 @@ def test_speculative_step_with_mla_draft_lowers_with_triton_attention(pair, plat
         dcache = kv_cache.init_cache(d.config.layers, 2, 64, d.dtype)
         root = DraftRoot(token=np.zeros((2,), np.int32), hidden=np.zeros((2, d.config.hidden_size), d.dtype))
         sp = SamplingArrays.from_params([e3.SamplingParams()], 2)
-        return _spec_step.trace(target.params, target.config, d.params, d.config, TREE, tcache, dcache, root, sp,
-                                np.ones((2,), np.int32)).lower(lowering_platforms=(platform,)).as_text()
+        with launch.abstract_gpu(launch.PLATFORM_ARCH[platform]):  # JAX >= 0.12 asks which GPU
+            return _spec_step.trace(target.params, target.config, d.params, d.config, TREE, tcache, dcache, root, sp,
+                                    np.ones((2,), np.int32)).lower(lowering_platforms=(platform,)).as_text()
 
     kernel = "eagle3_paged_prefix_attention"
     with_draft_kernel = lowered(with_target_kernels(draft, target)).count(kernel)

@@ -14,6 +14,7 @@ import pytest
 import eagle3_jax as e3
 from eagle3_jax import kv_cache
 from eagle3_jax.target import forward
+from pallas_kernels import launch
 from random_models import FAMILIES, random_draft, random_target
 
 
@@ -95,8 +96,9 @@ def test_speculative_step_lowers_with_triton_attention(platform, monkeypatch):
     dcache = kv_cache.init_cache(draft.config.layers, 2, 64, draft.dtype)
     root = DraftRoot(token=jnp.zeros((2,), jnp.int32), hidden=jnp.zeros((2, draft.config.hidden_size), draft.dtype))
     sp = SamplingArrays.from_params([e3.SamplingParams()], 2)
-    lowered = _spec_step.trace(target.params, target.config, draft.params, draft.config, spec, tcache, dcache, root, sp,
-                               jnp.ones((2,), jnp.int32)).lower(lowering_platforms=(platform,))
+    with launch.abstract_gpu(launch.PLATFORM_ARCH[platform]):  # JAX >= 0.12 asks which GPU
+        lowered = _spec_step.trace(target.params, target.config, draft.params, draft.config, spec, tcache, dcache, root,
+                                   sp, jnp.ones((2,), jnp.int32)).lower(lowering_platforms=(platform,))
     text = lowered.as_text()
     for kernel in ("eagle3_paged_prefix_attention", "eagle3_grouped_swiglu", "eagle3_grouped_matmul"):
         assert kernel in text, kernel

@@ -103,3 +103,21 @@ def test_device_memory_is_in_decimal_gigabytes():
                       temp_bytes=int(87.8 * 2**30), output_bytes=0, alias_bytes=0, weight_bytes=0, kv_bytes=0,
                       kv_bytes_per_token=1, step_read_bytes=0, programs={})
     assert not plan.fits(DEVICES["MI355X"]) and plan.kv_tokens_left(DEVICES["MI355X"]) == 0
+
+
+@needs_8
+def test_kernel_path_plans_without_dequantized_expert_copies():
+    """DeepSeek-V3 FP8 on 8 devices at batch 32: the XLA path dequantizes the experts to bf16 before
+    the dot (temps about twice the arguments, no fit); the program a GPU runs with the Pallas
+    kernels (planned for gfx942, each kernel as an op of its exact output shapes) fits an MI325X."""
+    mesh = e3.make_mesh(1, 1, 8)
+    cfg, draft = os.path.join(DATA, "deepseek-v3.config.json"), os.path.join(DATA, "deepseek-v3-eagle3.draft.json")
+    kw = dict(mesh=mesh, batch=32, max_len=2304, programs=("step",))
+    xla = plan_memory(cfg, draft, **kw)
+    kernels = plan_memory(cfg, draft, kernels="pallas", arch="gfx942", **kw)
+    assert xla.path == "xla" and "gfx942" in kernels.path and "attention=pallas,moe=pallas" in kernels.path
+    assert kernels.argument_bytes == xla.argument_bytes
+    assert xla.temp_bytes > 1.5 * xla.argument_bytes and not xla.fits(DEVICES["MI325X"])
+    assert kernels.temp_bytes < 0.5 * kernels.argument_bytes and kernels.fits(DEVICES["MI325X"])
+    with pytest.raises(ValueError, match="needs the GPU they run on"):
+        plan_memory(cfg, draft, kernels="pallas", **kw)

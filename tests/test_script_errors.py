@@ -73,6 +73,7 @@ INPUT_CASES = [
     ("bench", ("--base_url=http://127.0.0.1:9", "--spec=none", "--concurrency=1"), "no server answers"),
     ("bench_kernels", ("--device=XYZ",), "--device must be one of"),
     ("compile_gate", ("--archs=gfx1",), "--archs: unknown gfx1"),
+    ("plan", ("--target=tests/data/llama-3.1-8b-instruct.config.json", "--kernels=pallas"), "name the GPU with --arch"),
     ("compile_gate", ("--configs=llama-9",), "--configs: unknown llama-9"),
     ("demo", ("--chain=chain:3:2:4",), "a chain has topk=1"),
     ("plan", (f"--target={KIMI}", "--draft=x", "--spec=tree:2:2:16"), "exceeds"),

@@ -1,0 +1,89 @@
+#!/usr/bin/env bash
+# CI's second leg: the kernel, lowering, compile-gate and greedy-equality tests on the newest JAX the
+# project supports (0.12.x, which needs Python >= 3.12), without torch / transformers (the local CPU
+# torch build is for Python 3.11 only; the tests that need it skip).
+#
+# Python: a working python3.13 or python3.12 on PATH or under pyenv, else CPython 3.13 built from
+# Debian's trixie source package (the same Debian registry as the system's, a deb-src line for
+# trixie; about 5 minutes on 2 cores). The build and the leg's virtual environment are cached
+# outside the clone (under $XDG_CACHE_HOME or ~/.cache), so reruns on the same machine skip them.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+cache="${XDG_CACHE_HOME:-$HOME/.cache}/eagle3-jax"
+mkdir -p "$cache"
+
+works() { "$1" -c 'import sys, ssl, venv; assert sys.version_info >= (3, 12)' 2>/dev/null; }
+
+find_python() {
+    local candidate
+    for candidate in python3.13 python3.12 "$HOME"/.pyenv/versions/3.13*/bin/python3.13 \
+                     "$HOME"/.pyenv/versions/3.12*/bin/python3.12 "$cache/python3.13/bin/python3.13"; do
+        if works "$candidate"; then
+            command -v "$candidate"
+            return 0
+        fi
+    done
+    return 1
+}
+
+build_python() {
+    # Debian's python3.13 source package, from the registry the system's apt sources already name.
+    local uri src work
+    uri=$(awk '/^URIs:/ {print $2; exit}' /etc/apt/sources.list.d/debian.sources 2>/dev/null || true)
+    if [ -z "$uri" ]; then
+        uri=$(awk '$1 == "deb" {print $2; exit}' /etc/apt/sources.list 2>/dev/null || true)
+    fi
+    [ -n "$uri" ] || { echo "newest_jax.sh: no Debian apt source found to fetch python3.13's source from" >&2; exit 1; }
+    src=/etc/apt/sources.list.d/eagle3-jax-trixie-src.sources
+    printf 'Types: deb-src\nURIs: %s\nSuites: trixie\nComponents: main\nSigned-By: /usr/share/keyrings/debian-archive-keyring.gpg\n' \
+        "$uri" > "$src"
+    apt-get update -qq -o Dir::Etc::sourcelist="$src" -o Dir::Etc::sourceparts=- -o APT::Get::List-Cleanup=0
+    work=$(mktemp -d)
+    log="$cache/python3.13-build.log"
+    if ! (cd "$work" && apt-get source -qq --download-only python3.13 && rm -f "$src" \
+            && dpkg-source -x --skip-patches python3.13_*.dsc src \
+            && cd src && ./configure --prefix="$cache/python3.13" --without-ensurepip \
+            && make -j"$(nproc)" && make install) > "$log" 2>&1; then
+        tail -20 "$log" >&2
+        echo "newest_jax.sh: building CPython 3.13 failed; the whole log is $log" >&2
+        exit 1
+    fi
+    rm -rf "$work"
+}
+
+start=$(date +%s)
+python=$(find_python || true)
+if [ -z "$python" ]; then
+    echo "newest_jax.sh: no Python >= 3.12 here; building CPython 3.13 from Debian's source into $cache/python3.13"
+    build_python
+    python=$(find_python)
+fi
+
+venv="$cache/venv-newest-jax"
+stamp="$venv/.stamp-$(sha256sum pyproject.toml | cut -c1-16)"
+if [ ! -f "$stamp" ]; then
+    rm -rf "$venv"
+    "$python" -m venv --without-pip "$venv"
+    wheels=$(mktemp -d)
+    if "$python" -m pip --version >/dev/null 2>&1; then
+        "$python" -m pip download -q --no-deps -d "$wheels" pip
+    else
+        python3 -m pip download -q --no-deps -d "$wheels" pip  # the system Python's pip fetches pip's wheel
+    fi
+    "$venv/bin/python" "$(ls "$wheels"/pip-*.whl)/pip" install -q --no-index "$(ls "$wheels"/pip-*.whl)"
+    rm -rf "$wheels"
+    # the project's dependencies at the newest JAX it allows, plus the test tools (no torch / transformers)
+    "$venv/bin/pip" install -q -e . "jax>=0.12,<0.13" "jaxlib>=0.12,<0.13" pytest pytest-xdist "triton==3.9.0"
+    touch "$stamp"
+else
+    "$venv/bin/pip" install -q --no-deps -e .  # this clone, not the one the cache was made from
+fi
+"$venv/bin/python" -c 'import sys, jax; print(f"newest-JAX leg: Python {sys.version.split()[0]}, jax {jax.__version__}")'
+
+XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0" \
+    "$venv/bin/python" -m pytest -q -n 2 --dist loadfile -p no:cacheprovider \
+    tests/test_pallas_attention.py tests/test_pallas_moe.py tests/test_pallas_engine.py tests/test_compile_gate.py \
+    tests/test_lowering.py tests/test_spec_lowering.py tests/test_spec.py tests/test_demo_pair.py \
+    tests/test_stories260k.py tests/test_engine.py tests/test_mla_draft.py
+echo "newest-JAX leg: $(( $(date +%s) - start )) s"
