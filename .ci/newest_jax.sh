@@ -85,5 +85,5 @@ XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_backend_optimization_l
     "$venv/bin/python" -m pytest -q -n 2 --dist loadfile -p no:cacheprovider \
     tests/test_pallas_attention.py tests/test_pallas_moe.py tests/test_pallas_engine.py tests/test_compile_gate.py \
     tests/test_lowering.py tests/test_spec_lowering.py tests/test_spec.py tests/test_demo_pair.py \
-    tests/test_stories260k.py tests/test_engine.py tests/test_mla_draft.py
+    tests/test_stories260k.py tests/test_engine.py tests/test_mla_draft.py tests/test_gpu_check.py
 echo "newest-JAX leg: $(( $(date +%s) - start )) s"

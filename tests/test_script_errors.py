@@ -27,8 +27,8 @@ from _shared_flags import max_tokens_caps  # noqa: E402
 
 STORIES = "checkpoints/stories260K"
 KIMI, KIMI_DRAFT = "checkpoints/kimi-mini", "checkpoints/kimi-mini-eagle3"
-ALL_SCRIPTS = ("generate", "serve", "bench", "bench_kernels", "compile_gate", "convert", "demo", "plan", "quantize",
-               "train_draft", "train_target", "make_corpus")
+ALL_SCRIPTS = ("generate", "serve", "bench", "bench_kernels", "compile_gate", "convert", "demo", "gpu_check", "plan",
+               "quantize", "train_draft", "train_target", "make_corpus")
 
 
 def run_script(script: str, *args: str) -> subprocess.CompletedProcess:
@@ -73,6 +73,7 @@ INPUT_CASES = [
     ("bench", ("--base_url=http://127.0.0.1:9", "--spec=none", "--concurrency=1"), "no server answers"),
     ("bench_kernels", ("--device=XYZ",), "--device must be one of"),
     ("compile_gate", ("--archs=gfx1",), "--archs: unknown gfx1"),
+    ("gpu_check", ("--batches=8",), "gpu_check.py runs fixed shapes"),
     ("plan", ("--target=tests/data/llama-3.1-8b-instruct.config.json", "--kernels=pallas"), "name the GPU with --arch"),
     ("compile_gate", ("--configs=llama-9",), "--configs: unknown llama-9"),
     ("demo", ("--chain=chain:3:2:4",), "a chain has topk=1"),
