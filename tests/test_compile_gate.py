@@ -152,3 +152,16 @@ def test_triton_deprecation_warning_is_filtered_by_its_text_once():
         launch.launch("mla_attention")
         assert len(ours()) == 1 and len(warnings.filters) == 1  # once, however many kernels are traced
         assert ours()[0][0] == "ignore" and ours()[0][2] is DeprecationWarning
+
+
+@needs_8_devices
+def test_default_launch_entries_compile_on_every_architecture(monkeypatch):
+    """An unknown GPU gets the table's default entries: they compile clean on every known one too
+    (each attention form, bf16 / int4 / MXFP4 / FP8 block and per-channel experts)."""
+    for form, arch in list(launch.TABLE):
+        monkeypatch.setitem(launch.TABLE, (form, arch), launch.TABLE[(form, launch.DEFAULT)])
+    wanted = {("kimi-k2.5-int4", "dequantize"), ("kimi-k2.5-mxfp4", None), ("minimax-m2.5-fp8", None)}
+    items = [c for c in gate.representative_cases() if (c.config.name, c.quant) in wanted] + list(gate.EXTRA)
+    rows = gate.run_gate(items, ARCHS)
+    failed = [f"{r.arch} {r.module.name} {r.module.operands[3]}: {r.problems}" for r in rows if r.problems]
+    assert not failed, "\n".join(failed)
