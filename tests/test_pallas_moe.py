@@ -53,6 +53,9 @@ def make_weight(rng, fmt: str, e: int, k: int, n: int):
 
 def _close(got, want, dtype):
     got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    # float32: 1e-4 (relative to the largest output) here and on a GPU, where every kernel dot is
+    # HIGHEST (IEEE float32, not TF32 / xf32) and only the K-step summation order differs from XLA's;
+    # bfloat16: 3e-2 (operands rounded to bfloat16 on both paths, at different points for scales)
     tol = 1e-4 if dtype == jnp.float32 else 3e-2
     np.testing.assert_allclose(got, want, atol=tol * float(np.abs(want).max()), rtol=tol)
 
