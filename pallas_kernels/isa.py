@@ -190,7 +190,7 @@ def _nvidia_occupancy(registers: int, shared: int, num_warps: int, arch: launch_
     per_warp = -(-max(registers, 1) * 32 // 256) * 256
     by_registers = 65536 // (per_warp * num_warps)
     by_shared = (228 * 1024) // (shared + 1024) if shared else 32
-    return max(0, min(32, by_registers, by_shared) * num_warps)
+    return max(0, min(64, min(32, by_registers, by_shared) * num_warps))
 
 
 def _nvidia_report(report: CompileReport, ptx: str, arch: launch_table.Arch) -> None:

@@ -187,14 +187,23 @@ def is_overridden() -> bool:
     return _override.get() is not None
 
 
+# Device kinds that name their architecture, for a device that reports no compute capability.
+_KIND_ARCH = (("MI300", "gfx942"), ("MI325", "gfx942"), ("MI355", "gfx950"), ("MI350", "gfx950"),
+              ("H100", "sm_90"), ("H200", "sm_90"), ("H800", "sm_90"), ("B200", "sm_100"))
+
+
 def arch_of_device(device) -> str:
     """The table's name for a JAX GPU device: ROCm's gfx name ("gfx942:sramecc+:xnack-" ->
-    "gfx942"), CUDA's compute capability ("9.0" -> "sm_90"); the raw name when it is neither."""
+    "gfx942"), CUDA's compute capability ("9.0" -> "sm_90"), else what its device kind names
+    ("AMD Instinct MI300X" -> "gfx942"); the raw capability or kind when none of these."""
     capability = str(getattr(device, "compute_capability", "") or "")
     if capability.startswith("gfx"):
         return capability.split(":")[0]
     major, _, minor = capability.partition(".")
-    return f"sm_{major}{minor or '0'}" if major.isdigit() else capability
+    if major.isdigit():
+        return f"sm_{major}{minor or '0'}"
+    kind = str(getattr(device, "device_kind", "") or "")
+    return next((arch for tag, arch in _KIND_ARCH if tag in kind.upper()), capability or kind)
 
 
 @functools.lru_cache(maxsize=None)

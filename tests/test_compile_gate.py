@@ -104,12 +104,14 @@ def test_launch_table_covers_every_form_and_architecture():
 
 def test_architecture_read_from_the_device(monkeypatch, caplog):
     class Device:
-        def __init__(self, capability):
-            self.compute_capability = capability
+        def __init__(self, capability, kind=""):
+            self.compute_capability, self.device_kind = capability, kind
 
     assert launch.arch_of_device(Device("gfx942:sramecc+:xnack-")) == "gfx942"
     assert launch.arch_of_device(Device("9.0")) == "sm_90"
     assert launch.arch_of_device(Device("10.0")) == "sm_100"
+    assert launch.arch_of_device(Device(None, "AMD Instinct MI355X")) == "gfx950"  # no capability reported
+    assert launch.arch_of_device(Device(None, "Some GPU")) == "Some GPU"
     monkeypatch.setattr(jax, "local_devices", lambda backend=None: [Device("gfx1100")])
     launch._local_gpu_arch.cache_clear()
     try:
