@@ -218,24 +218,32 @@ class GateRow:
 def run_gate(items, archs, progress: Callable[[str], None] = lambda _: None) -> list[GateRow]:
     """Lower every case / extra in `items` for every architecture in `archs`, compile each distinct
     Triton module once per architecture, and return one row per (architecture, module)."""
-    from pallas_kernels import isa
+    from pallas_kernels import launch
 
     rows: list[GateRow] = []
     for arch in archs:
-        by_key: dict[str, GateRow] = {}
-        for item in items:
-            modules: list = []
-            lower = lower_case(item, arch) if isinstance(item, Case) else lower_extra(item, arch)
-            with isa.capturing(modules):
-                lower()
-            for module in modules:
-                row = by_key.get(module.key)
-                if row is None:
-                    report = isa.compile_kernel(module, arch)
-                    row = by_key[module.key] = GateRow(arch, module, report, isa.check(report), [])
-                    progress(f"{arch} {module.name} {module.operands[3] if len(module.operands) > 3 else ''}: "
-                             + ("ok" if not row.problems else "; ".join(row.problems)))
-                if item.label not in row.launches:
-                    row.launches.append(item.label)
-        rows.extend(by_key.values())
+        with launch.for_arch(arch):  # JAX's caches cleared once per architecture, not per program
+            rows.extend(_gate_arch(items, arch, progress))
     return rows
+
+
+def _gate_arch(items, arch: str, progress: Callable[[str], None]) -> list[GateRow]:
+    """`run_gate` for one architecture (called under its `for_arch`)."""
+    from pallas_kernels import isa
+
+    by_key: dict[str, GateRow] = {}
+    for item in items:
+        modules: list = []
+        lower = lower_case(item, arch) if isinstance(item, Case) else lower_extra(item, arch)
+        with isa.capturing(modules):
+            lower()
+        for module in modules:
+            row = by_key.get(module.key)
+            if row is None:
+                report = isa.compile_kernel(module, arch)
+                row = by_key[module.key] = GateRow(arch, module, report, isa.check(report), [])
+                progress(f"{arch} {module.name} {module.operands[3] if len(module.operands) > 3 else ''}: "
+                         + ("ok" if not row.problems else "; ".join(row.problems)))
+            if item.label not in row.launches:
+                row.launches.append(item.label)
+    return list(by_key.values())
