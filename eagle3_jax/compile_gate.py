@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +32,9 @@ from . import attention, plan
 from .quant import QArray, QFormat
 from .sharding import make_mesh, mesh_context
 from .spec.tree import SpecConfig
+
+if TYPE_CHECKING:
+    from pallas_kernels import isa
 
 DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "data")
 KERNELS = "attention=pallas,moe=pallas"
@@ -204,8 +207,8 @@ class GateRow:
     """One distinct kernel compiled for one architecture, and every launch that shares its code."""
 
     arch: str
-    module: "object"  # isa.TritonModule
-    report: "object"  # isa.CompileReport
+    module: "isa.TritonModule"
+    report: "isa.CompileReport"
     problems: list[str]
     launches: list[str]
 
