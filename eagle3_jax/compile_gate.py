@@ -12,8 +12,8 @@ expert parallelism) is captured with the launch parameters the table gave it and
 `triton` package (pallas_kernels/isa.py). Identical modules compile once.
 
 Float8 weights are e4m3fnuz on gfx942 (what the engine converts to there) and OCP e4m3fn
-elsewhere. Beside the configurations, `EXTRA` adds kernel forms no bundled config reaches (float8
-per-channel experts) at Kimi-K2.5's per-device expert shapes.
+elsewhere. Beside the configurations, `EXTRA` adds kernel forms no bundled config reaches: float8
+per-channel experts at Kimi-K2.5's per-device expert shapes, and attention over 64-slot pages.
 
 `representative_cases` is the subset the default test run compiles: each configuration at its
 largest launched shape (T = 64, batch 64) on its first mesh, in each of its formats; and the extras.
@@ -182,10 +182,34 @@ def _fp8_channel_experts(fnuz: bool, swiglu: bool) -> Callable[[str], tuple[Call
     return build
 
 
+def _large_pages(kind: str, page_size: int) -> Callable[[str], tuple[Callable, tuple]]:
+    """Prefix attention over pages larger than the engine's default 16 slots (the scheduler's
+    `page_size`): Kimi-K2.5's MLA (64 heads x T 4) or MiniMax-M2.5's GQA (8 KV heads, 6 x T 64 rows)."""
+    from pallas_kernels.attention import paged_prefix_attention
+
+    def build(arch: str):
+        sds = jax.ShapeDtypeStruct
+        batch, pages = 4, CONTEXT // page_size
+        table, lengths = sds((batch, pages), jnp.int32), sds((batch,), jnp.int32)
+        if kind == "mla":
+            args = (sds((batch, 1, 256, 512), jnp.bfloat16), sds((batch, 1, 256, 64), jnp.bfloat16),
+                    sds((2, batch * pages, page_size, 1, 512), jnp.bfloat16),
+                    sds((2, batch * pages, page_size, 1, 64), jnp.bfloat16), table, lengths)
+            return (lambda q, q2, lat, rope, t, n: paged_prefix_attention(q, lat, None, 1, t, n, scale=0.1, q2=q2,
+                                                                           k2_pool=rope)), args
+        pool = sds((2, batch * pages, page_size, 8, 128), jnp.bfloat16)
+        args = (sds((batch, 8, 6 * 64, 128), jnp.bfloat16), pool, pool, table, lengths)
+        return (lambda q, k, v, t, n: paged_prefix_attention(q, k, v, 1, t, n, scale=0.1)), args
+
+    return build
+
+
 EXTRA: tuple[Extra, ...] = tuple(
     Extra(f"fp8_channel{'_fnuz' if fnuz else ''} experts {'gate/up' if swiglu else 'down'} (Kimi-K2.5 shapes)",
           _fp8_channel_experts(fnuz, swiglu))
-    for fnuz in (False, True) for swiglu in (True, False))
+    for fnuz in (False, True) for swiglu in (True, False)) + tuple(
+    Extra(f"{kind} attention over {page_size}-slot pages", _large_pages(kind, page_size))
+    for kind in ("mla", "gqa") for page_size in (64,))
 
 
 def lower_extra(extra: Extra, arch: str) -> Callable:

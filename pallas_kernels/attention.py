@@ -54,7 +54,7 @@ def _dot_t(a: jax.Array, b: jax.Array) -> jax.Array:
                                preferred_element_type=jnp.float32)
 
 
-def _kernel(layer_ref, lengths_ref, table_ref, q_ref, k_ref, *refs, page_size: int, pages_per_split: int,
+def _kernel(layer_ref, lengths_ref, table_ref, q_ref, k_ref, *refs, page_size: int, tile: int, pages_per_split: int,
             row_blocks: int, scale: float, has_rope: bool, shared_value: bool):
     refs = list(refs)
     q2_ref = refs.pop(0) if has_rope else None
@@ -66,25 +66,28 @@ def _kernel(layer_ref, lengths_ref, table_ref, q_ref, k_ref, *refs, page_size: i
     layer, length = layer_ref[0], lengths_ref[b]
     q = q_ref[...]
     q2 = q2_ref[...] if has_rope else None
-    first = split * pages_per_split
-    last = jnp.minimum(first + pages_per_split, (length + page_size - 1) // page_size)
+    # the walk steps `tile` slots at a time: a page of page_size slots is page_size // tile steps
+    tiles_per_page = page_size // tile
+    first = split * pages_per_split * tiles_per_page
+    last = jnp.minimum(first + pages_per_split * tiles_per_page, (length + tile - 1) // tile)
     rows = q.shape[0]
     dv = o_ref.shape[-1]
 
     def body(j, carry):
         m, l, acc = carry
-        page = table_ref[b, j]
-        k = k_ref[layer, page, :, h, :]  # [page_size, D]
+        page = table_ref[b, j // tiles_per_page]
+        within = pl.ds((j % tiles_per_page) * tile, tile)
+        k = k_ref[layer, page, within, h, :]  # [tile, D]
         scores = _dot_t(q, k)
         if has_rope:
-            scores = scores + _dot_t(q2, k2_ref[layer, page, :, h, :])
-        slots = j * page_size + jax.lax.broadcasted_iota(jnp.int32, (1, page_size), 1)
+            scores = scores + _dot_t(q2, k2_ref[layer, page, within, h, :])
+        slots = j * tile + jax.lax.broadcasted_iota(jnp.int32, (1, tile), 1)
         valid = slots < length
         scores = jnp.where(valid, scores * scale, _NEG)
         m_new = jnp.maximum(m, scores.max(axis=1))
         p = jnp.where(valid, jnp.exp(scores - m_new[:, None]), 0.0)
         alpha = jnp.exp(m - m_new)
-        v = k if shared_value else v_ref[layer, page, :, h, :]
+        v = k if shared_value else v_ref[layer, page, within, h, :]
         acc = acc * alpha[:, None] + jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
                                                          precision=PRECISION, preferred_element_type=jnp.float32)
         return m_new, l * alpha + p.sum(axis=1), acc
@@ -147,8 +150,9 @@ def paged_prefix_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array | 
     if v_pool is not None:
         inputs.append(v_pool)
         in_specs.append(whole)
-    kernel = functools.partial(_kernel, page_size=page_size, pages_per_split=pages_per_split, row_blocks=row_blocks,
-                               scale=scale, has_rope=has_rope, shared_value=v_pool is None)
+    tile = launch.block_slots if page_size % launch.block_slots == 0 else page_size
+    kernel = functools.partial(_kernel, page_size=page_size, tile=tile, pages_per_split=pages_per_split,
+                               row_blocks=row_blocks, scale=scale, has_rope=has_rope, shared_value=v_pool is None)
     out_shape = [jax.ShapeDtypeStruct((b, h, num_splits, rows, dv), jnp.float32),
                  jax.ShapeDtypeStruct((b, h, num_splits, rows), jnp.float32)]
     out, lse = launch_table.call(pl.pallas_call(

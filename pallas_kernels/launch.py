@@ -19,6 +19,8 @@ spills and fitting shared memory at every shape the engine launches):
   or float32 operands get proportionally fewer rows (pallas_kernels/attention.py). Measured
   (scripts/compile_gate.py, triton 3.9.0): MLA at 64 rows spills or lands in AGPRs on every
   architecture at 4 warps; at 32 rows gfx950 needs one stage (two put 98 values in AGPRs).
+  Pages are walked 16 slots per step: MLA with a whole 32- or 64-slot page per step spills on
+  gfx942 and gfx950 (and a 64-slot page needs 72 KB of LDS on gfx942).
 - MoE on sm_90 runs 8 warps and three stages: at 4 warps ptxas gives the bfloat16 down
   projection an 8-byte stack frame (spill stores and loads) at 40-48 registers, at two stages for
   DeepSeek-V3's shapes and at three for MiniMax-M2.5's.
@@ -65,11 +67,14 @@ PLATFORM_ARCH = {"rocm": "gfx942", "cuda": "sm_90"}
 
 @dataclasses.dataclass(frozen=True)
 class AttentionLaunch:
-    """Paged prefix attention: query rows per program (power of two >= 16) and Triton's knobs."""
+    """Paged prefix attention: query rows per program (power of two >= 16), KV slots per step of
+    the walk (a page of a multiple of them is walked in that many steps; another page size is
+    walked a page per step) and Triton's knobs."""
 
     block_rows: int
     num_warps: int
     num_stages: int
+    block_slots: int = 16
 
 
 @dataclasses.dataclass(frozen=True)

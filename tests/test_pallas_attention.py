@@ -83,6 +83,25 @@ def test_row_blocks_do_not_change_the_result(kind):
     close(results[0], paged_prefix_attention_reference(q, k, v, 0, table, lengths, scale=0.25), jnp.float32)
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_pages_walked_in_tiles_of_slots(num_splits):
+    """Pages of 32 slots walked 16 (or 8) slots per step, as the launch table has it for large
+    pages: lengths ending inside a page's first or second tile, empty rows, KV splits."""
+    from pallas_kernels.launch import AttentionLaunch
+
+    rng = np.random.default_rng(11)
+    page, width, d = 32, 4, 16
+    lengths = np.asarray([0, 5, 16, 17, 70, 128], np.int32)
+    k, v = (jnp.asarray(rng.standard_normal((1, 30, page, 2, d)), jnp.float32) for _ in range(2))
+    table = jnp.asarray(rng.permutation(np.arange(1, 30))[: len(lengths) * width].reshape(len(lengths), width), jnp.int32)
+    q = jnp.asarray(rng.standard_normal((len(lengths), 2, 8, d)), jnp.float32)
+    want = paged_prefix_attention_reference(q, k, v, 0, table, lengths, scale=0.25)
+    for slots in (16, 8):
+        got = paged_prefix_attention(q, k, v, 0, table, lengths, scale=0.25, num_splits=num_splits, interpret=True,
+                                     launch=AttentionLaunch(block_rows=16, num_warps=4, num_stages=2, block_slots=slots))
+        close(got, want, jnp.float32)
+
+
 def test_merging_with_the_new_tokens_equals_one_softmax():
     """Prefix partial + the new tokens' partial = softmax over both key sets at once."""
     rng = np.random.default_rng(0)
