@@ -57,6 +57,21 @@ def _uses_kernel(cfg: ModelConfig, t: int, tree_mask: jax.Array | None) -> bool:
             and not kernels.splits_attention(jax.sharding.get_abstract_mesh()))  # no sharded form yet
 
 
+def _mla_kernel_takes(cache_dtype) -> bool:
+    """Whether the MLA prefix kernel runs at this cache dtype on the architecture traced for. On
+    AMD (gfx942, gfx950) float32 MLA (a float32 dot over the 512-wide latent, in IEEE float32)
+    spills at every launch tried (16-32 rows, 4-8 warps, 1-2 stages), so float32 MLA keeps the XLA
+    path there, with a warning; bfloat16, the serving dtype, runs the kernel everywhere."""
+    from pallas_kernels import launch
+
+    arch = launch.ARCHS.get(launch.current_arch())
+    if arch is None or arch.vendor != "amd" or jnp.dtype(cache_dtype).itemsize < 4:
+        return True
+    kernels.warn_once(f"MLA attention keeps its XLA path for {jnp.dtype(cache_dtype).name} caches on {arch.name} "
+                      "(the Pallas kernel spills there); bfloat16 caches run the kernel")
+    return False
+
+
 def _tree_partial(scores: jax.Array, tree_mask: jax.Array, values: jax.Array, spec: str) -> tuple[jax.Array, jax.Array]:
     """Softmax partial of the new tokens among themselves: scores [B, G, T, T] (already scaled,
     float32), tree_mask [B, T, T]; returns (out, lse) with out = einsum(spec, probs, values)."""
@@ -188,7 +203,7 @@ def mla_block(p: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Array, cac
     nh, dv = cfg.num_heads, cfg.v_head_dim
     q_nope, q_pe, c_kv, k_pe = mla_project(p, cfg, x, positions)
     w_uk, w_uv = mla_up_projections(p, cfg, x.dtype)  # [r, nh, dn], [r, nh, dv]
-    if absorb and _uses_kernel(cfg, t, tree_mask):
+    if absorb and _uses_kernel(cfg, t, tree_mask) and _mla_kernel_takes(cache.k.dtype):
         q_lat = jnp.einsum("bthd,rhd->bthr", q_nope, w_uk, precision=PRECISION)
         if prefix_lengths is None:  # the window is the new tokens: use them as computed
             out_lat = _mla_kernel_attention(cfg, q_lat, q_pe, c_kv, k_pe, cache, layer, tree_mask)

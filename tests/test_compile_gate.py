@@ -167,3 +167,17 @@ def test_default_launch_entries_compile_on_every_architecture(monkeypatch):
     rows = gate.run_gate(items, ARCHS)
     failed = [f"{r.arch} {r.module.name} {r.module.operands[3]}: {r.problems}" for r in rows if r.problems]
     assert not failed, "\n".join(failed)
+
+
+def test_float32_mla_keeps_xla_attention_on_amd(caplog):
+    """float32 MLA spills in the kernel on gfx942 / gfx950 at every launch tried: the engine keeps
+    the XLA path there (and says so); bfloat16 and sm_90 run the kernel."""
+    from eagle3_jax.attention import _mla_kernel_takes
+
+    with launch.for_arch("gfx942"), caplog.at_level(logging.WARNING, logger="eagle3_jax"):
+        assert not _mla_kernel_takes(jnp.float32)
+        assert _mla_kernel_takes(jnp.bfloat16)
+    assert "keeps its XLA path for float32 caches on gfx942" in caplog.text
+    with launch.for_arch("sm_90"):
+        assert _mla_kernel_takes(jnp.float32)
+    assert _mla_kernel_takes(jnp.float32)  # CPU: interpreted, any dtype
