@@ -126,23 +126,19 @@ def _mesh(shape: tuple[int, int, int]):
     return make_mesh(*shape, devices=jax.devices()[:need])
 
 
-def lower_case(case: Case, arch: str) -> Callable:
-    """A function that traces and lowers `case`'s program for `arch` (call it under isa's capture)."""
+def lower_case(case: Case, arch: str) -> None:
+    """Trace and lower `case`'s program for `arch` (under `launch.for_arch(arch)` and isa's capture)."""
     from pallas_kernels import launch
 
-    def run():
-        mesh = _mesh(case.mesh)
-        spec = spec_for(case.tokens) if case.program == "spec_step" else None
-        draft = os.path.join(DATA, case.config.draft) if case.config.draft and case.program != "decode" else None
-        with launch.for_arch(arch):
-            setup = plan.abstract_setup(os.path.join(DATA, case.config.target), draft, mesh, case.batch,
-                                        CONTEXT, spec, case.quant, kernels=KERNELS, fp8_format=_fp8_format(arch))
-            programs = {"decode": ("decode",), "spec_step": ("step",), "prefill": ("prefill",)}[case.program]
-            with mesh_context(mesh), launch.abstract_gpu():
-                for traced in plan.trace_programs(setup, PREFILL_CHUNK, programs).values():
-                    traced.lower(lowering_platforms=(launch.ARCHS[arch].platform,))
-
-    return run
+    mesh = _mesh(case.mesh)
+    spec = spec_for(case.tokens) if case.program == "spec_step" else None
+    draft = os.path.join(DATA, case.config.draft) if case.config.draft and case.program != "decode" else None
+    setup = plan.abstract_setup(os.path.join(DATA, case.config.target), draft, mesh, case.batch,
+                                CONTEXT, spec, case.quant, kernels=KERNELS, fp8_format=_fp8_format(arch))
+    programs = {"decode": ("decode",), "spec_step": ("step",), "prefill": ("prefill",)}[case.program]
+    with mesh_context(mesh), launch.abstract_gpu():
+        for traced in plan.trace_programs(setup, PREFILL_CHUNK, programs).values():
+            traced.lower(lowering_platforms=(launch.ARCHS[arch].platform,))
 
 
 # ---- kernel forms no bundled configuration reaches -------------------------------------------------
@@ -152,12 +148,8 @@ def lower_case(case: Case, arch: str) -> Callable:
 class Extra:
     """A kernel called directly at given per-device shapes."""
 
-    name: str
+    label: str
     build: Callable[[str], tuple[Callable, tuple]]  # arch -> (function, abstract args)
-
-    @property
-    def label(self) -> str:
-        return self.name
 
 
 def _fp8_channel_experts(fnuz: bool, swiglu: bool) -> Callable[[str], tuple[Callable, tuple]]:
@@ -212,15 +204,13 @@ EXTRA: tuple[Extra, ...] = tuple(
     for kind in ("mla", "gqa") for page_size in (64,))
 
 
-def lower_extra(extra: Extra, arch: str) -> Callable:
+def lower_extra(extra: Extra, arch: str) -> None:
+    """Trace and lower `extra` for `arch` (under `launch.for_arch(arch)` and isa's capture)."""
     from pallas_kernels import launch
 
-    def run():
-        with launch.deviceless(arch):
-            fn, args = extra.build(arch)
-            jax.jit(lambda *a: fn(*a)).trace(*args).lower(lowering_platforms=(launch.ARCHS[arch].platform,))
-
-    return run
+    fn, args = extra.build(arch)
+    with launch.abstract_gpu():
+        jax.jit(lambda *a: fn(*a)).trace(*args).lower(lowering_platforms=(launch.ARCHS[arch].platform,))
 
 
 # ---- the sweep ------------------------------------------------------------------------------------
@@ -261,9 +251,8 @@ def _gate_arch(items, arch: str, progress: Callable[[str], None]) -> list[GateRo
     by_key: dict[str, GateRow] = {}
     for item in items:
         modules: list = []
-        lower = lower_case(item, arch) if isinstance(item, Case) else lower_extra(item, arch)
         with isa.capturing(modules):
-            lower()
+            (lower_case if isinstance(item, Case) else lower_extra)(item, arch)
         for module in modules:
             row = by_key.get(module.key)
             if row is None:

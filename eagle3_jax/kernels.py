@@ -55,10 +55,12 @@ def splits_attention(mesh) -> bool:
     return mesh is not None and not mesh.empty and any(mesh.shape.get(a, 1) > 1 for a in ("data", "tensor"))
 
 
-def resolve(kernels: str, mesh: jax.sharding.Mesh | None) -> str:
-    """The canonical per-op form ("attention=xla,moe=pallas") of a `kernels` choice on this host."""
+def resolve(kernels: str, mesh: jax.sharding.Mesh | None, on_gpu: bool | None = None) -> str:
+    """The canonical per-op form ("attention=xla,moe=pallas") of a `kernels` choice on this host
+    (`on_gpu` True: as on a GPU, for programs planned for one on a host without it)."""
     requested = parse(kernels)
-    choice = {op: ("pallas" if _on_gpu() else "xla") if impl == "auto" else impl for op, impl in requested.items()}
+    gpu = _on_gpu() if on_gpu is None else on_gpu
+    choice = {op: ("pallas" if gpu else "xla") if impl == "auto" else impl for op, impl in requested.items()}
     if splits_attention(mesh) and choice["attention"] == "pallas":
         if requested["attention"] == "pallas":  # asked for by name: say why it is not used
             log.warning("attention keeps its XLA path on mesh %s (the Pallas attention kernel does not split the "

@@ -28,7 +28,7 @@ from .draft import DraftConfig, draft_specs, parse_draft_config
 from .params import ParamSpec, abstract_leaf, abstract_params, qformat_for
 from .quant import QArray
 from .sampling import SamplingArrays
-from .kernels import parse, splits_attention
+from .kernels import parse, resolve
 from .sharding import leaf_partition_spec, mesh_context, param_axes, param_shardings, partition_spec
 from .spec.propose import DraftRoot
 from .spec.tree import SpecConfig
@@ -347,15 +347,12 @@ def plan_memory(target, draft=None, mesh: Mesh | None = None, batch: int = 1, ma
     """
     from pallas_kernels import launch
 
-    choice = parse(kernels)
-    wants_kernels = "pallas" in choice.values() or "auto" in choice.values()
+    wants_kernels = any(impl != "xla" for impl in parse(kernels).values())
     if wants_kernels and arch not in launch.ARCHS:
         raise ValueError(f"planning the Pallas kernels needs the GPU they run on: arch={arch!r}; use one of "
                          f"{', '.join(launch.ARCHS)}")
     if wants_kernels:
-        kernels = ",".join(f"{op}={'pallas' if impl == 'auto' else impl}" for op, impl in choice.items())
-        if mesh is not None and splits_attention(mesh):
-            kernels = kernels.replace("attention=pallas", "attention=xla")
+        kernels = resolve(kernels, mesh, on_gpu=True)
     setup = abstract_setup(target, draft, mesh, batch, max_len, spec, quant, dtype,
                            kernels=kernels if wants_kernels else None)
     cfg, dcfg, spec, mesh = setup.cfg, setup.dcfg, setup.spec, setup.mesh

@@ -33,15 +33,12 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from eagle3_jax.quant import PRECISION  # every dot states it: float32 stays IEEE float32 on GPUs
 from pallas_kernels import launch as launch_table
 from pallas_kernels.launch import AttentionLaunch
 
 _NEG = -1e30
 _MIN_ROWS = 16
-# Every dot states its precision: HIGHEST keeps float32 operands in IEEE float32 (the Triton
-# lowering otherwise emits TF32 / xf32 matrix instructions on sm_90 and gfx942 for float32 dots)
-# and changes nothing for bfloat16 operands, which the matrix units take as they are.
-PRECISION = jax.lax.Precision.HIGHEST
 
 
 def _rows_bucket(m: int) -> int:

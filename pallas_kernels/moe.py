@@ -42,14 +42,11 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from eagle3_jax.quant import QArray, quantize_rows_int8, ragged_linear
+from eagle3_jax.quant import PRECISION, QArray, quantize_rows_int8, ragged_linear
 from pallas_kernels import launch as launch_table
 from pallas_kernels.launch import MoeLaunch
 
 _TILES = (256, 128, 64, 32, 16)  # power-of-two tiles, largest first; Triton's smallest dot is 16
-# Every dot states its precision: HIGHEST keeps float32 operands in IEEE float32 (the Triton
-# lowering otherwise emits TF32 / xf32 on sm_90 and gfx942) and changes nothing for bfloat16.
-PRECISION = jax.lax.Precision.HIGHEST
 
 
 def _dot(a: jax.Array, b: jax.Array) -> jax.Array:

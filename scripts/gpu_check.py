@@ -25,7 +25,6 @@ import datetime
 import json
 import os
 import platform
-import statistics
 import sys
 import time
 
@@ -96,18 +95,6 @@ def _random_params(cfg, dtype):
     return jax.tree.unflatten(tree, made)
 
 
-def _median_ms(fn, repeats: int) -> float:
-    import jax
-
-    jax.block_until_ready(fn())  # compile
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
-
-
 def step_rows(small: bool, repeats: int) -> list[dict]:
     """Decode (T = 1) and chain-verify (T = 4) steps of the target forward, kernels against XLA."""
     import dataclasses
@@ -147,7 +134,7 @@ def step_rows(small: bool, repeats: int) -> list[dict]:
                     logits, _, state["cache"] = step(params, run_cfg, tokens, positions, state["cache"], chain)
                     return logits
 
-                times[impl] = _median_ms(one, repeats)
+                times[impl] = bench_kernels._median_ms(one, (), repeats)
             rows.append(dict(op="step", batch=batch, tokens=t, context=context, kernel_ms=times["pallas"],
                              xla_ms=times["xla"]))
             print(f"| {batch} | {t} | {times['pallas']:.3f} | {times['xla']:.3f} | {times['xla'] / times['pallas']:.2f}x |")
