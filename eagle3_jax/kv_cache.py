@@ -20,6 +20,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import struct
+from pallas_kernels.launch import scatter_in_place
 
 from .config import ModelConfig
 
@@ -142,9 +143,12 @@ def write(cache: KVCache, layer: jax.Array, k_new: jax.Array, v_new: jax.Array) 
     """
     t = k_new.shape[1]
     slots = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-    idx = (layer,) + _slot_index(cache, slots)
-    return cache.replace(k=cache.k.at[idx].set(k_new.astype(cache.k.dtype), mode="drop"),
-                         v=cache.v.at[idx].set(v_new.astype(cache.v.dtype), mode="drop"))
+    idx = (jnp.asarray(layer),) + _slot_index(cache, slots)
+
+    def put(buf, new, idx):
+        return buf.at[idx].set(new.astype(buf.dtype), mode="drop")
+
+    return cache.replace(k=scatter_in_place(put, cache.k, k_new, idx), v=scatter_in_place(put, cache.v, v_new, idx))
 
 
 def read_slots(cache: KVCache, layer: jax.Array, slots: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -167,12 +171,15 @@ def read(cache: KVCache, layer: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 def move(cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
     """Copy slots src[b, d] -> dst[b, d] of each row, in every layer (reads happen before writes)."""
-    src_idx, dst_idx = (slice(None),) + _slot_index(cache, src), (slice(None),) + _slot_index(cache, dst)
+    src_idx, dst_idx = _slot_index(cache, src), _slot_index(cache, dst)
 
-    def copy(buf):
-        return buf.at[dst_idx].set(buf.at[src_idx].get(mode="fill", fill_value=0), mode="drop")
+    def copy(buf, src_idx, dst_idx):
+        every_layer = (slice(None),)
+        return buf.at[every_layer + dst_idx].set(buf.at[every_layer + src_idx].get(mode="fill", fill_value=0),
+                                                 mode="drop")
 
-    return cache.replace(k=copy(cache.k), v=copy(cache.v))
+    return cache.replace(k=scatter_in_place(copy, cache.k, src_idx, dst_idx),
+                         v=scatter_in_place(copy, cache.v, src_idx, dst_idx))
 
 
 def visibility(lengths: jax.Array, tree_mask: jax.Array, max_len: int) -> jax.Array:

@@ -146,6 +146,19 @@ def _with_sharding(tree, shardings):
     return jax.tree.map(one, tree, shardings, is_leaf=lambda x: isinstance(x, QArray))
 
 
+def _float8_as_bytes(tree):
+    """FP8 weights' values declared as their raw bytes (uint8; quant.float8_view reads them as
+    float8 where they are used): XLA:CPU has no float8 arithmetic and widens every float8 stack
+    whole, ahead of the layer loop, where a GPU widens one layer's slice inside it."""
+    def one(leaf):
+        if isinstance(leaf, QArray) and jnp.issubdtype(leaf.values.dtype, jnp.floating):
+            v = leaf.values
+            return dataclasses.replace(leaf, values=jax.ShapeDtypeStruct(v.shape, jnp.uint8, sharding=v.sharding))
+        return leaf
+
+    return jax.tree.map(one, tree, is_leaf=lambda x: isinstance(x, QArray))
+
+
 def abstract_target(cfg: ModelConfig, dtype, mesh: Mesh) -> dict:
     params = abstract_params(cfg, dtype)
     return _with_sharding(params, param_shardings(params, cfg, mesh))
@@ -344,6 +357,11 @@ def plan_memory(target, draft=None, mesh: Mesh | None = None, batch: int = 1, ma
     since this host has no such GPU): each kernel stands in as an opaque op of its exact output
     shapes (`launch.shape_only`), so the plan counts the kernels' outputs and no dequantized
     weight copies. `MemoryPlan.path` says which path a plan is for.
+
+    Either way the programs are compiled as a GPU holds them, where XLA:CPU would hold more: KV
+    cache writes count as in place (`launch.scatters_in_place`; XLA:CPU widens a bfloat16 cache
+    to float32 and back at each write) and FP8 weights are declared as their bytes
+    (`_float8_as_bytes`; XLA:CPU widens whole float8 stacks ahead of the layer loop).
     """
     from pallas_kernels import launch
 
@@ -356,8 +374,11 @@ def plan_memory(target, draft=None, mesh: Mesh | None = None, batch: int = 1, ma
     setup = abstract_setup(target, draft, mesh, batch, max_len, spec, quant, dtype,
                            kernels=kernels if wants_kernels else None)
     cfg, dcfg, spec, mesh = setup.cfg, setup.dcfg, setup.spec, setup.mesh
+    setup = dataclasses.replace(setup, tparams=_float8_as_bytes(setup.tparams),
+                                dparams=_float8_as_bytes(setup.dparams))
     tparams, tcache, dparams, dcache = setup.tparams, setup.tcache, setup.dparams, setup.dcache
     stand_ins = contextlib.ExitStack()
+    stand_ins.enter_context(launch.scatters_in_place())
     if wants_kernels:
         stand_ins.enter_context(launch.for_arch(arch))
         stand_ins.enter_context(launch.shape_only())

@@ -136,7 +136,17 @@ def decode_values(q: QArray) -> jax.Array:
         return (_unpack_nibbles(q.values) - 8).astype(jnp.float32)
     if fmt == "mxfp4":
         return jnp.asarray(E2M1_VALUES)[_unpack_nibbles(q.values)]
-    return q.values.astype(jnp.float32)
+    return float8_view(q).astype(jnp.float32)
+
+
+def float8_view(q: QArray) -> jax.Array:
+    """An FP8 weight's values as float8. They may be held as their raw bytes (uint8, as the
+    memory planner declares them: XLA:CPU has no float8 arithmetic and would widen whole stacked
+    float8 weights ahead of the layer loop, where a GPU widens one layer's slice in it); the
+    bytes are viewed in place."""
+    if q.values.dtype == jnp.uint8:
+        return jax.lax.bitcast_convert_type(q.values, q.qformat.values_dtype)
+    return q.values
 
 
 def decode_scales(q: QArray) -> jax.Array:

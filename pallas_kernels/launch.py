@@ -187,6 +187,32 @@ def call(kernel, out_shape, *inputs):
     return outputs
 
 
+_scatters_in_place: contextvars.ContextVar[bool] = contextvars.ContextVar("eagle3_scatters_in_place", default=False)
+
+
+@contextlib.contextmanager
+def scatters_in_place():
+    """Within: `scatter_in_place` updates stand in as the buffer itself (what the memory planner
+    compiles on a host without the GPU; see there)."""
+    token = _scatters_in_place.set(True)
+    try:
+        yield
+    finally:
+        _scatters_in_place.reset(token)
+
+
+def scatter_in_place(scatter, buffer, *operands):
+    """`scatter(buffer, *operands)`: an update of `buffer` that a GPU's XLA emits in place into
+    the donated buffer. Under `scatters_in_place()`, `buffer` itself passed through an
+    optimization barrier with the operands: XLA:CPU cannot scatter 16-bit floats, so it would
+    widen the whole buffer (a stacked KV cache) to float32 and back at every write, two
+    cache-sized temps per write that the GPU program never holds."""
+    if not _scatters_in_place.get():
+        return scatter(buffer, *operands)
+    buffer, _ = jax.lax.optimization_barrier((buffer, list(operands)))
+    return buffer
+
+
 def is_overridden() -> bool:
     """Whether an enclosing `for_arch` names the architecture traced for."""
     return _override.get() is not None
