@@ -458,8 +458,14 @@ def test_orbax_refuses_existing_out_dir_unless_overwrite(deepseek_fp8, tmp_path)
     folder, _, _, cfg, want = deepseek_fp8
     out = tmp_path / "o"
     out.mkdir()
+    (out / "notes.txt").write_text("mine")
     with pytest.raises(CheckpointError, match="already exists"):
         save_orbax(folder, out, cfg, progress=False)
+    assert (out / "notes.txt").read_text() == "mine"
+    with pytest.raises(CheckpointError, match="is the input"):
+        save_orbax(folder, folder, cfg, progress=False, overwrite=True)
+    with pytest.raises(CheckpointError, match="inside the input"):
+        save_orbax(folder, os.path.join(folder, "orbax"), cfg, progress=False, overwrite=True)
     save_orbax(folder, out, cfg, progress=False, overwrite=True)
     assert is_orbax_dir(out)
     assert_flat_equal(read_flat_params(out, cfg), want)

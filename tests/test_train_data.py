@@ -193,11 +193,13 @@ def test_export_errors_and_replacement(tmp_path):
     target, draft, vocab = _export_case(num_layers=1, reduced=True)
     out = tmp_path / "d"
     export_hf_draft(out, draft.config, draft.params, None, dtype="float32")  # d2t taken from params
-    export_hf_draft(out, draft.config, draft.params, vocab, dtype="float32")  # replaces an earlier export
+    with pytest.raises(ValueError, match="already exists; pass --overwrite"):
+        export_hf_draft(out, draft.config, draft.params, vocab, dtype="float32")
+    export_hf_draft(out, draft.config, draft.params, vocab, dtype="float32", overwrite=True)  # replaces it
     foreign = tmp_path / "foreign"
     foreign.mkdir()
     (foreign / "notes.txt").write_text("mine")
-    with pytest.raises(FileExistsError, match="refusing"):
+    with pytest.raises(ValueError, match="already exists"):
         export_hf_draft(foreign, draft.config, draft.params, vocab)
     assert (foreign / "notes.txt").read_text() == "mine"
     other = select_draft_vocab(np.arange(V), 24)
@@ -387,8 +389,10 @@ def test_feature_store_bfloat16_and_validation(rows, tmp_path):
     assert batch["aux"].dtype == jnp.bfloat16
     np.testing.assert_allclose(batch["aux"].astype(np.float32), np.asarray(online["aux"], np.float32), rtol=0.02, atol=0.02)
     np.testing.assert_allclose(batch["teacher_logits"], np.asarray(online["teacher_logits"]), rtol=0.02, atol=0.05)
-    # a store is replaced by a new store, a foreign folder is not
-    write_feature_store(path, bf, tokens[:2], mask[:2], draft_ids, batch_size=8, progress=False)
+    # a store is replaced only when asked
+    with pytest.raises(ValueError, match="already exists"):
+        write_feature_store(path, bf, tokens[:2], mask[:2], draft_ids, batch_size=8, progress=False)
+    write_feature_store(path, bf, tokens[:2], mask[:2], draft_ids, batch_size=8, progress=False, overwrite=True)
     assert len(FeatureStore(path)) == 2
     os.remove(os.path.join(path, "shard00000.aux.npy"))
     with pytest.raises(FileNotFoundError, match="shard00000.aux.npy"):

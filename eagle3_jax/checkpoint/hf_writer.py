@@ -46,19 +46,18 @@ def hf_tensors(flat: dict[str, np.ndarray], cfg: ModelConfig) -> dict[str, np.nd
     return out
 
 
-def _is_hf_target(folder: str) -> bool:
-    return os.path.isfile(os.path.join(folder, "config.json")) and os.path.isfile(os.path.join(folder, "model.safetensors"))
-
-
 def save_hf_target(out_dir: str, flat: dict[str, np.ndarray], cfg: ModelConfig, config_json: dict,
-                   extra_files: dict[str, str] | None = None) -> str:
+                   extra_files: dict[str, str] | None = None, *, overwrite: bool = False,
+                   inputs: dict[str, str] | None = None) -> str:
     """Write config.json + model.safetensors (+ copies of `extra_files`: name -> source path) atomically.
 
-    An existing `out_dir` is replaced only if it is empty or an earlier HF model folder.
+    An existing `out_dir` (not empty) is replaced only with `overwrite`; an `out_dir` equal to,
+    inside or containing one of `inputs` (name -> path) or an extra file's folder never is.
     """
     from safetensors.numpy import save_file
 
-    with atomic_dir(out_dir, _is_hf_target, "HF model folder") as tmp:
+    sources = {f"the source of {name}": os.path.dirname(os.path.abspath(src)) for name, src in (extra_files or {}).items()}
+    with atomic_dir(out_dir, "HF model folder", overwrite=overwrite, inputs={**sources, **(inputs or {})}) as tmp:
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(config_json, f, indent=2, sort_keys=True)
         save_file(hf_tensors(flat, cfg), os.path.join(tmp, "model.safetensors"))

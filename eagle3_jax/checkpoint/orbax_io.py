@@ -34,6 +34,7 @@ from ..config import ModelConfig
 from ..params import ParamSpec, flat_specs
 from ..quant import QArray, QFormat, dequantize
 from . import quant as host_quant
+from .atomic import check_output, clean_leftovers, swap_in
 from .errors import CheckpointError
 from .hf_loader import Plan, build_param, layer_of, plan_hf, resolve_dtype
 from .safetensors_io import open_hf_checkpoint
@@ -169,8 +170,7 @@ def save_orbax(
     out_dtype = resolve_dtype(dtype)
     if not os.path.isfile(os.path.join(hf_dir, "config.json")):
         raise CheckpointError(f"no config.json in {hf_dir}; pass the HF model folder (config.json + safetensors)")
-    if os.path.exists(out_dir) and not overwrite:
-        raise CheckpointError(f"output folder {out_dir} already exists; choose another --out_dir or pass --overwrite")
+    check_output(out_dir, name="output folder", overwrite=overwrite, inputs={"HF folder": hf_dir})
     if cfg.quant is not None and cfg.quant.fnuz:
         raise CheckpointError("converted checkpoints store OCP float8 (e4m3fn); fnuz is chosen when loading, not converting")
     plan = plan_hf(open_hf_checkpoint(hf_dir), cfg)  # validate before writing anything
@@ -260,14 +260,9 @@ def _write_json(path: str, obj: Any) -> None:
 
 def _swap_into_place(partial: str, out_dir: str) -> None:
     """Rename the finished folder into place; an existing out_dir (overwrite) is moved aside
-    first and deleted only after the new one is in place."""
-    if not os.path.exists(out_dir):
-        os.rename(partial, out_dir)
-        return
-    old = f"{out_dir}.old-{os.getpid()}"
-    os.rename(out_dir, old)
-    os.rename(partial, out_dir)
-    shutil.rmtree(old, ignore_errors=True)
+    first and deleted only after the new one is in place (`atomic`'s swap)."""
+    clean_leftovers(out_dir)
+    swap_in(partial, out_dir)
 
 
 def _validate_marker(path: str, marker: dict[str, Any], cfg: ModelConfig) -> dict[str, dict[str, Any]]:

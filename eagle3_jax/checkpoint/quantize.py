@@ -141,16 +141,19 @@ def _ignored_modules(cfg, scope: str) -> tuple[str, ...]:
 
 
 def quantize_checkpoint(src: str, out: str, method: str = "int4_pack", group_size: int = 32,
-                        scope: str = "experts") -> str:
+                        scope: str = "experts", *, overwrite: bool = False) -> str:
     """Write a round-to-nearest quantized copy of the HF target folder `src` to `out` in the real
     checkpoint layout of `method` (its config.json gains the `quantization_config` such a
     checkpoint ships; tokenizer and other files are copied). `scope`: "experts" quantizes only
-    the routed experts (as Kimi-K2.5 ships), "all" every linear weight but the LM head."""
+    the routed experts (as Kimi-K2.5 ships), "all" every linear weight but the LM head. An
+    existing `out` is replaced only with `overwrite`; `out` equal to, inside or containing `src`
+    never is (checked before anything is read)."""
     import json
     import os
 
     from ..config import load_model_config, parse_model_config
     from ..params import flat_specs
+    from .atomic import check_output
     from .errors import CheckpointError
     from .hf_writer import save_hf_target
     from .loader import read_flat_params
@@ -159,6 +162,7 @@ def quantize_checkpoint(src: str, out: str, method: str = "int4_pack", group_siz
         raise ValueError(f"cannot quantize to {method!r}; supported: {', '.join(METHODS)}")
     if scope not in SCOPES:
         raise ValueError(f"scope must be one of {', '.join(SCOPES)}; got {scope!r}")
+    check_output(out, name="out", overwrite=overwrite, inputs={"src": src})
     cfg = load_model_config(src)
     if cfg.quant is not None:
         raise CheckpointError(f"{src} is already quantized ({cfg.quant.method}); quantize a float checkpoint")
@@ -175,4 +179,4 @@ def quantize_checkpoint(src: str, out: str, method: str = "int4_pack", group_siz
     extra = {name: os.path.join(src, name) for name in sorted(os.listdir(src))
              if name != "config.json" and not name.endswith((".safetensors", ".safetensors.index.json"))
              and os.path.isfile(os.path.join(src, name))}
-    return save_hf_target(out, flat, qcfg, raw, extra_files=extra)
+    return save_hf_target(out, flat, qcfg, raw, extra_files=extra, overwrite=overwrite, inputs={"src": src})

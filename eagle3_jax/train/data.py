@@ -34,7 +34,7 @@ import numpy as np
 
 from .. import kv_cache
 from ..target import Target, forward
-from .export import atomic_dir
+from ..checkpoint.atomic import atomic_dir
 
 STORE_FORMAT = "eagle3_jax.feature_store"
 STORE_VERSION = 1
@@ -410,16 +410,10 @@ def _shard_file(root: str, shard: int, key: str) -> str:
     return os.path.join(root, f"shard{shard:05d}.{key}.npy")
 
 
-def _is_store(path: str) -> bool:
-    try:
-        with open(os.path.join(path, "meta.json")) as f:
-            return json.load(f).get("format") == STORE_FORMAT
-    except (OSError, ValueError, AttributeError):
-        return False
-
 
 def write_feature_store(out_dir: str | os.PathLike, target: Target, tokens, loss_mask, draft_ids,
-                        batch_size: int = 16, progress: bool = True, *, shard_size: int = 1024) -> str:
+                        batch_size: int = 16, progress: bool = True, *, shard_size: int = 1024,
+                        overwrite: bool = False) -> str:
     """"Offline" mode: run `teacher_batch` once per batch and store everything for training.
 
     Layout: `meta.json` plus, per shard of `shard_size` rows, one .npy per key
@@ -461,7 +455,7 @@ def write_feature_store(out_dir: str | os.PathLike, target: Target, tokens, loss
         from tqdm import tqdm
     except ImportError:  # tqdm is a dependency, but progress bars are optional
         tqdm = None
-    with atomic_dir(out_dir, _is_store, "feature store") as tmp:
+    with atomic_dir(out_dir, "feature store", overwrite=overwrite) as tmp:
         maps: dict[int, dict[str, np.ndarray]] = {}
 
         def shard_maps(s: int) -> dict[str, np.ndarray]:

@@ -246,20 +246,16 @@ def hf_draft_tensors(cfg: DraftConfig, params: dict, vocab: DraftVocab | None, *
     return tensors
 
 
-def _is_draft_folder(path: str) -> bool:
-    try:
-        with open(os.path.join(path, "config.json")) as f:
-            return bool({ARCHITECTURE, MLA_ARCHITECTURE} & set(json.load(f).get("architectures") or []))
-    except (OSError, ValueError, AttributeError):
-        return False
-
 
 def export_hf_draft(out_dir: str | os.PathLike, cfg: DraftConfig, params: dict, vocab: DraftVocab | None = None, *,
-                    dtype: str = "bfloat16", include_embed: bool = False) -> str:
+                    dtype: str = "bfloat16", include_embed: bool = False, overwrite: bool = False,
+                    extra_files: dict[str, str] | None = None) -> str:
     """Write `params` (the tree `draft._assemble` builds) as an HF EAGLE-3 draft folder; returns its path.
 
     `vocab` supplies d2t / t2d when the draft vocabulary is reduced (else taken from params['d2t']).
-    An existing `out_dir` is replaced only if it is empty or an earlier EAGLE-3 draft export.
+    An existing `out_dir` (not empty) is replaced only with `overwrite`, and only once the new
+    folder is complete (`checkpoint.atomic`). `extra_files` (name -> text) are written beside the
+    weights, inside the same swap (a training log).
     """
     if not isinstance(cfg, DraftConfig):
         raise TypeError(f"cfg must be an eagle3_jax.draft.DraftConfig; got {type(cfg).__name__}")
@@ -267,9 +263,12 @@ def export_hf_draft(out_dir: str | os.PathLike, cfg: DraftConfig, params: dict, 
     tensors = hf_draft_tensors(cfg, params, vocab, dtype=name, include_embed=include_embed)
     config = draft_config_json(cfg, name)
     out = os.path.abspath(os.fspath(out_dir))
-    with atomic_dir(out, _is_draft_folder, "EAGLE-3 draft export") as tmp:
+    with atomic_dir(out, "EAGLE-3 draft export", overwrite=overwrite) as tmp:
         write_safetensors(os.path.join(tmp, "model.safetensors"), tensors)
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(config, f, indent=2)
             f.write("\n")
+        for name, text in (extra_files or {}).items():
+            with open(os.path.join(tmp, name), "w", encoding="utf-8") as f:
+                f.write(text)
     return out
