@@ -22,9 +22,10 @@ from __future__ import annotations
 import contextlib
 import logging as std_logging
 import os
+import signal
 import sys
 import traceback
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator, Mapping, Sequence
 
 from absl import app, flags, logging
 
@@ -171,10 +172,62 @@ def run(main: Callable[[list[str]], int | None]) -> None:
         configure_logging()
         return guarded_main(argv)
 
+    # SIGTERM (a scheduler's kill, `timeout`) unwinds like Ctrl-C, so a half-written output's
+    # temporary is removed and the old output stays as it was.
+    signal.signal(signal.SIGTERM, _interrupt)
     app.run(logged_main, flags_parser=parse_flags)
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def reject_positional(argv: Sequence[str]) -> None:
     """A usage error for positional arguments (every script takes flags only)."""
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])} (flags are written --name=value)")
+
+
+# ---- outputs and inputs -------------------------------------------------------------------------------------
+
+
+def define_overwrite_flag(what: str = "outputs") -> None:
+    flags.DEFINE_bool("overwrite", False, f"Replace existing {what} (the new ones are swapped in only once complete; "
+                      "an output that is or holds an input is refused even so).")
+
+
+def check_output(flag: str, path: str | None, inputs: Mapping[str, str | None] | None = None,
+                 is_file: bool = False) -> str | None:
+    """Refuse, before any work, an output the run must not write (see eagle3_jax.checkpoint.atomic):
+    one that exists without --overwrite, one that is, holds or lies in an input (by flag), one in a
+    folder that cannot be written. Returns its absolute path (None for None)."""
+    if path is None:
+        return None
+    from eagle3_jax.checkpoint.atomic import check_output as check
+
+    overwrite = "overwrite" in FLAGS and bool(FLAGS["overwrite"].value)
+    return check(path, name=flag, overwrite=overwrite, inputs=inputs, is_file=is_file)
+
+
+def read_text(path: str, flag: str) -> str:
+    """The UTF-8 text of the file a flag names; a usage error naming the file and the byte offset for
+    binary or non-UTF-8 content."""
+    if not os.path.isfile(path):
+        raise app.UsageError(f"{flag} {path} does not exist or is not a file")
+    with open(path, "rb") as f:
+        data = f.read()
+    return decode_text(data, path, flag)
+
+
+def decode_text(data: bytes, path: str, flag: str) -> str:
+    """`data` as UTF-8 (a leading BOM dropped); a usage error at the first undecodable or NUL byte."""
+    nul = data.find(b"\0")
+    if nul >= 0:
+        raise app.UsageError(f"{flag} {path} is binary, not text (a NUL byte at offset {nul}); give a UTF-8 text file")
+    start = 3 if data.startswith(b"\xef\xbb\xbf") else 0  # a BOM some editors write
+    try:
+        return data[start:].decode("utf-8")
+    except UnicodeDecodeError as e:
+        offset = start + e.start
+        raise app.UsageError(f"{flag} {path} is not UTF-8 text (byte 0x{data[offset]:02x} at offset {offset}); "
+                             "convert it to UTF-8") from None

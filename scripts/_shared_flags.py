@@ -3,7 +3,7 @@ kernels run, the device mesh (one host or several), the speculation setting and 
 
 from __future__ import annotations
 
-from typing import Sequence
+import os
 
 from absl import app, flags
 
@@ -177,17 +177,75 @@ def check_max_seq_len(requested: int | None, max_positions: int, default_cap: in
     return int(requested)
 
 
-def max_tokens_caps(prompt_lens: Sequence[int], max_tokens: int, max_seq_len: int) -> dict[int, int]:
-    """{prompt index: tokens it can generate} for the prompts whose max_tokens does not fit in
-    max_seq_len (the engine stops them there, with finish_reason "length")."""
-    return {i: max_seq_len - n for i, n in enumerate(prompt_lens) if n + max_tokens > max_seq_len}
+# ---- model folders ---------------------------------------------------------------------------------
 
 
-def warn_max_tokens_caps(prompt_lens: Sequence[int], max_tokens: int, max_seq_len: int) -> None:
-    """Log a warning for each prompt whose --max_tokens is cut to fit --max_seq_len."""
-    caps = max_tokens_caps(prompt_lens, max_tokens, max_seq_len)
-    for i, room in list(caps.items())[:3]:
-        warn(f"--max_tokens={max_tokens} is cut to {room} for prompt {i}: its {prompt_lens[i]} tokens plus "
-             f"max_tokens must fit --max_seq_len={max_seq_len}")
-    if len(caps) > 3:
-        warn(f"... and for {len(caps) - 3} more prompts")
+def _architectures(folder: str) -> list[str]:
+    import json
+
+    try:
+        with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
+            raw = json.load(f)
+    except (OSError, ValueError):
+        return []  # the loader names what is wrong with it
+    return [a for a in (raw.get("architectures") or []) if isinstance(a, str)] if isinstance(raw, dict) else []
+
+
+def _is_draft(folder: str) -> bool:
+    return any("eagle3" in a.lower() for a in _architectures(folder))
+
+
+def check_target_path(flag: str, path: str | None, draft_flag: str | None = "--draft") -> None:
+    """A usage error, before anything loads, for a --model / --target that is a file inside the model
+    folder (config.json, tokenizer.json, ...) or an EAGLE-3 draft folder; a missing folder is left
+    to the loader, whose error names it."""
+    if path is None or not os.path.exists(path):
+        return
+    if not os.path.isdir(path):
+        raise app.UsageError(f"{flag}={path} is a file; pass the model folder that holds it "
+                             f"({os.path.dirname(path) or '.'}): config.json, the weights and the tokenizer")
+    if _is_draft(path):
+        if draft_flag is None:
+            raise app.UsageError(f"{flag}={path} is an EAGLE-3 draft, not a target model; give a target model folder")
+        raise app.UsageError(f"{flag}={path} is an EAGLE-3 draft; pass it as {draft_flag}, with its target model as {flag}")
+
+
+def check_draft_path(flag: str, path: str | None) -> None:
+    """A usage error, before anything loads, for a --draft that is a file or a target model folder."""
+    if path is None or not os.path.exists(path):
+        return
+    if not os.path.isdir(path):
+        raise app.UsageError(f"{flag}={path} is a file; pass the draft folder that holds it ({os.path.dirname(path) or '.'})")
+    if _architectures(path) and not _is_draft(path):
+        raise app.UsageError(f"{flag}={path} is not an EAGLE-3 draft (its config.json names {', '.join(_architectures(path))}); "
+                             f"a target model goes in --model / --target, an EAGLE-3 draft folder in {flag}")
+
+
+# ---- chat template ---------------------------------------------------------------------------------
+
+
+def define_chat_template_flag() -> None:
+    flags.DEFINE_string("chat_template", None, "Chat template for chat prompts: a .jinja file (or a .json holding "
+                        "\"chat_template\"), or join = the messages' contents joined by newlines, roles dropped (for "
+                        "base models). Default: the tokenizer folder's template; a model without one refuses chat.")
+
+
+def chat_template_from_flags(tokenizer_dir: str, required: bool):
+    """The ChatTemplate --chat_template asks for (default: the tokenizer folder's); a usage error for a
+    file that is not a template, and, when `required`, for a model without one."""
+    from eagle3_jax.serving.openai_api import JOIN, ChatTemplate
+
+    value = FLAGS.chat_template
+    if value not in (None, JOIN) and not os.path.isfile(value):
+        raise app.UsageError(f"--chat_template={value} is neither a file nor '{JOIN}'; give a .jinja chat template file")
+    try:
+        template = ChatTemplate.from_flag(value, tokenizer_dir)
+    except UnicodeDecodeError as e:
+        raise app.UsageError(f"--chat_template={value} is not UTF-8 text (byte offset {e.start})") from None
+    except (OSError, ValueError) as e:
+        raise app.UsageError(f"--chat_template: {e}") from None
+    if required and not template.available:
+        raise app.UsageError(f"{tokenizer_dir} has no chat template (tokenizer_config.json's chat_template or "
+                             f"chat_template.jinja); pass one with --chat_template=<file.jinja>, or --chat_template={JOIN} "
+                             "to join the messages' contents with newlines")
+    return template

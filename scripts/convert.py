@@ -22,6 +22,7 @@ from absl import app, flags
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import _cli  # noqa: E402
+from _shared_flags import check_target_path  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("hf_dir", None, "HF model folder: config.json + model.safetensors or a sharded index.")
@@ -42,6 +43,8 @@ flags.mark_flags_as_required(["hf_dir", "out_dir"])
 def main(argv: list[str]) -> int:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected positional arguments: {' '.join(argv[1:])} (use --hf_dir / --out_dir)")
+    check_target_path("--hf_dir", FLAGS.hf_dir, draft_flag=None)
+    _cli.check_output("--out_dir", FLAGS.out_dir, {"--hf_dir": FLAGS.hf_dir})
     from eagle3_jax.checkpoint import save_orbax  # imported here so that --help works without loading JAX
     from eagle3_jax.config import load_model_config
     from eagle3_jax.target import with_quant_options

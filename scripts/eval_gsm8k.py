@@ -48,7 +48,10 @@ from absl import app, flags
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import _cli  # noqa: E402
-from _shared_flags import define_mesh_flags, define_quant_flags, mesh_from_flags, quant_options  # noqa: E402
+import _shared_flags  # noqa: E402
+from _shared_flags import (  # noqa: E402
+    chat_template_from_flags, check_draft_path, check_target_path, define_chat_template_flag, define_mesh_flags,
+    define_quant_flags, mesh_from_flags, quant_options)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("target", None, "Target model folder (HF or Orbax) for in-process runs.")
@@ -87,6 +90,10 @@ flags.DEFINE_string("output", None, "Write the report as JSON here (scores, tau,
 flags.DEFINE_bool("warmup", True, "Answer the first --concurrency questions once, untimed, before each timed run, "
                   "so that its tokens/s mostly excludes compilation (in-process, or on a fresh server).")
 flags.DEFINE_bool("progress", True, "Show tqdm progress bars.")
+define_chat_template_flag()
+_cli.define_overwrite_flag("--output")
+flags.adopt_module_key_flags(_shared_flags)
+flags.adopt_module_key_flags(_cli)
 
 def _template_dir(tok_path: str) -> str:
     """The folder a chat template is read from: the tokenizer folder, or the folder of a tokenizer.json."""
@@ -116,10 +123,19 @@ def _usage_checks() -> None:
         if FLAGS.target is not None or FLAGS.draft is not None:
             raise app.UsageError("--target and --draft are for in-process runs; with --base_url the servers hold the "
                             "models (drop them, or drop --base_url)")
+        if FLAGS.chat_template is not None:
+            raise app.UsageError("--chat_template is for in-process runs; a server applies its own (scripts/serve.py "
+                                 "--chat_template)")
     elif FLAGS.target is None:
         raise app.UsageError("give --target (a model folder, for an in-process run) or --base_url (a running server)")
     elif FLAGS.labels:
         raise app.UsageError("--labels names --base_url runs; in-process runs are named by --spec")
+    else:
+        check_target_path("--target", FLAGS.target)
+        check_draft_path("--draft", FLAGS.draft)
+    inputs = {"--data": FLAGS.data, "--fewshot_file": FLAGS.fewshot_file, "--target": FLAGS.target,
+              "--draft": FLAGS.draft, "--tokenizer": FLAGS.tokenizer}
+    _cli.check_output("--output", FLAGS.output, inputs, is_file=True)
 
 
 def load_inputs():
@@ -167,7 +183,6 @@ def run_in_process(problems, shots) -> tuple[list, dict]:
     from eagle3_jax.bench import gsm8k, parse_specs  # the one import of the --spec parser
     from eagle3_jax.bench.runner import CompileCounter, make_scheduler, ordered
     from eagle3_jax.checkpoint import CheckpointError
-    from eagle3_jax.serving.openai_api import ChatTemplate
     from eagle3_jax.tokenizer import TokenizerError, load_tokenizer
 
     try:
@@ -182,7 +197,7 @@ def run_in_process(problems, shots) -> tuple[list, dict]:
     try:  # config, tokenizer and prompts first: their errors come before a long weight load
         model_cfg = e3.load_model_config(FLAGS.target)
         tok = load_tokenizer(tok_path, bos_id=model_cfg.bos_token_id)
-        template = ChatTemplate.from_dir(_template_dir(tok_path))
+        template = chat_template_from_flags(_template_dir(tok_path), required=True)
         texts = gsm8k.render_prompts(problems, shots, multiturn=FLAGS.fewshot_as_multiturn, render=template.render)
         prompts = [tok.encode(t, add_bos=True) for t in texts]  # as scripts/serve.py's chat endpoint does
         longest = max(len(p) for p in prompts)
@@ -228,6 +243,8 @@ def run(argv: Sequence[str]) -> None:
     runs, config = run_servers(problems, shots) if FLAGS.base_url else run_in_process(problems, shots)
     import jax
 
+    from eagle3_jax.checkpoint.atomic import write_text_output
+
     if jax.process_index() > 0:  # multi-host: every process ran the same questions; process 0 reports
         return
     config.update({"num_questions": len(problems), "num_fewshot": len(shots),
@@ -246,9 +263,8 @@ def run(argv: Sequence[str]) -> None:
                   f"{row['wall_s']:.1f} s" + (f" ({row['num_output_tokens'] / rest:.1f} tok/s without them)"
                                                if rest > 0 else ""))
     if FLAGS.output:
-        os.makedirs(os.path.dirname(os.path.abspath(FLAGS.output)), exist_ok=True)
-        with open(FLAGS.output, "w", encoding="utf-8") as f:
-            json.dump(report, f, indent=1, ensure_ascii=False)
+        write_text_output(FLAGS.output, json.dumps(report, indent=1, ensure_ascii=False), name="--output",
+                          overwrite=FLAGS.overwrite)
         print(f"wrote {FLAGS.output}")
 
 

@@ -11,8 +11,8 @@ of the generate call and tokens/s; with --draft also the mean acceptance length 
 included) and the per-position acceptance rates. By default generate runs once untimed first, so the timed
 run excludes compilation (--nowarmup to skip it).
 
-A prompt whose --max_tokens does not fit in --max_seq_len generates only what fits (a warning says
-so); --max_seq_len above the model's max_position_embeddings needs --allow_long_max_seq_len.
+A prompt whose --max_tokens does not fit in --max_seq_len generates only what fits (the engine's
+warning says so); --max_seq_len above the model's max_position_embeddings needs --allow_long_max_seq_len.
 Mistakes in the flags, paths or inputs end the script with one line on stderr and exit status 2.
 """
 
@@ -29,9 +29,10 @@ from absl import app, flags
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import _cli  # noqa: E402
+import _shared_flags  # noqa: E402
 from _shared_flags import (  # noqa: E402
-    check_max_seq_len, define_max_seq_len_flags, define_mesh_flags, define_quant_flags, define_spec_flags,
-    mesh_from_flags, quant_options, spec_from_flags, warn_max_tokens_caps)
+    check_draft_path, check_max_seq_len, check_target_path, define_max_seq_len_flags, define_mesh_flags,
+    define_quant_flags, define_spec_flags, mesh_from_flags, quant_options, spec_from_flags)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", None, "HF model folder (safetensors + config.json) or Orbax folder from scripts/convert.py.")
@@ -52,16 +53,16 @@ flags.DEFINE_bool("warmup", True, "Run generate once before the timed run so tok
 flags.DEFINE_string("draft", None, "EAGLE-3 draft folder (HF LlamaForCausalLMEagle3 layout); unset = plain decoding.")
 define_spec_flags()
 flags.mark_flag_as_required("model")
+# --help lists the shared flags (speculation, mesh, kernels, quantization, --verbose) with the script's own
+flags.adopt_module_key_flags(_shared_flags)
+flags.adopt_module_key_flags(_cli)
 
 
 def read_prompts(prompt: str, prompts_file: str | None) -> list[str]:
     """The prompt texts: the file's non-blank lines, or the single --prompt."""
     if prompts_file is None:
         return [prompt]
-    if not os.path.isfile(prompts_file):
-        raise app.UsageError(f"--prompts_file {prompts_file} does not exist or is not a file")
-    with open(prompts_file, encoding="utf-8") as f:
-        lines = [line.rstrip("\r\n") for line in f]
+    lines = _cli.read_text(prompts_file, "--prompts_file").splitlines()
     prompts = [line for line in lines if line.strip()]
     if not prompts:
         raise app.UsageError(f"--prompts_file {prompts_file} has no non-blank lines")
@@ -87,6 +88,8 @@ def main(argv: Sequence[str]) -> None:
         raise app.UsageError("give --prompt or --prompts_file, not both")
     texts = read_prompts(FLAGS.prompt, FLAGS.prompts_file)
     spec = spec_from_flags(has_draft=FLAGS.draft is not None, allow_auto=False)
+    check_target_path("--model", FLAGS.model)
+    check_draft_path("--draft", FLAGS.draft)
 
     import jax
 
@@ -108,7 +111,6 @@ def main(argv: Sequence[str]) -> None:
                               max_tokens=FLAGS.max_tokens, seed=FLAGS.seed + i, stop_token_ids=stops)
             for i in range(len(prompts))
         ]
-    warn_max_tokens_caps([len(p) for p in prompts], FLAGS.max_tokens, max_seq_len)
 
     target = e3.load_target(FLAGS.model, dtype=FLAGS.dtype, mesh=mesh, **quant_options())
     draft = None if FLAGS.draft is None else e3.load_draft(FLAGS.draft, target=target, dtype=FLAGS.dtype,

@@ -24,28 +24,34 @@ from absl import flags
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import _cli  # noqa: E402
+from _shared_flags import check_target_path  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("src", None, "Float HF target folder (config.json + safetensors).")
-flags.DEFINE_string("out", None, "Output folder (replaced only if empty or an earlier HF model folder).")
+flags.DEFINE_string("out", None, "Output folder (must not exist unless --overwrite; never --src, inside it or "
+                    "holding it).")
 flags.DEFINE_enum("method", "int4_pack", ["int4_pack", "fp8_block", "mxfp4", "fp8_channel"], "Quantized format.")
 flags.DEFINE_integer("group_size", 32, "int4_pack: input columns per scale (must divide every quantized weight's "
                      "input width).", lower_bound=8)
 flags.DEFINE_enum("scope", "experts", ["experts", "all"], "experts: only routed experts; all: every linear weight "
                   "but the LM head.")
+_cli.define_overwrite_flag("--out")
 flags.mark_flags_as_required(["src", "out"])
 
 
 def main(argv: Sequence[str]) -> None:
     _cli.reject_positional(argv)
+    check_target_path("--src", FLAGS.src, draft_flag=None)
+    _cli.check_output("--out", FLAGS.out, {"--src": FLAGS.src})
     from eagle3_jax.checkpoint.quantize import quantize_checkpoint
     from eagle3_jax.config import load_model_config
     from eagle3_jax.params import flat_specs
 
     # quantize_checkpoint's ValueErrors name what the flags asked for and the model cannot take
-    # (a --group_size that does not divide a weight, an --out that is not an earlier model folder)
+    # (a --group_size that does not divide a weight)
     with _cli.usage_errors():
-        out = quantize_checkpoint(FLAGS.src, FLAGS.out, FLAGS.method, FLAGS.group_size, FLAGS.scope)
+        out = quantize_checkpoint(FLAGS.src, FLAGS.out, FLAGS.method, FLAGS.group_size, FLAGS.scope,
+                                  overwrite=FLAGS.overwrite)
     cfg = load_model_config(out)
     quantized = [n for n, s in flat_specs(cfg).items() if s.quant is not None]
     print(f"wrote {out}: {cfg.quant.method} ({len(quantized)} of {len(flat_specs(cfg))} tensors quantized, "

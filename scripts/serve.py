@@ -33,6 +33,7 @@ with a `warnings` list and an X-Eagle3-Warnings header (see eagle3_jax/serving/o
 
 from __future__ import annotations
 
+import errno
 import os
 import socket
 import sys
@@ -45,9 +46,11 @@ from absl import app, flags
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import _cli  # noqa: E402
+import _shared_flags  # noqa: E402
 from _shared_flags import (  # noqa: E402
-    check_max_seq_len, define_max_seq_len_flags, define_mesh_flags, define_quant_flags, define_spec_flags,
-    mesh_from_flags, quant_options, spec_from_flags)
+    chat_template_from_flags, check_draft_path, check_max_seq_len, check_target_path, define_chat_template_flag,
+    define_max_seq_len_flags, define_mesh_flags, define_quant_flags, define_spec_flags, mesh_from_flags,
+    quant_options, spec_from_flags)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("target", None, "Target model: HF folder (safetensors + config.json) or Orbax folder from "
@@ -73,23 +76,43 @@ flags.DEFINE_integer("prefill_chunk", 256, "Prompt tokens prefilled per schedule
 define_mesh_flags("Process 0 serves HTTP and schedules; the other processes run its steps on their devices.")
 flags.DEFINE_bool("warmup", True, "Run a few tiny requests before listening, so the first clients do not wait "
                   "for compilation (--nowarmup to skip).")
+define_chat_template_flag()
 flags.mark_flag_as_required("target")
+# --help lists the shared flags (speculation, mesh, kernels, quantization, --verbose) with the script's own
+flags.adopt_module_key_flags(_shared_flags)
+flags.adopt_module_key_flags(_cli)
 
 
 def check_port_free(host: str, port: int) -> None:
     """A usage error when nothing can listen on host:port (busy, or not an address of this machine),
     found before the model loads rather than after. Port 0 (any free port) always works."""
-    if port == 0:
-        return
     try:
         family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
                                                              flags=socket.AI_PASSIVE)[0]
+    except (socket.gaierror, UnicodeError) as e:
+        raise app.UsageError(f"--host={host} is not an address or host name this machine can resolve "
+                             f"({getattr(e, 'strerror', None) or e}); give one of its addresses, e.g. 127.0.0.1 "
+                             "(loopback) or 0.0.0.0 (every interface)") from None
+    try:
         with socket.socket(family, kind, proto) as sock:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server will
             sock.bind(address)
     except OSError as e:
-        raise app.UsageError(f"cannot listen on {host}:{port} ({e.strerror or e}); stop what uses that port or "
-                             "pick another with --port (or --host)") from None
+        raise app.UsageError(bind_error_line(host, port, e)) from None
+
+
+def bind_error_line(host: str, port: int, error: OSError) -> str:
+    """What a failed bind means for the user: a busy port, an address that is not this machine's,
+    or a port that needs privileges."""
+    where = f"cannot listen on {host}:{port} ({error.strerror or error})"
+    if error.errno == errno.EADDRINUSE:
+        return f"{where}; stop what uses that port or pick another with --port"
+    if error.errno == errno.EADDRNOTAVAIL:
+        return (f"{where}: --host={host} is not an address of this machine; give one of its addresses, e.g. "
+                "127.0.0.1 (loopback) or 0.0.0.0 (every interface)")
+    if error.errno == errno.EACCES:
+        return f"{where}: ports below 1024 need privileges; pick --port above 1023"
+    return f"{where}; check --host and --port"
 
 
 def say(message: str) -> None:
@@ -133,6 +156,8 @@ def warm_up(scheduler, prompts: list[list[int]], max_tokens: int = 8) -> float:
 def main(argv: Sequence[str]) -> None:
     _cli.reject_positional(argv)
     spec = spec_from_flags(has_draft=FLAGS.draft is not None)
+    check_target_path("--target", FLAGS.target)
+    check_draft_path("--draft", FLAGS.draft)
     import jax
     from aiohttp import web
 
@@ -151,6 +176,10 @@ def main(argv: Sequence[str]) -> None:
     cfg = e3.load_model_config(FLAGS.target)
     tok = load_tokenizer(tok_path, bos_id=cfg.bos_token_id)
     max_seq_len = check_max_seq_len(FLAGS.max_seq_len, cfg.max_position_embeddings)
+    chat_template = chat_template_from_flags(tokenizer_dir(tok_path), required=False)
+    if not chat_template.available:
+        _cli.warn(f"{tokenizer_dir(tok_path)} has no chat template: /v1/chat/completions answers 400 (use "
+                  "/v1/completions, or restart with --chat_template=<file.jinja> or --chat_template=join)")
     target = e3.load_target(FLAGS.target, dtype=FLAGS.dtype, mesh=mesh, **quant_options())
     draft = None if FLAGS.draft is None else e3.load_draft(FLAGS.draft, target=target, dtype=FLAGS.dtype,
                                                             fp8_format=FLAGS.fp8_format)
@@ -174,7 +203,7 @@ def main(argv: Sequence[str]) -> None:
 
     engine = AsyncEngine(scheduler).start()
     application = make_app(engine, tok, model_name, max_seq_len=max_seq_len,
-                           eos_token_ids=stop_ids(cfg.eos_token_ids, tok.eos_ids), tokenizer_dir=tokenizer_dir(tok_path))
+                           eos_token_ids=stop_ids(cfg.eos_token_ids, tok.eos_ids), chat_template=chat_template)
 
     async def close_engine(_app) -> None:
         await engine.close()

@@ -9,7 +9,13 @@ Pipeline: prompts (a prompts file rendered with the model's chat template, or th
 sampled, --temperatures) -> draft vocabulary from response-token frequencies -> training-time-test
 training with teacher features computed on the fly (--mode=online) or written once to
 --feature_dir and streamed (--mode=offline) -> HF folder (config.json + model.safetensors) that
-e3.load_draft, vLLM and SGLang load. Resumes from --ckpt_dir after an interruption.
+e3.load_draft, vLLM and SGLang load.
+
+Every flag, file and folder is checked before the target loads. Checkpoints (--ckpt_dir, default
+<out>.ckpt) record the run's settings and a fingerprint of its data: run again with the same flags,
+it resumes where it stopped ("resuming from step N of M"), or says it is finished and exits; with
+other settings or data it stops and names them (--overwrite starts again; or choose another --out).
+An existing --out is replaced only with --overwrite, and only once the new draft is complete.
 --draft_arch=mla trains an MLA draft (Eagle3DeepseekV2ForCausalLM, like the Kimi-K2.5 EAGLE-3 MLA
 draft) instead of a Llama-layer one.
 """
@@ -27,6 +33,8 @@ from absl import app, flags
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import _cli  # noqa: E402
+from _shared_flags import check_target_path  # noqa: E402
+from _training import plan_run, settings_of  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("target", None, "Target model folder (HF or Orbax).")
@@ -46,7 +54,7 @@ flags.DEFINE_integer("draft_intermediate_size", 0, "Draft MLP width (0 = 4 x hid
 flags.DEFINE_integer("ttt_steps", 7, "Training-time-test unroll depth.", lower_bound=1)
 flags.DEFINE_integer("epochs", 2, "Epochs.", lower_bound=1)
 flags.DEFINE_integer("batch_size", 16, "Sequences per step (a multiple of the mesh's data axis).", lower_bound=1)
-flags.DEFINE_float("learning_rate", 1e-3, "Peak AdamW learning rate.")
+flags.DEFINE_float("learning_rate", 1e-3, "Peak AdamW learning rate (> 0).")
 flags.DEFINE_integer("warmup_steps", 30, "Linear warmup steps.", lower_bound=0)
 flags.DEFINE_float("max_grad_norm", 0.5, "Gradient clipping (global norm).")
 flags.DEFINE_enum("compute_dtype", "bfloat16", ["float32", "bfloat16"], "Compute dtype (master weights stay float32).")
@@ -59,52 +67,139 @@ flags.DEFINE_list("mesh", [], "data,tensor,expert mesh for data-parallel trainin
 flags.DEFINE_enum("save_dtype", "bfloat16", ["float32", "bfloat16"], "Dtype of the exported weights.")
 flags.DEFINE_integer("seed", 0, "Seed for sampling, init and data order.")
 flags.DEFINE_string("out", None, "Output HF draft folder.")
+_cli.define_overwrite_flag("--out (and another run's --ckpt_dir)")
 flags.mark_flags_as_required(["target", "out"])
 
 
-def prompt_ids(target, tokenizer_dir: str) -> list[list[int]]:
-    import numpy as np
+# The flags that shape the trained draft: a checkpoint folder resumes only a run with the same ones.
+RUN_FLAGS = ("prompt_len", "num_prompts", "max_tokens", "temperatures", "gen_batch_size", "draft_vocab_size",
+             "draft_arch", "draft_layers", "draft_intermediate_size", "ttt_steps", "epochs", "batch_size",
+             "learning_rate", "warmup_steps", "max_grad_norm", "compute_dtype", "target_dtype", "mode",
+             "eval_fraction", "mesh", "save_dtype", "seed")
 
+
+def check_settings() -> list[float]:
+    """The flags' values that no validator covers, checked before anything loads; the temperatures."""
     if (FLAGS.prompts is None) == (FLAGS.corpus is None):
         raise app.UsageError("give exactly one of --prompts and --corpus")
-    if FLAGS.corpus is not None:
-        with _cli.usage_errors(f"--corpus {FLAGS.corpus}"):  # not a .npy file
-            corpus = np.load(FLAGS.corpus)
-        if corpus.ndim != 2 or corpus.shape[1] < FLAGS.prompt_len:
-            raise app.UsageError(f"--corpus must be [N, L >= prompt_len]; got {corpus.shape}")
-        return [list(map(int, row[: FLAGS.prompt_len])) for row in corpus[: FLAGS.num_prompts]]
-    from eagle3_jax.tokenizer import load_tokenizer
-    from eagle3_jax.train.data import load_prompts, render_prompt
-
-    tok = load_tokenizer(tokenizer_dir, bos_id=target.config.bos_token_id)
-    texts = load_prompts(FLAGS.prompts, limit=FLAGS.num_prompts)
-    return [tok.encode(render_prompt(t, tokenizer_dir), add_bos=True) for t in texts]
-
-
-def main(argv: Sequence[str]) -> None:
-    _cli.reject_positional(argv)
-    if (FLAGS.prompts is None) == (FLAGS.corpus is None):
-        raise app.UsageError("give exactly one of --prompts and --corpus")
-    source = FLAGS.prompts or FLAGS.corpus
-    if not os.path.isfile(source):  # before the target loads
-        raise app.UsageError(f"--{'prompts' if FLAGS.prompts else 'corpus'} {source} does not exist or is not a file")
     try:
         temps = [float(t) for t in FLAGS.temperatures]
     except ValueError:
         raise app.UsageError(f"--temperatures must be numbers; got {','.join(FLAGS.temperatures)!r}") from None
+    if not temps or min(temps) < 0:
+        raise app.UsageError(f"--temperatures must be numbers >= 0 (0 = greedy); got {','.join(FLAGS.temperatures)!r}")
+    if not FLAGS.learning_rate > 0:
+        raise app.UsageError(f"--learning_rate must be > 0; got {FLAGS.learning_rate}")
+    if not FLAGS.max_grad_norm > 0:
+        raise app.UsageError(f"--max_grad_norm must be > 0; got {FLAGS.max_grad_norm}")
+    if not 0 <= FLAGS.eval_fraction < 1:
+        raise app.UsageError(f"--eval_fraction must be in [0, 1); got {FLAGS.eval_fraction}")
+    return temps
+
+
+def read_prompt_texts() -> list[str] | None:
+    """The --prompts file's prompts (None with --corpus), read and decoded before anything loads."""
+    if FLAGS.prompts is None:
+        return None
+    from eagle3_jax.train.data import load_prompts
+
+    _cli.read_text(FLAGS.prompts, "--prompts")  # binary or non-UTF-8: named with the byte offset
+    with _cli.usage_errors(f"--prompts {FLAGS.prompts}"):  # a malformed record, an unknown extension
+        return load_prompts(FLAGS.prompts, limit=FLAGS.num_prompts)
+
+
+def read_corpus():
+    """The --corpus rows (memory-mapped), checked for shape."""
+    import numpy as np
+
+    if not os.path.isfile(FLAGS.corpus):
+        raise app.UsageError(f"--corpus {FLAGS.corpus} does not exist or is not a file")
+    with _cli.usage_errors(f"--corpus {FLAGS.corpus}"):  # not a .npy file
+        corpus = np.load(FLAGS.corpus, mmap_mode="r")
+    if corpus.ndim != 2 or corpus.shape[1] < FLAGS.prompt_len or not np.issubdtype(corpus.dtype, np.integer):
+        raise app.UsageError(f"--corpus must be integer token ids [N, L >= --prompt_len={FLAGS.prompt_len}]; got "
+                             f"{corpus.dtype} {corpus.shape}")
+    return corpus
+
+
+def check_enough_examples(num_prompts: int, num_temperatures: int) -> None:
+    """A usage error when the prompts cannot fill one training batch after the held-out share."""
+    n = num_prompts * num_temperatures
+    n_eval = max(int(n * FLAGS.eval_fraction), FLAGS.batch_size)
+    if n - n_eval < FLAGS.batch_size:
+        source = f"--prompts {FLAGS.prompts}" if FLAGS.prompts else f"--corpus {FLAGS.corpus}"
+        raise app.UsageError(f"{source} gives {num_prompts} prompts x {num_temperatures} temperatures = {n} examples; "
+                             f"{n_eval} held out for evaluation (at least --batch_size) leave {max(n - n_eval, 0)}, "
+                             f"less than one batch of --batch_size={FLAGS.batch_size}: give at least "
+                             f"{-(-2 * FLAGS.batch_size // num_temperatures)} prompts or lower --batch_size")
+
+
+def check_mesh():
+    """The --mesh over this machine's devices (None without one); its data axis must divide --batch_size."""
+    import eagle3_jax as e3
+    from eagle3_jax.sharding import parse_mesh
+
+    with _cli.usage_errors("--mesh"):
+        dims = parse_mesh(FLAGS.mesh)
+        mesh = None if dims is None else e3.make_mesh(*dims)
+    if dims is not None and FLAGS.batch_size % dims[0]:
+        raise app.UsageError(f"--batch_size={FLAGS.batch_size} is not a multiple of the --mesh data axis ({dims[0]})")
+    return mesh
+
+
+def main(argv: Sequence[str]) -> None:
+    _cli.reject_positional(argv)
+    # everything the run will use is checked first: the flags, the inputs, the output, the checkpoints
+    temps = check_settings()
+    check_target_path("--target", FLAGS.target, draft_flag=None)
     import numpy as np
 
     import eagle3_jax as e3
+    from eagle3_jax.train import run_record
+
+    model_cfg = e3.load_model_config(FLAGS.target)
+    if FLAGS.draft_vocab_size > model_cfg.vocab_size:
+        raise app.UsageError(f"--draft_vocab_size={FLAGS.draft_vocab_size} exceeds the target's vocabulary "
+                             f"({model_cfg.vocab_size}); lower it (0 = the full vocabulary)")
+    texts = read_prompt_texts()
+    corpus = read_corpus() if texts is None else None
+    num_prompts = len(texts) if texts is not None else min(len(corpus), FLAGS.num_prompts)
+    check_enough_examples(num_prompts, len(temps))
+    mesh = check_mesh()
+    out = FLAGS.out.rstrip("/")
+    ckpt_dir = FLAGS.ckpt_dir or out + ".ckpt"
+    feature_dir = FLAGS.feature_dir or out + ".features"
+    inputs = {"--target": FLAGS.target, "--prompts": FLAGS.prompts, "--corpus": FLAGS.corpus}
+    if FLAGS.mode == "offline" and not os.path.isdir(feature_dir):  # an existing store is reused once checked
+        _cli.check_output("--feature_dir", feature_dir, inputs)
+    settings = settings_of(RUN_FLAGS)
+    fingerprint = run_record.data_fingerprint([FLAGS.prompts or FLAGS.corpus], [FLAGS.target])
+    state = plan_run(out, ckpt_dir, settings, fingerprint, inputs)
+    if state == "finished":
+        print(f"{out} already holds this run's draft (its checkpoints in {ckpt_dir} are finished); nothing to do "
+              "(--overwrite trains again)")
+        return
+
+    from eagle3_jax.tokenizer import load_tokenizer
     from eagle3_jax.train import data as data_lib
     from eagle3_jax.train.draft_model import assembled_params, init_draft_params, make_ttt_loss, new_draft_config
     from eagle3_jax.train.export import export_hf_draft
     from eagle3_jax.train.trainer import Trainer, TrainConfig
     from eagle3_jax.train.vocab import count_tokens, select_draft_vocab
 
+    if texts is not None:
+        tok = load_tokenizer(FLAGS.target, bos_id=model_cfg.bos_token_id)
+        with _cli.usage_errors(f"--target {FLAGS.target}"):  # a chat template that rejects a prompt
+            prompts = [tok.encode(data_lib.render_prompt(t, FLAGS.target), add_bos=True) for t in texts]
+    else:
+        prompts = [list(map(int, row[: FLAGS.prompt_len])) for row in corpus[: FLAGS.num_prompts]]
+    with _cli.usage_errors():  # TrainConfig names a field no check above covers
+        tc = TrainConfig(epochs=FLAGS.epochs, learning_rate=FLAGS.learning_rate, warmup_steps=FLAGS.warmup_steps,
+                         max_grad_norm=FLAGS.max_grad_norm, compute_dtype=FLAGS.compute_dtype, seed=FLAGS.seed)
+
     start = time.perf_counter()
     target = e3.load_target(FLAGS.target, dtype=FLAGS.target_dtype)
     cfg_t = target.config
-    prompts = prompt_ids(target, FLAGS.target)
     examples = data_lib.regenerate(target, prompts, max_tokens=FLAGS.max_tokens, temperatures=temps, seed=FLAGS.seed,
                                    batch_size=FLAGS.gen_batch_size, stop_token_ids=cfg_t.eos_token_ids)
     print(f"regenerated {len(examples)} responses ({len(prompts)} prompts x temperatures {temps}) "
@@ -123,34 +218,27 @@ def main(argv: Sequence[str]) -> None:
     eval_tok, eval_mask, _ = data_lib.pack(eval_ex, seq_len)
 
     if FLAGS.mode == "offline":
-        feature_dir = FLAGS.feature_dir or FLAGS.out.rstrip("/") + ".features"
         if not os.path.isdir(feature_dir):
             data_lib.write_feature_store(feature_dir, target, train_tok, train_mask, vocab.draft_ids)
         store = data_lib.FeatureStore(feature_dir)
         if len(store) != len(train_tok) or not np.array_equal(store.draft_ids, vocab.draft_ids):
-            raise app.UsageError(f"feature store {feature_dir} was written for other data or another draft "
-                                 "vocabulary; delete it or pass another --feature_dir")
+            if not FLAGS.overwrite:
+                raise app.UsageError(f"feature store {feature_dir} was written for other data or another draft "
+                                     "vocabulary; pass --overwrite to write it again, or another --feature_dir")
+            data_lib.write_feature_store(feature_dir, target, train_tok, train_mask, vocab.draft_ids, overwrite=True)
+            store = data_lib.FeatureStore(feature_dir)
         batches = lambda epoch: store.batches(FLAGS.batch_size, seed=FLAGS.seed, epoch=epoch)  # noqa: E731
     else:
         batches = lambda epoch: data_lib.online_batches(target, train_tok, train_mask, vocab.draft_ids,  # noqa: E731
                                                         FLAGS.batch_size, seed=FLAGS.seed, epoch=epoch)
     steps_per_epoch = len(train_tok) // FLAGS.batch_size
-    if steps_per_epoch < 1:
-        raise app.UsageError(f"{len(train_tok)} training sequences do not fill one batch of {FLAGS.batch_size}")
 
     dcfg = new_draft_config(cfg_t, vocab, arch=FLAGS.draft_arch, num_layers=FLAGS.draft_layers,
                             intermediate_size=FLAGS.draft_intermediate_size or None)
     params, frozen = init_draft_params(dcfg, target, vocab, seed=FLAGS.seed)
-    from eagle3_jax.sharding import parse_mesh
-
-    with _cli.usage_errors("--mesh"):
-        dims = parse_mesh(FLAGS.mesh)
-        mesh = None if dims is None else e3.make_mesh(*dims)
-    tc = TrainConfig(epochs=FLAGS.epochs, learning_rate=FLAGS.learning_rate, warmup_steps=FLAGS.warmup_steps,
-                     max_grad_norm=FLAGS.max_grad_norm, compute_dtype=FLAGS.compute_dtype, seed=FLAGS.seed)
     trainer = Trainer(make_ttt_loss(dcfg, vocab, FLAGS.ttt_steps), params, frozen, tc,
-                      total_steps=steps_per_epoch * FLAGS.epochs,
-                      ckpt_dir=FLAGS.ckpt_dir or FLAGS.out.rstrip("/") + ".ckpt", mesh=mesh)
+                      total_steps=steps_per_epoch * FLAGS.epochs, ckpt_dir=ckpt_dir, mesh=mesh)
+    run_record.write_record(ckpt_dir, settings, fingerprint)
 
     def evaluate(_params) -> dict:
         return trainer.evaluate(data_lib.online_batches(target, eval_tok, eval_mask, vocab.draft_ids,
@@ -158,11 +246,12 @@ def main(argv: Sequence[str]) -> None:
 
     history = trainer.fit(batches, steps_per_epoch, evaluate=evaluate)
     final = assembled_params(trainer.state.params, frozen)
-    export_hf_draft(FLAGS.out, dcfg, final, vocab if dcfg.has_draft_vocab else None, dtype=FLAGS.save_dtype)
-    with open(os.path.join(FLAGS.out, "training_log.json"), "w") as f:
-        json.dump({"argv": sys.argv, "history": history, "covered_mass": vocab.covered_mass,
-                   "num_examples": len(examples), "seconds": time.perf_counter() - start}, f, indent=2)
-    print(f"exported {FLAGS.out} after {time.perf_counter() - start:.0f} s")
+    log = json.dumps({"argv": sys.argv, "history": history, "covered_mass": vocab.covered_mass,
+                      "num_examples": len(examples), "seconds": time.perf_counter() - start}, indent=2)
+    export_hf_draft(out, dcfg, final, vocab if dcfg.has_draft_vocab else None, dtype=FLAGS.save_dtype,
+                    overwrite=FLAGS.overwrite, extra_files={"training_log.json": log})
+    run_record.write_record(ckpt_dir, settings, fingerprint, finished=True)
+    print(f"exported {out} after {time.perf_counter() - start:.0f} s")
 
 
 if __name__ == "__main__":

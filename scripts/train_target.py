@@ -4,7 +4,9 @@
         --tokenizer_from=checkpoints/stories260K --epochs=2 --batch_size=16 --out=checkpoints/kimi-mini
 
 The corpus is an int32 [N, seq_len] .npy of token ids (scripts/make_corpus.py). The result loads
-with e3.load_target and follows the HF layout of the config's model_type.
+with e3.load_target and follows the HF layout of the config's model_type. Flags, files and --out are
+checked before training; checkpoints (--ckpt_dir, default <out>.ckpt) resume only the same run (same
+flags, config and corpus), as in train_draft.py; --overwrite starts again and replaces --out.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from absl import app, flags
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import _cli  # noqa: E402
+from _training import plan_run, settings_of  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("config", None, "HF config.json of the model to train.")
@@ -35,9 +38,47 @@ flags.DEFINE_float("eval_fraction", 0.02, "Held-out share of the corpus.")
 flags.DEFINE_enum("compute_dtype", "float32", ["float32", "bfloat16"], "Compute dtype (master weights stay float32).")
 flags.DEFINE_enum("save_dtype", "bfloat16", ["float32", "bfloat16"], "Dtype of the saved weights.")
 flags.DEFINE_integer("seed", 0, "Init and data-order seed.")
+_cli.define_overwrite_flag("--out (and another run's --ckpt_dir)")
 flags.mark_flags_as_required(["config", "corpus", "out"])
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+# The flags that shape the trained model: a checkpoint folder resumes only a run with the same ones.
+RUN_FLAGS = ("epochs", "batch_size", "learning_rate", "warmup_steps", "eval_fraction", "compute_dtype", "save_dtype",
+             "seed")
+
+
+def read_config() -> dict:
+    """--config's JSON object."""
+    if not os.path.isfile(FLAGS.config):
+        raise app.UsageError(f"--config {FLAGS.config} does not exist or is not a file")
+    try:
+        raw = json.loads(_cli.read_text(FLAGS.config, "--config"))
+    except json.JSONDecodeError as e:
+        raise app.UsageError(f"--config {FLAGS.config} is not valid JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise app.UsageError(f"--config {FLAGS.config} must hold a JSON object (an HF config.json)")
+    return raw
+
+
+def check_settings(corpus, vocab_size: int) -> None:
+    """The flags and the corpus, checked before any work."""
+    import numpy as np
+
+    if not FLAGS.learning_rate > 0:
+        raise app.UsageError(f"--learning_rate must be > 0; got {FLAGS.learning_rate}")
+    if not 0 <= FLAGS.eval_fraction < 1:
+        raise app.UsageError(f"--eval_fraction must be in [0, 1); got {FLAGS.eval_fraction}")
+    if corpus.ndim != 2 or not np.issubdtype(corpus.dtype, np.integer) or corpus.min() < 0 or corpus.max() >= vocab_size:
+        raise app.UsageError(f"--corpus must be integer token ids [N, seq_len] in [0, {vocab_size}); got {corpus.dtype} "
+                             f"{corpus.shape}")
+    n_eval = max(int(len(corpus) * FLAGS.eval_fraction), FLAGS.batch_size)
+    if len(corpus) - n_eval < FLAGS.batch_size:
+        raise app.UsageError(f"--corpus has {len(corpus)} rows; {n_eval} held out for evaluation (at least "
+                             f"--batch_size) leave less than one batch of --batch_size={FLAGS.batch_size}: give at "
+                             f"least {2 * FLAGS.batch_size} rows or lower --batch_size")
+    if FLAGS.tokenizer_from is not None and not os.path.isfile(os.path.join(FLAGS.tokenizer_from, "tokenizer.json")):
+        raise app.UsageError(f"--tokenizer_from {FLAGS.tokenizer_from} holds no tokenizer.json; give the folder of "
+                             "the model whose tokenizer the corpus was made with")
 
 
 def main(argv: Sequence[str]) -> None:
@@ -50,16 +91,25 @@ def main(argv: Sequence[str]) -> None:
     from eagle3_jax.train.lm import init_target_params, lm_loss, params_to_flat
     from eagle3_jax.train.trainer import Trainer, TrainConfig
 
-    with open(FLAGS.config) as f:
-        try:
-            raw = json.load(f)
-        except json.JSONDecodeError as e:
-            raise app.UsageError(f"--config {FLAGS.config} is not valid JSON: {e}") from None
+    raw = read_config()
     cfg = parse_model_config(raw)
+    if not os.path.isfile(FLAGS.corpus):
+        raise app.UsageError(f"--corpus {FLAGS.corpus} does not exist or is not a file")
     with _cli.usage_errors(f"--corpus {FLAGS.corpus}"):  # not a .npy file
         corpus = np.load(FLAGS.corpus)
-    if corpus.ndim != 2 or corpus.max() >= cfg.vocab_size:
-        raise app.UsageError(f"--corpus must be int [N, seq_len] with ids < {cfg.vocab_size}")
+    check_settings(corpus, cfg.vocab_size)
+    from eagle3_jax.train import run_record
+
+    out = FLAGS.out.rstrip("/")
+    ckpt_dir = FLAGS.ckpt_dir or out + ".ckpt"
+    inputs = {"--config": FLAGS.config, "--corpus": FLAGS.corpus, "--tokenizer_from": FLAGS.tokenizer_from}
+    settings = settings_of(RUN_FLAGS)
+    fingerprint = run_record.data_fingerprint([FLAGS.config, FLAGS.corpus])
+    state = plan_run(out, ckpt_dir, settings, fingerprint, inputs)
+    if state == "finished":
+        print(f"{out} already holds this run's model (its checkpoints in {ckpt_dir} are finished); nothing to do "
+              "(--overwrite trains again)")
+        return
     rng = np.random.default_rng(FLAGS.seed)
     order = rng.permutation(len(corpus))
     n_eval = max(int(len(corpus) * FLAGS.eval_fraction), FLAGS.batch_size)
@@ -78,7 +128,8 @@ def main(argv: Sequence[str]) -> None:
     tc = TrainConfig(epochs=FLAGS.epochs, learning_rate=FLAGS.learning_rate, warmup_steps=FLAGS.warmup_steps,
                      compute_dtype=FLAGS.compute_dtype, seed=FLAGS.seed, checkpoint_every=200)
     trainer = Trainer(lambda p, frozen, b: lm_loss(p, cfg, b), init_target_params(cfg, FLAGS.seed), {}, tc,
-                      total_steps=steps_per_epoch * FLAGS.epochs, ckpt_dir=FLAGS.ckpt_dir or FLAGS.out.rstrip("/") + ".ckpt")
+                      total_steps=steps_per_epoch * FLAGS.epochs, ckpt_dir=ckpt_dir)
+    run_record.write_record(ckpt_dir, settings, fingerprint)
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(trainer.state.params))
     print(f"{cfg.model_type}: {n_params / 1e6:.2f}M params; {len(train_set)} train / {n_eval} eval sequences of "
           f"{corpus.shape[1]} tokens; {steps_per_epoch} steps per epoch")
@@ -91,8 +142,10 @@ def main(argv: Sequence[str]) -> None:
     if FLAGS.tokenizer_from:
         extra = {n: os.path.join(FLAGS.tokenizer_from, n) for n in TOKENIZER_FILES
                  if os.path.isfile(os.path.join(FLAGS.tokenizer_from, n))}
-    save_hf_target(FLAGS.out, flat, cfg, dict(raw, torch_dtype=FLAGS.save_dtype), extra)
-    print(f"saved {FLAGS.out} after {time.perf_counter() - start:.0f} s of training")
+    save_hf_target(out, flat, cfg, dict(raw, torch_dtype=FLAGS.save_dtype), extra, overwrite=FLAGS.overwrite,
+                   inputs=inputs)
+    run_record.write_record(ckpt_dir, settings, fingerprint, finished=True)
+    print(f"saved {out} after {time.perf_counter() - start:.0f} s of training")
 
 
 if __name__ == "__main__":

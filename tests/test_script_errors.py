@@ -23,7 +23,6 @@ SCRIPTS = os.path.join(ROOT, "scripts")
 sys.path.insert(0, SCRIPTS)
 
 import _cli  # noqa: E402
-from _shared_flags import max_tokens_caps  # noqa: E402
 
 STORIES = "checkpoints/stories260K"
 KIMI, KIMI_DRAFT = "checkpoints/kimi-mini", "checkpoints/kimi-mini-eagle3"
@@ -176,7 +175,3 @@ def test_flag_error_line():
            "flag --out_dir=None: Flag --out_dir must have a value other than None.")
     assert _cli.flag_error_line(msg) == "--hf_dir is required; --out_dir is required (--help lists the flags)"
 
-
-def test_max_tokens_caps():
-    assert max_tokens_caps([5, 500, 510], max_tokens=100, max_seq_len=512) == {1: 12, 2: 2}
-    assert max_tokens_caps([5], max_tokens=507, max_seq_len=512) == {}

@@ -97,10 +97,20 @@ def check_output(out: str | os.PathLike, *, name: str = "output", overwrite: boo
     anchor = _nearest_existing(os.path.dirname(path))
     if not os.path.isdir(anchor):
         raise OutputError(f"{name} {out}: {anchor} is a file, not a folder; choose another {name}")
-    if not os.access(anchor, os.W_OK | os.X_OK):
-        raise OutputError(f"{name} {out}: cannot write in {anchor} (permission denied); choose a {name} in a folder "
-                          "you can write to")
+    if not _can_write_in(anchor):
+        raise OutputError(f"{name} {out}: cannot write in {anchor}; choose a {name} in a folder you can write to")
     return path
+
+
+def _can_write_in(folder: str) -> bool:
+    """Whether a file can be created in `folder`, tried for real: permission bits say nothing of a
+    read-only mount, a pseudo file system (/proc) or root's rights."""
+    try:
+        probe = tempfile.mkdtemp(prefix=".eagle3-write-probe-", dir=folder)
+    except OSError:
+        return False
+    os.rmdir(probe)
+    return True
 
 
 # ---- the swap ---------------------------------------------------------------------------------------------

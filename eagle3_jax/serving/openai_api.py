@@ -304,24 +304,30 @@ def parse_messages(messages: Any) -> list[dict[str, str]]:
 # ---- chat template -----------------------------------------------------------------------------------
 
 
+JOIN = "join"  # the chat template flag's value that asks for the plain fallback
+
+
 @dataclasses.dataclass(frozen=True)
 class ChatTemplate:
-    """A tokenizer folder's jinja chat template and its special tokens, or the plain fallback.
+    """A tokenizer folder's jinja chat template and its special tokens, the plain fallback, or none.
 
     With a template (`tokenizer_config.json`'s `chat_template`, or `chat_template.jinja` /
-    `chat_template.json`), messages are rendered as transformers does, with
-    `add_generation_prompt=True` and bos/eos/unk/pad tokens (sandboxed jinja2, the machinery of
-    `eagle3_jax.train.data`). Without one (the bundled kimi-mini has none), the prompt is each
-    message's content on its own line, roles dropped and nothing added after the last line:
-    `"\\n".join(contents)`, so a base model simply continues the last message.
+    `chat_template.json`, or a file given with `from_flag`), messages are rendered as transformers
+    does, with `add_generation_prompt=True` and bos/eos/unk/pad tokens (sandboxed jinja2, the
+    machinery of `eagle3_jax.train.data`). The plain fallback (`join=True`, only when asked for:
+    `--chat_template=join`) is each message's content on its own line, roles dropped and nothing
+    added after the last line, so a base model simply continues the last message. Without either,
+    a chat request is refused (as vLLM refuses one for a model without a template) with the flag
+    that supplies one: guessing a format the model was not trained on gives poor answers silently.
     """
 
     source: str | None = None
     special_tokens: tuple[tuple[str, str], ...] = ()
+    join: bool = False
 
     @staticmethod
     def from_dir(tokenizer_dir: str | os.PathLike | None) -> "ChatTemplate":
-        """The template of a tokenizer folder (None, a file, or a folder without one: the fallback)."""
+        """The template of a tokenizer folder (None, a file, or a folder without one: no template)."""
         from ..train.data import read_chat_template
 
         if tokenizer_dir is None or not os.path.isdir(tokenizer_dir):
@@ -329,9 +335,46 @@ class ChatTemplate:
         source, specials = read_chat_template(tokenizer_dir)
         return ChatTemplate(source, tuple(specials.items()))
 
+    @staticmethod
+    def from_flag(value: str | None, tokenizer_dir: str | os.PathLike | None) -> "ChatTemplate":
+        """What a `--chat_template` flag asks for: None, the tokenizer folder's template; "join", the
+        plain fallback; else a jinja file (`.jinja`, or a `.json` holding `chat_template`), with the
+        tokenizer folder's special tokens. A file that cannot be read raises OSError / ValueError."""
+        if value is None:
+            return ChatTemplate.from_dir(tokenizer_dir)
+        if value == JOIN:
+            return ChatTemplate(join=True)
+        specials = ChatTemplate.from_dir(tokenizer_dir).special_tokens
+        with open(value, encoding="utf-8") as f:
+            text = f.read()
+        if value.endswith(".json"):
+            source = json.loads(text).get("chat_template") if text.strip().startswith("{") else None
+            if not isinstance(source, str) or not source:
+                raise ValueError(f"{value} holds no \"chat_template\" string; give a .jinja file or a JSON object "
+                                 "with one")
+            text = source
+        if not text.strip():
+            raise ValueError(f"{value} is empty; give a jinja chat template")
+        from ..train.data import _compile_template
+
+        try:
+            _compile_template(text)
+        except Exception as e:  # jinja2's TemplateSyntaxError
+            raise ValueError(f"{value} is not a valid jinja template: {e}") from None
+        return ChatTemplate(text, specials)
+
+    @property
+    def available(self) -> bool:
+        """Whether chat requests can be rendered (a template, or the fallback asked for)."""
+        return self.source is not None or self.join
+
     def render(self, messages: Sequence[Mapping[str, str]]) -> str:
         """The prompt text for `messages`, ready for the assistant's answer."""
         if self.source is None:
+            if not self.join:
+                raise ApiError("this model has no chat template: restart the server with --chat_template=<file.jinja> "
+                               "(or --chat_template=join to send the messages' contents joined by newlines), or use "
+                               "/v1/completions", param="messages", code="no_chat_template")
             return "\n".join(m["content"] for m in messages)
         from ..train.data import render_messages
 
@@ -666,12 +709,13 @@ async def _send(response: web.StreamResponse, payload: Mapping[str, Any]) -> Non
 
 def make_app(async_engine: AsyncEngine, tokenizer: Tokenizer, model_name: str, *, max_seq_len: int | None = None,
              eos_token_ids: Sequence[int] | None = None, tokenizer_dir: str | os.PathLike | None = None,
-             default_max_tokens: int = 16, client_max_size: int = 8 * 2**20) -> web.Application:
+             default_max_tokens: int = 16, client_max_size: int = 8 * 2**20,
+             chat_template: ChatTemplate | None = None) -> web.Application:
     """The aiohttp application serving `async_engine` under the OpenAI API as `model_name`.
 
     `max_seq_len` defaults to the scheduler's; `eos_token_ids` (where requests stop unless
-    `ignore_eos`) to the tokenizer's. `tokenizer_dir` is where the chat template is read from (None
-    or a folder without one: the plain fallback of `ChatTemplate`). `default_max_tokens` is the
+    `ignore_eos`) to the tokenizer's. `chat_template` renders chat requests (default: the one in
+    `tokenizer_dir`; without one, chat requests are refused, see `ChatTemplate`). `default_max_tokens` is the
     completions default (OpenAI's is 16). The caller starts and closes the engine; run the app with
     `handler_cancellation=True` so that a client leaving before its first token aborts at once.
     """
@@ -679,7 +723,7 @@ def make_app(async_engine: AsyncEngine, tokenizer: Tokenizer, model_name: str, *
         max_seq_len = async_engine.scheduler.max_seq_len
     server = _Server(async_engine, tokenizer, model_name, max_seq_len,
                      tokenizer.eos_ids if eos_token_ids is None else eos_token_ids,
-                     ChatTemplate.from_dir(tokenizer_dir), default_max_tokens)
+                     chat_template or ChatTemplate.from_dir(tokenizer_dir), default_max_tokens)
     app = web.Application(middlewares=[server.middleware], client_max_size=client_max_size)
     app[_SERVER_KEY] = server
     app.router.add_post("/v1/completions", server.completions)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import io
 import json
 import os
 from typing import Iterator, Sequence
@@ -82,6 +83,23 @@ def _prompt_of(record, where: str) -> str | None:
     )
 
 
+def read_utf8(path: str | os.PathLike) -> str:
+    """A text file's contents; a ValueError naming the file and the byte offset for binary (a NUL
+    byte) or non-UTF-8 content, instead of a decoder traceback halfway through."""
+    with open(path, "rb") as f:
+        data = f.read()
+    nul = data.find(b"\0")
+    if nul >= 0:
+        raise ValueError(f"{os.fspath(path)} is binary, not text (a NUL byte at offset {nul}); give a UTF-8 text file")
+    start = 3 if data.startswith(b"\xef\xbb\xbf") else 0  # a BOM some editors write
+    try:
+        return data[start:].decode("utf-8")
+    except UnicodeDecodeError as e:
+        offset = start + e.start
+        raise ValueError(f"{os.fspath(path)} is not UTF-8 text (byte 0x{data[offset]:02x} at offset {offset}); "
+                         "convert it to UTF-8") from None
+
+
 def load_prompts(path: str | os.PathLike, limit: int | None = None) -> list[str]:
     """Prompts from a dataset file, in file order.
 
@@ -105,13 +123,14 @@ def load_prompts(path: str | os.PathLike, limit: int | None = None) -> list[str]
 
     if limit == 0:
         return out
+    text = read_utf8(path)
     if ext == ".txt":
-        with open(path, encoding="utf-8") as f:
+        with io.StringIO(text) as f:
             for line in f:
                 if add(line.strip() or None):
                     break
     elif ext == ".jsonl":
-        with open(path, encoding="utf-8") as f:
+        with io.StringIO(text) as f:
             for n, line in enumerate(f, 1):
                 if not line.strip():
                     continue
@@ -122,7 +141,7 @@ def load_prompts(path: str | os.PathLike, limit: int | None = None) -> list[str]
                 if add(_prompt_of(record, f"{path}:{n}")):
                     break
     elif ext == ".json":
-        with open(path, encoding="utf-8") as f:
+        with io.StringIO(text) as f:
             try:
                 data = json.load(f)
             except json.JSONDecodeError as e:

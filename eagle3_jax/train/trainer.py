@@ -68,6 +68,7 @@ class Trainer:
                  ckpt_dir: str | None = None, mesh: jax.sharding.Mesh | None = None):
         self.tc = tc
         self.mesh = mesh
+        self.total_steps = int(total_steps)
         self.optimizer = make_optimizer(tc, total_steps)
         self.compute_dtype = resolve_dtype(tc.compute_dtype)
         params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
@@ -138,12 +139,17 @@ class Trainer:
             log: Callable[[str], None] = print, on_step: Callable[[int, dict], None] | None = None) -> list[dict]:
         """Train for tc.epochs; `batches(epoch)` yields the epoch's batches in a fixed order.
 
-        Resumes from the latest checkpoint. Returns per-epoch summaries (mean train metrics, plus
+        Resumes from the latest checkpoint (saying so); whether the checkpoints are of the same run is
+        the caller's to check (`run_record`). Returns per-epoch summaries (mean train metrics, plus
         `evaluate(params)` results when given); `on_step(step, metrics)` sees every step.
         """
         from tqdm import tqdm
 
         done = self.restore_latest()
+        if done >= self.total_steps:
+            log(f"all {self.total_steps} steps were trained before; nothing left to train")
+        elif done:
+            log(f"resuming from step {done} of {self.total_steps}")
         history = []
         for epoch in range(self.tc.epochs):
             first = epoch * steps_per_epoch

@@ -1,0 +1,62 @@
+"""What train_draft.py and train_target.py share: whether a run starts, resumes or is already done,
+decided before any model loads.
+
+A checkpoint folder resumes only the run that wrote it (eagle3_jax.train.run_record): the same
+settings and the same data. Anything else is refused with the settings that differ and the two ways
+on (--overwrite to start again, or another --out); a run whose output is already written says so
+and exits 0.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from typing import Any, Mapping
+
+from absl import app, flags
+
+import _cli
+
+FLAGS = flags.FLAGS
+
+
+def settings_of(names: tuple[str, ...]) -> dict[str, Any]:
+    """{"--name": value} of the flags that shape a run's result."""
+    return {f"--{name}": FLAGS[name].value for name in names}
+
+
+def plan_run(out: str, ckpt_dir: str, settings: Mapping[str, Any], fingerprint: str,
+             inputs: Mapping[str, str | None]) -> str:
+    """"start", "resume" or "finished" for a run writing `out` with checkpoints in `ckpt_dir`; a usage
+    error (one line) for checkpoints of another run or an output the run may not write. With
+    --overwrite, another run's checkpoints are deleted (only when they hold nothing else)."""
+    from eagle3_jax.checkpoint.atomic import clash_with_input
+    from eagle3_jax.train import run_record
+
+    clash = clash_with_input(ckpt_dir, inputs, "--ckpt_dir")
+    if clash:
+        raise app.UsageError(clash)
+    has_checkpoints = os.path.isdir(ckpt_dir) and bool(os.listdir(ckpt_dir))
+    if has_checkpoints:
+        record = run_record.read_record(ckpt_dir)
+        if record is None:
+            why = "checkpoints that record no settings"
+        else:
+            diffs = run_record.differences(record["settings"], settings)
+            if record.get("data") != fingerprint:
+                diffs.append("the data (prompts / corpus / model files changed)")
+            why = "checkpoints of another run: " + ", ".join(diffs) if diffs else ""
+        if not why:
+            if record.get("finished") and os.path.isdir(out):
+                return "finished"
+            if os.path.lexists(out):  # an output this run did not write
+                _cli.check_output("--out", out, inputs)
+            return "resume"
+        if not FLAGS.overwrite:
+            raise app.UsageError(f"{ckpt_dir} holds {why}; pass --overwrite to start again, or choose another --out")
+        if not run_record.is_ours(ckpt_dir):
+            raise app.UsageError(f"--ckpt_dir {ckpt_dir} holds files a training run did not write; choose another "
+                                 "--ckpt_dir")
+        shutil.rmtree(ckpt_dir)
+    _cli.check_output("--out", out, inputs)
+    return "start"
