@@ -123,6 +123,9 @@ def load_tokenizer(path: str | os.PathLike, bos_id: int | None = None,
     try:
         backend = tokenizers.Tokenizer.from_file(file)
     except Exception as e:  # tokenizers raises a bare Exception on malformed files
+        beside = os.path.join(folder, "tokenizer.json")
+        if os.path.basename(file) != "tokenizer.json" and os.path.isfile(beside):
+            raise TokenizerError(f"{file} is not a tokenizer file; pass its folder {folder or '.'} (or {beside})") from e
         raise TokenizerError(f"{file} could not be read as a `tokenizers` tokenizer.json: {e}") from e
     return Tokenizer(
         backend=backend,

@@ -209,6 +209,26 @@ def check_output(flag: str, path: str | None, inputs: Mapping[str, str | None] |
     return check(path, name=flag, overwrite=overwrite, inputs=inputs, is_file=is_file)
 
 
+def write_output(flag: str, path: str, text: str) -> None:
+    """Write `text` to the file a flag names, safely (see check_output; replaced only with --overwrite,
+    swapped in complete)."""
+    from eagle3_jax.checkpoint.atomic import write_text_output
+
+    overwrite = "overwrite" in FLAGS and bool(FLAGS["overwrite"].value)
+    write_text_output(path, text, name=flag, overwrite=overwrite)
+
+
+def check_not_input(flag: str, path: str | None, inputs: Mapping[str, str | None]) -> None:
+    """A usage error when the folder a flag names for outputs is, holds or lies in an input."""
+    if path is None:
+        return
+    from eagle3_jax.checkpoint.atomic import clash_with_input
+
+    clash = clash_with_input(path, inputs, flag)
+    if clash:
+        raise app.UsageError(clash)
+
+
 def read_text(path: str, flag: str) -> str:
     """The UTF-8 text of the file a flag names; a usage error naming the file and the byte offset for
     binary or non-UTF-8 content."""

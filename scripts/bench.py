@@ -54,9 +54,10 @@ from absl import app, flags
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import _cli  # noqa: E402
+import _shared_flags  # noqa: E402
 from _shared_flags import (  # noqa: E402
-    check_max_seq_len, define_max_seq_len_flags, define_mesh_flags, define_quant_flags, mesh_from_flags,
-    quant_options)
+    check_draft_path, check_max_seq_len, check_target_path, define_max_seq_len_flags, define_mesh_flags,
+    define_quant_flags, mesh_from_flags, quant_options)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("target", "checkpoints/kimi-mini", "Target model folder (HF or Orbax). With --base_url only its "
@@ -113,6 +114,9 @@ flags.DEFINE_string("out_dir", "benchmarks/results", "Folder for <name>.json, <n
 flags.DEFINE_string("name", None, "File stem of the outputs (default: <target>_random-<shape>_x<scale>, or "
                     "<target>_<dataset>_out<output_len>; with --base_url, followed by _http).")
 flags.DEFINE_bool("progress", True, "Show tqdm progress bars.")
+_cli.define_overwrite_flag("reports (<out_dir>/<name>.json, .md, _throughput.png, _tpot.png)")
+flags.adopt_module_key_flags(_shared_flags)
+flags.adopt_module_key_flags(_cli)
 flags.DEFINE_bool("overlap", True, "In-process: the scheduler launches each step before reading the previous one's "
                   "tokens (--nooverlap: launch, wait, read, the older way; to measure what overlap saves).")
 
@@ -139,10 +143,25 @@ def default_name(target: str, workload, over_http: bool = False) -> str:
     return name + ("_http" if over_http else "")
 
 
+def warn_too_few_requests(cfg) -> None:
+    """One warning for the cells whose measured requests are too few to time, with the count to give."""
+    from eagle3_jax.bench.report import MIN_REQUESTS, MIN_REQUESTS_PER_CLIENT, too_few_requests
+
+    short = {c: cfg.prompts_for(c) for c in cfg.concurrencies if too_few_requests(cfg.prompts_for(c), c)}
+    if short:
+        need = max(too_few_requests(n, c) for c, n in short.items())
+        cells = ", ".join(f"{n} at concurrency {c}" for c, n in short.items())
+        _cli.warn(f"too few requests to time ({cells}; fewer than {MIN_REQUESTS_PER_CLIENT} per concurrent client or "
+                  f"{MIN_REQUESTS} in all): those cells are marked * in the report; give --num_prompts={need} (or "
+                  f"--min_prompts={need}) to time them")
+
+
 def main(argv: Sequence[str]) -> None:
     _cli.reject_positional(argv)
     if FLAGS.name is not None and (not FLAGS.name or os.sep in FLAGS.name or FLAGS.name in (".", "..")):
         raise app.UsageError(f"--name is a file stem (no folders; --out_dir picks the folder); got {FLAGS.name!r}")
+    check_target_path("--target", FLAGS.target)
+    check_draft_path("--draft", FLAGS.draft)
 
     import jax
 
@@ -190,6 +209,14 @@ def main(argv: Sequence[str]) -> None:
                                         max_seq_len=limit, data_dir=FLAGS.data_dir, tokenizer=tokenizer)
     except ValueError as e:
         raise app.UsageError(str(e)) from None
+    name = FLAGS.name or default_name(FLAGS.target, workload, over_http=bool(FLAGS.base_url))
+    _cli.check_not_input("--out_dir", FLAGS.out_dir, {"--target": FLAGS.target, "--draft": FLAGS.draft,
+                                                      "--data_dir": FLAGS.data_dir})
+    try:  # before the run: an earlier report in the way is said now, not after an hour of measuring
+        report_lib.check_report_paths(FLAGS.out_dir, name, overwrite=FLAGS.overwrite)
+    except ValueError as e:
+        raise app.UsageError(f"--out_dir / --name: {e}") from None
+    warn_too_few_requests(cfg)
     config = {**dataclasses.asdict(cfg), "dtype": FLAGS.dtype, "max_seq_len_limit": limit,
               "page_size": FLAGS.page_size, "prefill_chunk": FLAGS.prefill_chunk, "target": FLAGS.target}
 
@@ -222,8 +249,7 @@ def main(argv: Sequence[str]) -> None:
         return
     report = report_lib.build_report(cells, settings=[s.name for s in settings], workload=workload.info,
                                      config=config, argv=sys.argv, mode=mode)
-    name = FLAGS.name or default_name(FLAGS.target, workload, over_http=bool(FLAGS.base_url))
-    paths = report_lib.write_report(report, FLAGS.out_dir, name)
+    paths = report_lib.write_report(report, FLAGS.out_dir, name, overwrite=FLAGS.overwrite)
     print()
     print(report_lib.markdown(report))
     print("wrote " + ", ".join(paths.values()))

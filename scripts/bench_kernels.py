@@ -69,6 +69,7 @@ flags.DEFINE_enum("moe_format", "int4", ["bfloat16", "int4", "w4a8", "mxfp4", "f
 flags.DEFINE_integer("repeats", 20, "Timed runs per configuration (median reported).", lower_bound=1)
 flags.DEFINE_string("device", "MI325X", "Device whose HBM peak the GB/s is compared with (see eagle3_jax.plan.DEVICES).")
 flags.DEFINE_string("json_out", None, "Also write the rows as JSON here.")
+_cli.define_overwrite_flag("--json_out")
 
 
 def _ints(values: Sequence[str], name: str) -> list[int]:
@@ -233,6 +234,7 @@ def moe_rows(peak: float, interpret: bool) -> list[dict]:
 
 def main(argv: Sequence[str]) -> None:
     _cli.reject_positional(argv)
+    _cli.check_output("--json_out", FLAGS.json_out, is_file=True)
     import jax
 
     from eagle3_jax.plan import DEVICES
@@ -250,10 +252,9 @@ def main(argv: Sequence[str]) -> None:
     if "moe" in FLAGS.ops:
         rows += moe_rows(peak, interpret)
     if FLAGS.json_out:
-        with open(FLAGS.json_out, "w") as f:
-            json.dump({"argv": sys.argv, "date": time.strftime("%Y-%m-%d"), "device": jax.devices()[0].device_kind,
-                       "interpret": interpret, "machine": f"{platform.machine()} x{os.cpu_count()}", "rows": rows},
-                      f, indent=1)
+        _cli.write_output("--json_out", FLAGS.json_out, json.dumps(
+            {"argv": sys.argv, "date": time.strftime("%Y-%m-%d"), "device": jax.devices()[0].device_kind,
+             "interpret": interpret, "machine": f"{platform.machine()} x{os.cpu_count()}", "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

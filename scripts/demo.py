@@ -34,7 +34,7 @@ from absl import app, flags
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import _cli  # noqa: E402
-from _shared_flags import parse_spec_text  # noqa: E402
+from _shared_flags import check_draft_path, check_target_path, parse_spec_text  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("target", "checkpoints/kimi-mini", "Target model folder.")
@@ -49,6 +49,7 @@ flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Compute dtype.")
 flags.DEFINE_integer("repeats", 5, "Timed passes over the prompt set per mode, interleaved across modes; "
                      "the table reports the median pass.", lower_bound=1)
 flags.DEFINE_string("json", None, "Also write the figures to this JSON file.")
+_cli.define_overwrite_flag("--json")
 
 
 LEGEND = """\
@@ -127,8 +128,11 @@ def summarize(engine, passes: list) -> dict:
 def main(argv: Sequence[str]) -> None:
     _cli.reject_positional(argv)
     specs = [spec_of(FLAGS.chain, "chain"), spec_of(FLAGS.tree, "tree")]
-    with open(FLAGS.prompts, encoding="utf-8") as f:
-        texts = [line.strip() for line in f if line.strip()]
+    texts = [line.strip() for line in _cli.read_text(FLAGS.prompts, "--prompts").splitlines() if line.strip()]
+    check_target_path("--target", FLAGS.target)
+    check_draft_path("--draft", FLAGS.draft)
+    _cli.check_output("--json", FLAGS.json, {"--target": FLAGS.target, "--draft": FLAGS.draft,
+                                             "--prompts": FLAGS.prompts}, is_file=True)
     if not texts:
         raise app.UsageError(f"--prompts {FLAGS.prompts} has no prompts (one per line)")
     import jax
@@ -181,9 +185,9 @@ def main(argv: Sequence[str]) -> None:
     print(sample_text(texts[0], tok.decode_continuation(prompts[0], base["outputs"][0])))
     if FLAGS.json:
         summary = {k: {kk: vv for kk, vv in v.items() if kk != "outputs"} for k, v in results.items()}
-        with open(FLAGS.json, "w") as f:
-            json.dump({"argv": sys.argv, "identical": same, "results": summary,
-                       "date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()} x{os.cpu_count()}"}, f, indent=2)
+        _cli.write_output("--json", FLAGS.json, json.dumps(
+            {"argv": sys.argv, "identical": same, "results": summary, "date": time.strftime("%Y-%m-%d"),
+             "machine": f"{platform.machine()} x{os.cpu_count()}"}, indent=2))
     if not same:
         sys.exit("greedy outputs differ between plain and speculative decoding")
 

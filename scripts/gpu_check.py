@@ -163,6 +163,7 @@ def greedy_check(max_tokens: int) -> dict:
 
 def main(argv) -> None:
     _cli.reject_positional(argv)
+    _cli.check_output("--json_out", FLAGS.json_out, is_file=True)
     import jax
 
     on_cpu = jax.default_backend() == "cpu"
@@ -183,8 +184,7 @@ def main(argv) -> None:
         "interpret": on_cpu, "small": small, "jax": jax.__version__, "machine": f"{platform.machine()} x{os.cpu_count()}",
         "seconds": round(time.perf_counter() - started, 1), "kernels": kernel_rows, "steps": steps, "greedy": greedy,
     }
-    with open(FLAGS.json_out, "w") as f:
-        json.dump(result, f, indent=1)
+    _cli.write_output("--json_out", FLAGS.json_out, json.dumps(result, indent=1))
     print(f"\nwrote {FLAGS.json_out}")
     if not greedy["equal"]:
         print("gpu_check.py: greedy speculation with the kernels differs from plain greedy decoding", file=sys.stderr)

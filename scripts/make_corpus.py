@@ -19,6 +19,7 @@ from absl import flags
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import _cli  # noqa: E402
+from _shared_flags import check_target_path  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", None, "Model folder to sample from.")
@@ -29,12 +30,17 @@ flags.DEFINE_float("top_p", 1.0, "Nucleus threshold.")
 flags.DEFINE_integer("seed", 0, "Base seed.")
 flags.DEFINE_integer("batch_size", 256, "Sequences per generate wave.", lower_bound=1)
 flags.DEFINE_string("out", None, "Output .npy path.")
+_cli.define_overwrite_flag("--out")
 flags.mark_flags_as_required(["model", "out"])
 
 
 def main(argv: Sequence[str]) -> None:
     _cli.reject_positional(argv)
+    check_target_path("--model", FLAGS.model, draft_flag=None)
+    _cli.check_output("--out", FLAGS.out, {"--model": FLAGS.model}, is_file=True)
     import numpy as np
+
+    from eagle3_jax.checkpoint.atomic import atomic_output
 
     import eagle3_jax as e3
 
@@ -51,8 +57,9 @@ def main(argv: Sequence[str]) -> None:
     for i, o in enumerate(outs):
         seq = [bos] + o.token_ids
         corpus[i, : len(seq)] = seq
-    os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
-    np.save(FLAGS.out, corpus)
+    with atomic_output(FLAGS.out, name="--out", overwrite=FLAGS.overwrite, is_file=True) as tmp:
+        with open(tmp, "wb") as f:  # a file object: np.save would add .npy to the temporary's name
+            np.save(f, corpus)
     print(f"wrote {corpus.shape} tokens to {FLAGS.out} in {time.perf_counter() - start:.1f} s")
 
 

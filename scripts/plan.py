@@ -46,6 +46,7 @@ flags.DEFINE_float("tau", 1.0, "Mean acceptance length for the roofline TPOT (1 
 flags.DEFINE_string("dtype", "bfloat16", "Compute dtype of unquantized weights and caches.")
 flags.DEFINE_enum("unit", "GiB", ["GiB", "MiB"], "Unit of the byte columns (MiB for small models).")
 flags.DEFINE_string("json_out", None, "Also write every plan as JSON here.")
+_cli.define_overwrite_flag("--json_out")
 flags.DEFINE_string("kernels", "xla", "xla: plan the XLA path (its MoE dequantizes FP8 / int4 experts to bf16 before the "
                     "dot); pallas (or per op, e.g. attention=xla,moe=pallas): plan the program a GPU runs with the Pallas "
                     "kernels, each standing in as an op of its exact output shapes. Needs --arch.")
@@ -66,6 +67,7 @@ def _meshes(raw: str) -> list[tuple[int, int, int]]:
 
 def main(argv: list[str]) -> int:
     _cli.reject_positional(argv)
+    _cli.check_output("--json_out", FLAGS.json_out, {"--target": FLAGS.target}, is_file=True)
     import jax
 
     import eagle3_jax as e3
@@ -122,8 +124,7 @@ def main(argv: list[str]) -> int:
             print(f"| {','.join(map(str, shape))} | {batch} | {p.argument_bytes / G:.1f} | {p.temp_bytes / G:.1f} | "
                   f"{p.total_bytes / G:.1f} | {p.weight_bytes / G:.1f} | {p.kv_bytes / G:.2f} | {p.step_read_bytes / G:.2f} | " + " | ".join(cells) + " |")
     if FLAGS.json_out:
-        with open(FLAGS.json_out, "w") as f:
-            json.dump([p.as_dict() for p in plans], f, indent=1)
+        _cli.write_output("--json_out", FLAGS.json_out, json.dumps([p.as_dict() for p in plans], indent=1))
     return 0
 
 

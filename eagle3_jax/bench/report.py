@@ -33,6 +33,24 @@ _ROW_KEYS = {  # aggregated figure -> how to read it from a cell's metrics
 }
 
 
+# A cell is timed over its wall time, which includes the ramp-up (clients starting) and the tail (fewer
+# than C requests left): each client should send several requests one after another, and the mean
+# needs enough requests to be more than noise.
+MIN_REQUESTS_PER_CLIENT = 5
+MIN_REQUESTS = 20
+
+
+def requests_needed(concurrency: int) -> int:
+    """The fewest measured requests that time a cell at `concurrency`."""
+    return max(MIN_REQUESTS_PER_CLIENT * int(concurrency), MIN_REQUESTS)
+
+
+def too_few_requests(num_requests: int | None, concurrency: int) -> int | None:
+    """The request count to suggest when `num_requests` is too few to time a cell (None when enough)."""
+    need = requests_needed(concurrency)
+    return need if num_requests is not None and num_requests < need else None
+
+
 def machine_info() -> dict:
     """Platform, CPU count, Python and JAX versions, JAX backend and devices."""
     import jax
@@ -65,6 +83,9 @@ def aggregate(cells: Sequence[dict]) -> list[dict]:
         row.update({k: mean_or_none(get(c["metrics"]) for c in group) for k, get in _ROW_KEYS.items()})
         flags = [c.get("identical_to_no_spec") for c in group]
         row["identical_to_no_spec"] = None if any(f is None for f in flags) else all(flags)
+        counts = [c["metrics"].get("num_requests") for c in group if c["metrics"].get("num_requests") is not None]
+        row["num_requests"] = min(counts) if counts else None
+        row["too_few_requests"] = too_few_requests(row["num_requests"], conc)  # the count to suggest instead
         rows.append(row)
     base = {r["concurrency"]: r["output_throughput"] for r in rows if r["setting"] == "none"}
     for r in rows:
@@ -119,6 +140,8 @@ def markdown_table(report: dict) -> str:
             text = _fmt(r and r["output_throughput"])
             if s != "none" and has_base and r is not None and r["speedup"] is not None:
                 text += f" ({r['speedup']:.2f}x)"
+            if r is not None and r.get("too_few_requests"):
+                text += " *"
             cells.append(text)
         cells += [_fmt((_row(rows, s, conc) or {}).get("tpot_ms_mean"), 2) for s in settings]
         cells += [_fmt((_row(rows, s, conc) or {}).get("tau"), 2) for s in spec_settings]
@@ -172,8 +195,25 @@ def markdown(report: dict) -> str:
         "",
         markdown_table(report),
         "",
+        *too_few_notes(report["rows"]),
     ]
     return "\n".join(lines)
+
+
+def too_few_notes(rows: Sequence[dict]) -> list[str]:
+    """A footnote for the table's cells marked `*`: which ones were timed over too few requests, and the
+    count to rerun them with."""
+    short = {}
+    for r in rows:
+        if r.get("too_few_requests"):
+            short.setdefault(r["concurrency"], (r["num_requests"], r["too_few_requests"]))
+    if not short:
+        return []
+    cells = ", ".join(f"concurrency {c}: {n} requests" for c, (n, _) in sorted(short.items()))
+    need = max(want for _, want in short.values())
+    return [f"\\* too few requests to time ({cells}; fewer than {MIN_REQUESTS_PER_CLIENT} per concurrent client or "
+            f"{MIN_REQUESTS} in all): the figures are mostly ramp-up and tail. Rerun with --num_prompts={need} "
+            f"(or --min_prompts={need}).", ""]
 
 
 def plot_title(report: dict) -> str:
@@ -215,19 +255,44 @@ def plot(report: dict, key: str, ylabel: str, path: str) -> None:
         plt.close(fig)
 
 
-def write_report(report: dict, out_dir: str | os.PathLike, name: str) -> dict[str, str]:
-    """Write <name>.json, <name>.md, <name>_throughput.png and <name>_tpot.png; returns their paths."""
+def report_paths(out_dir: str | os.PathLike, name: str) -> dict[str, str]:
+    """The files a report named `name` is written to in `out_dir`, by kind."""
     if not name or os.sep in name or name in (".", ".."):
         raise ValueError(f"report name must be a plain file stem; got {name!r}")
     out_dir = os.fspath(out_dir)
-    os.makedirs(out_dir, exist_ok=True)
-    paths = {k: os.path.join(out_dir, f"{name}{suffix}") for k, suffix in
-             (("json", ".json"), ("md", ".md"), ("throughput", "_throughput.png"), ("tpot", "_tpot.png"))}
-    with open(paths["json"], "w") as f:
-        json.dump(report, f, indent=1, allow_nan=False)
-        f.write("\n")
-    with open(paths["md"], "w") as f:
-        f.write(markdown(report))
-    plot(report, "output_throughput", "output tokens/s", paths["throughput"])
-    plot(report, "tpot_ms_mean", "mean TPOT (ms)", paths["tpot"])
+    return {k: os.path.join(out_dir, f"{name}{suffix}") for k, suffix in
+            (("json", ".json"), ("md", ".md"), ("throughput", "_throughput.png"), ("tpot", "_tpot.png"))}
+
+
+def check_report_paths(out_dir: str | os.PathLike, name: str, overwrite: bool = False) -> dict[str, str]:
+    """`report_paths`, each checked as `checkpoint.atomic.check_output` does (before a run, so that
+    an earlier report is not found in the way only at its end)."""
+    from ..checkpoint.atomic import check_output
+
+    paths = report_paths(out_dir, name)
+    for path in paths.values():
+        check_output(path, name="report file", overwrite=overwrite, is_file=True)
+    return paths
+
+
+def write_report(report: dict, out_dir: str | os.PathLike, name: str, overwrite: bool = False) -> dict[str, str]:
+    """Write <name>.json, <name>.md, <name>_throughput.png and <name>_tpot.png; returns their paths.
+
+    Existing files are replaced only with `overwrite`; each is written beside its place and swapped
+    in complete (`checkpoint.atomic`), so an interrupted write leaves the old report readable."""
+    from ..checkpoint.atomic import atomic_output
+
+    paths = check_report_paths(out_dir, name, overwrite)
+    os.makedirs(os.fspath(out_dir), exist_ok=True)
+    with atomic_output(paths["json"], name="report file", overwrite=overwrite, is_file=True) as tmp:
+        with open(tmp, "w") as f:
+            json.dump(report, f, indent=1, allow_nan=False)
+            f.write("\n")
+    with atomic_output(paths["md"], name="report file", overwrite=overwrite, is_file=True) as tmp:
+        with open(tmp, "w") as f:
+            f.write(markdown(report))
+    for key, figure, label in (("throughput", "output_throughput", "output tokens/s"),
+                               ("tpot", "tpot_ms_mean", "mean TPOT (ms)")):
+        with atomic_output(paths[key], name="report file", overwrite=overwrite, is_file=True) as tmp:
+            plot(report, figure, label, tmp)
     return paths
