@@ -84,10 +84,11 @@ def test_resume_continues_the_same_loss_curve(setup, tmp_path):
     first, _, _, _ = make_trainer(setup, ckpt_dir=tmp_path / "ckpt")
     with pytest.raises(Interrupted):
         first.fit(interrupted, steps, progress=False, log=lambda s: None)
-    resumed_losses = {}
+    resumed_losses, said = {}, []
     second, _, _, _ = make_trainer(setup, ckpt_dir=tmp_path / "ckpt")
-    second.fit(batches, steps, progress=False, log=lambda s: None,
+    second.fit(batches, steps, progress=False, log=said.append,
                on_step=lambda s, m: resumed_losses.__setitem__(s, m["loss"]))
+    assert said[0] == f"resuming from step 4 of {steps}"
     assert min(resumed_losses) == 5 and max(resumed_losses) == steps
     np.testing.assert_allclose([resumed_losses[s] for s in range(5, steps + 1)],
                                [ref_losses[s] for s in range(5, steps + 1)], rtol=1e-6)
