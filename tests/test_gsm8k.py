@@ -150,9 +150,11 @@ def test_fewshot_prompt_single_turn_and_without_template():
     single = G.fewshot_messages(QUESTION, shots, multiturn=False)
     assert single == [{"role": "user", "content":
                        f"{TURN_1} {NATALIA_A}\n\n{TURN_2} {WENG_A}\n\n{TURN_Q}"}]
-    # kimi-mini has no chat template: scripts/serve.py joins the turns' contents with newlines.
-    text = G.render_prompts([G.Problem(QUESTION, "#### 5")], shots, multiturn=True, render=ChatTemplate().render)[0]
-    assert text == f"{TURN_1}\n{NATALIA_A}\n{TURN_2}\n{WENG_A}\n{TURN_Q}"
+    # kimi-mini, a base model, has the template of one: the turns' contents joined with newlines
+    # (what --chat_template=join gives any model)
+    for template in (ChatTemplate.from_dir(KIMI), ChatTemplate(join=True)):
+        text = G.render_prompts([G.Problem(QUESTION, "#### 5")], shots, multiturn=True, render=template.render)[0]
+        assert text == f"{TURN_1}\n{NATALIA_A}\n{TURN_2}\n{WENG_A}\n{TURN_Q}"
     assert G.fewshot_messages(QUESTION, []) == [{"role": "user", "content": TURN_Q}]
 
 

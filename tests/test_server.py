@@ -123,7 +123,7 @@ def test_token_id_prompt(served):
 
 def test_chat(served):
     c = client(served)
-    messages = [{"role": "user", "content": PROMPTS[2]}]  # no chat template: the prompt is the content
+    messages = [{"role": "user", "content": PROMPTS[2]}]  # kimi-mini's template: the prompt is the content
     text, n, reason = expected(served, PROMPTS[2], 32)
     r = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=32, temperature=0)
     assert r.object == "chat.completion" and r.id.startswith("chatcmpl-")
@@ -432,9 +432,13 @@ def test_incremental_detokenizer_random_tokens():
 
 def test_chat_template_rendering(tmp_path):
     from eagle3_jax.serving import ChatTemplate
+    from eagle3_jax.serving.openai_api import ApiError
 
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
-    assert ChatTemplate.from_dir(TARGET).render(messages) == "Be brief.\nHi"  # no template: plain lines
+    assert ChatTemplate.from_dir(TARGET).render(messages) == "Be brief.\nHi"  # a base model's template: plain lines
+    with pytest.raises(ApiError, match="no chat template.*--chat_template"):  # none: refused, not guessed
+        ChatTemplate.from_dir(tmp_path).render(messages)
+    assert ChatTemplate.from_flag("join", tmp_path).render(messages) == "Be brief.\nHi"  # the fallback, when asked
     tpl = ("{{ bos_token }}{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": tpl, "bos_token": "<s>"}))

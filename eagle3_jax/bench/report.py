@@ -37,7 +37,7 @@ _ROW_KEYS = {  # aggregated figure -> how to read it from a cell's metrics
 # than C requests left): each client should send several requests one after another, and the mean
 # needs enough requests to be more than noise.
 MIN_REQUESTS_PER_CLIENT = 5
-MIN_REQUESTS = 20
+MIN_REQUESTS = 10  # vLLM bench's default at concurrency 1
 
 
 def requests_needed(concurrency: int) -> int:
