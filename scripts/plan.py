@@ -7,6 +7,9 @@ For every mesh (data,tensor,expert) and batch size it AOT-compiles the real prog
 step, plain decode step, prefill chunk) over shape-only sharded arguments and prints XLA's
 memory_analysis of the step per device, next to the weight and KV bytes the device holds, the KV
 tokens left in each device's HBM, the bytes one step reads (weights it touches + KV), and a roofline TPOT (bytes one step reads / HBM bandwidth / tau).
+Before the table it names each mesh axis that does not divide a tensor's dimension (the tensors,
+the bytes then replicated on every device, the nearest meshes that divide); under it, for each "NO",
+what is over and by how much (weights, KV, other arguments, temps).
 Meshes may use fewer devices than exist (the first N devices); on a CPU host, fake as many as you
 need with XLA_FLAGS=--xla_force_host_platform_device_count=8.
 
@@ -65,12 +68,84 @@ def _meshes(raw: str) -> list[tuple[int, int, int]]:
     return out
 
 
+# ---- explanations: why a mesh replicates, why a device says NO --------------------------------------------
+
+AXES = ("data", "tensor", "expert")
+
+
+def undivided(specs: dict, mesh_shape: tuple[int, int, int], dtype: str) -> dict[tuple[str, str, int], list]:
+    """{(mesh axis, logical axis, dimension): [(tensor, bytes replicated per device), ...]} for every
+    tensor dimension a mesh axis would split but does not divide (sharding.partition_spec then
+    replicates it along that axis, as it does here)."""
+    from eagle3_jax.sharding import RULES
+
+    sizes = dict(zip(AXES, mesh_shape))
+    out: dict[tuple[str, str, int], list] = {}
+    for name, spec in specs.items():
+        used: set[str] = set()
+        for logical, dim in zip(spec.axes, spec.shape):
+            mesh_axis = RULES.get(logical) if logical else None
+            if mesh_axis is None or mesh_axis in used or sizes[mesh_axis] == 1:
+                continue
+            if dim % sizes[mesh_axis]:
+                nbytes = spec.nbytes(dtype)
+                out.setdefault((mesh_axis, logical, dim), []).append((name, nbytes - nbytes // sizes[mesh_axis]))
+            else:
+                used.add(mesh_axis)
+    return out
+
+
+def dividing_sizes(size: int, dims: list[int]) -> list[int]:
+    """The axis sizes nearest `size` (one below, one above) that divide every one of `dims`."""
+    fits = lambda s: all(d % s == 0 for d in dims)  # noqa: E731
+    below = next((s for s in range(size - 1, 1, -1) if fits(s)), None)
+    above = next((s for s in range(size + 1, 4 * size + 1) if fits(s)), None)
+    return [s for s in (below, above) if s is not None]
+
+
+def replication_notes(specs: dict, mesh_shape: tuple[int, int, int], dtype: str, unit: int, unit_name: str) -> list[str]:
+    """One line per mesh axis that leaves tensors whole on every device: which tensors, how many bytes,
+    and the nearest meshes whose axis divides them."""
+    by_axis: dict[str, list] = {}
+    for (mesh_axis, logical, dim), tensors in undivided(specs, mesh_shape, dtype).items():
+        by_axis.setdefault(mesh_axis, []).append((logical, dim, tensors))
+    notes = []
+    mesh_text = ",".join(map(str, mesh_shape))
+    for mesh_axis, groups in by_axis.items():
+        i = AXES.index(mesh_axis)
+        size = mesh_shape[i]
+        what = ", ".join(f"{logical}={dim} ({len(t)} tensors, e.g. {t[0][0]})" for logical, dim, t in groups)
+        replicated = sum(b for _, _, t in groups for _, b in t)
+        options = [",".join(map(str, mesh_shape[:i] + (s,) + mesh_shape[i + 1:]))
+                   for s in dividing_sizes(size, [dim for _, dim, _ in groups])]
+        notes.append(f"mesh {mesh_text}: the {mesh_axis} axis ({size}) does not divide {what}; they are replicated on "
+                     f"every device instead of split {size} ways, {replicated / unit:.1f} {unit_name} more per device"
+                     + (f". Meshes that divide: {'; '.join(options)}" if options else ""))
+    return notes
+
+
+def over_note(plan, device, unit: int, unit_name: str) -> str | None:
+    """Why `plan` does not fit `device`: what is over by how much, and what makes up the need."""
+    if plan.fits(device):
+        return None
+    other = plan.argument_bytes - plan.weight_bytes - plan.kv_bytes
+    mesh_text = ",".join(str(v) for v in plan.mesh_shape.values())
+    parts = [f"weights {plan.weight_bytes / unit:.1f}", f"KV {plan.kv_bytes / unit:.2f}"]
+    if other > 0:
+        parts.append(f"other arguments {other / unit:.2f}")
+    parts.append(f"temps {plan.temp_bytes / unit:.1f}")
+    return (f"mesh {mesh_text}, batch {plan.batch}, {device.name}: NO, needs {plan.total_bytes / unit:.1f} {unit_name} "
+            f"of {device.hbm_bytes / unit:.1f}, {(plan.total_bytes - device.hbm_bytes) / unit:.1f} over ("
+            + ", ".join(parts) + ")")
+
+
 def main(argv: list[str]) -> int:
     _cli.reject_positional(argv)
     _cli.check_output("--json_out", FLAGS.json_out, {"--target": FLAGS.target}, is_file=True)
     import jax
 
     import eagle3_jax as e3
+    from eagle3_jax.params import flat_specs
     from eagle3_jax.plan import DEVICES, plan_memory
 
     meshes = _meshes(FLAGS.meshes)
@@ -101,13 +176,21 @@ def main(argv: list[str]) -> int:
              if FLAGS.kernels != "xla" else "; program: the XLA path"))
     head = "| mesh d,t,e | batch | arguments | temps | args+temps | weights | KV | read/step | " + " | ".join(
         f"{d.name} fits / KV tok left / TPOT ms" for d in devices) + " |"
-    print(head)
-    print("|" + "---|" * (8 + len(devices)))
-    for shape in meshes:
+    with _cli.usage_errors("--target"):
+        specs = flat_specs(e3.load_model_config(FLAGS.target))
+    replicated = [n for shape in meshes for n in replication_notes(specs, shape, FLAGS.dtype, G, FLAGS.unit)]
+    if replicated:  # known from the shapes alone: said before the compiles
+        print("\n".join(replicated), flush=True)
+    for shape in meshes:  # every mesh checked before the first compile
         count = shape[0] * shape[1] * shape[2]
         if count > jax.device_count():
             raise app.UsageError(f"mesh {shape} needs {count} devices but {jax.device_count()} exist; set "
                                  f"XLA_FLAGS=--xla_force_host_platform_device_count={count} on a CPU host")
+    print(head)
+    print("|" + "---|" * (8 + len(devices)))
+    notes = []
+    for shape in meshes:
+        count = shape[0] * shape[1] * shape[2]
         with _cli.usage_errors("--meshes"):
             mesh = e3.make_mesh(*shape, devices=jax.devices()[:count])
         for batch in batches:
@@ -123,6 +206,10 @@ def main(argv: list[str]) -> int:
                      for d in devices]
             print(f"| {','.join(map(str, shape))} | {batch} | {p.argument_bytes / G:.1f} | {p.temp_bytes / G:.1f} | "
                   f"{p.total_bytes / G:.1f} | {p.weight_bytes / G:.1f} | {p.kv_bytes / G:.2f} | {p.step_read_bytes / G:.2f} | " + " | ".join(cells) + " |")
+            notes += [n for n in (over_note(p, d, G, FLAGS.unit) for d in devices) if n]
+    if notes:
+        print()
+        print("\n".join(notes))
     if FLAGS.json_out:
         _cli.write_output("--json_out", FLAGS.json_out, json.dumps([p.as_dict() for p in plans], indent=1))
     return 0

@@ -9,6 +9,7 @@ except one tiny training run.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -346,3 +347,31 @@ def test_bench_marks_cells_with_too_few_requests():
     assert "concurrency 8: 8 requests" in notes[0] and "--num_prompts=40" in notes[0]
     r = run_script("bench", "--base_url=http://127.0.0.1:9", "--spec=none", "--concurrency=8", "--num_prompts=8")
     assert "too few requests to time (8 at concurrency 8" in r.stderr and "--num_prompts=40" in r.stderr
+
+
+# ---- the planner explains itself --------------------------------------------------------------------------
+
+
+def test_plan_names_the_mesh_axis_that_does_not_divide():
+    r = run_script("plan", "--target=tests/data/kimi-k2.5.config.json", "--meshes=1,1,5", "--devices=H100")
+    assert ("mesh 1,1,5: the expert axis (5) does not divide experts=384 (180 tensors" in r.stdout
+            and "GiB more per device. Meshes that divide: 1,1,4; 1,1,6" in r.stdout), r.stdout
+    assert_one_line_error("plan", r, "needs 5 devices")  # and nothing compiled before saying so
+
+
+def test_plan_says_what_is_over():
+    sys.path.insert(0, SCRIPTS)
+    import plan as plan_script
+
+    from eagle3_jax.plan import DEVICES, MemoryPlan
+
+    G = 2**30
+    p = MemoryPlan(mesh_shape={"data": 1, "tensor": 1, "expert": 5}, batch=64, max_len=2304, spec=None,
+                   argument_bytes=560 * G, temp_bytes=4 * G, output_bytes=0, alias_bytes=0, weight_bytes=553 * G,
+                   kv_bytes=5 * G, kv_bytes_per_token=1000, step_read_bytes=G, programs={})
+    note = plan_script.over_note(p, DEVICES["H100"], G, "GiB")
+    assert note.startswith("mesh 1,1,5, batch 64, H100: NO, needs 564.0 GiB of 74.5, 489.5 over (")
+    assert "weights 553.0, KV 5.00, other arguments 2.00, temps 4.0" in note
+    small = dataclasses.replace(p, argument_bytes=G, weight_bytes=G // 2, kv_bytes=G // 4, temp_bytes=0)
+    assert plan_script.over_note(small, DEVICES["H100"], G, "GiB") is None
+    assert plan_script.dividing_sizes(5, [384]) == [4, 6] and plan_script.dividing_sizes(3, [7]) == [7]
