@@ -218,8 +218,9 @@ def main(argv: Sequence[str]) -> None:
     eval_tok, eval_mask, _ = data_lib.pack(eval_ex, seq_len)
 
     if FLAGS.mode == "offline":
-        if not os.path.isdir(feature_dir):
-            data_lib.write_feature_store(feature_dir, target, train_tok, train_mask, vocab.draft_ids)
+        if not os.path.isdir(feature_dir) or (state == "start" and FLAGS.overwrite):  # starting again: fresh features
+            data_lib.write_feature_store(feature_dir, target, train_tok, train_mask, vocab.draft_ids,
+                                         overwrite=FLAGS.overwrite)
         store = data_lib.FeatureStore(feature_dir)
         if len(store) != len(train_tok) or not np.array_equal(store.draft_ids, vocab.draft_ids):
             if not FLAGS.overwrite:
