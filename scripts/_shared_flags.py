@@ -249,3 +249,12 @@ def chat_template_from_flags(tokenizer_dir: str, required: bool):
                              f"chat_template.jinja); pass one with --chat_template=<file.jinja>, or --chat_template={JOIN} "
                              "to join the messages' contents with newlines")
     return template
+
+
+def warn_without_chat_template(tokenizer_dir: str, what: str) -> None:
+    """Say that `what` (prompts meant as a user's chat turn) goes to the model as plain text, because
+    its tokenizer folder has no chat template (right for a base model, not for a chat model)."""
+    from eagle3_jax.train.data import read_chat_template
+
+    if os.path.isdir(tokenizer_dir) and read_chat_template(tokenizer_dir)[0] is None:
+        warn(f"{tokenizer_dir} has no chat template: {what} go to the model as plain text")

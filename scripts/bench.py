@@ -57,7 +57,7 @@ import _cli  # noqa: E402
 import _shared_flags  # noqa: E402
 from _shared_flags import (  # noqa: E402
     check_draft_path, check_max_seq_len, check_target_path, define_max_seq_len_flags, define_mesh_flags,
-    define_quant_flags, mesh_from_flags, quant_options)
+    define_quant_flags, mesh_from_flags, quant_options, warn_without_chat_template)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("target", "checkpoints/kimi-mini", "Target model folder (HF or Orbax). With --base_url only its "
@@ -200,6 +200,8 @@ def main(argv: Sequence[str]) -> None:
     tok_dir = FLAGS.tokenizer or FLAGS.target
     template_dir = os.path.dirname(tok_dir) if tok_dir.endswith(".json") else tok_dir  # chat template beside it
     tokenizer = load_tokenizer(tok_dir, bos_id=model_cfg.bos_token_id)
+    if FLAGS.workload != "random":
+        warn_without_chat_template(template_dir, f"the {FLAGS.workload} prompts")
     try:
         if FLAGS.workload == "random":
             workload = random_workload_for(FLAGS.shape, scale=FLAGS.scale, tokenizer=tokenizer,

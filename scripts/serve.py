@@ -20,8 +20,10 @@ On several hosts (one process per host, same command, see BUILD.md "Multi-host")
 process runs process 0's step programs on its own devices.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
-GET /metrics (Prometheus). Requests run in a continuous-batching `Scheduler` (up to --max_num_seqs
-at once, paged KV cache) driven by one engine thread; see eagle3_jax/serving/openai_api.py for
+GET /metrics (Prometheus). Chat messages go through the tokenizer folder's chat template (the bundled
+demo models carry one), or --chat_template=<file.jinja>; --chat_template=join joins their contents
+with newlines on any model; without a template, chat requests get a 400 naming the flag.
+Requests run in a continuous-batching `Scheduler` (up to --max_num_seqs at once, paged KV cache) driven by one engine thread; see eagle3_jax/serving/openai_api.py for
 the accepted request fields. The server listens on loopback only unless --host says otherwise; it
 has no authentication, so expose it only behind something that has. Ctrl-C stops it.
 

@@ -33,7 +33,7 @@ from absl import app, flags
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import _cli  # noqa: E402
-from _shared_flags import check_target_path  # noqa: E402
+from _shared_flags import check_target_path, warn_without_chat_template  # noqa: E402
 from _training import plan_run, settings_of  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -188,6 +188,7 @@ def main(argv: Sequence[str]) -> None:
     from eagle3_jax.train.vocab import count_tokens, select_draft_vocab
 
     if texts is not None:
+        warn_without_chat_template(FLAGS.target, "the --prompts")
         tok = load_tokenizer(FLAGS.target, bos_id=model_cfg.bos_token_id)
         with _cli.usage_errors(f"--target {FLAGS.target}"):  # a chat template that rejects a prompt
             prompts = [tok.encode(data_lib.render_prompt(t, FLAGS.target), add_bos=True) for t in texts]
