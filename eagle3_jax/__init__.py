@@ -7,8 +7,9 @@ Public API (kept stable):
 
 from .config import ConfigError, ModelConfig, load_model_config
 from .draft import Draft, load_draft
-from .engine import Engine, RequestOutput
+from .engine import Engine
 from .plan import plan_memory
+from .request import RequestOutput
 from .sampling import SamplingParams
 from .scheduler import CapacityError, Scheduler
 from .sharding import initialize_distributed, make_mesh

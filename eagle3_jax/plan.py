@@ -31,6 +31,7 @@ from .sampling import SamplingArrays
 from .kernels import parse, resolve
 from .sharding import leaf_partition_spec, mesh_context, param_axes, param_shardings, partition_spec
 from .spec.propose import DraftRoot
+from .spec.step import plain_prefill, plain_step, spec_prefill, spec_step
 from .spec.tree import SpecConfig
 from .target import resolve_dtype, with_quant_options
 
@@ -311,13 +312,12 @@ def trace_programs(setup: AbstractSetup, prefill_chunk: int = 256,
                    programs: Sequence[str] = ("step", "decode", "prefill")) -> dict[str, jax.stages.Traced]:
     """The engine's programs over `setup`'s shapes, traced (call under `mesh_context(setup.mesh)`):
     "spec_step" (with a draft), "decode" (the plain step; always without a draft) and "prefill"
-    (one chunk of `prefill_chunk` tokens per row), as `programs` asks."""
-    from .engine import _decode
-    from .spec.step import spec_prefill, spec_step
-
+    (one chunk of `prefill_chunk` tokens per row, in the expanded MLA form the scheduler's prefill
+    uses), as `programs` asks."""
     cfg, dcfg, mesh, batch = setup.cfg, setup.dcfg, setup.mesh, setup.batch
     sp = _sampling(batch, mesh)
     vec = _vec(batch, jnp.int32, mesh)
+    chunk = _rows(batch, prefill_chunk, mesh)
     traced: dict[str, jax.stages.Traced] = {}
     if dcfg is not None:
         root = DraftRoot(token=vec, hidden=_rows(batch, dcfg.hidden_size, mesh, setup.dtype))
@@ -327,15 +327,16 @@ def trace_programs(setup: AbstractSetup, prefill_chunk: int = 256,
             traced["spec_step"] = step.trace(setup.tparams, cfg, setup.dparams, dcfg, setup.spec, setup.tcache,
                                              setup.dcache, root, sp, vec)
         if "prefill" in programs:
-            prefill = jax.jit(spec_prefill, static_argnames=static[:2], donate_argnames=("tcache", "dcache"))
+            prefill = jax.jit(spec_prefill, static_argnames=static[:2] + ("absorb",),
+                              donate_argnames=("tcache", "dcache"))
             traced["prefill"] = prefill.trace(setup.tparams, cfg, setup.dparams, dcfg, setup.tcache, setup.dcache,
-                                              _rows(batch, prefill_chunk, mesh), vec, sp)
+                                              chunk, vec, sp, vec, absorb=False)
     elif "prefill" in programs:
-        from .engine import _prefill
-
-        traced["prefill"] = _prefill.trace(setup.tparams, cfg, setup.tcache, _rows(batch, prefill_chunk, mesh), vec, sp)
+        prefill = jax.jit(plain_prefill, static_argnames=("tcfg", "absorb"), donate_argnames=("tcache",))
+        traced["prefill"] = prefill.trace(setup.tparams, cfg, setup.tcache, chunk, vec, sp, vec, absorb=False)
     if "decode" in programs or dcfg is None:
-        traced["decode"] = _decode.trace(setup.tparams, cfg, setup.tcache, vec, vec, sp)
+        decode = jax.jit(plain_step, static_argnames=("tcfg",), donate_argnames=("tcache",))
+        traced["decode"] = decode.trace(setup.tparams, cfg, setup.tcache, vec, sp, vec)
     return traced
 
 

@@ -62,6 +62,21 @@ class SamplingArrays:
         )
 
 
+class SamplingTable:
+    """SamplingParams by row of a fixed table (a scheduler's state slots), kept as host arrays so
+    a batch's SamplingArrays is one gather by its rows; rows never set are greedy."""
+
+    def __init__(self, size: int):
+        self._arrays = SamplingArrays.from_params([], size)
+
+    def set_row(self, row: int, params: SamplingParams) -> None:
+        a = self._arrays
+        a.temperature[row], a.top_k[row], a.top_p[row], a.seed[row] = params.temperature, params.top_k, params.top_p, params.seed
+
+    def rows(self, rows: np.ndarray) -> SamplingArrays:
+        return jax.tree.map(lambda column: column[rows], self._arrays)
+
+
 def filtered_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
     """Temperature-scaled logits [B, V] with tokens outside top-k / top-p set to -inf.
 

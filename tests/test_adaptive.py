@@ -198,7 +198,7 @@ def forced(sched: Scheduler, shapes, then=None) -> Scheduler:
     """Make the scheduler's adaptive choice run `shapes` in turn (cycling them, or then `then`
     forever)."""
     it = itertools.cycle(shapes) if then is None else itertools.chain(shapes, itertools.repeat(then))
-    sched._adaptive.choose = lambda request_ids, key: next(it)
+    sched.policy.adaptive.choose = lambda request_ids, key: next(it)
     return sched
 
 
@@ -232,7 +232,7 @@ def test_requests_without_the_draft_decode_plainly_beside_those_with_it(mla_pair
                              page_size=4), [C2, None, C1])
     # Batches of two as requests finish together: {0 with, 1 without}, {2, 3 with}, {4 without}.
     admitted, asked = iter([True, False, True, True, False]), []
-    sched._adaptive.wants_draft = lambda key, **kw: asked.append((key, kw)) or next(admitted)
+    sched.policy.adaptive.wants_draft = lambda key, **kw: asked.append((key, kw)) or next(admitted)
     outs = sched.generate(prompts, sp)
     assert [o.token_ids for o in outs] == base
     # Each judged at the batch it joins (the running requests and itself), with its own prompt and budget.
@@ -253,7 +253,7 @@ def draft_kv(sched: Scheduler, prompt, steps: int):
         sched.step()
     req = sched._requests[rid]
     table = np.asarray([req.pages], np.int32)
-    cache = sched._state.draft_cache(table, np.asarray([req.length]))
+    cache = sched._executor.state.draft_cache(table, np.asarray([req.length]))
     k, v = kv_cache.read(cache, 0)
     return np.asarray(k)[0, : req.length], np.asarray(v)[0, : req.length], req.length
 
@@ -275,10 +275,15 @@ def test_draft_catches_up_on_tokens_of_steps_without_speculation(mla_pair, gap):
     np.testing.assert_allclose(plain_v[:n], spec_v[:n], rtol=1e-4, atol=1e-5)
 
 
-def test_engine_refuses_auto_with_a_clear_message(mla_pair):
+def test_engine_runs_auto_through_the_scheduler(mla_pair):
+    """Engine.generate is the scheduler's request path, adaptive speculation included: greedy
+    output as plain decoding's, and the policy's step counts in the scheduler's stats."""
     target, draft = mla_pair
-    with pytest.raises(ValueError, match="Scheduler"):
-        e3.Engine(target, draft=draft, spec=e3.SpecConfig.auto())
+    prompts, sp = PROMPTS[:2], e3.SamplingParams(max_tokens=10)
+    base = [o.token_ids for o in e3.Engine(target, max_batch_size=2, max_seq_len=64).generate(prompts, sp)]
+    engine = e3.Engine(target, draft=draft, spec=e3.SpecConfig.auto(2), max_batch_size=2, max_seq_len=64)
+    assert [o.token_ids for o in engine.generate(prompts, sp)] == base
+    assert sum(engine.scheduler.stats()["adaptive"]["steps_by_shape"].values()) > 0
 
 
 def test_metrics_report_the_shapes_chosen():

@@ -111,7 +111,7 @@ def test_speculative_step_with_mla_draft_lowers_with_triton_attention(pair, plat
     interpreted): the MLA draft's extend and both expansion levels call the Triton kernel too."""
     from eagle3_jax import kernels as kernels_lib
     from eagle3_jax.draft import with_target_kernels
-    from eagle3_jax.engine import _spec_step
+    from eagle3_jax.spec.step import spec_step
     from eagle3_jax.sampling import SamplingArrays
     from eagle3_jax.spec.propose import DraftRoot
 
@@ -125,7 +125,7 @@ def test_speculative_step_with_mla_draft_lowers_with_triton_attention(pair, plat
         root = DraftRoot(token=np.zeros((2,), np.int32), hidden=np.zeros((2, d.config.hidden_size), d.dtype))
         sp = SamplingArrays.from_params([e3.SamplingParams()], 2)
         with launch.abstract_gpu(launch.PLATFORM_ARCH[platform]):  # JAX >= 0.12 asks which GPU
-            return _spec_step.trace(target.params, target.config, d.params, d.config, TREE, tcache, dcache, root, sp,
+            return jax.jit(spec_step, static_argnames=("tcfg", "dcfg", "spec")).trace(target.params, target.config, d.params, d.config, TREE, tcache, dcache, root, sp,
                                     np.ones((2,), np.int32)).lower(lowering_platforms=(platform,)).as_text()
 
     kernel = "eagle3_paged_prefix_attention"

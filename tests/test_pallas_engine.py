@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -84,7 +85,7 @@ def test_speculative_step_lowers_with_triton_attention(platform, monkeypatch):
     """Deviceless lowering of the whole speculative step with kernels="pallas" (compiled, not
     interpreted): the module holds the Triton attention kernel."""
     from eagle3_jax import kernels as kernels_lib
-    from eagle3_jax.engine import _spec_step
+    from eagle3_jax.spec.step import spec_step
     from eagle3_jax.sampling import SamplingArrays
     from eagle3_jax.spec.propose import DraftRoot
 
@@ -97,7 +98,7 @@ def test_speculative_step_lowers_with_triton_attention(platform, monkeypatch):
     root = DraftRoot(token=jnp.zeros((2,), jnp.int32), hidden=jnp.zeros((2, draft.config.hidden_size), draft.dtype))
     sp = SamplingArrays.from_params([e3.SamplingParams()], 2)
     with launch.abstract_gpu(launch.PLATFORM_ARCH[platform]):  # JAX >= 0.12 asks which GPU
-        lowered = _spec_step.trace(target.params, target.config, draft.params, draft.config, spec, tcache, dcache, root,
+        lowered = jax.jit(spec_step, static_argnames=("tcfg", "dcfg", "spec")).trace(target.params, target.config, draft.params, draft.config, spec, tcache, dcache, root,
                                    sp, jnp.ones((2,), jnp.int32)).lower(lowering_platforms=(platform,))
     text = lowered.as_text()
     for kernel in ("eagle3_paged_prefix_attention", "eagle3_grouped_swiglu", "eagle3_grouped_matmul"):

@@ -1,4 +1,4 @@
-"""The speculative programs: prefill (target + draft) and one decode step.
+"""The step programs: prefill and one decode step, plain (target only) or speculative.
 
 One step, all on device: draft expansion of a tree from each sequence's root (or the root alone,
 for a step that does not speculate) -> target verify over the tree (ancestor mask, positions by
@@ -23,6 +23,30 @@ from .tree import SpecConfig, ancestor_mask, depths, path_to
 from .verify import accept, commit_path, emitted_tokens
 
 
+def plain_prefill(tparams: dict, tcfg: ModelConfig, tcache: kv_cache.KVCache, tokens: jax.Array,
+                  prompt_lens: jax.Array, sp: SamplingArrays, counter: jax.Array | None = None,
+                  absorb: bool | None = None):
+    """Prompt tokens [B, T] (right-padded; `prompt_lens` valid) after each row's cached prefix ->
+    (first token [B] sampled with key `counter` (default 0), aux features [B, T, F], cache
+    advanced by `prompt_lens`). `absorb` picks the MLA form (see target.forward)."""
+    b, t = tokens.shape
+    if counter is None:
+        counter = jnp.zeros((b,), jnp.int32)
+    positions = tcache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+    logits, aux, tcache = forward(tparams, tcfg, tokens, positions, tcache, absorb=absorb)
+    last = (prompt_lens - 1)[:, None]
+    first = sample(jnp.take_along_axis(logits, last[:, :, None], axis=1)[:, 0], sp, counter)
+    return first, aux, kv_cache.advance(tcache, prompt_lens)
+
+
+def plain_step(tparams: dict, tcfg: ModelConfig, tcache: kv_cache.KVCache, tokens: jax.Array, sp: SamplingArrays,
+               counter: jax.Array):
+    """One token per row after `tokens` [B] (written at the cache's lengths) -> (next token [B]
+    sampled with key `counter`, aux feature [B, F] of `tokens`, cache advanced by one)."""
+    logits, aux, tcache = forward(tparams, tcfg, tokens[:, None], tcache.lengths[:, None], tcache)
+    return sample(logits[:, 0], sp, counter), aux[:, 0], kv_cache.advance(tcache, jnp.ones_like(tcache.lengths))
+
+
 def spec_prefill(tparams: dict, tcfg: ModelConfig, dparams: dict, dcfg: DraftConfig,
                  tcache: kv_cache.KVCache, dcache: kv_cache.KVCache, tokens: jax.Array, prompt_lens: jax.Array,
                  sp: SamplingArrays, counter: jax.Array | None = None, following: jax.Array | None = None,
@@ -37,15 +61,10 @@ def spec_prefill(tparams: dict, tcfg: ModelConfig, dparams: dict, dcfg: DraftCon
     (see target.forward) of the target and, for an MLA draft, of the draft's extend.
     """
     b, t = tokens.shape
-    if counter is None:
-        counter = jnp.zeros((b,), jnp.int32)
     if following is None:
         following = jnp.full((b,), -1, jnp.int32)
-    positions = tcache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-    logits, aux, tcache = forward(tparams, tcfg, tokens, positions, tcache, absorb=absorb)
+    first, aux, tcache = plain_prefill(tparams, tcfg, tcache, tokens, prompt_lens, sp, counter, absorb)
     last = (prompt_lens - 1)[:, None]
-    first = sample(jnp.take_along_axis(logits, last[:, :, None], axis=1)[:, 0], sp, counter)
-    tcache = kv_cache.advance(tcache, prompt_lens)
     # Draft pair t = (feature t, token t+1); the last pair's next token follows the chunk.
     after = jnp.where(following >= 0, following, first)
     shifted = jnp.concatenate([tokens[:, 1:], tokens[:, :1]], axis=1)

@@ -4,17 +4,19 @@ In a multi-host JAX job every process must launch the same sharded program with 
 (each feeds its own devices). Only process 0 receives requests, so only it can decide what the
 next step is. `StepChannel` carries that decision: before each step program the leader sends the
 program's host inputs (a small pickled message: the program kind, the page table, tokens, sampling
-arrays), and each follower, blocked in `Scheduler.follow`, receives them and runs the same program
-on its shards. The transport is `multihost_utils.broadcast_one_to_all`, a collective over every
+arrays), and each follower, blocked in `follow` (`Scheduler.follow`), receives them and runs the
+same program on its shards (`Leader` is the sending side, `Scheduler.lead`). The transport is `multihost_utils.broadcast_one_to_all`, a collective over every
 process's devices, so messages arrive in order and nothing else is needed. Payloads are padded to a
 power of two so the broadcast compiles for a handful of sizes only.
 """
 
 from __future__ import annotations
 
+import collections
 import pickle
 from typing import Any
 
+import jax
 import numpy as np
 
 _MIN_PAYLOAD = 1 << 10
@@ -31,8 +33,6 @@ class StepChannel:
     """Broadcasts picklable messages from process 0 to every process (a collective: all must call)."""
 
     def __init__(self):
-        import jax
-
         self.is_leader = jax.process_index() == 0
 
     @staticmethod
@@ -58,3 +58,44 @@ class StepChannel:
         buf = np.zeros((_bucket(size),), np.uint8)
         buf[: len(data)] = np.frombuffer(data, np.uint8)
         return self._broadcast(buf, self.is_leader)[:size].tobytes()
+
+
+class Leader:
+    """Process 0: tells the followers each program it launches and when it reads outputs."""
+
+    def __init__(self):
+        self.channel = StepChannel()
+        if not self.channel.is_leader:
+            raise RuntimeError("lead() is for process 0; the other processes call follow()")
+
+    def launched(self, kind: str, shape, block_table: np.ndarray, args: tuple) -> None:
+        self.channel.send((kind, shape, block_table, jax.tree.map(np.asarray, args)))
+
+    def reading(self, launches: int) -> None:
+        """The leader now reads the outputs of its `launches` oldest unread programs."""
+        self.channel.send(("read", launches))
+
+    def release(self) -> None:
+        """Tell every follower's `follow` to return."""
+        self.channel.send(None)
+
+
+def follow(executor) -> int:
+    """Follower (process > 0): run the leader's programs on `executor` (a scheduler's device
+    side) in the leader's order, reading outputs when it reads them, until it releases the
+    followers. Returns the number of programs run."""
+    channel, steps = StepChannel(), 0
+    if channel.is_leader:
+        raise RuntimeError("process 0 leads (lead()); follow() is for the other processes")
+    unread: collections.deque = collections.deque()
+    while (message := channel.receive()) is not None:
+        if message[0] == "read":
+            for _ in range(message[1]):
+                executor.read(unread.popleft())
+            continue
+        kind, shape, block_table, args = message
+        outputs = executor.execute(kind, shape, block_table, *args)
+        if outputs:  # a catch-up returns nothing to read
+            unread.append(outputs)
+        steps += 1
+    return steps

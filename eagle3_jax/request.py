@@ -1,0 +1,147 @@
+"""The request layer: one request's checks, budget, emitted tokens, finish and metrics.
+
+Every front end (`Engine.generate`, `Scheduler`, the OpenAI server) goes through these, so a rule
+about requests (what is refused, what is capped, when a request stops, what its metrics mean) is
+written once:
+
+- `check_request`: a prompt and its SamplingParams, refused with a ValueError naming the problem.
+- `token_budget`: the tokens a request may generate, max_tokens cut to the room left in
+  max_seq_len; `cap_message` says so (front ends report every cap, none is silent).
+- `Request.emit`: a step's tokens appended up to a stop token or the budget; the finish reason.
+- `Request.metrics` -> `RequestOutput.metrics`: acceptance, passes, latencies.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Sequence
+
+import numpy as np
+
+from .sampling import SamplingParams
+
+FINISH_STOP, FINISH_LENGTH, FINISH_ABORT = "stop", "length", "abort"
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    token_ids: list[int]
+    finish_reason: str  # "stop" (a stop token) | "length" (max_tokens or max_seq_len) | "abort"
+    metrics: dict
+
+
+def check_request(vocab_size: int, max_seq_len: int, prompt: Sequence[int], sampling: SamplingParams,
+                  index: int = 0) -> list[int]:
+    """A request's prompt as a list of ints, after checking it and its sampling; raises ValueError."""
+    if not isinstance(sampling, SamplingParams):
+        raise TypeError(f"sampling[{index}] must be a SamplingParams, got {type(sampling).__name__}")
+    try:
+        ids = [int(t) for t in prompt]
+    except (TypeError, ValueError):
+        raise ValueError(f"prompt {index} must be a sequence of integer token ids") from None
+    if not ids:
+        raise ValueError(f"prompt {index} is empty; give at least one token (e.g. BOS)")
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"prompt {index} has token ids outside [0, {vocab_size}): {bad[:5]}")
+    if len(ids) >= max_seq_len:
+        raise ValueError(
+            f"prompt {index} has {len(ids)} tokens, which leaves no room to generate within max_seq_len="
+            f"{max_seq_len}; shorten the prompt or raise max_seq_len"
+        )
+    return ids
+
+
+def token_budget(prompt_len: int, max_tokens: int, max_seq_len: int) -> int:
+    """Tokens a request may generate: max_tokens, cut to the room left in max_seq_len."""
+    return min(max_tokens, max_seq_len - prompt_len)
+
+
+def cap_message(prompt_len: int, max_tokens: int, max_seq_len: int, max_tokens_name: str = "max_tokens",
+                max_seq_len_name: str = "max_seq_len") -> str | None:
+    """What `token_budget` cut, in one sentence (None when max_tokens fits)."""
+    budget = token_budget(prompt_len, max_tokens, max_seq_len)
+    if budget == max_tokens:
+        return None
+    return (f"{max_tokens_name}={max_tokens} was cut to {budget}: the prompt's {prompt_len} tokens plus "
+            f"{max_tokens_name} must fit {max_seq_len_name}={max_seq_len}")
+
+
+def normalize_sampling(sampling: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
+    """One SamplingParams per prompt, from None (defaults), one for all, or one each."""
+    if sampling is None or isinstance(sampling, SamplingParams):
+        return [sampling or SamplingParams()] * n
+    sampling = list(sampling)
+    if len(sampling) != n:
+        raise ValueError(f"got {len(sampling)} SamplingParams for {n} prompts; give one or one per prompt")
+    return sampling
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    """One request as its front ends see it: what it asked for and what it got so far."""
+
+    id: str
+    prompt: list[int]
+    sampling: SamplingParams
+    budget: int  # most tokens it may generate (token_budget)
+    arrival: float = dataclasses.field(default_factory=time.perf_counter)
+    output: list[int] = dataclasses.field(default_factory=list)
+    token_times: list[float] = dataclasses.field(default_factory=list)
+    accept_lengths: list[int] = dataclasses.field(default_factory=list)  # tokens emitted per decode step
+    step_depths: list[int] = dataclasses.field(default_factory=list)  # draft tokens each decode step proposed
+    draft_passes: int = 0
+    admitted: float | None = None
+    num_preemptions: int = 0
+    sent: int = 0  # tokens already handed out
+    finish_reason: str | None = None
+
+    def record_step(self, emitted: int, depth: int, draft_passes: int) -> None:
+        """A decode step that committed `emitted` tokens after proposing `depth` draft tokens."""
+        self.accept_lengths.append(emitted)
+        self.step_depths.append(depth)
+        self.draft_passes += draft_passes
+
+    def emit(self, tokens: Sequence[int], now: float) -> str | None:
+        """Append a step's tokens, up to and including a stop token or the budget's last; returns
+        the finish reason then ("stop" / "length"), else None. Tokens past the finish are dropped."""
+        stops = self.sampling.stop_token_ids
+        for tok in tokens:
+            tok = int(tok)
+            self.output.append(tok)
+            self.token_times.append(now)
+            if tok in stops:
+                return FINISH_STOP
+            if len(self.output) >= self.budget:
+                return FINISH_LENGTH
+        return None
+
+    def unsent(self) -> list[int]:
+        """The tokens not handed out yet (and marks them handed out)."""
+        new, self.sent = self.output[self.sent:], len(self.output)
+        return new
+
+    def metrics(self, now: float, max_depth: int) -> dict:
+        """Per-request metrics: acceptance (per draft position up to `max_depth`, over the steps
+        that proposed that deep), target and draft passes, and latencies from arrival."""
+        acc, drafted = np.asarray(self.accept_lengths, np.int64), np.asarray(self.step_depths, np.int64)
+        times = self.token_times
+        per_position = [float(np.mean(acc[drafted >= d] - 1 >= d)) if np.any(drafted >= d) else 0.0
+                        for d in range(1, max_depth + 1)]
+        return {
+            "mean_accept_length": float(acc.mean()) if acc.size else 1.0,
+            "accept_lengths": [int(a) for a in acc],
+            "per_position_acceptance": per_position,
+            "num_target_passes": int(acc.size) + (1 if times else 0),  # the prefill's pass gave the first token
+            "num_draft_passes": self.draft_passes,
+            "num_output_tokens": len(self.output),
+            "num_preemptions": self.num_preemptions,
+            "queue_s": (self.admitted if self.admitted is not None else now) - self.arrival,
+            "ttft_s": times[0] - self.arrival if times else None,
+            "itl_s": [float(x) for x in np.diff(times)],
+            "e2e_latency_s": now - self.arrival,
+        }
+
+    def output_record(self, now: float, max_depth: int) -> RequestOutput:
+        return RequestOutput(self.output, self.finish_reason, self.metrics(now, max_depth))

@@ -1,0 +1,9 @@
+"""The serving scheduler: continuous batching over a paged KV cache (core.py), its device
+programs and their cache (programs.py), multi-host lockstep (lockstep.py) and counters
+(metrics.py)."""
+
+from .core import MIN_CHUNK_BUCKET, MIN_PAGES_BUCKET, CapacityError, RequestDelta, Scheduler, bucket
+from .programs import DeviceState, ProgramCache
+
+__all__ = ["CapacityError", "DeviceState", "MIN_CHUNK_BUCKET", "MIN_PAGES_BUCKET", "ProgramCache", "RequestDelta",
+           "Scheduler", "bucket"]

@@ -1,0 +1,45 @@
+"""The scheduler's counters: what `Scheduler.stats()` (and the server's /metrics) report."""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+
+
+class SchedulerCounters:
+    """Totals since the scheduler started, updated a batch at a time."""
+
+    def __init__(self, max_accept: int):
+        self.totals = collections.Counter()
+        self.per_position = np.zeros((max_accept,), np.int64)  # decode-step rows that accepted >= d draft tokens
+        self.per_position_drafted = np.zeros((max_accept,), np.int64)  # ... whose step drafted >= d tokens
+
+    def decode_step(self, counts: np.ndarray, depth: int) -> None:
+        """A decode step's rows committed `counts` tokens each, after proposing `depth` draft tokens."""
+        rows = len(counts)
+        self.totals["num_decode_steps_total"] += rows
+        self.totals["accepted_tokens_total"] += int(counts.sum())
+        if len(self.per_position):
+            accepted = np.clip(counts - 1, 0, len(self.per_position))
+            # rows that accepted at least d draft tokens, d = 1..max: a reversed cumulative count
+            self.per_position += np.cumsum(np.bincount(accepted, minlength=len(self.per_position) + 1)[::-1])[::-1][1:]
+            self.per_position_drafted[:depth] += rows
+
+    def stats(self) -> dict:
+        c = self.totals
+        steps = c["num_decode_steps_total"]
+        return {
+            "num_preemptions": c["num_preemptions"],
+            "num_requests_finished": c["num_requests_finished"],
+            "num_requests_aborted": c["num_requests_aborted"],
+            "prompt_tokens_total": c["prompt_tokens_total"],
+            "generation_tokens_total": c["generation_tokens_total"],
+            "num_decode_steps_total": steps,
+            "accepted_tokens_total": c["accepted_tokens_total"],
+            "mean_accept_length": c["accepted_tokens_total"] / steps if steps else 1.0,
+            "per_position_accepted_total": [int(x) for x in self.per_position],
+            "per_position_drafted_total": [int(x) for x in self.per_position_drafted],
+            "num_iterations_total": c["num_iterations_total"],
+            "host_seconds_total": c["host_seconds_total"],  # step() time not spent waiting for the device
+        }

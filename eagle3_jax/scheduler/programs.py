@@ -1,0 +1,268 @@
+"""The scheduler's device side: the state its programs carry, the programs, and their cache.
+
+Every program takes (target params, draft params, `DeviceState`, block table, host arrays...),
+donates the state and returns (outputs..., new state). Kinds:
+
+- "prefill" / "plain_prefill": one prompt chunk per row, with / without the draft;
+- "decode": one speculative step of a chain or tree (spec/step.py);
+- "store_decode": one target token per row, its (feature, token) pair kept for the draft
+  (adaptive speculation, a step that does not speculate);
+- "plain_decode": one target token per row, no draft arrays at all;
+- "catch_up": the draft runs over the pairs it has not seen.
+
+`Executor` owns the state and a bounded cache of compiled programs; the batching side
+(core.py) decides what runs and hands it host arrays only.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from .. import kv_cache
+from ..config import ModelConfig
+from ..draft import Draft, DraftConfig
+from ..sampling import SamplingArrays
+from ..sharding import mesh_context, replicate, shard_pages, to_host
+from ..spec.policy import SpeculationPolicy
+from ..spec.propose import DraftRoot, draft_extend
+from ..spec.step import plain_prefill, plain_step, spec_prefill, spec_step
+from ..spec.tree import SpecConfig
+from ..target import Target
+
+DONATED = 2  # position of the DeviceState among a program's dynamic arguments
+
+
+@struct.dataclass
+class DeviceState:
+    """What the step programs carry from step to step, on device (donated to each program).
+
+    KV page pools of the target and the draft, and per state slot (one per running request, the
+    last one scratch for padding rows): the committed cache length, the last emitted token (the
+    next step's root) and, with a draft, the draft's output hidden from which the next step
+    proposes. Keeping them on device lets the host launch a step before reading the previous one.
+    """
+
+    tk: jax.Array
+    tv: jax.Array
+    dk: jax.Array | None
+    dv: jax.Array | None
+    length: jax.Array  # [S + 1] int32
+    last_token: jax.Array  # [S + 1] int32
+    draft_hidden: jax.Array | None  # [S + 1, H]
+    # Adaptive speculation: (target feature, next token) pairs of steps that did not speculate,
+    # which the draft has not seen yet (spec/adaptive.py).
+    gap: jax.Array | None = None  # [S + 1] int32
+    gap_features: jax.Array | None = None  # [S + 1, max_gap, 3 * target hidden]
+    gap_tokens: jax.Array | None = None  # [S + 1, max_gap] int32
+
+    def target_cache(self, block_table, lengths) -> kv_cache.KVCache:
+        return kv_cache.paged_view(self.tk, self.tv, block_table, lengths)
+
+    def draft_cache(self, block_table, lengths) -> kv_cache.KVCache:
+        return kv_cache.paged_view(self.dk, self.dv, block_table, lengths)
+
+
+def init_state(target: Target, draft: Draft | None, policy: SpeculationPolicy, num_pages: int, page_size: int,
+               num_slots: int) -> DeviceState:
+    """KV page pools (target, draft) and `num_slots` + 1 state slots, placed on the target's mesh."""
+    tcfg, mesh = target.config, target.mesh
+    tk, tv = kv_cache.init_pages(tcfg, num_pages, page_size, target.dtype)
+    dk = dv = hidden = None
+    slots = num_slots + 1
+    if draft is not None:
+        dk, dv = kv_cache.init_pages(draft.config.layers, num_pages, page_size, draft.dtype)
+        hidden = np.zeros((slots, draft.config.hidden_size), draft.dtype)
+    per_slot = {"length": np.zeros((slots,), np.int32), "last_token": np.zeros((slots,), np.int32),
+                "draft_hidden": hidden}
+    if policy.stores_pairs:
+        width = len(tcfg.aux_layer_ids) * tcfg.hidden_size
+        per_slot.update(gap=np.zeros((slots,), np.int32),
+                        gap_features=np.zeros((slots, policy.max_gap, width), target.dtype),
+                        gap_tokens=np.zeros((slots, policy.max_gap), np.int32))
+    if mesh is not None:
+        tk, tv = shard_pages(tk, tv, tcfg, mesh)
+        if dk is not None:
+            dk, dv = shard_pages(dk, dv, draft.config.layers, mesh)
+        per_slot = replicate(per_slot, mesh)
+    else:
+        per_slot = jax.tree.map(jnp.asarray, per_slot)
+    return DeviceState(tk=tk, tv=tv, dk=dk, dv=dv, **per_slot)
+
+
+# ---- programs ----------------------------------------------------------------------------------------
+
+
+def _prefill_program(tcfg: ModelConfig, dcfg: DraftConfig | None, shape: None, tparams: dict, dparams: dict | None,
+                     state: DeviceState, block_table, tokens, lengths, n_valid, following, slots,
+                     sp: SamplingArrays, counter):
+    """One prompt chunk per row after its cached prefix (`lengths`) -> (first token, state).
+
+    Rows whose chunk ends the prompt store their length, first token (and draft root) in state
+    slot `slots[i]`; the others pass the scratch slot. Prefill always uses the expanded MLA form,
+    whatever the chunk length, so numerics do not depend on the batch's bucket.
+    """
+    tcache = state.target_cache(block_table, lengths)
+    length = state.length.at[slots].set(lengths + n_valid)
+    if state.gap is not None:  # the prefill extends the draft over the whole prompt
+        state = state.replace(gap=state.gap.at[slots].set(0))
+    if dcfg is None:
+        first, _, tcache = plain_prefill(tparams, tcfg, tcache, tokens, n_valid, sp, counter, absorb=False)
+        return first, state.replace(tk=tcache.k, tv=tcache.v, length=length,
+                                    last_token=state.last_token.at[slots].set(first))
+    first, tcache, dcache, root = spec_prefill(tparams, tcfg, dparams, dcfg, tcache, state.draft_cache(block_table, lengths),
+                                               tokens, n_valid, sp, counter, following, absorb=False)
+    return first, state.replace(tk=tcache.k, tv=tcache.v, dk=dcache.k, dv=dcache.v, length=length,
+                                last_token=state.last_token.at[slots].set(root.token),
+                                draft_hidden=state.draft_hidden.at[slots].set(root.hidden))
+
+
+def _rows(state: DeviceState, slots, prompt_lens):
+    """(committed lengths, sampling counters) of the rows in `slots` (padding rows: 0). A row's
+    counter (tokens generated so far) is its committed length - prompt length + 1."""
+    live = slots < state.length.shape[0] - 1  # padding rows use the scratch slot
+    lengths = jnp.where(live, state.length[slots], 0)
+    return lengths, jnp.where(live, lengths - prompt_lens + 1, 0)
+
+
+def _one_token_step(tcfg: ModelConfig, tparams: dict, state: DeviceState, block_table, slots, prompt_lens,
+                    sp: SamplingArrays):
+    """One target token per row: (tokens [B, 1], counts [B], aux features [B, F], state)."""
+    lengths, counter = _rows(state, slots, prompt_lens)
+    nxt, aux, tcache = plain_step(tparams, tcfg, state.target_cache(block_table, lengths), state.last_token[slots],
+                                  sp, counter)
+    count = jnp.ones_like(nxt)
+    return nxt[:, None], count, aux, state.replace(tk=tcache.k, tv=tcache.v, length=state.length.at[slots].set(lengths + count),
+                                                   last_token=state.last_token.at[slots].set(nxt))
+
+
+def _plain_decode_program(tcfg: ModelConfig, dcfg: None, shape: None, tparams: dict, dparams: None,
+                          state: DeviceState, block_table, slots, prompt_lens, sp: SamplingArrays):
+    """One target token per row from its state slot -> (tokens [B, 1], counts [B], state)."""
+    out, count, _, state = _one_token_step(tcfg, tparams, state, block_table, slots, prompt_lens, sp)
+    return out, count, state
+
+
+def _store_decode_program(tcfg: ModelConfig, dcfg: DraftConfig, shape: None, tparams: dict, dparams: dict,
+                          state: DeviceState, block_table, slots, prompt_lens, sp: SamplingArrays):
+    """A step without speculation or draft work: one target token per row; the pair (its target
+    feature, the sampled next token) waits in the row's gap buffer for the catch-up program."""
+    out, count, aux, state = _one_token_step(tcfg, tparams, state, block_table, slots, prompt_lens, sp)
+    gap = state.gap[slots]  # < max_gap: the host has a full buffer caught up first
+    return out, count, state.replace(
+        gap=state.gap.at[slots].set(gap + 1),
+        gap_features=state.gap_features.at[slots, gap].set(aux.astype(state.gap_features.dtype)),
+        gap_tokens=state.gap_tokens.at[slots, gap].set(out[:, 0]))
+
+
+def _decode_program(tcfg: ModelConfig, dcfg: DraftConfig, shape: SpecConfig, tparams: dict, dparams: dict,
+                    state: DeviceState, block_table, slots, prompt_lens, sp: SamplingArrays):
+    """One speculative step (`shape`) per row from its state slot -> (tokens [B, D+1] (-1
+    padded), counts [B], state)."""
+    lengths, counter = _rows(state, slots, prompt_lens)
+    root = DraftRoot(token=state.last_token[slots], hidden=state.draft_hidden[slots])
+    out, count, tcache, dcache, root, _ = spec_step(tparams, tcfg, dparams, dcfg, shape,
+                                                    state.target_cache(block_table, lengths),
+                                                    state.draft_cache(block_table, lengths), root, sp, counter)
+    return out, count, state.replace(tk=tcache.k, tv=tcache.v, dk=dcache.k, dv=dcache.v,
+                                     length=state.length.at[slots].set(lengths + count),
+                                     last_token=state.last_token.at[slots].set(root.token),
+                                     draft_hidden=state.draft_hidden.at[slots].set(root.hidden))
+
+
+def _catch_up_program(tcfg: ModelConfig, dcfg: DraftConfig, shape: None, tparams: dict, dparams: dict,
+                      state: DeviceState, block_table, slots) -> tuple[DeviceState]:
+    """Extend the draft over each row's stored (feature, token) pairs: from its cache at length -
+    gap, in one draft pass; rows without pairs keep their draft hidden. Slots written past a row's
+    pairs lie beyond its committed length (in its own pages, the scratch page, or past the table,
+    where writes are dropped), so they need no room reserved."""
+    live = slots < state.length.shape[0] - 1
+    lengths = jnp.where(live, state.length[slots], 0)
+    gap = jnp.where(live, state.gap[slots], 0)
+    _, hidden, dcache = draft_extend(dparams, dcfg, state.draft_cache(block_table, lengths - gap),
+                                     state.gap_features[slots], state.gap_tokens[slots], gap)
+    hidden = jnp.where((gap > 0)[:, None], hidden, state.draft_hidden[slots])
+    return (state.replace(dk=dcache.k, dv=dcache.v, draft_hidden=state.draft_hidden.at[slots].set(hidden),
+                          gap=state.gap.at[slots].set(0)),)
+
+
+PROGRAMS = {"prefill": _prefill_program, "plain_prefill": _prefill_program, "decode": _decode_program,
+            "store_decode": _store_decode_program, "plain_decode": _plain_decode_program,
+            "catch_up": _catch_up_program}
+# Programs that run without the draft get the state without these arrays (fewer to dispatch; the
+# gap counts stay: a plain prefill zeroes its slot's).
+_PLAIN = ("plain_prefill", "plain_decode")
+_DRAFT_STATE = ("dk", "dv", "draft_hidden", "gap_features", "gap_tokens")
+
+
+class ProgramCache:
+    """Compiled step programs by shape key; beyond `capacity` the least recently used is dropped.
+
+    Why bounded: an XLA:CPU executable maps a few memory regions per kernel (hundreds per step
+    program) and a Linux process may hold about 65k (vm.max_map_count), so keeping every bucket's
+    program of a long-lived server forever can crash it. Each program is traced through its own
+    wrapper function, so JAX's tracing and compilation caches (keyed weakly on the function) let
+    go of it once it is dropped here, and its mappings are freed.
+    """
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self._programs: collections.OrderedDict = collections.OrderedDict()
+        self.num_compiles = 0
+
+    def __len__(self) -> int:
+        return len(self._programs)
+
+    def run(self, fn, static: tuple, key: tuple, *args):
+        """fn(*static, *args) jitted with args[DONATED] donated, compiled once per key.
+
+        Keys must pin every argument's shape.
+        """
+        program = self._programs.get(key)
+        if program is None:
+            program = jax.jit(functools.partial(fn, *static), donate_argnums=(DONATED,))
+            self.num_compiles += 1
+            self._programs[key] = program
+            while len(self._programs) > self.capacity:
+                self._programs.popitem(last=False)
+        else:
+            self._programs.move_to_end(key)
+        return program(*args)
+
+
+class Executor:
+    """The device side of one scheduler: its `DeviceState` and compiled programs."""
+
+    def __init__(self, target: Target, draft: Draft | None, policy: SpeculationPolicy, num_pages: int,
+                 page_size: int, num_slots: int, max_compiled_programs: int):
+        self.target, self.draft = target, draft
+        self.state = init_state(target, draft, policy, num_pages, page_size, num_slots)
+        self.programs = ProgramCache(max_compiled_programs)
+
+    def execute(self, kind: str, shape: SpecConfig | None, block_table: np.ndarray, *args) -> list[jax.Array]:
+        """Launch the `kind` program (for "decode", of speculation `shape`) on the state; returns
+        its outputs as device arrays, not waited for. The cache key is the kind, the shape and the
+        bucketed array shapes."""
+        with_draft = self.draft is not None and kind not in _PLAIN
+        dcfg, dparams = (self.draft.config, self.draft.params) if with_draft else (None, None)
+        key = (kind, shape, block_table.shape, np.shape(args[0]))
+        state, held = self.state, {}
+        if self.draft is not None and not with_draft:
+            held = {name: getattr(state, name) for name in _DRAFT_STATE}
+            state = state.replace(**dict.fromkeys(_DRAFT_STATE))
+        with mesh_context(self.target.mesh):
+            *outs, state = self.programs.run(PROGRAMS[kind], (self.target.config, dcfg, shape), key, self.target.params,
+                                             dparams, state, block_table, *args)
+        self.state = state.replace(**held)
+        return outs
+
+    def read(self, outputs: list[jax.Array]) -> list[np.ndarray]:
+        """The outputs' values. Every output is read, in order, on every process: reading a batch
+        split over a multi-host `data` axis is a collective (sharding.to_host)."""
+        with mesh_context(self.target.mesh):
+            return [to_host(o) for o in outputs]

@@ -1,0 +1,129 @@
+"""Host time per scheduler iteration: the Python bookkeeping around the device programs.
+
+Keeps --num_seqs requests in flight on the scheduler (one submitted as one finishes, each with
+its own output length, so requests finish, are admitted and prefill during the measurement as in
+serving), runs --warmup iterations (programs compile), then reports over --iterations:
+
+- host ms per iteration (median; also the mean): `step()` time not spent waiting for device
+  outputs (the scheduler's own `host_seconds_total`), the figure to keep small as batches grow;
+- device-wait ms per iteration (median). Iterations that compiled a program are left out (their
+  host time is compile time) and counted.
+
+By default host and device work do not overlap (`--nooverlap`): on a CPU host the device's
+threads would otherwise run beside the host's Python and inflate it. Prints a table and writes
+--json_out (command, machine, date, figures).
+
+    python scripts/bench_host.py --target=checkpoints/kimi-mini --draft=checkpoints/kimi-mini-eagle3 \\
+        --spec=none,chain:3:1:4 --num_seqs=64,256 --json_out=benchmarks/results/host-step.json
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import random
+import sys
+import time
+
+import numpy as np
+from absl import app, flags
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import _cli  # noqa: E402
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("target", "checkpoints/kimi-mini", "Target model folder (HF or Orbax).")
+flags.DEFINE_string("draft", "checkpoints/kimi-mini-eagle3", "EAGLE-3 draft folder, for the speculative settings.")
+flags.DEFINE_list("spec", ["none", "chain:3:1:4"], "Speculation settings: none, chain:S:K:N, tree:S:K:N, auto[:K].")
+flags.DEFINE_list("num_seqs", ["64", "256"], "Requests in flight (the scheduler's max_num_seqs), one row each.")
+flags.DEFINE_integer("prompt_len", 16, "Prompt tokens per request.", lower_bound=1)
+flags.DEFINE_integer("min_tokens", 16, "Fewest tokens a request generates.", lower_bound=1)
+flags.DEFINE_integer("max_tokens", 64, "Most tokens a request generates (each request draws its own).", lower_bound=1)
+flags.DEFINE_integer("warmup", 40, "Unmeasured iterations first (programs compile).", lower_bound=0)
+flags.DEFINE_integer("iterations", 60, "Measured iterations.", lower_bound=1)
+flags.DEFINE_bool("overlap", False, "Let host and device work overlap (the serving default); off here so that on a "
+                  "CPU host the device's threads do not inflate the host figure.")
+flags.DEFINE_string("json_out", None, "Write the figures here as JSON.")
+
+
+def _measure(target, draft, spec, num_seqs: int) -> dict:
+    import eagle3_jax as e3
+
+    rng = random.Random(0)
+    vocab = target.config.vocab_size
+    sched = e3.Scheduler(target, draft if spec is not None else None, spec, max_num_seqs=num_seqs,
+                         max_seq_len=FLAGS.prompt_len + FLAGS.max_tokens + 1, overlap=FLAGS.overlap)
+
+    def submit() -> None:
+        prompt = [rng.randrange(3, vocab) for _ in range(FLAGS.prompt_len)]
+        sched.add_request(prompt, e3.SamplingParams(max_tokens=rng.randint(FLAGS.min_tokens, FLAGS.max_tokens)))
+
+    def run(iterations: int) -> list[tuple[float, float, int]]:
+        """(host seconds, wall seconds, programs compiled) of each iteration."""
+        per_iteration = []
+        for _ in range(iterations):
+            host, compiles, start = sched.stats()["host_seconds_total"], sched.programs.num_compiles, time.perf_counter()
+            for delta in sched.step():
+                if delta.finished:
+                    submit()
+            per_iteration.append((sched.stats()["host_seconds_total"] - host, time.perf_counter() - start,
+                                  sched.programs.num_compiles - compiles))
+        return per_iteration
+
+    for _ in range(num_seqs):
+        submit()
+    run(FLAGS.warmup)
+    tokens = sched.stats()["generation_tokens_total"]
+    measured = run(FLAGS.iterations)
+    tokens = sched.stats()["generation_tokens_total"] - tokens
+    # An iteration that compiled a program spent its host time compiling: left out.
+    clean = np.asarray([(host, wall) for host, wall, compiled in measured if not compiled])
+    return {"num_seqs": num_seqs, "iterations": len(clean),
+            "host_ms_per_iteration": 1e3 * float(np.median(clean[:, 0])),
+            "host_ms_mean": 1e3 * float(clean[:, 0].mean()),
+            "device_wait_ms_per_iteration": 1e3 * float(np.median(clean[:, 1] - clean[:, 0])),
+            "tokens_per_iteration": tokens / len(measured),
+            "iterations_that_compiled": len(measured) - len(clean)}
+
+
+def main(argv) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    try:
+        sizes = [int(n) for n in FLAGS.num_seqs]
+    except ValueError:
+        raise app.UsageError(f"--num_seqs must be comma-separated integers; got {','.join(FLAGS.num_seqs)!r}") from None
+    if not sizes or min(sizes) < 1:
+        raise app.UsageError("--num_seqs needs integers >= 1")
+    if FLAGS.min_tokens > FLAGS.max_tokens:
+        raise app.UsageError(f"--min_tokens ({FLAGS.min_tokens}) exceeds --max_tokens ({FLAGS.max_tokens})")
+    import eagle3_jax as e3
+
+    with _cli.usage_errors("--spec"):
+        specs = [(name, e3.SpecConfig.parse(name)) for name in FLAGS.spec]
+    target = e3.load_target(FLAGS.target)
+    draft = e3.load_draft(FLAGS.draft, target=target) if any(s is not None for _, s in specs) else None
+    rows = []
+    print("| spec | seqs | host ms / iteration (median) | host ms (mean) | device wait ms (median) | tokens / iteration | "
+          "iterations timed | left out (compiled) |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, spec in specs:
+        for n in sizes:
+            row = dict(spec=name, **_measure(target, draft, spec, n))
+            rows.append(row)
+            print(f"| {name} | {n} | {row['host_ms_per_iteration']:.2f} | {row['host_ms_mean']:.2f} | "
+                  f"{row['device_wait_ms_per_iteration']:.2f} | {row['tokens_per_iteration']:.1f} | {row['iterations']} | "
+                  f"{row['iterations_that_compiled']} |", flush=True)
+    if FLAGS.json_out:
+        record = {"command": " ".join(["python"] + sys.argv), "date": datetime.date.today().isoformat(),
+                  "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, {platform.platform()}",
+                  "overlap": FLAGS.overlap, "rows": rows}
+        with open(FLAGS.json_out, "w") as f:
+            json.dump(record, f, indent=1)
+
+
+if __name__ == "__main__":
+    _cli.run(main)
