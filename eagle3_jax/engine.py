@@ -14,8 +14,8 @@ from .draft import Draft
 from .request import RequestOutput
 from .sampling import SamplingParams
 from .scheduler import Scheduler
-from .spec.adaptive import AutoSpec
-from .spec.tree import SpecConfig
+from .spec.settings import AutoSpec
+from .spec.settings import SpecConfig
 from .target import Target
 
 

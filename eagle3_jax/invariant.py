@@ -40,7 +40,7 @@ import jax.numpy as jnp
 from . import kv_cache
 from .attention import gqa_project, mla_project, mla_up_projections
 from .config import ModelConfig
-from .layers import rms_norm, swiglu
+from .layers import final_logits as head_logits, rms_norm, swiglu
 from .moe import gathered_experts, route
 from .quant import PRECISION, linear
 
@@ -193,7 +193,5 @@ def layer(p: dict, cfg: ModelConfig, kind: str, x: jax.Array, positions: jax.Arr
 
 def final_logits(params: dict, cfg: ModelConfig, x: jax.Array) -> jax.Array:
     """Final norm + LM head per fixed row block: float32 [B, T, V]."""
-    from .target import final_logits as head
-
     b, t, hidden = x.shape
-    return map_rows(lambda xr: head(params, cfg, xr), x.reshape(b * t, hidden)).reshape(b, t, -1)
+    return map_rows(lambda xr: head_logits(params, cfg, xr), x.reshape(b * t, hidden)).reshape(b, t, -1)

@@ -116,3 +116,10 @@ def apply_rotary(x: jax.Array, cos: jax.Array, sin: jax.Array, rope: RopeConfig)
     x1f, x2f = x1.astype(jnp.float32), x2.astype(jnp.float32)
     out = jnp.concatenate([x1f * c - x2f * s, x2f * c + x1f * s], axis=-1).astype(x.dtype)
     return jnp.concatenate([out, rest], axis=-1) if rest.shape[-1] else out
+
+
+def final_logits(params: dict, cfg, x: jax.Array) -> jax.Array:
+    """Final norm + LM head of a target (`params` its tree, `cfg` its ModelConfig): float32 logits."""
+    h = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+    head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
+    return linear(h, head, out_dtype=jnp.float32)

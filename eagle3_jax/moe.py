@@ -35,6 +35,7 @@ from . import kernels
 from .config import ModelConfig
 from .layers import swiglu
 from .quant import PRECISION, QArray, expert_matmul, ragged_linear, take
+from .sharding import expert_axes, leaf_partition_spec
 
 EXPERT_AXES = {
     "experts_gate": ("experts", "embed", "expert_mlp"),
@@ -160,8 +161,6 @@ def local_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate, w_up
 
 def _weight_specs(w: dict, mesh) -> dict:
     """PartitionSpecs of the routed-expert weights, as sharding.shard_params placed them."""
-    from .sharding import expert_axes, leaf_partition_spec  # lazy: sharding imports the param layout
-
     axes = expert_axes(w, EXPERT_AXES, mesh)
     return {name: leaf_partition_spec(axes[name], arr, mesh) for name, arr in w.items()}
 

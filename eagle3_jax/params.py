@@ -21,6 +21,8 @@ import jax
 import numpy as np
 
 from .config import ModelConfig, QuantConfig
+from .keymap import canonical_hf_key
+from .lazy import LazyArray
 from .quant import QArray, QFormat
 
 
@@ -71,10 +73,8 @@ def with_quant(specs: dict[str, ParamSpec], q: QuantConfig | None, module_of) ->
 
 
 def _hf_module(cfg: ModelConfig):
-    from .checkpoint import keymap  # lazy: the checkpoint package imports this module
-
     def module_of(name: str) -> str:
-        key = keymap.canonical_hf_key(name, cfg)
+        key = canonical_hf_key(name, cfg)
         return key[: -len(".weight")] if key.endswith(".weight") else key
 
     return module_of
@@ -223,8 +223,6 @@ def _stack(leaves: list, name: str):
 
 def _stack_arrays(arrays: list):
     """np.stack, kept lazy for lazily read checkpoint tensors."""
-    from .checkpoint.lazy import LazyArray  # lazy: the checkpoint package imports this module
-
     if any(isinstance(a, LazyArray) for a in arrays):
         return LazyArray.stack(arrays)
     return np.stack([np.asarray(a) for a in arrays])

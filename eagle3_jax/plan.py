@@ -24,7 +24,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from . import kv_cache
 from .config import ModelConfig, load_model_config
-from .draft import DraftConfig, draft_specs, parse_draft_config
+from .draft_config import DraftConfig, check_fits_target, draft_specs, parse_draft_config
 from .params import ParamSpec, abstract_leaf, abstract_params, qformat_for
 from .quant import QArray
 from .sampling import SamplingArrays
@@ -32,7 +32,7 @@ from .kernels import parse, resolve
 from .sharding import leaf_partition_spec, mesh_context, param_axes, param_shardings, partition_spec
 from .spec.propose import DraftRoot
 from .spec.step import plain_prefill, plain_step, spec_prefill, spec_step
-from .spec.tree import SpecConfig
+from .spec.settings import SpecConfig
 from .target import resolve_dtype, with_quant_options
 
 GB = 10**9  # vendors state HBM sizes in decimal GB: 256 GB = 238.4 GiB
@@ -288,8 +288,6 @@ def abstract_setup(target, draft=None, mesh: Mesh | None = None, batch: int = 1,
     if kernels is not None:
         cfg = dataclasses.replace(cfg, kernels=kernels)
     if dcfg is not None:
-        from .draft import check_fits_target
-
         check_fits_target(dcfg, cfg)
         if dcfg.aux_layer_ids is not None:
             cfg = cfg.with_aux_layers(dcfg.aux_layer_ids)

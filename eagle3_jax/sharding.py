@@ -17,7 +17,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from . import kv_cache
-from .checkpoint.lazy import LazyArray
+from .lazy import LazyArray
 from .config import ModelConfig
 from .params import stacked_axes
 from .quant import QArray

@@ -18,11 +18,14 @@ import numpy as np
 
 from . import invariant, kernels as kernels_lib, kv_cache, params as params_lib
 from .attention import gqa_block, mla_block
-from .checkpoint.lazy import LazyArray
+from .checkpoint import is_orbax_dir, keeps_quantized, read_flat_params
+from .checkpoint.orbax_sharded import can_restore_sharded, restore_sharded
+from .lazy import LazyArray
 from .config import ModelConfig, load_model_config
-from .layers import rms_norm, swiglu
+from .layers import final_logits, rms_norm, swiglu
 from .moe import moe_block
-from .quant import QArray, linear
+from .quant import QArray
+from .sharding import mesh_context, shard_cache, shard_params
 
 # Below this many new tokens per row, MLA uses the absorbed form (decode, verify); above, expanded.
 ABSORB_MAX_TOKENS = 16
@@ -40,13 +43,6 @@ def _layer(p: dict, cfg: ModelConfig, kind: str, x: jax.Array, positions: jax.Ar
     h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
     mlp = moe_block(p, cfg, h) if kind == "moe" else swiglu(h, p["gate_proj"], p["up_proj"], p["down_proj"])
     return x + mlp, cache
-
-
-def final_logits(params: dict, cfg: ModelConfig, x: jax.Array) -> jax.Array:
-    """Final norm + LM head, float32 logits."""
-    h = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
-    head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
-    return linear(h, head, out_dtype=jnp.float32)
 
 
 def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array, cache: kv_cache.KVCache,
@@ -178,16 +174,12 @@ class Target:
             raise ValueError(f"token_ids must be an integer array [batch, tokens]; got shape {ids.shape}, dtype {ids.dtype}")
         if ids.size and (ids.min() < 0 or ids.max() >= self.config.vocab_size):
             raise ValueError(f"token ids must be in [0, {self.config.vocab_size}); got range [{ids.min()}, {ids.max()}]")
-        from .sharding import mesh_context
-
         with mesh_context(self.mesh):
             logits, aux = _full_forward(self.params, self.config, jnp.asarray(ids, jnp.int32), self.dtype)
         logits = np.asarray(logits, np.float32)
         return (logits, np.asarray(aux, np.float32)) if return_aux else logits
 
     def init_cache(self, batch: int, max_len: int) -> kv_cache.KVCache:
-        from .sharding import shard_cache
-
         cache = kv_cache.init_cache(self.config, batch, max_len, self.dtype)
         return shard_cache(cache, self.config, self.mesh) if self.mesh is not None else cache
 
@@ -233,9 +225,6 @@ def load_target(path: str | os.PathLike, dtype="bfloat16", mesh: jax.sharding.Me
     whatever shares its pass (invariant.py): greedy speculative output then equals greedy plain
     decoding in bfloat16 too, at a cost in speed; it runs XLA ops on one device.
     """
-    from .checkpoint import is_orbax_dir, keeps_quantized, read_flat_params
-    from .sharding import shard_params
-
     path = os.fspath(path)
     kernels = check_batch_invariant(batch_invariant, kernels, mesh)
     cfg = load_model_config(path)
@@ -247,8 +236,6 @@ def load_target(path: str | os.PathLike, dtype="bfloat16", mesh: jax.sharding.Me
         cfg = cfg.with_aux_layers(tuple(aux_layer_ids))
     dt = resolve_dtype(dtype)
     if mesh is not None and is_orbax_dir(path):
-        from .checkpoint.orbax_sharded import can_restore_sharded, restore_sharded
-
         if can_restore_sharded(path, cfg):  # each process restores only its own shards
             return Target(config=cfg, params=restore_sharded(path, cfg, dt, mesh), dtype=dt, mesh=mesh, path=path)
     # On a mesh, HF tensors stay lazy until placed, so each process reads only its own shards.

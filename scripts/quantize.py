@@ -43,7 +43,7 @@ def main(argv: Sequence[str]) -> None:
     _cli.reject_positional(argv)
     check_target_path("--src", FLAGS.src, draft_flag=None)
     _cli.check_output("--out", FLAGS.out, {"--src": FLAGS.src})
-    from eagle3_jax.checkpoint.quantize import quantize_checkpoint
+    from eagle3_jax.checkpoint.quantized_copy import quantize_checkpoint
     from eagle3_jax.config import load_model_config
     from eagle3_jax.params import flat_specs
 

@@ -97,7 +97,7 @@ def test_planner_decode_step_reads_fewer_bytes_with_int4(int4_copy):
 
 def test_quantize_refuses_what_it_cannot_write(tmp_path, int4_copy):
     from eagle3_jax.checkpoint import CheckpointError
-    from eagle3_jax.checkpoint.quantize import quantize_checkpoint
+    from eagle3_jax.checkpoint.quantized_copy import quantize_checkpoint
 
     with pytest.raises(ValueError, match="groups of 48 do not divide the input width 128 of layers.1.experts_gate"):
         quantize_checkpoint(TARGET, str(tmp_path / "a"), "int4_pack", group_size=48)

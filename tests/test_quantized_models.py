@@ -121,13 +121,13 @@ def test_resident_weights_decode_like_an_independent_decoder(folders, name):
             continue
         if flat_name.endswith(("experts_gate", "experts_up", "experts_down")):
             layer, proj = int(flat_name.split(".")[1]), flat_name.split(".")[2]
-            from eagle3_jax.checkpoint import keymap
+            from eagle3_jax import keymap
 
             e = 1  # one expert is enough for the loop decoder
             key = keymap.expert_hf_key(cfg, layer, proj, e)
             got = np.asarray(dequantize(q[e]))
         else:
-            from eagle3_jax.checkpoint import keymap
+            from eagle3_jax import keymap
 
             key = keymap.canonical_hf_key(flat_name, cfg)
             got = np.asarray(dequantize(q))

@@ -11,7 +11,7 @@ import dataclasses
 from typing import Sequence
 
 from ..spec import SpecConfig
-from ..spec.tree import NO_SPEC, SPEC_SYNTAX
+from ..spec.settings import NO_SPEC, SPEC_SYNTAX
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,7 +15,8 @@ import numpy as np
 
 from ..config import ModelConfig
 from ..params import flat_specs
-from . import keymap, quantize
+from . import quantize
+from .. import keymap
 from .atomic import atomic_dir
 
 

@@ -21,6 +21,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from ..config import ModelConfig
 from ..params import ParamSpec, abstract_params, flat_specs, segment_specs
 from ..quant import QArray, QFormat
+from ..sharding import param_shardings
 from .errors import CheckpointError
 from .orbax_io import _checkpointer, _item_dir, _read_marker, _short, _validate_marker
 
@@ -94,8 +95,6 @@ def _zeros(abstract, shardings):
 def restore_sharded(path: str | os.PathLike, cfg: ModelConfig, dtype, mesh: Mesh) -> dict:
     """The stacked parameter tree of the converted folder `path`, placed on `mesh` by the
     logical-axis rules (quantized weights as QArrays). Same values as reading the folder whole."""
-    from ..sharding import param_shardings
-
     path = os.fspath(path)
     tensors = _validate_marker(path, _read_marker(path), cfg)
     dtype = jnp.dtype(dtype)

@@ -46,9 +46,9 @@ from ..draft import Draft, with_target_kernels
 from ..page_allocator import PageAllocator, pages_for
 from ..request import Request, RequestOutput, cap_message, check_request, normalize_sampling, token_budget
 from ..sampling import SamplingParams, SamplingTable
-from ..spec.adaptive import AutoSpec
+from ..spec.settings import AutoSpec
 from ..spec.policy import StepPlan, check_speculation, policy_for
-from ..spec.tree import SpecConfig
+from ..spec.settings import SpecConfig
 from ..target import Target
 from . import lockstep
 from .metrics import SchedulerCounters

@@ -32,7 +32,7 @@ from ..sharding import mesh_context, replicate, shard_pages, to_host
 from ..spec.policy import SpeculationPolicy
 from ..spec.propose import DraftRoot, draft_extend
 from ..spec.step import plain_prefill, plain_step, spec_prefill, spec_step
-from ..spec.tree import SpecConfig
+from ..spec.settings import SpecConfig
 from ..target import Target
 
 DONATED = 2  # position of the DeviceState among a program's dynamic arguments

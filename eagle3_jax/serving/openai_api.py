@@ -58,6 +58,7 @@ from aiohttp import web
 from ..sampling import SamplingParams
 from ..scheduler import CapacityError
 from ..tokenizer import Tokenizer
+from ..train.data import _compile_template, read_chat_template, render_messages
 from .async_engine import AsyncEngine, EngineDeadError, EngineError
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import ServerMetrics
@@ -328,8 +329,6 @@ class ChatTemplate:
     @staticmethod
     def from_dir(tokenizer_dir: str | os.PathLike | None) -> "ChatTemplate":
         """The template of a tokenizer folder (None, a file, or a folder without one: no template)."""
-        from ..train.data import read_chat_template
-
         if tokenizer_dir is None or not os.path.isdir(tokenizer_dir):
             return ChatTemplate()
         source, specials = read_chat_template(tokenizer_dir)
@@ -355,8 +354,6 @@ class ChatTemplate:
             text = source
         if not text.strip():
             raise ValueError(f"{value} is empty; give a jinja chat template")
-        from ..train.data import _compile_template
-
         try:
             _compile_template(text)
         except Exception as e:  # jinja2's TemplateSyntaxError
@@ -376,8 +373,6 @@ class ChatTemplate:
                                "(or --chat_template=join to send the messages' contents joined by newlines), or use "
                                "/v1/completions", param="messages", code="no_chat_template")
             return "\n".join(m["content"] for m in messages)
-        from ..train.data import render_messages
-
         try:
             return render_messages(self.source, messages, dict(self.special_tokens))
         except Exception as e:  # templates reject some conversations with raise_exception(...)

@@ -20,8 +20,8 @@ import dataclasses
 from typing import Protocol, Sequence
 
 from ..draft import Draft
-from .adaptive import AdaptiveSpeculation, AutoSpec, Key, Shape, shape_depth
-from .tree import SpecConfig
+from .adaptive import AdaptiveSpeculation, Key
+from .settings import AutoSpec, Shape, SpecConfig, shape_depth
 
 PLAIN_DECODE, STORE_DECODE, DECODE = "plain_decode", "store_decode", "decode"
 

@@ -25,7 +25,7 @@ from flax import struct
 
 from .. import kv_cache
 from ..draft import DraftConfig, draft_forward, draft_head, draft_to_target_ids, project_features
-from .tree import SpecConfig
+from .settings import SpecConfig
 
 
 @struct.dataclass

@@ -19,7 +19,8 @@ from ..draft import DraftConfig
 from ..sampling import SamplingArrays, sample
 from ..target import forward
 from .propose import DraftRoot, draft_extend, propose
-from .tree import SpecConfig, ancestor_mask, depths, path_to
+from .settings import SpecConfig
+from .tree import ancestor_mask, depths, path_to
 from .verify import accept, commit_path, emitted_tokens
 
 

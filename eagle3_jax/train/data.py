@@ -34,6 +34,8 @@ import ml_dtypes
 import numpy as np
 
 from .. import kv_cache
+from ..engine import Engine
+from ..sampling import SamplingParams
 from ..target import Target, forward
 from ..checkpoint.atomic import atomic_dir
 
@@ -270,9 +272,6 @@ def regenerate(target: Target, prompts: Sequence[Sequence[int]], *, max_tokens: 
     Responses include the stop token when one ends them. `max_seq_len` defaults to the longest
     prompt plus `max_tokens`.
     """
-    from ..engine import Engine
-    from ..sampling import SamplingParams
-
     temps = [float(t) for t in temperatures]
     if not temps:
         raise ValueError("temperatures must list at least one temperature (0.0 = greedy)")

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..config import ModelConfig, RopeConfig
-from ..draft import DraftConfig, draft_specs
+from ..draft_config import DraftConfig, draft_specs
 from ..target import Target
 from .ttt import ttt_loss
 from .vocab import DraftVocab

@@ -32,7 +32,7 @@ import ml_dtypes
 import numpy as np
 
 from ..config import ModelConfig, RopeConfig
-from ..draft import LLAMA_ARCHITECTURES, MLA_ARCHITECTURES, DraftConfig, draft_specs
+from ..draft_config import LLAMA_ARCHITECTURES, MLA_ARCHITECTURES, DraftConfig, draft_specs
 from ..checkpoint.atomic import atomic_dir
 from .vocab import DraftVocab
 

@@ -1,0 +1,139 @@
+"""An EAGLE-3 draft's config and parameter layout: `DraftConfig` from its config.json (the Llama
+GQA or DeepSeek MLA decoder-layer config plus the EAGLE fields), `draft_specs` (its flat
+parameter layout, matrices [in, out] like the target's) and `check_fits_target`. The model is in
+draft.py, the checkpoint reading in checkpoint/draft_reader.py."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from .config import ConfigError, ModelConfig, QuantConfig, _parse_quant, parse_model_config
+from .params import ParamSpec, attention_specs
+
+LLAMA_ARCHITECTURES = ("LlamaForCausalLMEagle3",)
+# vLLM and SGLang register the V3 name as an alias of the V2 class: the same layout.
+MLA_ARCHITECTURES = ("Eagle3DeepseekV2ForCausalLM", "Eagle3DeepseekV3ForCausalLM")
+DRAFT_ARCHITECTURES = LLAMA_ARCHITECTURES + MLA_ARCHITECTURES
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftConfig:
+    """An EAGLE-3 draft: its decoder-layer config (Llama GQA or DeepSeek MLA) plus the EAGLE-specific fields."""
+
+    layers: ModelConfig  # hidden size, attention (GQA or MLA), rope, number of decoder layers
+    draft_vocab_size: int
+    target_hidden_size: int
+    aux_layer_ids: tuple[int, ...] | None  # target hidden_states indices; None = target's default
+    norm_before_residual: bool = False
+    quant: QuantConfig | None = None  # AMD Quark ptpc_fp8 drafts: per-channel FP8 layer weights
+
+    @property
+    def hidden_size(self) -> int:
+        return self.layers.hidden_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.layers.vocab_size
+
+    @property
+    def has_draft_vocab(self) -> bool:
+        return self.draft_vocab_size != self.vocab_size
+
+    @property
+    def is_mla(self) -> bool:
+        return self.layers.attention == "mla"
+
+
+def parse_draft_config(raw: dict) -> DraftConfig:
+    """Parse an EAGLE-3 draft config.json.
+
+    `eagle_config.eagle_aux_hidden_state_layer_ids` is read in the SpecForge / vLLM convention:
+    id i means "output of target layer i", i.e. HF `hidden_states[i + 1]`.
+    """
+    if not isinstance(raw, dict):
+        raise ConfigError(f"draft config.json must hold a JSON object; got {type(raw).__name__}")
+    arch = (raw.get("architectures") or ["LlamaForCausalLMEagle3"])[0]
+    if arch not in DRAFT_ARCHITECTURES:
+        raise ConfigError(
+            f"draft architecture {arch!r} is not supported; supported: {', '.join(DRAFT_ARCHITECTURES)} "
+            "(Llama-layer and MLA-layer EAGLE-3 drafts)"
+        )
+    mla = arch in MLA_ARCHITECTURES
+    for variant in ("fc_norm", "norm_output"):  # vLLM options that change the draft's inputs / outputs
+        if raw.get(variant):
+            raise ConfigError(f"draft config sets {variant}=true, a variant not supported here; supported: EAGLE-3 drafts "
+                              "that feed fc(features) and hand on the hidden state before the final norm")
+    body = dict(raw, model_type="deepseek_v3" if mla else "llama")
+    quant = _parse_draft_quant(body.pop("quantization_config", None))
+    if mla:  # dense MLA decoder layers: no routed experts, whatever MoE fields the config carries
+        body.update(n_routed_experts=0, first_k_dense_replace=body.get("num_hidden_layers", 1))
+    layers = parse_model_config(body)
+    vocab = layers.vocab_size
+    draft_vocab = int(raw.get("draft_vocab_size") or vocab)
+    if not 0 < draft_vocab <= vocab:
+        raise ConfigError(f"draft_vocab_size={draft_vocab} must be in [1, vocab_size={vocab}]")
+    eagle = raw.get("eagle_config") or {}
+    ids = eagle.get("eagle_aux_hidden_state_layer_ids")
+    if ids is not None:
+        if len(ids) != 3:
+            raise ConfigError(f"eagle_aux_hidden_state_layer_ids must list 3 target layers; got {ids}")
+        ids = tuple(int(i) + 1 for i in ids)
+    return DraftConfig(
+        layers=layers,
+        draft_vocab_size=draft_vocab,
+        target_hidden_size=int(raw.get("target_hidden_size") or layers.hidden_size),
+        aux_layer_ids=ids,
+        norm_before_residual=bool(raw.get("norm_before_residual", False)),
+        quant=quant,
+    )
+
+
+def _parse_draft_quant(raw) -> QuantConfig | None:
+    """Drafts may ship per-channel FP8 layer weights (AMD Quark ptpc_fp8); fc and lm_head stay float."""
+    quant = _parse_quant(raw)
+    if quant is not None and quant.method != "fp8_channel":
+        raise ConfigError(f"draft quantization {quant.method!r} is not supported; supported: quark ptpc_fp8 "
+                          "(per-channel FP8 weights)")
+    return quant
+
+
+def draft_specs(cfg: DraftConfig, with_embed: bool) -> dict[str, ParamSpec]:
+    """Flat param layout of a draft; matrices [in, out] like the target's.
+
+    Layer 0's attention projections read the 2H concatenation (embedding, hidden); the rest of
+    every layer has the target's layout for its attention kind (params.attention_specs).
+    """
+    lc = cfg.layers
+    h, i = lc.hidden_size, lc.intermediate_size
+    s = {
+        "fc": ParamSpec((3 * cfg.target_hidden_size, h), (None, "embed")),
+        "final_norm": ParamSpec((h,), ("norm",)),
+        "lm_head": ParamSpec((h, cfg.draft_vocab_size), ("embed", "vocab")),
+    }
+    if with_embed:
+        s["embed"] = ParamSpec((cfg.vocab_size, h), ("vocab", "embed"))
+    for layer in range(lc.num_layers):
+        p = f"layers.{layer}."
+        s[p + "attn_norm"] = ParamSpec((h,), ("norm",))
+        if layer == 0:
+            s[p + "hidden_norm"] = ParamSpec((h,), ("norm",))
+        for name, spec in attention_specs(lc, input_width=2 * h if layer == 0 else h).items():
+            s[p + name] = spec
+        s[p + "mlp_norm"] = ParamSpec((h,), ("norm",))
+        s[p + "gate_proj"] = ParamSpec((h, i), ("embed", "mlp"))
+        s[p + "up_proj"] = ParamSpec((h, i), ("embed", "mlp"))
+        s[p + "down_proj"] = ParamSpec((i, h), ("mlp", "embed"))
+    return s
+
+
+def check_fits_target(cfg: DraftConfig, tcfg: ModelConfig) -> None:
+    """A draft must share the target's vocabulary and read features of the target's width."""
+    if cfg.vocab_size != tcfg.vocab_size:
+        raise ConfigError(f"draft vocab_size={cfg.vocab_size} does not match the target's vocab_size={tcfg.vocab_size}")
+    if cfg.target_hidden_size != tcfg.hidden_size:
+        raise ConfigError(
+            f"draft expects target features of width {cfg.target_hidden_size} (target_hidden_size) but the target's "
+            f"hidden_size is {tcfg.hidden_size}; this draft was trained for another target"
+        )
+    if cfg.aux_layer_ids is not None:
+        tcfg.with_aux_layers(cfg.aux_layer_ids)  # raises with the valid range
