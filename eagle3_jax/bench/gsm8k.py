@@ -39,6 +39,9 @@ import re
 import time
 from typing import Callable, Mapping, Sequence
 
+from ..sampling import SamplingParams
+from .http_client import TIMEOUT_S, acceptance_between, check_server, scrape_metrics, served_model
+
 # ---- the task, as lm-eval defines it -----------------------------------------------------------------------
 
 STOP_STRINGS: tuple[str, ...] = ("Question:", "</s>", "<|im_end|>")
@@ -269,9 +272,7 @@ def generate_in_process(sched, tokenizer, prompts: Sequence[Sequence[int]], *, m
     complete a stop string; its text is cut at the first stop string, so how many tokens the
     last step overshot does not matter. tau comes from the scheduler's counters over the run.
     """
-    from tqdm.auto import tqdm
-
-    from ..sampling import SamplingParams
+    from tqdm.auto import tqdm  # optional progress bars, loaded when used
 
     if concurrency < 1:
         raise ValueError(f"concurrency must be >= 1; got {concurrency}")
@@ -358,9 +359,7 @@ async def _generate_http(base_url: str, conversations: Sequence[list[dict[str, s
                          stops: Sequence[str], concurrency: int, model: str | None, progress: bool,
                          desc: str) -> tuple[list[tuple[str, int, str | None]], float, bool]:
     import aiohttp
-    from tqdm.auto import tqdm
-
-    from .http_client import TIMEOUT_S
+    from tqdm.auto import tqdm  # optional progress bars, loaded when used
 
     url = base_url.rstrip("/") + "/v1/chat/completions"
     sem = asyncio.Semaphore(concurrency)
@@ -408,8 +407,6 @@ def generate_http(base_url: str, conversations: Sequence[list[dict[str, str]]], 
     Prometheus `/metrics` before and after (None when it exposes no acceptance counters).
     Raises ConnectionError when nothing answers at `base_url`, RuntimeError when a request fails.
     """
-    from .http_client import acceptance_between, check_server, scrape_metrics, served_model
-
     if not conversations:
         raise ValueError("no questions to send")
     asyncio.run(check_server(base_url))

@@ -19,6 +19,7 @@ import sys
 import time
 from typing import Sequence
 
+from ..checkpoint.atomic import atomic_output, check_output
 from .metrics import mean_or_none, speedup
 
 _ROW_KEYS = {  # aggregated figure -> how to read it from a cell's metrics
@@ -267,8 +268,6 @@ def report_paths(out_dir: str | os.PathLike, name: str) -> dict[str, str]:
 def check_report_paths(out_dir: str | os.PathLike, name: str, overwrite: bool = False) -> dict[str, str]:
     """`report_paths`, each checked as `checkpoint.atomic.check_output` does (before a run, so that
     an earlier report is not found in the way only at its end)."""
-    from ..checkpoint.atomic import check_output
-
     paths = report_paths(out_dir, name)
     for path in paths.values():
         check_output(path, name="report file", overwrite=overwrite, is_file=True)
@@ -280,8 +279,6 @@ def write_report(report: dict, out_dir: str | os.PathLike, name: str, overwrite:
 
     Existing files are replaced only with `overwrite`; each is written beside its place and swapped
     in complete (`checkpoint.atomic`), so an interrupted write leaves the old report readable."""
-    from ..checkpoint.atomic import atomic_output
-
     paths = check_report_paths(out_dir, name, overwrite)
     os.makedirs(os.fspath(out_dir), exist_ok=True)
     with atomic_output(paths["json"], name="report file", overwrite=overwrite, is_file=True) as tmp:

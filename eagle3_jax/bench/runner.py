@@ -30,6 +30,7 @@ import time
 from typing import Callable, Sequence
 
 from ..sampling import SamplingParams
+from ..scheduler import Scheduler
 from .metrics import RequestRecord, attach_speedups, summarize
 from .settings import NO_SPEC, SpecSetting
 from .workloads import MEASURED, WARMUP, Workload
@@ -284,8 +285,6 @@ def make_scheduler(target, draft, setting: SpecSetting, *, max_num_seqs: int, ma
                    page_size: int | None = None, prefill_chunk: int | None = None, num_pages: int | None = None,
                    overlap: bool = True):
     """A Scheduler for one speculation setting (the draft is attached only for speculative ones)."""
-    from ..scheduler import Scheduler
-
     if setting.spec is not None and draft is None:
         raise ValueError(f"setting {setting.name} needs a draft model; pass --draft")
     kw = {k: v for k, v in (("page_size", page_size), ("prefill_chunk", prefill_chunk), ("num_pages", num_pages))

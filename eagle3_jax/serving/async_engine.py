@@ -32,11 +32,10 @@ import logging
 import queue
 import threading
 import uuid
-from typing import TYPE_CHECKING, Any, AsyncIterator, Sequence
+from typing import Any, AsyncIterator, Sequence
 
-if TYPE_CHECKING:  # only for annotations: the scheduler module loads JAX
-    from ..sampling import SamplingParams
-    from ..scheduler import RequestDelta, Scheduler
+from ..sampling import SamplingParams
+from ..scheduler import RequestDelta, Scheduler
 
 logger = logging.getLogger(__name__)
 
