@@ -1,8 +1,9 @@
-"""The serving scheduler: continuous batching over a paged KV cache (core.py), its device
-programs and their cache (programs.py), multi-host lockstep (lockstep.py) and counters
-(metrics.py)."""
+"""The serving scheduler: continuous batching over a paged KV cache (core.py), the running batch
+with its admission, pages and preemption (batch.py), its device programs and their cache
+(programs.py), multi-host lockstep (lockstep.py) and counters (metrics.py)."""
 
-from .core import MIN_CHUNK_BUCKET, MIN_PAGES_BUCKET, CapacityError, RequestDelta, Scheduler, bucket
+from .batch import MIN_PAGES_BUCKET, bucket
+from .core import MIN_CHUNK_BUCKET, CapacityError, RequestDelta, Scheduler
 from .programs import DeviceState, ProgramCache
 
 __all__ = ["CapacityError", "DeviceState", "MIN_CHUNK_BUCKET", "MIN_PAGES_BUCKET", "ProgramCache", "RequestDelta",

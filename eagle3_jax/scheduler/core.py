@@ -1,4 +1,5 @@
-"""Continuous batching over a paged KV cache: admission, pages, preemption, launches, results.
+"""Continuous batching over a paged KV cache: the Scheduler (its API, one iteration, launches,
+results); admission, pages and preemption are the running batch's (batch.py).
 
 Requests queue up and join or leave the running batch between steps. Each `step()`:
 
@@ -32,7 +33,6 @@ requests and calls `lead()`, sending each step's inputs to the other processes, 
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import itertools
 import logging
@@ -41,35 +41,25 @@ from typing import Sequence
 
 import numpy as np
 
-from .. import kv_cache
 from ..draft import Draft, with_target_kernels
-from ..page_allocator import PageAllocator, pages_for
-from ..request import Request, RequestOutput, cap_message, check_request, normalize_sampling, token_budget
-from ..sampling import SamplingParams, SamplingTable
-from ..spec.settings import AutoSpec
+from ..page_allocator import pages_for
+from ..request import RequestOutput, cap_message, check_request, normalize_sampling, token_budget
+from ..sampling import SamplingParams
 from ..spec.policy import StepPlan, check_speculation, policy_for
-from ..spec.settings import SpecConfig
+from ..spec.settings import AutoSpec, SpecConfig
 from ..target import Target
 from . import lockstep
+from .batch import _DECODE, _DONE, _WAITING, RunningBatch, _Sequence, bucket
 from .metrics import SchedulerCounters
 from .programs import Executor
 
 logger = logging.getLogger(__name__)
 
 MIN_CHUNK_BUCKET = 16
-MIN_PAGES_BUCKET = 4
 
 
 class CapacityError(ValueError):
     """A request that can never fit in the KV cache, however long it waits."""
-
-
-def bucket(n: int, lo: int, hi: int) -> int:
-    """Smallest power of two >= max(n, lo), capped at hi."""
-    b = lo
-    while b < n:
-        b *= 2
-    return min(b, hi)
 
 
 @dataclasses.dataclass
@@ -82,25 +72,6 @@ class RequestDelta:
     finished: bool
     finish_reason: str | None  # "stop" | "length" | "abort"; None while running
     output: RequestOutput | None  # the whole output and metrics, once finished
-
-
-_WAITING, _PREFILL, _DECODE, _DONE = "waiting", "prefill", "decode", "done"
-
-
-@dataclasses.dataclass(eq=False)
-class _Sequence(Request):
-    """A request and where it stands in the scheduler."""
-
-    state: str = _WAITING
-    prefill_ids: list[int] = dataclasses.field(default_factory=list)  # what the next prefill computes
-    computed: int = 0  # tokens of prefill_ids already in the cache
-    length: int = 0  # committed cache slots
-    pages: list[int] = dataclasses.field(default_factory=list)
-    slot: int | None = None  # state slot: last token and draft root, on device
-    pending: int = 0  # decode steps launched but not read yet
-    gap: int = 0  # steps since the draft last saw this request's tokens (adaptive speculation)
-    with_draft: bool = True  # the draft follows it (adaptive speculation may admit a request without)
-    epoch: int = 0  # bumped when the request leaves the running batch: results launched before are void
 
 
 @dataclasses.dataclass
@@ -150,25 +121,19 @@ class Scheduler:
             num_pages = self.max_num_seqs * self.max_pages_per_seq + 1
         if not isinstance(num_pages, (int, np.integer)) or num_pages < 2:
             raise ValueError(f"num_pages must be an integer >= 2 (page 0 is reserved); got {num_pages!r}")
-        self._alloc = PageAllocator(int(num_pages))
+        self.counters = SchedulerCounters(self.policy.max_accept)
+        self._batch = RunningBatch(self.policy, self.counters, max_num_seqs=self.max_num_seqs, page_size=self.page_size,
+                                   num_pages=int(num_pages), max_pages_per_seq=self.max_pages_per_seq,
+                                   lookahead=self.lookahead)
         self._executor = Executor(target, self.draft, self.policy, int(num_pages), self.page_size, self.max_num_seqs,
                                   int(max_compiled_programs))
         self.programs = self._executor.programs
-        scratch = self.max_num_seqs  # the state slot of padding rows
-        self._free_slots = list(range(scratch - 1, -1, -1))
-        # Per state slot, for batches built by indexing: block table and sampling settings.
-        self._tables = np.full((scratch + 1, self.max_pages_per_seq), kv_cache.SCRATCH_PAGE, np.int32)
-        self._sampling = SamplingTable(scratch + 1)
         self._leader: lockstep.Leader | None = None
         self._inflight: list[_Launch] = []  # launched last iteration, read in the next (overlap)
         self._last_read = 0.0  # when the host last had a program's outputs
-        self._last_decode_key: tuple[int, int] | None = None  # (batch, width) buckets of the last decode step
-        self._waiting: collections.deque[_Sequence] = collections.deque()
-        self._running: dict[str, _Sequence] = {}  # admission order: prefilling and decoding
         self._requests: dict[str, _Sequence] = {}
         self._aborted: list[RequestDelta] = []
         self._ids = itertools.count()
-        self.counters = SchedulerCounters(self.policy.max_accept)
 
     # ---- requests ------------------------------------------------------------------------------
     def add_request(self, prompt_ids: Sequence[int], sampling: SamplingParams | None = None,
@@ -193,15 +158,15 @@ class Scheduler:
             raise ValueError(f"request id {rid!r} is already in use")
         budget = token_budget(len(ids), sampling.max_tokens, self.max_seq_len)
         need = pages_for(len(ids) + budget + self.lookahead + self._overshoot, self.page_size)
-        if need > self._alloc.num_usable:
+        if need > self._batch.alloc.num_usable:
             raise CapacityError(
                 f"a request of {len(ids)} prompt tokens + {budget} new tokens needs {need} KV pages of "
-                f"{self.page_size} slots, but the cache has only {self._alloc.num_usable}; lower max_tokens, "
+                f"{self.page_size} slots, but the cache has only {self._batch.alloc.num_usable}; lower max_tokens, "
                 f"shorten the prompt or raise num_pages"
             )
         req = _Sequence(id=rid, prompt=ids, sampling=sampling, budget=budget, prefill_ids=list(ids))
         self._requests[rid] = req
-        self._waiting.append(req)
+        self._batch.waiting.append(req)
         return rid
 
     def abort(self, request_id: str) -> bool:
@@ -213,16 +178,16 @@ class Scheduler:
         if req is None or req.state == _DONE:
             return False
         if req.state == _WAITING:
-            self._waiting.remove(req)
+            self._batch.waiting.remove(req)
         else:
-            del self._running[req.id]
-        self._release(req)
+            del self._batch.running[req.id]
+        self._batch.release(req)
         self.counters.totals["num_requests_aborted"] += 1
         self._aborted.append(self._finish(req, "abort", time.perf_counter()))
         return True
 
     def has_unfinished(self) -> bool:
-        return bool(self._waiting or self._running or self._aborted or self._inflight)
+        return bool(self._batch.waiting or self._batch.running or self._aborted or self._inflight)
 
     def generate(self, prompts: Sequence[Sequence[int]],
                  sampling: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
@@ -247,8 +212,9 @@ class Scheduler:
 
     def stats(self) -> dict:
         """Counters and gauges for monitoring (see serving's /metrics)."""
-        return {"num_waiting": len(self._waiting), "num_running": len(self._running),
-                "num_pages": self._alloc.num_usable, "num_free_pages": self._alloc.num_free,
+        b = self._batch
+        return {"num_waiting": len(b.waiting), "num_running": len(b.running),
+                "num_pages": b.alloc.num_usable, "num_free_pages": b.alloc.num_free,
                 "page_size": self.page_size, **self.counters.stats(), **self.policy.stats()}
 
     # ---- one iteration -------------------------------------------------------------------------
@@ -262,13 +228,13 @@ class Scheduler:
         """
         deltas, self._aborted = self._aborted, []
         start = time.perf_counter()
-        self._admit()
+        self._batch.admit()
         launches = []
-        prefill_rows = self._prefill_rows()
+        prefill_rows = self._batch.prefill_rows(self.prefill_chunk)
         if prefill_rows:
             launches.append(self._launch_prefill(prefill_rows))
-        self._grow_pages()
-        decode_rows = [r for r in self._running.values() if r.state == _DECODE]
+        self._batch.grow_pages()
+        decode_rows = [r for r in self._batch.running.values() if r.state == _DECODE]
         if decode_rows:
             launches.append(self._launch_decode(decode_rows))
         ready, self._inflight = (self._inflight, launches) if self.overlap else (launches, [])
@@ -276,86 +242,6 @@ class Scheduler:
         self.counters.totals["host_seconds_total"] += time.perf_counter() - start - waited
         self.counters.totals["num_iterations_total"] += 1
         return deltas + news
-
-    def _admit(self) -> None:
-        reserve = sum(r.state == _DECODE for r in self._running.values())  # a page of growth each
-        while self._waiting and len(self._running) < self.max_num_seqs:
-            req = self._waiting[0]
-            need = pages_for(len(req.prefill_ids) + self.lookahead, self.page_size)
-            if need + reserve > self._alloc.num_free:
-                return
-            self._waiting.popleft()
-            req.slot = self._free_slots.pop()
-            self._give_pages(req, need)
-            req.state, req.computed, req.length = _PREFILL, 0, 0
-            rows = len(self._running) + 1  # judged at the batch it joins, at the last decode width
-            key = None if self._last_decode_key is None else (bucket(rows, 1, self.max_num_seqs), self._last_decode_key[1])
-            req.with_draft = self.policy.admit(key, rows, len(req.prefill_ids), req.budget - len(req.output))
-            self._sampling.set_row(req.slot, req.sampling)
-            if req.admitted is None:
-                req.admitted = time.perf_counter()
-            self._running[req.id] = req
-
-    def _prefill_rows(self) -> list[tuple[_Sequence, int]]:
-        rows, budget = [], self.prefill_chunk
-        for req in self._running.values():
-            if req.state != _PREFILL:
-                continue
-            n = min(len(req.prefill_ids) - req.computed, self.prefill_chunk)
-            if rows and n > budget:
-                break
-            rows.append((req, n))
-            budget -= n
-            if budget <= 0:
-                break
-        return rows
-
-    def _give_pages(self, req: _Sequence, n: int) -> None:
-        pages = self._alloc.allocate(n)
-        self._tables[req.slot, len(req.pages): len(req.pages) + n] = pages
-        req.pages += pages
-
-    def _grow_pages(self) -> None:
-        """Give every decoding request pages for its next step, preempting the newest when short."""
-        for req in list(self._running.values()):
-            if req.state != _DECODE:
-                continue
-            step_tokens, lookahead = self.policy.reserve(req.with_draft)
-            unread = req.pending * step_tokens  # committed by launched steps not read yet
-            need = min(pages_for(req.length + unread + lookahead, self.page_size),
-                       self.max_pages_per_seq) - len(req.pages)
-            while need > self._alloc.num_free and req.state == _DECODE:
-                self._preempt(next(reversed(self._running.values())))
-            if req.state == _DECODE and need > 0:
-                self._give_pages(req, need)
-
-    def _preempt(self, req: _Sequence) -> None:
-        del self._running[req.id]
-        self._release(req)
-        req.state = _WAITING
-        req.prefill_ids = req.prompt + req.output
-        req.num_preemptions += 1
-        self.counters.totals["num_preemptions"] += 1
-        self._waiting.appendleft(req)
-
-    def _release(self, req: _Sequence) -> None:
-        """Free a request's pages and slot. Programs launched before still write them, but every
-        later program runs after those on the device, so the next owner sees its own data."""
-        self._alloc.free(req.pages)
-        if req.slot is not None:
-            self._tables[req.slot] = kv_cache.SCRATCH_PAGE
-            self._free_slots.append(req.slot)
-        req.pages, req.computed, req.length, req.slot, req.pending, req.gap = [], 0, 0, None, 0, 0
-        req.epoch += 1
-
-    def _batch(self, rows: Sequence[_Sequence]) -> tuple[np.ndarray, np.ndarray]:
-        """(state slots [batch], block table [batch, width]) of `rows`, padded to the batch bucket
-        with the scratch slot (whose table is all scratch page)."""
-        batch = bucket(len(rows), 1, self.max_num_seqs)
-        slots = np.full((batch,), self.max_num_seqs, np.int32)
-        slots[: len(rows)] = [r.slot for r in rows]
-        width = bucket(max(len(r.pages) for r in rows), MIN_PAGES_BUCKET, self.max_pages_per_seq)
-        return slots, self._tables[slots, :width]
 
     def _launch(self, kind: str, plan_shape, block_table: np.ndarray, *args):
         """Launch a program (first telling the followers of a multi-host leader)."""
@@ -383,7 +269,7 @@ class Scheduler:
     # ---- launches ------------------------------------------------------------------------------
     def _launch_prefill(self, rows: list[tuple[_Sequence, int]]) -> _Launch:
         """Launch the next prompt chunks; a request whose prompt ends here decodes from now on."""
-        slots, block_table = self._batch([r for r, _ in rows])
+        slots, block_table = self._batch.rows_batch([r for r, _ in rows])
         batch = len(slots)
         t = bucket(max(n for _, n in rows), MIN_CHUNK_BUCKET, max(self.prefill_chunk, MIN_CHUNK_BUCKET))
         tokens = np.zeros((batch, t), np.int32)
@@ -391,7 +277,7 @@ class Scheduler:
         following = np.full((batch,), -1, np.int32)
         lengths = np.zeros((batch,), np.int32)
         counter = np.zeros((batch,), np.int32)
-        sp = self._sampling.rows(slots)
+        sp = self._batch.sampling.rows(slots)
         for i, (req, n) in enumerate(rows):
             c = req.computed
             tokens[i, :n] = req.prefill_ids[c: c + n]
@@ -415,8 +301,8 @@ class Scheduler:
                        with_draft=with_draft, tokens=int(n_valid[: len(rows)].sum()))
 
     def _launch_decode(self, rows: list[_Sequence]) -> _Launch:
-        slots, block_table = self._batch(rows)
-        self._last_decode_key = block_table.shape
+        slots, block_table = self._batch.rows_batch(rows)
+        self._batch.last_decode_key = block_table.shape
         plan = self.policy.plan(rows, block_table.shape)
         if plan.catch_up:
             self._launch("catch_up", None, block_table, slots)
@@ -425,7 +311,7 @@ class Scheduler:
         prompt_lens = np.zeros((len(slots),), np.int32)
         prompt_lens[: len(rows)] = [len(r.prompt) for r in rows]
         compiles, launched = self.programs.num_compiles, time.perf_counter()
-        outputs = self._launch(plan.program, plan.shape, block_table, slots, prompt_lens, self._sampling.rows(slots))
+        outputs = self._launch(plan.program, plan.shape, block_table, slots, prompt_lens, self._batch.sampling.rows(slots))
         # A step after a catch-up starts when the catch-up ends, which the host does not see.
         return _Launch("decode", [(r, r.epoch, True) for r in rows], outputs, plan, block_table.shape, launched,
                        plan.catch_up, compiles)
@@ -483,8 +369,8 @@ class Scheduler:
         self.counters.totals["generation_tokens_total"] += len(req.output) - before
         if reason is None:
             return RequestDelta(req.id, req.unsent(), now, False, None, None)
-        del self._running[req.id]
-        self._release(req)
+        del self._batch.running[req.id]
+        self._batch.release(req)
         self.counters.totals["num_requests_finished"] += 1
         return self._finish(req, reason, now)
 

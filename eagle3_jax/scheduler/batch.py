@@ -1,0 +1,155 @@
+"""The running batch: requests waiting and running, their state slots and KV pages.
+
+Admission (first-come first-served while a slot is free and the prompt's pages fit), the next
+prefill chunks, page growth before each decode step, preemption of the newest request when pages
+run short, release, and a batch's state slots and block table. Block tables and sampling
+settings are kept per state slot (numpy tables), so a batch's are one gather by its slots.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from typing import Sequence
+
+import numpy as np
+
+from .. import kv_cache
+from ..page_allocator import PageAllocator, pages_for
+from ..request import Request
+from ..sampling import SamplingTable
+from ..spec.policy import SpeculationPolicy
+from .metrics import SchedulerCounters
+
+MIN_PAGES_BUCKET = 4
+
+
+def bucket(n: int, lo: int, hi: int) -> int:
+    """Smallest power of two >= max(n, lo), capped at hi."""
+    b = lo
+    while b < n:
+        b *= 2
+    return min(b, hi)
+
+
+_WAITING, _PREFILL, _DECODE, _DONE = "waiting", "prefill", "decode", "done"
+
+
+@dataclasses.dataclass(eq=False)
+class _Sequence(Request):
+    """A request and where it stands in the scheduler."""
+
+    state: str = _WAITING
+    prefill_ids: list[int] = dataclasses.field(default_factory=list)  # what the next prefill computes
+    computed: int = 0  # tokens of prefill_ids already in the cache
+    length: int = 0  # committed cache slots
+    pages: list[int] = dataclasses.field(default_factory=list)
+    slot: int | None = None  # state slot: last token and draft root, on device
+    pending: int = 0  # decode steps launched but not read yet
+    gap: int = 0  # steps since the draft last saw this request's tokens (adaptive speculation)
+    with_draft: bool = True  # the draft follows it (adaptive speculation may admit a request without)
+    epoch: int = 0  # bumped when the request leaves the running batch: results launched before are void
+
+
+class RunningBatch:
+    """Who holds a state slot and pages, who waits, and the per-slot tables (see the module doc)."""
+
+    def __init__(self, policy: SpeculationPolicy, counters: SchedulerCounters, *, max_num_seqs: int,
+                 page_size: int, num_pages: int, max_pages_per_seq: int, lookahead: int):
+        self.policy, self.counters = policy, counters
+        self.max_num_seqs, self.page_size, self.lookahead = max_num_seqs, page_size, lookahead
+        self.max_pages_per_seq = max_pages_per_seq
+        self.alloc = PageAllocator(num_pages)
+        scratch = max_num_seqs  # the state slot of padding rows
+        self.free_slots = list(range(scratch - 1, -1, -1))
+        self.tables = np.full((scratch + 1, max_pages_per_seq), kv_cache.SCRATCH_PAGE, np.int32)
+        self.sampling = SamplingTable(scratch + 1)
+        self.waiting: collections.deque[_Sequence] = collections.deque()
+        self.running: dict[str, _Sequence] = {}  # admission order: prefilling and decoding
+        self.last_decode_key: tuple[int, int] | None = None  # (batch, width) buckets of the last decode step
+
+    def admit(self) -> None:
+        """Admit waiting requests first-come first-served while a slot is free and their prompt's
+        pages fit beside a page of growth for each decoding request."""
+        reserve = sum(r.state == _DECODE for r in self.running.values())  # a page of growth each
+        while self.waiting and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            need = pages_for(len(req.prefill_ids) + self.lookahead, self.page_size)
+            if need + reserve > self.alloc.num_free:
+                return
+            self.waiting.popleft()
+            req.slot = self.free_slots.pop()
+            self._give_pages(req, need)
+            req.state, req.computed, req.length = _PREFILL, 0, 0
+            rows = len(self.running) + 1  # judged at the batch it joins, at the last decode width
+            key = None if self.last_decode_key is None else (bucket(rows, 1, self.max_num_seqs), self.last_decode_key[1])
+            req.with_draft = self.policy.admit(key, rows, len(req.prefill_ids), req.budget - len(req.output))
+            self.sampling.set_row(req.slot, req.sampling)
+            if req.admitted is None:
+                req.admitted = time.perf_counter()
+            self.running[req.id] = req
+
+    def prefill_rows(self, prefill_chunk: int) -> list[tuple[_Sequence, int]]:
+        """(request, prompt tokens) of the next prefill batch: chunks of up to `prefill_chunk`
+        tokens, in admission order, while the batch's budget of `prefill_chunk` tokens lasts."""
+        rows, budget = [], prefill_chunk
+        for req in self.running.values():
+            if req.state != _PREFILL:
+                continue
+            n = min(len(req.prefill_ids) - req.computed, prefill_chunk)
+            if rows and n > budget:
+                break
+            rows.append((req, n))
+            budget -= n
+            if budget <= 0:
+                break
+        return rows
+
+    def _give_pages(self, req: _Sequence, n: int) -> None:
+        pages = self.alloc.allocate(n)
+        self.tables[req.slot, len(req.pages): len(req.pages) + n] = pages
+        req.pages += pages
+
+    def grow_pages(self) -> None:
+        """Give every decoding request pages for its next step, preempting the newest when short."""
+        for req in list(self.running.values()):
+            if req.state != _DECODE:
+                continue
+            step_tokens, lookahead = self.policy.reserve(req.with_draft)
+            unread = req.pending * step_tokens  # committed by launched steps not read yet
+            need = min(pages_for(req.length + unread + lookahead, self.page_size),
+                       self.max_pages_per_seq) - len(req.pages)
+            while need > self.alloc.num_free and req.state == _DECODE:
+                self.preempt(next(reversed(self.running.values())))
+            if req.state == _DECODE and need > 0:
+                self._give_pages(req, need)
+
+    def preempt(self, req: _Sequence) -> None:
+        """Back to the front of the queue, to be recomputed from prompt + output when readmitted."""
+        del self.running[req.id]
+        self.release(req)
+        req.state = _WAITING
+        req.prefill_ids = req.prompt + req.output
+        req.num_preemptions += 1
+        self.counters.totals["num_preemptions"] += 1
+        self.waiting.appendleft(req)
+
+    def release(self, req: _Sequence) -> None:
+        """Free a request's pages and slot. Programs launched before still write them, but every
+        later program runs after those on the device, so the next owner sees its own data."""
+        self.alloc.free(req.pages)
+        if req.slot is not None:
+            self.tables[req.slot] = kv_cache.SCRATCH_PAGE
+            self.free_slots.append(req.slot)
+        req.pages, req.computed, req.length, req.slot, req.pending, req.gap = [], 0, 0, None, 0, 0
+        req.epoch += 1
+
+    def rows_batch(self, rows: Sequence[_Sequence]) -> tuple[np.ndarray, np.ndarray]:
+        """(state slots [batch], block table [batch, width]) of `rows`, padded to the batch bucket
+        with the scratch slot (whose table is all scratch page)."""
+        batch = bucket(len(rows), 1, self.max_num_seqs)
+        slots = np.full((batch,), self.max_num_seqs, np.int32)
+        slots[: len(rows)] = [r.slot for r in rows]
+        width = bucket(max(len(r.pages) for r in rows), MIN_PAGES_BUCKET, self.max_pages_per_seq)
+        return slots, self.tables[slots, :width]
