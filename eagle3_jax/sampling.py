@@ -71,7 +71,8 @@ class SamplingTable:
 
     def set_row(self, row: int, params: SamplingParams) -> None:
         a = self._arrays
-        a.temperature[row], a.top_k[row], a.top_p[row], a.seed[row] = params.temperature, params.top_k, params.top_p, params.seed
+        a.temperature[row], a.top_k[row] = params.temperature, params.top_k
+        a.top_p[row], a.seed[row] = params.top_p, params.seed
 
     def rows(self, rows: np.ndarray) -> SamplingArrays:
         return jax.tree.map(lambda column: column[rows], self._arrays)

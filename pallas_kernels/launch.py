@@ -164,17 +164,24 @@ _shape_only: contextvars.ContextVar[bool] = contextvars.ContextVar("eagle3_kerne
 
 
 @contextlib.contextmanager
+def _set(flag: contextvars.ContextVar[bool]):
+    """`flag` on within the block (and back to what it was after)."""
+    token = flag.set(True)
+    try:
+        yield
+    finally:
+        flag.reset(token)
+
+
+@contextlib.contextmanager
 def shape_only():
     """Within: kernels stand in as opaque ops of their exact output shapes (`call`). What the
     memory planner compiles to plan a GPU program on a host without the GPU: XLA's memory
     analysis then counts each kernel's outputs and keeps its inputs (packed weights, pools) alive
     to that point, and counts nothing a kernel does not allocate (no dequantized weight copies:
     the kernels dequantize in registers and use no global workspace)."""
-    token = _shape_only.set(True)
-    try:
+    with _set(_shape_only):
         yield
-    finally:
-        _shape_only.reset(token)
 
 
 def call(kernel, out_shape, *inputs):
@@ -194,11 +201,8 @@ _scatters_in_place: contextvars.ContextVar[bool] = contextvars.ContextVar("eagle
 def scatters_in_place():
     """Within: `scatter_in_place` updates stand in as the buffer itself (what the memory planner
     compiles on a host without the GPU; see there)."""
-    token = _scatters_in_place.set(True)
-    try:
+    with _set(_scatters_in_place):
         yield
-    finally:
-        _scatters_in_place.reset(token)
 
 
 def scatter_in_place(scatter, buffer, *operands):

@@ -3,7 +3,8 @@
 Admission (first-come first-served while a slot is free and the prompt's pages fit), the next
 prefill chunks, page growth before each decode step, preemption of the newest request when pages
 run short, release, and a batch's state slots and block table. Block tables and sampling
-settings are kept per state slot (numpy tables), so a batch's are one gather by its slots.
+settings and prompt lengths are kept per state slot (numpy tables), so a batch's are one gather
+by its slots.
 """
 
 from __future__ import annotations
@@ -33,14 +34,14 @@ def bucket(n: int, lo: int, hi: int) -> int:
     return min(b, hi)
 
 
-_WAITING, _PREFILL, _DECODE, _DONE = "waiting", "prefill", "decode", "done"
+WAITING, PREFILL, DECODE, DONE = "waiting", "prefill", "decode", "done"
 
 
 @dataclasses.dataclass(eq=False)
-class _Sequence(Request):
+class ScheduledRequest(Request):
     """A request and where it stands in the scheduler."""
 
-    state: str = _WAITING
+    state: str = WAITING
     prefill_ids: list[int] = dataclasses.field(default_factory=list)  # what the next prefill computes
     computed: int = 0  # tokens of prefill_ids already in the cache
     length: int = 0  # committed cache slots
@@ -65,14 +66,15 @@ class RunningBatch:
         self.free_slots = list(range(scratch - 1, -1, -1))
         self.tables = np.full((scratch + 1, max_pages_per_seq), kv_cache.SCRATCH_PAGE, np.int32)
         self.sampling = SamplingTable(scratch + 1)
-        self.waiting: collections.deque[_Sequence] = collections.deque()
-        self.running: dict[str, _Sequence] = {}  # admission order: prefilling and decoding
+        self.prompt_lens = np.zeros((scratch + 1,), np.int32)
+        self.waiting: collections.deque[ScheduledRequest] = collections.deque()
+        self.running: dict[str, ScheduledRequest] = {}  # admission order: prefilling and decoding
         self.last_decode_key: tuple[int, int] | None = None  # (batch, width) buckets of the last decode step
 
     def admit(self) -> None:
         """Admit waiting requests first-come first-served while a slot is free and their prompt's
         pages fit beside a page of growth for each decoding request."""
-        reserve = sum(r.state == _DECODE for r in self.running.values())  # a page of growth each
+        reserve = sum(r.state == DECODE for r in self.running.values())  # a page of growth each
         while self.waiting and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             need = pages_for(len(req.prefill_ids) + self.lookahead, self.page_size)
@@ -81,21 +83,22 @@ class RunningBatch:
             self.waiting.popleft()
             req.slot = self.free_slots.pop()
             self._give_pages(req, need)
-            req.state, req.computed, req.length = _PREFILL, 0, 0
+            req.state, req.computed, req.length = PREFILL, 0, 0
             rows = len(self.running) + 1  # judged at the batch it joins, at the last decode width
             key = None if self.last_decode_key is None else (bucket(rows, 1, self.max_num_seqs), self.last_decode_key[1])
             req.with_draft = self.policy.admit(key, rows, len(req.prefill_ids), req.budget - len(req.output))
             self.sampling.set_row(req.slot, req.sampling)
+            self.prompt_lens[req.slot] = len(req.prompt)
             if req.admitted is None:
                 req.admitted = time.perf_counter()
             self.running[req.id] = req
 
-    def prefill_rows(self, prefill_chunk: int) -> list[tuple[_Sequence, int]]:
+    def prefill_rows(self, prefill_chunk: int) -> list[tuple[ScheduledRequest, int]]:
         """(request, prompt tokens) of the next prefill batch: chunks of up to `prefill_chunk`
         tokens, in admission order, while the batch's budget of `prefill_chunk` tokens lasts."""
         rows, budget = [], prefill_chunk
         for req in self.running.values():
-            if req.state != _PREFILL:
+            if req.state != PREFILL:
                 continue
             n = min(len(req.prefill_ids) - req.computed, prefill_chunk)
             if rows and n > budget:
@@ -106,7 +109,7 @@ class RunningBatch:
                 break
         return rows
 
-    def _give_pages(self, req: _Sequence, n: int) -> None:
+    def _give_pages(self, req: ScheduledRequest, n: int) -> None:
         pages = self.alloc.allocate(n)
         self.tables[req.slot, len(req.pages): len(req.pages) + n] = pages
         req.pages += pages
@@ -114,28 +117,28 @@ class RunningBatch:
     def grow_pages(self) -> None:
         """Give every decoding request pages for its next step, preempting the newest when short."""
         for req in list(self.running.values()):
-            if req.state != _DECODE:
+            if req.state != DECODE:
                 continue
             step_tokens, lookahead = self.policy.reserve(req.with_draft)
             unread = req.pending * step_tokens  # committed by launched steps not read yet
             need = min(pages_for(req.length + unread + lookahead, self.page_size),
                        self.max_pages_per_seq) - len(req.pages)
-            while need > self.alloc.num_free and req.state == _DECODE:
+            while need > self.alloc.num_free and req.state == DECODE:
                 self.preempt(next(reversed(self.running.values())))
-            if req.state == _DECODE and need > 0:
+            if req.state == DECODE and need > 0:
                 self._give_pages(req, need)
 
-    def preempt(self, req: _Sequence) -> None:
+    def preempt(self, req: ScheduledRequest) -> None:
         """Back to the front of the queue, to be recomputed from prompt + output when readmitted."""
         del self.running[req.id]
         self.release(req)
-        req.state = _WAITING
+        req.state = WAITING
         req.prefill_ids = req.prompt + req.output
         req.num_preemptions += 1
         self.counters.totals["num_preemptions"] += 1
         self.waiting.appendleft(req)
 
-    def release(self, req: _Sequence) -> None:
+    def release(self, req: ScheduledRequest) -> None:
         """Free a request's pages and slot. Programs launched before still write them, but every
         later program runs after those on the device, so the next owner sees its own data."""
         self.alloc.free(req.pages)
@@ -145,7 +148,7 @@ class RunningBatch:
         req.pages, req.computed, req.length, req.slot, req.pending, req.gap = [], 0, 0, None, 0, 0
         req.epoch += 1
 
-    def rows_batch(self, rows: Sequence[_Sequence]) -> tuple[np.ndarray, np.ndarray]:
+    def rows_batch(self, rows: Sequence[ScheduledRequest]) -> tuple[np.ndarray, np.ndarray]:
         """(state slots [batch], block table [batch, width]) of `rows`, padded to the batch bucket
         with the scratch slot (whose table is all scratch page)."""
         batch = bucket(len(rows), 1, self.max_num_seqs)

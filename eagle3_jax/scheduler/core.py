@@ -49,7 +49,7 @@ from ..spec.policy import StepPlan, check_speculation, policy_for
 from ..spec.settings import AutoSpec, SpecConfig
 from ..target import Target
 from . import lockstep
-from .batch import _DECODE, _DONE, _WAITING, RunningBatch, _Sequence, bucket
+from .batch import DECODE, DONE, WAITING, RunningBatch, ScheduledRequest, bucket
 from .metrics import SchedulerCounters
 from .programs import Executor
 
@@ -131,7 +131,7 @@ class Scheduler:
         self._leader: lockstep.Leader | None = None
         self._inflight: list[_Launch] = []  # launched last iteration, read in the next (overlap)
         self._last_read = 0.0  # when the host last had a program's outputs
-        self._requests: dict[str, _Sequence] = {}
+        self._requests: dict[str, ScheduledRequest] = {}
         self._aborted: list[RequestDelta] = []
         self._ids = itertools.count()
 
@@ -144,15 +144,16 @@ class Scheduler:
         Raises ValueError for a bad prompt or sampling, a duplicate id, or a prompt that leaves no
         room within max_seq_len; CapacityError when it could never fit in the KV pages.
         """
-        rid = self._queue(prompt_ids, SamplingParams() if sampling is None else sampling, request_id)
-        req = self._requests[rid]
-        cut = cap_message(len(req.prompt), req.sampling.max_tokens, self.max_seq_len)
+        sampling = SamplingParams() if sampling is None else sampling
+        ids = check_request(self.target.config.vocab_size, self.max_seq_len, prompt_ids, sampling)
+        rid = self._queue(ids, sampling, request_id)
+        cut = cap_message(len(ids), sampling.max_tokens, self.max_seq_len)
         if cut:
             logger.warning("request %s: %s", rid, cut)
         return rid
 
-    def _queue(self, prompt_ids: Sequence[int], sampling: SamplingParams, request_id: str | None) -> str:
-        ids = check_request(self.target.config.vocab_size, self.max_seq_len, prompt_ids, sampling)
+    def _queue(self, ids: list[int], sampling: SamplingParams, request_id: str | None) -> str:
+        """Queue a checked prompt (check_request's ids); returns its id."""
         rid = str(next(self._ids)) if request_id is None else str(request_id)
         if rid in self._requests:
             raise ValueError(f"request id {rid!r} is already in use")
@@ -164,7 +165,7 @@ class Scheduler:
                 f"{self.page_size} slots, but the cache has only {self._batch.alloc.num_usable}; lower max_tokens, "
                 f"shorten the prompt or raise num_pages"
             )
-        req = _Sequence(id=rid, prompt=ids, sampling=sampling, budget=budget, prefill_ids=list(ids))
+        req = ScheduledRequest(id=rid, prompt=ids, sampling=sampling, budget=budget, prefill_ids=list(ids))
         self._requests[rid] = req
         self._batch.waiting.append(req)
         return rid
@@ -175,9 +176,9 @@ class Scheduler:
         Its final delta (finish_reason "abort") comes from the next step().
         """
         req = self._requests.get(str(request_id))
-        if req is None or req.state == _DONE:
+        if req is None or req.state == DONE:
             return False
-        if req.state == _WAITING:
+        if req.state == WAITING:
             self._batch.waiting.remove(req)
         else:
             del self._batch.running[req.id]
@@ -234,7 +235,7 @@ class Scheduler:
         if prefill_rows:
             launches.append(self._launch_prefill(prefill_rows))
         self._batch.grow_pages()
-        decode_rows = [r for r in self._batch.running.values() if r.state == _DECODE]
+        decode_rows = [r for r in self._batch.running.values() if r.state == DECODE]
         if decode_rows:
             launches.append(self._launch_decode(decode_rows))
         ready, self._inflight = (self._inflight, launches) if self.overlap else (launches, [])
@@ -267,7 +268,7 @@ class Scheduler:
         return lockstep.follow(self._executor)
 
     # ---- launches ------------------------------------------------------------------------------
-    def _launch_prefill(self, rows: list[tuple[_Sequence, int]]) -> _Launch:
+    def _launch_prefill(self, rows: list[tuple[ScheduledRequest, int]]) -> _Launch:
         """Launch the next prompt chunks; a request whose prompt ends here decodes from now on."""
         slots, block_table = self._batch.rows_batch([r for r, _ in rows])
         batch = len(slots)
@@ -295,12 +296,12 @@ class Scheduler:
             req.computed += n
             req.length = req.computed
             if req.computed == len(req.prefill_ids):
-                req.state = _DECODE
+                req.state = DECODE
         self.counters.totals["prompt_tokens_total"] += int(n_valid[: len(rows)].sum())
         return _Launch("prefill", launched_rows, outputs, key=(batch, t), launched=launched, compiles=compiles,
                        with_draft=with_draft, tokens=int(n_valid[: len(rows)].sum()))
 
-    def _launch_decode(self, rows: list[_Sequence]) -> _Launch:
+    def _launch_decode(self, rows: list[ScheduledRequest]) -> _Launch:
         slots, block_table = self._batch.rows_batch(rows)
         self._batch.last_decode_key = block_table.shape
         plan = self.policy.plan(rows, block_table.shape)
@@ -308,10 +309,9 @@ class Scheduler:
             self._launch("catch_up", None, block_table, slots)
         for req in rows:
             req.pending += 1
-        prompt_lens = np.zeros((len(slots),), np.int32)
-        prompt_lens[: len(rows)] = [len(r.prompt) for r in rows]
         compiles, launched = self.programs.num_compiles, time.perf_counter()
-        outputs = self._launch(plan.program, plan.shape, block_table, slots, prompt_lens, self._batch.sampling.rows(slots))
+        outputs = self._launch(plan.program, plan.shape, block_table, slots, self._batch.prompt_lens[slots],
+                               self._batch.sampling.rows(slots))
         # A step after a catch-up starts when the catch-up ends, which the host does not see.
         return _Launch("decode", [(r, r.epoch, True) for r in rows], outputs, plan, block_table.shape, launched,
                        plan.catch_up, compiles)
@@ -346,7 +346,7 @@ class Scheduler:
             return None
         return now - max(launch.launched, self._last_read)
 
-    def _collect_decode(self, launch: _Launch, rows: list[tuple[int, _Sequence]], out: np.ndarray,
+    def _collect_decode(self, launch: _Launch, rows: list[tuple[int, ScheduledRequest]], out: np.ndarray,
                         count: np.ndarray, now: float) -> list[RequestDelta]:
         plan = launch.plan
         index = np.fromiter((i for i, _ in rows), np.int64, len(rows))
@@ -362,7 +362,7 @@ class Scheduler:
             deltas.append(self._emit(req, out[i, :k], now))
         return deltas
 
-    def _emit(self, req: _Sequence, tokens: np.ndarray, now: float) -> RequestDelta:
+    def _emit(self, req: ScheduledRequest, tokens: np.ndarray, now: float) -> RequestDelta:
         """Hand out a step's tokens (up to a stop token or the budget); finish the request if done."""
         before = len(req.output)
         reason = req.emit(tokens.tolist(), now)
@@ -374,8 +374,8 @@ class Scheduler:
         self.counters.totals["num_requests_finished"] += 1
         return self._finish(req, reason, now)
 
-    def _finish(self, req: _Sequence, reason: str, now: float) -> RequestDelta:
-        req.state, req.finish_reason = _DONE, reason
+    def _finish(self, req: ScheduledRequest, reason: str, now: float) -> RequestDelta:
+        req.state, req.finish_reason = DONE, reason
         del self._requests[req.id]
         self.policy.finished(req.id, len(req.output))
         return RequestDelta(req.id, req.unsent(), now, True, reason, req.output_record(now, self.policy.max_accept))

@@ -21,7 +21,7 @@ from typing import Protocol, Sequence
 
 from ..draft import Draft
 from .adaptive import AdaptiveSpeculation, Key
-from .settings import AutoSpec, Shape, SpecConfig, shape_depth
+from .settings import AutoSpec, SpecConfig, shape_depth
 
 PLAIN_DECODE, STORE_DECODE, DECODE = "plain_decode", "store_decode", "decode"
 
@@ -50,11 +50,6 @@ class StepPlan:
     @property
     def draft_passes(self) -> int:
         return self.shape.num_steps if self.shape is not None else 0
-
-    @property
-    def adaptive_shape(self) -> Shape:
-        """The step as adaptive speculation names it (None: no speculation)."""
-        return self.shape
 
 
 class Row(Protocol):
@@ -164,7 +159,7 @@ class AdaptivePolicy(SpeculationPolicy):
 
     def observe(self, plan: StepPlan, key: Key, seconds: float | None, accepted: dict[str, int]) -> None:
         plain = plan.program == PLAIN_DECODE
-        self.adaptive.observe(plan.adaptive_shape, key, seconds, {} if plain else accepted, plain=plain)
+        self.adaptive.observe(plan.shape, key, seconds, {} if plain else accepted, plain=plain)
 
     def finished(self, request_id: str, num_output_tokens: int) -> None:
         self.adaptive.finished(request_id, num_output_tokens)
