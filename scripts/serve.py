@@ -39,7 +39,6 @@ import errno
 import os
 import socket
 import sys
-import time
 from typing import Sequence
 
 from absl import app, flags
@@ -76,8 +75,9 @@ flags.DEFINE_integer("num_pages", None, "KV cache pages in the pool (default: en
 flags.DEFINE_integer("prefill_chunk", 256, "Prompt tokens prefilled per scheduler step: the longest chunk of one "
                      "prompt, and the budget shared by the requests prefilling in that step.", lower_bound=1)
 define_mesh_flags("Process 0 serves HTTP and schedules; the other processes run its steps on their devices.")
-flags.DEFINE_bool("warmup", True, "Run a few tiny requests before listening, so the first clients do not wait "
-                  "for compilation (--nowarmup to skip).")
+flags.DEFINE_bool("warmup", True, "Before listening, compile the programs of bursts of up to --max_num_seqs "
+                  "requests of up to one --prefill_chunk (within the program cache's bound), so the first clients "
+                  "do not wait for compilation (--nowarmup to skip).")
 define_chat_template_flag()
 flags.mark_flag_as_required("target")
 # --help lists the shared flags (speculation, mesh, kernels, quantization, --verbose) with the script's own
@@ -132,29 +132,6 @@ def tokenizer_dir(path: str) -> str:
     return path if os.path.isdir(path) else os.path.dirname(path)
 
 
-def warmup_prompts(bos_id: int | None, prefill_chunk: int, max_seq_len: int) -> list[list[int]]:
-    """A one-token prompt and one a prefill chunk long (capped by max_seq_len), of BOS ids (or 1)."""
-    start = 1 if bos_id is None else int(bos_id)
-    long_len = max(1, min(prefill_chunk, max_seq_len - 8))
-    return [[start], [start] * long_len]
-
-
-def warm_up(scheduler, prompts: list[list[int]], max_tokens: int = 8) -> float:
-    """Run each prompt alone, then all together (greedy, `max_tokens` each); returns seconds.
-
-    This compiles the prefill and decode programs of a lone request (what the first client sends)
-    and of a small batch; larger batch buckets still compile on their first use.
-    """
-    import eagle3_jax as e3
-
-    start = time.perf_counter()
-    greedy = e3.SamplingParams(temperature=0.0, max_tokens=max_tokens)
-    for p in prompts:
-        scheduler.generate([p], greedy)
-    scheduler.generate(prompts, greedy)
-    return time.perf_counter() - start
-
-
 def main(argv: Sequence[str]) -> None:
     _cli.reject_positional(argv)
     spec = spec_from_flags(has_draft=FLAGS.draft is not None)
@@ -199,9 +176,8 @@ def main(argv: Sequence[str]) -> None:
         scheduler.lead()
 
     if FLAGS.warmup:
-        say("warming up (compiling the prefill and decode programs)...")
-        seconds = warm_up(scheduler, warmup_prompts(tok.bos_id, FLAGS.prefill_chunk, max_seq_len))
-        say(f"warm-up done in {seconds:.1f} s (not counted in /metrics)")
+        say("warming up: compiling the prefill and decode programs of the first bursts...")
+        say(f"warm-up {scheduler.warm_up()} (not counted in /metrics)")
 
     engine = AsyncEngine(scheduler).start()
     application = make_app(engine, tok, model_name, max_seq_len=max_seq_len,

@@ -230,3 +230,54 @@ def test_compiled_programs_are_bounded_and_freed(llama_pair):
 
     gc.collect()
     assert maps() < before + 200  # the dropped executables' mappings are gone
+
+
+def test_warm_up_compiles_what_a_burst_of_short_requests_runs(llama_pair):
+    """After warm_up a burst of prompts of up to one chunk compiles nothing, and its tokens and
+    counters are those of a scheduler that never warmed up."""
+    target, draft = llama_pair
+    sps = [e3.SamplingParams(max_tokens=3 + 2 * i) for i in range(4)]  # the batch shrinks as they finish
+
+    def scheduler():
+        return Scheduler(target, draft, TREE, max_num_seqs=4, max_seq_len=64, prefill_chunk=32)
+
+    cold = scheduler()
+    ref = [o.token_ids for o in cold.generate(PROMPTS[:4], sps)]
+    warm = scheduler()
+    report = warm.warm_up()
+    assert report.programs == report.wanted == warm.programs.num_compiles and report.max_batch == 4
+    assert report.max_tokens >= 32 and "compiled" in str(report)
+    assert [o.token_ids for o in warm.generate(PROMPTS[:4], sps)] == ref
+    assert warm.programs.num_compiles == report.programs
+    assert warm.stats()["generation_tokens_total"] == cold.stats()["generation_tokens_total"]
+    assert_no_leak(warm)
+    warm.add_request(PROMPTS[0])
+    with pytest.raises(RuntimeError, match="before any request"):
+        warm.warm_up()
+
+
+def test_warm_up_stays_within_the_program_cache(llama_pair):
+    target, _ = llama_pair
+    sched = Scheduler(target, max_num_seqs=8, max_seq_len=64, max_compiled_programs=3)
+    report = sched.warm_up()
+    assert report.programs == len(sched.programs) == 3 < report.wanted
+    assert report.max_batch == 0 and "not all of a lone request's" in str(report)
+    assert "compile on first use" in str(report)
+
+
+def test_prefill_batch_padding_is_bounded():
+    """Short prompts queued before a long one do not make a prefill of (rows x longest) padded
+    positions beyond twice the chunk: the long one waits for the next step."""
+    from eagle3_jax.scheduler.batch import RunningBatch, ScheduledRequest, prefill_fits
+    from eagle3_jax.scheduler.metrics import SchedulerCounters
+    from eagle3_jax.spec.policy import PlainDecoding
+
+    assert prefill_fits(1, 256, 16) and prefill_fits(2, 16, 16) and not prefill_fits(4, 16, 16)
+    batch = RunningBatch(PlainDecoding(), SchedulerCounters(0), max_num_seqs=8, page_size=16, num_pages=64,
+                         max_pages_per_seq=4, lookahead=1)
+    prompts = [[1]] * 3 + [[2] * 24] + [[3]] * 4
+    for i, p in enumerate(prompts):
+        batch.waiting.append(ScheduledRequest(id=str(i), prompt=p, sampling=e3.SamplingParams(), budget=4,
+                                              prefill_ids=list(p)))
+    batch.admit()
+    assert [n for _, n in batch.prefill_rows(32)] == [1] * 3  # 4 rows x 32 would be 128 > 2 x 32

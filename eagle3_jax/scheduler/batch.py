@@ -24,6 +24,7 @@ from ..spec.policy import SpeculationPolicy
 from .metrics import SchedulerCounters
 
 MIN_PAGES_BUCKET = 4
+MIN_CHUNK_BUCKET = 16
 
 
 def bucket(n: int, lo: int, hi: int) -> int:
@@ -32,6 +33,27 @@ def bucket(n: int, lo: int, hi: int) -> int:
     while b < n:
         b *= 2
     return min(b, hi)
+
+
+def buckets(lo: int, hi: int) -> list[int]:
+    """Every value `bucket(n, lo, hi)` takes, ascending."""
+    values, b = [], lo
+    while b < hi:
+        values.append(b)
+        b *= 2
+    return values + [hi]
+
+
+def chunk_cap(prefill_chunk: int) -> int:
+    """The largest prefill chunk bucket (tokens per row)."""
+    return max(prefill_chunk, MIN_CHUNK_BUCKET)
+
+
+def prefill_fits(batch: int, chunk: int, prefill_chunk: int) -> bool:
+    """Whether a prefill batch of these buckets (rows, tokens per row) may run: at most twice the
+    step's token budget in positions, padding included, so short prompts batched beside a long one
+    do not multiply the work (and the prefill shapes stay few enough to compile ahead)."""
+    return batch == 1 or batch * chunk <= 2 * chunk_cap(prefill_chunk)
 
 
 WAITING, PREFILL, DECODE, DONE = "waiting", "prefill", "decode", "done"
@@ -95,13 +117,17 @@ class RunningBatch:
 
     def prefill_rows(self, prefill_chunk: int) -> list[tuple[ScheduledRequest, int]]:
         """(request, prompt tokens) of the next prefill batch: chunks of up to `prefill_chunk`
-        tokens, in admission order, while the batch's budget of `prefill_chunk` tokens lasts."""
-        rows, budget = [], prefill_chunk
+        tokens, in admission order, while the batch's budget of `prefill_chunk` tokens lasts and its
+        padded shape fits (`prefill_fits`)."""
+        rows, budget, longest = [], prefill_chunk, 0
         for req in self.running.values():
             if req.state != PREFILL:
                 continue
             n = min(len(req.prefill_ids) - req.computed, prefill_chunk)
-            if rows and n > budget:
+            longest = max(longest, n)
+            if rows and (n > budget or not prefill_fits(bucket(len(rows) + 1, 1, self.max_num_seqs),
+                                                        bucket(longest, MIN_CHUNK_BUCKET, chunk_cap(prefill_chunk)),
+                                                        prefill_chunk)):
                 break
             rows.append((req, n))
             budget -= n
@@ -148,11 +174,17 @@ class RunningBatch:
         req.pages, req.computed, req.length, req.slot, req.pending, req.gap = [], 0, 0, None, 0, 0
         req.epoch += 1
 
-    def rows_batch(self, rows: Sequence[ScheduledRequest]) -> tuple[np.ndarray, np.ndarray]:
+    def rows_batch(self, rows: Sequence[ScheduledRequest], min_width: int = MIN_PAGES_BUCKET,
+                   ) -> tuple[np.ndarray, np.ndarray]:
         """(state slots [batch], block table [batch, width]) of `rows`, padded to the batch bucket
-        with the scratch slot (whose table is all scratch page)."""
+        with the scratch slot (whose table is all scratch page); the width is at least `min_width`."""
         batch = bucket(len(rows), 1, self.max_num_seqs)
         slots = np.full((batch,), self.max_num_seqs, np.int32)
         slots[: len(rows)] = [r.slot for r in rows]
-        width = bucket(max(len(r.pages) for r in rows), MIN_PAGES_BUCKET, self.max_pages_per_seq)
+        width = bucket(max(max(len(r.pages) for r in rows), min_width), MIN_PAGES_BUCKET, self.max_pages_per_seq)
+        return slots, self.tables[slots, :width]
+
+    def padding_batch(self, batch: int, width: int) -> tuple[np.ndarray, np.ndarray]:
+        """(slots, block table) of `batch` padding rows only (programs compiled ahead, warm-up)."""
+        slots = np.full((batch,), self.max_num_seqs, np.int32)
         return slots, self.tables[slots, :width]

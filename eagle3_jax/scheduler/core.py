@@ -49,13 +49,12 @@ from ..spec.policy import StepPlan, check_speculation, policy_for
 from ..spec.settings import AutoSpec, SpecConfig
 from ..target import Target
 from . import lockstep
-from .batch import DECODE, DONE, WAITING, RunningBatch, ScheduledRequest, bucket
+from .batch import DECODE, DONE, MIN_CHUNK_BUCKET, MIN_PAGES_BUCKET, WAITING, RunningBatch, ScheduledRequest, bucket, chunk_cap
 from .metrics import SchedulerCounters
 from .programs import Executor
+from .warmup import WarmProgram, WarmUp, warmup_programs
 
 logger = logging.getLogger(__name__)
-
-MIN_CHUNK_BUCKET = 16
 
 
 class CapacityError(ValueError):
@@ -117,6 +116,9 @@ class Scheduler:
         # more step than the host has seen.
         self._overshoot = self.policy.reserve(True)[0] if self.overlap else 0
         self.max_pages_per_seq = pages_for(self.max_seq_len + self.lookahead + self._overshoot, self.page_size)
+        # Every prompt that fits one chunk prefills at one block-table width: fewer programs.
+        self._prefill_width = bucket(pages_for(min(self.prefill_chunk, self.max_seq_len) + self.lookahead,
+                                               self.page_size), MIN_PAGES_BUCKET, self.max_pages_per_seq)
         if num_pages is None:
             num_pages = self.max_num_seqs * self.max_pages_per_seq + 1
         if not isinstance(num_pages, (int, np.integer)) or num_pages < 2:
@@ -270,14 +272,10 @@ class Scheduler:
     # ---- launches ------------------------------------------------------------------------------
     def _launch_prefill(self, rows: list[tuple[ScheduledRequest, int]]) -> _Launch:
         """Launch the next prompt chunks; a request whose prompt ends here decodes from now on."""
-        slots, block_table = self._batch.rows_batch([r for r, _ in rows])
+        slots, block_table = self._batch.rows_batch([r for r, _ in rows], self._prefill_width)
         batch = len(slots)
-        t = bucket(max(n for _, n in rows), MIN_CHUNK_BUCKET, max(self.prefill_chunk, MIN_CHUNK_BUCKET))
-        tokens = np.zeros((batch, t), np.int32)
-        n_valid = np.ones((batch,), np.int32)
-        following = np.full((batch,), -1, np.int32)
-        lengths = np.zeros((batch,), np.int32)
-        counter = np.zeros((batch,), np.int32)
+        t = bucket(max(n for _, n in rows), MIN_CHUNK_BUCKET, chunk_cap(self.prefill_chunk))
+        tokens, lengths, n_valid, following, counter = _padding_prefill(batch, t)
         sp = self._batch.sampling.rows(slots)
         for i, (req, n) in enumerate(rows):
             c = req.computed
@@ -315,6 +313,42 @@ class Scheduler:
         # A step after a catch-up starts when the catch-up ends, which the host does not see.
         return _Launch("decode", [(r, r.epoch, True) for r in rows], outputs, plan, block_table.shape, launched,
                        plan.catch_up, compiles)
+
+    # ---- warm-up -------------------------------------------------------------------------------
+    def warm_up(self) -> WarmUp:
+        """Compile the programs that bursts of requests of up to one prefill chunk run (warmup.py),
+        smallest batches first, within the program cache's bound, by running each once on padding
+        rows: no request, no counter and no step-time measurement sees them. Call it idle."""
+        if self.has_unfinished():
+            raise RuntimeError("warm_up() runs before any request: this scheduler has unfinished requests")
+        wanted = warmup_programs(self.policy, max_num_seqs=self.max_num_seqs, prefill_chunk=self.prefill_chunk,
+                                 prefill_width=self._prefill_width, max_pages_per_seq=self.max_pages_per_seq)
+        chosen = wanted[: self.programs.capacity]
+        start = time.perf_counter()
+        for program in chosen:
+            self._run_padding(program)
+        left = wanted[len(chosen):]
+        max_batch = (left[0].batch // 2 if left else self.max_num_seqs) if chosen else 0
+        covered = max((p.width for p in chosen if p.kind == "decode"), default=0) * self.page_size
+        return WarmUp(len(chosen), len(wanted), self.programs.capacity, max_batch,
+                      max(0, covered - self.lookahead - self._overshoot), time.perf_counter() - start)
+
+    def _run_padding(self, program: WarmProgram) -> None:
+        """Run `program` once on padding rows and wait for it."""
+        slots, block_table = self._batch.padding_batch(program.batch, program.width)
+        sp = self._batch.sampling.rows(slots)
+        if program.kind != "decode":
+            tokens, lengths, n_valid, following, counter = _padding_prefill(program.batch, program.chunk)
+            outputs = self._launch(program.kind, None, block_table, tokens, lengths, n_valid, following, slots, sp,
+                                   counter)
+        else:
+            if program.plan.catch_up:
+                self._launch("catch_up", None, block_table, slots)
+            outputs = self._launch(program.plan.program, program.plan.shape, block_table, slots,
+                                   self._batch.prompt_lens[slots], sp)
+        if self._leader is not None:
+            self._leader.reading(1)
+        self._executor.read(outputs)
 
     # ---- results -------------------------------------------------------------------------------
     def _collect(self, launches: list[_Launch]) -> tuple[list[RequestDelta], float]:
@@ -379,3 +413,11 @@ class Scheduler:
         del self._requests[req.id]
         self.policy.finished(req.id, len(req.output))
         return RequestDelta(req.id, req.unsent(), now, True, reason, req.output_record(now, self.policy.max_accept))
+
+
+def _padding_prefill(batch: int, chunk: int) -> tuple[np.ndarray, ...]:
+    """A prefill's per-row arrays for `batch` padding rows of `chunk` tokens: (tokens, cache lengths,
+    valid tokens, the token following the chunk (-1: the prompt ends here), output counts)."""
+    zeros = np.zeros((batch,), np.int32)
+    return (np.zeros((batch, chunk), np.int32), zeros, np.ones((batch,), np.int32), np.full((batch,), -1, np.int32),
+            zeros.copy())

@@ -68,6 +68,7 @@ class SpeculationPolicy:
     max_accept = 0  # most draft tokens one step may accept
     max_gap = 0  # stores_pairs: pairs a request may hold before a catch-up
     spec: SpecConfig | AutoSpec | None = None  # what the user asked for
+    prefill_programs: tuple[str, ...] = ("plain_prefill",)  # the prefill programs it may run
 
     def reserve(self, with_draft: bool) -> tuple[int, int]:
         """(slots one step may commit, slots past them it may write) for a request with or without
@@ -86,6 +87,10 @@ class SpeculationPolicy:
     def plan(self, rows: Sequence[Row], key: Key) -> StepPlan:
         """The next decode step of `rows` at program key `key` (batch bucket, block-table width)."""
         return StepPlan(PLAIN_DECODE)
+
+    def decode_plans(self) -> list[StepPlan]:
+        """Every distinct program `plan` may return (what a warm-up compiles)."""
+        return [StepPlan(PLAIN_DECODE)]
 
     def observe_prefill(self, with_draft: bool, key: Key, tokens: int, seconds: float | None) -> None:
         """A prefill batch finished (seconds None: not timed)."""
@@ -106,6 +111,7 @@ class PlainDecoding(SpeculationPolicy):
 
 class FixedSpeculation(SpeculationPolicy):
     uses_draft = True
+    prefill_programs = ("prefill",)
 
     def __init__(self, shape: SpecConfig):
         self.spec = self.shape = shape
@@ -117,12 +123,16 @@ class FixedSpeculation(SpeculationPolicy):
     def plan(self, rows: Sequence[Row], key: Key) -> StepPlan:
         return StepPlan(DECODE, self.shape)
 
+    def decode_plans(self) -> list[StepPlan]:
+        return [StepPlan(DECODE, self.shape)]
+
 
 class AdaptivePolicy(SpeculationPolicy):
     """Adaptive speculation (adaptive.py) behind the policy interface, with the bookkeeping of the
     pairs a request's draft has not seen (`Row.gap`)."""
 
     uses_draft = stores_pairs = True
+    prefill_programs = ("prefill", "plain_prefill")
 
     def __init__(self, auto: AutoSpec):
         self.spec = auto
@@ -153,6 +163,11 @@ class AdaptivePolicy(SpeculationPolicy):
         for r in rows:
             r.gap = 0 if shape is not None else (0 if catch_up else r.gap) + 1
         return StepPlan(DECODE if shape is not None else STORE_DECODE, shape, catch_up)
+
+    def decode_plans(self) -> list[StepPlan]:
+        # A catch-up runs before a speculative step as before a stored one: once is enough.
+        return [*(StepPlan(DECODE, s) for s in self.spec.shapes), StepPlan(STORE_DECODE, catch_up=True),
+                StepPlan(PLAIN_DECODE)]
 
     def observe_prefill(self, with_draft: bool, key: Key, tokens: int, seconds: float | None) -> None:
         self.adaptive.observe_prefill(with_draft, key, tokens, seconds)

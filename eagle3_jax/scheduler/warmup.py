@@ -1,0 +1,60 @@
+"""What a server compiles before its first requests: the programs the first bursts run.
+
+A burst of short requests (prompts of up to one prefill chunk) runs prefill batches of every
+(rows, tokens per row) bucket the batch rule allows (`batch.prefill_fits`) and decode steps of
+every batch bucket, at block-table widths up to that of one chunk. `warmup_programs` lists them,
+smallest batches first, so that a program cache too small for all of them keeps what the first
+(smaller) bursts need; `Scheduler.warm_up` compiles them by running each once on padding rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ..spec.policy import SpeculationPolicy, StepPlan
+from .batch import MIN_CHUNK_BUCKET, MIN_PAGES_BUCKET, buckets, chunk_cap, prefill_fits
+
+
+@dataclasses.dataclass(frozen=True)
+class WarmProgram:
+    """One program to compile: a prefill (`kind`, `chunk` tokens per row) or a decode step (`plan`)."""
+
+    kind: str  # "prefill" | "plain_prefill" | "decode"
+    batch: int
+    width: int  # block-table width in pages
+    chunk: int = 0  # prefill: tokens per row
+    plan: StepPlan | None = None  # decode: what the step runs
+
+
+def warmup_programs(policy: SpeculationPolicy, *, max_num_seqs: int, prefill_chunk: int, prefill_width: int,
+                    max_pages_per_seq: int) -> list[WarmProgram]:
+    """The prefill and decode programs of bursts of requests that fit one chunk, by batch bucket."""
+    programs = []
+    widths = [w for w in buckets(MIN_PAGES_BUCKET, max_pages_per_seq) if w <= prefill_width]
+    for batch in buckets(1, max_num_seqs):
+        for chunk in buckets(MIN_CHUNK_BUCKET, chunk_cap(prefill_chunk)):
+            if prefill_fits(batch, chunk, prefill_chunk):
+                programs += [WarmProgram(kind, batch, prefill_width, chunk) for kind in policy.prefill_programs]
+        programs += [WarmProgram("decode", batch, w, plan=plan) for w in widths for plan in policy.decode_plans()]
+    return programs
+
+
+@dataclasses.dataclass(frozen=True)
+class WarmUp:
+    """What `Scheduler.warm_up` compiled."""
+
+    programs: int  # run (each compiled unless it already was)
+    wanted: int  # listed by warmup_programs; those past the program cache's bound were left out
+    capacity: int  # the program cache's bound
+    max_batch: int  # the largest batch bucket whose programs all ran (0: none)
+    max_tokens: int  # the longest sequence (prompt + output) the decode programs that ran cover
+    seconds: float
+
+    def __str__(self) -> str:
+        covered = (f"batches of up to {self.max_batch} requests, sequences of up to {self.max_tokens} tokens"
+                   if self.max_batch else "not all of a lone request's")
+        text = f"compiled {self.programs} programs ({covered}) in {self.seconds:.1f} s"
+        if self.programs < self.wanted:
+            text += (f"; {self.wanted - self.programs} more, for larger batches, compile on first use (the program "
+                     f"cache holds {self.capacity})")
+        return text
