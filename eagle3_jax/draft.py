@@ -117,7 +117,8 @@ class Draft:
 
     @property
     def aux_layer_ids(self) -> tuple[int, ...]:
-        return self.config.aux_layer_ids or self.target.config.aux_layer_ids
+        """The target hidden states it reads: its config's, else its target's."""
+        return tuple(self.config.aux_layer_ids or self.target.config.aux_layer_ids)
 
     def logits(self, token_ids, aux) -> np.ndarray:
         """Causal draft forward: position t uses embed(token_ids[t]) and fc(aux[t]) (caller aligns).
@@ -149,8 +150,10 @@ def load_draft(path: str | os.PathLike, target: Target, dtype="bfloat16", *, fp8
     """Load an EAGLE-3 draft folder (config.json + safetensors or pytorch_model.bin) for `target`:
     a `LlamaForCausalLMEagle3` or an `Eagle3DeepseekV2ForCausalLM` (MLA) draft.
 
-    The target is switched to capture the draft's feature layers (`eagle_aux_hidden_state_layer_ids`
-    when the draft config names them, else the default 2, L//2, L-3). Per-channel FP8 layer weights
+    The draft reads the target's hidden states `Draft.aux_layer_ids`: those the draft config names
+    (`eagle_aux_hidden_state_layer_ids`), else the target's own (by default 2, L//2, L-3). The
+    target is left as it is: the scheduler runs a view of it that captures them
+    (`Target.capturing`), so one target serves drafts that read different layers. Per-channel FP8 layer weights
     (AMD Quark ptpc_fp8: float8 `weight` + float32 `weight_scale` per output row) stay FP8 on
     device; `fp8_format` as in `load_target` ("auto": e4m3fnuz on gfx942).
     """
@@ -164,8 +167,6 @@ def load_draft(path: str | os.PathLike, target: Target, dtype="bfloat16", *, fp8
         except json.JSONDecodeError as e:
             raise ConfigError(f"{cfg_path} is not valid JSON: {e}") from e
     check_fits_target(cfg, target.config)
-    if cfg.aux_layer_ids is not None:
-        target.config = target.config.with_aux_layers(cfg.aux_layer_ids)
 
     flat = read_draft_checkpoint(path, cfg, uses_fnuz(fp8_format))
     dt = resolve_dtype(dtype)

@@ -163,21 +163,31 @@ class Target:
     mesh: jax.sharding.Mesh | None = None
     path: str | None = None
 
-    def logits(self, token_ids, return_aux: bool = False):
+    def logits(self, token_ids, return_aux: bool = False, aux_layer_ids: Sequence[int] | None = None):
         """Full causal forward without a persistent cache.
 
         token_ids int [B, T] -> float32 np.ndarray [B, T, V]; with return_aux also the aux features
-        [B, T, len(aux_layer_ids) * H] (float32).
+        [B, T, len(aux_layer_ids) * H] (float32) of `aux_layer_ids` (default: the config's; pass
+        `draft.aux_layer_ids` for the features a draft reads).
         """
         ids = np.asarray(token_ids)
         if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer):
             raise ValueError(f"token_ids must be an integer array [batch, tokens]; got shape {ids.shape}, dtype {ids.dtype}")
         if ids.size and (ids.min() < 0 or ids.max() >= self.config.vocab_size):
             raise ValueError(f"token ids must be in [0, {self.config.vocab_size}); got range [{ids.min()}, {ids.max()}]")
+        cfg = self.config if aux_layer_ids is None else self.config.with_aux_layers(tuple(aux_layer_ids))
         with mesh_context(self.mesh):
-            logits, aux = _full_forward(self.params, self.config, jnp.asarray(ids, jnp.int32), self.dtype)
+            logits, aux = _full_forward(self.params, cfg, jnp.asarray(ids, jnp.int32), self.dtype)
         logits = np.asarray(logits, np.float32)
         return (logits, np.asarray(aux, np.float32)) if return_aux else logits
+
+    def capturing(self, aux_layer_ids: Sequence[int]) -> "Target":
+        """This target capturing the hidden states `aux_layer_ids` for a draft: a view that shares
+        the weights (self when it already captures them)."""
+        ids = tuple(int(i) for i in aux_layer_ids)
+        if ids == tuple(self.config.aux_layer_ids):
+            return self
+        return dataclasses.replace(self, config=self.config.with_aux_layers(ids))
 
     def init_cache(self, batch: int, max_len: int) -> kv_cache.KVCache:
         cache = kv_cache.init_cache(self.config, batch, max_len, self.dtype)

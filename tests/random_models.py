@@ -90,8 +90,6 @@ def random_draft(target: Target, raw: dict | None = None, seed: int = 1, with_em
             flat[name] = (rng.standard_normal(spec.shape) / np.sqrt(fan_in)).astype(np.float32)
     if cfg.has_draft_vocab:
         flat["d2t"] = np.asarray(d2t if d2t is not None else np.zeros(cfg.draft_vocab_size), np.int64)
-    if cfg.aux_layer_ids is not None:
-        target.config = target.config.with_aux_layers(cfg.aux_layer_ids)
     return Draft(config=cfg, params=_assemble(flat, cfg, target.dtype, target), dtype=target.dtype, target=target)
 
 

@@ -268,7 +268,7 @@ def test_draft_forward_matches_numpy_reference(name, tmp_path):
     assert draft.config.layers.num_layers == c["num_hidden_layers"]
     if "eagle_config" in c:  # SpecForge/vLLM "output of layer i" = HF hidden_states[i + 1]
         assert draft.config.aux_layer_ids == (1, 2, 3)
-        assert target.config.aux_layer_ids == (1, 2, 3) and draft.aux_layer_ids == (1, 2, 3)
+        assert draft.aux_layer_ids == (1, 2, 3) and target.config.aux_layer_ids == (2, 2, 1)  # the target untouched
     else:
         assert draft.config.aux_layer_ids is None
         assert draft.aux_layer_ids == target.config.aux_layer_ids == (1, 1, 0)  # default for 2 layers, clamped
@@ -294,9 +294,9 @@ def test_aux_ids_follow_output_of_layer_convention():
     target = fresh_target(4)
     cfg = draft_lib.parse_draft_config(draft_cfg(eagle_config={"eagle_aux_hidden_state_layer_ids": [0, 1, 2]}))
     draft_lib.check_fits_target(cfg, target.config)
-    target.config = target.config.with_aux_layers(cfg.aux_layer_ids)
     ids = np.random.default_rng(3).integers(0, VOCAB, (1, 10))
-    _, aux = target.logits(ids, return_aux=True)
+    _, aux = target.logits(ids, return_aux=True, aux_layer_ids=cfg.aux_layer_ids)
+    np.testing.assert_array_equal(aux, target.capturing(cfg.aux_layer_ids).logits(ids, return_aux=True)[1])
     hs = np_llama_hidden_states(target, ids[0])
     for j, layer in enumerate((0, 1, 2)):
         assert rel_err(aux[0, :, j * TARGET_H:(j + 1) * TARGET_H], hs[layer + 1]) <= 1e-5
@@ -405,6 +405,26 @@ def test_engine_with_reduced_vocab_draft_is_lossless(reduced_pair):
     spec = e3.Engine(target, draft=draft, spec=e3.SpecConfig(3, 1, 4), max_batch_size=2, max_seq_len=48).generate(prompts, sp)
     assert [o.token_ids for o in spec] == [o.token_ids for o in base]
     assert all(len(o.token_ids) == 12 for o in spec)
+
+
+def test_drafts_reading_other_layers_share_one_untouched_target(tmp_path):
+    """load_draft leaves the target as it was; each draft's scheduler runs a view of it that
+    captures that draft's layers, and both stay lossless."""
+    target = fresh_target(4)
+    before = target.config
+    drafts = []
+    for name, ids in (("a", [0, 1, 2]), ("b", [2, 0, 1])):
+        c = draft_cfg(eagle_config={"eagle_aux_hidden_state_layer_ids": ids})
+        drafts.append(e3.load_draft(write_draft(tmp_path / name, c, hf_weights(c, seed=len(drafts))), target=target,
+                                    dtype="float32"))
+    assert target.config is before and [d.aux_layer_ids for d in drafts] == [(1, 2, 3), (3, 1, 2)]
+    prompts, sp = [[1, 2, 3], [9, 8, 7, 6, 5]], e3.SamplingParams(max_tokens=10)
+    base = [o.token_ids for o in e3.Engine(target, max_batch_size=2, max_seq_len=48).generate(prompts, sp)]
+    for draft in drafts:
+        sched = e3.Scheduler(target, draft, e3.SpecConfig(3, 1, 4), max_num_seqs=2, max_seq_len=48)
+        assert sched._executor.target.config.aux_layer_ids == draft.aux_layer_ids
+        assert [o.token_ids for o in sched.generate(prompts, sp)] == base
+    assert target.config is before
 
 
 # ---- 1b. MLA drafts (Eagle3DeepseekV2ForCausalLM) vs their own NumPy reference ------------------
@@ -554,7 +574,7 @@ def test_mla_draft_forward_matches_numpy_reference(name, tmp_path):
     assert lc.rope.interleaved and lc.q_lora_rank == c.get("q_lora_rank")
     assert draft.config.norm_before_residual == bool(c.get("norm_before_residual"))
     if "eagle_config" in c:
-        assert draft.aux_layer_ids == target.config.aux_layer_ids == (1, 2, 3)
+        assert draft.aux_layer_ids == (1, 2, 3) and target.config.aux_layer_ids == (2, 2, 1)  # the target untouched
     # the draft cache is the MLA latent + rope key, like the target's MLA cache
     cache = kv_cache.init_cache(lc, 1, 8)
     assert cache.k.shape[-1] == c["kv_lora_rank"] and cache.v.shape[-1] == c["qk_rope_head_dim"]

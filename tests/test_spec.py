@@ -144,8 +144,10 @@ def test_engine_rejects_mismatched_pairs():
         e3.Engine(target, spec=e3.SpecConfig())
     with pytest.raises(TypeError, match="Draft"):
         e3.Engine(target, draft=object())
-    raw = draft_config_dict(target.config, eagle_config={"eagle_aux_hidden_state_layer_ids": [0, 0, 0]})
-    draft = random_draft(target, raw)
-    target.config = target.config.with_aux_layers((0, 0, 1))
-    with pytest.raises(ValueError, match="hidden states"):
-        e3.Engine(target, draft=draft)
+    num_layers = target.config.num_layers
+    raw = draft_config_dict(target.config, eagle_config={"eagle_aux_hidden_state_layer_ids": [0, 0, num_layers]})
+    with pytest.raises(ValueError, match="out of range"):  # reads a layer this target does not have
+        e3.Engine(target, draft=random_draft(target, raw))
+    other = random_target(dict(FAMILIES["llama"], hidden_size=2 * target.config.hidden_size))
+    with pytest.raises(ValueError, match="another target"):
+        e3.Engine(target, draft=random_draft(other))

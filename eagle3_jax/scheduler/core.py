@@ -127,7 +127,9 @@ class Scheduler:
         self._batch = RunningBatch(self.policy, self.counters, max_num_seqs=self.max_num_seqs, page_size=self.page_size,
                                    num_pages=int(num_pages), max_pages_per_seq=self.max_pages_per_seq,
                                    lookahead=self.lookahead)
-        self._executor = Executor(target, self.draft, self.policy, int(num_pages), self.page_size, self.max_num_seqs,
+        # The programs run the target capturing the hidden states the draft reads.
+        features = target if draft is None else target.capturing(draft.aux_layer_ids)
+        self._executor = Executor(features, self.draft, self.policy, int(num_pages), self.page_size, self.max_num_seqs,
                                   int(max_compiled_programs))
         self.programs = self._executor.programs
         self._leader: lockstep.Leader | None = None

@@ -20,6 +20,7 @@ import dataclasses
 from typing import Protocol, Sequence
 
 from ..draft import Draft
+from ..draft_config import check_fits_target
 from .adaptive import AdaptiveSpeculation, Key
 from .settings import AutoSpec, SpecConfig, shape_depth
 
@@ -200,11 +201,8 @@ def check_speculation(target, draft: Draft | None,
     topk = max(s.topk for s in shapes)
     if topk > draft.config.draft_vocab_size:
         raise ValueError(f"SpecConfig.topk={topk} exceeds the draft vocabulary ({draft.config.draft_vocab_size})")
-    if tuple(target.config.aux_layer_ids) != tuple(draft.aux_layer_ids):
-        raise ValueError(
-            f"the target captures hidden states {target.config.aux_layer_ids} but the draft reads "
-            f"{draft.aux_layer_ids}; load the draft with e3.load_draft(path, target=target)"
-        )
+    check_fits_target(draft.config, target.config)  # a draft loaded for another target
+    target.capturing(draft.aux_layer_ids)  # raises when the target lacks a layer the draft reads
     return spec
 
 
