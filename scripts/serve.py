@@ -36,6 +36,7 @@ with a `warnings` list and an X-Eagle3-Warnings header (see eagle3_jax/serving/o
 from __future__ import annotations
 
 import errno
+import gc
 import os
 import socket
 import sys
@@ -165,7 +166,7 @@ def main(argv: Sequence[str]) -> None:
     with _cli.usage_errors():  # what the flags ask of the scheduler (pages, chunk, a spec the draft cannot run)
         scheduler = Scheduler(target, draft=draft, spec=spec, max_num_seqs=FLAGS.max_num_seqs,
                               max_seq_len=max_seq_len, page_size=FLAGS.page_size, num_pages=FLAGS.num_pages,
-                              prefill_chunk=FLAGS.prefill_chunk)
+                              prefill_chunk=FLAGS.prefill_chunk, tokenizer=tok)
     model_name = FLAGS.served_model_name or os.path.basename(os.path.normpath(FLAGS.target))
     if not leader:  # multi-host follower: mirror process 0's steps until it stops
         say(f"process {jax.process_index()}: running process 0's steps on this host's devices")
@@ -175,11 +176,15 @@ def main(argv: Sequence[str]) -> None:
     if jax.process_count() > 1:
         scheduler.lead()
 
+    engine = AsyncEngine(scheduler).start()
     if FLAGS.warmup:
         say("warming up: compiling the prefill and decode programs of the first bursts...")
-        say(f"warm-up {scheduler.warm_up()} (not counted in /metrics)")
-
-    engine = AsyncEngine(scheduler).start()
+        say(f"warm-up {engine.warm_up()} (not counted in /metrics)")
+    # The model, the compiled programs and their tracing left many long-lived objects: collect once
+    # now and keep them out of later collections, or the first full collection (during the first
+    # burst of requests) walks them all.
+    gc.collect()
+    gc.freeze()
     application = make_app(engine, tok, model_name, max_seq_len=max_seq_len,
                            eos_token_ids=stop_ids(cfg.eos_token_ids, tok.eos_ids), chat_template=chat_template)
 

@@ -19,8 +19,8 @@ fails every in-flight request with `EngineStepError`; after `max_consecutive_fai
 row the engine stops stepping and refuses new work with `EngineDeadError` (health checks see it
 through `is_healthy`).
 
-`stats()` counts from `start()`: what the scheduler did before (`scripts/serve.py`'s warm-up
-requests) is left out of the counters, tau and per-position acceptance.
+`stats()` counts from `start()`: what the scheduler did before is left out of the counters, tau
+and per-position acceptance.
 """
 
 from __future__ import annotations
@@ -35,14 +35,14 @@ import uuid
 from typing import Any, AsyncIterator, Sequence
 
 from ..sampling import SamplingParams
-from ..scheduler import RequestDelta, Scheduler
+from ..scheduler import RequestDelta, Scheduler, WarmUp
 
 logger = logging.getLogger(__name__)
 
 # Cumulative scheduler counters, counted from AsyncEngine.start().
 COUNTER_KEYS = ("num_preemptions", "num_requests_finished", "num_requests_aborted", "prompt_tokens_total",
                 "generation_tokens_total", "num_decode_steps_total", "accepted_tokens_total", "num_iterations_total",
-                "host_seconds_total")
+                "host_seconds_total", "num_drafts_total", "num_draft_tokens_total", "num_accepted_draft_tokens_total")
 ADAPTIVE_COUNTER_KEYS = ("steps_without_draft", "requests_with_draft", "requests_without_draft")
 
 
@@ -99,6 +99,12 @@ class _Add:
 class _Abort:
     request_id: str
     detach: bool  # the consumer is gone: stop delivering to it now, not at the final delta
+
+
+@dataclasses.dataclass
+class _Call:
+    fn: Any  # fn(scheduler), run on the engine thread
+    future: concurrent.futures.Future
 
 
 _STOP = object()
@@ -235,6 +241,21 @@ class AsyncEngine:
         snap["engine_healthy"] = self.is_healthy
         return snap
 
+    def warm_up(self) -> "WarmUp":
+        """`Scheduler.warm_up` on the engine thread (blocks until done; call it before serving).
+
+        On this thread because JAX's dispatch caches are per thread: programs first run on another
+        thread would still pay a slower first dispatch here, in the first burst of requests.
+        """
+        self._check_accepting()
+        done: concurrent.futures.Future = concurrent.futures.Future()
+
+        def warm_up(scheduler):
+            return scheduler.warm_up()
+
+        self._commands.put(_Call(warm_up, done))
+        return done.result()
+
     def _abort(self, request_id: str, detach: bool) -> None:
         if self.is_running:
             self._commands.put(_Abort(request_id, detach))
@@ -285,6 +306,11 @@ class AsyncEngine:
             self._add(command)
         elif isinstance(command, _Abort):
             self._abort_now(command)
+        elif isinstance(command, _Call) and command.future.set_running_or_notify_cancel():
+            try:
+                command.future.set_result(command.fn(self.scheduler))
+            except Exception as e:
+                command.future.set_exception(e)
 
     def _add(self, cmd: _Add) -> None:
         if not cmd.future.set_running_or_notify_cancel():
@@ -357,10 +383,10 @@ class AsyncEngine:
             stream.put(error)
 
     def _finish_commands(self, commands: list[Any]) -> None:
-        """At shutdown: refuse adds that were still queued; the others need no answer."""
+        """At shutdown: refuse adds and calls that were still queued; aborts need no answer."""
         closed = EngineClosedError("the engine was shut down before this request started")
         for command in commands:
-            if isinstance(command, _Add) and command.future.set_running_or_notify_cancel():
+            if isinstance(command, (_Add, _Call)) and command.future.set_running_or_notify_cancel():
                 command.future.set_exception(closed)
 
     def _shut_down_in_flight(self) -> None:
