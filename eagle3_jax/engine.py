@@ -16,6 +16,7 @@ from .sampling import SamplingParams
 from .scheduler import Scheduler
 from .spec.settings import AutoSpec, SpecConfig
 from .target import Target
+from .tokenizer import Tokenizer
 
 
 class Engine:
@@ -23,14 +24,17 @@ class Engine:
 
     spec: a SpecConfig (default chain 3/1/4 with a draft) or `SpecConfig.auto(...)`.
     max_batch_size: sequences decoded together; max_seq_len: prompt + generated tokens per sequence.
+    tokenizer: lets requests stop at stop strings (`SamplingParams.stop`) and outputs carry their
+    text (`RequestOutput.text`).
     """
 
     def __init__(self, target: Target, draft: Draft | None = None, spec: SpecConfig | AutoSpec | None = None,
-                 max_batch_size: int = 8, max_seq_len: int = 2048):
+                 max_batch_size: int = 8, max_seq_len: int = 2048, tokenizer: Tokenizer | None = None):
         if not isinstance(max_batch_size, int) or not isinstance(max_seq_len, int) or max_batch_size < 1 \
                 or max_seq_len < 2:
             raise ValueError(f"max_batch_size must be >= 1 and max_seq_len >= 2; got {max_batch_size}, {max_seq_len}")
-        self.scheduler = Scheduler(target, draft, spec, max_num_seqs=max_batch_size, max_seq_len=max_seq_len)
+        self.scheduler = Scheduler(target, draft, spec, max_num_seqs=max_batch_size, max_seq_len=max_seq_len,
+                                   tokenizer=tokenizer)
         self.target, self.draft, self.spec = target, self.scheduler.draft, self.scheduler.spec
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
 

@@ -7,7 +7,9 @@ written once:
 - `check_request`: a prompt and its SamplingParams, refused with a ValueError naming the problem.
 - `token_budget`: the tokens a request may generate, max_tokens cut to the room left in
   max_seq_len; `cap_message` says so (front ends report every cap, none is silent).
-- `Request.emit`: a step's tokens appended up to a stop token or the budget; the finish reason.
+- `Request.emit`: a step's tokens appended up to a stop token, a stop string (text_stream.py) or
+  the budget; the finish reason. Tokens a speculative step accepted past the stop are dropped,
+  neither emitted nor counted.
 - `Request.metrics` -> `RequestOutput.metrics`: acceptance, passes, latencies.
 """
 
@@ -20,6 +22,8 @@ from typing import Sequence
 import numpy as np
 
 from .sampling import SamplingParams
+from .text_stream import TextStream
+from .tokenizer import Tokenizer
 
 FINISH_STOP, FINISH_LENGTH, FINISH_ABORT = "stop", "length", "abort"
 
@@ -27,15 +31,21 @@ FINISH_STOP, FINISH_LENGTH, FINISH_ABORT = "stop", "length", "abort"
 @dataclasses.dataclass
 class RequestOutput:
     token_ids: list[int]
-    finish_reason: str  # "stop" (a stop token) | "length" (max_tokens or max_seq_len) | "abort"
+    finish_reason: str  # "stop" (a stop token or string) | "length" (max_tokens or max_seq_len) | "abort"
     metrics: dict
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it (vLLM's field)
+    text: str | None = None  # the decoded output, cut at a stop string (when the scheduler has a tokenizer)
 
 
 def check_request(vocab_size: int, max_seq_len: int, prompt: Sequence[int], sampling: SamplingParams,
-                  index: int = 0) -> list[int]:
-    """A request's prompt as a list of ints, after checking it and its sampling; raises ValueError."""
+                  index: int = 0, *, decodes_text: bool = False) -> list[int]:
+    """A request's prompt as a list of ints, after checking it and its sampling (stop strings need
+    a front end that `decodes_text`); raises ValueError."""
     if not isinstance(sampling, SamplingParams):
         raise TypeError(f"sampling[{index}] must be a SamplingParams, got {type(sampling).__name__}")
+    if sampling.stop and not decodes_text:
+        raise ValueError(f"sampling[{index}] has stop strings, which are matched on the decoded text: give the "
+                         "Engine or Scheduler a tokenizer (tokenizer=load_tokenizer(model_folder))")
     try:
         ids = [int(t) for t in prompt]
     except (TypeError, ValueError):
@@ -96,6 +106,8 @@ class Request:
     num_preemptions: int = 0
     sent: int = 0  # tokens already handed out
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    text: TextStream | None = None  # its decoded text, where stop strings are matched (None: no stop strings)
 
     def record_step(self, emitted: int, depth: int, draft_passes: int) -> None:
         """A decode step that committed `emitted` tokens after proposing `depth` draft tokens."""
@@ -112,6 +124,10 @@ class Request:
             self.output.append(tok)
             self.token_times.append(now)
             if tok in stops:
+                self.stop_reason = tok
+                return FINISH_STOP
+            if self.text is not None and self.text.push([tok]):
+                self.stop_reason = self.text.stop
                 return FINISH_STOP
             if len(self.output) >= self.budget:
                 return FINISH_LENGTH
@@ -129,8 +145,11 @@ class Request:
         times = self.token_times
         per_position = [float(np.mean(acc[drafted >= d] - 1 >= d)) if np.any(drafted >= d) else 0.0
                         for d in range(1, max_depth + 1)]
+        speculative = drafted > 0
         return {
             "mean_accept_length": float(acc.mean()) if acc.size else 1.0,
+            "num_draft_tokens": int(drafted.sum()),  # proposed to verify passes
+            "num_accepted_tokens": int(np.maximum(acc[speculative] - 1, 0).sum()),  # draft tokens accepted
             "accept_lengths": [int(a) for a in acc],
             "per_position_acceptance": per_position,
             "num_target_passes": int(acc.size) + (1 if times else 0),  # the prefill's pass gave the first token
@@ -143,5 +162,17 @@ class Request:
             "e2e_latency_s": now - self.arrival,
         }
 
-    def output_record(self, now: float, max_depth: int) -> RequestOutput:
-        return RequestOutput(self.output, self.finish_reason, self.metrics(now, max_depth))
+    def final_text(self, tokenizer: Tokenizer) -> str:
+        """The whole output's text, cut at a stop string. A stop string found only once the last
+        tokens settle (an incomplete character before) still ends the text, and finishes the
+        request as stopped."""
+        stream = self.text
+        if stream is None:
+            stream = TextStream(tokenizer, self.prompt)
+            stream.push(self.output)
+        if stream.push([], final=True) and self.finish_reason == FINISH_LENGTH:
+            self.finish_reason, self.stop_reason = FINISH_STOP, stream.stop
+        return stream.take(final=True)
+
+    def output_record(self, now: float, max_depth: int, text: str | None = None) -> RequestOutput:
+        return RequestOutput(self.output, self.finish_reason, self.metrics(now, max_depth), self.stop_reason, text)

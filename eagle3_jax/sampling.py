@@ -24,6 +24,8 @@ class SamplingParams:
     max_tokens: int = 64
     seed: int = 0
     stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()  # stop strings, matched on the decoded text (needs a tokenizer)
+    include_stop_str_in_output: bool = False  # the text ends after the stop string, not before it
 
     def __post_init__(self) -> None:
         if not (isinstance(self.temperature, (int, float)) and self.temperature >= 0 and np.isfinite(self.temperature)):
@@ -37,6 +39,10 @@ class SamplingParams:
         if not (isinstance(self.seed, (int, np.integer)) and 0 <= self.seed < 2**32):
             raise ValueError(f"seed must be an integer in [0, 2**32); got {self.seed!r}")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+        if not (isinstance(stop, (tuple, list)) and all(isinstance(x, str) and x for x in stop)):
+            raise ValueError(f"stop must be a non-empty string or a sequence of them; got {self.stop!r}")
+        object.__setattr__(self, "stop", tuple(dict.fromkeys(stop)))
 
 
 @jax.tree_util.register_dataclass

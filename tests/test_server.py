@@ -138,6 +138,54 @@ def test_chat(served):
     assert chunks[-1].choices[0].finish_reason == reason
 
 
+def test_stop_strings_cut_whole_and_streamed_replies(served):
+    """A stop string that spans tokens ends the reply at the token that completes it (the chain
+    draft may have accepted tokens past it), in whole and streamed replies, chat and completions."""
+    _, _, tok, refs = served
+    c = client(served)
+    ids = tok.encode(PROMPTS[3])
+    ref = refs[tuple(ids)].token_ids
+    full = tok.decode_continuation(ids, ref)
+    for a, b, include in [(5, 9, False), (17, 20, True), (30, 37, False)]:
+        stop = full[a:b]
+        cut = full.index(stop) + (len(stop) if include else 0)
+        n = next(k for k in range(1, len(ref) + 1) if stop in tok.decode_continuation(ids, ref[:k]))
+        kw = dict(model=MODEL, prompt=PROMPTS[3], max_tokens=MAX_REF_TOKENS, temperature=0,
+                  stop=[stop, "never seen"], extra_body={"include_stop_str_in_output": include})
+        r = c.completions.create(**kw)
+        assert r.choices[0].text == full[:cut] and r.choices[0].finish_reason == "stop"
+        assert r.usage.completion_tokens == n and r.choices[0].model_extra["stop_reason"] == stop
+        chunks = list(c.completions.create(stream=True, **kw))
+        assert "".join(ch.choices[0].text for ch in chunks) == full[:cut]
+        assert chunks[-1].choices[0].finish_reason == "stop"
+    messages = [{"role": "user", "content": PROMPTS[3]}]
+    stop = full[5:9]
+    r = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=40, temperature=0, stop=stop)
+    assert r.choices[0].message.content == full[: full.index(stop)] and r.choices[0].finish_reason == "stop"
+    chunks = list(c.chat.completions.create(model=MODEL, messages=messages, max_tokens=40, temperature=0,
+                                            stop=stop, stream=True))
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == full[: full.index(stop)]
+
+
+def test_acceptance_per_request_in_usage_and_metrics(served):
+    """Each reply's usage carries its draft tokens proposed and accepted (spec_decode), and
+    /metrics counts them under vLLM's names."""
+    engine = served[1]
+    before = engine.stats()
+    r = client(served).completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=24, temperature=0)
+    spec = r.usage.model_extra["spec_decode"]
+    assert 0 <= spec["num_accepted_tokens"] <= spec["num_draft_tokens"] and spec["num_draft_tokens"] % 3 == 0
+    assert spec["mean_accept_length"] >= 1
+    after = wait_idle(engine)
+    assert after["num_draft_tokens_total"] - before["num_draft_tokens_total"] >= spec["num_draft_tokens"]
+    text = request(served[0].port, "GET", "/metrics")[2]
+    samples = parse_prometheus(text)
+    for name in ("eagle3_spec_decode_num_drafts_total", "eagle3_spec_decode_num_draft_tokens_total",
+                 "eagle3_spec_decode_num_accepted_tokens_total"):
+        assert name in samples, name
+    assert any(k.startswith("eagle3_spec_decode_num_accepted_tokens_per_pos_total") for k in samples)
+
+
 def test_sampled_requests_are_seeded(served):
     c = client(served)
     kw = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=16, temperature=0.8, top_p=0.9, extra_body={"top_k": -1})
@@ -240,7 +288,10 @@ BAD_REQUESTS = [
     ("/v1/completions", dict(_OK, stream_options={"include_usage": True}), 400, "stream", "stream_options"),
     ("/v1/completions", dict(_OK, stop_token_ids=[2, -1]), 400, "stop_token_ids", "stop_token_ids"),
     ("/v1/completions", dict(_OK, ignore_eos="no"), 400, "ignore_eos", "ignore_eos"),
-    ("/v1/completions", dict(_OK, stop=["\n"]), 400, "stop_token_ids", "stop"),
+    ("/v1/completions", dict(_OK, stop=["\n", ""]), 400, "stop", "stop"),
+    ("/v1/completions", dict(_OK, stop=7), 400, "stop", "stop"),
+    ("/v1/completions", dict(_OK, include_stop_str_in_output="yes"), 400, "include_stop_str_in_output",
+     "include_stop_str_in_output"),
     ("/v1/completions", dict(_OK, logprobs=2), 400, "logprobs", "logprobs"),
     ("/v1/completions", dict(_OK, prompt=[1] * MAX_SEQ_LEN), 400, "max_seq_len", "prompt"),
     ("/v1/completions", dict(_OK, prompt=[1, 10**6]), 400, "", "prompt"),

@@ -48,6 +48,8 @@ from ..sampling import SamplingParams
 from ..spec.policy import StepPlan, check_speculation, policy_for
 from ..spec.settings import AutoSpec, SpecConfig
 from ..target import Target
+from ..text_stream import TextStream
+from ..tokenizer import Tokenizer
 from . import lockstep
 from .batch import DECODE, DONE, MIN_CHUNK_BUCKET, MIN_PAGES_BUCKET, WAITING, RunningBatch, ScheduledRequest, bucket, chunk_cap
 from .metrics import SchedulerCounters
@@ -92,19 +94,22 @@ class _Launch:
 class Scheduler:
     """Continuous-batching generation over a target, with an optional EAGLE-3 draft.
 
+    With a `tokenizer`, requests may carry stop strings (`SamplingParams.stop`) and every output
+    carries its text (`RequestOutput.text`, cut at a stop string).
+
     Not thread-safe: one thread calls its methods (see serving.AsyncEngine for asyncio use).
     """
 
     def __init__(self, target: Target, draft: Draft | None = None, spec: SpecConfig | AutoSpec | None = None, *,
                  max_num_seqs: int = 64, max_seq_len: int = 2048, page_size: int = 16,
                  num_pages: int | None = None, prefill_chunk: int = 256, max_compiled_programs: int = 48,
-                 overlap: bool = True):
+                 overlap: bool = True, tokenizer: Tokenizer | None = None):
         for name, value, low in (("max_num_seqs", max_num_seqs, 1), ("max_seq_len", max_seq_len, 2),
                                  ("page_size", page_size, 1), ("prefill_chunk", prefill_chunk, 1),
                                  ("max_compiled_programs", max_compiled_programs, 2)):
             if not isinstance(value, (int, np.integer)) or value < low:
                 raise ValueError(f"{name} must be an integer >= {low}; got {value!r}")
-        self.target = target
+        self.target, self.tokenizer = target, tokenizer
         self.spec = check_speculation(target, draft, spec)
         self.policy = policy_for(self.spec)
         self.draft = None if draft is None else with_target_kernels(draft, target)
@@ -149,7 +154,8 @@ class Scheduler:
         room within max_seq_len; CapacityError when it could never fit in the KV pages.
         """
         sampling = SamplingParams() if sampling is None else sampling
-        ids = check_request(self.target.config.vocab_size, self.max_seq_len, prompt_ids, sampling)
+        ids = check_request(self.target.config.vocab_size, self.max_seq_len, prompt_ids, sampling,
+                            decodes_text=self.tokenizer is not None)
         rid = self._queue(ids, sampling, request_id)
         cut = cap_message(len(ids), sampling.max_tokens, self.max_seq_len)
         if cut:
@@ -170,6 +176,8 @@ class Scheduler:
                 f"shorten the prompt or raise num_pages"
             )
         req = ScheduledRequest(id=rid, prompt=ids, sampling=sampling, budget=budget, prefill_ids=list(ids))
+        if sampling.stop:
+            req.text = TextStream(self.tokenizer, ids, sampling.stop, sampling.include_stop_str_in_output)
         self._requests[rid] = req
         self._batch.waiting.append(req)
         return rid
@@ -199,7 +207,8 @@ class Scheduler:
         """Run prompts to completion (all queued at once); outputs in prompt order. A max_tokens
         cut to fit max_seq_len is said in a warning (the first three, then a count)."""
         sampling = normalize_sampling(sampling, len(prompts))
-        checked = [check_request(self.target.config.vocab_size, self.max_seq_len, p, sp, index=i)
+        checked = [check_request(self.target.config.vocab_size, self.max_seq_len, p, sp, index=i,
+                                 decodes_text=self.tokenizer is not None)
                    for i, (p, sp) in enumerate(zip(prompts, sampling))]  # all checked before any is queued
         cuts = [(i, m) for i, (p, sp) in enumerate(zip(checked, sampling))
                 if (m := cap_message(len(p), sp.max_tokens, self.max_seq_len))]
@@ -414,7 +423,9 @@ class Scheduler:
         req.state, req.finish_reason = DONE, reason
         del self._requests[req.id]
         self.policy.finished(req.id, len(req.output))
-        return RequestDelta(req.id, req.unsent(), now, True, reason, req.output_record(now, self.policy.max_accept))
+        text = None if self.tokenizer is None else req.final_text(self.tokenizer)  # may find a late stop string
+        return RequestDelta(req.id, req.unsent(), now, True, req.finish_reason,
+                            req.output_record(now, self.policy.max_accept, text))
 
 
 def _padding_prefill(batch: int, chunk: int) -> tuple[np.ndarray, ...]:

@@ -20,6 +20,10 @@ class SchedulerCounters:
         rows = len(counts)
         self.totals["num_decode_steps_total"] += rows
         self.totals["accepted_tokens_total"] += int(counts.sum())
+        if depth:  # speculation's counts, named as vLLM names them (spec_decode_num_*)
+            self.totals["num_drafts_total"] += rows
+            self.totals["num_draft_tokens_total"] += rows * depth
+            self.totals["num_accepted_draft_tokens_total"] += int(np.maximum(counts - 1, 0).sum())
         if len(self.per_position):
             accepted = np.clip(counts - 1, 0, len(self.per_position))
             # rows that accepted at least d draft tokens, d = 1..max: a reversed cumulative count
@@ -38,6 +42,9 @@ class SchedulerCounters:
             "num_decode_steps_total": steps,
             "accepted_tokens_total": c["accepted_tokens_total"],
             "mean_accept_length": c["accepted_tokens_total"] / steps if steps else 1.0,
+            "num_drafts_total": c["num_drafts_total"],
+            "num_draft_tokens_total": c["num_draft_tokens_total"],
+            "num_accepted_draft_tokens_total": c["num_accepted_draft_tokens_total"],
             "per_position_accepted_total": [int(x) for x in self.per_position],
             "per_position_drafted_total": [int(x) for x in self.per_position_drafted],
             "num_iterations_total": c["num_iterations_total"],

@@ -5,9 +5,10 @@ HTTP API over it (`scripts/serve.py` runs both).
     app = make_app(engine, tokenizer, "my-model")     # aiohttp web.Application
 """
 
+from ..text_stream import IncrementalDetokenizer, TextStream
 from .async_engine import AsyncEngine, EngineClosedError, EngineDeadError, EngineError, EngineStepError
 from .metrics import ServerMetrics
-from .openai_api import ChatTemplate, IncrementalDetokenizer, make_app
+from .openai_api import ChatTemplate, make_app
 
 __all__ = [
     "AsyncEngine",
@@ -18,5 +19,6 @@ __all__ = [
     "EngineStepError",
     "IncrementalDetokenizer",
     "ServerMetrics",
+    "TextStream",
     "make_app",
 ]

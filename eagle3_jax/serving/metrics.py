@@ -7,7 +7,9 @@ Metric names carry the `eagle3_` prefix:
 
 - counters: `eagle3_prompt_tokens_total`, `eagle3_generation_tokens_total`,
   `eagle3_requests_finished_total`, `eagle3_requests_aborted_total`, `eagle3_preemptions_total`,
-  `eagle3_decode_steps_total`, `eagle3_accepted_tokens_total`,
+  `eagle3_decode_steps_total`, `eagle3_accepted_tokens_total`, speculation's counts as vLLM names
+  them (`eagle3_spec_decode_num_drafts_total`, `..._num_draft_tokens_total`,
+  `..._num_accepted_tokens_total`, `..._num_accepted_tokens_per_pos_total{position}`),
   `eagle3_http_requests_total{route, status}`;
 - gauges: `eagle3_num_requests_waiting`, `eagle3_num_requests_running`, `eagle3_request_queue_depth`,
   `eagle3_kv_pages_free`, `eagle3_kv_pages_total`, `eagle3_kv_page_size`, `eagle3_kv_cache_usage_ratio`,
@@ -40,6 +42,11 @@ COUNTERS: tuple[tuple[str, str, str], ...] = (
      "num_iterations_total"),
     ("eagle3_scheduler_host_seconds", "Host time of scheduler iterations not spent waiting for the device.",
      "host_seconds_total"),
+    ("eagle3_spec_decode_num_drafts", "Verify passes that checked draft tokens, summed over requests.",
+     "num_drafts_total"),
+    ("eagle3_spec_decode_num_draft_tokens", "Draft tokens proposed to verify passes.", "num_draft_tokens_total"),
+    ("eagle3_spec_decode_num_accepted_tokens", "Draft tokens accepted by verify passes (bonus tokens not counted).",
+     "num_accepted_draft_tokens_total"),
 )
 GAUGES: tuple[tuple[str, str, str], ...] = (
     ("eagle3_num_requests_waiting", "Requests queued in the scheduler, not yet running.", "num_waiting"),
@@ -71,9 +78,13 @@ def engine_metrics(stats: Mapping[str, Any]) -> Iterator[Metric]:
         drafted = stats.get("per_position_drafted_total") or [steps] * len(per_pos)
         rate = GaugeMetricFamily("eagle3_spec_acceptance_rate", "Fraction of verify passes that drafted `position` "
                                  "tokens accepting at least `position` draft tokens.", labels=["position"])
+        accepted = CounterMetricFamily("eagle3_spec_decode_num_accepted_tokens_per_pos", "Verify passes that "
+                                       "accepted the draft token at `position`.", labels=["position"])
         for k, (n, d) in enumerate(zip(per_pos, drafted), 1):
             rate.add_metric([str(k)], n / d if d else 0.0)
+            accepted.add_metric([str(k)], n)
         yield rate
+        yield accepted
     adaptive = stats.get("adaptive")
     if adaptive is not None:  # adaptive speculation: what the steps ran
         shapes = CounterMetricFamily("eagle3_spec_steps", "Decode steps by the speculation shape adaptive "

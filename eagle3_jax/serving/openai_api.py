@@ -12,9 +12,12 @@ Endpoints:
 
 Sampling fields: `max_tokens` (chat also `max_completion_tokens`), `temperature` (default 1.0;
 0 = greedy), `top_p`, `top_k` (-1 or 0 = off), `seed` (default: a random one), `n` (must be 1),
-`stream`, `stream_options.include_usage`, and the vLLM extensions `stop_token_ids` and
-`ignore_eos` (by default a request also stops at the model's EOS ids). Parameters this engine does
-not implement (`stop` strings, `logprobs`, `echo`, penalties, `logit_bias`, `best_of` > 1, tools,
+`stop` (a string or a list of strings, matched on the decoded text across token boundaries; the
+reply ends before the stop string, or after it with vLLM's `include_stop_str_in_output`, and its
+choice's `stop_reason` names it), `stream`, `stream_options.include_usage`, and the vLLM
+extensions `stop_token_ids` and `ignore_eos` (by default a request also stops at the model's EOS
+ids). A speculative step that accepts tokens past a stop string emits none of them. Parameters
+this engine does not implement (`logprobs`, `echo`, penalties, `logit_bias`, `best_of` > 1, tools,
 `suffix`, non-text `response_format`) get a 400 when set to anything but their neutral value,
 rather than being ignored.
 
@@ -31,9 +34,9 @@ requests, 404 for an unknown model or route, 500 / 503 when the engine fails.
 Streaming answers are Server-Sent Events, `data: {chunk}\\n\\n` ... `data: [DONE]\\n\\n`; the
 response starts once the first token is out, so add_request's validation errors still get a 4xx
 status. With `stream_options.include_usage`, a last chunk with empty `choices` carries `usage`.
-Text is decoded incrementally (`IncrementalDetokenizer`): text that later tokens may still change
-(an incomplete UTF-8 character, shown as U+FFFD) is held back until they settle it, so the chunks
-concatenate to the non-streamed text. A client that disconnects mid-request has its
+Text is decoded incrementally (`text_stream.TextStream`): text that later tokens may still change
+(an incomplete UTF-8 character, shown as U+FFFD), and an end that may begin a stop string, are held
+back until they settle, so the chunks concatenate to the non-streamed text. A client that disconnects mid-request has its
 request aborted, freeing its KV pages; run the app with `handler_cancellation=True` (as
 `scripts/serve.py` does) so that this also happens while a request waits for its first token.
 """
@@ -43,7 +46,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import functools
 import json
 import logging
 import math
@@ -57,6 +59,7 @@ from aiohttp import web
 
 from ..sampling import SamplingParams
 from ..scheduler import CapacityError
+from ..text_stream import TextStream
 from ..tokenizer import Tokenizer
 from ..train.data import _compile_template, read_chat_template, render_messages
 from .async_engine import AsyncEngine, EngineDeadError, EngineError
@@ -136,7 +139,6 @@ def get_bool(body: Mapping[str, Any], key: str, default: bool) -> bool:
 
 # Parameters this engine does not implement, with the values that mean "off".
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "stop": (None, "", []),
     "logprobs": (None, False, 0),
     "top_logprobs": (None, 0),
     "echo": (None, False),
@@ -151,11 +153,12 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "functions": (None, []),
     "function_call": (None, "none"),
 }
-_HINTS = {"stop": "; use 'stop_token_ids' (token ids) instead"}
+_HINTS: dict[str, str] = {}
 # Fields a request may carry without a warning: the ones read here, the refused ones above, and
 # `user` (an end-user id OpenAI's API takes and this server has no use for).
 _COMMON_FIELDS = frozenset({"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "n", "stream",
-                            "stream_options", "stop_token_ids", "ignore_eos", "response_format", "user",
+                            "stream_options", "stop", "stop_token_ids", "ignore_eos", "include_stop_str_in_output",
+                            "response_format", "user",
                             *_NEUTRAL})
 KNOWN_FIELDS = {"completion": _COMMON_FIELDS | {"prompt"},
                 "chat": _COMMON_FIELDS | {"messages", "max_completion_tokens"}}
@@ -227,11 +230,25 @@ def parse_sampling(body: Mapping[str, Any], *, default_max_tokens: int, eos_toke
                        param="stop_token_ids", code="invalid_type")
     if not get_bool(body, "ignore_eos", False):
         stop_ids = [*stop_ids, *eos_token_ids]
+    stop = parse_stop(body.get("stop"))
+    include_stop = get_bool(body, "include_stop_str_in_output", False)
     try:
         return SamplingParams(temperature=temperature, top_p=top_p, top_k=max(top_k, 0), max_tokens=max_tokens,
-                              seed=seed, stop_token_ids=tuple(dict.fromkeys(stop_ids)))
+                              seed=seed, stop_token_ids=tuple(dict.fromkeys(stop_ids)), stop=stop,
+                              include_stop_str_in_output=include_stop)
     except ValueError as e:  # SamplingParams' own checks, should any be stricter than the above
         raise ApiError(str(e), code="invalid_value") from e
+
+
+def parse_stop(stop: Any) -> tuple[str, ...]:
+    """`stop`: a string or a list of strings (null, "" and [] mean none); 400 otherwise."""
+    if stop is None or stop == "":
+        return ()
+    stops = [stop] if isinstance(stop, str) else stop
+    if not (isinstance(stops, list) and all(isinstance(x, str) and x for x in stops)):
+        raise ApiError(f"'stop' must be a string or a list of non-empty strings; got {stop!r}", param="stop",
+                       code="invalid_type")
+    return tuple(stops)
 
 
 def parse_stream(body: Mapping[str, Any]) -> tuple[bool, bool]:
@@ -380,107 +397,21 @@ class ChatTemplate:
                            code="invalid_value") from e
 
 
-# ---- text ------------------------------------------------------------------------------------------------
-
-
-@functools.lru_cache(maxsize=8)
-def byte_token_ids(tokenizer: Tokenizer) -> frozenset[int]:
-    """Ids of the byte-fallback tokens `<0xXX>` of a tokenizer's vocabulary (empty for byte-level BPE)."""
-    return frozenset(i for t, i in tokenizer.backend.get_vocab(with_added_tokens=False).items()
-                     if len(t) == 6 and t.startswith("<0x") and t.endswith(">"))
-
-
-class IncrementalDetokenizer:
-    """The text of generated tokens, decoded as they arrive: `push` returns what is new.
-
-    The text of the tokens so far is `decode(context + generated)` minus `decode(context)`, where
-    the context is the prompt's last tokens (at least CONTEXT, more while they decode to nothing,
-    e.g. trailing special tokens, or start inside a run of byte tokens), so the first token keeps its in-context spacing as in
-    `Tokenizer.decode_continuation`.
-
-    What may still change is held back until the final push: text ending in U+FFFD (an incomplete
-    UTF-8 character), and the text of a trailing run of byte-fallback tokens `<0xXX>`, because the
-    `tokenizers` ByteFallback decoder turns a whole run into U+FFFDs when any later byte of it is
-    invalid. So the concatenated pushes equal `text`, the decode of all tokens at once.
-
-    To keep each push cheap, tokens more than WINDOW behind the end are frozen (never decoded
-    again) at a point where decoding apart gives the same text as decoding together and that is
-    not inside a run of byte tokens.
-    """
-
-    CONTEXT = 5  # prompt tokens decoded before the generated ones, for spacing in context
-    WINDOW = 32  # tokens kept live behind the end; freezing is tried when the window reaches 2 * WINDOW
-
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int]):
-        self._tok = tokenizer
-        self._bytes = byte_token_ids(tokenizer)
-        ids = [int(t) for t in prompt_ids]
-        ctx, limit = min(self.CONTEXT, len(ids)), min(len(ids), 32 * self.CONTEXT)
-        while ctx < limit and not tokenizer.decode(ids[len(ids) - ctx:]):  # only special tokens so far
-            ctx = min(ctx + self.CONTEXT, limit)
-        while ctx < limit and ids[-ctx] in self._bytes and ids[-ctx - 1] in self._bytes:  # not inside a run
-            ctx += 1
-        self._ids = ids[len(ids) - ctx:]
-        self._first = len(self._ids)  # the first generated token
-        self._start = self._first  # the first live token; the generated ones before it are frozen
-        self._frozen = ""  # text of the generated tokens before _start
-        self._sent = ""  # everything push has returned
-
-    @property
-    def text(self) -> str:
-        """The text of every token pushed so far (U+FFFD included)."""
-        return self._frozen + self._live(self._start, len(self._ids))
-
-    def push(self, new_ids: Sequence[int], final: bool = False) -> str:
-        """The text that `new_ids` (appended to everything pushed before) adds."""
-        self._ids.extend(int(t) for t in new_ids)
-        if len(self._ids) - self._start >= 2 * self.WINDOW:
-            self._freeze(len(self._ids) - self.WINDOW)
-        end = len(self._ids)
-        if not final:
-            while end > self._start and self._ids[end - 1] in self._bytes:
-                end -= 1
-            text = (self._frozen + self._live(self._start, end)).rstrip("\ufffd")
-        else:
-            text = self.text
-        if text.startswith(self._sent):
-            new = text[len(self._sent):]
-        elif final:  # sent text changed (no known decoder does this): send the rest after the common part
-            new = text[len(os.path.commonprefix([text, self._sent])):]
-        else:
-            return ""  # wait for the text to settle
-        self._sent = text
-        return new
-
-    def _live(self, start: int, end: int) -> str:
-        """Text of tokens [start, end), decoded after the CONTEXT tokens before `start` (after the
-        whole prompt context when `start` is the first generated token)."""
-        ctx = 0 if start == self._first else max(start - self.CONTEXT, 0)
-        prefix = self._tok.decode(self._ids[ctx:start])
-        full = self._tok.decode(self._ids[ctx:end])
-        return full[len(prefix):] if full.startswith(prefix) else self._tok.decode(self._ids[start:end])
-
-    def _freeze(self, at: int) -> None:
-        """Move the window start to `at` or before, outside any run of byte tokens, if splitting
-        there leaves the text unchanged."""
-        while at > self._start + 1 and self._ids[at - 1] in self._bytes and self._ids[at] in self._bytes:
-            at -= 1
-        if self._ids[at - 1] in self._bytes and self._ids[at] in self._bytes:
-            return  # one long run of byte tokens: keep it live
-        before = self._live(self._start, at)
-        if self._live(self._start, len(self._ids)) == before + self._live(at, len(self._ids)):
-            self._frozen += before
-            self._start = at
-
-
 def finish_reason(reason: str | None) -> str | None:
     """The OpenAI finish_reason of a scheduler finish reason ("stop", "length"; others unchanged)."""
     return {"stop": "stop", "length": "length"}.get(reason, reason) if reason is not None else None
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def usage(prompt_tokens: int, completion_tokens: int, metrics: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """OpenAI's usage; with a speculative request's metrics also `spec_decode` (an extension field):
+    draft tokens proposed and accepted, and its mean acceptance length (bonus token included)."""
+    out: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                           "total_tokens": prompt_tokens + completion_tokens}
+    if metrics is not None:
+        out["spec_decode"] = {"num_draft_tokens": metrics["num_draft_tokens"],
+                              "num_accepted_tokens": metrics["num_accepted_tokens"],
+                              "mean_accept_length": metrics["mean_accept_length"]}
+    return out
 
 
 # ---- the server ----------------------------------------------------------------------------------------
@@ -609,6 +540,16 @@ class _Server:
             warnings.append(f"these fields are not supported and were ignored: {', '.join(ignored)}")
         return _Job(kind, prompt_ids, sampling, stream, include_usage, tuple(warnings))
 
+    def _spec_metrics(self, last: Any) -> Mapping[str, Any] | None:
+        """A finished request's metrics when this server speculates (for usage's spec_decode)."""
+        if getattr(self.engine.scheduler, "draft", None) is None or last.output is None:
+            return None
+        return last.output.metrics
+
+    def _text_stream(self, job: _Job) -> TextStream:
+        """The reply's text: decoded as the request layer decodes it, so both cut at the same stop."""
+        return TextStream(self.tokenizer, job.prompt_ids, job.sampling.stop, job.sampling.include_stop_str_in_output)
+
     async def _run(self, request: web.Request, job: _Job, request_id: str) -> web.StreamResponse:
         async with contextlib.aclosing(self.engine.generate(job.prompt_ids, job.sampling, request_id)) as deltas:
             try:
@@ -628,17 +569,19 @@ class _Server:
             delta = await anext(deltas)
             tokens += delta.token_ids
         # The same decoding as streaming, so a streamed answer concatenates to this text.
-        text = IncrementalDetokenizer(self.tokenizer, job.prompt_ids).push(tokens, final=True)
-        reason = finish_reason(delta.finish_reason)
+        text_stream = self._text_stream(job)
+        text_stream.push(tokens, final=True)
+        text, reason = text_stream.take(final=True), finish_reason(delta.finish_reason)
+        stop_reason = delta.output.stop_reason if delta.output is not None else None
         if job.kind == "completion":
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason, "stop_reason": stop_reason}
         else:
             choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                      "finish_reason": reason}
+                      "finish_reason": reason, "stop_reason": stop_reason}
         body = {
             "id": request_id, "object": "text_completion" if job.kind == "completion" else "chat.completion",
             "created": int(time.time()), "model": self.model_name, "choices": [choice],
-            "usage": usage(len(job.prompt_ids), len(tokens)),
+            "usage": usage(len(job.prompt_ids), len(tokens), self._spec_metrics(delta)),
         }
         if job.warnings:
             body["warnings"] = list(job.warnings)
@@ -652,7 +595,7 @@ class _Server:
         chat = job.kind == "chat"
         obj = "chat.completion.chunk" if chat else "text_completion"
 
-        def chunk(text: str | None, reason: str | None, role: bool = False) -> dict[str, Any]:
+        def chunk(text: str | None, reason: str | None, role: bool = False, stop_reason=None) -> dict[str, Any]:
             if chat:
                 delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
                 if text:
@@ -660,12 +603,14 @@ class _Server:
                 choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
             else:
                 choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
+            if reason is not None:
+                choice["stop_reason"] = stop_reason
             out = {"id": request_id, "object": obj, "created": created, "model": self.model_name, "choices": [choice]}
             if job.include_usage:
                 out["usage"] = None
             return out
 
-        detok = IncrementalDetokenizer(self.tokenizer, job.prompt_ids)
+        text_stream = self._text_stream(job)
         num_tokens = 0
         try:
             await response.prepare(request)
@@ -674,16 +619,19 @@ class _Server:
             delta = first
             while True:
                 num_tokens += len(delta.token_ids)
-                text = detok.push(delta.token_ids, final=delta.finished)
+                text_stream.push(delta.token_ids, final=delta.finished)
+                text = text_stream.take(final=delta.finished)
                 if delta.finished:
-                    await _send(response, chunk(text, finish_reason(delta.finish_reason)))
+                    stop_reason = delta.output.stop_reason if delta.output is not None else None
+                    await _send(response, chunk(text, finish_reason(delta.finish_reason), stop_reason=stop_reason))
                     break
                 if text:
                     await _send(response, chunk(text, None))
                 delta = await anext(deltas)
             if job.include_usage:
                 await _send(response, {"id": request_id, "object": obj, "created": created, "model": self.model_name,
-                                       "choices": [], "usage": usage(len(job.prompt_ids), num_tokens)})
+                                       "choices": [], "usage": usage(len(job.prompt_ids), num_tokens,
+                                                                     self._spec_metrics(delta))})
             await response.write(b"data: [DONE]\n\n")
             await response.write_eof()
         except (ConnectionResetError, ConnectionError):
@@ -711,11 +659,14 @@ def make_app(async_engine: AsyncEngine, tokenizer: Tokenizer, model_name: str, *
     `max_seq_len` defaults to the scheduler's; `eos_token_ids` (where requests stop unless
     `ignore_eos`) to the tokenizer's. `chat_template` renders chat requests (default: the one in
     `tokenizer_dir`; without one, chat requests are refused, see `ChatTemplate`). `default_max_tokens` is the
-    completions default (OpenAI's is 16). The caller starts and closes the engine; run the app with
+    completions default (OpenAI's is 16). A scheduler without a tokenizer gets `tokenizer`, which it
+    needs to match stop strings. The caller starts and closes the engine; run the app with
     `handler_cancellation=True` so that a client leaving before its first token aborts at once.
     """
     if max_seq_len is None:
         max_seq_len = async_engine.scheduler.max_seq_len
+    if getattr(async_engine.scheduler, "tokenizer", None) is None:  # it matches stop strings on the text
+        async_engine.scheduler.tokenizer = tokenizer
     server = _Server(async_engine, tokenizer, model_name, max_seq_len,
                      tokenizer.eos_ids if eos_token_ids is None else eos_token_ids,
                      chat_template or ChatTemplate.from_dir(tokenizer_dir), default_max_tokens)

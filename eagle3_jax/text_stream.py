@@ -1,0 +1,171 @@
+"""The text of a request's generated tokens as they arrive, and where its stop strings end it.
+
+`IncrementalDetokenizer` decodes tokens as they arrive without ever taking back text it handed
+out; `TextStream` adds stop strings on top (vLLM's `stop` and `include_stop_str_in_output`). The
+request layer uses a TextStream to end a request at the token that completes a stop string (so a
+speculative step that accepted tokens past it emits and counts none of them), and the server uses
+one to render the reply: the same class over the same tokens, so both cut in the same place.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Sequence
+
+from .tokenizer import Tokenizer
+
+
+@functools.lru_cache(maxsize=8)
+def byte_token_ids(tokenizer: Tokenizer) -> frozenset[int]:
+    """Ids of the byte-fallback tokens `<0xXX>` of a tokenizer's vocabulary (empty for byte-level BPE)."""
+    return frozenset(i for t, i in tokenizer.backend.get_vocab(with_added_tokens=False).items()
+                     if len(t) == 6 and t.startswith("<0x") and t.endswith(">"))
+
+
+class IncrementalDetokenizer:
+    """The text of generated tokens, decoded as they arrive: `push` returns what is new.
+
+    The text of the tokens so far is `decode(context + generated)` minus `decode(context)`, where
+    the context is the prompt's last tokens (at least CONTEXT, more while they decode to nothing,
+    e.g. trailing special tokens, or start inside a run of byte tokens), so the first token keeps its in-context spacing as in
+    `Tokenizer.decode_continuation`.
+
+    What may still change is held back until the final push: text ending in U+FFFD (an incomplete
+    UTF-8 character), and the text of a trailing run of byte-fallback tokens `<0xXX>`, because the
+    `tokenizers` ByteFallback decoder turns a whole run into U+FFFDs when any later byte of it is
+    invalid. So the concatenated pushes equal `text`, the decode of all tokens at once.
+
+    To keep each push cheap, tokens more than WINDOW behind the end are frozen (never decoded
+    again) at a point where decoding apart gives the same text as decoding together and that is
+    not inside a run of byte tokens.
+    """
+
+    CONTEXT = 5  # prompt tokens decoded before the generated ones, for spacing in context
+    WINDOW = 32  # tokens kept live behind the end; freezing is tried when the window reaches 2 * WINDOW
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int]):
+        self._tok = tokenizer
+        self._bytes = byte_token_ids(tokenizer)
+        ids = [int(t) for t in prompt_ids]
+        ctx, limit = min(self.CONTEXT, len(ids)), min(len(ids), 32 * self.CONTEXT)
+        while ctx < limit and not tokenizer.decode(ids[len(ids) - ctx:]):  # only special tokens so far
+            ctx = min(ctx + self.CONTEXT, limit)
+        while ctx < limit and ids[-ctx] in self._bytes and ids[-ctx - 1] in self._bytes:  # not inside a run
+            ctx += 1
+        self._ids = ids[len(ids) - ctx:]
+        self._first = len(self._ids)  # the first generated token
+        self._start = self._first  # the first live token; the generated ones before it are frozen
+        self._frozen = ""  # text of the generated tokens before _start
+        self._sent = ""  # everything push has returned
+
+    @property
+    def text(self) -> str:
+        """The text of every token pushed so far (U+FFFD included)."""
+        return self._frozen + self._live(self._start, len(self._ids))
+
+    def push(self, new_ids: Sequence[int], final: bool = False) -> str:
+        """The text that `new_ids` (appended to everything pushed before) adds."""
+        self._ids.extend(int(t) for t in new_ids)
+        if len(self._ids) - self._start >= 2 * self.WINDOW:
+            self._freeze(len(self._ids) - self.WINDOW)
+        end = len(self._ids)
+        if not final:
+            while end > self._start and self._ids[end - 1] in self._bytes:
+                end -= 1
+            text = (self._frozen + self._live(self._start, end)).rstrip("\ufffd")
+        else:
+            text = self.text
+        if text.startswith(self._sent):
+            new = text[len(self._sent):]
+        elif final:  # sent text changed (no known decoder does this): send the rest after the common part
+            new = text[len(os.path.commonprefix([text, self._sent])):]
+        else:
+            return ""  # wait for the text to settle
+        self._sent = text
+        return new
+
+    def _live(self, start: int, end: int) -> str:
+        """Text of tokens [start, end), decoded after the CONTEXT tokens before `start` (after the
+        whole prompt context when `start` is the first generated token)."""
+        ctx = 0 if start == self._first else max(start - self.CONTEXT, 0)
+        prefix = self._tok.decode(self._ids[ctx:start])
+        full = self._tok.decode(self._ids[ctx:end])
+        return full[len(prefix):] if full.startswith(prefix) else self._tok.decode(self._ids[start:end])
+
+    def _freeze(self, at: int) -> None:
+        """Move the window start to `at` or before, outside any run of byte tokens, if splitting
+        there leaves the text unchanged."""
+        while at > self._start + 1 and self._ids[at - 1] in self._bytes and self._ids[at] in self._bytes:
+            at -= 1
+        if self._ids[at - 1] in self._bytes and self._ids[at] in self._bytes:
+            return  # one long run of byte tokens: keep it live
+        before = self._live(self._start, at)
+        if self._live(self._start, len(self._ids)) == before + self._live(at, len(self._ids)):
+            self._frozen += before
+            self._start = at
+
+
+def find_stop(text: str, stops: Sequence[str], start: int) -> tuple[int, str] | None:
+    """The stop string occurrence in `text` beginning at or after `start` that ends first (the
+    longer on a tie), as (its index, the string); None if none occurs."""
+    best = None
+    for stop in stops:
+        i = text.find(stop, start)
+        if i >= 0 and (best is None or (i + len(stop), -len(stop)) < (best[0] + len(best[1]), -len(best[1]))):
+            best = (i, stop)
+    return best
+
+
+def stop_prefix_len(text: str, stops: Sequence[str]) -> int:
+    """The length of the longest end of `text` that begins a stop string (held back while streaming)."""
+    longest = 0
+    for stop in stops:
+        for n in range(min(len(stop) - 1, len(text)), longest, -1):
+            if text.endswith(stop[:n]):
+                longest = n
+                break
+    return longest
+
+
+class TextStream:
+    """A request's output text, pushed token by token or a delta at a time, ended by its stop strings.
+
+    `push` returns True once a stop string has completed in the text; `take` returns the text not
+    taken yet: up to the stop string (through it with `include_stop`), and while the request runs,
+    without an end that may still begin a stop string. Matching is on the settled text (see
+    IncrementalDetokenizer), across token boundaries; the match that ends first wins, so pushing
+    tokens one at a time or all at once finds the same stop.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int], stop: Sequence[str] = (),
+                 include_stop: bool = False):
+        self._detok = IncrementalDetokenizer(tokenizer, prompt_ids)
+        self._stops, self._include = tuple(stop), bool(include_stop)
+        self._longest = max((len(s) for s in self._stops), default=0)
+        self._text = ""  # the settled text of every token pushed
+        self._taken = 0  # characters handed out by take
+        self._end: int | None = None  # where a stop string cut the text
+        self.stop: str | None = None  # the stop string that ended it
+
+    def push(self, token_ids: Sequence[int], final: bool = False) -> bool:
+        """Append tokens (`final`: the last ones, settle everything); True once a stop string completed."""
+        new = self._detok.push(token_ids, final)
+        if self.stop is None and new:
+            start = max(0, len(self._text) - self._longest + 1)
+            self._text += new
+            found = find_stop(self._text, self._stops, start) if self._stops else None
+            if found is not None:
+                at, self.stop = found
+                self._end = at + (len(self.stop) if self._include else 0)
+        return self.stop is not None
+
+    def take(self, final: bool = False) -> str:
+        """The text not handed out yet (`final`: the request is over, nothing is held back)."""
+        if self._end is not None:
+            end = self._end
+        else:
+            end = len(self._text) - (0 if final else stop_prefix_len(self._text, self._stops))
+        new = self._text[self._taken:end]
+        self._taken = max(self._taken, end)
+        return new
