@@ -56,6 +56,13 @@ def prefill_fits(batch: int, chunk: int, prefill_chunk: int) -> bool:
     return batch == 1 or batch * chunk <= 2 * chunk_cap(prefill_chunk)
 
 
+def prefill_arrays(batch: int, chunk: int) -> tuple[np.ndarray, ...]:
+    """A prefill's per-row arrays, as for padding rows of `chunk` tokens: (tokens, cache lengths,
+    valid tokens, the token following the chunk (-1: the prompt ends here), output counts)."""
+    return (np.zeros((batch, chunk), np.int32), np.zeros((batch,), np.int32), np.ones((batch,), np.int32),
+            np.full((batch,), -1, np.int32), np.zeros((batch,), np.int32))
+
+
 WAITING, PREFILL, DECODE, DONE = "waiting", "prefill", "decode", "done"
 
 

@@ -51,10 +51,11 @@ from ..target import Target
 from ..text_stream import TextStream
 from ..tokenizer import Tokenizer
 from . import lockstep
-from .batch import DECODE, DONE, MIN_CHUNK_BUCKET, MIN_PAGES_BUCKET, WAITING, RunningBatch, ScheduledRequest, bucket, chunk_cap
+from .batch import (DECODE, DONE, MIN_CHUNK_BUCKET, MIN_PAGES_BUCKET, WAITING, RunningBatch, ScheduledRequest, bucket,
+                    chunk_cap, prefill_arrays)
 from .metrics import SchedulerCounters
 from .programs import Executor
-from .warmup import WarmProgram, WarmUp, warmup_programs
+from .warmup import WarmUp, run_on_padding, warmup_programs
 
 logger = logging.getLogger(__name__)
 
@@ -286,7 +287,7 @@ class Scheduler:
         slots, block_table = self._batch.rows_batch([r for r, _ in rows], self._prefill_width)
         batch = len(slots)
         t = bucket(max(n for _, n in rows), MIN_CHUNK_BUCKET, chunk_cap(self.prefill_chunk))
-        tokens, lengths, n_valid, following, counter = _padding_prefill(batch, t)
+        tokens, lengths, n_valid, following, counter = prefill_arrays(batch, t)
         sp = self._batch.sampling.rows(slots)
         for i, (req, n) in enumerate(rows):
             c = req.computed
@@ -334,32 +335,14 @@ class Scheduler:
             raise RuntimeError("warm_up() runs before any request: this scheduler has unfinished requests")
         wanted = warmup_programs(self.policy, max_num_seqs=self.max_num_seqs, prefill_chunk=self.prefill_chunk,
                                  prefill_width=self._prefill_width, max_pages_per_seq=self.max_pages_per_seq)
-        chosen = wanted[: self.programs.capacity]
-        start = time.perf_counter()
+        chosen, start = wanted[: self.programs.capacity], time.perf_counter()
         for program in chosen:
-            self._run_padding(program)
-        left = wanted[len(chosen):]
-        max_batch = (left[0].batch // 2 if left else self.max_num_seqs) if chosen else 0
-        covered = max((p.width for p in chosen if p.kind == "decode"), default=0) * self.page_size
-        return WarmUp(len(chosen), len(wanted), self.programs.capacity, max_batch,
-                      max(0, covered - self.lookahead - self._overshoot), time.perf_counter() - start)
-
-    def _run_padding(self, program: WarmProgram) -> None:
-        """Run `program` once on padding rows and wait for it."""
-        slots, block_table = self._batch.padding_batch(program.batch, program.width)
-        sp = self._batch.sampling.rows(slots)
-        if program.kind != "decode":
-            tokens, lengths, n_valid, following, counter = _padding_prefill(program.batch, program.chunk)
-            outputs = self._launch(program.kind, None, block_table, tokens, lengths, n_valid, following, slots, sp,
-                                   counter)
-        else:
-            if program.plan.catch_up:
-                self._launch("catch_up", None, block_table, slots)
-            outputs = self._launch(program.plan.program, program.plan.shape, block_table, slots,
-                                   self._batch.prompt_lens[slots], sp)
-        if self._leader is not None:
-            self._leader.reading(1)
-        self._executor.read(outputs)
+            outputs = run_on_padding(program, self._batch, self._launch)
+            if self._leader is not None:
+                self._leader.reading(1)
+            self._executor.read(outputs)
+        return WarmUp.of(wanted, chosen, self.programs.capacity, self.page_size, self.lookahead + self._overshoot,
+                         time.perf_counter() - start)
 
     # ---- results -------------------------------------------------------------------------------
     def _collect(self, launches: list[_Launch]) -> tuple[list[RequestDelta], float]:
@@ -426,11 +409,3 @@ class Scheduler:
         text = None if self.tokenizer is None else req.final_text(self.tokenizer)  # may find a late stop string
         return RequestDelta(req.id, req.unsent(), now, True, req.finish_reason,
                             req.output_record(now, self.policy.max_accept, text))
-
-
-def _padding_prefill(batch: int, chunk: int) -> tuple[np.ndarray, ...]:
-    """A prefill's per-row arrays for `batch` padding rows of `chunk` tokens: (tokens, cache lengths,
-    valid tokens, the token following the chunk (-1: the prompt ends here), output counts)."""
-    zeros = np.zeros((batch,), np.int32)
-    return (np.zeros((batch, chunk), np.int32), zeros, np.ones((batch,), np.int32), np.full((batch,), -1, np.int32),
-            zeros.copy())

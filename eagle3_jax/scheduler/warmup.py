@@ -10,9 +10,10 @@ smallest batches first, so that a program cache too small for all of them keeps 
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable, Sequence
 
 from ..spec.policy import SpeculationPolicy, StepPlan
-from .batch import MIN_CHUNK_BUCKET, MIN_PAGES_BUCKET, buckets, chunk_cap, prefill_fits
+from .batch import MIN_CHUNK_BUCKET, MIN_PAGES_BUCKET, RunningBatch, buckets, chunk_cap, prefill_arrays, prefill_fits
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +40,19 @@ def warmup_programs(policy: SpeculationPolicy, *, max_num_seqs: int, prefill_chu
     return programs
 
 
+def run_on_padding(program: WarmProgram, batch: RunningBatch, launch: Callable[..., list]) -> list:
+    """Launch `program` on padding rows only, through `launch(kind, shape, block_table, *args)` (the
+    scheduler's); returns its outputs."""
+    slots, block_table = batch.padding_batch(program.batch, program.width)
+    sp = batch.sampling.rows(slots)
+    if program.plan is None:
+        tokens, lengths, n_valid, following, counter = prefill_arrays(program.batch, program.chunk)
+        return launch(program.kind, None, block_table, tokens, lengths, n_valid, following, slots, sp, counter)
+    if program.plan.catch_up:
+        launch("catch_up", None, block_table, slots)
+    return launch(program.plan.program, program.plan.shape, block_table, slots, batch.prompt_lens[slots], sp)
+
+
 @dataclasses.dataclass(frozen=True)
 class WarmUp:
     """What `Scheduler.warm_up` compiled."""
@@ -49,6 +63,16 @@ class WarmUp:
     max_batch: int  # the largest batch bucket whose programs all ran (0: none)
     max_tokens: int  # the longest sequence (prompt + output) the decode programs that ran cover
     seconds: float
+
+    @staticmethod
+    def of(wanted: Sequence[WarmProgram], ran: Sequence[WarmProgram], capacity: int, page_size: int,
+           reserved: int, seconds: float) -> "WarmUp":
+        """The report of running `ran`, the first of `wanted` (`reserved`: cache slots a step may
+        write past a sequence, so not covered by the widths that ran)."""
+        left = wanted[len(ran):]
+        max_batch = (left[0].batch // 2 if left else max(p.batch for p in wanted)) if ran else 0
+        covered = max((p.width for p in ran if p.plan is not None), default=0) * page_size
+        return WarmUp(len(ran), len(wanted), capacity, max_batch, max(0, covered - reserved), seconds)
 
     def __str__(self) -> str:
         covered = (f"batches of up to {self.max_batch} requests, sequences of up to {self.max_tokens} tokens"
