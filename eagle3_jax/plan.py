@@ -27,7 +27,7 @@ from .config import ModelConfig, load_model_config
 from .draft_config import DraftConfig, check_fits_target, draft_specs, parse_draft_config
 from .params import ParamSpec, abstract_leaf, abstract_params, qformat_for
 from .quant import QArray
-from .sampling import SamplingArrays
+from .sampling import MAX_SUPPRESSED_STOP_IDS, SamplingArrays
 from .kernels import parse, resolve
 from .sharding import leaf_partition_spec, mesh_context, param_axes, param_shardings, partition_spec
 from .spec.propose import DraftRoot
@@ -205,7 +205,8 @@ def _rows(batch: int, width: int, mesh: Mesh, dtype=jnp.int32) -> jax.ShapeDtype
 
 def _sampling(batch: int, mesh: Mesh) -> SamplingArrays:
     return SamplingArrays(temperature=_vec(batch, jnp.float32, mesh), top_k=_vec(batch, jnp.int32, mesh),
-                          top_p=_vec(batch, jnp.float32, mesh), seed=_vec(batch, jnp.uint32, mesh))
+                          top_p=_vec(batch, jnp.float32, mesh), seed=_vec(batch, jnp.uint32, mesh),
+                          min_tokens=_vec(batch, jnp.int32, mesh), stop_ids=_rows(batch, MAX_SUPPRESSED_STOP_IDS, mesh))
 
 
 # ---- analytic bytes ---------------------------------------------------------------------------------------

@@ -123,7 +123,7 @@ class Request:
             tok = int(tok)
             self.output.append(tok)
             self.token_times.append(now)
-            if tok in stops:
+            if tok in stops and len(self.output) >= self.sampling.min_tokens:
                 self.stop_reason = tok
                 return FINISH_STOP
             if self.text is not None and self.text.push([tok]):

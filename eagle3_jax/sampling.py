@@ -26,6 +26,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()  # stop strings, matched on the decoded text (needs a tokenizer)
     include_stop_str_in_output: bool = False  # the text ends after the stop string, not before it
+    min_tokens: int = 0  # tokens generated before a stop token or stop string may end the request
 
     def __post_init__(self) -> None:
         if not (isinstance(self.temperature, (int, float)) and self.temperature >= 0 and np.isfinite(self.temperature)):
@@ -43,28 +44,48 @@ class SamplingParams:
         if not (isinstance(stop, (tuple, list)) and all(isinstance(x, str) and x for x in stop)):
             raise ValueError(f"stop must be a non-empty string or a sequence of them; got {self.stop!r}")
         object.__setattr__(self, "stop", tuple(dict.fromkeys(stop)))
+        if not (isinstance(self.min_tokens, (int, np.integer)) and 0 <= self.min_tokens <= self.max_tokens):
+            raise ValueError(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}]; got {self.min_tokens!r}")
+        if self.min_tokens and len(self.stop_token_ids) > MAX_SUPPRESSED_STOP_IDS:
+            raise ValueError(f"min_tokens holds back at most {MAX_SUPPRESSED_STOP_IDS} stop token ids; this request "
+                             f"has {len(self.stop_token_ids)}")
+
+
+MAX_SUPPRESSED_STOP_IDS = 16  # stop token ids a request with min_tokens keeps out of its first tokens
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class SamplingArrays:
-    """SamplingParams of a batch as device arrays (rows of padding are greedy)."""
+    """SamplingParams of a batch as device arrays (rows of padding are greedy).
+
+    `min_tokens` and `stop_ids` (None: no request holds stop tokens back) keep a row's stop token
+    ids out of its distribution while it has generated fewer than min_tokens tokens.
+    """
 
     temperature: jax.Array  # [B] float32
     top_k: jax.Array  # [B] int32
     top_p: jax.Array  # [B] float32
     seed: jax.Array  # [B] uint32
+    min_tokens: jax.Array | None = None  # [B] int32
+    stop_ids: jax.Array | None = None  # [B, MAX_SUPPRESSED_STOP_IDS] int32, -1 padded
 
     @staticmethod
     def from_params(params: Sequence[SamplingParams], batch: int) -> "SamplingArrays":
         pad = batch - len(params)
         params = list(params) + [SamplingParams()] * pad
+        stop_ids = np.full((batch, MAX_SUPPRESSED_STOP_IDS), -1, np.int32)
+        for i, p in enumerate(params):
+            if p.min_tokens:
+                stop_ids[i, : len(p.stop_token_ids)] = p.stop_token_ids
         # Host arrays: the jitted step takes them as they are (no per-array device dispatch).
         return SamplingArrays(
             temperature=np.asarray([p.temperature for p in params], np.float32),
             top_k=np.asarray([p.top_k for p in params], np.int32),
             top_p=np.asarray([p.top_p for p in params], np.float32),
             seed=np.asarray([p.seed for p in params], np.uint32),
+            min_tokens=np.asarray([p.min_tokens for p in params], np.int32),
+            stop_ids=stop_ids,
         )
 
 
@@ -76,9 +97,9 @@ class SamplingTable:
         self._arrays = SamplingArrays.from_params([], size)
 
     def set_row(self, row: int, params: SamplingParams) -> None:
-        a = self._arrays
-        a.temperature[row], a.top_k[row] = params.temperature, params.top_k
-        a.top_p[row], a.seed[row] = params.top_p, params.seed
+        a, one = self._arrays, SamplingArrays.from_params([params], 1)
+        for field in dataclasses.fields(SamplingArrays):
+            getattr(a, field.name)[row] = getattr(one, field.name)[0]
 
     def rows(self, rows: np.ndarray) -> SamplingArrays:
         return jax.tree.map(lambda column: column[rows], self._arrays)
@@ -104,13 +125,33 @@ def filtered_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
     return jnp.where(keep_orig, scaled, -jnp.inf)
 
 
+def hold_back_stops(logits: jax.Array, sp: SamplingArrays, generated: jax.Array) -> jax.Array:
+    """`logits` [B, ..., V] with each row's stop token ids at -inf where `generated` [B, ...] (the
+    tokens a row generated before the one these logits predict) is below its min_tokens."""
+    if sp.min_tokens is None:
+        return logits
+    b, v = logits.shape[0], logits.shape[-1]
+
+    def hold_back():
+        rows = jnp.arange(b)[:, None]
+        real = (sp.stop_ids >= 0).astype(jnp.int32)  # padding (-1) adds nothing at token 0
+        stop = jnp.zeros((b, v), jnp.int32).at[rows, jnp.clip(sp.stop_ids, 0, v - 1)].max(real) > 0
+        early = (generated < sp.min_tokens.reshape((b,) + (1,) * (generated.ndim - 1)))[..., None]
+        stop = stop.reshape((b,) + (1,) * (logits.ndim - 2) + (v,))
+        return jnp.where(early & stop, -jnp.inf, logits)
+
+    return jax.lax.cond(jnp.any(sp.min_tokens > 0), hold_back, lambda: logits)
+
+
 def request_keys(seed: jax.Array, counter: jax.Array) -> jax.Array:
     """Per-row PRNG keys: fold_in(PRNGKey(seed[b]), counter[b])."""
     return jax.vmap(lambda s, n: jax.random.fold_in(jax.random.PRNGKey(s), n))(seed, counter)
 
 
 def sample(logits: jax.Array, sp: SamplingArrays, counter: jax.Array) -> jax.Array:
-    """Next token per row [B] int32: argmax where temperature is 0, else a seeded draw."""
+    """Next token per row [B] int32: argmax where temperature is 0, else a seeded draw (`counter`:
+    tokens generated so far; stop tokens are held back below min_tokens)."""
+    logits = hold_back_stops(logits, sp, counter)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
     def draw():  # the vocabulary sort only runs when some row samples

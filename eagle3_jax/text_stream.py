@@ -106,12 +106,12 @@ class IncrementalDetokenizer:
             self._start = at
 
 
-def find_stop(text: str, stops: Sequence[str], start: int) -> tuple[int, str] | None:
-    """The stop string occurrence in `text` beginning at or after `start` that ends first (the
-    longer on a tie), as (its index, the string); None if none occurs."""
+def find_stop(text: str, stops: Sequence[str], new_from: int = 0) -> tuple[int, str] | None:
+    """The stop string occurrence in `text` ending after `new_from` (where the text not searched
+    yet begins) that ends first (the longer on a tie), as (its index, the string); None if none."""
     best = None
     for stop in stops:
-        i = text.find(stop, start)
+        i = text.find(stop, max(0, new_from - len(stop) + 1))
         if i >= 0 and (best is None or (i + len(stop), -len(stop)) < (best[0] + len(best[1]), -len(best[1]))):
             best = (i, stop)
     return best
@@ -139,26 +139,38 @@ class TextStream:
     """
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int], stop: Sequence[str] = (),
-                 include_stop: bool = False):
+                 include_stop: bool = False, min_tokens: int = 0):
         self._detok = IncrementalDetokenizer(tokenizer, prompt_ids)
         self._stops, self._include = tuple(stop), bool(include_stop)
-        self._longest = max((len(s) for s in self._stops), default=0)
+        self._min_tokens, self._tokens = int(min_tokens), 0  # no stop ends the text before min_tokens tokens
         self._text = ""  # the settled text of every token pushed
         self._taken = 0  # characters handed out by take
         self._end: int | None = None  # where a stop string cut the text
         self.stop: str | None = None  # the stop string that ended it
 
     def push(self, token_ids: Sequence[int], final: bool = False) -> bool:
-        """Append tokens (`final`: the last ones, settle everything); True once a stop string completed."""
-        new = self._detok.push(token_ids, final)
+        """Append tokens (`final`: the last ones, settle everything); True once a stop string
+        completed (at or after the min_tokens-th token)."""
+        token_ids = list(token_ids)
+        early = max(0, min(len(token_ids), self._min_tokens - 1 - self._tokens))  # before min_tokens: no check
+        if early:
+            self._text += self._detok.push(token_ids[:early], final and early == len(token_ids))
+            self._tokens += early
+        rest = token_ids[early:]
+        if rest or (final and not early):
+            self._tokens += len(rest)
+            self._append(self._detok.push(rest, final))
+        return self.stop is not None
+
+    def _append(self, new: str) -> None:
+        """Add settled text, looking for a stop string that ends in it."""
         if self.stop is None and new:
-            start = max(0, len(self._text) - self._longest + 1)
+            start = len(self._text)
             self._text += new
             found = find_stop(self._text, self._stops, start) if self._stops else None
             if found is not None:
                 at, self.stop = found
                 self._end = at + (len(self.stop) if self._include else 0)
-        return self.stop is not None
 
     def take(self, final: bool = False) -> str:
         """The text not handed out yet (`final`: the request is over, nothing is held back)."""

@@ -290,6 +290,8 @@ BAD_REQUESTS = [
     ("/v1/completions", dict(_OK, ignore_eos="no"), 400, "ignore_eos", "ignore_eos"),
     ("/v1/completions", dict(_OK, stop=["\n", ""]), 400, "stop", "stop"),
     ("/v1/completions", dict(_OK, stop=7), 400, "stop", "stop"),
+    ("/v1/completions", dict(_OK, min_tokens=-1), 400, "min_tokens", "min_tokens"),
+    ("/v1/completions", dict(_OK, min_tokens=9), 400, "max_tokens=8", "min_tokens"),
     ("/v1/completions", dict(_OK, include_stop_str_in_output="yes"), 400, "include_stop_str_in_output",
      "include_stop_str_in_output"),
     ("/v1/completions", dict(_OK, logprobs=2), 400, "logprobs", "logprobs"),

@@ -19,12 +19,15 @@ STORIES = os.path.join(ROOT, "checkpoints", "stories260K")
 TEXT = "Once upon a time there was a little dog named Max. He liked to run in the park with his friend Lily."
 
 
-def reference(tok, prompt, gen, stops, include=False):
-    """(tokens kept, text) by brute force: the shortest token prefix whose text holds a stop string,
-    and its text cut at the stop that ends first."""
-    for k in range(1, len(gen) + 1):
+def reference(tok, prompt, gen, stops, include=False, min_tokens=0):
+    """(tokens kept, text) by brute force: the shortest token prefix, of at least min_tokens, whose
+    text holds a stop string ending after the text of the first min_tokens - 1 tokens, and its
+    text cut at the stop that ends first."""
+    first = max(min_tokens, 1)
+    checked_from = len(tok.decode_continuation(prompt, gen[: first - 1]))
+    for k in range(first, len(gen) + 1):
         text = tok.decode_continuation(prompt, gen[:k])
-        found = find_stop(text, stops, 0)
+        found = find_stop(text, stops, checked_from)
         if found is not None:
             at, stop = found
             return k, text[: at + (len(stop) if include else 0)]
@@ -48,10 +51,11 @@ def test_token_by_token_and_delta_pushes_cut_where_the_reference_does(model, inc
     prompt = tok.encode("Once upon a time")
     gen = tok.encode(TEXT, add_bos=False)[4:]
     rng = np.random.default_rng(0)
-    for trial in range(40):
+    for trial in range(60):
         stops = random_stops(tok, prompt, gen, rng, 1 + trial % 3)
-        want_k, want_text = reference(tok, prompt, gen, stops, include)
-        one = TextStream(tok, prompt, stops, include)
+        min_tokens = (0, 1, 6)[trial % 3]
+        want_k, want_text = reference(tok, prompt, gen, stops, include, min_tokens)
+        one = TextStream(tok, prompt, stops, include, min_tokens)
         pieces, k = [], 0
         while k < len(gen) and not one.push([gen[k]]):
             pieces.append(one.take())
@@ -59,10 +63,10 @@ def test_token_by_token_and_delta_pushes_cut_where_the_reference_does(model, inc
         assert k + 1 == want_k, (stops, k)  # stopped at the token that completed the stop
         pieces.append(one.take(final=True))
         assert "".join(pieces) == want_text, stops
-        if not include:
+        if not include and not min_tokens:  # (before min_tokens a stop string is plain text)
             assert not any(s in p for p in pieces for s in stops)  # streaming never showed a stop
         # The same tokens in uneven deltas: the same cut.
-        bulk, i = TextStream(tok, prompt, stops, include), 0
+        bulk, i = TextStream(tok, prompt, stops, include, min_tokens), 0
         while i < want_k:
             step = int(rng.integers(1, 5))
             bulk.push(gen[i: min(i + step, want_k)], final=i + step >= want_k)
@@ -153,3 +157,21 @@ def test_stop_strings_need_a_tokenizer(demo_engines):
     with pytest.raises(ValueError, match="tokenizer"):
         bare.generate([[1, 2]], e3.SamplingParams(stop=["x"]))
     assert bare.generate([[1, 2]], e3.SamplingParams(max_tokens=2))[0].text is None
+
+
+def test_min_tokens_holds_stops_back_under_speculation(demo_engines):
+    """Greedy with min_tokens: a stop token id and a stop string that occur early are held back
+    (the id never emitted before min_tokens), the same tokens in every engine."""
+    tok, engines = demo_engines
+    prompt = tok.encode(PROMPTS[0])
+    free = engines["plain"].generate([prompt], e3.SamplingParams(max_tokens=24))[0]
+    early_id = free.token_ids[2]
+    early_text = tok.decode_continuation(prompt, free.token_ids[:3])[-3:]
+    sp = e3.SamplingParams(max_tokens=24, min_tokens=8, stop_token_ids=(early_id,), stop=[early_text])
+    outs = {name: engine.generate([prompt], sp)[0] for name, engine in engines.items()}
+    plain = outs["plain"].token_ids
+    assert len(plain) >= 8 and early_id not in plain[:8]
+    assert all(o.token_ids == plain for o in outs.values())
+    assert e3.SamplingParams(max_tokens=4, min_tokens=4).min_tokens == 4
+    with pytest.raises(ValueError, match="min_tokens"):
+        e3.SamplingParams(max_tokens=4, min_tokens=5)

@@ -178,7 +178,8 @@ class Scheduler:
             )
         req = ScheduledRequest(id=rid, prompt=ids, sampling=sampling, budget=budget, prefill_ids=list(ids))
         if sampling.stop:
-            req.text = TextStream(self.tokenizer, ids, sampling.stop, sampling.include_stop_str_in_output)
+            req.text = TextStream(self.tokenizer, ids, sampling.stop, sampling.include_stop_str_in_output,
+                                  sampling.min_tokens)
         self._requests[rid] = req
         self._batch.waiting.append(req)
         return rid

@@ -15,8 +15,9 @@ Sampling fields: `max_tokens` (chat also `max_completion_tokens`), `temperature`
 `stop` (a string or a list of strings, matched on the decoded text across token boundaries; the
 reply ends before the stop string, or after it with vLLM's `include_stop_str_in_output`, and its
 choice's `stop_reason` names it), `stream`, `stream_options.include_usage`, and the vLLM
-extensions `stop_token_ids` and `ignore_eos` (by default a request also stops at the model's EOS
-ids). A speculative step that accepts tokens past a stop string emits none of them. Parameters
+extensions `stop_token_ids`, `ignore_eos` (by default a request also stops at the model's EOS
+ids) and `min_tokens` (no stop token or stop string ends a reply before it has that many tokens:
+the stop token ids are held out of the target's distribution until then). A speculative step that accepts tokens past a stop string emits none of them. Parameters
 this engine does not implement (`logprobs`, `echo`, penalties, `logit_bias`, `best_of` > 1, tools,
 `suffix`, non-text `response_format`) get a 400 when set to anything but their neutral value,
 rather than being ignored.
@@ -158,6 +159,7 @@ _HINTS: dict[str, str] = {}
 # `user` (an end-user id OpenAI's API takes and this server has no use for).
 _COMMON_FIELDS = frozenset({"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "n", "stream",
                             "stream_options", "stop", "stop_token_ids", "ignore_eos", "include_stop_str_in_output",
+                            "min_tokens",
                             "response_format", "user",
                             *_NEUTRAL})
 KNOWN_FIELDS = {"completion": _COMMON_FIELDS | {"prompt"},
@@ -232,10 +234,14 @@ def parse_sampling(body: Mapping[str, Any], *, default_max_tokens: int, eos_toke
         stop_ids = [*stop_ids, *eos_token_ids]
     stop = parse_stop(body.get("stop"))
     include_stop = get_bool(body, "include_stop_str_in_output", False)
+    min_tokens = get_int(body, "min_tokens", 0)
+    if not 0 <= min_tokens <= max_tokens:
+        raise ApiError(f"'min_tokens' must be in [0, max_tokens={max_tokens}]; got {min_tokens}", param="min_tokens",
+                       code="invalid_value")
     try:
         return SamplingParams(temperature=temperature, top_p=top_p, top_k=max(top_k, 0), max_tokens=max_tokens,
                               seed=seed, stop_token_ids=tuple(dict.fromkeys(stop_ids)), stop=stop,
-                              include_stop_str_in_output=include_stop)
+                              include_stop_str_in_output=include_stop, min_tokens=min_tokens)
     except ValueError as e:  # SamplingParams' own checks, should any be stricter than the above
         raise ApiError(str(e), code="invalid_value") from e
 
@@ -548,7 +554,8 @@ class _Server:
 
     def _text_stream(self, job: _Job) -> TextStream:
         """The reply's text: decoded as the request layer decodes it, so both cut at the same stop."""
-        return TextStream(self.tokenizer, job.prompt_ids, job.sampling.stop, job.sampling.include_stop_str_in_output)
+        sp = job.sampling
+        return TextStream(self.tokenizer, job.prompt_ids, sp.stop, sp.include_stop_str_in_output, sp.min_tokens)
 
     async def _run(self, request: web.Request, job: _Job, request_id: str) -> web.StreamResponse:
         async with contextlib.aclosing(self.engine.generate(job.prompt_ids, job.sampling, request_id)) as deltas:

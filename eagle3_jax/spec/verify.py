@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from .. import kv_cache
-from ..sampling import SamplingArrays, filtered_logits, request_keys
+from ..sampling import SamplingArrays, filtered_logits, hold_back_stops, request_keys
 
 
 def greedy_accept(logits: jax.Array, tokens: jax.Array, parents: jax.Array, anc: jax.Array,
@@ -76,8 +76,11 @@ def sampled_accept(logits: jax.Array, tokens: jax.Array, parents: jax.Array, sp:
 def accept(logits, tokens, parents, anc, depth, sp: SamplingArrays, counter):
     """Greedy rows (temperature 0) and sampled rows, each by its own rule.
 
-    The sampled rule (a sort over the vocabulary per node) only runs when some row samples.
+    The sampled rule (a sort over the vocabulary per node) only runs when some row samples. Both
+    judge the target's distribution with stop tokens held back below min_tokens (the logits at a
+    node of depth d predict the row's token number counter + d).
     """
+    logits = hold_back_stops(logits, sp, counter[:, None] + depth)
     g_node, g_bonus = greedy_accept(logits, tokens, parents, anc, depth)
     sampled = sp.temperature > 0
     s_node, s_bonus = jax.lax.cond(
