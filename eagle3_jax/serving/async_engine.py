@@ -249,11 +249,7 @@ class AsyncEngine:
         """
         self._check_accepting()
         done: concurrent.futures.Future = concurrent.futures.Future()
-
-        def warm_up(scheduler):
-            return scheduler.warm_up()
-
-        self._commands.put(_Call(warm_up, done))
+        self._commands.put(_Call(lambda scheduler: scheduler.warm_up(), done))
         return done.result()
 
     def _abort(self, request_id: str, detach: bool) -> None:

@@ -575,10 +575,14 @@ class _Server:
         while not delta.finished:
             delta = await anext(deltas)
             tokens += delta.token_ids
-        # The same decoding as streaming, so a streamed answer concatenates to this text.
-        text_stream = self._text_stream(job)
-        text_stream.push(tokens, final=True)
-        text, reason = text_stream.take(final=True), finish_reason(delta.finish_reason)
+        reason = finish_reason(delta.finish_reason)
+        if delta.output is not None and delta.output.text is not None \
+                and getattr(self.engine.scheduler, "tokenizer", None) is self.tokenizer:
+            text = delta.output.text  # the request layer decoded it already, as streaming would
+        else:  # the same decoding as streaming, so a streamed answer concatenates to this text
+            text_stream = self._text_stream(job)
+            text_stream.push(tokens, final=True)
+            text = text_stream.take(final=True)
         stop_reason = delta.output.stop_reason if delta.output is not None else None
         if job.kind == "completion":
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason, "stop_reason": stop_reason}
