@@ -7,9 +7,9 @@ written once:
 - `check_request`: a prompt and its SamplingParams, refused with a ValueError naming the problem.
 - `token_budget`: the tokens a request may generate, max_tokens cut to the room left in
   max_seq_len; `cap_message` says so (front ends report every cap, none is silent).
-- `Request.emit`: a step's tokens appended up to a stop token, a stop string (text_stream.py) or
-  the budget; the finish reason. Tokens a speculative step accepted past the stop are dropped,
-  neither emitted nor counted.
+- `Request.emit`: a step's tokens (and their logprobs, when asked for) appended up to a stop
+  token, a stop string (text_stream.py) or the budget; the finish reason. Tokens a speculative
+  step accepted past the stop are dropped, neither emitted nor counted.
 - `Request.metrics` -> `RequestOutput.metrics`: acceptance, passes, latencies.
 """
 
@@ -21,6 +21,7 @@ from typing import Sequence
 
 import numpy as np
 
+from .logprobs import Logprob
 from .sampling import SamplingParams
 from .text_stream import TextStream
 from .tokenizer import Tokenizer
@@ -35,14 +36,22 @@ class RequestOutput:
     metrics: dict
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it (vLLM's field)
     text: str | None = None  # the decoded output, cut at a stop string (when the scheduler has a tokenizer)
+    logprobs: list[Logprob] | None = None  # one per output token (SamplingParams.logprobs), else None
+    prompt_logprobs: list[Logprob | None] | None = None  # one per prompt token, None for the first one
 
 
 def check_request(vocab_size: int, max_seq_len: int, prompt: Sequence[int], sampling: SamplingParams,
-                  index: int = 0, *, decodes_text: bool = False) -> list[int]:
+                  index: int = 0, *, decodes_text: bool = False, max_logprobs: int = 0) -> list[int]:
     """A request's prompt as a list of ints, after checking it and its sampling (stop strings need
-    a front end that `decodes_text`); raises ValueError."""
+    a front end that `decodes_text`; at most `max_logprobs` top alternatives per token); raises
+    ValueError."""
     if not isinstance(sampling, SamplingParams):
         raise TypeError(f"sampling[{index}] must be a SamplingParams, got {type(sampling).__name__}")
+    for name in ("logprobs", "prompt_logprobs"):
+        asked = getattr(sampling, name)
+        if asked is not None and asked > max_logprobs:
+            raise ValueError(f"sampling[{index}] asks for {name}={asked} top alternatives, more than this engine's "
+                             f"max_logprobs={max_logprobs}; ask for fewer or raise max_logprobs")
     if sampling.stop and not decodes_text:
         raise ValueError(f"sampling[{index}] has stop strings, which are matched on the decoded text: give the "
                          "Engine or Scheduler a tokenizer (tokenizer=load_tokenizer(model_folder))")
@@ -108,6 +117,19 @@ class Request:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     text: TextStream | None = None  # its decoded text, where stop strings are matched (None: no stop strings)
+    logprobs: list[Logprob] | None = None  # per output token, when the sampling asks for them
+    prompt_logprobs: list[Logprob | None] | None = None  # per prompt token so far, when asked for
+
+    def __post_init__(self) -> None:
+        if self.sampling.logprobs is not None and self.logprobs is None:
+            self.logprobs = []
+        if self.sampling.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = [None]  # nothing predicts the first prompt token
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Prompt logprobs asked for and not all computed yet."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt)
 
     def record_step(self, emitted: int, depth: int, draft_passes: int) -> None:
         """A decode step that committed `emitted` tokens after proposing `depth` draft tokens."""
@@ -115,14 +137,17 @@ class Request:
         self.step_depths.append(depth)
         self.draft_passes += draft_passes
 
-    def emit(self, tokens: Sequence[int], now: float) -> str | None:
-        """Append a step's tokens, up to and including a stop token or the budget's last; returns
-        the finish reason then ("stop" / "length"), else None. Tokens past the finish are dropped."""
+    def emit(self, tokens: Sequence[int], now: float, logprobs: Sequence[Logprob] | None = None) -> str | None:
+        """Append a step's tokens (and their `logprobs`, one each, where the request asks for
+        them), up to and including a stop token or the budget's last; returns the finish reason
+        then ("stop" / "length"), else None. Tokens past the finish are dropped."""
         stops = self.sampling.stop_token_ids
-        for tok in tokens:
+        for i, tok in enumerate(tokens):
             tok = int(tok)
             self.output.append(tok)
             self.token_times.append(now)
+            if self.logprobs is not None:
+                self.logprobs.append(logprobs[i])
             if tok in stops and len(self.output) >= self.sampling.min_tokens:
                 self.stop_reason = tok
                 return FINISH_STOP
@@ -133,10 +158,18 @@ class Request:
                 return FINISH_LENGTH
         return None
 
-    def unsent(self) -> list[int]:
-        """The tokens not handed out yet (and marks them handed out)."""
-        new, self.sent = self.output[self.sent:], len(self.output)
-        return new
+    def unsent(self) -> tuple[list[int], list[Logprob] | None]:
+        """The tokens not handed out yet and their logprobs (None: not asked for); marks them handed out."""
+        start, self.sent = self.sent, len(self.output)
+        return self.output[start:], None if self.logprobs is None else self.logprobs[start:]
+
+    def missing_prompt_logprobs(self, first: int, count: int) -> range:
+        """Of prompt tokens `first` .. `first` + count - 1 (what a prefill chunk predicts), those
+        whose logprobs are still to record: none recorded already, none past the prompt (a
+        recomputed output)."""
+        if self.prompt_logprobs is None:
+            return range(0)
+        return range(max(first, len(self.prompt_logprobs)), min(first + count, len(self.prompt)))
 
     def metrics(self, now: float, max_depth: int) -> dict:
         """Per-request metrics: acceptance (per draft position up to `max_depth`, over the steps
@@ -175,4 +208,5 @@ class Request:
         return stream.take(final=True)
 
     def output_record(self, now: float, max_depth: int, text: str | None = None) -> RequestOutput:
-        return RequestOutput(self.output, self.finish_reason, self.metrics(now, max_depth), self.stop_reason, text)
+        return RequestOutput(self.output, self.finish_reason, self.metrics(now, max_depth), self.stop_reason, text,
+                             self.logprobs, self.prompt_logprobs)

@@ -27,6 +27,8 @@ class SamplingParams:
     stop: tuple[str, ...] = ()  # stop strings, matched on the decoded text (needs a tokenizer)
     include_stop_str_in_output: bool = False  # the text ends after the stop string, not before it
     min_tokens: int = 0  # tokens generated before a stop token or stop string may end the request
+    logprobs: int | None = None  # each generated token's logprob and this many top alternatives (None: off)
+    prompt_logprobs: int | None = None  # the same for each prompt token after the first (None: off)
 
     def __post_init__(self) -> None:
         if not (isinstance(self.temperature, (int, float)) and self.temperature >= 0 and np.isfinite(self.temperature)):
@@ -46,6 +48,12 @@ class SamplingParams:
         object.__setattr__(self, "stop", tuple(dict.fromkeys(stop)))
         if not (isinstance(self.min_tokens, (int, np.integer)) and 0 <= self.min_tokens <= self.max_tokens):
             raise ValueError(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}]; got {self.min_tokens!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+                                          and value >= 0):
+                raise ValueError(f"{name} must be None or an integer >= 0 (the top alternatives per token); "
+                                 f"got {value!r}")
         if self.min_tokens and len(self.stop_token_ids) > MAX_SUPPRESSED_STOP_IDS:
             raise ValueError(f"min_tokens holds back at most {MAX_SUPPRESSED_STOP_IDS} stop token ids; this request "
                              f"has {len(self.stop_token_ids)}")
@@ -141,6 +149,17 @@ def hold_back_stops(logits: jax.Array, sp: SamplingArrays, generated: jax.Array)
         return jnp.where(early & stop, -jnp.inf, logits)
 
     return jax.lax.cond(jnp.any(sp.min_tokens > 0), hold_back, lambda: logits)
+
+
+def processed_logits(logits: jax.Array, sp: SamplingArrays, generated: jax.Array) -> jax.Array:
+    """Logits [B, P, V] at P positions per row -> what each row samples from there: stop tokens held
+    back below min_tokens (`generated` [B, P]: tokens generated before each position's), then
+    temperature and top-k / top-p (`filtered_logits`)."""
+    b, p, v = logits.shape
+    held = hold_back_stops(logits, sp, generated)
+    per_position = lambda a: jnp.repeat(a, p)  # noqa: E731
+    return filtered_logits(held.reshape(b * p, v), per_position(sp.temperature), per_position(sp.top_k),
+                           per_position(sp.top_p)).reshape(b, p, v)
 
 
 def request_keys(seed: jax.Array, counter: jax.Array) -> jax.Array:

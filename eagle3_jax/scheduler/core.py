@@ -42,6 +42,7 @@ from typing import Sequence
 import numpy as np
 
 from ..draft import Draft, with_target_kernels
+from ..logprobs import Logprob, LogprobSettings
 from ..page_allocator import pages_for
 from ..request import RequestOutput, cap_message, check_request, normalize_sampling, token_budget
 from ..sampling import SamplingParams
@@ -60,6 +61,9 @@ from .warmup import WarmUp, run_on_padding, warmup_programs
 logger = logging.getLogger(__name__)
 
 
+LOGPROBS_MODES = ("raw", "processed")
+
+
 class CapacityError(ValueError):
     """A request that can never fit in the KV cache, however long it waits."""
 
@@ -74,6 +78,7 @@ class RequestDelta:
     finished: bool
     finish_reason: str | None  # "stop" | "length" | "abort"; None while running
     output: RequestOutput | None  # the whole output and metrics, once finished
+    logprobs: list[Logprob] | None = None  # of token_ids, when the request asks for them
 
 
 @dataclasses.dataclass
@@ -90,6 +95,7 @@ class _Launch:
     compiles: int = 0  # programs compiled before it was launched
     with_draft: bool = False  # prefill: the draft's program
     tokens: int = 0  # prefill: prompt tokens computed
+    chunks: list = dataclasses.field(default_factory=list)  # prefill: each row's (chunk start, chunk length)
 
 
 class Scheduler:
@@ -98,18 +104,30 @@ class Scheduler:
     With a `tokenizer`, requests may carry stop strings (`SamplingParams.stop`) and every output
     carries its text (`RequestOutput.text`, cut at a stop string).
 
+    Requests may ask for logprobs (`SamplingParams.logprobs`, `prompt_logprobs`) with up to
+    `max_logprobs` top alternatives per token; `logprobs_mode` says of which distribution: "raw"
+    (the target's, before any sampling setting) or "processed" (what the token was sampled or
+    judged from; see logprobs.py). Steps that compute them are separate programs, compiled the
+    first time a batch holds such a request.
+
     Not thread-safe: one thread calls its methods (see serving.AsyncEngine for asyncio use).
     """
 
     def __init__(self, target: Target, draft: Draft | None = None, spec: SpecConfig | AutoSpec | None = None, *,
                  max_num_seqs: int = 64, max_seq_len: int = 2048, page_size: int = 16,
                  num_pages: int | None = None, prefill_chunk: int = 256, max_compiled_programs: int = 48,
-                 overlap: bool = True, tokenizer: Tokenizer | None = None):
+                 overlap: bool = True, tokenizer: Tokenizer | None = None, max_logprobs: int = 20,
+                 logprobs_mode: str = "raw"):
         for name, value, low in (("max_num_seqs", max_num_seqs, 1), ("max_seq_len", max_seq_len, 2),
                                  ("page_size", page_size, 1), ("prefill_chunk", prefill_chunk, 1),
-                                 ("max_compiled_programs", max_compiled_programs, 2)):
+                                 ("max_compiled_programs", max_compiled_programs, 2), ("max_logprobs", max_logprobs, 0)):
             if not isinstance(value, (int, np.integer)) or value < low:
                 raise ValueError(f"{name} must be an integer >= {low}; got {value!r}")
+        if logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}; got {logprobs_mode!r}")
+        self.max_logprobs = int(max_logprobs)
+        self._logprob_settings = LogprobSettings(min(self.max_logprobs, target.config.vocab_size),
+                                                 processed=logprobs_mode == "processed")
         self.target, self.tokenizer = target, tokenizer
         self.spec = check_speculation(target, draft, spec)
         self.policy = policy_for(self.spec)
@@ -156,7 +174,7 @@ class Scheduler:
         """
         sampling = SamplingParams() if sampling is None else sampling
         ids = check_request(self.target.config.vocab_size, self.max_seq_len, prompt_ids, sampling,
-                            decodes_text=self.tokenizer is not None)
+                            decodes_text=self.tokenizer is not None, max_logprobs=self.max_logprobs)
         rid = self._queue(ids, sampling, request_id)
         cut = cap_message(len(ids), sampling.max_tokens, self.max_seq_len)
         if cut:
@@ -210,7 +228,7 @@ class Scheduler:
         cut to fit max_seq_len is said in a warning (the first three, then a count)."""
         sampling = normalize_sampling(sampling, len(prompts))
         checked = [check_request(self.target.config.vocab_size, self.max_seq_len, p, sp, index=i,
-                                 decodes_text=self.tokenizer is not None)
+                                 decodes_text=self.tokenizer is not None, max_logprobs=self.max_logprobs)
                    for i, (p, sp) in enumerate(zip(prompts, sampling))]  # all checked before any is queued
         cuts = [(i, m) for i, (p, sp) in enumerate(zip(checked, sampling))
                 if (m := cap_message(len(p), sp.max_tokens, self.max_seq_len))]
@@ -259,11 +277,13 @@ class Scheduler:
         self.counters.totals["num_iterations_total"] += 1
         return deltas + news
 
-    def _launch(self, kind: str, plan_shape, block_table: np.ndarray, *args):
-        """Launch a program (first telling the followers of a multi-host leader)."""
+    def _launch(self, kind: str, plan_shape, block_table: np.ndarray, *args, logprobs: bool = False):
+        """Launch a program, the variant returning logprobs when asked (first telling the followers
+        of a multi-host leader)."""
+        settings = self._logprob_settings if logprobs else None
         if self._leader is not None:
-            self._leader.launched(kind, plan_shape, block_table, args)
-        return self._executor.execute(kind, plan_shape, block_table, *args)
+            self._leader.launched(kind, plan_shape, block_table, args, settings)
+        return self._executor.execute(kind, plan_shape, block_table, *args, logprobs=settings)
 
     # ---- multi-host serving ----------------------------------------------------------------------
     def lead(self) -> None:
@@ -300,9 +320,11 @@ class Scheduler:
         launched_rows = [(req, req.epoch, following[i] < 0) for i, (req, _) in enumerate(rows)]
         # With the draft when any row has it (a row without it then has a draft cache it never uses).
         with_draft = any(r.with_draft for r, _ in rows)
+        logprobs = any(r.logprobs is not None or r.wants_prompt_logprobs for r, _ in rows)
+        chunks = [(req.computed, n) for req, n in rows]
         compiles, launched = self.programs.num_compiles, time.perf_counter()
         outputs = self._launch("prefill" if with_draft else "plain_prefill", None, block_table, tokens, lengths,
-                               n_valid, following, slots, sp, counter)
+                               n_valid, following, slots, sp, counter, logprobs=logprobs)
         for req, n in rows:
             req.computed += n
             req.length = req.computed
@@ -310,7 +332,7 @@ class Scheduler:
                 req.state = DECODE
         self.counters.totals["prompt_tokens_total"] += int(n_valid[: len(rows)].sum())
         return _Launch("prefill", launched_rows, outputs, key=(batch, t), launched=launched, compiles=compiles,
-                       with_draft=with_draft, tokens=int(n_valid[: len(rows)].sum()))
+                       with_draft=with_draft, tokens=int(n_valid[: len(rows)].sum()), chunks=chunks)
 
     def _launch_decode(self, rows: list[ScheduledRequest]) -> _Launch:
         slots, block_table = self._batch.rows_batch(rows)
@@ -322,7 +344,7 @@ class Scheduler:
             req.pending += 1
         compiles, launched = self.programs.num_compiles, time.perf_counter()
         outputs = self._launch(plan.program, plan.shape, block_table, slots, self._batch.prompt_lens[slots],
-                               self._batch.sampling.rows(slots))
+                               self._batch.sampling.rows(slots), logprobs=any(r.logprobs is not None for r in rows))
         # A step after a catch-up starts when the catch-up ends, which the host does not see.
         return _Launch("decode", [(r, r.epoch, True) for r in rows], outputs, plan, block_table.shape, launched,
                        plan.catch_up, compiles)
@@ -360,9 +382,9 @@ class Scheduler:
             rows = [(i, req) for i, (req, epoch, final) in enumerate(launch.rows) if final and req.epoch == epoch]
             if launch.kind == "prefill":
                 self.policy.observe_prefill(launch.with_draft, launch.key, launch.tokens, self._step_seconds(launch, now))
-                deltas += [self._emit(req, outputs[0][i: i + 1], now) for i, req in rows]
+                deltas += self._collect_prefill(launch, outputs, now)
             else:
-                deltas += self._collect_decode(launch, rows, *outputs, now)
+                deltas += self._collect_decode(launch, rows, outputs, now)
             self._last_read = now
         return deltas, waited
 
@@ -375,8 +397,26 @@ class Scheduler:
             return None
         return now - max(launch.launched, self._last_read)
 
-    def _collect_decode(self, launch: _Launch, rows: list[tuple[int, ScheduledRequest]], out: np.ndarray,
-                        count: np.ndarray, now: float) -> list[RequestDelta]:
+    def _collect_prefill(self, launch: _Launch, outputs: list[np.ndarray], now: float) -> list[RequestDelta]:
+        """A prefill's first tokens for rows whose prompt ended, and prompt logprobs of every row
+        still in the batch that asks for them."""
+        first, logprobs = outputs[0], outputs[1:] or None
+        deltas = []
+        for i, ((req, epoch, final), (start, n)) in enumerate(zip(launch.rows, launch.chunks)):
+            if req.epoch != epoch:
+                continue  # preempted, aborted or finished since the launch
+            if logprobs is not None and req.prompt_logprobs is not None:  # position j predicts token start + j + 1
+                wanted = req.missing_prompt_logprobs(start + 1, n)
+                req.prompt_logprobs += Logprob.rows(logprobs, i, [p - start - 1 for p in wanted],
+                                                    req.sampling.prompt_logprobs)
+            if final:
+                lps = None if req.logprobs is None else Logprob.rows(logprobs, i, [n - 1], req.sampling.logprobs)
+                deltas.append(self._emit(req, first[i: i + 1], now, lps))
+        return deltas
+
+    def _collect_decode(self, launch: _Launch, rows: list[tuple[int, ScheduledRequest]], outputs: list[np.ndarray],
+                        now: float) -> list[RequestDelta]:
+        (out, count), logprobs = outputs[:2], outputs[2:] or None
         plan = launch.plan
         index = np.fromiter((i for i, _ in rows), np.int64, len(rows))
         counts = count[index]
@@ -388,16 +428,20 @@ class Scheduler:
             req.pending -= 1
             req.length += k
             req.record_step(k, plan.depth, plan.draft_passes)
-            deltas.append(self._emit(req, out[i, :k], now))
+            lps = None if req.logprobs is None else Logprob.rows(logprobs, i, range(k), req.sampling.logprobs)
+            deltas.append(self._emit(req, out[i, :k], now, lps))
         return deltas
 
-    def _emit(self, req: ScheduledRequest, tokens: np.ndarray, now: float) -> RequestDelta:
-        """Hand out a step's tokens (up to a stop token or the budget); finish the request if done."""
+    def _emit(self, req: ScheduledRequest, tokens: np.ndarray, now: float,
+              logprobs: list[Logprob] | None = None) -> RequestDelta:
+        """Hand out a step's tokens (up to a stop token or the budget) and their logprobs; finish the
+        request if done."""
         before = len(req.output)
-        reason = req.emit(tokens.tolist(), now)
+        reason = req.emit(tokens.tolist(), now, logprobs)
         self.counters.totals["generation_tokens_total"] += len(req.output) - before
         if reason is None:
-            return RequestDelta(req.id, req.unsent(), now, False, None, None)
+            new, lps = req.unsent()
+            return RequestDelta(req.id, new, now, False, None, None, lps)
         del self._batch.running[req.id]
         self._batch.release(req)
         self.counters.totals["num_requests_finished"] += 1
@@ -408,5 +452,6 @@ class Scheduler:
         del self._requests[req.id]
         self.policy.finished(req.id, len(req.output))
         text = None if self.tokenizer is None else req.final_text(self.tokenizer)  # may find a late stop string
-        return RequestDelta(req.id, req.unsent(), now, True, req.finish_reason,
-                            req.output_record(now, self.policy.max_accept, text))
+        new, lps = req.unsent()
+        return RequestDelta(req.id, new, now, True, req.finish_reason, req.output_record(now, self.policy.max_accept, text),
+                            lps)

@@ -10,6 +10,10 @@ donates the state and returns (outputs..., new state). Kinds:
 - "plain_decode": one target token per row, no draft arrays at all;
 - "catch_up": the draft runs over the pairs it has not seen.
 
+Prefill and decode programs also come in a variant that returns the logprobs of the tokens they
+produce (`LogprobSettings`; three more outputs: each token's logprob, the top ids and their
+logprobs), compiled only when a batch has a request that asks for them.
+
 `Executor` owns the state and a bounded cache of compiled programs; the batching side
 (core.py) decides what runs and hands it host arrays only.
 """
@@ -27,6 +31,7 @@ from flax import struct
 from .. import kv_cache
 from ..config import ModelConfig
 from ..draft import Draft, DraftConfig
+from ..logprobs import LogprobSettings, TokenLogprobs
 from ..sampling import SamplingArrays
 from ..sharding import mesh_context, replicate, shard_pages, to_host
 from ..spec.policy import SpeculationPolicy
@@ -98,10 +103,16 @@ def init_state(target: Target, draft: Draft | None, policy: SpeculationPolicy, n
 # ---- programs ----------------------------------------------------------------------------------------
 
 
-def _prefill_program(tcfg: ModelConfig, dcfg: DraftConfig | None, shape: None, tparams: dict, dparams: dict | None,
-                     state: DeviceState, block_table, tokens, lengths, n_valid, following, slots,
-                     sp: SamplingArrays, counter):
-    """One prompt chunk per row after its cached prefix (`lengths`) -> (first token, state).
+def _logprob_outputs(lp: TokenLogprobs | None) -> tuple:
+    """A program's logprob outputs: none, or (token logprobs, top ids, top logprobs)."""
+    return () if lp is None else (lp.token, lp.top_ids, lp.top)
+
+
+def _prefill_program(tcfg: ModelConfig, dcfg: DraftConfig | None, shape: None, logprobs: LogprobSettings | None,
+                     tparams: dict, dparams: dict | None, state: DeviceState, block_table, tokens, lengths, n_valid,
+                     following, slots, sp: SamplingArrays, counter):
+    """One prompt chunk per row after its cached prefix (`lengths`) -> (first token, [logprobs of
+    each position's next token,] state).
 
     Rows whose chunk ends the prompt store their length, first token (and draft root) in state
     slot `slots[i]`; the others pass the scratch slot. Prefill always uses the expanded MLA form,
@@ -112,12 +123,14 @@ def _prefill_program(tcfg: ModelConfig, dcfg: DraftConfig | None, shape: None, t
     if state.gap is not None:  # the prefill extends the draft over the whole prompt
         state = state.replace(gap=state.gap.at[slots].set(0))
     if dcfg is None:
-        first, _, tcache = plain_prefill(tparams, tcfg, tcache, tokens, n_valid, sp, counter, absorb=False)
-        return first, state.replace(tk=tcache.k, tv=tcache.v, length=length,
-                                    last_token=state.last_token.at[slots].set(first))
-    first, tcache, dcache, root = spec_prefill(tparams, tcfg, dparams, dcfg, tcache, state.draft_cache(block_table, lengths),
-                                               tokens, n_valid, sp, counter, following, absorb=False)
-    return first, state.replace(tk=tcache.k, tv=tcache.v, dk=dcache.k, dv=dcache.v, length=length,
+        first, _, tcache, lp = plain_prefill(tparams, tcfg, tcache, tokens, n_valid, sp, counter, following,
+                                             absorb=False, logprobs=logprobs)
+        return first, *_logprob_outputs(lp), state.replace(tk=tcache.k, tv=tcache.v, length=length,
+                                                           last_token=state.last_token.at[slots].set(first))
+    first, tcache, dcache, root, lp = spec_prefill(tparams, tcfg, dparams, dcfg, tcache,
+                                                   state.draft_cache(block_table, lengths), tokens, n_valid, sp, counter,
+                                                   following, absorb=False, logprobs=logprobs)
+    return first, *_logprob_outputs(lp), state.replace(tk=tcache.k, tv=tcache.v, dk=dcache.k, dv=dcache.v, length=length,
                                 last_token=state.last_token.at[slots].set(root.token),
                                 draft_hidden=state.draft_hidden.at[slots].set(root.hidden))
 
@@ -130,53 +143,57 @@ def _rows(state: DeviceState, slots, prompt_lens):
     return lengths, jnp.where(live, lengths - prompt_lens + 1, 0)
 
 
-def _one_token_step(tcfg: ModelConfig, tparams: dict, state: DeviceState, block_table, slots, prompt_lens,
-                    sp: SamplingArrays):
-    """One target token per row: (tokens [B, 1], counts [B], aux features [B, F], state)."""
+def _one_token_step(tcfg: ModelConfig, logprobs: LogprobSettings | None, tparams: dict, state: DeviceState,
+                    block_table, slots, prompt_lens, sp: SamplingArrays):
+    """One target token per row: (tokens [B, 1], counts [B], aux features [B, F], logprob outputs, state)."""
     lengths, counter = _rows(state, slots, prompt_lens)
-    nxt, aux, tcache = plain_step(tparams, tcfg, state.target_cache(block_table, lengths), state.last_token[slots],
-                                  sp, counter)
+    nxt, aux, tcache, lp = plain_step(tparams, tcfg, state.target_cache(block_table, lengths), state.last_token[slots],
+                                      sp, counter, logprobs)
     count = jnp.ones_like(nxt)
-    return nxt[:, None], count, aux, state.replace(tk=tcache.k, tv=tcache.v, length=state.length.at[slots].set(lengths + count),
+    return nxt[:, None], count, aux, _logprob_outputs(lp), state.replace(tk=tcache.k, tv=tcache.v, length=state.length.at[slots].set(lengths + count),
                                                    last_token=state.last_token.at[slots].set(nxt))
 
 
-def _plain_decode_program(tcfg: ModelConfig, dcfg: None, shape: None, tparams: dict, dparams: None,
-                          state: DeviceState, block_table, slots, prompt_lens, sp: SamplingArrays):
-    """One target token per row from its state slot -> (tokens [B, 1], counts [B], state)."""
-    out, count, _, state = _one_token_step(tcfg, tparams, state, block_table, slots, prompt_lens, sp)
-    return out, count, state
+def _plain_decode_program(tcfg: ModelConfig, dcfg: None, shape: None, logprobs: LogprobSettings | None,
+                          tparams: dict, dparams: None, state: DeviceState, block_table, slots, prompt_lens,
+                          sp: SamplingArrays):
+    """One target token per row from its state slot -> (tokens [B, 1], counts [B], [logprobs,] state)."""
+    out, count, _, lp, state = _one_token_step(tcfg, logprobs, tparams, state, block_table, slots, prompt_lens, sp)
+    return out, count, *lp, state
 
 
-def _store_decode_program(tcfg: ModelConfig, dcfg: DraftConfig, shape: None, tparams: dict, dparams: dict,
-                          state: DeviceState, block_table, slots, prompt_lens, sp: SamplingArrays):
+def _store_decode_program(tcfg: ModelConfig, dcfg: DraftConfig, shape: None, logprobs: LogprobSettings | None,
+                          tparams: dict, dparams: dict, state: DeviceState, block_table, slots, prompt_lens,
+                          sp: SamplingArrays):
     """A step without speculation or draft work: one target token per row; the pair (its target
     feature, the sampled next token) waits in the row's gap buffer for the catch-up program."""
-    out, count, aux, state = _one_token_step(tcfg, tparams, state, block_table, slots, prompt_lens, sp)
+    out, count, aux, lp, state = _one_token_step(tcfg, logprobs, tparams, state, block_table, slots, prompt_lens, sp)
     gap = state.gap[slots]  # < max_gap: the host has a full buffer caught up first
-    return out, count, state.replace(
+    return out, count, *lp, state.replace(
         gap=state.gap.at[slots].set(gap + 1),
         gap_features=state.gap_features.at[slots, gap].set(aux.astype(state.gap_features.dtype)),
         gap_tokens=state.gap_tokens.at[slots, gap].set(out[:, 0]))
 
 
-def _decode_program(tcfg: ModelConfig, dcfg: DraftConfig, shape: SpecConfig, tparams: dict, dparams: dict,
-                    state: DeviceState, block_table, slots, prompt_lens, sp: SamplingArrays):
+def _decode_program(tcfg: ModelConfig, dcfg: DraftConfig, shape: SpecConfig, logprobs: LogprobSettings | None,
+                    tparams: dict, dparams: dict, state: DeviceState, block_table, slots, prompt_lens,
+                    sp: SamplingArrays):
     """One speculative step (`shape`) per row from its state slot -> (tokens [B, D+1] (-1
-    padded), counts [B], state)."""
+    padded), counts [B], [logprobs,] state)."""
     lengths, counter = _rows(state, slots, prompt_lens)
     root = DraftRoot(token=state.last_token[slots], hidden=state.draft_hidden[slots])
-    out, count, tcache, dcache, root, _ = spec_step(tparams, tcfg, dparams, dcfg, shape,
-                                                    state.target_cache(block_table, lengths),
-                                                    state.draft_cache(block_table, lengths), root, sp, counter)
-    return out, count, state.replace(tk=tcache.k, tv=tcache.v, dk=dcache.k, dv=dcache.v,
+    out, count, tcache, dcache, root, _, lp = spec_step(tparams, tcfg, dparams, dcfg, shape,
+                                                        state.target_cache(block_table, lengths),
+                                                        state.draft_cache(block_table, lengths), root, sp, counter,
+                                                        logprobs)
+    return out, count, *_logprob_outputs(lp), state.replace(tk=tcache.k, tv=tcache.v, dk=dcache.k, dv=dcache.v,
                                      length=state.length.at[slots].set(lengths + count),
                                      last_token=state.last_token.at[slots].set(root.token),
                                      draft_hidden=state.draft_hidden.at[slots].set(root.hidden))
 
 
-def _catch_up_program(tcfg: ModelConfig, dcfg: DraftConfig, shape: None, tparams: dict, dparams: dict,
-                      state: DeviceState, block_table, slots) -> tuple[DeviceState]:
+def _catch_up_program(tcfg: ModelConfig, dcfg: DraftConfig, shape: None, logprobs: None, tparams: dict,
+                      dparams: dict, state: DeviceState, block_table, slots) -> tuple[DeviceState]:
     """Extend the draft over each row's stored (feature, token) pairs: from its cache at length -
     gap, in one draft pass; rows without pairs keep their draft hidden. Slots written past a row's
     pairs lie beyond its committed length (in its own pages, the scratch page, or past the table,
@@ -244,19 +261,22 @@ class Executor:
         self.state = init_state(target, draft, policy, num_pages, page_size, num_slots)
         self.programs = ProgramCache(max_compiled_programs)
 
-    def execute(self, kind: str, shape: SpecConfig | None, block_table: np.ndarray, *args) -> list[jax.Array]:
-        """Launch the `kind` program (for "decode", of speculation `shape`) on the state; returns
-        its outputs as device arrays, not waited for. The cache key is the kind, the shape and the
-        bucketed array shapes."""
+    def execute(self, kind: str, shape: SpecConfig | None, block_table: np.ndarray, *args,
+                logprobs: LogprobSettings | None = None) -> list[jax.Array]:
+        """Launch the `kind` program (for "decode", of speculation `shape`; with `logprobs`, the
+        variant that returns them) on the state; returns its outputs as device arrays, not waited
+        for. The cache key is the kind, the shape, the logprob settings and the bucketed array
+        shapes."""
         with_draft = self.draft is not None and kind not in _PLAIN
         dcfg, dparams = (self.draft.config, self.draft.params) if with_draft else (None, None)
-        key = (kind, shape, block_table.shape, np.shape(args[0]))
+        key = (kind, shape, logprobs, block_table.shape, np.shape(args[0]))
         state, held = self.state, {}
         if self.draft is not None and not with_draft:
             held = {name: getattr(state, name) for name in _DRAFT_STATE}
             state = state.replace(**dict.fromkeys(_DRAFT_STATE))
         with mesh_context(self.target.mesh):
-            *outs, state = self.programs.run(PROGRAMS[kind], (self.target.config, dcfg, shape), key, self.target.params,
+            *outs, state = self.programs.run(PROGRAMS[kind], (self.target.config, dcfg, shape, logprobs), key,
+                                             self.target.params,
                                              dparams, state, block_table, *args)
         self.state = state.replace(**held)
         return outs

@@ -16,7 +16,8 @@ import jax.numpy as jnp
 from .. import kv_cache
 from ..config import ModelConfig
 from ..draft import DraftConfig
-from ..sampling import SamplingArrays, sample
+from ..logprobs import LogprobSettings, TokenLogprobs, token_logprobs
+from ..sampling import SamplingArrays, processed_logits, sample
 from ..target import forward
 from .propose import DraftRoot, draft_extend, propose
 from .settings import SpecConfig
@@ -24,34 +25,72 @@ from .tree import ancestor_mask, depths, path_to
 from .verify import accept, commit_path, emitted_tokens
 
 
+def chunk_next_tokens(tokens: jax.Array, prompt_lens: jax.Array, following: jax.Array, first: jax.Array) -> jax.Array:
+    """The token after each position of prompt chunks [B, T]: the chunk's own next token and, at a
+    row's last valid position, the prompt token `following` the chunk (-1: the chunk ends the
+    prompt, and the first generated token `first` follows it)."""
+    t = tokens.shape[1]
+    after = jnp.where(following >= 0, following, first)
+    shifted = jnp.concatenate([tokens[:, 1:], tokens[:, :1]], axis=1)
+    return jnp.where(jnp.arange(t)[None, :] == (prompt_lens - 1)[:, None], after[:, None], shifted)
+
+
 def plain_prefill(tparams: dict, tcfg: ModelConfig, tcache: kv_cache.KVCache, tokens: jax.Array,
                   prompt_lens: jax.Array, sp: SamplingArrays, counter: jax.Array | None = None,
-                  absorb: bool | None = None):
+                  following: jax.Array | None = None, absorb: bool | None = None,
+                  logprobs: LogprobSettings | None = None):
     """Prompt tokens [B, T] (right-padded; `prompt_lens` valid) after each row's cached prefix ->
     (first token [B] sampled with key `counter` (default 0), aux features [B, T, F], cache
-    advanced by `prompt_lens`). `absorb` picks the MLA form (see target.forward)."""
+    advanced by `prompt_lens`, logprobs). `following` as in `spec_prefill`. `absorb` picks the MLA
+    form (see target.forward). With `logprobs`, the logprobs [B, T] of each position's next token
+    (`chunk_next_tokens`: raw for prompt tokens; the first generated token's as the settings say),
+    else None."""
     b, t = tokens.shape
     if counter is None:
         counter = jnp.zeros((b,), jnp.int32)
     positions = tcache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
     logits, aux, tcache = forward(tparams, tcfg, tokens, positions, tcache, absorb=absorb)
     last = (prompt_lens - 1)[:, None]
-    first = sample(jnp.take_along_axis(logits, last[:, :, None], axis=1)[:, 0], sp, counter)
-    return first, aux, kv_cache.advance(tcache, prompt_lens)
+    last_logits = jnp.take_along_axis(logits, last[:, :, None], axis=1)[:, 0]
+    first = sample(last_logits, sp, counter)
+    lp = None
+    if logprobs is not None:
+        if following is None:
+            following = jnp.full((b,), -1, jnp.int32)
+        lp = token_logprobs(logits, chunk_next_tokens(tokens, prompt_lens, following, first), logprobs.k)
+        if logprobs.processed:  # the first generated token's, from what it was sampled from
+            first_lp = token_logprobs(processed_logits(last_logits[:, None], sp, counter[:, None]), first[:, None],
+                                      logprobs.k)
+            at_last = jnp.arange(t)[None, :] == last
+            lp = jax.tree.map(lambda whole, one: jnp.where(at_last.reshape(at_last.shape + (1,) * (whole.ndim - 2)),
+                                                           one, whole), lp, first_lp)
+    return first, aux, kv_cache.advance(tcache, prompt_lens), lp
 
 
 def plain_step(tparams: dict, tcfg: ModelConfig, tcache: kv_cache.KVCache, tokens: jax.Array, sp: SamplingArrays,
-               counter: jax.Array):
+               counter: jax.Array, logprobs: LogprobSettings | None = None):
     """One token per row after `tokens` [B] (written at the cache's lengths) -> (next token [B]
-    sampled with key `counter`, aux feature [B, F] of `tokens`, cache advanced by one)."""
+    sampled with key `counter`, aux feature [B, F] of `tokens`, cache advanced by one, its
+    logprobs [B, 1] with `logprobs` else None)."""
     logits, aux, tcache = forward(tparams, tcfg, tokens[:, None], tcache.lengths[:, None], tcache)
-    return sample(logits[:, 0], sp, counter), aux[:, 0], kv_cache.advance(tcache, jnp.ones_like(tcache.lengths))
+    nxt = sample(logits[:, 0], sp, counter)
+    lp = None if logprobs is None else emitted_logprobs(logits, nxt[:, None], sp, counter, logprobs)
+    return nxt, aux[:, 0], kv_cache.advance(tcache, jnp.ones_like(tcache.lengths)), lp
+
+
+def emitted_logprobs(logits: jax.Array, tokens: jax.Array, sp: SamplingArrays, counter: jax.Array,
+                     logprobs: LogprobSettings) -> TokenLogprobs:
+    """Logprobs of emitted tokens [B, P] from the logits [B, P, V] that predicted them (token p is
+    the row's generated token number counter + p)."""
+    if logprobs.processed:
+        logits = processed_logits(logits, sp, counter[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32))
+    return token_logprobs(logits, tokens, logprobs.k)
 
 
 def spec_prefill(tparams: dict, tcfg: ModelConfig, dparams: dict, dcfg: DraftConfig,
                  tcache: kv_cache.KVCache, dcache: kv_cache.KVCache, tokens: jax.Array, prompt_lens: jax.Array,
                  sp: SamplingArrays, counter: jax.Array | None = None, following: jax.Array | None = None,
-                 absorb: bool | None = None):
+                 absorb: bool | None = None, logprobs: LogprobSettings | None = None):
     """Prompt tokens [B, T] (right-padded; `prompt_lens` valid) -> first token [B], caches, draft root.
 
     The tokens go after each row's cached prefix (cache lengths, equal in both caches), so a long
@@ -59,26 +98,27 @@ def spec_prefill(tparams: dict, tcfg: ModelConfig, dparams: dict, dcfg: DraftCon
     not the prompt's last, or -1 for a final chunk (the default): a final chunk samples the first
     generated token with key `counter` (default 0) and the draft pairs its last feature with it.
     The first token and root are meaningful for final chunks only. `absorb` picks the MLA form
-    (see target.forward) of the target and, for an MLA draft, of the draft's extend.
+    (see target.forward) of the target and, for an MLA draft, of the draft's extend. `logprobs` as
+    in `plain_prefill` (the last output; None without).
     """
     b, t = tokens.shape
     if following is None:
         following = jnp.full((b,), -1, jnp.int32)
-    first, aux, tcache = plain_prefill(tparams, tcfg, tcache, tokens, prompt_lens, sp, counter, absorb)
-    last = (prompt_lens - 1)[:, None]
+    first, aux, tcache, lp = plain_prefill(tparams, tcfg, tcache, tokens, prompt_lens, sp, counter, following, absorb,
+                                           logprobs)
     # Draft pair t = (feature t, token t+1); the last pair's next token follows the chunk.
-    after = jnp.where(following >= 0, following, first)
-    shifted = jnp.concatenate([tokens[:, 1:], tokens[:, :1]], axis=1)
-    next_tokens = jnp.where(jnp.arange(t)[None, :] == last, after[:, None], shifted)
+    next_tokens = chunk_next_tokens(tokens, prompt_lens, following, first)
     _, root_hidden, dcache = draft_extend(dparams, dcfg, dcache, aux, next_tokens, prompt_lens, absorb)
-    return first, tcache, dcache, DraftRoot(token=first, hidden=root_hidden)
+    return first, tcache, dcache, DraftRoot(token=first, hidden=root_hidden), lp
 
 
 def spec_step(tparams: dict, tcfg: ModelConfig, dparams: dict, dcfg: DraftConfig, spec: SpecConfig | None,
               tcache: kv_cache.KVCache, dcache: kv_cache.KVCache, root: DraftRoot, sp: SamplingArrays,
-              counter: jax.Array):
+              counter: jax.Array, logprobs: LogprobSettings | None = None):
     """Propose a tree from `root` (`spec`; None: the root alone), verify it, emit tokens [B, D+1]
-    (-1 padded; D = spec.max_accept, 0 for None) and counts [B]; return caches, next root, counter."""
+    (-1 padded; D = spec.max_accept, 0 for None) and counts [B]; return caches, next root, counter
+    and, with `logprobs`, the emitted tokens' logprobs [B, D+1] (each read at the node that
+    predicted the token: the accepted path's node before it), else None."""
     tree, dcache = propose(dparams, dcfg, dcache, root, spec)
     max_accept = spec.max_accept if spec is not None else 0
     anc = ancestor_mask(tree.parents)
@@ -95,4 +135,7 @@ def spec_step(tparams: dict, tcfg: ModelConfig, dparams: dict, dcfg: DraftConfig
     features = jnp.take_along_axis(aux, path[:, :, None], axis=1)
     next_tokens = jnp.where(out >= 0, out, 0)
     _, root_hidden, dcache = draft_extend(dparams, dcfg, dcache, features, next_tokens, count)
-    return out, count, tcache, dcache, DraftRoot(token=bonus, hidden=root_hidden), counter + count
+    lp = None
+    if logprobs is not None:
+        lp = emitted_logprobs(jnp.take_along_axis(logits, path[:, :, None], axis=1), out, sp, counter, logprobs)
+    return out, count, tcache, dcache, DraftRoot(token=bonus, hidden=root_hidden), counter + count, lp
