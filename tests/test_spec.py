@@ -93,6 +93,26 @@ def test_greedy_steered_draft_equals_baseline_and_accepts_long_paths(pair, spec,
     assert max(o.metrics["mean_accept_length"] for o in outs) > 2.0
 
 
+def test_logprobs_of_accepted_tokens_equal_plain_decoding(pair, monkeypatch):
+    """Each emitted token's logprob and top alternatives, accepted draft tokens and bonus tokens
+    alike, equal plain decoding's (test_logprobs.py has the trained pairs)."""
+    from test_logprobs import assert_same_logprobs
+
+    target, draft, base = pair
+    sp = e3.SamplingParams(max_tokens=MAX_TOKENS, logprobs=4)
+    plain = e3.Engine(target, max_batch_size=4, max_seq_len=96).generate(PROMPTS, sp)
+    steered(monkeypatch, base, corrupt_rate=0.3)
+    try:
+        outs = e3.Engine(target, draft=draft, spec=SPECS[2], max_batch_size=4, max_seq_len=96).generate(PROMPTS, sp)
+    finally:
+        monkeypatch.undo()
+        jax.clear_caches()
+    assert max(a for o in outs for a in o.metrics["accept_lengths"]) == SPECS[2].max_accept + 1
+    for a, b in zip(plain, outs):
+        assert b.token_ids == a.token_ids
+        assert_same_logprobs(b.logprobs, a.logprobs)
+
+
 def test_stop_tokens_and_budgets_cut_accepted_chunks(pair, monkeypatch):
     target, draft, base = pair
     steered(monkeypatch, base, corrupt_rate=0.0)  # every proposal accepted: chunks of 4 tokens
