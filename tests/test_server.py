@@ -167,6 +167,62 @@ def test_stop_strings_cut_whole_and_streamed_replies(served):
     assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == full[: full.index(stop)]
 
 
+def test_logprobs_and_echo(served):
+    """Logprobs of every emitted token (accepted draft tokens included) equal plain decoding's, in
+    whole and streamed replies, chat and completions; echo with max_tokens 0 scores the prompt as
+    lm-eval's loglikelihood requests do."""
+    import numpy as np
+
+    import eagle3_jax as e3
+    from eagle3_jax.scheduler import Scheduler
+
+    _, engine, tok, refs = served
+    ids = tok.encode(PROMPTS[1])
+    plain = Scheduler(engine.scheduler.target, max_num_seqs=1, max_seq_len=MAX_SEQ_LEN).generate(
+        [ids], e3.SamplingParams(max_tokens=24, logprobs=3, prompt_logprobs=3, stop_token_ids=tok.eos_ids))[0]
+    c = client(served)
+    kw = dict(model=MODEL, prompt=ids, max_tokens=24, temperature=0)
+    r = c.completions.create(logprobs=3, **kw)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(plain.token_ids) == r.usage.completion_tokens
+    np.testing.assert_allclose(lp.token_logprobs, [x.logprob for x in plain.logprobs], atol=1e-5, rtol=1e-5)
+    assert all(len(top) in (3, 4) and max(top.values()) == pytest.approx(v, abs=1e-5)  # greedy: the best
+               for top, v in zip(lp.top_logprobs, lp.token_logprobs))
+    assert lp.tokens == [tok.decode([t], skip_special_tokens=False) for t in plain.token_ids]
+    assert lp.text_offset[0] == 0 and all(b - a == len(t) for a, b, t in zip(lp.text_offset, lp.text_offset[1:],
+                                                                               lp.tokens))
+    streamed = [ch.choices[0].logprobs for ch in c.completions.create(logprobs=3, stream=True, **kw)
+                if ch.choices[0].logprobs is not None]
+    assert sum((s.token_logprobs for s in streamed), []) == lp.token_logprobs
+    assert sum((s.text_offset for s in streamed), []) == lp.text_offset
+
+    # echo + max_tokens 0: the prompt, its logprobs (none for the first token), nothing generated.
+    r = c.completions.create(model=MODEL, prompt=ids, max_tokens=0, echo=True, logprobs=1, temperature=0)
+    lp = r.choices[0].logprobs
+    assert r.choices[0].text == tok.decode(ids) and r.usage.completion_tokens == 0
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None and len(lp.tokens) == len(ids)
+    np.testing.assert_allclose(lp.token_logprobs[1:], [x.logprob for x in plain.prompt_logprobs[1:]], atol=1e-5,
+                               rtol=1e-5)
+    r = c.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=5, echo=True, temperature=0)
+    assert r.choices[0].text == PROMPTS[1] + tok.decode_continuation(ids, plain.token_ids[:5])
+    chunks = list(c.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=5, echo=True, temperature=0,
+                                       stream=True))
+    assert "".join(ch.choices[0].text for ch in chunks) == r.choices[0].text
+
+    messages = [{"role": "user", "content": PROMPTS[1]}]  # kimi-mini's template: the prompt is the content
+    r = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0, logprobs=True,
+                                  top_logprobs=2)
+    content = r.choices[0].logprobs.content
+    np.testing.assert_allclose([x.logprob for x in content], [x.logprob for x in plain.logprobs], atol=1e-5,
+                               rtol=1e-5)
+    assert all(len(x.top_logprobs) == 2 and x.top_logprobs[0].token == x.token and bytes(x.bytes).decode() == x.token
+               for x in content)
+    chunks = list(c.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0,
+                                            logprobs=True, stream=True))
+    streamed = [x for ch in chunks if ch.choices and ch.choices[0].logprobs for x in ch.choices[0].logprobs.content]
+    assert [x.logprob for x in streamed] == [x.logprob for x in content] and streamed[0].top_logprobs == []
+
+
 def test_acceptance_per_request_in_usage_and_metrics(served):
     """Each reply's usage carries its draft tokens proposed and accepted (spec_decode), and
     /metrics counts them under vLLM's names."""
@@ -294,7 +350,12 @@ BAD_REQUESTS = [
     ("/v1/completions", dict(_OK, min_tokens=9), 400, "max_tokens=8", "min_tokens"),
     ("/v1/completions", dict(_OK, include_stop_str_in_output="yes"), 400, "include_stop_str_in_output",
      "include_stop_str_in_output"),
-    ("/v1/completions", dict(_OK, logprobs=2), 400, "logprobs", "logprobs"),
+    ("/v1/completions", dict(_OK, logprobs=21), 400, "max_logprobs", "logprobs"),
+    ("/v1/completions", dict(_OK, logprobs=True), 400, "logprobs", "logprobs"),
+    ("/v1/completions", dict(_OK, max_tokens=0), 400, "echo", "max_tokens"),
+    ("/v1/chat/completions", dict(_CHAT, echo=True), 400, "echo", "echo"),
+    ("/v1/chat/completions", dict(_CHAT, top_logprobs=3), 400, "top_logprobs", "top_logprobs"),
+    ("/v1/chat/completions", dict(_CHAT, logprobs=True, top_logprobs=30), 400, "max_logprobs", "top_logprobs"),
     ("/v1/completions", dict(_OK, prompt=[1] * MAX_SEQ_LEN), 400, "max_seq_len", "prompt"),
     ("/v1/completions", dict(_OK, prompt=[1, 10**6]), 400, "", "prompt"),
     ("/v1/chat/completions", {"model": MODEL, "max_tokens": 8}, 400, "messages", "messages"),

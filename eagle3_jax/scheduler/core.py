@@ -79,6 +79,7 @@ class RequestDelta:
     finish_reason: str | None  # "stop" | "length" | "abort"; None while running
     output: RequestOutput | None  # the whole output and metrics, once finished
     logprobs: list[Logprob] | None = None  # of token_ids, when the request asks for them
+    prompt_logprobs: list[Logprob | None] | None = None  # on a request's first delta, when it asks for them
 
 
 @dataclasses.dataclass
@@ -440,8 +441,9 @@ class Scheduler:
         reason = req.emit(tokens.tolist(), now, logprobs)
         self.counters.totals["generation_tokens_total"] += len(req.output) - before
         if reason is None:
+            prompt_lps = req.prompt_logprobs if req.sent == 0 else None
             new, lps = req.unsent()
-            return RequestDelta(req.id, new, now, False, None, None, lps)
+            return RequestDelta(req.id, new, now, False, None, None, lps, prompt_lps)
         del self._batch.running[req.id]
         self._batch.release(req)
         self.counters.totals["num_requests_finished"] += 1
@@ -452,6 +454,7 @@ class Scheduler:
         del self._requests[req.id]
         self.policy.finished(req.id, len(req.output))
         text = None if self.tokenizer is None else req.final_text(self.tokenizer)  # may find a late stop string
+        prompt_lps = req.prompt_logprobs if req.sent == 0 else None
         new, lps = req.unsent()
         return RequestDelta(req.id, new, now, True, req.finish_reason, req.output_record(now, self.policy.max_accept, text),
-                            lps)
+                            lps, prompt_lps)

@@ -47,6 +47,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
+import itertools
 import json
 import logging
 import math
@@ -58,6 +60,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from aiohttp import web
 
+from ..logprobs import Logprob
 from ..sampling import SamplingParams
 from ..scheduler import CapacityError
 from ..text_stream import TextStream
@@ -138,11 +141,9 @@ def get_bool(body: Mapping[str, Any], key: str, default: bool) -> bool:
     return v
 
 
-# Parameters this engine does not implement, with the values that mean "off".
+# Parameters this engine does not implement, with the values that mean "off" (chat's `echo`, which
+# repeats the last message in vLLM, only there).
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "logprobs": (None, False, 0),
-    "top_logprobs": (None, 0),
-    "echo": (None, False),
     "best_of": (None, 1),
     "presence_penalty": (None, 0, 0.0),
     "frequency_penalty": (None, 0, 0.0),
@@ -154,16 +155,18 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "functions": (None, []),
     "function_call": (None, "none"),
 }
+_NEUTRAL_BY_KIND: dict[str, dict[str, tuple[Any, ...]]] = {"completion": _NEUTRAL,
+                                                           "chat": {**_NEUTRAL, "echo": (None, False)}}
 _HINTS: dict[str, str] = {}
 # Fields a request may carry without a warning: the ones read here, the refused ones above, and
 # `user` (an end-user id OpenAI's API takes and this server has no use for).
 _COMMON_FIELDS = frozenset({"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "n", "stream",
                             "stream_options", "stop", "stop_token_ids", "ignore_eos", "include_stop_str_in_output",
-                            "min_tokens",
+                            "min_tokens", "logprobs",
                             "response_format", "user",
                             *_NEUTRAL})
-KNOWN_FIELDS = {"completion": _COMMON_FIELDS | {"prompt"},
-                "chat": _COMMON_FIELDS | {"messages", "max_completion_tokens"}}
+KNOWN_FIELDS = {"completion": _COMMON_FIELDS | {"prompt", "echo"},
+                "chat": _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "echo"}}
 WARNINGS_HEADER = "X-Eagle3-Warnings"
 
 
@@ -178,9 +181,10 @@ def max_tokens_cap(prompt_len: int, max_tokens: int, max_seq_len: int) -> int | 
     return room if max_tokens > room else None
 
 
-def check_unsupported(body: Mapping[str, Any]) -> None:
-    """400 for a parameter this engine does not implement, unless it is set to its neutral value."""
-    for key, neutral in _NEUTRAL.items():
+def check_unsupported(body: Mapping[str, Any], kind: str = "completion") -> None:
+    """400 for a parameter this engine does not implement (for `kind`, "completion" or "chat"),
+    unless it is set to its neutral value."""
+    for key, neutral in _NEUTRAL_BY_KIND[kind].items():
         v = body.get(key)
         if not any(v == n and type(v) is type(n) or v is n for n in neutral):
             raise ApiError(f"'{key}' is not supported by this server{_HINTS.get(key, '')}; got {v!r}",
@@ -191,12 +195,35 @@ def check_unsupported(body: Mapping[str, Any]) -> None:
                        code="unsupported_parameter")
 
 
+def parse_logprobs(body: Mapping[str, Any], kind: str, max_logprobs: int) -> tuple[int | None, bool]:
+    """(top alternatives per token, or None for no logprobs; echo) of a request. Completions:
+    `logprobs` an integer and `echo`; chat: `logprobs` true / false and `top_logprobs`. At most
+    `max_logprobs` alternatives; 400 otherwise."""
+    if kind == "completion":
+        k, key, echo = get_int(body, "logprobs", None), "logprobs", get_bool(body, "echo", False)
+    else:
+        wanted, k, key, echo = get_bool(body, "logprobs", False), get_int(body, "top_logprobs", None), "top_logprobs", False
+        if not wanted:
+            if k:
+                raise ApiError("'top_logprobs' needs 'logprobs': true", param="top_logprobs", code="invalid_value")
+            return None, echo
+        k = k or 0
+    if k is not None and not 0 <= k <= max_logprobs:
+        raise ApiError(f"'{key}' must be in [0, {max_logprobs}] (this server's --max_logprobs); got {k}", param=key,
+                       code="invalid_value")
+    return k, echo
+
+
 def parse_sampling(body: Mapping[str, Any], *, default_max_tokens: int, eos_token_ids: Sequence[int],
-                   max_tokens_keys: Sequence[str] = ("max_tokens",)) -> SamplingParams:
+                   max_tokens_keys: Sequence[str] = ("max_tokens",), logprobs: int | None = None,
+                   echo: bool = False) -> SamplingParams:
     """The request's SamplingParams; 400 (`ApiError`) naming the bad field otherwise.
 
     top_k -1 means off (vLLM) and becomes 0. A missing seed gets a random one, so sampled requests
     differ. Stop ids are `stop_token_ids` plus `eos_token_ids` unless `ignore_eos` is true.
+    `logprobs` (`parse_logprobs`) is asked for each generated token and, with `echo`, each prompt
+    token; `echo` also allows max_tokens 0 (the prompt scored, nothing generated: the engine
+    generates one token, which the reply leaves out, as vLLM does).
     """
     max_tokens, key_used = default_max_tokens, max_tokens_keys[0]
     for key in max_tokens_keys:
@@ -204,8 +231,9 @@ def parse_sampling(body: Mapping[str, Any], *, default_max_tokens: int, eos_toke
         if v is not None:
             max_tokens, key_used = v, key
             break
-    if max_tokens < 1:
-        raise ApiError(f"'{key_used}' must be >= 1; got {max_tokens}", param=key_used, code="invalid_value")
+    if max_tokens < (0 if echo else 1):
+        raise ApiError(f"'{key_used}' must be >= 1 (0 only with 'echo'); got {max_tokens}", param=key_used,
+                       code="invalid_value")
     temperature = get_float(body, "temperature", 1.0)
     if temperature < 0:
         raise ApiError(f"'temperature' must be >= 0 (0 = greedy); got {temperature}", param="temperature",
@@ -239,9 +267,10 @@ def parse_sampling(body: Mapping[str, Any], *, default_max_tokens: int, eos_toke
         raise ApiError(f"'min_tokens' must be in [0, max_tokens={max_tokens}]; got {min_tokens}", param="min_tokens",
                        code="invalid_value")
     try:
-        return SamplingParams(temperature=temperature, top_p=top_p, top_k=max(top_k, 0), max_tokens=max_tokens,
+        return SamplingParams(temperature=temperature, top_p=top_p, top_k=max(top_k, 0), max_tokens=max(max_tokens, 1),
                               seed=seed, stop_token_ids=tuple(dict.fromkeys(stop_ids)), stop=stop,
-                              include_stop_str_in_output=include_stop, min_tokens=min_tokens)
+                              include_stop_str_in_output=include_stop, min_tokens=min_tokens, logprobs=logprobs,
+                              prompt_logprobs=logprobs if echo else None)
     except ValueError as e:  # SamplingParams' own checks, should any be stricter than the above
         raise ApiError(str(e), code="invalid_value") from e
 
@@ -403,6 +432,44 @@ class ChatTemplate:
                            code="invalid_value") from e
 
 
+# ---- logprobs in replies -----------------------------------------------------------------------------
+
+LOGPROB_FLOOR = -9999.0  # JSON has no -inf: a token filtered out of the distribution reads so (as in vLLM)
+
+
+def _floor(value: float) -> float:
+    return max(value, LOGPROB_FLOOR)
+
+
+def completion_logprobs(token_ids: Sequence[int], entries: Sequence[Logprob | None],
+                        token_text: Callable[[int], str], offset: int = 0) -> dict[str, Any]:
+    """Completions' logprobs object for tokens and their logprobs (None: the first prompt token):
+    each token's text, logprob, top alternatives ({text: logprob}, the token itself included, as
+    vLLM gives them) and its offset in the text from `offset` on."""
+    texts = [token_text(t) for t in token_ids]
+    offsets = list(itertools.accumulate((len(t) for t in texts[:-1]), initial=offset)) if texts else []
+    return {
+        "tokens": texts,
+        "token_logprobs": [None if e is None else _floor(e.logprob) for e in entries],
+        "top_logprobs": [None if e is None else {**{token_text(i): _floor(v) for i, v in e.top},
+                                                 token_text(t): _floor(e.logprob)}
+                         for t, e in zip(token_ids, entries)],
+        "text_offset": offsets,
+    }
+
+
+def chat_logprobs(token_ids: Sequence[int], entries: Sequence[Logprob],
+                  token_text: Callable[[int], str]) -> dict[str, Any]:
+    """Chat's logprobs object: per token its text, logprob, UTF-8 bytes and `top_logprobs`."""
+
+    def item(token: int, value: float) -> dict[str, Any]:
+        text = token_text(token)
+        return {"token": text, "logprob": _floor(value), "bytes": list(text.encode("utf-8"))}
+
+    return {"content": [{**item(t, e.logprob), "top_logprobs": [item(i, v) for i, v in e.top]}
+                        for t, e in zip(token_ids, entries)]}
+
+
 def finish_reason(reason: str | None) -> str | None:
     """The OpenAI finish_reason of a scheduler finish reason ("stop", "length"; others unchanged)."""
     return {"stop": "stop", "length": "length"}.get(reason, reason) if reason is not None else None
@@ -433,6 +500,13 @@ class _Job:
     stream: bool
     include_usage: bool
     warnings: tuple[str, ...] = ()  # what was changed or skipped in the request, told to the client
+    echo: bool = False  # completions: the reply starts with the prompt (and its logprobs)
+    echo_only: bool = False  # echo with max_tokens 0: the one token generated is left out of the reply
+    prompt_text: str = ""  # echo: the prompt as the reply repeats it
+
+    @property
+    def logprobs(self) -> bool:
+        return self.sampling.logprobs is not None
 
     def headers(self) -> dict[str, str]:
         return {WARNINGS_HEADER: "; ".join(self.warnings)} if self.warnings else {}
@@ -446,6 +520,10 @@ class _Server:
         self.chat_template, self.default_max_tokens = chat_template, int(default_max_tokens)
         self.created = int(time.time())
         self.metrics_registry = ServerMetrics(engine.stats)
+        self.max_logprobs = int(getattr(engine.scheduler, "max_logprobs", 0))
+        # A token's text in logprobs replies (decoded alone, special tokens shown, as vLLM does).
+        self.token_text = functools.lru_cache(maxsize=1 << 16)(
+            lambda token: tokenizer.decode([token], skip_special_tokens=False))
 
     # -- middleware: OpenAI error bodies everywhere, request counts for /metrics
 
@@ -501,6 +579,11 @@ class _Server:
             raise ApiError("'prompt' is required", param="prompt", code="missing_required_parameter")
         prompt_ids = parse_prompt(body["prompt"], self.tokenizer)
         job = self._job("completion", body, prompt_ids, "prompt", self.default_max_tokens, ("max_tokens",))
+        if job.echo:
+            prompt = body["prompt"][0] if isinstance(body["prompt"], list) and len(body["prompt"]) == 1 \
+                and isinstance(body["prompt"][0], (str, list)) else body["prompt"]
+            text = prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt_ids)
+            job = dataclasses.replace(job, prompt_text=text)
         return await self._run(request, job, f"cmpl-{uuid.uuid4().hex}")
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
@@ -523,13 +606,15 @@ class _Server:
         if model is not None and model != self.model_name:
             raise ApiError(f"The model `{model}` does not exist; this server serves `{self.model_name}`",
                            status=404, param="model", code="model_not_found")
-        check_unsupported(body)
+        check_unsupported(body, "chat" if request.path.endswith("/chat/completions") else "completion")
         return body
 
     def _job(self, kind: str, body: Mapping[str, Any], prompt_ids: list[int], prompt_param: str,
              default_max_tokens: int, max_tokens_keys: Sequence[str]) -> _Job:
+        logprobs, echo = parse_logprobs(body, kind, self.max_logprobs)
         sampling = parse_sampling(body, default_max_tokens=default_max_tokens, eos_token_ids=self.eos_token_ids,
-                                  max_tokens_keys=max_tokens_keys)
+                                  max_tokens_keys=max_tokens_keys, logprobs=logprobs, echo=echo)
+        echo_only = echo and any(body.get(key) == 0 for key in max_tokens_keys)
         stream, include_usage = parse_stream(body)
         if len(prompt_ids) >= self.max_seq_len:
             raise ApiError(f"the prompt has {len(prompt_ids)} tokens, but this server's max_seq_len is "
@@ -544,7 +629,7 @@ class _Server:
         if ignored:
             logger.warning("The following fields were present in the request but ignored: %s", set(ignored))
             warnings.append(f"these fields are not supported and were ignored: {', '.join(ignored)}")
-        return _Job(kind, prompt_ids, sampling, stream, include_usage, tuple(warnings))
+        return _Job(kind, prompt_ids, sampling, stream, include_usage, tuple(warnings), echo, echo_only)
 
     def _spec_metrics(self, last: Any) -> Mapping[str, Any] | None:
         """A finished request's metrics when this server speculates (for usage's spec_decode)."""
@@ -570,29 +655,49 @@ class _Server:
                 return await self._stream(request, job, request_id, first, deltas)
             return await self._complete(job, request_id, first, deltas)
 
+    def _logprobs(self, job: _Job, token_ids: Sequence[int], entries: Sequence[Logprob | None] | None,
+                  offset: int = 0) -> dict[str, Any] | None:
+        """The reply's logprobs object for these tokens (None when the request did not ask)."""
+        if not job.logprobs or entries is None:
+            return None
+        if job.kind == "chat":
+            return chat_logprobs(token_ids, entries, self.token_text)
+        return completion_logprobs(token_ids, entries, self.token_text, offset)
+
     async def _complete(self, job: _Job, request_id: str, first: Any, deltas: Any) -> web.Response:
         tokens, delta = list(first.token_ids), first
         while not delta.finished:
             delta = await anext(deltas)
             tokens += delta.token_ids
         reason = finish_reason(delta.finish_reason)
-        if delta.output is not None and delta.output.text is not None \
+        output = delta.output
+        if job.echo_only:
+            tokens, text, reason = [], "", "length"
+        elif output is not None and output.text is not None \
                 and getattr(self.engine.scheduler, "tokenizer", None) is self.tokenizer:
-            text = delta.output.text  # the request layer decoded it already, as streaming would
+            text = output.text  # the request layer decoded it already, as streaming would
         else:  # the same decoding as streaming, so a streamed answer concatenates to this text
             text_stream = self._text_stream(job)
             text_stream.push(tokens, final=True)
             text = text_stream.take(final=True)
-        stop_reason = delta.output.stop_reason if delta.output is not None else None
+        stop_reason = output.stop_reason if output is not None and not job.echo_only else None
+        entries = None if output is None or output.logprobs is None else output.logprobs[: len(tokens)]
+        generated = len(tokens)
+        if job.echo:
+            text = job.prompt_text + text
+            if entries is not None:
+                tokens, entries = job.prompt_ids + tokens, list(output.prompt_logprobs) + entries
+        logprobs = self._logprobs(job, tokens, entries)
         if job.kind == "completion":
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason, "stop_reason": stop_reason}
+            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": reason,
+                      "stop_reason": stop_reason}
         else:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                       "finish_reason": reason, "stop_reason": stop_reason}
         body = {
             "id": request_id, "object": "text_completion" if job.kind == "completion" else "chat.completion",
             "created": int(time.time()), "model": self.model_name, "choices": [choice],
-            "usage": usage(len(job.prompt_ids), len(tokens), self._spec_metrics(delta)),
+            "usage": usage(len(job.prompt_ids), generated, self._spec_metrics(delta)),
         }
         if job.warnings:
             body["warnings"] = list(job.warnings)
@@ -606,14 +711,15 @@ class _Server:
         chat = job.kind == "chat"
         obj = "chat.completion.chunk" if chat else "text_completion"
 
-        def chunk(text: str | None, reason: str | None, role: bool = False, stop_reason=None) -> dict[str, Any]:
+        def chunk(text: str | None, reason: str | None, role: bool = False, stop_reason=None,
+                  logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
             if chat:
                 delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
                 if text:
                     delta["content"] = text
-                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+                choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
             else:
-                choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
+                choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": reason}
             if reason is not None:
                 choice["stop_reason"] = stop_reason
             out = {"id": request_id, "object": obj, "created": created, "model": self.model_name, "choices": [choice]}
@@ -622,22 +728,30 @@ class _Server:
             return out
 
         text_stream = self._text_stream(job)
-        num_tokens = 0
+        num_tokens, offset = 0, 0  # offset: the tokens' texts so far (completions' text_offset)
         try:
             await response.prepare(request)
             if chat:
                 await _send(response, chunk(None, None, role=True))
             delta = first
+            if job.echo:
+                await _send(response, chunk(job.prompt_text, None,
+                                            logprobs=self._logprobs(job, job.prompt_ids, first.prompt_logprobs)))
+                offset = sum(len(self.token_text(t)) for t in job.prompt_ids)
             while True:
-                num_tokens += len(delta.token_ids)
-                text_stream.push(delta.token_ids, final=delta.finished)
+                ids = [] if job.echo_only else delta.token_ids
+                num_tokens += len(ids)
+                text_stream.push(ids, final=delta.finished)
                 text = text_stream.take(final=delta.finished)
+                logprobs = self._logprobs(job, ids, delta.logprobs, offset) if ids else None
                 if delta.finished:
-                    stop_reason = delta.output.stop_reason if delta.output is not None else None
-                    await _send(response, chunk(text, finish_reason(delta.finish_reason), stop_reason=stop_reason))
+                    stop_reason = delta.output.stop_reason if delta.output is not None and not job.echo_only else None
+                    reason = "length" if job.echo_only else finish_reason(delta.finish_reason)
+                    await _send(response, chunk(text, reason, stop_reason=stop_reason, logprobs=logprobs))
                     break
-                if text:
-                    await _send(response, chunk(text, None))
+                if text or logprobs:
+                    await _send(response, chunk(text, None, logprobs=logprobs))
+                offset += sum(len(self.token_text(t)) for t in ids) if logprobs else 0
                 delta = await anext(deltas)
             if job.include_usage:
                 await _send(response, {"id": request_id, "object": obj, "created": created, "model": self.model_name,
