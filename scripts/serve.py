@@ -79,6 +79,11 @@ define_mesh_flags("Process 0 serves HTTP and schedules; the other processes run 
 flags.DEFINE_bool("warmup", True, "Before listening, compile the programs of bursts of up to --max_num_seqs "
                   "requests of up to one --prefill_chunk (within the program cache's bound), so the first clients "
                   "do not wait for compilation (--nowarmup to skip).")
+flags.DEFINE_integer("max_logprobs", 20, "Most top alternatives a request may ask for per token (completions "
+                     "`logprobs`, chat `top_logprobs`).", lower_bound=0)
+flags.DEFINE_enum("logprobs_mode", "raw", ["raw", "processed"], "Which distribution logprobs are read from: raw (the "
+                  "target's, before any sampling setting; vLLM's default) or processed (what each token was sampled "
+                  "or judged from: after min_tokens, temperature and top-k / top-p).")
 define_chat_template_flag()
 flags.mark_flag_as_required("target")
 # --help lists the shared flags (speculation, mesh, kernels, quantization, --verbose) with the script's own
@@ -166,7 +171,8 @@ def main(argv: Sequence[str]) -> None:
     with _cli.usage_errors():  # what the flags ask of the scheduler (pages, chunk, a spec the draft cannot run)
         scheduler = Scheduler(target, draft=draft, spec=spec, max_num_seqs=FLAGS.max_num_seqs,
                               max_seq_len=max_seq_len, page_size=FLAGS.page_size, num_pages=FLAGS.num_pages,
-                              prefill_chunk=FLAGS.prefill_chunk, tokenizer=tok)
+                              prefill_chunk=FLAGS.prefill_chunk, tokenizer=tok, max_logprobs=FLAGS.max_logprobs,
+                              logprobs_mode=FLAGS.logprobs_mode)
     model_name = FLAGS.served_model_name or os.path.basename(os.path.normpath(FLAGS.target))
     if not leader:  # multi-host follower: mirror process 0's steps until it stops
         say(f"process {jax.process_index()}: running process 0's steps on this host's devices")

@@ -17,10 +17,17 @@ reply ends before the stop string, or after it with vLLM's `include_stop_str_in_
 choice's `stop_reason` names it), `stream`, `stream_options.include_usage`, and the vLLM
 extensions `stop_token_ids`, `ignore_eos` (by default a request also stops at the model's EOS
 ids) and `min_tokens` (no stop token or stop string ends a reply before it has that many tokens:
-the stop token ids are held out of the target's distribution until then). A speculative step that accepts tokens past a stop string emits none of them. Parameters
-this engine does not implement (`logprobs`, `echo`, penalties, `logit_bias`, `best_of` > 1, tools,
-`suffix`, non-text `response_format`) get a 400 when set to anything but their neutral value,
-rather than being ignored.
+the stop token ids are held out of the target's distribution until then). A speculative step that
+accepts tokens past a stop string emits none of them. Log-probabilities: completions' `logprobs`
+(an integer: each token's logprob and that many top alternatives, `tokens`, `token_logprobs`,
+`top_logprobs` with the token itself among them, `text_offset`) and `echo` (the reply starts with
+the prompt, and with `logprobs` its prompt logprobs, the first None; `max_tokens: 0` is allowed
+with it: one token is generated and left out), chat's `logprobs` + `top_logprobs` (`content`
+items with `token`, `logprob`, `bytes`, `top_logprobs`), at most the scheduler's `max_logprobs`
+alternatives; streamed chunks carry their own tokens' logprobs. -inf reads -9999.0. Parameters
+this engine does not implement (penalties, `logit_bias`, `best_of` > 1, `n` > 1, chat's `echo`,
+tools, `suffix`, non-text `response_format`) get a 400 when set to anything but their neutral
+value, rather than being ignored.
 
 What the server changes or skips in a request is announced, never silent: `max_tokens` beyond the
 room left in `max_seq_len` is cut to that room (finish_reason "length"), and fields it does not
