@@ -2,6 +2,12 @@
 
 A request's key for its n-th generated token is `fold_in(PRNGKey(seed), n)`, so a seeded request
 samples the same tokens whatever else shares its batch.
+
+Penalties (vLLM's): `repetition_penalty` divides positive logits and multiplies negative ones of
+every token seen in the prompt or the output; `frequency_penalty` subtracts the token's count in
+the output and `presence_penalty` a constant from every token the output holds. They change the
+distribution a request samples from (greedy rows too), before min_tokens' hold-back, temperature
+and top-k / top-p; `PenaltyHistory` is what they read.
 """
 
 from __future__ import annotations
@@ -27,6 +33,9 @@ class SamplingParams:
     stop: tuple[str, ...] = ()  # stop strings, matched on the decoded text (needs a tokenizer)
     include_stop_str_in_output: bool = False  # the text ends after the stop string, not before it
     min_tokens: int = 0  # tokens generated before a stop token or stop string may end the request
+    presence_penalty: float = 0.0  # in [-2, 2]: subtracted from every token the output holds
+    frequency_penalty: float = 0.0  # in [-2, 2]: times the token's count in the output, subtracted
+    repetition_penalty: float = 1.0  # > 0: on tokens seen in the prompt or the output (1 = off)
     logprobs: int | None = None  # each generated token's logprob and this many top alternatives (None: off)
     prompt_logprobs: int | None = None  # the same for each prompt token after the first (None: off)
 
@@ -48,6 +57,13 @@ class SamplingParams:
         object.__setattr__(self, "stop", tuple(dict.fromkeys(stop)))
         if not (isinstance(self.min_tokens, (int, np.integer)) and 0 <= self.min_tokens <= self.max_tokens):
             raise ValueError(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}]; got {self.min_tokens!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and not isinstance(value, bool) and -2 <= value <= 2):
+                raise ValueError(f"{name} must be a number in [-2, 2] (0 = off); got {value!r}")
+        if not (isinstance(self.repetition_penalty, (int, float)) and not isinstance(self.repetition_penalty, bool)
+                and 0 < self.repetition_penalty and np.isfinite(self.repetition_penalty)):
+            raise ValueError(f"repetition_penalty must be a finite number > 0 (1 = off); got {self.repetition_penalty!r}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, (int, np.integer)) and not isinstance(value, bool)
@@ -77,6 +93,9 @@ class SamplingArrays:
     seed: jax.Array  # [B] uint32
     min_tokens: jax.Array | None = None  # [B] int32
     stop_ids: jax.Array | None = None  # [B, MAX_SUPPRESSED_STOP_IDS] int32, -1 padded
+    presence_penalty: jax.Array | None = None  # [B] float32
+    frequency_penalty: jax.Array | None = None  # [B] float32
+    repetition_penalty: jax.Array | None = None  # [B] float32
 
     @staticmethod
     def from_params(params: Sequence[SamplingParams], batch: int) -> "SamplingArrays":
@@ -94,6 +113,9 @@ class SamplingArrays:
             seed=np.asarray([p.seed for p in params], np.uint32),
             min_tokens=np.asarray([p.min_tokens for p in params], np.int32),
             stop_ids=stop_ids,
+            presence_penalty=np.asarray([p.presence_penalty for p in params], np.float32),
+            frequency_penalty=np.asarray([p.frequency_penalty for p in params], np.float32),
+            repetition_penalty=np.asarray([p.repetition_penalty for p in params], np.float32),
         )
 
 
@@ -133,6 +155,48 @@ def filtered_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
     return jnp.where(keep_orig, scaled, -jnp.inf)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class PenaltyHistory:
+    """What a batch's penalties read: per sequence slot, the output's token counts and the prompt's
+    tokens, and each row's slot (gathered only when some row has a penalty)."""
+
+    output_counts: jax.Array  # [S, V] int32
+    prompt_seen: jax.Array  # [S, V] bool
+    rows: jax.Array  # [B] int32: each batch row's slot
+
+
+def apply_penalties(logits: jax.Array, sp: SamplingArrays, history: PenaltyHistory | None,
+                    extra_counts=None) -> jax.Array:
+    """`logits` [B, ..., V] with each row's penalties applied (vLLM's order: repetition, then
+    frequency, then presence), where any row has one. `extra_counts()` [B, ..., V] (computed only
+    then) adds tokens to the output's counts per position: a draft tree's ancestors, which the
+    output holds at that node if it is accepted."""
+    if history is None or sp.repetition_penalty is None:
+        return logits
+    b, v = logits.shape[0], logits.shape[-1]
+    per_row = (b,) + (1,) * (logits.ndim - 1)
+
+    def penalise():
+        counts = history.output_counts[history.rows].reshape((b,) + (1,) * (logits.ndim - 2) + (v,))
+        if extra_counts is not None:
+            counts = counts + extra_counts()
+        seen = history.prompt_seen[history.rows].reshape((b,) + (1,) * (logits.ndim - 2) + (v,)) | (counts > 0)
+        rep = sp.repetition_penalty.reshape(per_row)
+        z = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
+        z = z - sp.frequency_penalty.reshape(per_row) * counts - sp.presence_penalty.reshape(per_row) * (counts > 0)
+        return z.astype(logits.dtype)
+
+    active = jnp.any((sp.repetition_penalty != 1) | (sp.frequency_penalty != 0) | (sp.presence_penalty != 0))
+    return jax.lax.cond(active, penalise, lambda: logits)
+
+
+def count_tokens(counts: jax.Array, rows: jax.Array, tokens: jax.Array, valid: jax.Array) -> jax.Array:
+    """`counts` [S, V] with each row's valid tokens [B, T] added at `rows` [B]."""
+    rows = jnp.broadcast_to(rows[:, None], tokens.shape)
+    return counts.at[rows, jnp.maximum(tokens, 0)].add(valid.astype(counts.dtype))
+
+
 def hold_back_stops(logits: jax.Array, sp: SamplingArrays, generated: jax.Array) -> jax.Array:
     """`logits` [B, ..., V] with each row's stop token ids at -inf where `generated` [B, ...] (the
     tokens a row generated before the one these logits predict) is below its min_tokens."""
@@ -168,8 +232,9 @@ def request_keys(seed: jax.Array, counter: jax.Array) -> jax.Array:
 
 
 def sample(logits: jax.Array, sp: SamplingArrays, counter: jax.Array) -> jax.Array:
-    """Next token per row [B] int32: argmax where temperature is 0, else a seeded draw (`counter`:
-    tokens generated so far; stop tokens are held back below min_tokens)."""
+    """Next token per row [B] int32 from logits [B, V] (penalties applied by the caller): argmax
+    where temperature is 0, else a seeded draw (`counter`: tokens generated so far; stop tokens are
+    held back below min_tokens)."""
     logits = hold_back_stops(logits, sp, counter)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 

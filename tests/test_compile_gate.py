@@ -40,6 +40,7 @@ def kimi_mla(nh: int, t: int, launch_params: AttentionLaunch | None = None):
     return attend, args
 
 
+@pytest.mark.newest_jax  # CI's newest-JAX leg runs it (minutes of Triton compiles)
 @needs_8_devices
 def test_every_kernel_form_compiles_without_spills_on_every_architecture():
     items = list(gate.representative_cases()) + list(gate.EXTRA)
@@ -62,6 +63,7 @@ def test_every_kernel_form_compiles_without_spills_on_every_architecture():
         assert (report.num_warps, report.num_stages) == (entry.num_warps, entry.num_stages)
 
 
+@pytest.mark.newest_jax
 @pytest.mark.parametrize("arch", ARCHS)
 def test_the_gate_fails_a_kernel_that_spills(arch):
     """Kimi-K2.5's MLA with all 64 heads x 4 verify tokens in one program, as the kernel was laid out
@@ -156,6 +158,7 @@ def test_triton_deprecation_warning_is_filtered_by_its_text_once():
         assert ours()[0][0] == "ignore" and ours()[0][2] is DeprecationWarning
 
 
+@pytest.mark.newest_jax  # CI's newest-JAX leg runs it (minutes of Triton compiles)
 @needs_8_devices
 def test_default_launch_entries_compile_on_every_architecture(monkeypatch):
     """An unknown GPU gets the table's default entries: they compile clean on every known one too

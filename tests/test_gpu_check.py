@@ -9,9 +9,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.newest_jax  # CI's newest-JAX leg runs it
 def test_gpu_check_runs_small_on_cpu(tmp_path):
     out = tmp_path / "check.json"
     r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "gpu_check.py"), "--small", f"--json_out={out}"],

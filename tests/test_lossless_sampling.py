@@ -441,3 +441,41 @@ def test_seeded_speculative_sampling_is_reproducible_and_batch_independent(model
     assert mixed[1].token_ids == a[1].token_ids
     other = engine.generate([[5, 6]], sp(3))
     assert other[0].token_ids != a[1].token_ids
+
+
+PENALTIES = dict(repetition_penalty=1.5, frequency_penalty=0.6, presence_penalty=0.4)
+
+
+def _penalised(z, prompt_seen, counts):
+    """vLLM's penalties over the last axis: repetition on every token of the prompt or output, then
+    frequency (times the output count) and presence (on tokens the output holds)."""
+    z, counts = np.array(z, np.float64), np.asarray(counts, np.float64)
+    rep, freq, pres = (PENALTIES[k] for k in ("repetition_penalty", "frequency_penalty", "presence_penalty"))
+    seen = prompt_seen | (counts > 0)
+    z = np.where(seen, np.where(z > 0, z / rep, z * rep), z)
+    return z - freq * counts - pres * (counts > 0)
+
+
+@pytest.mark.parametrize("spec", ["tree", pytest.param("chain", marks=pytest.mark.slow)])
+def test_penalties_sample_the_penalised_target_distribution(models, spec):
+    """Repetition, frequency and presence penalties: each token comes from the target's distribution
+    penalised by the prompt and the tokens before it (the draft's proposals included once accepted),
+    under speculation as in plain sampling."""
+    temperature = 1.0
+    sps = [e3.SamplingParams(temperature=temperature, max_tokens=GEN, seed=66_000_000 + i, **PENALTIES)
+           for i in range(N_SAMPLES)]
+    outs = _engine(models, spec).generate([PROMPT] * N_SAMPLES, sps)
+    toks = np.asarray([o.token_ids for o in outs])
+    counts = np.bincount((toks[:, 0] * V + toks[:, 1]) * V + toks[:, 2], minlength=V ** 3).reshape(V, V, V)
+    cond, eye = models[2], np.eye(V)
+    prompt_seen = np.isin(np.arange(V), PROMPT)
+    first = _penalised(cond[0], prompt_seen, np.zeros(V))
+    second = np.stack([_penalised(cond[1][a], prompt_seen, eye[a]) for a in range(V)])
+    third = np.stack([np.stack([_penalised(cond[2][a, b], prompt_seen, eye[a] + eye[b]) for b in range(V)])
+                      for a in range(V)])
+    exact = exact_continuations((first, second, third), temperature, 0, 1.0)
+    stat, df, p = chisquare(counts, exact)
+    print(f"\npenalties {spec}: chi2={stat:.1f} df={df} p={p:.4g}")
+    assert p > P_OK, (stat, df, p)
+    # The penalties matter here: the unpenalised distribution fails the same test.
+    assert chisquare(counts, exact_continuations(cond, temperature, 0, 1.0))[2] < P_BROKEN

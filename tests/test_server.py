@@ -351,6 +351,8 @@ BAD_REQUESTS = [
     ("/v1/completions", dict(_OK, include_stop_str_in_output="yes"), 400, "include_stop_str_in_output",
      "include_stop_str_in_output"),
     ("/v1/completions", dict(_OK, logprobs=21), 400, "max_logprobs", "logprobs"),
+    ("/v1/completions", dict(_OK, presence_penalty=3), 400, "presence_penalty", "presence_penalty"),
+    ("/v1/completions", dict(_OK, repetition_penalty=0), 400, "repetition_penalty", "repetition_penalty"),
     ("/v1/completions", dict(_OK, logprobs=True), 400, "logprobs", "logprobs"),
     ("/v1/completions", dict(_OK, max_tokens=0), 400, "echo", "max_tokens"),
     ("/v1/chat/completions", dict(_CHAT, echo=True), 400, "echo", "echo"),

@@ -5,6 +5,18 @@ prefill chunks, page growth before each decode step, preemption of the newest re
 run short, release, and a batch's state slots and block table. Block tables and sampling
 settings and prompt lengths are kept per state slot (numpy tables), so a batch's are one gather
 by its slots.
+
+With prefix caching (page_allocator.PrefixCache), a request admitted takes the cached pages of
+its longest cached prefix and prefills only the rest. A page is cached only when its contents are
+final and named by its key: a request's prompt pages once its prefill is read (`cache_prompt`),
+the rest of its committed pages when it leaves the batch (`release`). A page's key covers the
+token after it, because the draft's last slot of the page pairs the target's feature there with
+that token; pages whose draft slots a request did not write (no draft, or pairs an adaptive
+request has not caught up on) are cached target-only, for requests without the draft. A request
+never writes below the length it was admitted with, so a shared page is never written; nothing a
+step computed beyond its committed tokens (rejected draft tokens, tree scratch) is in a page
+that gets cached. Requests with penalties or prompt logprobs read every prompt token, so they
+compute their prompt whole (they still leave their pages to the cache).
 """
 
 from __future__ import annotations
@@ -17,7 +29,7 @@ from typing import Sequence
 import numpy as np
 
 from .. import kv_cache
-from ..page_allocator import PageAllocator, pages_for
+from ..page_allocator import PageAllocator, PrefixCache, page_keys, pages_for
 from ..request import Request
 from ..sampling import SamplingTable
 from ..spec.policy import SpeculationPolicy
@@ -80,17 +92,27 @@ class ScheduledRequest(Request):
     gap: int = 0  # steps since the draft last saw this request's tokens (adaptive speculation)
     with_draft: bool = True  # the draft follows it (adaptive speculation may admit a request without)
     epoch: int = 0  # bumped when the request leaves the running batch: results launched before are void
+    wait_for: "ScheduledRequest | None" = None  # admitted once this one's prompt is prefilled (n > 1 choices)
+
+    @property
+    def reads_whole_prompt(self) -> bool:
+        """Penalties and prompt logprobs read every prompt token: no prefix may be skipped."""
+        sp = self.sampling
+        return (sp.prompt_logprobs is not None or sp.repetition_penalty != 1 or sp.frequency_penalty != 0
+                or sp.presence_penalty != 0)
 
 
 class RunningBatch:
     """Who holds a state slot and pages, who waits, and the per-slot tables (see the module doc)."""
 
     def __init__(self, policy: SpeculationPolicy, counters: SchedulerCounters, *, max_num_seqs: int,
-                 page_size: int, num_pages: int, max_pages_per_seq: int, lookahead: int):
+                 page_size: int, num_pages: int, max_pages_per_seq: int, lookahead: int, prefix_caching: bool = False):
         self.policy, self.counters = policy, counters
         self.max_num_seqs, self.page_size, self.lookahead = max_num_seqs, page_size, lookahead
         self.max_pages_per_seq = max_pages_per_seq
         self.alloc = PageAllocator(num_pages)
+        if prefix_caching:
+            self.alloc.cache = PrefixCache()
         scratch = max_num_seqs  # the state slot of padding rows
         self.free_slots = list(range(scratch - 1, -1, -1))
         self.tables = np.full((scratch + 1, max_pages_per_seq), kv_cache.SCRATCH_PAGE, np.int32)
@@ -102,25 +124,84 @@ class RunningBatch:
 
     def admit(self) -> None:
         """Admit waiting requests first-come first-served while a slot is free and their prompt's
-        pages fit beside a page of growth for each decoding request."""
+        pages fit beside a page of growth for each decoding request (cached pages of their prefix
+        taken, not allocated). A request waiting for another's prefill is passed over meanwhile."""
         reserve = sum(r.state == DECODE for r in self.running.values())  # a page of growth each
+        passed_over = []
         while self.waiting and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
-            need = pages_for(len(req.prefill_ids) + self.lookahead, self.page_size)
-            if need + reserve > self.alloc.num_free:
-                return
-            self.waiting.popleft()
-            req.slot = self.free_slots.pop()
-            self._give_pages(req, need)
-            req.state, req.computed, req.length = PREFILL, 0, 0
+            if req.wait_for is not None and req.wait_for.state in (WAITING, PREFILL):
+                passed_over.append(self.waiting.popleft())
+                continue
+            # Judged with the draft's pages (fewer hits) before the policy says whether it gets the draft.
+            cached = self._cached_prefix(req, self.policy.uses_draft)
+            if self._pages_short(req, cached, reserve):
+                break
+            req.wait_for = None
             rows = len(self.running) + 1  # judged at the batch it joins, at the last decode width
             key = None if self.last_decode_key is None else (bucket(rows, 1, self.max_num_seqs), self.last_decode_key[1])
-            req.with_draft = self.policy.admit(key, rows, len(req.prefill_ids), req.budget - len(req.output))
+            with_draft = self.policy.admit(key, rows, len(req.prefill_ids), req.budget - len(req.output))
+            if self.policy.uses_draft and not with_draft:
+                cached = self._cached_prefix(req, False)  # target-only pages serve it too
+            self._count_hits(req, cached)
+            need = pages_for(len(req.prefill_ids) + self.lookahead, self.page_size) - len(cached)
+            self.waiting.popleft()
+            req.slot = self.free_slots.pop()
+            self.alloc.hold(cached)
+            self.tables[req.slot, : len(cached)] = cached
+            req.pages = list(cached)
+            self._give_pages(req, need)
+            req.state, req.computed, req.length = PREFILL, len(cached) * self.page_size, len(cached) * self.page_size
+            req.with_draft = with_draft
             self.sampling.set_row(req.slot, req.sampling)
             self.prompt_lens[req.slot] = len(req.prompt)
             if req.admitted is None:
                 req.admitted = time.perf_counter()
             self.running[req.id] = req
+        self.waiting.extendleft(reversed(passed_over))
+
+    def _cached_prefix(self, req: ScheduledRequest, with_draft: bool) -> list[int]:
+        """The cached pages of a request's longest cached prefix (draft-valid ones `with_draft`).
+        At least the prompt's last token is left to compute (its logits give the first token), and
+        each page's key needs the token after it."""
+        cache = self.alloc.cache
+        if cache is None or req.reads_whole_prompt:
+            return []
+        full = (len(req.prefill_ids) - 1) // self.page_size
+        return cache.lookup(page_keys(req.prefill_ids, self.page_size, full), with_draft)
+
+    def _pages_short(self, req: ScheduledRequest, cached: list[int], reserve: int) -> bool:
+        """Whether the pages a request needs beyond `cached` (and the cached ones nobody holds,
+        which count as free) exceed the free pages less `reserve`."""
+        need = pages_for(len(req.prefill_ids) + self.lookahead, self.page_size) - len(cached)
+        return need + sum(self.alloc.refs(p) == 0 for p in cached) + reserve > self.alloc.num_free
+
+    def _count_hits(self, req: ScheduledRequest, cached: list[int]) -> None:
+        """The prefix cache's hit-rate counters (tokens and requests), at admission."""
+        if self.alloc.cache is None:
+            return
+        totals = self.counters.totals
+        totals["prefix_cache_queries_total"] += len(req.prefill_ids)
+        totals["prefix_cache_hits_total"] += len(cached) * self.page_size
+        totals["prefix_cache_requests_total"] += 1
+        totals["prefix_cache_hit_requests_total"] += bool(cached)
+
+    def cache_pages(self, req: ScheduledRequest, tokens: list[int], valid: int, draft_valid: int) -> None:
+        """Cache `req`'s full pages whose slots below `valid` hold the final K/V of `tokens` (as
+        many tokens as the pages hold, plus the one after), draft-valid below `draft_valid`."""
+        cache = self.alloc.cache
+        if cache is None:
+            return
+        full = min(valid, len(tokens) - 1, len(req.pages) * self.page_size) // self.page_size
+        for i, key in enumerate(page_keys(tokens, self.page_size, full)):
+            cache.register(key, req.pages[i], (i + 1) * self.page_size <= draft_valid)
+
+    def cache_prefilled(self, req: ScheduledRequest, with_draft: bool) -> None:
+        """A prefill chunk of `req` was launched (`with_draft`: by the draft's program): the pages
+        it completes hold their final K/V once it runs, before any later program reads them. The
+        draft's last slot of the prompt pairs with the first generated token, so the page holding
+        it waits for `release` (`cache_pages` keeps to pages whose next token is known)."""
+        self.cache_pages(req, req.prefill_ids, req.computed, req.computed if with_draft and req.with_draft else 0)
 
     def prefill_rows(self, prefill_chunk: int) -> list[tuple[ScheduledRequest, int]]:
         """(request, prompt tokens) of the next prefill batch: chunks of up to `prefill_chunk`
@@ -172,8 +253,13 @@ class RunningBatch:
         self.waiting.appendleft(req)
 
     def release(self, req: ScheduledRequest) -> None:
-        """Free a request's pages and slot. Programs launched before still write them, but every
-        later program runs after those on the device, so the next owner sees its own data."""
+        """Free a request's pages and slot, leaving its final full pages to the prefix cache.
+        Programs launched before still write them (beyond the committed length only, so never a
+        cached page), but every later program runs after those on the device, so the next owner
+        sees its own data."""
+        if req.state == DECODE:  # committed: req.length slots, draft pairs up to length - gap
+            draft_valid = req.length - req.gap if req.with_draft and self.policy.uses_draft else 0
+            self.cache_pages(req, req.prompt + req.output, req.length, draft_valid)
         self.alloc.free(req.pages)
         if req.slot is not None:
             self.tables[req.slot] = kv_cache.SCRATCH_PAGE

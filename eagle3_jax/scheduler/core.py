@@ -111,6 +111,12 @@ class Scheduler:
     judged from; see logprobs.py). Steps that compute them are separate programs, compiled the
     first time a batch holds such a request.
 
+    With `prefix_caching`, full KV pages whose contents are final are kept after their request
+    leaves, keyed by the tokens they hold (and the token after: the draft's slots pair with it),
+    and a request whose prompt starts with cached pages takes them instead of computing them
+    again (batch.py says when a page is cached and when it may be shared); they are evicted least
+    recently used when pages run short. `stats()` counts the hits (tokens and requests).
+
     Not thread-safe: one thread calls its methods (see serving.AsyncEngine for asyncio use).
     """
 
@@ -118,7 +124,7 @@ class Scheduler:
                  max_num_seqs: int = 64, max_seq_len: int = 2048, page_size: int = 16,
                  num_pages: int | None = None, prefill_chunk: int = 256, max_compiled_programs: int = 48,
                  overlap: bool = True, tokenizer: Tokenizer | None = None, max_logprobs: int = 20,
-                 logprobs_mode: str = "raw"):
+                 logprobs_mode: str = "raw", prefix_caching: bool = False):
         for name, value, low in (("max_num_seqs", max_num_seqs, 1), ("max_seq_len", max_seq_len, 2),
                                  ("page_size", page_size, 1), ("prefill_chunk", prefill_chunk, 1),
                                  ("max_compiled_programs", max_compiled_programs, 2), ("max_logprobs", max_logprobs, 0)):
@@ -151,7 +157,7 @@ class Scheduler:
         self.counters = SchedulerCounters(self.policy.max_accept)
         self._batch = RunningBatch(self.policy, self.counters, max_num_seqs=self.max_num_seqs, page_size=self.page_size,
                                    num_pages=int(num_pages), max_pages_per_seq=self.max_pages_per_seq,
-                                   lookahead=self.lookahead)
+                                   lookahead=self.lookahead, prefix_caching=bool(prefix_caching))
         # The programs run the target capturing the hidden states the draft reads.
         features = target if draft is None else target.capturing(draft.aux_layer_ids)
         self._executor = Executor(features, self.draft, self.policy, int(num_pages), self.page_size, self.max_num_seqs,
@@ -166,9 +172,12 @@ class Scheduler:
 
     # ---- requests ------------------------------------------------------------------------------
     def add_request(self, prompt_ids: Sequence[int], sampling: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
+                    request_id: str | None = None, *, wait_for: str | None = None) -> str:
         """Validate and queue a request; returns its id. A max_tokens that does not fit in
-        max_seq_len is cut to the room left, with a warning.
+        max_seq_len is cut to the room left, with a warning. `wait_for`: the id of a request of
+        the same prompt queued before (the first of n choices); this one is admitted only once
+        that one's prompt is prefilled, so with prefix caching it takes the prompt's full pages
+        instead of computing them again (others queued behind it are admitted meanwhile).
 
         Raises ValueError for a bad prompt or sampling, a duplicate id, or a prompt that leaves no
         room within max_seq_len; CapacityError when it could never fit in the KV pages.
@@ -176,13 +185,14 @@ class Scheduler:
         sampling = SamplingParams() if sampling is None else sampling
         ids = check_request(self.target.config.vocab_size, self.max_seq_len, prompt_ids, sampling,
                             decodes_text=self.tokenizer is not None, max_logprobs=self.max_logprobs)
-        rid = self._queue(ids, sampling, request_id)
+        rid = self._queue(ids, sampling, request_id, wait_for)
         cut = cap_message(len(ids), sampling.max_tokens, self.max_seq_len)
         if cut:
             logger.warning("request %s: %s", rid, cut)
         return rid
 
-    def _queue(self, ids: list[int], sampling: SamplingParams, request_id: str | None) -> str:
+    def _queue(self, ids: list[int], sampling: SamplingParams, request_id: str | None,
+               wait_for: str | None = None) -> str:
         """Queue a checked prompt (check_request's ids); returns its id."""
         rid = str(next(self._ids)) if request_id is None else str(request_id)
         if rid in self._requests:
@@ -195,7 +205,8 @@ class Scheduler:
                 f"{self.page_size} slots, but the cache has only {self._batch.alloc.num_usable}; lower max_tokens, "
                 f"shorten the prompt or raise num_pages"
             )
-        req = ScheduledRequest(id=rid, prompt=ids, sampling=sampling, budget=budget, prefill_ids=list(ids))
+        req = ScheduledRequest(id=rid, prompt=ids, sampling=sampling, budget=budget, prefill_ids=list(ids),
+                               wait_for=None if wait_for is None else self._requests.get(str(wait_for)))
         if sampling.stop:
             req.text = TextStream(self.tokenizer, ids, sampling.stop, sampling.include_stop_str_in_output,
                                   sampling.min_tokens)
@@ -250,6 +261,7 @@ class Scheduler:
         b = self._batch
         return {"num_waiting": len(b.waiting), "num_running": len(b.running),
                 "num_pages": b.alloc.num_usable, "num_free_pages": b.alloc.num_free,
+                "num_cached_pages": b.alloc.cache.num_cached if b.alloc.cache is not None else 0,
                 "page_size": self.page_size, **self.counters.stats(), **self.policy.stats()}
 
     # ---- one iteration -------------------------------------------------------------------------
@@ -311,6 +323,7 @@ class Scheduler:
         t = bucket(max(n for _, n in rows), MIN_CHUNK_BUCKET, chunk_cap(self.prefill_chunk))
         tokens, lengths, n_valid, following, counter = prefill_arrays(batch, t)
         sp = self._batch.sampling.rows(slots)
+        owners = slots.copy()  # each row's own slot, whose penalty history the chunk enters
         for i, (req, n) in enumerate(rows):
             c = req.computed
             tokens[i, :n] = req.prefill_ids[c: c + n]
@@ -325,10 +338,12 @@ class Scheduler:
         chunks = [(req.computed, n) for req, n in rows]
         compiles, launched = self.programs.num_compiles, time.perf_counter()
         outputs = self._launch("prefill" if with_draft else "plain_prefill", None, block_table, tokens, lengths,
-                               n_valid, following, slots, sp, counter, logprobs=logprobs)
+                               n_valid, following, slots, sp, counter, owners, self._batch.prompt_lens[owners],
+                               logprobs=logprobs)
         for req, n in rows:
             req.computed += n
             req.length = req.computed
+            self._batch.cache_prefilled(req, with_draft)
             if req.computed == len(req.prefill_ids):
                 req.state = DECODE
         self.counters.totals["prompt_tokens_total"] += int(n_valid[: len(rows)].sum())

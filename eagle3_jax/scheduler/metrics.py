@@ -47,6 +47,10 @@ class SchedulerCounters:
             "num_accepted_draft_tokens_total": c["num_accepted_draft_tokens_total"],
             "per_position_accepted_total": [int(x) for x in self.per_position],
             "per_position_drafted_total": [int(x) for x in self.per_position_drafted],
+            "prefix_cache_queries_total": c["prefix_cache_queries_total"],  # prompt tokens looked up
+            "prefix_cache_hits_total": c["prefix_cache_hits_total"],  # prompt tokens found
+            "prefix_cache_requests_total": c["prefix_cache_requests_total"],
+            "prefix_cache_hit_requests_total": c["prefix_cache_hit_requests_total"],
             "num_iterations_total": c["num_iterations_total"],
             "host_seconds_total": c["host_seconds_total"],  # step() time not spent waiting for the device
         }

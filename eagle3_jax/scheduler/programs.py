@@ -32,7 +32,7 @@ from .. import kv_cache
 from ..config import ModelConfig
 from ..draft import Draft, DraftConfig
 from ..logprobs import LogprobSettings, TokenLogprobs
-from ..sampling import SamplingArrays
+from ..sampling import PenaltyHistory, SamplingArrays, count_tokens
 from ..sharding import mesh_context, replicate, shard_pages, to_host
 from ..spec.policy import SpeculationPolicy
 from ..spec.propose import DraftRoot, draft_extend
@@ -49,8 +49,9 @@ class DeviceState:
 
     KV page pools of the target and the draft, and per state slot (one per running request, the
     last one scratch for padding rows): the committed cache length, the last emitted token (the
-    next step's root) and, with a draft, the draft's output hidden from which the next step
-    proposes. Keeping them on device lets the host launch a step before reading the previous one.
+    next step's root), what penalties read (the output's token counts, the prompt's tokens) and,
+    with a draft, the draft's output hidden from which the next step proposes. Keeping them on
+    device lets the host launch a step before reading the previous one.
     """
 
     tk: jax.Array
@@ -60,6 +61,8 @@ class DeviceState:
     length: jax.Array  # [S + 1] int32
     last_token: jax.Array  # [S + 1] int32
     draft_hidden: jax.Array | None  # [S + 1, H]
+    output_counts: jax.Array  # [S + 1, V] int32: each token's count in the output
+    prompt_seen: jax.Array  # [S + 1, V] bool: the prompt's tokens
     # Adaptive speculation: (target feature, next token) pairs of steps that did not speculate,
     # which the draft has not seen yet (spec/adaptive.py).
     gap: jax.Array | None = None  # [S + 1] int32
@@ -84,7 +87,8 @@ def init_state(target: Target, draft: Draft | None, policy: SpeculationPolicy, n
         dk, dv = kv_cache.init_pages(draft.config.layers, num_pages, page_size, draft.dtype)
         hidden = np.zeros((slots, draft.config.hidden_size), draft.dtype)
     per_slot = {"length": np.zeros((slots,), np.int32), "last_token": np.zeros((slots,), np.int32),
-                "draft_hidden": hidden}
+                "draft_hidden": hidden, "output_counts": np.zeros((slots, tcfg.vocab_size), np.int32),
+                "prompt_seen": np.zeros((slots, tcfg.vocab_size), bool)}
     if policy.stores_pairs:
         width = len(tcfg.aux_layer_ids) * tcfg.hidden_size
         per_slot.update(gap=np.zeros((slots,), np.int32),
@@ -108,29 +112,50 @@ def _logprob_outputs(lp: TokenLogprobs | None) -> tuple:
     return () if lp is None else (lp.token, lp.top_ids, lp.top)
 
 
+def _history_with_chunk(state: DeviceState, owners, prompt_lens, tokens, lengths, n_valid) -> DeviceState:
+    """The owners' penalty history with a prompt chunk added: prompt tokens to the prompt's set,
+    tokens past the prompt (an output recomputed after preemption) to the output's counts; a chunk
+    at length 0 starts the slot afresh."""
+    fresh = (lengths == 0)[:, None]
+    counts = state.output_counts.at[owners].set(jnp.where(fresh, 0, state.output_counts[owners]))
+    seen = state.prompt_seen.at[owners].set(state.prompt_seen[owners] & ~fresh)
+    t = tokens.shape[1]
+    valid = jnp.arange(t)[None, :] < n_valid[:, None]
+    in_prompt = lengths[:, None] + jnp.arange(t)[None, :] < prompt_lens[:, None]
+    seen = seen.at[jnp.broadcast_to(owners[:, None], tokens.shape), tokens].max(valid & in_prompt)
+    return state.replace(output_counts=count_tokens(counts, owners, tokens, valid & ~in_prompt), prompt_seen=seen)
+
+
 def _prefill_program(tcfg: ModelConfig, dcfg: DraftConfig | None, shape: None, logprobs: LogprobSettings | None,
                      tparams: dict, dparams: dict | None, state: DeviceState, block_table, tokens, lengths, n_valid,
-                     following, slots, sp: SamplingArrays, counter):
+                     following, slots, sp: SamplingArrays, counter, owners, prompt_lens):
     """One prompt chunk per row after its cached prefix (`lengths`) -> (first token, [logprobs of
     each position's next token,] state).
 
     Rows whose chunk ends the prompt store their length, first token (and draft root) in state
-    slot `slots[i]`; the others pass the scratch slot. Prefill always uses the expanded MLA form,
-    whatever the chunk length, so numerics do not depend on the batch's bucket.
+    slot `slots[i]`; the others pass the scratch slot. Every row's chunk enters the penalty history
+    of its request's slot `owners[i]` (`prompt_lens`: its prompt's length), and a first token its
+    output counts. Prefill always uses the expanded MLA form, whatever the chunk length, so
+    numerics do not depend on the batch's bucket.
     """
     tcache = state.target_cache(block_table, lengths)
     length = state.length.at[slots].set(lengths + n_valid)
+    state = _history_with_chunk(state, owners, prompt_lens, tokens, lengths, n_valid)
+    history = PenaltyHistory(state.output_counts, state.prompt_seen, owners)
+    counted = lambda first: count_tokens(state.output_counts, owners, first[:, None], (following < 0)[:, None])  # noqa: E731
     if state.gap is not None:  # the prefill extends the draft over the whole prompt
         state = state.replace(gap=state.gap.at[slots].set(0))
     if dcfg is None:
         first, _, tcache, lp = plain_prefill(tparams, tcfg, tcache, tokens, n_valid, sp, counter, following,
-                                             absorb=False, logprobs=logprobs)
+                                             absorb=False, logprobs=logprobs, history=history)
         return first, *_logprob_outputs(lp), state.replace(tk=tcache.k, tv=tcache.v, length=length,
-                                                           last_token=state.last_token.at[slots].set(first))
+                                                           last_token=state.last_token.at[slots].set(first),
+                                                           output_counts=counted(first))
     first, tcache, dcache, root, lp = spec_prefill(tparams, tcfg, dparams, dcfg, tcache,
                                                    state.draft_cache(block_table, lengths), tokens, n_valid, sp, counter,
-                                                   following, absorb=False, logprobs=logprobs)
+                                                   following, absorb=False, logprobs=logprobs, history=history)
     return first, *_logprob_outputs(lp), state.replace(tk=tcache.k, tv=tcache.v, dk=dcache.k, dv=dcache.v, length=length,
+                                                       output_counts=counted(first),
                                 last_token=state.last_token.at[slots].set(root.token),
                                 draft_hidden=state.draft_hidden.at[slots].set(root.hidden))
 
@@ -148,10 +173,12 @@ def _one_token_step(tcfg: ModelConfig, logprobs: LogprobSettings | None, tparams
     """One target token per row: (tokens [B, 1], counts [B], aux features [B, F], logprob outputs, state)."""
     lengths, counter = _rows(state, slots, prompt_lens)
     nxt, aux, tcache, lp = plain_step(tparams, tcfg, state.target_cache(block_table, lengths), state.last_token[slots],
-                                      sp, counter, logprobs)
+                                      sp, counter, logprobs, PenaltyHistory(state.output_counts, state.prompt_seen, slots))
     count = jnp.ones_like(nxt)
-    return nxt[:, None], count, aux, _logprob_outputs(lp), state.replace(tk=tcache.k, tv=tcache.v, length=state.length.at[slots].set(lengths + count),
-                                                   last_token=state.last_token.at[slots].set(nxt))
+    return nxt[:, None], count, aux, _logprob_outputs(lp), state.replace(
+        tk=tcache.k, tv=tcache.v, length=state.length.at[slots].set(lengths + count),
+        last_token=state.last_token.at[slots].set(nxt),
+        output_counts=count_tokens(state.output_counts, slots, nxt[:, None], count[:, None] > 0))
 
 
 def _plain_decode_program(tcfg: ModelConfig, dcfg: None, shape: None, logprobs: LogprobSettings | None,
@@ -185,11 +212,13 @@ def _decode_program(tcfg: ModelConfig, dcfg: DraftConfig, shape: SpecConfig, log
     out, count, tcache, dcache, root, _, lp = spec_step(tparams, tcfg, dparams, dcfg, shape,
                                                         state.target_cache(block_table, lengths),
                                                         state.draft_cache(block_table, lengths), root, sp, counter,
-                                                        logprobs)
-    return out, count, *_logprob_outputs(lp), state.replace(tk=tcache.k, tv=tcache.v, dk=dcache.k, dv=dcache.v,
-                                     length=state.length.at[slots].set(lengths + count),
-                                     last_token=state.last_token.at[slots].set(root.token),
-                                     draft_hidden=state.draft_hidden.at[slots].set(root.hidden))
+                                                        logprobs, PenaltyHistory(state.output_counts, state.prompt_seen,
+                                                                                 slots))
+    emitted = jnp.arange(out.shape[1])[None, :] < count[:, None]
+    return out, count, *_logprob_outputs(lp), state.replace(
+        tk=tcache.k, tv=tcache.v, dk=dcache.k, dv=dcache.v, length=state.length.at[slots].set(lengths + count),
+        last_token=state.last_token.at[slots].set(root.token), draft_hidden=state.draft_hidden.at[slots].set(root.hidden),
+        output_counts=count_tokens(state.output_counts, slots, out, emitted))
 
 
 def _catch_up_program(tcfg: ModelConfig, dcfg: DraftConfig, shape: None, logprobs: None, tparams: dict,

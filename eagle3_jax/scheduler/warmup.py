@@ -47,7 +47,8 @@ def run_on_padding(program: WarmProgram, batch: RunningBatch, launch: Callable[.
     sp = batch.sampling.rows(slots)
     if program.plan is None:
         tokens, lengths, n_valid, following, counter = prefill_arrays(program.batch, program.chunk)
-        return launch(program.kind, None, block_table, tokens, lengths, n_valid, following, slots, sp, counter)
+        return launch(program.kind, None, block_table, tokens, lengths, n_valid, following, slots, sp, counter, slots,
+                      batch.prompt_lens[slots])
     if program.plan.catch_up:
         launch("catch_up", None, block_table, slots)
     return launch(program.plan.program, program.plan.shape, block_table, slots, batch.prompt_lens[slots], sp)

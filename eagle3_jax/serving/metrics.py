@@ -9,12 +9,15 @@ Metric names carry the `eagle3_` prefix:
   `eagle3_requests_finished_total`, `eagle3_requests_aborted_total`, `eagle3_preemptions_total`,
   `eagle3_decode_steps_total`, `eagle3_accepted_tokens_total`, speculation's counts as vLLM names
   them (`eagle3_spec_decode_num_drafts_total`, `..._num_draft_tokens_total`,
-  `..._num_accepted_tokens_total`, `..._num_accepted_tokens_per_pos_total{position}`),
-  `eagle3_http_requests_total{route, status}`;
+  `..._num_accepted_tokens_total`, `..._num_accepted_tokens_per_pos_total{position}`), the prefix
+  cache's as vLLM names them (`eagle3_prefix_cache_queries_total`, `eagle3_prefix_cache_hits_total`:
+  prompt tokens looked up and found, and `eagle3_prefix_cache_requests_total`,
+  `eagle3_prefix_cache_hit_requests_total`), `eagle3_http_requests_total{route, status}`;
 - gauges: `eagle3_num_requests_waiting`, `eagle3_num_requests_running`, `eagle3_request_queue_depth`,
   `eagle3_kv_pages_free`, `eagle3_kv_pages_total`, `eagle3_kv_page_size`, `eagle3_kv_cache_usage_ratio`,
   `eagle3_mean_accept_length`, `eagle3_spec_acceptance_rate{position="k"}` (the fraction of
-  verify passes accepting at least k draft tokens), `eagle3_engine_healthy`.
+  verify passes accepting at least k draft tokens), `eagle3_kv_pages_cached`,
+  `eagle3_prefix_cache_hit_rate` (hit tokens / queried tokens), `eagle3_engine_healthy`.
 """
 
 from __future__ import annotations
@@ -47,6 +50,13 @@ COUNTERS: tuple[tuple[str, str, str], ...] = (
     ("eagle3_spec_decode_num_draft_tokens", "Draft tokens proposed to verify passes.", "num_draft_tokens_total"),
     ("eagle3_spec_decode_num_accepted_tokens", "Draft tokens accepted by verify passes (bonus tokens not counted).",
      "num_accepted_draft_tokens_total"),
+    ("eagle3_prefix_cache_queries", "Prompt tokens of admitted requests looked up in the prefix cache.",
+     "prefix_cache_queries_total"),
+    ("eagle3_prefix_cache_hits", "Prompt tokens found in the prefix cache (not computed again).",
+     "prefix_cache_hits_total"),
+    ("eagle3_prefix_cache_requests", "Admitted requests looked up in the prefix cache.", "prefix_cache_requests_total"),
+    ("eagle3_prefix_cache_hit_requests", "Admitted requests that found part of their prompt in the prefix cache.",
+     "prefix_cache_hit_requests_total"),
 )
 GAUGES: tuple[tuple[str, str, str], ...] = (
     ("eagle3_num_requests_waiting", "Requests queued in the scheduler, not yet running.", "num_waiting"),
@@ -56,6 +66,7 @@ GAUGES: tuple[tuple[str, str, str], ...] = (
     ("eagle3_kv_pages_free", "Free KV cache pages.", "num_free_pages"),
     ("eagle3_kv_pages_total", "Usable KV cache pages.", "num_pages"),
     ("eagle3_kv_page_size", "Tokens per KV cache page.", "page_size"),
+    ("eagle3_kv_pages_cached", "KV pages the prefix cache holds (in use or evictable).", "num_cached_pages"),
     ("eagle3_mean_accept_length", "Mean acceptance length tau (tokens per verify pass, bonus included).",
      "mean_accept_length"),
 )
@@ -72,6 +83,9 @@ def engine_metrics(stats: Mapping[str, Any]) -> Iterator[Metric]:
     if stats.get("num_pages"):
         used = 1 - stats.get("num_free_pages", 0) / stats["num_pages"]
         yield GaugeMetricFamily("eagle3_kv_cache_usage_ratio", "Fraction of KV pages in use.", value=used)
+    if stats.get("prefix_cache_queries_total"):
+        yield GaugeMetricFamily("eagle3_prefix_cache_hit_rate", "Prompt tokens found in the prefix cache / looked up.",
+                                value=stats["prefix_cache_hits_total"] / stats["prefix_cache_queries_total"])
     per_pos = stats.get("per_position_accepted_total")
     if per_pos is not None:
         steps = stats.get("num_decode_steps_total") or 0

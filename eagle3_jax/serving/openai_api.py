@@ -12,6 +12,9 @@ Endpoints:
 
 Sampling fields: `max_tokens` (chat also `max_completion_tokens`), `temperature` (default 1.0;
 0 = greedy), `top_p`, `top_k` (-1 or 0 = off), `seed` (default: a random one), `n` (must be 1),
+`presence_penalty`, `frequency_penalty` (in [-2, 2]) and vLLM's `repetition_penalty` (> 0; on the
+target's distribution in plain and speculative steps alike: greedy and sampled tokens are the
+penalised target's),
 `stop` (a string or a list of strings, matched on the decoded text across token boundaries; the
 reply ends before the stop string, or after it with vLLM's `include_stop_str_in_output`, and its
 choice's `stop_reason` names it), `stream`, `stream_options.include_usage`, and the vLLM
@@ -25,7 +28,7 @@ the prompt, and with `logprobs` its prompt logprobs, the first None; `max_tokens
 with it: one token is generated and left out), chat's `logprobs` + `top_logprobs` (`content`
 items with `token`, `logprob`, `bytes`, `top_logprobs`), at most the scheduler's `max_logprobs`
 alternatives; streamed chunks carry their own tokens' logprobs. -inf reads -9999.0. Parameters
-this engine does not implement (penalties, `logit_bias`, `best_of` > 1, `n` > 1, chat's `echo`,
+this engine does not implement (`logit_bias`, `best_of` > 1, `n` > 1, chat's `echo`,
 tools, `suffix`, non-text `response_format`) get a 400 when set to anything but their neutral
 value, rather than being ignored.
 
@@ -152,9 +155,6 @@ def get_bool(body: Mapping[str, Any], key: str, default: bool) -> bool:
 # repeats the last message in vLLM, only there).
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "best_of": (None, 1),
-    "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0),
-    "repetition_penalty": (None, 1, 1.0),
     "logit_bias": (None, {}),
     "suffix": (None, ""),
     "tools": (None, []),
@@ -169,7 +169,7 @@ _HINTS: dict[str, str] = {}
 # `user` (an end-user id OpenAI's API takes and this server has no use for).
 _COMMON_FIELDS = frozenset({"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "n", "stream",
                             "stream_options", "stop", "stop_token_ids", "ignore_eos", "include_stop_str_in_output",
-                            "min_tokens", "logprobs",
+                            "min_tokens", "logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty",
                             "response_format", "user",
                             *_NEUTRAL})
 KNOWN_FIELDS = {"completion": _COMMON_FIELDS | {"prompt", "echo"},
@@ -273,8 +273,17 @@ def parse_sampling(body: Mapping[str, Any], *, default_max_tokens: int, eos_toke
     if not 0 <= min_tokens <= max_tokens:
         raise ApiError(f"'min_tokens' must be in [0, max_tokens={max_tokens}]; got {min_tokens}", param="min_tokens",
                        code="invalid_value")
+    penalties = {key: get_float(body, key, neutral) for key, neutral in
+                 (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0))}
+    for key in ("presence_penalty", "frequency_penalty"):
+        if not -2 <= penalties[key] <= 2:
+            raise ApiError(f"'{key}' must be in [-2, 2]; got {penalties[key]}", param=key, code="invalid_value")
+    if penalties["repetition_penalty"] <= 0:
+        raise ApiError(f"'repetition_penalty' must be > 0 (1 = off); got {penalties['repetition_penalty']}",
+                       param="repetition_penalty", code="invalid_value")
     try:
-        return SamplingParams(temperature=temperature, top_p=top_p, top_k=max(top_k, 0), max_tokens=max(max_tokens, 1),
+        return SamplingParams(**penalties, temperature=temperature, top_p=top_p, top_k=max(top_k, 0),
+                              max_tokens=max(max_tokens, 1),
                               seed=seed, stop_token_ids=tuple(dict.fromkeys(stop_ids)), stop=stop,
                               include_stop_str_in_output=include_stop, min_tokens=min_tokens, logprobs=logprobs,
                               prompt_logprobs=logprobs if echo else None)

@@ -17,7 +17,7 @@ from .. import kv_cache
 from ..config import ModelConfig
 from ..draft import DraftConfig
 from ..logprobs import LogprobSettings, TokenLogprobs, token_logprobs
-from ..sampling import SamplingArrays, processed_logits, sample
+from ..sampling import PenaltyHistory, SamplingArrays, apply_penalties, processed_logits, sample
 from ..target import forward
 from .propose import DraftRoot, draft_extend, propose
 from .settings import SpecConfig
@@ -38,11 +38,12 @@ def chunk_next_tokens(tokens: jax.Array, prompt_lens: jax.Array, following: jax.
 def plain_prefill(tparams: dict, tcfg: ModelConfig, tcache: kv_cache.KVCache, tokens: jax.Array,
                   prompt_lens: jax.Array, sp: SamplingArrays, counter: jax.Array | None = None,
                   following: jax.Array | None = None, absorb: bool | None = None,
-                  logprobs: LogprobSettings | None = None):
+                  logprobs: LogprobSettings | None = None, history: PenaltyHistory | None = None):
     """Prompt tokens [B, T] (right-padded; `prompt_lens` valid) after each row's cached prefix ->
-    (first token [B] sampled with key `counter` (default 0), aux features [B, T, F], cache
-    advanced by `prompt_lens`, logprobs). `following` as in `spec_prefill`. `absorb` picks the MLA
-    form (see target.forward). With `logprobs`, the logprobs [B, T] of each position's next token
+    (first token [B] sampled with key `counter` (default 0) and penalties read from `history`
+    (the sequence so far, this chunk included), aux features [B, T, F], cache advanced by
+    `prompt_lens`, logprobs). `following` as in `spec_prefill`. `absorb` picks the MLA form (see
+    target.forward). With `logprobs`, the logprobs [B, T] of each position's next token
     (`chunk_next_tokens`: raw for prompt tokens; the first generated token's as the settings say),
     else None."""
     b, t = tokens.shape
@@ -52,14 +53,15 @@ def plain_prefill(tparams: dict, tcfg: ModelConfig, tcache: kv_cache.KVCache, to
     logits, aux, tcache = forward(tparams, tcfg, tokens, positions, tcache, absorb=absorb)
     last = (prompt_lens - 1)[:, None]
     last_logits = jnp.take_along_axis(logits, last[:, :, None], axis=1)[:, 0]
-    first = sample(last_logits, sp, counter)
+    judged = apply_penalties(last_logits, sp, history)
+    first = sample(judged, sp, counter)
     lp = None
     if logprobs is not None:
         if following is None:
             following = jnp.full((b,), -1, jnp.int32)
         lp = token_logprobs(logits, chunk_next_tokens(tokens, prompt_lens, following, first), logprobs.k)
         if logprobs.processed:  # the first generated token's, from what it was sampled from
-            first_lp = token_logprobs(processed_logits(last_logits[:, None], sp, counter[:, None]), first[:, None],
+            first_lp = token_logprobs(processed_logits(judged[:, None], sp, counter[:, None]), first[:, None],
                                       logprobs.k)
             at_last = jnp.arange(t)[None, :] == last
             lp = jax.tree.map(lambda whole, one: jnp.where(at_last.reshape(at_last.shape + (1,) * (whole.ndim - 2)),
@@ -68,29 +70,32 @@ def plain_prefill(tparams: dict, tcfg: ModelConfig, tcache: kv_cache.KVCache, to
 
 
 def plain_step(tparams: dict, tcfg: ModelConfig, tcache: kv_cache.KVCache, tokens: jax.Array, sp: SamplingArrays,
-               counter: jax.Array, logprobs: LogprobSettings | None = None):
+               counter: jax.Array, logprobs: LogprobSettings | None = None, history: PenaltyHistory | None = None):
     """One token per row after `tokens` [B] (written at the cache's lengths) -> (next token [B]
-    sampled with key `counter`, aux feature [B, F] of `tokens`, cache advanced by one, its
-    logprobs [B, 1] with `logprobs` else None)."""
+    sampled with key `counter` and penalties read from `history`, aux feature [B, F] of `tokens`,
+    cache advanced by one, its logprobs [B, 1] with `logprobs` else None)."""
     logits, aux, tcache = forward(tparams, tcfg, tokens[:, None], tcache.lengths[:, None], tcache)
-    nxt = sample(logits[:, 0], sp, counter)
-    lp = None if logprobs is None else emitted_logprobs(logits, nxt[:, None], sp, counter, logprobs)
+    judged = apply_penalties(logits[:, 0], sp, history)
+    nxt = sample(judged, sp, counter)
+    lp = None if logprobs is None else emitted_logprobs(logits, judged[:, None], nxt[:, None], sp, counter, logprobs)
     return nxt, aux[:, 0], kv_cache.advance(tcache, jnp.ones_like(tcache.lengths)), lp
 
 
-def emitted_logprobs(logits: jax.Array, tokens: jax.Array, sp: SamplingArrays, counter: jax.Array,
-                     logprobs: LogprobSettings) -> TokenLogprobs:
-    """Logprobs of emitted tokens [B, P] from the logits [B, P, V] that predicted them (token p is
-    the row's generated token number counter + p)."""
+def emitted_logprobs(logits: jax.Array, judged: jax.Array, tokens: jax.Array, sp: SamplingArrays,
+                     counter: jax.Array, logprobs: LogprobSettings) -> TokenLogprobs:
+    """Logprobs of emitted tokens [B, P] from the raw logits [B, P, V] that predicted them, or,
+    processed, from those logits as judged (penalised; token p is the row's generated token number
+    counter + p)."""
     if logprobs.processed:
-        logits = processed_logits(logits, sp, counter[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32))
+        logits = processed_logits(judged, sp, counter[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32))
     return token_logprobs(logits, tokens, logprobs.k)
 
 
 def spec_prefill(tparams: dict, tcfg: ModelConfig, dparams: dict, dcfg: DraftConfig,
                  tcache: kv_cache.KVCache, dcache: kv_cache.KVCache, tokens: jax.Array, prompt_lens: jax.Array,
                  sp: SamplingArrays, counter: jax.Array | None = None, following: jax.Array | None = None,
-                 absorb: bool | None = None, logprobs: LogprobSettings | None = None):
+                 absorb: bool | None = None, logprobs: LogprobSettings | None = None,
+                 history: PenaltyHistory | None = None):
     """Prompt tokens [B, T] (right-padded; `prompt_lens` valid) -> first token [B], caches, draft root.
 
     The tokens go after each row's cached prefix (cache lengths, equal in both caches), so a long
@@ -99,33 +104,43 @@ def spec_prefill(tparams: dict, tcfg: ModelConfig, dparams: dict, dcfg: DraftCon
     generated token with key `counter` (default 0) and the draft pairs its last feature with it.
     The first token and root are meaningful for final chunks only. `absorb` picks the MLA form
     (see target.forward) of the target and, for an MLA draft, of the draft's extend. `logprobs` as
-    in `plain_prefill` (the last output; None without).
+    in `plain_prefill` (the last output; None without), and `history` (penalties).
     """
     b, t = tokens.shape
     if following is None:
         following = jnp.full((b,), -1, jnp.int32)
     first, aux, tcache, lp = plain_prefill(tparams, tcfg, tcache, tokens, prompt_lens, sp, counter, following, absorb,
-                                           logprobs)
+                                           logprobs, history)
     # Draft pair t = (feature t, token t+1); the last pair's next token follows the chunk.
     next_tokens = chunk_next_tokens(tokens, prompt_lens, following, first)
     _, root_hidden, dcache = draft_extend(dparams, dcfg, dcache, aux, next_tokens, prompt_lens, absorb)
     return first, tcache, dcache, DraftRoot(token=first, hidden=root_hidden), lp
 
 
+def path_counts(tokens: jax.Array, anc: jax.Array, vocab: int) -> jax.Array:
+    """[B, N, V]: per tree node, the counts of the draft tokens on its path below the root (its
+    strict ancestors but the root, which the output holds already)."""
+    n = tokens.shape[1]
+    strict = anc & ~jnp.eye(n, dtype=bool)[None] & (jnp.arange(n) > 0)[None, None, :]
+    return jnp.einsum("bij,bjv->biv", strict.astype(jnp.int32), jax.nn.one_hot(tokens, vocab, dtype=jnp.int32))
+
+
 def spec_step(tparams: dict, tcfg: ModelConfig, dparams: dict, dcfg: DraftConfig, spec: SpecConfig | None,
               tcache: kv_cache.KVCache, dcache: kv_cache.KVCache, root: DraftRoot, sp: SamplingArrays,
-              counter: jax.Array, logprobs: LogprobSettings | None = None):
+              counter: jax.Array, logprobs: LogprobSettings | None = None, history: PenaltyHistory | None = None):
     """Propose a tree from `root` (`spec`; None: the root alone), verify it, emit tokens [B, D+1]
     (-1 padded; D = spec.max_accept, 0 for None) and counts [B]; return caches, next root, counter
     and, with `logprobs`, the emitted tokens' logprobs [B, D+1] (each read at the node that
-    predicted the token: the accepted path's node before it), else None."""
+    predicted the token: the accepted path's node before it), else None. Penalties read `history`
+    plus, at each node, the draft tokens on its path (the output it would have)."""
     tree, dcache = propose(dparams, dcfg, dcache, root, spec)
     max_accept = spec.max_accept if spec is not None else 0
     anc = ancestor_mask(tree.parents)
     depth = depths(anc)
     start = tcache.lengths
     logits, aux, tcache = forward(tparams, tcfg, tree.tokens, start[:, None] + depth, tcache, tree_mask=anc)
-    node, bonus = accept(logits, tree.tokens, tree.parents, anc, depth, sp, counter)
+    judged = apply_penalties(logits, sp, history, lambda: path_counts(tree.tokens, anc, logits.shape[-1]))
+    node, bonus = accept(judged, tree.tokens, tree.parents, anc, depth, sp, counter)
     n_accept = jnp.take_along_axis(depth, node[:, None], axis=1)[:, 0]
     path = path_to(anc, depth, node, max_accept + 1)
     out = emitted_tokens(tree.tokens, path, n_accept, bonus)
@@ -137,5 +152,6 @@ def spec_step(tparams: dict, tcfg: ModelConfig, dparams: dict, dcfg: DraftConfig
     _, root_hidden, dcache = draft_extend(dparams, dcfg, dcache, features, next_tokens, count)
     lp = None
     if logprobs is not None:
-        lp = emitted_logprobs(jnp.take_along_axis(logits, path[:, :, None], axis=1), out, sp, counter, logprobs)
+        on_path = lambda a: jnp.take_along_axis(a, path[:, :, None], axis=1)  # noqa: E731
+        lp = emitted_logprobs(on_path(logits), on_path(judged), out, sp, counter, logprobs)
     return out, count, tcache, dcache, DraftRoot(token=bonus, hidden=root_hidden), counter + count, lp
