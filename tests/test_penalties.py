@@ -37,9 +37,10 @@ def test_greedy_penalised_speculation_equals_plain_decoding(pair):
             PROMPTS, sps)
         assert [o.token_ids for o in outs] == [o.token_ids for o in want], spec
         assert max(a for o in outs for a in o.metrics["accept_lengths"]) >= 3  # accepted draft tokens judged too
+    all_three = e3.SamplingParams(max_tokens=48, **kinds[3])
     again = e3.Engine(target, draft, e3.SpecConfig.parse("tree:4:3:10"), max_batch_size=4,
-                      max_seq_len=128).generate(PROMPTS[:1], sps[3])
-    assert again[0].token_ids == plain.generate(PROMPTS[:1], sps[3])[0].token_ids
+                      max_seq_len=128).generate(PROMPTS[:1], all_three)
+    assert again[0].token_ids == plain.generate(PROMPTS[:1], all_three)[0].token_ids
 
 
 def test_penalty_values_are_checked():

@@ -118,11 +118,11 @@ def spec_prefill(tparams: dict, tcfg: ModelConfig, dparams: dict, dcfg: DraftCon
 
 
 def path_counts(tokens: jax.Array, anc: jax.Array, vocab: int) -> jax.Array:
-    """[B, N, V]: per tree node, the counts of the draft tokens on its path below the root (its
-    strict ancestors but the root, which the output holds already)."""
-    n = tokens.shape[1]
-    strict = anc & ~jnp.eye(n, dtype=bool)[None] & (jnp.arange(n) > 0)[None, None, :]
-    return jnp.einsum("bij,bjv->biv", strict.astype(jnp.int32), jax.nn.one_hot(tokens, vocab, dtype=jnp.int32))
+    """[B, N, V]: per tree node, the counts of the draft tokens from the root down to it, itself
+    included (its logits predict the token after it, once all of them are output); the root, the
+    last emitted token, is counted in the output already."""
+    below_root = anc & (jnp.arange(tokens.shape[1]) > 0)[None, None, :]
+    return jnp.einsum("bij,bjv->biv", below_root.astype(jnp.int32), jax.nn.one_hot(tokens, vocab, dtype=jnp.int32))
 
 
 def spec_step(tparams: dict, tcfg: ModelConfig, dparams: dict, dcfg: DraftConfig, spec: SpecConfig | None,
