@@ -84,6 +84,10 @@ flags.DEFINE_integer("max_logprobs", 20, "Most top alternatives a request may as
 flags.DEFINE_enum("logprobs_mode", "raw", ["raw", "processed"], "Which distribution logprobs are read from: raw (the "
                   "target's, before any sampling setting; vLLM's default) or processed (what each token was sampled "
                   "or judged from: after min_tokens, temperature and top-k / top-p).")
+flags.DEFINE_bool("prefix_caching", True, "Keep full KV pages after their request ends, keyed by their tokens, so "
+                  "requests that share a prefix (a system prompt, earlier turns, the n choices of one request) "
+                  "compute it once; least recently used pages are evicted when pages run short "
+                  "(--noprefix_caching to turn it off).")
 define_chat_template_flag()
 flags.mark_flag_as_required("target")
 # --help lists the shared flags (speculation, mesh, kernels, quantization, --verbose) with the script's own
@@ -172,7 +176,7 @@ def main(argv: Sequence[str]) -> None:
         scheduler = Scheduler(target, draft=draft, spec=spec, max_num_seqs=FLAGS.max_num_seqs,
                               max_seq_len=max_seq_len, page_size=FLAGS.page_size, num_pages=FLAGS.num_pages,
                               prefill_chunk=FLAGS.prefill_chunk, tokenizer=tok, max_logprobs=FLAGS.max_logprobs,
-                              logprobs_mode=FLAGS.logprobs_mode)
+                              logprobs_mode=FLAGS.logprobs_mode, prefix_caching=FLAGS.prefix_caching)
     model_name = FLAGS.served_model_name or os.path.basename(os.path.normpath(FLAGS.target))
     if not leader:  # multi-host follower: mirror process 0's steps until it stops
         say(f"process {jax.process_index()}: running process 0's steps on this host's devices")

@@ -47,7 +47,7 @@ def served():
     target = e3.load_target(TARGET, dtype="float32")
     draft = e3.load_draft(DRAFT, target=target, dtype="float32")
     sched = Scheduler(target, draft=draft, spec=e3.SpecConfig(num_steps=3, topk=1, num_draft_tokens=4),
-                      max_num_seqs=64, max_seq_len=MAX_SEQ_LEN, page_size=16, prefill_chunk=64)
+                      max_num_seqs=64, max_seq_len=MAX_SEQ_LEN, page_size=16, prefill_chunk=64, prefix_caching=True)
     prompt_ids = [tok.encode(p) for p in PROMPTS]
     # Each prompt alone, greedy, stopping at EOS as the server does (this also compiles the programs).
     greedy = e3.SamplingParams(temperature=0.0, max_tokens=MAX_REF_TOKENS, stop_token_ids=tok.eos_ids)
@@ -223,6 +223,35 @@ def test_logprobs_and_echo(served):
     assert [x.logprob for x in streamed] == [x.logprob for x in content] and streamed[0].top_logprobs == []
 
 
+def test_n_choices_are_seeded_share_the_prompt_and_stream_by_index(served):
+    """n choices: choice i is the request with seed + i, usage counts the prompt once, the later
+    choices take the prompt's full pages from the prefix cache, streams carry each choice's index."""
+    engine = served[1]
+    c = client(served)
+    prompt = PROMPTS[4]  # 8 full pages of 16 tokens
+    kw = dict(model=MODEL, prompt=prompt, max_tokens=12, temperature=1.0, extra_body={"ignore_eos": True})
+    wait_idle(engine)
+    before = engine.stats()
+    r = c.completions.create(n=4, seed=1234, **kw)
+    after = wait_idle(engine)
+    assert [ch.index for ch in r.choices] == [0, 1, 2, 3]
+    assert len({ch.text for ch in r.choices}) > 1
+    n_prompt = len(served[2].encode(prompt))
+    assert r.usage.prompt_tokens == n_prompt and r.usage.completion_tokens == 4 * 12
+    full = (n_prompt - 1) // 16 * 16
+    assert after["prefix_cache_hits_total"] - before["prefix_cache_hits_total"] >= 3 * full
+    for i in range(4):
+        one = c.completions.create(n=1, seed=1234 + i, **kw)
+        assert one.choices[0].text == r.choices[i].text
+    chunks = list(c.completions.create(n=3, seed=1234, stream=True, stream_options={"include_usage": True}, **kw))
+    texts = ["".join(ch.choices[0].text for ch in chunks if ch.choices and ch.choices[0].index == i) for i in range(3)]
+    assert texts == [ch.text for ch in r.choices[:3]]
+    assert chunks[-1].usage.completion_tokens == 3 * 12 and chunks[-1].usage.prompt_tokens == n_prompt
+    chat = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}], n=2, seed=5,
+                                     max_tokens=6, temperature=1.0)
+    assert [ch.index for ch in chat.choices] == [0, 1] and chat.usage.completion_tokens <= 12
+
+
 def test_acceptance_per_request_in_usage_and_metrics(served):
     """Each reply's usage carries its draft tokens proposed and accepted (spec_decode), and
     /metrics counts them under vLLM's names."""
@@ -339,7 +368,8 @@ BAD_REQUESTS = [
     ("/v1/completions", dict(_OK, top_k=2.5), 400, "top_k", "top_k"),
     ("/v1/completions", dict(_OK, seed=-1), 400, "seed", "seed"),
     ("/v1/completions", dict(_OK, seed=2**32), 400, "seed", "seed"),
-    ("/v1/completions", dict(_OK, n=2), 400, "n=2", "n"),
+    ("/v1/completions", dict(_OK, n=0), 400, "n=0", "n"),
+    ("/v1/completions", dict(_OK, n=2, best_of=3), 400, "best_of", "best_of"),
     ("/v1/completions", dict(_OK, stream="yes"), 400, "stream", "stream"),
     ("/v1/completions", dict(_OK, stream_options={"include_usage": True}), 400, "stream", "stream_options"),
     ("/v1/completions", dict(_OK, stop_token_ids=[2, -1]), 400, "stop_token_ids", "stop_token_ids"),

@@ -95,6 +95,7 @@ class _Add:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
     future: concurrent.futures.Future  # result: the request id; exception: add_request's error
+    wait_for: str | None = None  # Scheduler.add_request's: admitted after this request's prefill
 
 
 @dataclasses.dataclass
@@ -194,8 +195,9 @@ class AsyncEngine:
     # ---- requests --------------------------------------------------------------------------------------
 
     async def generate(self, prompt_ids: Sequence[int], sampling: "SamplingParams | None" = None,
-                       request_id: str | None = None) -> AsyncIterator["RequestDelta"]:
-        """Run one request; yields its `RequestDelta`s, the last with `finished=True`.
+                       request_id: str | None = None, wait_for: str | None = None) -> AsyncIterator["RequestDelta"]:
+        """Run one request; yields its `RequestDelta`s, the last with `finished=True`. `wait_for`:
+        another request of the same prompt, queued before (Scheduler.add_request).
 
         `add_request`'s ValueError / CapacityError is raised before any delta. Raises EngineError
         subclasses when the engine fails, is dead or is closed. Leaving the loop early, or being
@@ -206,7 +208,7 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         deltas: asyncio.Queue = asyncio.Queue()
         added: concurrent.futures.Future = concurrent.futures.Future()
-        self._commands.put(_Add([int(t) for t in prompt_ids], sampling, rid, loop, deltas, added))
+        self._commands.put(_Add([int(t) for t in prompt_ids], sampling, rid, loop, deltas, added, wait_for))
         try:
             await asyncio.wrap_future(added)
         except asyncio.CancelledError:
@@ -317,7 +319,8 @@ class AsyncEngine:
             cmd.future.set_exception(self._dead)
             return
         try:
-            rid = self.scheduler.add_request(cmd.prompt_ids, cmd.sampling, request_id=cmd.request_id)
+            extra = {} if cmd.wait_for is None else {"wait_for": cmd.wait_for}
+            rid = self.scheduler.add_request(cmd.prompt_ids, cmd.sampling, request_id=cmd.request_id, **extra)
         except Exception as e:  # ValueError / CapacityError: the request's fault; goes to the caller
             cmd.future.set_exception(e)
             return

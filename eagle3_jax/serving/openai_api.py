@@ -11,7 +11,11 @@ Endpoints:
   `eagle3_`; see `metrics.py`).
 
 Sampling fields: `max_tokens` (chat also `max_completion_tokens`), `temperature` (default 1.0;
-0 = greedy), `top_p`, `top_k` (-1 or 0 = off), `seed` (default: a random one), `n` (must be 1),
+0 = greedy), `top_p`, `top_k` (-1 or 0 = off), `seed` (default: a random one), `n` (up to 128
+choices of one prompt: choice i samples with seed + i, the later ones admitted once the first has
+prefilled, so with the scheduler's prefix cache they share the prompt's full pages; each choice
+has its `index`, streamed chunks too; usage counts the prompt once and every choice's tokens;
+`best_of` only equal to n),
 `presence_penalty`, `frequency_penalty` (in [-2, 2]) and vLLM's `repetition_penalty` (> 0; on the
 target's distribution in plain and speculative steps alike: greedy and sampled tokens are the
 penalised target's),
@@ -28,7 +32,7 @@ the prompt, and with `logprobs` its prompt logprobs, the first None; `max_tokens
 with it: one token is generated and left out), chat's `logprobs` + `top_logprobs` (`content`
 items with `token`, `logprob`, `bytes`, `top_logprobs`), at most the scheduler's `max_logprobs`
 alternatives; streamed chunks carry their own tokens' logprobs. -inf reads -9999.0. Parameters
-this engine does not implement (`logit_bias`, `best_of` > 1, `n` > 1, chat's `echo`,
+this engine does not implement (`logit_bias`, `best_of` other than n, chat's `echo`,
 tools, `suffix`, non-text `response_format`) get a 400 when set to anything but their neutral
 value, rather than being ignored.
 
@@ -83,6 +87,7 @@ from .metrics import ServerMetrics
 logger = logging.getLogger(__name__)
 
 SEED_LIMIT = 2**32  # SamplingParams seeds are uint32
+MAX_CHOICES = 128  # most choices (n) one request may ask for
 _SERVER_KEY: web.AppKey["_Server"] = web.AppKey("eagle3_server")
 
 
@@ -154,7 +159,6 @@ def get_bool(body: Mapping[str, Any], key: str, default: bool) -> bool:
 # Parameters this engine does not implement, with the values that mean "off" (chat's `echo`, which
 # repeats the last message in vLLM, only there).
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "best_of": (None, 1),
     "logit_bias": (None, {}),
     "suffix": (None, ""),
     "tools": (None, []),
@@ -169,7 +173,7 @@ _HINTS: dict[str, str] = {}
 # `user` (an end-user id OpenAI's API takes and this server has no use for).
 _COMMON_FIELDS = frozenset({"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "n", "stream",
                             "stream_options", "stop", "stop_token_ids", "ignore_eos", "include_stop_str_in_output",
-                            "min_tokens", "logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty",
+                            "min_tokens", "logprobs", "best_of", "presence_penalty", "frequency_penalty", "repetition_penalty",
                             "response_format", "user",
                             *_NEUTRAL})
 KNOWN_FIELDS = {"completion": _COMMON_FIELDS | {"prompt", "echo"},
@@ -257,8 +261,12 @@ def parse_sampling(body: Mapping[str, Any], *, default_max_tokens: int, eos_toke
     elif not 0 <= seed < SEED_LIMIT:
         raise ApiError(f"'seed' must be in [0, 2**32); got {seed}", param="seed", code="invalid_value")
     n = get_int(body, "n", 1)
-    if n != 1:
-        raise ApiError(f"only n=1 is supported (one choice per request); got n={n}", param="n", code="invalid_value")
+    if not 1 <= n <= MAX_CHOICES:
+        raise ApiError(f"'n' must be in [1, {MAX_CHOICES}]; got n={n}", param="n", code="invalid_value")
+    best_of = get_int(body, "best_of", None)
+    if best_of is not None and best_of != n:
+        raise ApiError(f"'best_of' other than n (ranking choices by logprob) is not supported; got best_of={best_of}, "
+                       f"n={n}", param="best_of", code="unsupported_parameter")
     stop_ids = body.get("stop_token_ids")
     if stop_ids is None:
         stop_ids = []
@@ -503,6 +511,15 @@ def usage(prompt_tokens: int, completion_tokens: int, metrics: Mapping[str, Any]
     return out
 
 
+def merge_spec_metrics(metrics: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The speculation figures of n choices as one request's: draft tokens proposed and accepted
+    summed, the mean acceptance length over all their verify passes."""
+    steps = [a for m in metrics for a in m["accept_lengths"]]
+    return {"num_draft_tokens": sum(m["num_draft_tokens"] for m in metrics),
+            "num_accepted_tokens": sum(m["num_accepted_tokens"] for m in metrics),
+            "mean_accept_length": sum(steps) / len(steps) if steps else 1.0}
+
+
 # ---- the server ----------------------------------------------------------------------------------------
 
 
@@ -520,9 +537,16 @@ class _Job:
     echo_only: bool = False  # echo with max_tokens 0: the one token generated is left out of the reply
     prompt_text: str = ""  # echo: the prompt as the reply repeats it
 
+    n: int = 1  # choices
+
     @property
     def logprobs(self) -> bool:
         return self.sampling.logprobs is not None
+
+    def choice_samplings(self) -> list[SamplingParams]:
+        """Each choice's SamplingParams: choice i draws with seed + i (vLLM's rule), so a seeded
+        request of n choices reproduces."""
+        return [dataclasses.replace(self.sampling, seed=(self.sampling.seed + i) % SEED_LIMIT) for i in range(self.n)]
 
     def headers(self) -> dict[str, str]:
         return {WARNINGS_HEADER: "; ".join(self.warnings)} if self.warnings else {}
@@ -645,7 +669,8 @@ class _Server:
         if ignored:
             logger.warning("The following fields were present in the request but ignored: %s", set(ignored))
             warnings.append(f"these fields are not supported and were ignored: {', '.join(ignored)}")
-        return _Job(kind, prompt_ids, sampling, stream, include_usage, tuple(warnings), echo, echo_only)
+        n = get_int(body, "n", 1)
+        return _Job(kind, prompt_ids, sampling, stream, include_usage, tuple(warnings), echo, echo_only, n=n)
 
     def _spec_metrics(self, last: Any) -> Mapping[str, Any] | None:
         """A finished request's metrics when this server speculates (for usage's spec_decode)."""
@@ -659,17 +684,29 @@ class _Server:
         return TextStream(self.tokenizer, job.prompt_ids, sp.stop, sp.include_stop_str_in_output, sp.min_tokens)
 
     async def _run(self, request: web.Request, job: _Job, request_id: str) -> web.StreamResponse:
-        async with contextlib.aclosing(self.engine.generate(job.prompt_ids, job.sampling, request_id)) as deltas:
+        """Run the job's n choices (choice i seeded seed + i; the later ones admitted once the first
+        has prefilled, so they take its prompt's pages from the prefix cache) and answer."""
+        async with contextlib.AsyncExitStack() as stack:
+            ids = [request_id if job.n == 1 else f"{request_id}-{i}" for i in range(job.n)]
+            streams = [await stack.enter_async_context(contextlib.aclosing(self.engine.generate(
+                job.prompt_ids, sampling, rid, wait_for=None if i == 0 else ids[0])))
+                for i, (rid, sampling) in enumerate(zip(ids, job.choice_samplings()))]
+            # Every choice's request is queued (in order) before any first delta is awaited.
+            starts = [asyncio.ensure_future(anext(deltas)) for deltas in streams]
             try:
-                first = await anext(deltas)
+                firsts = [await start for start in starts]
             except CapacityError as e:
                 raise ApiError(str(e), param="max_tokens", code="request_too_large") from e
             except ValueError as e:  # add_request's validation: bad token ids, no room in max_seq_len
                 raise ApiError(str(e), param="prompt" if job.kind == "completion" else "messages",
                                code="invalid_value") from e
+            finally:
+                for start in starts:
+                    start.cancel()
+                await asyncio.gather(*starts, return_exceptions=True)
             if job.stream:
-                return await self._stream(request, job, request_id, first, deltas)
-            return await self._complete(job, request_id, first, deltas)
+                return await self._stream(request, job, request_id, firsts, streams)
+            return await self._complete(job, request_id, firsts, streams)
 
     def _logprobs(self, job: _Job, token_ids: Sequence[int], entries: Sequence[Logprob | None] | None,
                   offset: int = 0) -> dict[str, Any] | None:
@@ -680,7 +717,8 @@ class _Server:
             return chat_logprobs(token_ids, entries, self.token_text)
         return completion_logprobs(token_ids, entries, self.token_text, offset)
 
-    async def _complete(self, job: _Job, request_id: str, first: Any, deltas: Any) -> web.Response:
+    async def _whole_choice(self, job: _Job, index: int, first: Any, deltas: Any) -> tuple[dict[str, Any], int, Any]:
+        """A choice of a whole reply: (its object, tokens generated, its last delta)."""
         tokens, delta = list(first.token_ids), first
         while not delta.finished:
             delta = await anext(deltas)
@@ -702,40 +740,52 @@ class _Server:
         if job.echo:
             text = job.prompt_text + text
             if entries is not None:
-                tokens, entries = job.prompt_ids + tokens, list(output.prompt_logprobs) + entries
+                tokens, entries = job.prompt_ids + tokens, list(first.prompt_logprobs) + entries
         logprobs = self._logprobs(job, tokens, entries)
         if job.kind == "completion":
-            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": reason,
+            choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason,
                       "stop_reason": stop_reason}
         else:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+            choice = {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                       "finish_reason": reason, "stop_reason": stop_reason}
+        return choice, generated, delta
+
+    def _usage(self, job: _Job, generated: int, lasts: Sequence[Any]) -> dict[str, Any]:
+        """Usage as vLLM counts n choices: the prompt once, every choice's tokens."""
+        metrics = [self._spec_metrics(d) for d in lasts]
+        if None in metrics:
+            return usage(len(job.prompt_ids), generated)
+        return usage(len(job.prompt_ids), generated, metrics[0] if len(metrics) == 1 else merge_spec_metrics(metrics))
+
+    async def _complete(self, job: _Job, request_id: str, firsts: Sequence[Any], streams: Sequence[Any]) -> web.Response:
+        # Each choice's deltas queue up on its own: reading them one choice after another loses nothing.
+        results = [await self._whole_choice(job, i, first, deltas) for i, (first, deltas) in enumerate(zip(firsts, streams))]
         body = {
             "id": request_id, "object": "text_completion" if job.kind == "completion" else "chat.completion",
-            "created": int(time.time()), "model": self.model_name, "choices": [choice],
-            "usage": usage(len(job.prompt_ids), generated, self._spec_metrics(delta)),
+            "created": int(time.time()), "model": self.model_name, "choices": [c for c, _, _ in results],
+            "usage": self._usage(job, sum(n for _, n, _ in results), [d for _, _, d in results]),
         }
         if job.warnings:
             body["warnings"] = list(job.warnings)
         return web.json_response(body, headers=job.headers())
 
-    async def _stream(self, request: web.Request, job: _Job, request_id: str, first: Any,
-                      deltas: Any) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, job: _Job, request_id: str, firsts: Sequence[Any],
+                      streams: Sequence[Any]) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8",
                                                "Cache-Control": "no-cache", **job.headers()})
         created = int(time.time())
         chat = job.kind == "chat"
         obj = "chat.completion.chunk" if chat else "text_completion"
 
-        def chunk(text: str | None, reason: str | None, role: bool = False, stop_reason=None,
+        def chunk(index: int, text: str | None, reason: str | None, role: bool = False, stop_reason=None,
                   logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
             if chat:
                 delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
                 if text:
                     delta["content"] = text
-                choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
+                choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
             else:
-                choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": reason}
+                choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": reason}
             if reason is not None:
                 choice["stop_reason"] = stop_reason
             out = {"id": request_id, "object": obj, "created": created, "model": self.model_name, "choices": [choice]}
@@ -743,46 +793,67 @@ class _Server:
                 out["usage"] = None
             return out
 
-        text_stream = self._text_stream(job)
-        num_tokens, offset = 0, 0  # offset: the tokens' texts so far (completions' text_offset)
+        merged: asyncio.Queue = asyncio.Queue()  # (choice index, delta or exception), choices interleaved
+
+        async def forward(index: int, first: Any, deltas: Any) -> None:
+            delta = first
+            try:
+                await merged.put((index, delta))
+                while not delta.finished:
+                    delta = await anext(deltas)
+                    await merged.put((index, delta))
+            except Exception as e:  # an engine error: the reply reports it
+                await merged.put((index, e))
+
+        text_streams = [self._text_stream(job) for _ in firsts]
+        offsets = [0] * job.n  # the tokens' texts sent so far, per choice (completions' text_offset)
+        lasts: list[Any] = [None] * job.n
+        num_tokens = 0
+        forwards = [asyncio.ensure_future(forward(i, f, d)) for i, (f, d) in enumerate(zip(firsts, streams))]
         try:
             await response.prepare(request)
-            if chat:
-                await _send(response, chunk(None, None, role=True))
-            delta = first
-            if job.echo:
-                await _send(response, chunk(job.prompt_text, None,
-                                            logprobs=self._logprobs(job, job.prompt_ids, first.prompt_logprobs)))
-                offset = sum(len(self.token_text(t)) for t in job.prompt_ids)
-            while True:
+            for i, first in enumerate(firsts):
+                if chat:
+                    await _send(response, chunk(i, None, None, role=True))
+                if job.echo:
+                    await _send(response, chunk(i, job.prompt_text, None,
+                                                logprobs=self._logprobs(job, job.prompt_ids, first.prompt_logprobs)))
+                    offsets[i] = sum(len(self.token_text(t)) for t in job.prompt_ids)
+            while any(last is None for last in lasts):
+                i, delta = await merged.get()
+                if isinstance(delta, Exception):
+                    raise delta
                 ids = [] if job.echo_only else delta.token_ids
                 num_tokens += len(ids)
-                text_stream.push(ids, final=delta.finished)
-                text = text_stream.take(final=delta.finished)
-                logprobs = self._logprobs(job, ids, delta.logprobs, offset) if ids else None
+                text_streams[i].push(ids, final=delta.finished)
+                text = text_streams[i].take(final=delta.finished)
+                logprobs = self._logprobs(job, ids, delta.logprobs, offsets[i]) if ids else None
                 if delta.finished:
+                    lasts[i] = delta
                     stop_reason = delta.output.stop_reason if delta.output is not None and not job.echo_only else None
                     reason = "length" if job.echo_only else finish_reason(delta.finish_reason)
-                    await _send(response, chunk(text, reason, stop_reason=stop_reason, logprobs=logprobs))
-                    break
+                    await _send(response, chunk(i, text, reason, stop_reason=stop_reason, logprobs=logprobs))
+                    continue
                 if text or logprobs:
-                    await _send(response, chunk(text, None, logprobs=logprobs))
-                offset += sum(len(self.token_text(t)) for t in ids) if logprobs else 0
-                delta = await anext(deltas)
+                    await _send(response, chunk(i, text, None, logprobs=logprobs))
+                offsets[i] += sum(len(self.token_text(t)) for t in ids) if logprobs else 0
             if job.include_usage:
                 await _send(response, {"id": request_id, "object": obj, "created": created, "model": self.model_name,
-                                       "choices": [], "usage": usage(len(job.prompt_ids), num_tokens,
-                                                                     self._spec_metrics(delta))})
+                                       "choices": [], "usage": self._usage(job, num_tokens, lasts)})
             await response.write(b"data: [DONE]\n\n")
             await response.write_eof()
         except (ConnectionResetError, ConnectionError):
-            pass  # the client left; leaving `deltas` (aclosing in _run) aborts the request
+            pass  # the client left; leaving the choices' deltas (aclosing in _run) aborts them
         except EngineError as e:  # headers are sent: report in-band, as OpenAI does mid-stream
             logger.warning("request %s failed mid-stream: %s", request_id, e)
             with contextlib.suppress(ConnectionError):
                 await _send(response, {"error": {"message": str(e), "type": "server_error", "param": None,
                                                  "code": "engine_error"}})
                 await response.write_eof()
+        finally:
+            for task in forwards:
+                task.cancel()
+            await asyncio.gather(*forwards, return_exceptions=True)
         return response
 
 
