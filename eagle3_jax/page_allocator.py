@@ -74,6 +74,12 @@ class PageAllocator:
                 self.cache.take(p)  # nobody held it: it leaves the evictable set
                 self._refs[p] = 1
 
+    def reset_cache(self) -> None:
+        """Forget every cached page: those nobody holds go back to the free list, held ones are
+        freed as uncached pages when their holders let go."""
+        if self.cache is not None:
+            self._free.extend(self.cache.forget_all())
+
     def free(self, pages: Sequence[int]) -> None:
         """Drop one holder of each page; a page nobody holds any more goes back to the free list,
         or stays cached (evictable) if the prefix cache has it. Freeing a page that is not held is
@@ -93,13 +99,15 @@ class PageAllocator:
 PageKey = bytes
 
 
-def page_keys(tokens: Sequence[int], page_size: int, num_pages: int, salt: bytes = b"") -> list[PageKey]:
+def page_keys(tokens: Sequence[int], page_size: int, num_pages: int, known: Sequence[PageKey] = ()) -> list[PageKey]:
     """Keys of the first `num_pages` full pages of a token sequence, each naming everything the
     page's K/V depends on: every token up to the page's end and, for the draft's slots (slot t
     pairs the target feature at t with token t + 1), the token after it (so `tokens` must hold
-    num_pages * page_size + 1 tokens). Chained: a page's key hashes its parent's key."""
-    keys, parent = [], hashlib.blake2b(salt, digest_size=16).digest()
-    for i in range(num_pages):
+    num_pages * page_size + 1 tokens). Chained: a page's key hashes its parent's key. `known`: the
+    keys of the first pages, computed before (only the rest are hashed)."""
+    keys = list(known[:num_pages])
+    parent = keys[-1] if keys else hashlib.blake2b(b"", digest_size=16).digest()
+    for i in range(len(keys), num_pages):
         chunk = tokens[i * page_size: (i + 1) * page_size + 1]
         h = hashlib.blake2b(parent, digest_size=16)
         h.update(b"".join(int(t).to_bytes(4, "little", signed=True) for t in chunk))
@@ -169,6 +177,14 @@ class PrefixCache:
     def release(self, page: int) -> None:
         """A cached page's last holder freed it: it becomes evictable, most recently used."""
         self._evictable[page] = None
+
+    def forget_all(self) -> list[int]:
+        """Empty the cache; returns the pages that were evictable (nobody holds them)."""
+        evictable = list(self._evictable)
+        self._by_key.clear()
+        self._key_of.clear()
+        self._evictable.clear()
+        return evictable
 
     def evict(self) -> int:
         """The least recently used evictable page, forgotten by the cache."""

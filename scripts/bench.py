@@ -117,6 +117,9 @@ flags.DEFINE_bool("progress", True, "Show tqdm progress bars.")
 _cli.define_overwrite_flag("reports (<out_dir>/<name>.json, .md, _throughput.png, _tpot.png)")
 flags.adopt_module_key_flags(_shared_flags)
 flags.adopt_module_key_flags(_cli)
+flags.DEFINE_bool("prefix_caching", False, "In-process: the schedulers keep a prefix cache (reports then show its hit "
+                  "rate; a cell measured again after a compile finds its own prompts cached). Over HTTP the "
+                  "server's own setting applies, and reports show its hit rate from /metrics.")
 flags.DEFINE_bool("overlap", True, "In-process: the scheduler launches each step before reading the previous one's "
                   "tokens (--nooverlap: launch, wait, read, the older way; to measure what overlap saves).")
 
@@ -241,10 +244,11 @@ def main(argv: Sequence[str]) -> None:
         draft = e3.load_draft(FLAGS.draft, target=target, dtype=FLAGS.dtype, fp8_format=FLAGS.fp8_format) if needs_draft else None
         sched_len = FLAGS.max_seq_len or workload.max_total_len
         config.update({"draft": FLAGS.draft if needs_draft else None, "scheduler_max_seq_len": sched_len,
-                       "overlap": FLAGS.overlap})
+                       "overlap": FLAGS.overlap, "prefix_caching": FLAGS.prefix_caching})
         cells = run_benchmark(target, draft, settings, workload, cfg, max_seq_len=sched_len,
                               page_size=FLAGS.page_size, prefill_chunk=FLAGS.prefill_chunk,
-                              num_devices=FLAGS.num_devices, overlap=FLAGS.overlap)
+                              num_devices=FLAGS.num_devices, overlap=FLAGS.overlap,
+                              prefix_caching=FLAGS.prefix_caching)
         mode = "in-process"
 
     if jax.process_index() > 0:  # multi-host: process 0 reports

@@ -61,6 +61,19 @@ def generate_all(target_path: str, draft_path: str, mesh_shape: tuple[int, int, 
             sched.lead()
         result[name] = [o.token_ids for o in sched.generate(prompts, greedy)]
         sched.release_followers()
+    # The prefix cache is the leader's bookkeeping: the followers run the block tables it sends.
+    cached = e3.Scheduler(target, draft, e3.SpecConfig(3, 1, 4), max_num_seqs=2, max_seq_len=64, page_size=4,
+                          prefix_caching=True)
+    if jax.process_index() > 0:
+        result["follower_steps_scheduler_cached"] = cached.follow()
+        return result
+    if jax.process_count() > 1:
+        cached.lead()
+    first = [o.token_ids for o in cached.generate(prompts, greedy)]
+    second = [o.token_ids for o in cached.generate([p + o + [7] for p, o in zip(prompts, first)], greedy)]
+    cached.release_followers()
+    result["scheduler_cached"] = first + second
+    result["scheduler_cached_hits"] = cached.stats()["prefix_cache_hits_total"]
     return result
 
 

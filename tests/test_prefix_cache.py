@@ -23,6 +23,7 @@ def test_page_keys_name_the_tokens_before_and_the_token_after():
     keys = page_keys(seq, PAGE, 3)
     assert len(keys) == 3 and len(set(keys)) == 3
     assert page_keys(seq[:13], PAGE, 3) == keys  # 3 pages + the token after them
+    assert page_keys(seq, PAGE, 3, keys[:1]) == keys  # the rest hashed after keys computed before
     other_next = seq[:12] + [99]
     assert page_keys(other_next, PAGE, 3)[:2] == keys[:2] and page_keys(other_next, PAGE, 3)[2] != keys[2]
     changed_first = [7] + seq[1:]

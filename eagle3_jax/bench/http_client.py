@@ -20,7 +20,7 @@ import json
 import time
 from typing import Callable, Sequence
 
-from .metrics import RequestRecord, attach_speedups
+from .metrics import RequestRecord, attach_speedups, hit_rate_between
 from .runner import RunConfig, check_lengths, make_cell
 from .settings import SpecSetting
 from .workloads import MEASURED, WARMUP, Workload
@@ -253,6 +253,9 @@ def run_http_benchmark(base_url: str, setting: SpecSetting, workload: Workload, 
             acc = acceptance_between(before, after) if before and after and setting.spec is not None else None
             if acc is not None:  # the server's counters: exact when nothing else ran on it meanwhile
                 cell["metrics"]["acceptance"] = acc
+            if before and after:
+                cell["metrics"]["prefix_cache_hit_rate"] = hit_rate_between(
+                    before, after, "eagle3_prefix_cache_queries_total", "eagle3_prefix_cache_hits_total")
             cells.append(cell)
             m = cell["metrics"]
             log(f"{setting.label:>24} C={c:<4} seed={seed}: {m['output_throughput']:9.1f} tok/s, "

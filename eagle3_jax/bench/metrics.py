@@ -82,6 +82,13 @@ def distribution(values: Iterable[float], scale: float = 1.0) -> dict:
             "count": int(v.size)}
 
 
+def hit_rate_between(before: dict, after: dict, queries_key: str, hits_key: str) -> float | None:
+    """The prefix cache's hit rate (prompt tokens found / looked up) between two counter snapshots
+    (the scheduler's stats() or a server's /metrics); None when nothing was looked up."""
+    queries = after.get(queries_key, 0) - before.get(queries_key, 0)
+    return (after.get(hits_key, 0) - before.get(hits_key, 0)) / queries if queries > 0 else None
+
+
 def acceptance(accept_lengths: Iterable[Sequence[int]], max_accept: int) -> dict:
     """tau and per-position acceptance pooled over every verify step of every request.
 

@@ -31,6 +31,7 @@ _ROW_KEYS = {  # aggregated figure -> how to read it from a cell's metrics
     "itl_ms_mean": lambda m: m["itl_ms"]["mean"],
     "e2e_latency_ms_mean": lambda m: m["e2e_latency_ms"]["mean"],
     "tau": lambda m: m.get("acceptance", {}).get("tau"),
+    "prefix_cache_hit_rate": lambda m: m.get("prefix_cache_hit_rate"),  # None without the prefix cache
 }
 
 
@@ -133,6 +134,8 @@ def markdown_table(report: dict) -> str:
         head.append(f"{labels[s]} tok/s" + (" (speedup)" if s != "none" and has_base else ""))
     head += [f"{short[s]} TPOT (ms)" for s in settings]
     head += [f"{short[s]} tau" for s in spec_settings]
+    cached = [s for s in settings if any(r.get("prefix_cache_hit_rate") is not None for r in rows if r["setting"] == s)]
+    head += [f"{short[s]} prefix hit rate" for s in cached]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for conc in sorted({r["concurrency"] for r in rows}):
         cells = [str(conc)]
@@ -146,6 +149,7 @@ def markdown_table(report: dict) -> str:
             cells.append(text)
         cells += [_fmt((_row(rows, s, conc) or {}).get("tpot_ms_mean"), 2) for s in settings]
         cells += [_fmt((_row(rows, s, conc) or {}).get("tau"), 2) for s in spec_settings]
+        cells += [_fmt((_row(rows, s, conc) or {}).get("prefix_cache_hit_rate"), 2) for s in cached]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -31,7 +31,7 @@ from typing import Callable, Sequence
 
 from ..sampling import SamplingParams
 from ..scheduler import Scheduler
-from .metrics import RequestRecord, attach_speedups, summarize
+from .metrics import RequestRecord, attach_speedups, hit_rate_between, summarize
 from .settings import NO_SPEC, SpecSetting
 from .workloads import MEASURED, WARMUP, Workload
 
@@ -256,8 +256,11 @@ def run_cell(sched, setting: SpecSetting, workload: Workload, concurrency: int, 
     extra = {"num_preemptions": after.get("num_preemptions", 0) - before.get("num_preemptions", 0),
              "measure_attempts": attempt, "compiles_during_measurement": compiles.count,
              "compile_s_during_measurement": compiles.seconds, **scheduler_figures(before, after)}
-    return make_cell(setting, concurrency, seed, records, duration, num_warmups=n_warm, num_devices=num_devices,
+    cell = make_cell(setting, concurrency, seed, records, duration, num_warmups=n_warm, num_devices=num_devices,
                      with_acceptance=True, extra=extra)
+    cell["metrics"]["prefix_cache_hit_rate"] = hit_rate_between(before, after, "prefix_cache_queries_total",
+                                                                "prefix_cache_hits_total")
+    return cell
 
 
 def scheduler_figures(before: dict, after: dict) -> dict:
@@ -283,14 +286,15 @@ def num_devices_of(target) -> int:
 
 def make_scheduler(target, draft, setting: SpecSetting, *, max_num_seqs: int, max_seq_len: int,
                    page_size: int | None = None, prefill_chunk: int | None = None, num_pages: int | None = None,
-                   overlap: bool = True):
+                   overlap: bool = True, prefix_caching: bool = False):
     """A Scheduler for one speculation setting (the draft is attached only for speculative ones)."""
     if setting.spec is not None and draft is None:
         raise ValueError(f"setting {setting.name} needs a draft model; pass --draft")
     kw = {k: v for k, v in (("page_size", page_size), ("prefill_chunk", prefill_chunk), ("num_pages", num_pages))
           if v is not None}
     return Scheduler(target, draft=draft if setting.spec is not None else None, spec=setting.spec,
-                     max_num_seqs=max_num_seqs, max_seq_len=max_seq_len, overlap=overlap, **kw)
+                     max_num_seqs=max_num_seqs, max_seq_len=max_seq_len, overlap=overlap, prefix_caching=prefix_caching,
+                     **kw)
 
 
 def ordered(settings: Sequence[SpecSetting]) -> list[SpecSetting]:
@@ -307,7 +311,7 @@ def rotated(items: Sequence, k: int) -> list:
 def run_benchmark(target, draft, settings: Sequence[SpecSetting], workload: Workload, cfg: RunConfig, *,
                   max_seq_len: int, page_size: int | None = None, prefill_chunk: int | None = None,
                   num_pages: int | None = None, num_devices: int | None = None, overlap: bool = True,
-                  log: Callable[[str], None] = print) -> list[dict]:
+                  prefix_caching: bool = False, log: Callable[[str], None] = print) -> list[dict]:
     """Every cell of the grid (settings x concurrencies x seeds), with speedups and identity checks.
 
     `max_seq_len` is the Schedulers' sequence length; the workload must fit it. `num_devices`
@@ -323,7 +327,7 @@ def run_benchmark(target, draft, settings: Sequence[SpecSetting], workload: Work
     max_c = max(cfg.concurrencies)
     build = lambda s: make_scheduler(target, draft, s, max_num_seqs=max_c, max_seq_len=max_seq_len,  # noqa: E731
                                      page_size=page_size, prefill_chunk=prefill_chunk, num_pages=num_pages,
-                                     overlap=overlap)
+                                     overlap=overlap, prefix_caching=prefix_caching)
     cells: list[dict] = []
 
     def one(sched, s: SpecSetting, c: int, seed: int, position: int = 0) -> None:

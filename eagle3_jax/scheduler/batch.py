@@ -8,8 +8,9 @@ by its slots.
 
 With prefix caching (page_allocator.PrefixCache), a request admitted takes the cached pages of
 its longest cached prefix and prefills only the rest. A page is cached only when its contents are
-final and named by its key: a request's prompt pages once its prefill is read (`cache_prompt`),
-the rest of its committed pages when it leaves the batch (`release`). A page's key covers the
+final and named by its key: a request's prompt pages once the prefill chunk that completes them
+is launched (`cache_prefilled`: every later program runs after it), the rest of its committed
+pages when it leaves the batch (`release`). A page's key covers the
 token after it, because the draft's last slot of the page pairs the target's feature there with
 that token; pages whose draft slots a request did not write (no draft, or pairs an adaptive
 request has not caught up on) are cached target-only, for requests without the draft. A request
@@ -93,6 +94,14 @@ class ScheduledRequest(Request):
     with_draft: bool = True  # the draft follows it (adaptive speculation may admit a request without)
     epoch: int = 0  # bumped when the request leaves the running batch: results launched before are void
     wait_for: "ScheduledRequest | None" = None  # admitted once this one's prompt is prefilled (n > 1 choices)
+    page_keys: list = dataclasses.field(default_factory=list)  # prefix-cache keys of its full pages so far
+
+    def keys(self, tokens: Sequence[int], page_size: int, num_pages: int) -> list:
+        """The keys of its first `num_pages` full pages (`tokens`: its sequence, which only grows,
+        so keys computed once stay valid)."""
+        if len(self.page_keys) < num_pages:
+            self.page_keys = page_keys(tokens, page_size, num_pages, self.page_keys)
+        return self.page_keys[:num_pages]
 
     @property
     def reads_whole_prompt(self) -> bool:
@@ -168,7 +177,7 @@ class RunningBatch:
         if cache is None or req.reads_whole_prompt:
             return []
         full = (len(req.prefill_ids) - 1) // self.page_size
-        return cache.lookup(page_keys(req.prefill_ids, self.page_size, full), with_draft)
+        return cache.lookup(req.keys(req.prefill_ids, self.page_size, full), with_draft)
 
     def _pages_short(self, req: ScheduledRequest, cached: list[int], reserve: int) -> bool:
         """Whether the pages a request needs beyond `cached` (and the cached ones nobody holds,
@@ -193,7 +202,7 @@ class RunningBatch:
         if cache is None:
             return
         full = min(valid, len(tokens) - 1, len(req.pages) * self.page_size) // self.page_size
-        for i, key in enumerate(page_keys(tokens, self.page_size, full)):
+        for i, key in enumerate(req.keys(tokens, self.page_size, full)):
             cache.register(key, req.pages[i], (i + 1) * self.page_size <= draft_valid)
 
     def cache_prefilled(self, req: ScheduledRequest, with_draft: bool) -> None:

@@ -256,6 +256,11 @@ class Scheduler:
                     done[delta.request_id] = delta.output
         return [done[i] for i in ids]
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached page (vLLM's reset_prefix_cache; benchmarks start cold with it).
+        Pages running requests hold stay theirs."""
+        self._batch.alloc.reset_cache()
+
     def stats(self) -> dict:
         """Counters and gauges for monitoring (see serving's /metrics)."""
         b = self._batch
