@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # CI's second leg: the kernel, lowering, compile-gate and greedy-equality tests on the newest JAX the
 # project supports (0.12.x, which needs Python >= 3.12), without torch / transformers (the local CPU
-# torch build is for Python 3.11 only; the tests that need it skip). The Triton compile-to-ISA tests
-# marked `newest_jax` (every kernel form on gfx942 / gfx950 / sm_90, spill detection, the GPU check
-# script) run here only: `make test` deselects them.
+# torch build is for Python 3.11 only; the tests that need it skip). The tests marked `newest_jax`
+# run here only (`make test` deselects them): the Triton compile-to-ISA tests (every kernel form on
+# gfx942 / gfx950 / sm_90, spill detection, the GPU check script), test_spec.py, test_demo_pair.py
+# and test_pallas_engine.py.
 #
 # Python: a working python3.13 or python3.12 on PATH or under pyenv, else CPython 3.13 built from
 # Debian's trixie source package (the same Debian registry as the system's, a deb-src line for

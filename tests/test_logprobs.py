@@ -1,9 +1,10 @@
 """Logprobs: every emitted token's logprob under speculation equals plain decoding's and a plain
 forward's over the emitted sequence; prompt logprobs across chunks and preemption; processed mode.
 
-The three families: DeepSeek-V3 (MLA + MoE) on the bundled kimi-mini pair, Llama on the bundled
-stories260K pair (both trained drafts, so steps accept several tokens), MiniMax-M2 (GQA + MoE) and
-random DeepSeek / Llama in test_spec.py with a draft steered to accept long paths.
+The three families: DeepSeek-V3 (MLA + MoE) on the bundled kimi-mini pair (chain and tree), Llama
+on the bundled stories260K pair (chain; both trained drafts, so steps accept several tokens),
+MiniMax-M2 (GQA + MoE) and random DeepSeek / Llama in test_spec.py (CI's newest-JAX leg) with a
+draft steered to accept long paths.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def test_greedy_logprobs_equal_plain_decoding_and_a_forward(pair):
     target, draft = pair
     sp = e3.SamplingParams(max_tokens=40, logprobs=5, prompt_logprobs=3)
     runs = {"plain": e3.Engine(target, max_batch_size=4, max_seq_len=128).generate(PROMPTS, sp)}
-    for name in ("chain:3:1:4", "tree:4:3:10"):
+    for name in ("chain:3:1:4", "tree:4:3:10") if target.config.model_type != "llama" else ("chain:3:1:4",):
         engine = e3.Engine(target, draft, e3.SpecConfig.parse(name), max_batch_size=4, max_seq_len=128)
         runs[name] = engine.generate(PROMPTS, sp)
         assert max(a for o in runs[name] for a in o.metrics["accept_lengths"]) >= 3  # accepted draft tokens
@@ -79,7 +80,9 @@ def test_greedy_logprobs_equal_plain_decoding_and_a_forward(pair):
                                    ref[np.arange(n - 1), prompt[1:]], atol=ATOL, rtol=RTOL)
 
 
-@pytest.mark.parametrize("pair, mode", [("kimi-mini", "processed"), ("stories260K", "raw")], indirect=["pair"])
+@pytest.mark.parametrize("pair, mode", [("kimi-mini", "processed"), pytest.param("stories260K", "raw",
+                                                                                marks=pytest.mark.slow)],
+                         indirect=["pair"])
 def test_sampled_speculative_logprobs_are_the_targets_after_the_same_prefix(pair, mode):
     """Sampled runs emit different tokens; each reported logprob must be the target's log-probability
     of the token after the emitted prefix: raw, or of the distribution it was drawn from."""
