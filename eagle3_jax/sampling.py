@@ -219,10 +219,14 @@ def processed_logits(logits: jax.Array, sp: SamplingArrays, generated: jax.Array
     """Logits [B, P, V] at P positions per row -> what each row samples from there: stop tokens held
     back below min_tokens (`generated` [B, P]: tokens generated before each position's), then
     temperature and top-k / top-p (`filtered_logits`)."""
+    return filtered_per_position(hold_back_stops(logits, sp, generated), sp)
+
+
+def filtered_per_position(logits: jax.Array, sp: SamplingArrays) -> jax.Array:
+    """`filtered_logits` of logits [B, P, V], each row's settings applied at all its P positions."""
     b, p, v = logits.shape
-    held = hold_back_stops(logits, sp, generated)
     per_position = lambda a: jnp.repeat(a, p)  # noqa: E731
-    return filtered_logits(held.reshape(b * p, v), per_position(sp.temperature), per_position(sp.top_k),
+    return filtered_logits(logits.reshape(b * p, v), per_position(sp.temperature), per_position(sp.top_k),
                            per_position(sp.top_p)).reshape(b, p, v)
 
 

@@ -324,11 +324,17 @@ def parse_stream(body: Mapping[str, Any]) -> tuple[bool, bool]:
     return stream, get_bool(opts, "include_usage", False)
 
 
+def single_prompt(prompt: Any) -> Any:
+    """A completion prompt with a one-element list around it (how batching clients send one) taken off."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        return prompt[0]
+    return prompt
+
+
 def parse_prompt(prompt: Any, tokenizer: Tokenizer) -> list[int]:
     """Token ids of a completion prompt: a string (BOS added), a list of token ids (used as is), or a
     one-element list holding either."""
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]
+    prompt = single_prompt(prompt)
     if isinstance(prompt, str):
         return tokenizer.encode(prompt, add_bos=True)
     if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
@@ -620,8 +626,7 @@ class _Server:
         prompt_ids = parse_prompt(body["prompt"], self.tokenizer)
         job = self._job("completion", body, prompt_ids, "prompt", self.default_max_tokens, ("max_tokens",))
         if job.echo:
-            prompt = body["prompt"][0] if isinstance(body["prompt"], list) and len(body["prompt"]) == 1 \
-                and isinstance(body["prompt"][0], (str, list)) else body["prompt"]
+            prompt = single_prompt(body["prompt"])
             text = prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt_ids)
             job = dataclasses.replace(job, prompt_text=text)
         return await self._run(request, job, f"cmpl-{uuid.uuid4().hex}")

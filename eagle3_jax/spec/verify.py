@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from .. import kv_cache
-from ..sampling import SamplingArrays, filtered_logits, hold_back_stops, request_keys
+from ..sampling import SamplingArrays, filtered_per_position, hold_back_stops, request_keys
 
 
 def greedy_accept(logits: jax.Array, tokens: jax.Array, parents: jax.Array, anc: jax.Array,
@@ -52,10 +52,7 @@ def _sampled_row(probs: jax.Array, tokens: jax.Array, parents: jax.Array, coins:
 
 def target_probs(logits: jax.Array, sp: SamplingArrays) -> jax.Array:
     """[B, N, V] logits -> the distributions each request samples from at each node."""
-    b, n, v = logits.shape
-    rep = lambda a: jnp.repeat(a, n)  # noqa: E731
-    filt = filtered_logits(logits.reshape(b * n, v), rep(sp.temperature), rep(sp.top_k), rep(sp.top_p))
-    return jax.nn.softmax(filt, axis=-1).reshape(b, n, v)
+    return jax.nn.softmax(filtered_per_position(logits, sp), axis=-1)
 
 
 def sampled_accept(logits: jax.Array, tokens: jax.Array, parents: jax.Array, sp: SamplingArrays,
