@@ -38,6 +38,10 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # > 0: on tokens seen in the prompt or the output (1 = off)
     logprobs: int | None = None  # each generated token's logprob and this many top alternatives (None: off)
     prompt_logprobs: int | None = None  # the same for each prompt token after the first (None: off)
+    # Benchmarking only: verification accepts draft positions 1, 2, ... with these unconditional
+    # probabilities (non-increasing, in [0, 1]) whatever the target says; the output is then not
+    # the target's. None: the real, lossless rule.
+    synthetic_acceptance: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         if not (isinstance(self.temperature, (int, float)) and self.temperature >= 0 and np.isfinite(self.temperature)):
@@ -70,12 +74,33 @@ class SamplingParams:
                                           and value >= 0):
                 raise ValueError(f"{name} must be None or an integer >= 0 (the top alternatives per token); "
                                  f"got {value!r}")
+        if self.synthetic_acceptance is not None:
+            object.__setattr__(self, "synthetic_acceptance", check_acceptance_profile(self.synthetic_acceptance))
         if self.min_tokens and len(self.stop_token_ids) > MAX_SUPPRESSED_STOP_IDS:
             raise ValueError(f"min_tokens holds back at most {MAX_SUPPRESSED_STOP_IDS} stop token ids; this request "
                              f"has {len(self.stop_token_ids)}")
 
 
 MAX_SUPPRESSED_STOP_IDS = 16  # stop token ids a request with min_tokens keeps out of its first tokens
+MAX_SYNTHETIC_POSITIONS = 16  # draft positions a synthetic acceptance profile may cover
+
+
+def check_acceptance_profile(profile) -> tuple[float, ...]:
+    """A synthetic acceptance profile as a tuple: entry d is the probability that a step accepts at
+    least d + 1 draft tokens, so the entries lie in [0, 1] and do not increase."""
+    try:
+        values = tuple(float(x) for x in profile)
+    except (TypeError, ValueError):
+        raise ValueError(f"synthetic_acceptance must be a sequence of numbers; got {profile!r}") from None
+    if not 1 <= len(values) <= MAX_SYNTHETIC_POSITIONS:
+        raise ValueError(f"synthetic_acceptance needs 1 to {MAX_SYNTHETIC_POSITIONS} per-position rates; "
+                         f"got {len(values)}")
+    if not all(0 <= x <= 1 for x in values):
+        raise ValueError(f"synthetic_acceptance rates must lie in [0, 1]; got {list(values)}")
+    if any(b > a for a, b in zip(values, values[1:])):
+        raise ValueError(f"synthetic_acceptance rates are unconditional (rate d: a step accepts at least d + 1 draft "
+                         f"tokens), so they cannot increase; got {list(values)}")
+    return values
 
 
 @jax.tree_util.register_dataclass
@@ -96,6 +121,9 @@ class SamplingArrays:
     presence_penalty: jax.Array | None = None  # [B] float32
     frequency_penalty: jax.Array | None = None  # [B] float32
     repetition_penalty: jax.Array | None = None  # [B] float32
+    # [B, MAX_SYNTHETIC_POSITIONS] float32: synthetic acceptance profiles, 0 past a profile's end
+    # and -1 on rows without one; None when no row of the batch has one.
+    accept_profile: jax.Array | None = None
 
     @staticmethod
     def from_params(params: Sequence[SamplingParams], batch: int) -> "SamplingArrays":
@@ -116,7 +144,20 @@ class SamplingArrays:
             presence_penalty=np.asarray([p.presence_penalty for p in params], np.float32),
             frequency_penalty=np.asarray([p.frequency_penalty for p in params], np.float32),
             repetition_penalty=np.asarray([p.repetition_penalty for p in params], np.float32),
+            accept_profile=(accept_profiles(params) if any(p.synthetic_acceptance is not None for p in params)
+                            else None),
         )
+
+
+def accept_profiles(params: Sequence[SamplingParams]) -> np.ndarray:
+    """SamplingArrays.accept_profile of `params` (a full table, whether or not any row has one)."""
+    table = np.zeros((len(params), MAX_SYNTHETIC_POSITIONS), np.float32)
+    for i, p in enumerate(params):
+        if p.synthetic_acceptance is None:
+            table[i] = -1.0
+        else:
+            table[i, : len(p.synthetic_acceptance)] = p.synthetic_acceptance
+    return table
 
 
 class SamplingTable:
@@ -125,14 +166,21 @@ class SamplingTable:
 
     def __init__(self, size: int):
         self._arrays = SamplingArrays.from_params([], size)
+        self._arrays.accept_profile = accept_profiles([SamplingParams()] * size)
 
     def set_row(self, row: int, params: SamplingParams) -> None:
         a, one = self._arrays, SamplingArrays.from_params([params], 1)
+        one.accept_profile = accept_profiles([params])
         for field in dataclasses.fields(SamplingArrays):
             getattr(a, field.name)[row] = getattr(one, field.name)[0]
 
     def rows(self, rows: np.ndarray) -> SamplingArrays:
-        return jax.tree.map(lambda column: column[rows], self._arrays)
+        """The rows' settings; `accept_profile` None unless one of them has a synthetic profile, so
+        only batches that ask for it run the programs that read it."""
+        out = jax.tree.map(lambda column: column[rows], self._arrays)
+        if not (out.accept_profile[:, 0] >= 0).any():
+            out.accept_profile = None
+        return out
 
 
 def filtered_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:

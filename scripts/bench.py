@@ -120,6 +120,11 @@ flags.adopt_module_key_flags(_cli)
 flags.DEFINE_bool("prefix_caching", False, "In-process: the schedulers keep a prefix cache (reports then show its hit "
                   "rate; a cell measured again after a compile finds its own prompts cached). Over HTTP the "
                   "server's own setting applies, and reports show its hit rate from /metrics.")
+flags.DEFINE_list("synthetic_acceptance", None, "Benchmarking only: force verification to accept these per-position "
+                  "rates (non-increasing, in [0, 1]; rate d: a step accepts at least d draft tokens), e.g. 0.9,0.8,0.7, "
+                  "to measure the speculative step's cost at a realistic acceptance without a trained draft. Outputs are "
+                  "then not the target's, reports say 'synthetic acceptance', and over HTTP the server must run with "
+                  "--allow_synthetic_acceptance.")
 flags.DEFINE_bool("overlap", True, "In-process: the scheduler launches each step before reading the previous one's "
                   "tokens (--nooverlap: launch, wait, read, the older way; to measure what overlap saves).")
 
@@ -134,6 +139,15 @@ def _ints(values: Sequence[str], flag: str, lo: int) -> tuple[int, ...]:
     if len(set(out)) != len(out):
         raise app.UsageError(f"--{flag} lists a value more than once: {','.join(values)!r}")
     return out
+
+
+def _rates(values: Sequence[str] | None) -> tuple[float, ...] | None:
+    if values is None:
+        return None
+    try:
+        return tuple(float(v) for v in values)
+    except ValueError:
+        raise app.UsageError(f"--synthetic_acceptance must be comma-separated numbers; got {','.join(values)!r}") from None
 
 
 def default_name(target: str, workload, over_http: bool = False) -> str:
@@ -192,9 +206,13 @@ def main(argv: Sequence[str]) -> None:
                         num_prompts=FLAGS.num_prompts, num_warmups=FLAGS.num_warmups, min_prompts=FLAGS.min_prompts,
                         min_warmups=FLAGS.min_warmups,
                         temperature=FLAGS.temperature, interleave=FLAGS.interleave, progress=FLAGS.progress,
-                        max_measure_attempts=FLAGS.max_measure_attempts)
+                        max_measure_attempts=FLAGS.max_measure_attempts,
+                        synthetic_acceptance=_rates(FLAGS.synthetic_acceptance))
     except ValueError as e:
         raise app.UsageError(str(e)) from None
+    if cfg.synthetic_acceptance is not None and all(s.spec is None for s in settings):
+        raise app.UsageError("--synthetic_acceptance forces a speculative step's acceptance: add a speculative "
+                             "--spec (e.g. --spec=none,chain:3:1:4)")
 
     model_cfg = e3.load_model_config(FLAGS.target)
     limit = model_cfg.max_position_embeddings

@@ -88,6 +88,9 @@ flags.DEFINE_bool("prefix_caching", True, "Keep full KV pages after their reques
                   "requests that share a prefix (a system prompt, earlier turns, the n choices of one request) "
                   "compute it once; least recently used pages are evicted when pages run short "
                   "(--noprefix_caching to turn it off).")
+flags.DEFINE_bool("allow_synthetic_acceptance", False, "Benchmarking only: let requests carry `synthetic_acceptance` "
+                  "(per-position rates a speculative step is forced to accept; their outputs are then not the model's), "
+                  "as scripts/bench.py --synthetic_acceptance sends. Off: such requests get a 400.")
 define_chat_template_flag()
 flags.mark_flag_as_required("target")
 # --help lists the shared flags (speculation, mesh, kernels, quantization, --verbose) with the script's own
@@ -196,13 +199,17 @@ def main(argv: Sequence[str]) -> None:
     gc.collect()
     gc.freeze()
     application = make_app(engine, tok, model_name, max_seq_len=max_seq_len,
-                           eos_token_ids=stop_ids(cfg.eos_token_ids, tok.eos_ids), chat_template=chat_template)
+                           eos_token_ids=stop_ids(cfg.eos_token_ids, tok.eos_ids), chat_template=chat_template,
+                           allow_synthetic_acceptance=FLAGS.allow_synthetic_acceptance)
 
     async def close_engine(_app) -> None:
         await engine.close()
 
     application.on_cleanup.append(close_engine)
     mode = "plain decoding" if spec is None else f"EAGLE-3 {spec}"
+    if FLAGS.allow_synthetic_acceptance:
+        say("--allow_synthetic_acceptance: requests may force speculative acceptance (benchmarking only; their "
+            "outputs are not the model's)")
     say(f"serving {FLAGS.target} as {model_name!r} ({mode}, max_num_seqs {FLAGS.max_num_seqs}, max_seq_len "
         f"{max_seq_len}) on http://{FLAGS.host}:{FLAGS.port}/v1")
     # handler_cancellation: a client that disconnects cancels its handler, which aborts its request.

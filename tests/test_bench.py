@@ -331,6 +331,27 @@ def test_run_config_defaults_and_errors():
         RunConfig(concurrencies=(1,), min_warmups=-1)
 
 
+def test_synthetic_acceptance_reaches_every_request_and_the_report():
+    """A forced profile is validated, set on every request (in-process and over HTTP), keeps the
+    outputs from being compared with no-spec's, and heads the report."""
+    from eagle3_jax.bench.runner import sampling_for
+
+    with pytest.raises(ValueError, match="cannot increase"):
+        RunConfig(concurrencies=(1,), synthetic_acceptance=(0.5, 0.9))
+    cfg = RunConfig(concurrencies=(1,), synthetic_acceptance=(0.9, 0.5))
+    assert sampling_for(cfg, 8, 0, 3).synthetic_acceptance == (0.9, 0.5) and not cfg.compares_outputs
+    assert RunConfig(concurrencies=(1,)).compares_outputs
+    body = completion_payload([1], output_len=2, temperature=0.0, seed=0, model=None, synthetic_acceptance=(0.9, 0.5))
+    assert body["synthetic_acceptance"] == [0.9, 0.5]
+    report = R.build_report(_cells(), settings=["none", "chain:3:1:4"],
+                            workload={"kind": "random", "shape": "1k1k", "scale": 0.0625, "input_len": 64,
+                                      "output_len": 64},
+                            config={"num_prompts": None, "num_warmups": None, "seeds": [0], "temperature": 0.0,
+                                    "synthetic_acceptance": [0.9, 0.5]})
+    assert R.markdown(report).startswith("**Synthetic acceptance** (0.9, 0.5 per draft position, tau 2.40")
+    assert "SYNTHETIC acceptance 0.9,0.5" in R.plot_title(report)
+
+
 def test_sse_parsing_and_payload():
     assert parse_sse_line(b"data: [DONE]\n") == "[DONE]"
     assert parse_sse_line(b": keep-alive\n") is None and parse_sse_line(b"\n") is None

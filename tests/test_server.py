@@ -271,6 +271,30 @@ def test_acceptance_per_request_in_usage_and_metrics(served):
     assert any(k.startswith("eagle3_spec_decode_num_accepted_tokens_per_pos_total") for k in samples)
 
 
+def test_synthetic_acceptance_needs_the_servers_consent(served):
+    """A request forcing acceptance gets a 400 unless the server was started to allow it; there
+    every step of it accepts what the profile says."""
+    from eagle3_jax.serving import make_app
+
+    _, engine, tok, _ = served
+    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 13, "temperature": 0, "ignore_eos": True,
+            "synthetic_acceptance": [1.0, 1.0, 1.0]}
+    status, _, reply = request(served[0].port, "POST", "/v1/completions", body)
+    assert status == 400 and reply["error"]["param"] == "synthetic_acceptance"
+    assert "--allow_synthetic_acceptance" in reply["error"]["message"]
+    bench = ServerThread(make_app(engine, tok, MODEL, eos_token_ids=tok.eos_ids, tokenizer_dir=TARGET,
+                                  allow_synthetic_acceptance=True))
+    try:
+        status, _, reply = request(bench.port, "POST", "/v1/completions", body)
+        assert status == 200, reply
+        spec = reply["usage"]["spec_decode"]
+        assert reply["usage"]["completion_tokens"] == 13 and spec["num_accepted_tokens"] == spec["num_draft_tokens"]
+        status, _, reply = request(bench.port, "POST", "/v1/completions", {**body, "synthetic_acceptance": [0.5, 0.9]})
+        assert status == 400 and "cannot increase" in reply["error"]["message"]
+    finally:
+        bench.stop()
+
+
 def test_sampled_requests_are_seeded(served):
     c = client(served)
     kw = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=16, temperature=0.8, top_p=0.9, extra_body={"top_k": -1})

@@ -29,10 +29,13 @@ TIMEOUT_S = 6 * 3600  # a long benchmark cell must not be cut off by the client
 
 
 def completion_payload(prompt: Sequence[int], *, output_len: int, temperature: float, seed: int,
-                       model: str | None) -> dict:
-    """Body of one streaming /v1/completions request with a token-id prompt and ignore-EOS."""
+                       model: str | None, synthetic_acceptance: Sequence[float] | None = None) -> dict:
+    """Body of one streaming /v1/completions request with a token-id prompt and ignore-EOS (and a
+    synthetic acceptance profile, which the server takes only when started to allow it)."""
     body = {"prompt": [int(t) for t in prompt], "max_tokens": int(output_len), "temperature": float(temperature),
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    if synthetic_acceptance is not None:
+        body["synthetic_acceptance"] = [float(x) for x in synthetic_acceptance]
     if temperature > 0:
         body["seed"] = int(seed)  # per-request seed (vLLM / OpenAI extension) for reproducible sampling
     if model is not None:
@@ -235,7 +238,8 @@ def run_http_benchmark(base_url: str, setting: SpecSetting, workload: Workload, 
 
             def bodies(prompts: list[list[int]], s: int) -> list[dict]:
                 return [completion_payload(p, output_len=out_len, temperature=cfg.temperature,
-                                           seed=(s * 1_000_003 + i) % 2**32, model=model)
+                                           seed=(s * 1_000_003 + i) % 2**32, model=model,
+                                           synthetic_acceptance=cfg.synthetic_acceptance)
                         for i, p in enumerate(prompts)]
 
             if n_warm:

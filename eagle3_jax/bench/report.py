@@ -188,6 +188,7 @@ def markdown(report: dict) -> str:
     dtype = f"dtype {cfg['dtype']}; " if cfg.get("dtype") else ""  # unknown over HTTP: the server's
     where = "Machine" if report["mode"] == "in-process" else "Client machine"
     lines = [
+        *([synthetic_note(cfg["synthetic_acceptance"])] if cfg.get("synthetic_acceptance") else []),
         f"Workload: {_describe_workload(report['workload'])}, ignore-EOS.",
         f"Requests per cell: {_count(cfg.get('num_prompts'), 10, cfg.get('min_prompts'))}, "
         f"after {_count(cfg.get('num_warmups'), 2, cfg.get('min_warmups'))} warm-ups; seeds {', '.join(map(str, cfg.get('seeds') or []))}; temperature {cfg.get('temperature')}; "
@@ -203,6 +204,14 @@ def markdown(report: dict) -> str:
         *too_few_notes(report["rows"]),
     ]
     return "\n".join(lines)
+
+
+def synthetic_note(profile: Sequence[float]) -> str:
+    """The header line of a report whose acceptance was forced."""
+    rates = ", ".join(f"{x:g}" for x in profile)
+    return (f"**Synthetic acceptance** ({rates} per draft position, tau {1 + sum(profile):.2f} when the draft "
+            f"proposes {len(profile)} or more): verification was forced to accept, so these figures are the "
+            f"speculative step's cost at that acceptance, and the outputs are not the target's.")
 
 
 def too_few_notes(rows: Sequence[dict]) -> list[str]:
@@ -229,7 +238,9 @@ def plot_title(report: dict) -> str:
         model += " + " + os.path.basename(os.path.normpath(cfg["draft"]))
     devices = f"{m['jax_backend']} x{len(m['jax_devices'])}" + (f" ({m['device_kind']})" if m.get("device_kind") else "")
     where = devices if report["mode"] == "in-process" else f"{report['mode']}, client on {devices}"
-    return f"{model} on {where}, {m['cpu_count']} CPUs\n{_describe_workload(report['workload'])}"
+    forced = cfg.get("synthetic_acceptance")
+    note = f"; SYNTHETIC acceptance {','.join(f'{x:g}' for x in forced)}" if forced else ""
+    return f"{model} on {where}, {m['cpu_count']} CPUs\n{_describe_workload(report['workload'])}{note}"
 
 
 def plot(report: dict, key: str, ylabel: str, path: str) -> None:

@@ -52,6 +52,9 @@ class RunConfig:
     interleave: bool = True
     progress: bool = True
     max_measure_attempts: int = 3  # measured passes per cell until one runs without compiling
+    # Forced per-position acceptance of every request (SamplingParams.synthetic_acceptance): the
+    # speculative step's cost at that acceptance; outputs are then not the target's.
+    synthetic_acceptance: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         if not self.concurrencies or any(not isinstance(c, int) or c < 1 for c in self.concurrencies):
@@ -68,7 +71,12 @@ class RunConfig:
             raise ValueError(f"max_measure_attempts must be >= 1; got {self.max_measure_attempts}")
         if self.num_warmups is not None and self.num_warmups < 0:
             raise ValueError(f"num_warmups must be >= 0; got {self.num_warmups}")
-        SamplingParams(temperature=self.temperature)  # validates
+        SamplingParams(temperature=self.temperature, synthetic_acceptance=self.synthetic_acceptance)  # validates
+
+    @property
+    def compares_outputs(self) -> bool:
+        """Whether speculative outputs must equal no-spec's token for token: greedy, not forced."""
+        return self.greedy and self.synthetic_acceptance is None
 
     def prompts_for(self, concurrency: int) -> int:
         return self.num_prompts if self.num_prompts is not None else max(10 * concurrency, self.min_prompts)
@@ -84,7 +92,8 @@ class RunConfig:
 def sampling_for(cfg: RunConfig, output_len: int, seed: int, index: int) -> SamplingParams:
     """Request `index`'s sampling: fixed length, no stop tokens (ignore-EOS), a per-request seed."""
     return SamplingParams(temperature=cfg.temperature, max_tokens=output_len,
-                          seed=(seed * 1_000_003 + index) % 2**32, stop_token_ids=())
+                          seed=(seed * 1_000_003 + index) % 2**32, stop_token_ids=(),
+                          synthetic_acceptance=cfg.synthetic_acceptance)
 
 
 def outputs_digest(outputs: Sequence[Sequence[int]]) -> str:
@@ -317,7 +326,8 @@ def run_benchmark(target, draft, settings: Sequence[SpecSetting], workload: Work
     `max_seq_len` is the Schedulers' sequence length; the workload must fit it. `num_devices`
     (for tokens/s per device) defaults to the target's mesh size. Greedy runs mark each
     speculative cell `identical_to_no_spec`; sampled runs leave it None (sampling is lossless in
-    distribution, not token for token).
+    distribution, not token for token), as do runs with synthetic acceptance (outputs not the
+    target's).
     """
     if workload.max_total_len > max_seq_len:
         raise ValueError(f"workload {workload.name} needs sequences of {workload.max_total_len} tokens; "
@@ -358,7 +368,7 @@ def run_benchmark(target, draft, settings: Sequence[SpecSetting], workload: Work
                     one(sched, s, c, seed)
             del sched
     attach_speedups(cells)
-    if cfg.greedy:
+    if cfg.compares_outputs:
         return mark_identical(cells)
     for c in cells:
         if c["setting"] != NO_SPEC:

@@ -175,10 +175,11 @@ def _one_token_step(tcfg: ModelConfig, logprobs: LogprobSettings | None, tparams
     nxt, aux, tcache, lp = plain_step(tparams, tcfg, state.target_cache(block_table, lengths), state.last_token[slots],
                                       sp, counter, logprobs, PenaltyHistory(state.output_counts, state.prompt_seen, slots))
     count = jnp.ones_like(nxt)
-    return nxt[:, None], count, aux, _logprob_outputs(lp), state.replace(
-        tk=tcache.k, tv=tcache.v, length=state.length.at[slots].set(lengths + count),
-        last_token=state.last_token.at[slots].set(nxt),
-        output_counts=count_tokens(state.output_counts, slots, nxt[:, None], count[:, None] > 0))
+    with jax.named_scope("state"):
+        state = state.replace(tk=tcache.k, tv=tcache.v, length=state.length.at[slots].set(lengths + count),
+                              last_token=state.last_token.at[slots].set(nxt),
+                              output_counts=count_tokens(state.output_counts, slots, nxt[:, None], count[:, None] > 0))
+    return nxt[:, None], count, aux, _logprob_outputs(lp), state
 
 
 def _plain_decode_program(tcfg: ModelConfig, dcfg: None, shape: None, logprobs: LogprobSettings | None,
@@ -214,8 +215,16 @@ def _decode_program(tcfg: ModelConfig, dcfg: DraftConfig, shape: SpecConfig, log
                                                         state.draft_cache(block_table, lengths), root, sp, counter,
                                                         logprobs, PenaltyHistory(state.output_counts, state.prompt_seen,
                                                                                  slots))
+    with jax.named_scope("state"):
+        state = advance_state(state, slots, lengths, out, count, tcache, dcache, root)
+    return out, count, *_logprob_outputs(lp), state
+
+
+def advance_state(state: DeviceState, slots, lengths, out, count, tcache, dcache, root: DraftRoot) -> DeviceState:
+    """A speculative step's results into the rows' state slots: caches, lengths, next roots and the
+    emitted tokens' counts (what penalties read)."""
     emitted = jnp.arange(out.shape[1])[None, :] < count[:, None]
-    return out, count, *_logprob_outputs(lp), state.replace(
+    return state.replace(
         tk=tcache.k, tv=tcache.v, dk=dcache.k, dv=dcache.v, length=state.length.at[slots].set(lengths + count),
         last_token=state.last_token.at[slots].set(root.token), draft_hidden=state.draft_hidden.at[slots].set(root.hidden),
         output_counts=count_tokens(state.output_counts, slots, out, emitted))
@@ -294,11 +303,12 @@ class Executor:
                 logprobs: LogprobSettings | None = None) -> list[jax.Array]:
         """Launch the `kind` program (for "decode", of speculation `shape`; with `logprobs`, the
         variant that returns them) on the state; returns its outputs as device arrays, not waited
-        for. The cache key is the kind, the shape, the logprob settings and the bucketed array
-        shapes."""
+        for. The cache key is the kind, the shape, the logprob settings, whether a row has a
+        synthetic acceptance profile and the bucketed array shapes."""
         with_draft = self.draft is not None and kind not in _PLAIN
         dcfg, dparams = (self.draft.config, self.draft.params) if with_draft else (None, None)
-        key = (kind, shape, logprobs, block_table.shape, np.shape(args[0]))
+        synthetic = any(isinstance(a, SamplingArrays) and a.accept_profile is not None for a in args)
+        key = (kind, shape, logprobs, synthetic, block_table.shape, np.shape(args[0]))
         state, held = self.state, {}
         if self.draft is not None and not with_draft:
             held = {name: getattr(state, name) for name in _DRAFT_STATE}

@@ -34,7 +34,11 @@ items with `token`, `logprob`, `bytes`, `top_logprobs`), at most the scheduler's
 alternatives; streamed chunks carry their own tokens' logprobs. -inf reads -9999.0. Parameters
 this engine does not implement (`logit_bias`, `best_of` other than n, chat's `echo`,
 tools, `suffix`, non-text `response_format`) get a 400 when set to anything but their neutral
-value, rather than being ignored.
+value, rather than being ignored. Benchmarking extension: `synthetic_acceptance` (per-position
+rates, e.g. [0.9, 0.8, 0.7]) forces a speculative step to accept that profile, so that a step's
+cost can be measured at a realistic acceptance without a trained draft; the output is then not
+the model's, and the server refuses it (400) unless started to allow it
+(`make_app(allow_synthetic_acceptance=True)`, `scripts/serve.py --allow_synthetic_acceptance`).
 
 What the server changes or skips in a request is announced, never silent: `max_tokens` beyond the
 room left in `max_seq_len` is cut to that room (finish_reason "length"), and fields it does not
@@ -75,7 +79,7 @@ from typing import Any, Callable, Mapping, Sequence
 from aiohttp import web
 
 from ..logprobs import Logprob
-from ..sampling import SamplingParams
+from ..sampling import SamplingParams, check_acceptance_profile
 from ..scheduler import CapacityError
 from ..text_stream import TextStream
 from ..tokenizer import Tokenizer
@@ -174,7 +178,7 @@ _HINTS: dict[str, str] = {}
 _COMMON_FIELDS = frozenset({"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "n", "stream",
                             "stream_options", "stop", "stop_token_ids", "ignore_eos", "include_stop_str_in_output",
                             "min_tokens", "logprobs", "best_of", "presence_penalty", "frequency_penalty", "repetition_penalty",
-                            "response_format", "user",
+                            "response_format", "user", "synthetic_acceptance",
                             *_NEUTRAL})
 KNOWN_FIELDS = {"completion": _COMMON_FIELDS | {"prompt", "echo"},
                 "chat": _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "echo"}}
@@ -227,14 +231,16 @@ def parse_logprobs(body: Mapping[str, Any], kind: str, max_logprobs: int) -> tup
 
 def parse_sampling(body: Mapping[str, Any], *, default_max_tokens: int, eos_token_ids: Sequence[int],
                    max_tokens_keys: Sequence[str] = ("max_tokens",), logprobs: int | None = None,
-                   echo: bool = False) -> SamplingParams:
+                   echo: bool = False, allow_synthetic_acceptance: bool = False) -> SamplingParams:
     """The request's SamplingParams; 400 (`ApiError`) naming the bad field otherwise.
 
     top_k -1 means off (vLLM) and becomes 0. A missing seed gets a random one, so sampled requests
     differ. Stop ids are `stop_token_ids` plus `eos_token_ids` unless `ignore_eos` is true.
     `logprobs` (`parse_logprobs`) is asked for each generated token and, with `echo`, each prompt
     token; `echo` also allows max_tokens 0 (the prompt scored, nothing generated: the engine
-    generates one token, which the reply leaves out, as vLLM does).
+    generates one token, which the reply leaves out, as vLLM does). `synthetic_acceptance` (a
+    benchmarking extension: per-position rates verification is forced to accept) is refused unless
+    `allow_synthetic_acceptance`.
     """
     max_tokens, key_used = default_max_tokens, max_tokens_keys[0]
     for key in max_tokens_keys:
@@ -289,14 +295,33 @@ def parse_sampling(body: Mapping[str, Any], *, default_max_tokens: int, eos_toke
     if penalties["repetition_penalty"] <= 0:
         raise ApiError(f"'repetition_penalty' must be > 0 (1 = off); got {penalties['repetition_penalty']}",
                        param="repetition_penalty", code="invalid_value")
+    synthetic = parse_synthetic_acceptance(body.get("synthetic_acceptance"), allow_synthetic_acceptance)
     try:
         return SamplingParams(**penalties, temperature=temperature, top_p=top_p, top_k=max(top_k, 0),
                               max_tokens=max(max_tokens, 1),
                               seed=seed, stop_token_ids=tuple(dict.fromkeys(stop_ids)), stop=stop,
                               include_stop_str_in_output=include_stop, min_tokens=min_tokens, logprobs=logprobs,
-                              prompt_logprobs=logprobs if echo else None)
+                              prompt_logprobs=logprobs if echo else None, synthetic_acceptance=synthetic)
     except ValueError as e:  # SamplingParams' own checks, should any be stricter than the above
         raise ApiError(str(e), code="invalid_value") from e
+
+
+def parse_synthetic_acceptance(value: Any, allowed: bool) -> tuple[float, ...] | None:
+    """A request's synthetic acceptance profile (None when absent); 400 when the server does not
+    allow it or the rates are not a non-increasing list in [0, 1]."""
+    if value is None:
+        return None
+    if not allowed:
+        raise ApiError("'synthetic_acceptance' forces verification to accept (benchmarking only: the output is not "
+                       "the model's); this server refuses it unless started with --allow_synthetic_acceptance",
+                       param="synthetic_acceptance", code="unsupported_parameter")
+    if not (isinstance(value, list) and all(_is_number(x) for x in value)):
+        raise ApiError(f"'synthetic_acceptance' must be a list of numbers; got {value!r}",
+                       param="synthetic_acceptance", code="invalid_type")
+    try:
+        return check_acceptance_profile(value)
+    except ValueError as e:
+        raise ApiError(str(e), param="synthetic_acceptance", code="invalid_value") from None
 
 
 def parse_stop(stop: Any) -> tuple[str, ...]:
@@ -560,13 +585,15 @@ class _Job:
 
 class _Server:
     def __init__(self, engine: AsyncEngine, tokenizer: Tokenizer, model_name: str, max_seq_len: int,
-                 eos_token_ids: Sequence[int], chat_template: ChatTemplate, default_max_tokens: int):
+                 eos_token_ids: Sequence[int], chat_template: ChatTemplate, default_max_tokens: int,
+                 allow_synthetic_acceptance: bool = False):
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
         self.max_seq_len, self.eos_token_ids = int(max_seq_len), tuple(int(t) for t in eos_token_ids)
         self.chat_template, self.default_max_tokens = chat_template, int(default_max_tokens)
         self.created = int(time.time())
         self.metrics_registry = ServerMetrics(engine.stats)
         self.max_logprobs = int(getattr(engine.scheduler, "max_logprobs", 0))
+        self.allow_synthetic_acceptance = bool(allow_synthetic_acceptance)
         # A token's text in logprobs replies (decoded alone, special tokens shown, as vLLM does).
         self.token_text = functools.lru_cache(maxsize=1 << 16)(
             lambda token: tokenizer.decode([token], skip_special_tokens=False))
@@ -658,7 +685,8 @@ class _Server:
              default_max_tokens: int, max_tokens_keys: Sequence[str]) -> _Job:
         logprobs, echo = parse_logprobs(body, kind, self.max_logprobs)
         sampling = parse_sampling(body, default_max_tokens=default_max_tokens, eos_token_ids=self.eos_token_ids,
-                                  max_tokens_keys=max_tokens_keys, logprobs=logprobs, echo=echo)
+                                  max_tokens_keys=max_tokens_keys, logprobs=logprobs, echo=echo,
+                                  allow_synthetic_acceptance=self.allow_synthetic_acceptance)
         echo_only = echo and any(body.get(key) == 0 for key in max_tokens_keys)
         stream, include_usage = parse_stream(body)
         if len(prompt_ids) >= self.max_seq_len:
@@ -870,7 +898,7 @@ async def _send(response: web.StreamResponse, payload: Mapping[str, Any]) -> Non
 def make_app(async_engine: AsyncEngine, tokenizer: Tokenizer, model_name: str, *, max_seq_len: int | None = None,
              eos_token_ids: Sequence[int] | None = None, tokenizer_dir: str | os.PathLike | None = None,
              default_max_tokens: int = 16, client_max_size: int = 8 * 2**20,
-             chat_template: ChatTemplate | None = None) -> web.Application:
+             chat_template: ChatTemplate | None = None, allow_synthetic_acceptance: bool = False) -> web.Application:
     """The aiohttp application serving `async_engine` under the OpenAI API as `model_name`.
 
     `max_seq_len` defaults to the scheduler's; `eos_token_ids` (where requests stop unless
@@ -879,6 +907,7 @@ def make_app(async_engine: AsyncEngine, tokenizer: Tokenizer, model_name: str, *
     completions default (OpenAI's is 16). A scheduler without a tokenizer gets `tokenizer`, which it
     needs to match stop strings. The caller starts and closes the engine; run the app with
     `handler_cancellation=True` so that a client leaving before its first token aborts at once.
+    `allow_synthetic_acceptance` lets requests force speculative acceptance (benchmarking only).
     """
     if max_seq_len is None:
         max_seq_len = async_engine.scheduler.max_seq_len
@@ -886,7 +915,8 @@ def make_app(async_engine: AsyncEngine, tokenizer: Tokenizer, model_name: str, *
         async_engine.scheduler.tokenizer = tokenizer
     server = _Server(async_engine, tokenizer, model_name, max_seq_len,
                      tokenizer.eos_ids if eos_token_ids is None else eos_token_ids,
-                     chat_template or ChatTemplate.from_dir(tokenizer_dir), default_max_tokens)
+                     chat_template or ChatTemplate.from_dir(tokenizer_dir), default_max_tokens,
+                     allow_synthetic_acceptance)
     app = web.Application(middlewares=[server.middleware], client_max_size=client_max_size)
     app[_SERVER_KEY] = server
     app.router.add_post("/v1/completions", server.completions)

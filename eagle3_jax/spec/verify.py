@@ -8,6 +8,11 @@ p (after temperature / top-k / top-p), siblings are tried in index order: siblin
 with probability r(x) / sum(r), where r is p with the already-rejected siblings zeroed; on
 acceptance the walk moves to it, and when every child is rejected (or at a leaf) the bonus token
 is drawn from r / sum(r). Each step then emits exactly the target's distribution.
+
+Synthetic (benchmarking only, rows with `SamplingArrays.accept_profile`): the step accepts a depth
+drawn from the row's per-position profile, along each node's first child, whatever the target
+says, and the bonus token is the target's at that node. The step's cost is then that of a draft
+with that acceptance; its output is not the target's.
 """
 
 from __future__ import annotations
@@ -16,7 +21,9 @@ import jax
 import jax.numpy as jnp
 
 from .. import kv_cache
-from ..sampling import SamplingArrays, filtered_per_position, hold_back_stops, request_keys
+from ..sampling import SamplingArrays, filtered_logits, filtered_per_position, hold_back_stops, request_keys
+
+SYNTHETIC_STREAM = 0x5E1EC7  # folded into a row's key: synthetic draws apart from its sampling draws
 
 
 def greedy_accept(logits: jax.Array, tokens: jax.Array, parents: jax.Array, anc: jax.Array,
@@ -70,8 +77,36 @@ def sampled_accept(logits: jax.Array, tokens: jax.Array, parents: jax.Array, sp:
     return jax.vmap(_sampled_row)(probs, tokens, parents, coins, bonus_keys)
 
 
+def synthetic_accept(logits: jax.Array, tokens: jax.Array, parents: jax.Array, sp: SamplingArrays,
+                     counter: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Forced acceptance -> (accepted node [B], bonus [B]): one uniform u per row accepts depth
+    #{d : u < profile[d]} (so P(depth > d) = profile[d] for a non-increasing profile), walking from
+    the root to each node's first child (its draft's best) while there is one; the bonus is the
+    target's token at that node (argmax, or drawn from the row's filtered distribution)."""
+    b, n = tokens.shape
+    keys = jax.vmap(lambda k: jax.random.fold_in(k, SYNTHETIC_STREAM))(request_keys(sp.seed, counter))
+    coin_keys, bonus_keys = jax.vmap(lambda k: jax.random.split(k, 2))(keys).transpose(1, 0, 2)
+    u = jax.vmap(jax.random.uniform)(coin_keys)
+    profile = sp.accept_profile[:, : n - 1]
+    wanted = jnp.sum(u[:, None] < profile, axis=1)
+    index = jnp.arange(n)[None, :]
+
+    def down(level, node):
+        is_child = (parents == node[:, None]) & (index > 0)
+        child = jnp.argmax(is_child, axis=1).astype(jnp.int32)
+        return jnp.where(jnp.any(is_child, axis=1) & (level < wanted), child, node)
+
+    node = jax.lax.fori_loop(0, n - 1, down, jnp.zeros((b,), jnp.int32))
+    at_node = jnp.take_along_axis(logits, node[:, None, None], axis=1)[:, 0]
+    filtered = filtered_logits(at_node, sp.temperature, sp.top_k, sp.top_p)
+    drawn = jax.vmap(jax.random.categorical)(bonus_keys, filtered).astype(jnp.int32)
+    bonus = jnp.where(sp.temperature > 0, drawn, jnp.argmax(at_node, axis=-1).astype(jnp.int32))
+    return node, bonus
+
+
 def accept(logits, tokens, parents, anc, depth, sp: SamplingArrays, counter):
-    """Greedy rows (temperature 0) and sampled rows, each by its own rule.
+    """Greedy rows (temperature 0) and sampled rows, each by its own rule; rows with a synthetic
+    acceptance profile by `synthetic_accept` (only compiled in when the batch has one).
 
     The sampled rule (a sort over the vocabulary per node) only runs when some row samples. Both
     judge the target's distribution with stop tokens held back below min_tokens (the logits at a
@@ -85,7 +120,12 @@ def accept(logits, tokens, parents, anc, depth, sp: SamplingArrays, counter):
         lambda: sampled_accept(logits, tokens, parents, sp, counter),
         lambda: (g_node, g_bonus),
     )
-    return jnp.where(sampled, s_node, g_node), jnp.where(sampled, s_bonus, g_bonus)
+    node, bonus = jnp.where(sampled, s_node, g_node), jnp.where(sampled, s_bonus, g_bonus)
+    if sp.accept_profile is not None:
+        f_node, f_bonus = synthetic_accept(logits, tokens, parents, sp, counter)
+        forced = sp.accept_profile[:, 0] >= 0
+        node, bonus = jnp.where(forced, f_node, node), jnp.where(forced, f_bonus, bonus)
+    return node, bonus
 
 
 def emitted_tokens(tokens: jax.Array, path: jax.Array, n_accept: jax.Array, bonus: jax.Array) -> jax.Array:
