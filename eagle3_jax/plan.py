@@ -43,14 +43,16 @@ class Device:
     name: str
     hbm_bytes: int
     hbm_gbps: float  # peak HBM bandwidth, GB/s
+    bf16_tflops: float  # peak dense bf16 matrix rate, TFLOP/s
 
 
+# The vendors' data-sheet peaks (dense, without sparsity).
 DEVICES = {
-    "MI300X": Device("MI300X", 192 * GB, 5300.0),
-    "MI325X": Device("MI325X", 256 * GB, 6000.0),
-    "MI355X": Device("MI355X", 288 * GB, 8000.0),
-    "H100": Device("H100", 80 * GB, 3350.0),
-    "H200": Device("H200", 141 * GB, 4800.0),
+    "MI300X": Device("MI300X", 192 * GB, 5300.0, 1307.4),
+    "MI325X": Device("MI325X", 256 * GB, 6000.0, 1307.4),
+    "MI355X": Device("MI355X", 288 * GB, 8000.0, 2516.6),
+    "H100": Device("H100", 80 * GB, 3350.0, 989.4),
+    "H200": Device("H200", 141 * GB, 4800.0, 989.4),
 }
 
 

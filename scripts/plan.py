@@ -17,6 +17,15 @@ By default it plans the XLA path, whose MoE dequantizes FP8 / int4 experts to bf
 `--kernels=pallas --arch=gfx942` plans the program the GPU runs with the Pallas kernels (they
 dequantize in registers): each kernel stands in as an op of its exact output shapes.
 
+With --concurrency it also predicts, per mesh and device, plain and speculative decoding at each
+concurrency: step time, TPOT, output throughput and speedup from a roofline of what each step reads
+and computes (eagle3_jax/roofline.py), for the per-position acceptance of --acceptance and a mean
+context of --context tokens (apart from --max_len, the cache a sequence may fill):
+
+    python scripts/plan.py --target=tests/data/kimi-k2.5.config.json --draft=tests/data/kimi-k2.5-eagle3.draft.json \\
+        --meshes=1,1,8 --devices=MI325X --nomemory --concurrency=1,2,4,8,16,32,40,64,128,256 \\
+        --acceptance=0.99,0.97,0.97 --context=1536
+
 The plans are compiled by XLA:CPU. For bfloat16 caches it adds copies a GPU program does not
 make: it cannot scatter the new tokens into a bfloat16 cache in place, so temps include about two
 copies of the target's KV cache (float32 caches plan with no such temps).
@@ -50,6 +59,18 @@ flags.DEFINE_string("dtype", "bfloat16", "Compute dtype of unquantized weights a
 flags.DEFINE_enum("unit", "GiB", ["GiB", "MiB"], "Unit of the byte columns (MiB for small models).")
 flags.DEFINE_string("json_out", None, "Also write every plan as JSON here.")
 _cli.define_overwrite_flag("--json_out")
+flags.DEFINE_bool("memory", True, "Compile the programs and print the memory table (--nomemory: the prediction only).")
+flags.DEFINE_list("concurrency", None, "Predict plain and speculative decoding at these concurrencies (e.g. "
+                  "1,2,4,8,16,32,64,128,256): step time, TPOT, throughput and speedup per mesh and device.")
+flags.DEFINE_list("acceptance", ["0.8", "0.6", "0.4"], "With --concurrency: per-position acceptance rates of the "
+                  "draft (rate d: a step accepts at least d draft tokens; a benchmark's per-position acceptance), "
+                  "tau = 1 + their sum over the positions --spec drafts.")
+flags.DEFINE_integer("context", None, "With --concurrency: mean tokens of context per sequence during decoding (the "
+                     "KV each step reads; default --max_len / 2).", lower_bound=1)
+flags.DEFINE_float("hbm_efficiency", 1.0, "With --concurrency: the share of peak HBM bandwidth the kernels reach "
+                   "(1 = the roofline).", lower_bound=0.01, upper_bound=1.0)
+flags.DEFINE_float("step_overhead_ms", 0.0, "With --concurrency: a fixed cost added to every step (launches, "
+                   "collectives, host work).", lower_bound=0.0)
 flags.DEFINE_string("kernels", "xla", "xla: plan the XLA path (its MoE dequantizes FP8 / int4 experts to bf16 before the "
                     "dot); pallas (or per op, e.g. attention=xla,moe=pallas): plan the program a GPU runs with the Pallas "
                     "kernels, each standing in as an op of its exact output shapes. Needs --arch.")
@@ -169,10 +190,18 @@ def main(argv: list[str]) -> int:
                              f"(one of {', '.join(ARCHS)})")
     devices = [DEVICES[d] for d in FLAGS.devices]
     G = {"GiB": 2**30, "MiB": 2**20}[FLAGS.unit]
+    concurrencies = _concurrencies()
+    acceptance = _acceptance()
+    if not FLAGS.memory and concurrencies is None:
+        raise app.UsageError("--nomemory leaves nothing to print: give --concurrency for the prediction")
+    if concurrencies is not None and not FLAGS.draft:
+        raise app.UsageError("--concurrency predicts speculation's payoff: give the --draft it runs with")
     plans = []
     print(f"target {FLAGS.target}" + (f", draft {FLAGS.draft}, spec {spec}" if FLAGS.draft else "")
-          + f", max_len {FLAGS.max_len}, quant {FLAGS.quant}, tau {FLAGS.tau} ({FLAGS.unit} per device)"
-          + (f"; program: Pallas kernels ({FLAGS.kernels}) on {FLAGS.arch}, each as an op of its output shapes"
+          + f", max_len {FLAGS.max_len}, quant {FLAGS.quant}"
+          + (f", tau {FLAGS.tau} ({FLAGS.unit} per device)" if FLAGS.memory else "")
+          + ("" if not FLAGS.memory else
+             f"; program: Pallas kernels ({FLAGS.kernels}) on {FLAGS.arch}, each as an op of its output shapes"
              if FLAGS.kernels != "xla" else "; program: the XLA path"))
     head = "| mesh d,t,e | batch | arguments | temps | args+temps | weights | KV | read/step | " + " | ".join(
         f"{d.name} fits / KV tok left / TPOT ms" for d in devices) + " |"
@@ -186,14 +215,17 @@ def main(argv: list[str]) -> int:
         if count > jax.device_count():
             raise app.UsageError(f"mesh {shape} needs {count} devices but {jax.device_count()} exist; set "
                                  f"XLA_FLAGS=--xla_force_host_platform_device_count={count} on a CPU host")
-    print(head)
-    print("|" + "---|" * (8 + len(devices)))
-    notes = []
+    if FLAGS.memory:
+        print(head)
+        print("|" + "---|" * (8 + len(devices)))
+    notes, predictions = [], []
     for shape in meshes:
         count = shape[0] * shape[1] * shape[2]
         with _cli.usage_errors("--meshes"):
             mesh = e3.make_mesh(*shape, devices=jax.devices()[:count])
-        for batch in batches:
+        if concurrencies is not None:
+            predictions.append((shape, mesh))
+        for batch in batches if FLAGS.memory else ():
             # plan_memory's ValueErrors name a configuration it cannot plan (a mesh the model does not
             # divide, an unknown dtype, ...): the flags' doing
             with _cli.usage_errors():
@@ -210,9 +242,71 @@ def main(argv: list[str]) -> int:
     if notes:
         print()
         print("\n".join(notes))
+    predicted = [row for shape, mesh in predictions
+                 for row in print_prediction(shape, mesh, spec, devices, concurrencies, acceptance)]
     if FLAGS.json_out:
-        _cli.write_output("--json_out", FLAGS.json_out, json.dumps([p.as_dict() for p in plans], indent=1))
+        out = [p.as_dict() for p in plans] if not predicted else {"plans": [p.as_dict() for p in plans],
+                                                                  "predictions": predicted}
+        _cli.write_output("--json_out", FLAGS.json_out, json.dumps(out, indent=1))
     return 0
+
+
+def _concurrencies() -> list[int] | None:
+    if FLAGS.concurrency is None:
+        return None
+    try:
+        out = [int(c) for c in FLAGS.concurrency]
+    except ValueError:
+        out = []
+    if not out or any(c < 1 for c in out):
+        raise app.UsageError(f"--concurrency must be comma-separated integers >= 1; got {','.join(FLAGS.concurrency)!r}")
+    return out
+
+
+def _acceptance() -> tuple[float, ...]:
+    from eagle3_jax.sampling import check_acceptance_profile
+
+    try:
+        return check_acceptance_profile([float(x) for x in FLAGS.acceptance])
+    except ValueError as e:
+        raise app.UsageError(f"--acceptance: {e}".replace("synthetic_acceptance ", "")) from None
+
+
+def print_prediction(shape, mesh, spec, devices, concurrencies, acceptance) -> list[dict]:
+    """The per-concurrency prediction of one mesh on each device, printed; its rows as dicts."""
+    from eagle3_jax.plan import abstract_setup
+    from eagle3_jax.roofline import Hardware, mean_accept_length, predict, step_costs
+
+    context = FLAGS.context or FLAGS.max_len // 2
+    with _cli.usage_errors():
+        setup = abstract_setup(FLAGS.target, FLAGS.draft, mesh=mesh, batch=mesh.shape["data"], max_len=16,
+                               spec=spec, quant=None if FLAGS.quant == "auto" else FLAGS.quant, dtype=FLAGS.dtype)
+    costs = step_costs(setup)
+    tau = mean_accept_length(acceptance, setup.spec)
+    rows = []
+    for d in devices:
+        hw = Hardware(d.name, d.hbm_gbps, d.bf16_tflops, FLAGS.hbm_efficiency, FLAGS.step_overhead_ms)
+        print(f"\nprediction (roofline): mesh {','.join(map(str, shape))}, {d.name} ({d.hbm_gbps:g} GB/s x "
+              f"{FLAGS.hbm_efficiency:g}, {d.bf16_tflops:g} bf16 TFLOP/s, step overhead {FLAGS.step_overhead_ms:g} ms), "
+              f"{setup.spec}, acceptance {','.join(f'{a:g}' for a in acceptance)} (tau {tau:.2f}), mean context "
+              f"{context} tokens")
+        print("| concurrency | plain step = TPOT ms | plain tok/s | spec step ms (verify + draft) | spec TPOT ms | "
+              "spec tok/s | speedup | verify bound by | weights + KV fit |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        for c in concurrencies:
+            p = predict(costs, hw, setup.spec, acceptance, c, context)
+            fits = costs.fits(d.hbm_bytes, c, context)
+            print(f"| {c} | {p.plain_tpot_ms:.2f} | {p.plain_throughput:,.0f} | {p.spec_step_ms:.2f} ({p.verify_ms:.2f} + "
+                  f"{p.draft_ms:.2f}) | {p.spec_tpot_ms:.2f} | {p.spec_throughput:,.0f} | {p.speedup:.2f}x | "
+                  f"{p.verify_bound} | {'yes' if fits else 'NO'} |")
+            rows.append({"mesh": list(shape), "device": d.name, "concurrency": c, "context": context,
+                         "acceptance": list(acceptance), "tau": tau, "spec": str(setup.spec),
+                         "hbm_efficiency": FLAGS.hbm_efficiency, "step_overhead_ms": FLAGS.step_overhead_ms,
+                         "plain_tpot_ms": p.plain_tpot_ms, "plain_tok_s": p.plain_throughput,
+                         "spec_step_ms": p.spec_step_ms, "verify_ms": p.verify_ms, "draft_ms": p.draft_ms,
+                         "spec_tpot_ms": p.spec_tpot_ms, "spec_tok_s": p.spec_throughput, "speedup": p.speedup,
+                         "verify_bound": p.verify_bound, "fits": fits})
+    return rows
 
 
 if __name__ == "__main__":

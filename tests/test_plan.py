@@ -124,3 +124,53 @@ def test_kernel_path_plans_without_dequantized_expert_copies():
     assert kernels.temp_bytes < 0.25 * kernels.argument_bytes and kernels.fits(DEVICES["MI325X"])
     with pytest.raises(ValueError, match="needs the GPU they run on"):
         plan_memory(cfg, draft, kernels="pallas", **kw)
+
+
+# ---- the speedup prediction (roofline per concurrency) -------------------------------------------------
+
+
+def test_distinct_experts_match_a_sampled_simulation():
+    """E (1 - (1 - k/E)^n): the distinct experts n tokens route to, each picking k of E uniformly
+    without repeats, checked against sampled routings."""
+    import numpy as np
+
+    from eagle3_jax.roofline import expected_distinct_experts
+
+    rng = np.random.default_rng(0)
+    for experts, k, tokens in ((384, 8, 1), (384, 8, 40), (384, 8, 160), (256, 8, 64), (8, 2, 3)):
+        trials = 400
+        counts = [len(np.unique(np.concatenate([rng.choice(experts, k, replace=False) for _ in range(tokens)])))
+                  for _ in range(trials)]
+        want = expected_distinct_experts(experts, k, tokens)
+        assert abs(np.mean(counts) - want) < 4 * np.std(counts) / np.sqrt(trials) + 1e-9, (experts, k, tokens)
+
+
+@needs_8
+def test_prediction_counts_what_a_step_reads_and_computes():
+    """Kimi-K2.5 int4 on 8 MI325X: one token reads the dense weights and 8 of 384 experts per layer,
+    a 4-token verify more experts; at high concurrency the verify turns compute-bound; tau and
+    the speedup follow the acceptance profile."""
+    from eagle3_jax.plan import abstract_setup
+    from eagle3_jax.roofline import Hardware, StepCosts, predict, step_costs
+
+    setup = abstract_setup(os.path.join(DATA, "kimi-k2.5.config.json"), os.path.join(DATA, "kimi-k2.5-eagle3.draft.json"),
+                           mesh=e3.make_mesh(1, 8, 1), batch=1, max_len=16)
+    costs = step_costs(setup)
+    experts_total = 60 * 384 * 3 * 7168 * 2048
+    assert costs.expert_elements == experts_total // 8 and costs.num_experts == 384
+    assert costs.kv_bytes_per_token == 61 * (512 + 64) * 2  # MLA latent + rope, bf16, replicated over tensor
+    assert 3.5e9 < costs.draft_bytes < 4.5e9  # the draft is replicated: fc, one layer, its LM head
+    d = DEVICES["MI325X"]
+    hw = Hardware(d.name, d.hbm_gbps, d.bf16_tflops)
+    spec = e3.SpecConfig(3, 1, 4)
+    one = predict(costs, hw, spec, (0.9, 0.8, 0.7), 1, 1024)
+    assert one.tau == 1 + 0.9 + 0.8 + 0.7
+    expected_plain_read = (costs.dense_bytes + costs.expert_bytes * (1 - (1 - 8 / 384)) + 1024 * costs.kv_bytes_per_token)
+    assert math.isclose(one.plain_step_ms, expected_plain_read / (d.hbm_gbps * 1e6), rel_tol=1e-9)
+    assert one.verify_ms > one.plain_step_ms  # four tokens touch more experts than one
+    assert predict(costs, hw, spec, (0.0,), 64, 1024).speedup < 1 < predict(costs, hw, spec, (0.9, 0.8, 0.7), 64,
+                                                                            1024).speedup
+    assert predict(costs, hw, spec, (0.9, 0.8, 0.7), 4096, 1024).verify_bound == "compute"
+    slower = predict(costs, Hardware(d.name, d.hbm_gbps, d.bf16_tflops, 0.5, 2.0), spec, (0.9,), 1, 1024)
+    assert math.isclose(slower.plain_step_ms, 2 * one.plain_step_ms + 2.0, rel_tol=1e-9)
+    assert isinstance(costs, StepCosts) and costs.fits(d.hbm_bytes, 64, 2048) and not costs.fits(d.hbm_bytes, 10**6, 2048)
