@@ -26,8 +26,8 @@ import _cli  # noqa: E402
 
 STORIES = "checkpoints/stories260K"
 KIMI, KIMI_DRAFT = "checkpoints/kimi-mini", "checkpoints/kimi-mini-eagle3"
-ALL_SCRIPTS = ("generate", "serve", "bench", "bench_burst", "bench_kernels", "compile_gate", "convert", "demo",
-               "gpu_check", "plan", "quantize", "train_draft", "train_target", "make_corpus")
+ALL_SCRIPTS = ("generate", "serve", "bench", "bench_burst", "bench_kernels", "bench_step", "compile_gate", "convert",
+               "demo", "gpu_check", "plan", "quantize", "train_draft", "train_target", "make_corpus")
 
 
 def run_script(script: str, *args: str) -> subprocess.CompletedProcess:
@@ -78,6 +78,13 @@ INPUT_CASES = [
     ("demo", ("--chain=chain:3:2:4",), "a chain has topk=1"),
     ("plan", (f"--target={KIMI}", "--draft=x", "--spec=tree:2:2:16"), "exceeds"),
     ("make_corpus", (f"--model={STORIES}", "--out=/tmp/never.npy", "--top_p=1.5", "--num_sequences=1"), "top_p"),
+    ("bench", ("--synthetic_acceptance=0.5,0.9", "--spec=none,chain:3:1:4"), "cannot increase"),
+    ("bench", ("--synthetic_acceptance=0.5", "--spec=none"), "add a speculative --spec"),
+    ("plan", (f"--target={KIMI}", "--nomemory"), "give --concurrency"),
+    ("plan", (f"--target={KIMI}", f"--draft={KIMI_DRAFT}", "--concurrency=0"), "--concurrency must be"),
+    ("plan", (f"--target={KIMI}", f"--draft={KIMI_DRAFT}", "--concurrency=4", "--acceptance=0.5,0.9"), "--acceptance"),
+    ("bench_step", ("--batches=0",), "--batches must be"),
+    ("bench_step", ("--spec=auto",), "fixed settings"),
 ]
 # More of the same kind, in the slow run.
 MORE_INPUT_CASES = [
