@@ -3,8 +3,9 @@
 # project supports (0.12.x, which needs Python >= 3.12), without torch / transformers (the local CPU
 # torch build is for Python 3.11 only; the tests that need it skip). The tests marked `newest_jax`
 # run here only (`make test` deselects them): the Triton compile-to-ISA tests (every kernel form on
-# gfx942 / gfx950 / sm_90, spill detection, the GPU check script), test_spec.py, test_demo_pair.py
-# and test_pallas_engine.py.
+# gfx942 / gfx950 / sm_90, spill detection, the GPU check script), test_spec.py, test_demo_pair.py,
+# test_pallas_engine.py, test_multihost.py, test_penalties.py and the longest speculative-equality,
+# preemption and sharding cases of other files (which keep shorter cases in the default run).
 #
 # Python: a working python3.13 or python3.12 on PATH or under pyenv, else CPython 3.13 built from
 # Debian's trixie source package (the same Debian registry as the system's, a deb-src line for
@@ -84,9 +85,11 @@ else
 fi
 "$venv/bin/python" -c 'import sys, jax; print(f"newest-JAX leg: Python {sys.version.split()[0]}, jax {jax.__version__}")'
 
-XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0" \
-    "$venv/bin/python" -m pytest -q -n 2 --dist loadfile -p no:cacheprovider -m "not slow" \
-    tests/test_pallas_attention.py tests/test_pallas_moe.py tests/test_pallas_engine.py tests/test_compile_gate.py \
-    tests/test_lowering.py tests/test_spec_lowering.py tests/test_spec.py tests/test_demo_pair.py \
-    tests/test_stories260k.py tests/test_engine.py tests/test_mla_draft.py tests/test_gpu_check.py
+export XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
+# the kernel, lowering and engine files whole (what `make test` runs of them too) ...
+"$venv/bin/python" -m pytest -q -n 2 --dist loadfile -p no:cacheprovider -m "not slow and not newest_jax" \
+    tests/test_pallas_attention.py tests/test_pallas_moe.py tests/test_compile_gate.py tests/test_lowering.py \
+    tests/test_spec_lowering.py tests/test_stories260k.py tests/test_engine.py tests/test_mla_draft.py
+# ... and every test marked newest_jax, which runs here only
+"$venv/bin/python" -m pytest -q -n 2 --dist loadfile -p no:cacheprovider -m "newest_jax and not slow" tests/
 echo "newest-JAX leg: $(( $(date +%s) - start )) s"

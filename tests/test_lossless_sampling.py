@@ -405,8 +405,9 @@ def test_min_tokens_samples_the_held_back_target_distribution(models, spec):
 
 @pytest.mark.parametrize("spec, name", [
     # no_renormalisation only matters with siblings (a chain's single child has r = p); it is the
-    # subtlest of the three and stays in the default run (measured p ~ 1e-187 at 20,480 samples).
-    ("tree", "no_renormalisation"),
+    # subtlest of the three and runs in CI's newest-JAX leg (measured p ~ 1e-187 at 20,480 samples); the
+    # default run catches all three on hand-built trees (test_broken_acceptance_is_caught_on_hand_trees).
+    pytest.param("tree", "no_renormalisation", marks=pytest.mark.newest_jax),
     pytest.param("chain", "bonus_from_p", marks=pytest.mark.slow),
     pytest.param("tree", "always_first_child", marks=pytest.mark.slow),
 ])

@@ -24,6 +24,8 @@ CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "multihost_chil
 MESH = (2, 2, 2)
 TIMEOUT_S = 300
 
+# CI's newest-JAX leg runs it (two processes, each compiling the whole pair): multi-host on the JAX users install
+pytestmark = pytest.mark.newest_jax
 needs_8 = pytest.mark.skipif(jax.device_count() < 8, reason="needs XLA_FLAGS=--xla_force_host_platform_device_count=8")
 
 
