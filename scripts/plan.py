@@ -272,6 +272,11 @@ def _acceptance() -> tuple[float, ...]:
         raise app.UsageError(f"--acceptance: {e}".replace("synthetic_acceptance ", "")) from None
 
 
+def _ms(x: float) -> str:
+    """Milliseconds: two decimals, or three significant digits below 1 ms (small models' steps)."""
+    return f"{x:.2f}" if x >= 1 else f"{x:.3g}"
+
+
 def print_prediction(shape, mesh, spec, devices, concurrencies, acceptance) -> list[dict]:
     """The per-concurrency prediction of one mesh on each device, printed; its rows as dicts."""
     from eagle3_jax.plan import abstract_setup
@@ -296,8 +301,8 @@ def print_prediction(shape, mesh, spec, devices, concurrencies, acceptance) -> l
         for c in concurrencies:
             p = predict(costs, hw, setup.spec, acceptance, c, context)
             fits = costs.fits(d.hbm_bytes, c, context)
-            print(f"| {c} | {p.plain_tpot_ms:.2f} | {p.plain_throughput:,.0f} | {p.spec_step_ms:.2f} ({p.verify_ms:.2f} + "
-                  f"{p.draft_ms:.2f}) | {p.spec_tpot_ms:.2f} | {p.spec_throughput:,.0f} | {p.speedup:.2f}x | "
+            print(f"| {c} | {_ms(p.plain_tpot_ms)} | {p.plain_throughput:,.0f} | {_ms(p.spec_step_ms)} ({_ms(p.verify_ms)} + "
+                  f"{_ms(p.draft_ms)}) | {_ms(p.spec_tpot_ms)} | {p.spec_throughput:,.0f} | {p.speedup:.2f}x | "
                   f"{p.verify_bound} | {'yes' if fits else 'NO'} |")
             rows.append({"mesh": list(shape), "device": d.name, "concurrency": c, "context": context,
                          "acceptance": list(acceptance), "tau": tau, "spec": str(setup.spec),
