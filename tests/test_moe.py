@@ -20,6 +20,12 @@ def test_gathered_and_grouped_expert_forms_agree():
     wd = jnp.asarray(rng.standard_normal((e, i, h)), jnp.float32)
     np.testing.assert_allclose(gathered_experts(x, w, ids, wg, wu, wd), grouped_experts(x, w, ids, wg, wu, wd),
                                rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(moe.dense_experts(x, w, ids, wg, wu, wd), grouped_experts(x, w, ids, wg, wu, wd),
+                               rtol=1e-5, atol=1e-5)
+    # an id outside the local experts (another shard's) adds nothing in any form
+    far = ids.at[0, 0].set(e + 3)
+    np.testing.assert_allclose(moe.dense_experts(x, w, far, wg, wu, wd), grouped_experts(x, w, far, wg, wu, wd),
+                               rtol=1e-5, atol=1e-5)
 
 
 def test_the_gathered_form_is_for_few_assignments(monkeypatch):
@@ -29,6 +35,15 @@ def test_the_gathered_form_is_for_few_assignments(monkeypatch):
     monkeypatch.setattr(moe.jax, "default_backend", lambda: "gpu")
     assert gathers_experts(4, 8) and not gathers_experts(5, 8)
     assert gathers_experts(192, 384) and not gathers_experts(256, 384)
+
+
+def test_xla_cpu_runs_many_assignments_over_few_experts_densely(monkeypatch):
+    small = jnp.zeros((8, 16, 12), jnp.float32)
+    assert [moe.expert_form(n, 2, small) for n in (8, 9, 4096)] == ["gathered", "dense", "dense"]
+    huge = jax.ShapeDtypeStruct((256, 7168, 2048), jnp.bfloat16)  # its [E, N, I] would not fit the bound
+    assert moe.expert_form(4096, 8, huge) == "grouped"
+    monkeypatch.setattr(moe.jax, "default_backend", lambda: "gpu")
+    assert moe.expert_form(9, 2, small) == "grouped"
 
 
 def test_noaux_tc_routing_by_hand():
