@@ -41,7 +41,7 @@ import numpy as np
 
 from ..sampling import PenaltyHistory, apply_penalties, count_tokens, sample
 from ..scheduler.batch import DECODE
-from ..scheduler.programs import DeviceState, _rows, advance_state
+from ..scheduler.programs import DeviceState, advance_state, slot_rows
 from ..sharding import mesh_context
 from ..spec.propose import DraftRoot, propose
 from ..spec.step import extend_accepted, judge, verify_tree
@@ -187,7 +187,7 @@ def time_phases(sched, launch: Launch, snapshot: DeviceState, runs: int) -> dict
 
     with mesh_context(target.mesh):
         state = _copy(snapshot)
-        lengths, counter = jax.jit(_rows)(state, slots, prompt_lens)
+        lengths, counter = jax.jit(slot_rows)(state, slots, prompt_lens)
         history = PenaltyHistory(state.output_counts, state.prompt_seen, slots)
         tcache = state.target_cache(bt, lengths)
         keep_state = lambda out: {0: out.replace(length=jnp.array(snapshot.length, copy=True))}  # noqa: E731

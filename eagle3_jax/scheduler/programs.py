@@ -160,7 +160,7 @@ def _prefill_program(tcfg: ModelConfig, dcfg: DraftConfig | None, shape: None, l
                                 draft_hidden=state.draft_hidden.at[slots].set(root.hidden))
 
 
-def _rows(state: DeviceState, slots, prompt_lens):
+def slot_rows(state: DeviceState, slots, prompt_lens):
     """(committed lengths, sampling counters) of the rows in `slots` (padding rows: 0). A row's
     counter (tokens generated so far) is its committed length - prompt length + 1."""
     live = slots < state.length.shape[0] - 1  # padding rows use the scratch slot
@@ -171,7 +171,7 @@ def _rows(state: DeviceState, slots, prompt_lens):
 def _one_token_step(tcfg: ModelConfig, logprobs: LogprobSettings | None, tparams: dict, state: DeviceState,
                     block_table, slots, prompt_lens, sp: SamplingArrays):
     """One target token per row: (tokens [B, 1], counts [B], aux features [B, F], logprob outputs, state)."""
-    lengths, counter = _rows(state, slots, prompt_lens)
+    lengths, counter = slot_rows(state, slots, prompt_lens)
     nxt, aux, tcache, lp = plain_step(tparams, tcfg, state.target_cache(block_table, lengths), state.last_token[slots],
                                       sp, counter, logprobs, PenaltyHistory(state.output_counts, state.prompt_seen, slots))
     count = jnp.ones_like(nxt)
@@ -208,7 +208,7 @@ def _decode_program(tcfg: ModelConfig, dcfg: DraftConfig, shape: SpecConfig, log
                     sp: SamplingArrays):
     """One speculative step (`shape`) per row from its state slot -> (tokens [B, D+1] (-1
     padded), counts [B], [logprobs,] state)."""
-    lengths, counter = _rows(state, slots, prompt_lens)
+    lengths, counter = slot_rows(state, slots, prompt_lens)
     root = DraftRoot(token=state.last_token[slots], hidden=state.draft_hidden[slots])
     out, count, tcache, dcache, root, _, lp = spec_step(tparams, tcfg, dparams, dcfg, shape,
                                                         state.target_cache(block_table, lengths),
