@@ -29,6 +29,7 @@ step's wall time beyond the program's (host work and dispatch not hidden behind 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import statistics
@@ -39,9 +40,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..sampling import PenaltyHistory, apply_penalties, count_tokens, sample
+from ..sampling import PenaltyHistory, SamplingParams, apply_penalties, sample
 from ..scheduler.batch import DECODE
-from ..scheduler.programs import DeviceState, advance_state, slot_rows
+from ..scheduler.programs import DeviceState, advance_state, record_token, slot_rows
 from ..sharding import mesh_context
 from ..spec.propose import DraftRoot, propose
 from ..spec.step import extend_accepted, judge, verify_tree
@@ -117,8 +118,10 @@ def median_ms(call: Callable[[], object], runs: int, inner: int = 8) -> float:
     return 1e3 * statistics.median(per_call)
 
 
-def capture_decode(sched) -> Callable[[], Launch | None]:
-    """Record the decode launches `sched` makes from now on; returns a function giving the last."""
+@contextlib.contextmanager
+def capture_decode(sched):
+    """Within the block, record the decode launches `sched` makes; yields a function giving the
+    last. The scheduler's own launch is put back on leaving, so no later step pays for the spy."""
     executor, last = sched._executor, {}
     run = executor.execute
 
@@ -128,7 +131,10 @@ def capture_decode(sched) -> Callable[[], Launch | None]:
         return run(kind, shape, block_table, *args, logprobs=logprobs)
 
     executor.execute = spy
-    return lambda: last.get("launch")
+    try:
+        yield lambda: last.get("launch")
+    finally:
+        executor.execute = run
 
 
 def time_program(sched, launch: Launch, snapshot: DeviceState, runs: int) -> float:
@@ -198,14 +204,9 @@ def time_phases(sched, launch: Launch, snapshot: DeviceState, runs: int) -> dict
                                  lambda out: {1: keep(out[2])})
             nxt = timed("judge", lambda lg, sp, h, c: sample(apply_penalties(lg[:, 0], sp, h), sp, c),
                         (logits, sp, history, counter))
-
-            def plain_state(st, nxt, lengths, slots):  # the pools pass through (written by the target's pass)
-                count = jnp.ones_like(nxt)
-                return st.replace(length=st.length.at[slots].set(lengths + count),
-                                  last_token=st.last_token.at[slots].set(nxt),
-                                  output_counts=count_tokens(st.output_counts, slots, nxt[:, None], count[:, None] > 0))
-
-            timed("state", plain_state, (state, nxt, lengths, slots), (0,), keep_state)
+            # the pools pass through (written by the target's pass)
+            timed("state", lambda st, n, ln, sl: record_token(st, sl, ln, n), (state, nxt, lengths, slots), (0,),
+                  keep_state)
             return timings
         dcfg = draft.config
         dcache = state.draft_cache(bt, lengths)
@@ -250,21 +251,20 @@ def account(sched, mode: str, prompts: list[list[int]], *, batch: int, steps: in
             max_tokens: int) -> StepAccount:
     """Admit `batch` requests (cycling through `prompts`, long enough to decode throughout), let
     them reach steady decoding, then take the step's accounting (see the module doc)."""
-    from ..sampling import SamplingParams
-
-    last_launch = capture_decode(sched)
-    ids = [sched.add_request(prompts[i % len(prompts)], SamplingParams(max_tokens=max_tokens)) for i in range(batch)]
-    requests = [sched._requests[str(i)] for i in ids]
-    while any(r.state != DECODE for r in requests):
-        sched.step()
-    for _ in range(8):  # compile and settle
-        sched.step()
-    before = sched.stats()
-    step_ms, host_ms, compiled = steady_steps(sched, steps)
-    after = sched.stats()
+    with capture_decode(sched) as last_launch:
+        ids = [sched.add_request(prompts[i % len(prompts)], SamplingParams(max_tokens=max_tokens))
+               for i in range(batch)]
+        requests = [sched._requests[str(i)] for i in ids]
+        while any(r.state != DECODE for r in requests):
+            sched.step()
+        for _ in range(8):  # compile and settle
+            sched.step()
+        before = sched.stats()
+        step_ms, host_ms, compiled = steady_steps(sched, steps)
+        after = sched.stats()
+        launch = last_launch()
     tau = ((after["accepted_tokens_total"] - before["accepted_tokens_total"])
            / max(after["num_decode_steps_total"] - before["num_decode_steps_total"], 1))
-    launch = last_launch()
     snapshot = _copy(sched._executor.state)
     jax.block_until_ready(snapshot)
     program_ms = time_program(sched, launch, snapshot, runs)

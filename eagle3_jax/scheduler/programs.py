@@ -174,12 +174,18 @@ def _one_token_step(tcfg: ModelConfig, logprobs: LogprobSettings | None, tparams
     lengths, counter = slot_rows(state, slots, prompt_lens)
     nxt, aux, tcache, lp = plain_step(tparams, tcfg, state.target_cache(block_table, lengths), state.last_token[slots],
                                       sp, counter, logprobs, PenaltyHistory(state.output_counts, state.prompt_seen, slots))
-    count = jnp.ones_like(nxt)
     with jax.named_scope("state"):
-        state = state.replace(tk=tcache.k, tv=tcache.v, length=state.length.at[slots].set(lengths + count),
-                              last_token=state.last_token.at[slots].set(nxt),
-                              output_counts=count_tokens(state.output_counts, slots, nxt[:, None], count[:, None] > 0))
-    return nxt[:, None], count, aux, _logprob_outputs(lp), state
+        state = record_token(state.replace(tk=tcache.k, tv=tcache.v), slots, lengths, nxt)
+    return nxt[:, None], jnp.ones_like(nxt), aux, _logprob_outputs(lp), state
+
+
+def record_token(state: DeviceState, slots, lengths, nxt) -> DeviceState:
+    """A one-token step's result into the rows' state slots: lengths, next roots and the token's
+    count (what penalties read)."""
+    count = jnp.ones_like(nxt)
+    return state.replace(length=state.length.at[slots].set(lengths + count),
+                         last_token=state.last_token.at[slots].set(nxt),
+                         output_counts=count_tokens(state.output_counts, slots, nxt[:, None], count[:, None] > 0))
 
 
 def _plain_decode_program(tcfg: ModelConfig, dcfg: None, shape: None, logprobs: LogprobSettings | None,
