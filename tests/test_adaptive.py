@@ -16,6 +16,8 @@ from random_models import FAMILIES, random_draft, random_target
 C1, C2, C3 = (e3.SpecConfig(k, 1, k + 1) for k in (1, 2, 3))
 TREE = e3.SpecConfig(3, 2, 6)
 KEY = (8, 4)
+TIMED = 7  # step samples until a (shape, key) counts as timed: 2 cold runs dropped, then 5
+PREFILL_TIMED = 4  # prefill samples: 1 cold run dropped, then 3
 PROMPTS = [[1, 2, 3], [7] * 11, [5, 9, 11, 13, 17], [4] * 29, [8, 6]]
 
 
@@ -58,19 +60,19 @@ def test_choice_maximises_expected_tokens_per_second():
 def test_untimed_shapes_are_measured_unless_predicted_to_lose():
     ctl = AdaptiveSpeculation(AutoSpec(menu=(None, C3)))
     assert ctl.choose(["a"], KEY) is None  # nothing timed yet: measure no-spec first
-    for _ in range(3):  # a shape counts as timed after 3 samples (their median)
+    for _ in range(TIMED):  # a shape counts as timed after its cold runs and 5 samples (their median)
         ctl.observe(None, KEY, 1.0, {})
     for _ in range(ctl.explore_after - 1):  # a key is explored only once it is visited often
         assert ctl.choose(["a"], KEY) is None
     assert ctl.choose(["a"], KEY) == C3
-    for seconds in (10.0, 99.0, 10.0):  # one outlier: the median ignores it
+    for seconds in (50.0, 40.0, 10.0, 99.0, 10.0, 10.0, 99.0):  # cold runs dropped, the median ignores outliers
         ctl.observe(C3, KEY, seconds, {"a": 0})
     assert ctl.costs.measured(C3, KEY) == 10.0
     # At a new key, C3 is predicted (from KEY, scaled by no-spec's time here) to lose clearly.
     other = (16, 4)
     ctl.explore_after = 0
     assert ctl.choose(["a"], other) is None
-    for _ in range(3):
+    for _ in range(TIMED):
         ctl.observe(None, other, 2.0, {})
     assert ctl.choose(["a"], other) is None and ctl.costs.measured(C3, other) is None
     assert ctl.costs.predicted(C3, other, ctl.auto.menu) == pytest.approx(20.0)
@@ -104,13 +106,13 @@ def test_a_probe_measures_acceptance_again_after_steps_without_speculation():
     assert ctl.current is None  # a probe is not a switch: the choice stays no speculation
     assert [ctl.choose(["a"], KEY) for _ in range(5)] == [None] * 5
     ctl.observe(C1, KEY, 1.6, {"a": 1})  # the probe found the draft good again: speculation resumes
-    for _ in range(30):
+    for _ in range(60):  # long enough for "a"'s own counts to outweigh the global rate's bad past
         ctl.observe(C3, KEY, 3.0, {"a": 3})
     assert ctl.choose(["a"], KEY) == C3
     # No speculative shape timed at a key: no probe there (it would stall on a compile).
     other = (16, 4)
     ctl2 = AdaptiveSpeculation(AutoSpec(menu=(None, C1), probe_every=2, skip_margin=0.0))
-    for _ in range(3):
+    for _ in range(TIMED):
         ctl2.observe(None, other, 1.0, {})
     assert ctl2._probe({None: 1.0, C1: None}, other) is None
 
@@ -128,6 +130,24 @@ def test_acceptance_rates_never_rise_with_the_position():
     assert ctl.acceptance.new_request_expected_tokens([C3]) == pytest.approx([1 + 3 * first])
 
 
+def test_a_few_hard_requests_do_not_sink_the_global_rate():
+    """The global rates (the prior of every new request, and what admission judges by) remember
+    request-steps, not steps: at concurrency 1 one hard prompt's steps must not decide them."""
+    batched, single = (AdaptiveSpeculation(e3.SpecConfig.auto(3)) for _ in range(2))
+    for ctl in (batched, single):
+        for i in range(300):  # 15 requests of 20 steps, each accepting everything
+            ctl.observe(C3, KEY, None, {f"easy{i // 20}": 3})
+        for _ in range(20):  # then one request that accepts nothing
+            ctl.observe(C3, KEY, None, {"hard": 0})
+        assert ctl.acceptance.global_chain_rates.min() > 0.9
+    # A batch of 48 rows that all fail moves the rates as much as 48 one-row steps do.
+    batched.observe(C3, KEY, None, {f"row{i}": 0 for i in range(48)})
+    for i in range(48):
+        single.observe(C3, KEY, None, {f"row{i}": 0})
+    np.testing.assert_allclose(batched.acceptance.global_chain_rates, single.acceptance.global_chain_rates, rtol=0.02)
+    assert batched.acceptance.global_chain_rates.max() < 0.8
+
+
 def test_requests_get_the_draft_only_while_speculation_pays():
     ctl = AdaptiveSpeculation(AutoSpec.chains(2, resample_every=5))
     assert ctl.wants_draft(None) and ctl.wants_draft(KEY)  # nothing timed: speculation may pay
@@ -138,7 +158,7 @@ def test_requests_get_the_draft_only_while_speculation_pays():
     assert not ctl.wants_draft((KEY[0], 2 * KEY[1]))
     # A key where only the plain program ran: chain costs predicted from KEY, scaled by plain's time.
     other = (16, 4)
-    for _ in range(3):
+    for _ in range(TIMED):
         ctl.observe(None, other, 2.0, {}, plain=True)
     assert ctl.costs.predicted(C1, other, ctl.auto.menu) == pytest.approx(6.0)
     assert not ctl.wants_draft(other)
@@ -161,13 +181,13 @@ def test_the_draft_must_pay_for_its_prefill_over_the_whole_request():
     # Prefill: 0.01 s per prompt token plain, 0.02 with the draft (chunk batches of 4 x 64).
     assert ctl.prefill.per_token(True) is None
     for with_draft, per_token in ((True, 0.02), (False, 0.01)):
-        for _ in range(3):
+        for _ in range(PREFILL_TIMED):
             ctl.observe_prefill(with_draft, (4, 64), 100, 100 * per_token)
     ctl.observe_prefill(True, (4, 64), 100, None)  # a prefill that compiled is not timed
     assert ctl.stats()["prefill_s_per_token"] == {"with_draft": pytest.approx(0.02), "plain": pytest.approx(0.01)}
     # Only plain prefills at a smaller chunk (dearer per token): the draft's cost there is
     # predicted from the key where both ran.
-    for _ in range(3):
+    for _ in range(PREFILL_TIMED):
         ctl.observe_prefill(False, (1, 16), 10, 10 * 0.015)
     assert ctl.prefill.per_token(False) == pytest.approx(0.015) and ctl.prefill.per_token(True) == pytest.approx(0.03)
     for _ in range(3):

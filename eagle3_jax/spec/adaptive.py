@@ -10,7 +10,8 @@ one of them. The choice maximises
   that at least i draft tokens are accepted, i = 1..k, so never rising with i); a chain's i-th
   token does not depend on the chain's length, so every chain length shares these rates. A tree has its own mean accepted
   count. A request's rates blend its own recent counts (decayed by `request_decay` per step, a
-  window of about 20 steps) with the running global rates, weighted as `prior_weight` steps, so a
+  window of about 20 steps) with the running global rates (over the last ~512 request-steps, all
+  requests together), weighted as `prior_weight` steps, so a
   new request starts from the global estimate and a request whose acceptance collapses soon
   contributes nothing but its one token: with no gain left in the batch, the scheduler stops
   speculating.
@@ -18,9 +19,9 @@ one of them. The choice maximises
   key is the program's own (batch bucket, block-table width), so the context length is in the
   model (long KV makes verifying many tokens dearer). A step's time runs from the host's read of
   the program before it to the read of its own tokens, so host work the device did not hide counts
-  too: the median of its last samples. Steps during which a program compiled, and steps right
-  after a draft catch-up, are not timed. At a key visited more than 32 times, a shape not yet
-  timed runs until it has 3 samples, unless timings at the nearest key where both it and an
+  too: the median of its last samples. Steps during which a program compiled, its first two
+  runs at a key after that (cold), and steps right after a draft catch-up, are not timed. At a
+  key visited more than 32 times, a shape not yet timed runs until it has 5 samples, unless timings at the nearest key where both it and an
   already-timed shape ran predict it to lose clearly (`skip_margin`); it then keeps that estimate.
 
 Hysteresis: the step keeps the previous shape unless another promises more than
@@ -80,17 +81,26 @@ class _Counts:
 
 
 class Acceptance:
-    """Running acceptance estimates, global (exponential moving averages over steps) and per request."""
+    """Running acceptance estimates, global (counts over the last `window` request-steps or so) and
+    per request (counts decayed per step)."""
 
     def __init__(self, depth: int, trees: Iterable[SpecConfig], prior_weight: float, request_decay: float,
-                 rate: float = 0.1):
+                 window: float = 512.0, prior_rows: float = 2.0):
         self.depth = depth
         self.prior_weight = prior_weight
         self.decay = request_decay
-        self.rate = rate
-        # Optimistic until measured, so every shape gets tried.
-        self.chain = 0.9 ** np.arange(1, depth + 1)
-        self.tree = {shape_name(t): float(self.chain[: t.max_accept].sum()) for t in trees}
+        # The global counts decay per request-step observed, not per step: at any concurrency they
+        # remember about `window` rows (at concurrency 1 a few dozen requests, at 48 about ten
+        # steps), so a few requests with a hard prompt cannot swing the prior of every request
+        # admitted after them (an estimate that falls too low keeps the draft from new requests,
+        # and with it from the measurements that would correct it).
+        self.row_decay = 1.0 - 1.0 / window
+        # Optimistic until measured (as `prior_rows` rows), so every shape gets tried.
+        optimistic = 0.9 ** np.arange(1, depth + 1)
+        self._drafted, self._accepted = np.full(depth, prior_rows), prior_rows * optimistic
+        self.chain = optimistic.copy()  # the running global rates: _accepted / _drafted
+        self.tree = {shape_name(t): float(optimistic[: t.max_accept].sum()) for t in trees}
+        self._tree_counts = {name: (prior_rows, prior_rows * mean) for name, mean in self.tree.items()}
         self._requests: dict[str, _Counts] = {}
 
     def forget(self, request_id: str) -> None:
@@ -100,6 +110,8 @@ class Acceptance:
         """One step of `shape`: draft tokens accepted per request id."""
         if not accepted:
             return
+        rows = len(accepted)
+        fade = self.row_decay ** rows
         if is_chain(shape):
             k = shape.max_accept
             hits = np.zeros(k)
@@ -108,15 +120,19 @@ class Acceptance:
                 c.drafted[:k] = self.decay * c.drafted[:k] + 1
                 c.accepted[:k] = self.decay * c.accepted[:k] + (np.arange(k) < a)
                 hits[: min(a, k)] += 1
-            self.chain[:k] += self.rate * (hits / len(accepted) - self.chain[:k])
+            self._drafted[:k] = fade * self._drafted[:k] + rows
+            self._accepted[:k] = fade * self._accepted[:k] + hits
+            self.chain[:k] = self._accepted[:k] / self._drafted[:k]
         else:
             name = shape_name(shape)
             for rid, a in accepted.items():
                 c = self._counts(rid)
                 c.tree_steps[name] = self.decay * c.tree_steps[name] + 1
                 c.tree_accepted[name] = self.decay * c.tree_accepted[name] + a
-            mean = sum(accepted.values()) / len(accepted)
-            self.tree[name] += self.rate * (mean - self.tree[name])
+            steps, total = self._tree_counts[name]
+            steps, total = fade * steps + rows, fade * total + sum(accepted.values())
+            self._tree_counts[name] = steps, total
+            self.tree[name] = total / steps
 
     def total_expected_tokens(self, shapes: Sequence[Shape], request_ids: Sequence[str]) -> list[float]:
         """For each shape, the tokens one step of it is expected to emit (bonus token included),
@@ -194,17 +210,24 @@ def _cost_name(shape: Shape | str) -> str:
 
 class StepCosts:
     """Measured wall time of each (shape, batch, width) program: the median of its last `window`
-    samples (a shared host's hiccups and collections land in single samples; a median ignores them).
-    Medians are taken when read, not per step: most steps only add a sample."""
+    samples (a shared host's hiccups and collections land in single samples; a median ignores them),
+    once it has `min_samples`. The first `skip_first` samples of each are dropped: a program's
+    first runs after its compile touch fresh buffers and cold caches (on a CPU they ran up to
+    twice as long as later ones), and a shape timed only while it explores would keep that
+    verdict. Medians are taken when read, not per step: most steps only add a sample."""
 
-    def __init__(self, window: int = 15, min_samples: int = 3):
-        self.window, self.min_samples = window, min_samples
+    def __init__(self, window: int = 31, min_samples: int = 5, skip_first: int = 2):
+        self.window, self.min_samples, self.skip_first = window, min_samples, skip_first
+        self._skipped: collections.Counter = collections.Counter()
         self._samples: dict[tuple[str, Key], collections.deque] = {}
         self._stale: set[tuple[str, Key]] = set()  # samples added since the last median
         self._medians: dict[str, dict[Key, float]] = collections.defaultdict(dict)  # shape name -> key -> s
 
     def observe(self, shape: Shape | str, key: Key, seconds: float) -> None:
         entry = (_cost_name(shape), key)
+        if self._skipped[entry] < self.skip_first:
+            self._skipped[entry] += 1
+            return
         samples = self._samples.get(entry)
         if samples is None:
             samples = self._samples[entry] = collections.deque(maxlen=self.window)
@@ -269,8 +292,8 @@ class PrefillCosts:
     from the nearest key where both ran, so the draft's share compares like with like (per-token
     times depend on how full a chunk batch is)."""
 
-    def __init__(self, window: int = 15, min_samples: int = 3):
-        self._costs = StepCosts(window, min_samples)
+    def __init__(self, window: int = 15, min_samples: int = 3, skip_first: int = 1):
+        self._costs = StepCosts(window, min_samples, skip_first)
         self._last_key: Key | None = None
 
     def observe(self, with_draft: bool, key: Key, tokens: int, seconds: float) -> None:
