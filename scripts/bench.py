@@ -21,6 +21,11 @@ A dataset workload (chat-templated first turns, fixed output length), two seeds:
 
     python scripts/bench.py --workload=mt_bench --output_len=128 --concurrency=1,4 --seeds=0,1
 
+Two-turn chat sessions (every MT-Bench first turn, and every second turn after the conversation so
+far, the target's own greedy answer included; answers are generated before the run):
+
+    python scripts/bench.py --workload=mt_bench_multiturn --output_len=64 --concurrency=1,16
+
 Against a running server (scripts/serve.py or any OpenAI-compatible /v1/completions that streams
 and honours ignore_eos); --target then only supplies the tokenizer and vocabulary, and --spec names
 the one setting the server runs:
@@ -69,8 +74,9 @@ flags.DEFINE_list("spec", ["none", "chain:3:1:4", "tree:5:4:16"], "Speculation s
                   "chain:num_steps:topk:num_draft_tokens, tree:num_steps:topk:num_draft_tokens, auto[:K] "
                   "(adaptive). With --base_url, "
                   "exactly one: the setting the server runs (a label only).")
-flags.DEFINE_string("workload", "random", "random (fixed-shape random tokens, see --shape/--scale) or a dataset: "
-                    "mt_bench, gsm8k, sharegpt, spec_bench (see --output_len).")
+flags.DEFINE_string("workload", "random", "random (fixed-shape random tokens, see --shape/--scale), a dataset: "
+                    "mt_bench, gsm8k, sharegpt, spec_bench (first user turns, see --output_len), or "
+                    "mt_bench_multiturn (first turns and second turns after the target's own answers).")
 flags.DEFINE_enum("shape", "1k1k", ["1k1k", "1k8k", "8k1k"], "InferenceX input/output shape of the random workload "
                   "(1024/1024, 1024/8192, 8192/1024 tokens), times --scale.")
 flags.DEFINE_float("scale", 0.0625, "Multiplies the random shape's lengths (0.0625: 1k1k -> 64/64); 1 = full size.")
@@ -186,7 +192,7 @@ def main(argv: Sequence[str]) -> None:
     from eagle3_jax.bench import report as report_lib
     from eagle3_jax.bench.runner import RunConfig, ordered, run_benchmark
     from eagle3_jax.bench.settings import parse_specs
-    from eagle3_jax.bench.workloads import DATASETS, dataset_workload, random_workload_for
+    from eagle3_jax.bench.workloads import DATASETS, MULTITURN, dataset_workload, multiturn_workload, random_workload_for
     from eagle3_jax.tokenizer import load_tokenizer
 
     try:
@@ -199,8 +205,12 @@ def main(argv: Sequence[str]) -> None:
         raise app.UsageError("--mesh and --distributed are for the in-process model; with --base_url the server "
                              "has its own (scripts/serve.py --mesh)")
     mesh = mesh_from_flags()
-    if FLAGS.workload != "random" and FLAGS.workload not in DATASETS:
-        raise app.UsageError(f"--workload must be random or one of {', '.join(DATASETS)}; got {FLAGS.workload!r}")
+    if FLAGS.workload != "random" and FLAGS.workload not in {**DATASETS, **MULTITURN}:
+        raise app.UsageError(f"--workload must be random or one of {', '.join([*DATASETS, *MULTITURN])}; "
+                             f"got {FLAGS.workload!r}")
+    if FLAGS.workload in MULTITURN and FLAGS.base_url:
+        raise app.UsageError(f"--workload={FLAGS.workload} has the target answer each first turn in-process; "
+                             "drop --base_url (or use a single-turn dataset against the server)")
     try:
         cfg = RunConfig(concurrencies=_ints(FLAGS.concurrency, "concurrency", 1), seeds=_ints(FLAGS.seeds, "seeds", 0),
                         num_prompts=FLAGS.num_prompts, num_warmups=FLAGS.num_warmups, min_prompts=FLAGS.min_prompts,
@@ -223,10 +233,16 @@ def main(argv: Sequence[str]) -> None:
     tokenizer = load_tokenizer(tok_dir, bos_id=model_cfg.bos_token_id)
     if FLAGS.workload != "random":
         warn_without_chat_template(template_dir, f"the {FLAGS.workload} prompts")
+    target = None
     try:
         if FLAGS.workload == "random":
             workload = random_workload_for(FLAGS.shape, scale=FLAGS.scale, tokenizer=tokenizer,
                                            model_vocab_size=model_cfg.vocab_size, max_seq_len=limit)
+        elif FLAGS.workload in MULTITURN:  # the target answers the first turns
+            target = e3.load_target(FLAGS.target, dtype=FLAGS.dtype, mesh=mesh, **quant_options())
+            workload = multiturn_workload(FLAGS.workload, target=target, tokenizer_dir=template_dir,
+                                          output_len=FLAGS.output_len, max_seq_len=limit, data_dir=FLAGS.data_dir,
+                                          tokenizer=tokenizer)
         else:
             workload = dataset_workload(FLAGS.workload, tokenizer_dir=template_dir, output_len=FLAGS.output_len,
                                         max_seq_len=limit, data_dir=FLAGS.data_dir, tokenizer=tokenizer)
@@ -254,7 +270,8 @@ def main(argv: Sequence[str]) -> None:
         mode = f"HTTP {FLAGS.base_url}"
         config["dtype"] = None  # the server's business
     else:
-        target = e3.load_target(FLAGS.target, dtype=FLAGS.dtype, mesh=mesh, **quant_options())
+        if target is None:
+            target = e3.load_target(FLAGS.target, dtype=FLAGS.dtype, mesh=mesh, **quant_options())
         config["mesh"] = None if mesh is None else list(mesh.devices.shape)
         config["kernels"] = target.config.kernels
         config["batch_invariant"] = target.config.batch_invariant

@@ -451,3 +451,37 @@ def test_end_to_end_in_process_demo_pair():
     assert none["speedup"] == pytest.approx(1.0) and chain["speedup"] > 0
     acc = chain["metrics"]["acceptance"]
     assert 1.0 <= acc["tau"] <= 4.0 and len(acc["per_position"]) == 3
+
+
+def test_multiturn_workload_plays_the_targets_own_answers(tmp_path):
+    import eagle3_jax as e3
+    from eagle3_jax.scheduler import Scheduler
+
+    tdir = tmp_path / "tok"
+    tdir.mkdir()
+    shutil.copy(os.path.join(KIMI, "tokenizer.json"), tdir / "tokenizer.json")
+    with open(os.path.join(KIMI, "tokenizer_config.json")) as f:
+        tcfg = json.load(f)
+    tcfg["chat_template"] = ("{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n"
+                             "{% endfor %}assistant:")
+    (tdir / "tokenizer_config.json").write_text(json.dumps(tcfg))
+    tok = load_tokenizer(tdir, bos_id=1)
+    target = e3.load_target(KIMI)
+    wl = W.multiturn_workload("mt_bench_multiturn", target=target, tokenizer_dir=tdir, output_len=8,
+                              max_seq_len=512, tokenizer=tok, limit=3)
+    sessions = W.load_turns(os.path.join(ROOT, "data", "mt_bench", "question.jsonl"), 3)
+    assert len(sessions) == 3 and wl.info["num_second_turns"] == 3 and len(wl.pool) == 6
+    texts = sorted(tok.decode(p) for p in wl.pool)
+    first = tok.encode(f"user: {sessions[0][0]}\nassistant:", add_bos=True)
+    answer = Scheduler(target, max_num_seqs=1, max_seq_len=512).generate(
+        [first], SamplingParams(max_tokens=8, stop_token_ids=tok.eos_ids))[0]
+    reply = tok.decode_continuation(first, answer.token_ids)
+    second = f"user: {sessions[0][0]}\nassistant: {reply}\nuser: {sessions[0][1]}\nassistant:"
+    assert any(t.endswith(second) for t in texts)  # the history a chat client sends back
+    assert sum(t.count("user:") == 1 for t in texts) == 3  # and the three first turns
+    with pytest.raises(ValueError, match="max_seq_len"):
+        W.multiturn_workload("mt_bench_multiturn", target=target, tokenizer_dir=tdir, output_len=8,
+                             max_seq_len=24, tokenizer=tok, limit=3)
+    with pytest.raises(ValueError, match="chat template"):
+        W.multiturn_workload("mt_bench_multiturn", target=target, tokenizer_dir=tmp_path, output_len=8,
+                             max_seq_len=512, tokenizer=tok, limit=3)

@@ -80,6 +80,8 @@ INPUT_CASES = [
     ("make_corpus", (f"--model={STORIES}", "--out=/tmp/never.npy", "--top_p=1.5", "--num_sequences=1"), "top_p"),
     ("bench", ("--synthetic_acceptance=0.5,0.9", "--spec=none,chain:3:1:4"), "cannot increase"),
     ("bench", ("--synthetic_acceptance=0.5", "--spec=none"), "add a speculative --spec"),
+    ("bench", ("--workload=mt_bench_multiturn", "--base_url=http://127.0.0.1:9", "--spec=none"), "drop --base_url"),
+    ("bench", ("--workload=nope",), "mt_bench_multiturn"),
     ("plan", (f"--target={KIMI}", "--nomemory"), "give --concurrency"),
     ("plan", (f"--target={KIMI}", f"--draft={KIMI_DRAFT}", "--concurrency=0"), "--concurrency must be"),
     ("plan", (f"--target={KIMI}", f"--draft={KIMI_DRAFT}", "--concurrency=4", "--acceptance=0.5,0.9"), "--acceptance"),

@@ -11,6 +11,10 @@ tokens), so plain and speculative decoding generate exactly the same number of t
   The first user turn of each record is wrapped in the target's chat template and tokenized with
   its `tokenizer.json`; prompts that leave no room for `output_len` tokens within `max_seq_len`
   are skipped (and counted), as vLLM's ShareGPT loader drops over-long prompts.
+- multi-turn chat: `mt_bench_multiturn`, the requests of two-turn chat sessions: each MT-Bench
+  question's first turn, and its second turn after the conversation so far (the first turn and
+  the target's own greedy answer to it, generated when the workload is built), both through the
+  chat template. Second turns share their first turn's tokens (a prefix cache sees them).
 
 `Workload.prompts(num, seed, stream)` draws a reproducible list of prompts: the same (num, seed,
 stream) always gives the same token ids. Streams separate the measured prompts (0) from the
@@ -20,13 +24,14 @@ warm-up prompts (1) of one seed.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from typing import Iterable
 
 import numpy as np
 
 from ..tokenizer import Tokenizer, load_tokenizer
-from ..train.data import load_prompts, render_prompt
+from ..train.data import load_prompts, read_chat_template, read_utf8, render_messages, render_prompt
 
 # InferenceX / SemiAnalysis fixed serving shapes: (input tokens, output tokens).
 SHAPES: dict[str, tuple[int, int]] = {"1k1k": (1024, 1024), "1k8k": (1024, 8192), "8k1k": (8192, 1024)}
@@ -37,6 +42,9 @@ DATASETS: dict[str, str] = {
     "sharegpt": os.path.join("sharegpt", "ShareGPT_V3_filtered_500.json"),
     "spec_bench": os.path.join("spec_bench", "question.jsonl"),
 }
+
+# Multi-turn workloads: name -> the dataset whose records' `turns` they play as chat sessions.
+MULTITURN: dict[str, str] = {"mt_bench_multiturn": "mt_bench"}
 
 # The repository's data/ folder (beside the package in a source checkout or editable install).
 DEFAULT_DATA_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "data")
@@ -202,3 +210,71 @@ def dataset_workload(name: str, *, tokenizer_dir: str | os.PathLike, output_len:
             "num_records": len(ids), "num_prompts_fitting": len(fits), "num_skipped_too_long": len(ids) - len(fits),
             "prompt_len_mean": float(np.mean(lens)), "prompt_len_max": int(max(lens))}
     return Workload(name=name, output_len=output_len, info=info, pool=fits)
+
+
+def load_turns(path: str | os.PathLike, limit: int | None = None) -> list[list[str]]:
+    """The user turns of each record of an MT-Bench-style `.jsonl` file (`{"turns": [...]}`), in
+    file order; records with fewer than two turns are skipped."""
+    sessions = []
+    for n, line in enumerate(read_utf8(path).splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            turns = json.loads(line).get("turns")
+        except (json.JSONDecodeError, AttributeError) as e:
+            raise ValueError(f"{os.fspath(path)}:{n} is not a JSON object: {e}") from None
+        if isinstance(turns, list) and len(turns) >= 2 and all(isinstance(t, str) and t.strip() for t in turns[:2]):
+            sessions.append(turns[:2])
+        if limit is not None and len(sessions) >= limit:
+            break
+    return sessions
+
+
+def multiturn_workload(name: str, *, target, tokenizer_dir: str | os.PathLike, output_len: int, max_seq_len: int,
+                       data_dir: str | os.PathLike | None = None, tokenizer: Tokenizer | None = None,
+                       limit: int | None = None, max_num_seqs: int = 16) -> Workload:
+    """Two-turn chat sessions of a dataset as one pool of requests: every first turn, and every
+    second turn after the first and the target's own answer to it.
+
+    The answers are generated here, greedy, by plain decoding with `target` (up to `output_len`
+    tokens, stopping at the tokenizer's end-of-sequence ids), so the second turns carry the
+    history a chat client would send back. Raises ValueError when the target's tokenizer has no
+    chat template (roles would be lost) or when no second turn fits `max_seq_len`.
+    """
+    from ..sampling import SamplingParams
+    from ..scheduler import Scheduler
+
+    if name not in MULTITURN:
+        raise ValueError(f"unknown multi-turn workload {name!r}; choose one of {', '.join(MULTITURN)}")
+    output_len = _check_output_len(output_len)
+    source, specials = read_chat_template(tokenizer_dir)
+    if source is None:
+        raise ValueError(f"{name} needs a chat template to render a conversation; {os.fspath(tokenizer_dir)} has none")
+    path = dataset_path(MULTITURN[name], data_dir)
+    tok = tokenizer if tokenizer is not None else load_tokenizer(tokenizer_dir)
+    render = lambda messages: encode_rendered(render_messages(source, messages, specials), tok)  # noqa: E731
+    sessions = load_turns(path, limit)
+    if not sessions:
+        raise ValueError(f"dataset {name} ({path}) has no record with two user turns")
+    firsts = [render([{"role": "user", "content": t[0]}]) for t in sessions]
+    # A session is played only if its second turn can fit: first turn + answer + second turn + output.
+    kept = [(t, p) for t, p in zip(sessions, firsts) if len(p) + 2 * output_len <= max_seq_len]
+    if not kept:
+        check_fits(min(map(len, firsts)), 2 * output_len, max_seq_len, f"dataset {name}: even its shortest session")
+    answerer = Scheduler(target, max_num_seqs=max_num_seqs, max_seq_len=max_seq_len)
+    outs = answerer.generate([p for _, p in kept], SamplingParams(max_tokens=output_len, stop_token_ids=tok.eos_ids))
+    del answerer
+    seconds = [render([{"role": "user", "content": t[0]},
+                       {"role": "assistant", "content": tok.decode_continuation(p, o.token_ids)},
+                       {"role": "user", "content": t[1]}]) for (t, p), o in zip(kept, outs)]
+    fits = [tuple(p) for p in [*(p for _, p in kept), *seconds] if len(p) + output_len <= max_seq_len]
+    num_seconds = sum(len(p) + output_len <= max_seq_len for p in seconds)
+    if not num_seconds:
+        raise ValueError(f"dataset {name}: no second turn fits max_seq_len={max_seq_len} with {output_len} tokens "
+                         "out; lower the output length")
+    lens = [len(p) for p in fits]
+    info = {"kind": "dataset", "dataset": name, "path": os.path.relpath(path), "output_len": output_len,
+            "num_records": 2 * len(sessions), "num_prompts_fitting": len(fits),
+            "num_skipped_too_long": 2 * len(sessions) - len(fits), "num_second_turns": num_seconds,
+            "prompt_len_mean": float(np.mean(lens)), "prompt_len_max": int(max(lens))}
+    return Workload(name=name, output_len=output_len, info=info, pool=tuple(fits))
