@@ -24,7 +24,7 @@ class SchedulerCounters:
             self.totals["num_drafts_total"] += rows
             self.totals["num_draft_tokens_total"] += rows * depth
             self.totals["num_accepted_draft_tokens_total"] += int(np.maximum(counts - 1, 0).sum())
-        if len(self.per_position):
+        if depth:  # a step that drafted nothing accepted nothing: no per-position counts to add
             accepted = np.clip(counts - 1, 0, len(self.per_position))
             # rows that accepted at least d draft tokens, d = 1..max: a reversed cumulative count
             self.per_position += np.cumsum(np.bincount(accepted, minlength=len(self.per_position) + 1)[::-1])[::-1][1:]
