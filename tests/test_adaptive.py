@@ -196,16 +196,40 @@ def test_the_draft_must_pay_for_its_prefill_over_the_whole_request():
     # (about: the global acceptance rate approaches 1 from its prior).
     assert ctl.request_seconds(ctl._step_figures(KEY, 1), 1000, 100) == pytest.approx((110.0, 82.5), rel=0.01)
     assert ctl.wants_draft(KEY, rows=1, prompt_len=1000, max_tokens=100)
-    # A long prompt with a short output: plain 100 + 10 = 110 s, with the draft 200 + 6.25 s.
-    assert not ctl.wants_draft(KEY, rows=1, prompt_len=10_000, max_tokens=10)
+    # The verdict follows the recent admissions' mean prompt, not each request's own (a batch whose
+    # rows differ in having the draft cannot speculate). Long prompts with short outputs: plain
+    # 100 + 10 = 110 s, with the draft 200 + 6.25 s; as the mean prompt grows the draft stops...
+    verdicts = [ctl.wants_draft(KEY, rows=1, prompt_len=10_000, max_tokens=10) for _ in range(4)]
+    assert verdicts == [False] * 4
+    # ... and a short prompt among long ones is not given it.
+    assert not ctl.wants_draft(KEY, rows=1, prompt_len=100, max_tokens=10)
     # A large budget counts only as far as recent requests went: they stopped after 10 tokens.
     for i in range(5):
         ctl.finished(f"done{i}", 10)
     assert ctl.expected_output_len(4096) == 10 and ctl.expected_output_len(4) == 4
     assert not ctl.wants_draft(KEY, rows=1, prompt_len=10_000, max_tokens=4096)
+    # Short prompts and long answers again: once the recent prompts are short, the draft returns.
+    for i in range(64):
+        ctl.finished(f"long{i}", 100)
+    verdicts = [ctl.wants_draft(KEY, rows=1, prompt_len=100, max_tokens=100) for _ in range(64)]
+    assert not verdicts[0] and verdicts[-1]
+    assert verdicts == sorted(verdicts)  # one switch, no flapping
     # Sharing the step with more rows shrinks each row's step time, not its prefill.
-    assert ctl.wants_draft(KEY, rows=1, prompt_len=100, max_tokens=100)
     assert not ctl.wants_draft(KEY, rows=64, prompt_len=100, max_tokens=100)
+
+
+def test_admission_gives_the_batch_one_verdict_over_mixed_prompts():
+    """Prompts alternating short and long, each of which alone would be judged the other way: the
+    verdict follows their mean, so the batch stays all-draft (it can speculate) instead of mixed."""
+    ctl = AdaptiveSpeculation(AutoSpec.chains(1))
+    teach(ctl, {"none": 1.0, "chain:1:1:2": 1.25}, accepted=1)  # chain 1: 1.6x plain decoding's rate
+    for with_draft, per_token in ((True, 0.02), (False, 0.01)):
+        for _ in range(PREFILL_TIMED):
+            ctl.observe_prefill(with_draft, (4, 64), 100, 100 * per_token)
+    figures = ctl._step_figures(KEY, 1)
+    alone = [(lambda plain, spec: plain >= spec)(*ctl.request_seconds(figures, p, 100)) for p in (1000, 6000)]
+    assert alone == [True, False]  # judged alone, the long prompt would stay plain
+    assert all(ctl.wants_draft(KEY, rows=1, prompt_len=p, max_tokens=100) for p in [1000, 6000] * 20)
 
 
 @pytest.fixture(scope="module")

@@ -38,13 +38,15 @@ is measured again and speculation resumes when it pays again.
 Keeping the draft ready costs even when no step speculates (its prefill over every prompt, the
 stored pairs, the catch-ups), so the draft follows only requests that may use it: a request
 admitted while speculation is not expected to pay for it (`wants_draft`) decodes without the draft
-to its end. That judgement weighs the whole request, not one step: its prompt's prefill (timed per
-prompt token with and without the draft, by chunk program: `PrefillCosts`) plus its expected
-output (the mean length of recent finished requests, at most its budget) at its share of the step
-time of the batch it joins, plain or at the best speculative shape's time per expected token.
-Long prompts with short outputs therefore stay plain even where a speculative step pays: the
-draft's prefill over the prompt costs more than its steps save (at an 8K-token prompt and 1K
-output this is where the gain goes). A key without the step timings to judge uses the nearest
+to its end. That judgement is one verdict for the batch (a step speculates only when every row
+has the draft, so per-request verdicts would leave mixed batches that never speculate), with
+hysteresis, and it weighs a whole typical request, not one step: the mean prompt of recent
+admissions' prefill (timed per prompt token with and without the draft, by chunk program:
+`PrefillCosts`) plus its expected output (the mean length of recent finished requests, at most
+its budget) at its share of the step time of the batch it joins, plain or at the best
+speculative shape's time per expected token. Workloads of long prompts with short outputs
+therefore stay plain even where a speculative step pays: the draft's prefill over the prompts
+costs more than its steps save (at 8K-token prompts and 1K outputs this is where the gain goes). A key without the step timings to judge uses the nearest
 judged key's. A step speculates only when every row has the draft (a row without it reserves KV
 pages for one token a step), and a batch in which no row has it runs the plain decode program, as
 if speculation were off. One request in a while gets the draft anyway
@@ -333,6 +335,8 @@ class AdaptiveSpeculation:
         self.steps_without_draft = 0  # decode steps in a row in which no row had the draft
         self.prefill = PrefillCosts()
         self.output_lens: collections.deque = collections.deque(maxlen=64)  # of recent finished requests
+        self.prompt_lens: collections.deque = collections.deque(maxlen=64)  # of recent admitted requests
+        self.drafting = True  # admission's verdict: new requests get the draft
         # Per key with the timings: (plain, best speculative per expected token) seconds per row of a step.
         self._judged: dict[Key, tuple[float, float]] = {}
         self.plain_steps = 0
@@ -364,28 +368,38 @@ class AdaptiveSpeculation:
         stored for catch-ups), given the program key and row count of the batch it joins (key
         None: no decode step yet), its prompt length and its token budget.
 
-        Yes when the request is expected to finish sooner with it by the hysteresis margin, or
-        when no running request has had the draft for `resample_every` steps; otherwise the
-        request decodes without it to its end. Its expected time (see `request_seconds`) is its
-        prompt's prefill plus its expected output at its share of a step: plain, or at the best
+        A verdict for the batch, not for this request alone: a step speculates only when every
+        row has the draft, so requests judged one by one (a long prompt plain, a short one with
+        the draft) would leave mixed batches that pay the draft's costs and never speculate. The
+        verdict weighs a typical recent request (see `request_seconds`: the mean prompt of the
+        last admissions, this one included, and the expected output at this request's budget):
+        its prompt's prefill plus its output at its share of a step, plain or at the best
         speculative shape's time per expected token for a new request (the global acceptance
-        rates). At a key without the step timings to judge (plain or every speculative shape
-        unknown there), the nearest judged key's per-row figures stand in: a batch whose context
-        grows into a new block-table width has not changed its mind, and drafting every request
-        admitted there would compile and time programs that lost one width earlier. Yes before
-        any key is judged.
+        rates). The draft is given once it promises to finish such a request sooner by the
+        hysteresis margin, and withheld once it no longer promises to finish it sooner at all;
+        in between the verdict stands. At a key without the step timings to judge (plain or
+        every speculative shape unknown there), the nearest judged key's per-row figures stand
+        in: a batch whose context grows into a new block-table width has not changed its mind,
+        and drafting every request admitted there would compile and time programs that lost one
+        width earlier. Yes before any key is judged. While withheld, a request gets the draft
+        anyway when no running request has had it for `resample_every` steps (its acceptance is
+        measured again).
         """
+        self.prompt_lens.append(prompt_len)
         figures = None if key is None else self._step_figures(key, max(rows, 1))
-        want = True
         if figures is not None:
-            plain, spec = self.request_seconds(figures, prompt_len, max_tokens)
-            want = plain >= (1 + self.auto.hysteresis) * spec
+            plain, spec = self.request_seconds(figures, statistics.fmean(self.prompt_lens), max_tokens)
+            if self.drafting:
+                self.drafting = plain >= spec
+            else:
+                self.drafting = plain >= (1 + self.auto.hysteresis) * spec
+        want = self.drafting
         if not want and self.steps_without_draft >= self.auto.resample_every:
             want, self.steps_without_draft = True, 0
         self.admitted["with_draft" if want else "without_draft"] += 1
         return want
 
-    def request_seconds(self, figures: tuple[float, float], prompt_len: int, max_tokens: int | None
+    def request_seconds(self, figures: tuple[float, float], prompt_len: float, max_tokens: int | None
                         ) -> tuple[float, float]:
         """A new request's expected serving time (plain, with the draft): prompt_len x prefill
         seconds per token + expected output tokens x `figures` (step seconds per row per token,
