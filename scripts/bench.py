@@ -233,13 +233,14 @@ def main(argv: Sequence[str]) -> None:
     tokenizer = load_tokenizer(tok_dir, bos_id=model_cfg.bos_token_id)
     if FLAGS.workload != "random":
         warn_without_chat_template(template_dir, f"the {FLAGS.workload} prompts")
+    load_target = lambda: e3.load_target(FLAGS.target, dtype=FLAGS.dtype, mesh=mesh, **quant_options())  # noqa: E731
     target = None
     try:
         if FLAGS.workload == "random":
             workload = random_workload_for(FLAGS.shape, scale=FLAGS.scale, tokenizer=tokenizer,
                                            model_vocab_size=model_cfg.vocab_size, max_seq_len=limit)
         elif FLAGS.workload in MULTITURN:  # the target answers the first turns
-            target = e3.load_target(FLAGS.target, dtype=FLAGS.dtype, mesh=mesh, **quant_options())
+            target = load_target()
             workload = multiturn_workload(FLAGS.workload, target=target, tokenizer_dir=template_dir,
                                           output_len=FLAGS.output_len, max_seq_len=limit, data_dir=FLAGS.data_dir,
                                           tokenizer=tokenizer)
@@ -270,8 +271,7 @@ def main(argv: Sequence[str]) -> None:
         mode = f"HTTP {FLAGS.base_url}"
         config["dtype"] = None  # the server's business
     else:
-        if target is None:
-            target = e3.load_target(FLAGS.target, dtype=FLAGS.dtype, mesh=mesh, **quant_options())
+        target = target if target is not None else load_target()
         config["mesh"] = None if mesh is None else list(mesh.devices.shape)
         config["kernels"] = target.config.kernels
         config["batch_invariant"] = target.config.batch_invariant

@@ -177,16 +177,21 @@ def test_workload_too_long_errors():
         W.dataset_workload("mt_bench", tokenizer_dir=KIMI, output_len=4, max_seq_len=8)
 
 
-def test_dataset_workload_rendered_and_tokenized(tmp_path):
-    # A tokenizer folder with a chat template, so the rendering is visible in the token ids.
+def templated_tokenizer(tmp_path, template: str):
+    """kimi-mini's tokenizer in a folder of its own with `template` as its chat template, so the
+    rendering is visible in the token ids: (folder, tokenizer)."""
     tdir = tmp_path / "tok"
     tdir.mkdir()
     shutil.copy(os.path.join(KIMI, "tokenizer.json"), tdir / "tokenizer.json")
     with open(os.path.join(KIMI, "tokenizer_config.json")) as f:
         tcfg = json.load(f)
-    tcfg["chat_template"] = "{{ bos_token }}USER: {{ messages[0]['content'] }} ASSISTANT:"
+    tcfg["chat_template"] = template
     (tdir / "tokenizer_config.json").write_text(json.dumps(tcfg))
-    tok = load_tokenizer(tdir, bos_id=1)
+    return tdir, load_tokenizer(tdir, bos_id=1)
+
+
+def test_dataset_workload_rendered_and_tokenized(tmp_path):
+    tdir, tok = templated_tokenizer(tmp_path, "{{ bos_token }}USER: {{ messages[0]['content'] }} ASSISTANT:")
     wl = W.dataset_workload("gsm8k", tokenizer_dir=tdir, output_len=16, max_seq_len=512, tokenizer=tok, limit=10)
     texts = load_prompts(os.path.join(ROOT, "data", "gsm8k", "test.jsonl"), 10)
     rendered = [render_prompt(t, tdir) for t in texts]
@@ -457,15 +462,8 @@ def test_multiturn_workload_plays_the_targets_own_answers(tmp_path):
     import eagle3_jax as e3
     from eagle3_jax.scheduler import Scheduler
 
-    tdir = tmp_path / "tok"
-    tdir.mkdir()
-    shutil.copy(os.path.join(KIMI, "tokenizer.json"), tdir / "tokenizer.json")
-    with open(os.path.join(KIMI, "tokenizer_config.json")) as f:
-        tcfg = json.load(f)
-    tcfg["chat_template"] = ("{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n"
-                             "{% endfor %}assistant:")
-    (tdir / "tokenizer_config.json").write_text(json.dumps(tcfg))
-    tok = load_tokenizer(tdir, bos_id=1)
+    tdir, tok = templated_tokenizer(tmp_path, "{{ bos_token }}{% for m in messages %}{{ m['role'] }}: "
+                                              "{{ m['content'] }}\n{% endfor %}assistant:")
     target = e3.load_target(KIMI)
     wl = W.multiturn_workload("mt_bench_multiturn", target=target, tokenizer_dir=tdir, output_len=8,
                               max_seq_len=512, tokenizer=tok, limit=3)

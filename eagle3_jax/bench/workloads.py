@@ -267,8 +267,9 @@ def multiturn_workload(name: str, *, target, tokenizer_dir: str | os.PathLike, o
     seconds = [render([{"role": "user", "content": t[0]},
                        {"role": "assistant", "content": tok.decode_continuation(p, o.token_ids)},
                        {"role": "user", "content": t[1]}]) for (t, p), o in zip(kept, outs)]
-    fits = [tuple(p) for p in [*(p for _, p in kept), *seconds] if len(p) + output_len <= max_seq_len]
-    num_seconds = sum(len(p) + output_len <= max_seq_len for p in seconds)
+    seconds = [tuple(p) for p in seconds if len(p) + output_len <= max_seq_len]
+    fits = [tuple(p) for _, p in kept] + seconds  # every kept first turn fits (checked above)
+    num_seconds = len(seconds)
     if not num_seconds:
         raise ValueError(f"dataset {name}: no second turn fits max_seq_len={max_seq_len} with {output_len} tokens "
                          "out; lower the output length")
