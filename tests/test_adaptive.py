@@ -174,33 +174,6 @@ def test_requests_get_the_draft_only_while_speculation_pays():
     assert ctl.wants_draft(KEY)
 
 
-def test_a_batch_size_where_speculation_never_ran_is_timed_when_near_break_even():
-    """Costs predicted for a new batch size from another (plain decoding's time ratio) may be
-    wrong either way: near break-even the draft is given there until a speculative step is timed
-    at that size, within a bounded number of admissions; a clear loss is not explored."""
-    ctl = AdaptiveSpeculation(AutoSpec.chains(1))
-    teach(ctl, {"none": 1.0, "chain:1:1:2": 2.2}, accepted=1)  # 2 tokens for 2.2x: loses by 9 %
-    assert not ctl.wants_draft(KEY)  # timed here: the verdict stands
-    near = (16, 4)
-    for _ in range(TIMED):
-        ctl.observe(None, near, 2.0, {}, plain=True)
-    verdicts = [ctl.wants_draft(near) for _ in range(70)]
-    assert verdicts == [True] * 64 + [False] * 6  # 4 admissions per row of the batch bucket, no more
-    # Once a speculative step is timed at that batch size (any width), the verdict judges there.
-    other_width = (32, 8)
-    for _ in range(TIMED):
-        ctl.observe(None, other_width, 4.0, {}, plain=True)
-    assert ctl.wants_draft(other_width)
-    teach(ctl, {"none": 4.0, "chain:1:1:2": 8.8}, accepted=1, key=(32, 4))
-    assert not ctl.wants_draft(other_width)
-    # A clear loss predicted at a new batch size is not explored.
-    ctl = AdaptiveSpeculation(AutoSpec.chains(1))
-    teach(ctl, {"none": 1.0, "chain:1:1:2": 3.0}, accepted=1)  # 2 tokens for 3x: loses by a third
-    for _ in range(TIMED):
-        ctl.observe(None, near, 2.0, {}, plain=True)
-    assert not ctl.wants_draft(KEY) and not ctl.wants_draft(near)
-
-
 def test_the_draft_must_pay_for_its_prefill_over_the_whole_request():
     ctl = AdaptiveSpeculation(AutoSpec.chains(1))
     # Per step, chain 1 emits 2 tokens for 1.25x a plain step: 1.6x plain decoding's rate.

@@ -47,10 +47,7 @@ its budget) at its share of the step time of the batch it joins, plain or at the
 speculative shape's time per expected token. Workloads of long prompts with short outputs
 therefore stay plain even where a speculative step pays: the draft's prefill over the prompts
 costs more than its steps save (at 8K-token prompts and 1K outputs this is where the gain goes). A key without the step timings to judge uses the nearest
-judged key's. At a batch size where no speculative step has been timed, the figures are predicted
-from other sizes by plain decoding's time ratio, which a speculative step's cost need not follow;
-there, when the prediction loses by less than `skip_margin`, new requests get the draft (at most
-4 per row of the batch bucket) until a speculative step is timed at that size. A step speculates only when every row has the draft (a row without it reserves KV
+judged key's. A step speculates only when every row has the draft (a row without it reserves KV
 pages for one token a step), and a batch in which no row has it runs the plain decode program, as
 if speculation were off. One request in a while gets the draft anyway
 (`resample_every`), so acceptance stays measured and speculation returns when the load changes.
@@ -252,10 +249,6 @@ class StepCosts:
     def measured(self, shape: Shape | str, key: Key) -> float | None:
         return self._seconds[_cost_name(shape)].get(key)
 
-    def timed_batches(self, shape: Shape | str) -> set[int]:
-        """The batch buckets of the keys where `shape` is timed."""
-        return {key[0] for key in self._seconds[_cost_name(shape)]}
-
     def predicted(self, shape: Shape | str, key: Key, references: Sequence[Shape | str]) -> float | None:
         """An estimate for an untimed (shape, key) from the nearest key where it and one of the
         reference programs were timed, scaled by that reference's time here; None when nothing
@@ -320,10 +313,6 @@ class PrefillCosts:
 # ---- the choice ----------------------------------------------------------------------------------------
 
 
-# Admissions per batch-bucket row that may get the draft to time speculation at a new batch size.
-EXPLORE_ADMISSIONS = 4
-
-
 class AdaptiveSpeculation:
     """Host-side state of adaptive speculation for one scheduler (not thread-safe)."""
 
@@ -352,8 +341,6 @@ class AdaptiveSpeculation:
         self._judged: dict[Key, tuple[float, float]] = {}
         self.plain_steps = 0
         self.admitted: collections.Counter = collections.Counter()  # requests admitted with / without the draft
-        # Admissions given the draft to time speculation at a batch size where it never ran, per batch bucket.
-        self.exploring: collections.Counter = collections.Counter()
 
     def choose(self, request_ids: Sequence[str], key: Key) -> Shape:
         """The shape the next decode step of these requests (all with the draft) runs, at program key `key`."""
@@ -407,28 +394,10 @@ class AdaptiveSpeculation:
             else:
                 self.drafting = plain >= (1 + self.auto.hysteresis) * spec
         want = self.drafting
-        if not want and figures is not None and self._explores(key, plain, spec):
-            want = True
         if not want and self.steps_without_draft >= self.auto.resample_every:
             want, self.steps_without_draft = True, 0
         self.admitted["with_draft" if want else "without_draft"] += 1
         return want
-
-    def _explores(self, key: Key, plain: float, spec: float) -> bool:
-        """Whether a request the verdict withholds the draft from gets it to time speculation at this
-        batch size: no speculative step has been timed at the batch's bucket (its figures are
-        predicted from other sizes, by plain decoding's time ratio, and on a CPU or a loaded GPU
-        a step's cost does not scale alike with and without speculation), the prediction loses
-        by less than `skip_margin`, and fewer than `EXPLORE_ADMISSIONS` x bucket requests have been
-        given it for this already (the batch must turn over to the draft before it can
-        speculate, then each shape be timed)."""
-        batch = key[0]
-        if plain < (1 - self.auto.skip_margin) * spec or self.exploring[batch] >= EXPLORE_ADMISSIONS * batch:
-            return False
-        if any(batch in self.costs.timed_batches(shape) for shape in self.auto.shapes):
-            return False
-        self.exploring[batch] += 1
-        return True
 
     def request_seconds(self, figures: tuple[float, float], prompt_len: float, max_tokens: int | None
                         ) -> tuple[float, float]:
