@@ -106,6 +106,9 @@ flags.DEFINE_integer("prefill_chunk", None, "Prompt tokens per prefill chunk (de
                      lower_bound=1)
 flags.DEFINE_integer("max_measure_attempts", 3, "Measured passes per cell at most: a pass during which XLA "
                      "compiled a program is repeated, as the compile stalls the requests in flight.", lower_bound=1)
+flags.DEFINE_integer("repeats", 1, "Clean measured passes per cell (warm-ups once); the cell reports the pass with "
+                     "the median output throughput and records every pass's, as one pass on a shared machine can run "
+                     "10-20% off. With --interleave every setting runs each pass in turn.", lower_bound=1)
 flags.DEFINE_bool("interleave", True, "Run all settings at each concurrency in turn (one scheduler each, all held at "
                   "once) so slow spells hit every setting alike, their order rotating from one (seed, concurrency) to the "
                   "next; --nointerleave runs the settings one after another.")
@@ -216,7 +219,7 @@ def main(argv: Sequence[str]) -> None:
                         num_prompts=FLAGS.num_prompts, num_warmups=FLAGS.num_warmups, min_prompts=FLAGS.min_prompts,
                         min_warmups=FLAGS.min_warmups,
                         temperature=FLAGS.temperature, interleave=FLAGS.interleave, progress=FLAGS.progress,
-                        max_measure_attempts=FLAGS.max_measure_attempts,
+                        max_measure_attempts=FLAGS.max_measure_attempts, repeats=FLAGS.repeats,
                         synthetic_acceptance=_rates(FLAGS.synthetic_acceptance))
     except ValueError as e:
         raise app.UsageError(str(e)) from None

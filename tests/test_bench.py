@@ -336,6 +336,38 @@ def test_run_config_defaults_and_errors():
         RunConfig(concurrencies=(1,), min_warmups=-1)
 
 
+def test_repeated_passes_report_the_median_pass(monkeypatch):
+    """With repeats, every setting runs each measured pass in turn (warm-ups before the first
+    only, the order rotated again per pass) and each cell is its median pass by throughput."""
+    from eagle3_jax.bench import runner
+
+    with pytest.raises(ValueError, match="repeats"):
+        RunConfig(concurrencies=(1,), repeats=0)
+    throughput = {"none": [100.0, 90.0, 130.0], "chain:3:1:4": [150.0, 200.0, 120.0]}
+    runs = []
+
+    def fake_cell(sched, setting, workload, c, seed, cfg, *, num_devices, warm_up=True, repeat=0):
+        runs.append((setting.name, repeat, warm_up))
+        tp = throughput[setting.name][repeat]
+        return {"setting": setting.name, "label": setting.label, "concurrency": c, "seed": seed,
+                "metrics": {"output_throughput": tp, "tpot_ms": {"mean": 1e3 / tp}}, "measure_attempts": 1}
+
+    monkeypatch.setattr(runner, "run_cell", fake_cell)
+    monkeypatch.setattr(runner, "make_scheduler", lambda *a, **k: None)
+    wl = W.random_workload("1k1k", scale=1 / 128, vocab_size=512, special_ids={0}, max_seq_len=512)
+    cfg = RunConfig(concurrencies=(2,), repeats=3, progress=False, synthetic_acceptance=(0.9,))
+    cells = runner.run_benchmark(None, object(), parse_specs(["none", "chain:3:1:4"]), wl, cfg,
+                                 max_seq_len=512, num_devices=1, log=lambda s: None)
+    assert runs == [("none", 0, True), ("chain:3:1:4", 0, True), ("chain:3:1:4", 1, False), ("none", 1, False),
+                    ("none", 2, False), ("chain:3:1:4", 2, False)]
+    none, chain = cells
+    assert none["metrics"]["output_throughput"] == 100.0 and chain["metrics"]["output_throughput"] == 150.0
+    assert none["passes_output_throughput"] == [100.0, 90.0, 130.0] and none["passes_run_position"] == [0, 1, 0]
+    assert chain["speedup"] == pytest.approx(1.5) and chain["repeats"] == 3
+    assert runner.median_pass(cells[:1] * 2)["metrics"]["output_throughput"] == 100.0  # a lone or even count
+    assert any("median of 3 measured passes" in line for line in R._repeats_note(3)) and not R._repeats_note(1)
+
+
 def test_synthetic_acceptance_reaches_every_request_and_the_report():
     """A forced profile is validated, set on every request (in-process and over HTTP), keeps the
     outputs from being compared with no-spec's, and heads the report."""

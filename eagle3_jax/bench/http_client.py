@@ -21,7 +21,7 @@ import time
 from typing import Callable, Sequence
 
 from .metrics import RequestRecord, attach_speedups, hit_rate_between
-from .runner import RunConfig, check_lengths, make_cell
+from .runner import RunConfig, check_lengths, make_cell, median_pass
 from .settings import SpecSetting
 from .workloads import MEASURED, WARMUP, Workload
 
@@ -248,20 +248,24 @@ def run_http_benchmark(base_url: str, setting: SpecSetting, workload: Workload, 
                                                    desc=f"{tag} warm-up"))
                 check_lengths(warm, out_len, f"{tag} warm-up")
             measured = bodies(workload.prompts(cfg.prompts_for(c), seed, MEASURED), seed)
-            before = asyncio.run(scrape_metrics(base_url))
-            records, duration = asyncio.run(run_requests(base_url, measured, c, progress=cfg.progress, desc=tag))
-            after = asyncio.run(scrape_metrics(base_url))
-            check_lengths(records, out_len, tag)
-            cell = make_cell(setting, c, seed, records, duration, num_warmups=n_warm, num_devices=num_devices,
-                             with_acceptance=False, extra={"base_url": base_url, "model": model})
-            acc = acceptance_between(before, after) if before and after and setting.spec is not None else None
-            if acc is not None:  # the server's counters: exact when nothing else ran on it meanwhile
-                cell["metrics"]["acceptance"] = acc
-            if before and after:
-                cell["metrics"]["prefix_cache_hit_rate"] = hit_rate_between(
-                    before, after, "eagle3_prefix_cache_queries_total", "eagle3_prefix_cache_hits_total")
-            cells.append(cell)
-            m = cell["metrics"]
-            log(f"{setting.label:>24} C={c:<4} seed={seed}: {m['output_throughput']:9.1f} tok/s, "
-                f"TPOT {m['tpot_ms']['mean'] or 0:.2f} ms")
+            passes = []
+            for repeat in range(cfg.repeats):
+                before = asyncio.run(scrape_metrics(base_url))
+                records, duration = asyncio.run(run_requests(base_url, measured, c, progress=cfg.progress, desc=tag))
+                after = asyncio.run(scrape_metrics(base_url))
+                check_lengths(records, out_len, tag)
+                cell = make_cell(setting, c, seed, records, duration, num_warmups=n_warm, num_devices=num_devices,
+                                 with_acceptance=False, extra={"base_url": base_url, "model": model})
+                acc = acceptance_between(before, after) if before and after and setting.spec is not None else None
+                if acc is not None:  # the server's counters: exact when nothing else ran on it meanwhile
+                    cell["metrics"]["acceptance"] = acc
+                if before and after:
+                    cell["metrics"]["prefix_cache_hit_rate"] = hit_rate_between(
+                        before, after, "eagle3_prefix_cache_queries_total", "eagle3_prefix_cache_hits_total")
+                passes.append(cell)
+                m = cell["metrics"]
+                log(f"{setting.label:>24} C={c:<4} seed={seed}"
+                    + (f" pass {repeat + 1}/{cfg.repeats}" if cfg.repeats > 1 else "")
+                    + f": {m['output_throughput']:9.1f} tok/s, TPOT {m['tpot_ms']['mean'] or 0:.2f} ms")
+            cells.append(median_pass(passes))
     return attach_speedups(cells)

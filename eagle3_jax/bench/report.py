@@ -180,6 +180,14 @@ def _compile_note(cells: Sequence[dict]) -> list[str]:
                     else "; every reported pass ran without compiling.")]
 
 
+def _repeats_note(repeats: int) -> list[str]:
+    """A line on repeated measured passes (one pass: no line)."""
+    if repeats <= 1:
+        return []
+    return [f"Each cell is the median of {repeats} measured passes by output throughput (the lower median for an "
+            "even count; every pass's throughput is in the JSON, `passes_output_throughput`)."]
+
+
 def markdown(report: dict) -> str:
     """The report as markdown: what ran, where, when, then the table."""
     m, cfg = report["machine"], report["config"]
@@ -198,6 +206,7 @@ def markdown(report: dict) -> str:
         f"Command: `{report['command']}`",
         f"Greedy outputs identical to no-spec: {ident}.",
         *_compile_note(report["cells"]),
+        *_repeats_note(cfg.get("repeats", 1)),
         "",
         markdown_table(report),
         "",

@@ -5,14 +5,19 @@ once, at most C are in flight, and the next one is submitted as soon as one fini
 (speculation setting x concurrency x seed) first runs `2 x C` warm-up requests (compiles the
 batch buckets, not measured), then `10 x C` measured ones by default. A measured pass during
 which XLA compiled a program is repeated (up to `max_measure_attempts` passes in all), since a
-compile stalls every request in flight for seconds; cells record how many passes they took. There is one Scheduler per
-speculation setting (max_num_seqs = the largest concurrency), reused by all its cells.
+compile stalls every request in flight for seconds; cells record how many passes they took. With
+`repeats` > 1 each cell is measured that many times (warm-ups once, before the first), and it
+reports the pass with the median output throughput (the lower median for an even count), recording
+every pass's throughput: one pass on a shared machine can run 10-20 % off its neighbours. There is
+one Scheduler per speculation setting (max_num_seqs = the largest concurrency), reused by all its
+cells.
 
 With `interleave=True` (the default) the cells run concurrency by concurrency, every setting in
 turn, so slow spells of a shared machine hit every setting alike; all Schedulers (and their KV
 pools) then live at once. The settings' order rotates from one (seed, concurrency) block to the
 next, so each runs first, second, ... equally often over the blocks and no setting always follows
-the same one (cells record their `run_position`). With `interleave=False` the settings run one after the other and each
+the same one (cells record their `run_position`); repeated passes of a block run all settings in
+turn again, the order rotated once more for each. With `interleave=False` the settings run one after the other and each
 Scheduler is dropped before the next is built.
 
 Every request must generate exactly the workload's output length (requests carry no stop tokens:
@@ -52,6 +57,7 @@ class RunConfig:
     interleave: bool = True
     progress: bool = True
     max_measure_attempts: int = 3  # measured passes per cell until one runs without compiling
+    repeats: int = 1  # clean measured passes per cell; the cell reports the median one
     # Forced per-position acceptance of every request (SamplingParams.synthetic_acceptance): the
     # speculative step's cost at that acceptance; outputs are then not the target's.
     synthetic_acceptance: tuple[float, ...] | None = None
@@ -69,6 +75,8 @@ class RunConfig:
             raise ValueError(f"min_prompts and min_warmups must be >= 0; got {self.min_prompts}, {self.min_warmups}")
         if self.max_measure_attempts < 1:
             raise ValueError(f"max_measure_attempts must be >= 1; got {self.max_measure_attempts}")
+        if not isinstance(self.repeats, int) or self.repeats < 1:
+            raise ValueError(f"repeats must be an integer >= 1; got {self.repeats!r}")
         if self.num_warmups is not None and self.num_warmups < 0:
             raise ValueError(f"num_warmups must be >= 0; got {self.num_warmups}")
         SamplingParams(temperature=self.temperature, synthetic_acceptance=self.synthetic_acceptance)  # validates
@@ -238,12 +246,13 @@ def _agreed(value: int) -> int:
 
 
 def run_cell(sched, setting: SpecSetting, workload: Workload, concurrency: int, seed: int, cfg: RunConfig,
-             *, num_devices: int) -> dict:
-    """Warm-ups (not measured), then the measured requests of one cell; returns the cell dict."""
-    tag = f"{setting.name}-c{concurrency}-s{seed}"
+             *, num_devices: int, warm_up: bool = True, repeat: int = 0) -> dict:
+    """Warm-ups (not measured; skipped unless `warm_up`), then the measured requests of one cell;
+    returns the cell dict (one pass of it: `repeat` numbers the passes of a repeated cell)."""
+    tag = f"{setting.name}-c{concurrency}-s{seed}" + (f"-r{repeat}" if repeat else "")
     n_warm, n = cfg.warmups_for(concurrency), cfg.prompts_for(concurrency)
     out_len = workload.output_len
-    if n_warm:
+    if n_warm and warm_up:
         warm = workload.prompts(n_warm, seed, WARMUP)
         records, _ = drive(sched, warm, lambda i: sampling_for(cfg, out_len, seed + 7919, i), concurrency,
                            tag=tag + "-warmup", progress=cfg.progress, desc=f"{setting.label} C={concurrency} warm-up")
@@ -269,6 +278,19 @@ def run_cell(sched, setting: SpecSetting, workload: Workload, concurrency: int, 
                      with_acceptance=True, extra=extra)
     cell["metrics"]["prefix_cache_hit_rate"] = hit_rate_between(before, after, "prefix_cache_queries_total",
                                                                 "prefix_cache_hits_total")
+    return cell
+
+
+def median_pass(passes: Sequence[dict]) -> dict:
+    """The pass of a repeated cell to report: the median by output throughput (the lower median for
+    an even count), with every pass's throughput and run position recorded in it."""
+    if len(passes) == 1:
+        return passes[0]
+    ranked = sorted(passes, key=lambda c: c["metrics"]["output_throughput"])
+    cell = dict(ranked[(len(ranked) - 1) // 2])
+    cell["passes_output_throughput"] = [c["metrics"]["output_throughput"] for c in passes]
+    cell["passes_run_position"] = [c.get("run_position") for c in passes]
+    cell["repeats"] = len(passes)
     return cell
 
 
@@ -338,16 +360,17 @@ def run_benchmark(target, draft, settings: Sequence[SpecSetting], workload: Work
     build = lambda s: make_scheduler(target, draft, s, max_num_seqs=max_c, max_seq_len=max_seq_len,  # noqa: E731
                                      page_size=page_size, prefill_chunk=prefill_chunk, num_pages=num_pages,
                                      overlap=overlap, prefix_caching=prefix_caching)
-    cells: list[dict] = []
+    passes: dict[tuple[str, int, int], list[dict]] = {}
 
-    def one(sched, s: SpecSetting, c: int, seed: int, position: int = 0) -> None:
-        cell = run_cell(sched, s, workload, c, seed, cfg, num_devices=devices)
+    def one(sched, s: SpecSetting, c: int, seed: int, position: int = 0, repeat: int = 0) -> None:
+        cell = run_cell(sched, s, workload, c, seed, cfg, num_devices=devices, warm_up=repeat == 0, repeat=repeat)
         cell["run_position"] = position
-        cells.append(cell)
+        passes.setdefault((s.name, c, seed), []).append(cell)
         m = cell["metrics"]
         tau = m.get("acceptance", {}).get("tau")
         host = cell.get("host_ms_per_iteration")
-        log(f"{s.label:>24} C={c:<4} seed={seed}: {m['output_throughput']:9.1f} tok/s, "
+        log(f"{s.label:>24} C={c:<4} seed={seed}" + (f" pass {repeat + 1}/{cfg.repeats}" if cfg.repeats > 1 else "")
+            + f": {m['output_throughput']:9.1f} tok/s, "
             f"TPOT {m['tpot_ms']['mean'] or 0:.2f} ms" + (f", tau {tau:.2f}" if tau is not None else "")
             + (f", host {host:.2f} ms/step" if host is not None else "")
             + (f", shapes {cell['steps_by_shape']} ({cell['steps_without_draft']} without draft)"
@@ -358,15 +381,18 @@ def run_benchmark(target, draft, settings: Sequence[SpecSetting], workload: Work
         scheds = {s.name: build(s) for s in settings}
         blocks = [(seed, c) for seed in cfg.seeds for c in cfg.concurrencies]
         for block, (seed, c) in enumerate(blocks):
-            for position, s in enumerate(rotated(settings, block)):
-                one(scheds[s.name], s, c, seed, position)
+            for repeat in range(cfg.repeats):
+                for position, s in enumerate(rotated(settings, block + repeat)):
+                    one(scheds[s.name], s, c, seed, position, repeat)
     else:
         for s in settings:
             sched = build(s)
             for seed in cfg.seeds:
                 for c in cfg.concurrencies:
-                    one(sched, s, c, seed)
+                    for repeat in range(cfg.repeats):
+                        one(sched, s, c, seed, repeat=repeat)
             del sched
+    cells = [median_pass(p) for p in passes.values()]
     attach_speedups(cells)
     if cfg.compares_outputs:
         return mark_identical(cells)
