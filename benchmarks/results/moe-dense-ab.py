@@ -1,24 +1,20 @@
 """A/B in one process: the XLA:CPU dense expert form against the grouped form it replaces, through the
 step accounting (run from the repository root; writes /tmp/acct/ab_moe.json, recorded as moe-dense-ab.json)."""
-import contextlib, json, sys
+import json, os
 import eagle3_jax as e3
 from eagle3_jax import moe
 from eagle3_jax.bench.step_accounting import account
-from eagle3_jax.tokenizer import load_tokenizer
+from ab_common import demo_pair, swapped
 
-target = e3.load_target("checkpoints/kimi-mini", dtype="float32")
-draft = e3.load_draft("checkpoints/kimi-mini-eagle3", target=target, dtype="float32")
-tok = load_tokenizer("checkpoints/kimi-mini")
-prompts = [tok.encode(l.strip()) for l in open("checkpoints/demo_prompts.txt") if l.strip()]
+target, draft, prompts = demo_pair()
 real_form = moe.expert_form
 
-@contextlib.contextmanager
+def grouped_not_dense(n, k, w):
+    f = real_form(n, k, w)
+    return "grouped" if f == "dense" else f
+
 def form(dense: bool):
-    moe.expert_form = real_form if dense else (lambda n, k, w: "grouped" if real_form(n, k, w) == "dense" else real_form(n, k, w))
-    try:
-        yield
-    finally:
-        moe.expert_form = real_form
+    return swapped(moe, "expert_form", real_form if dense else grouped_not_dense)
 
 scheds = {}
 for name in ("none", "chain:3:1:4"):
@@ -35,6 +31,5 @@ for rep in range(2):
                 rows.append(dict(rep=rep, batch=batch, mode=name, dense=dense, step_ms=a.step_ms, program_ms=a.program_ms,
                                  verify_ms=a.phases["verify"], tokens=a.tokens_per_step))
                 print(rows[-1], flush=True)
-import os
 os.makedirs("/tmp/acct", exist_ok=True)
 json.dump(rows, open("/tmp/acct/ab_moe.json", "w"), indent=1)

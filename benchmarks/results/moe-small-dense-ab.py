@@ -1,28 +1,20 @@
 """A/B in one process: small steps' routed experts gathered (per-assignment weight copies) against
 dense (every token through every local expert, weights read in place), through the step accounting."""
-import contextlib, json, sys
+import json, os
 import eagle3_jax as e3
 from eagle3_jax import moe
 from eagle3_jax.bench.step_accounting import account
-from eagle3_jax.tokenizer import load_tokenizer
+from ab_common import demo_pair, swapped
 
-target = e3.load_target("checkpoints/kimi-mini", dtype="float32")
-draft = e3.load_draft("checkpoints/kimi-mini-eagle3", target=target, dtype="float32")
-tok = load_tokenizer("checkpoints/kimi-mini")
-prompts = [tok.encode(l.strip()) for l in open("checkpoints/demo_prompts.txt") if l.strip()]
+target, draft, prompts = demo_pair()
 real_form = moe.expert_form
 
 def dense_small(n, k, w):
     f = real_form(n, k, w)
     return "dense" if f == "gathered" and 2 * n * k >= w.shape[0] else f
 
-@contextlib.contextmanager
 def form(dense: bool):
-    moe.expert_form = dense_small if dense else real_form
-    try:
-        yield
-    finally:
-        moe.expert_form = real_form
+    return swapped(moe, "expert_form", dense_small if dense else real_form)
 
 scheds = {}
 for name in ("none", "chain:3:1:4"):
@@ -40,4 +32,5 @@ for rep in range(2):
                                  program_ms=round(a.program_ms, 3), verify_ms=round(a.phases["verify"], 3),
                                  tokens=a.tokens_per_step))
                 print(rows[-1], flush=True)
+os.makedirs("/tmp/acct", exist_ok=True)
 json.dump(rows, open("/tmp/acct/moe-small-dense-ab.json", "w"), indent=1)

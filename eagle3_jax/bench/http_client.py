@@ -21,7 +21,7 @@ import time
 from typing import Callable, Sequence
 
 from .metrics import RequestRecord, attach_speedups, hit_rate_between
-from .runner import RunConfig, check_lengths, make_cell, median_pass
+from .runner import RunConfig, check_lengths, make_cell, median_pass, pass_label
 from .settings import SpecSetting
 from .workloads import MEASURED, WARMUP, Workload
 
@@ -264,8 +264,7 @@ def run_http_benchmark(base_url: str, setting: SpecSetting, workload: Workload, 
                         before, after, "eagle3_prefix_cache_queries_total", "eagle3_prefix_cache_hits_total")
                 passes.append(cell)
                 m = cell["metrics"]
-                log(f"{setting.label:>24} C={c:<4} seed={seed}"
-                    + (f" pass {repeat + 1}/{cfg.repeats}" if cfg.repeats > 1 else "")
-                    + f": {m['output_throughput']:9.1f} tok/s, TPOT {m['tpot_ms']['mean'] or 0:.2f} ms")
+                log(f"{setting.label:>24} C={c:<4} seed={seed}{pass_label(repeat, cfg.repeats)}: "
+                    f"{m['output_throughput']:9.1f} tok/s, TPOT {m['tpot_ms']['mean'] or 0:.2f} ms")
             cells.append(median_pass(passes))
     return attach_speedups(cells)

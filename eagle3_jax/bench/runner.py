@@ -281,6 +281,11 @@ def run_cell(sched, setting: SpecSetting, workload: Workload, concurrency: int, 
     return cell
 
 
+def pass_label(repeat: int, repeats: int) -> str:
+    """The log line's ' pass k/N' for a pass of a repeated cell ('' when cells run once)."""
+    return f" pass {repeat + 1}/{repeats}" if repeats > 1 else ""
+
+
 def median_pass(passes: Sequence[dict]) -> dict:
     """The pass of a repeated cell to report: the median by output throughput (the lower median for
     an even count), with every pass's throughput and run position recorded in it."""
@@ -369,8 +374,8 @@ def run_benchmark(target, draft, settings: Sequence[SpecSetting], workload: Work
         m = cell["metrics"]
         tau = m.get("acceptance", {}).get("tau")
         host = cell.get("host_ms_per_iteration")
-        log(f"{s.label:>24} C={c:<4} seed={seed}" + (f" pass {repeat + 1}/{cfg.repeats}" if cfg.repeats > 1 else "")
-            + f": {m['output_throughput']:9.1f} tok/s, "
+        log(f"{s.label:>24} C={c:<4} seed={seed}{pass_label(repeat, cfg.repeats)}: "
+            f"{m['output_throughput']:9.1f} tok/s, "
             f"TPOT {m['tpot_ms']['mean'] or 0:.2f} ms" + (f", tau {tau:.2f}" if tau is not None else "")
             + (f", host {host:.2f} ms/step" if host is not None else "")
             + (f", shapes {cell['steps_by_shape']} ({cell['steps_without_draft']} without draft)"

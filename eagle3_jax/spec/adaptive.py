@@ -46,11 +46,12 @@ admissions' prefill (timed per prompt token with and without the draft, by chunk
 its budget) at its share of the step time of the batch it joins, plain or at the best
 speculative shape's time per expected token. Workloads of long prompts with short outputs
 therefore stay plain even where a speculative step pays: the draft's prefill over the prompts
-costs more than its steps save (at 8K-token prompts and 1K outputs this is where the gain goes). A key without the step timings to judge uses the nearest
-judged key's. A step speculates only when every row has the draft (a row without it reserves KV
-pages for one token a step), and a batch in which no row has it runs the plain decode program, as
-if speculation were off. One request in a while gets the draft anyway
-(`resample_every`), so acceptance stays measured and speculation returns when the load changes.
+costs more than its steps save (at 8K-token prompts and 1K outputs this is where the gain goes).
+A key without the step timings to judge uses the nearest judged key's. A step speculates only
+when every row has the draft (a row without it reserves KV pages for one token a step), and a
+batch in which no row has it runs the plain decode program, as if speculation were off. One
+request in a while gets the draft anyway (`resample_every`), so acceptance stays measured and
+speculation returns when the load changes.
 
 The choice never affects correctness: every shape's step is lossless, so greedy output is the
 same whatever runs (sampled output keeps the target's distribution).
