@@ -50,8 +50,12 @@ costs more than its steps save (at 8K-token prompts and 1K outputs this is where
 A key without the step timings to judge uses the nearest judged key's. A step speculates only
 when every row has the draft (a row without it reserves KV pages for one token a step), and a
 batch in which no row has it runs the plain decode program, as if speculation were off. One
-request in a while gets the draft anyway (`resample_every`), so acceptance stays measured and
-speculation returns when the load changes.
+request in a while gets the draft anyway (`resample_every` steps without it, down to a sixteenth of
+that when the verdict was narrow), so acceptance stays measured and
+speculation returns when the load changes; where that request's batch can speculate (every row has
+the draft, as at concurrency 1), it re-times the best speculative shape at its key: a few steps in
+a row whose fresh samples replace the old ones, so the verdict is judged again on step times of now
+(a shared host's speed drifts, and a withheld draft is otherwise never timed again).
 
 The choice never affects correctness: every shape's step is lossless, so greedy output is the
 same whatever runs (sampled output keeps the target's distribution).
@@ -237,6 +241,13 @@ class StepCosts:
         samples.append(seconds)
         self._stale.add(entry)
 
+    def renew(self, shape: Shape | str, key: Key) -> None:
+        """Start timing (shape, key) afresh: its samples are dropped (one cold run too), while its
+        last median stands until `min_samples` new ones replace it."""
+        entry = (_cost_name(shape), key)
+        self._samples.pop(entry, None)
+        self._skipped[entry] = max(self.skip_first - 1, 0)
+
     @property
     def _seconds(self) -> dict[str, dict[Key, float]]:
         """Shape name -> key -> median seconds, for entries with `min_samples` (fewer: still being measured)."""
@@ -341,13 +352,19 @@ class AdaptiveSpeculation:
         # Per key with the timings: (plain, best speculative per expected token) seconds per row of a step.
         self._judged: dict[Key, tuple[float, float]] = {}
         self.plain_steps = 0
+        # A re-timing: speculative steps still owed to it, and the (shape, key) they time (`_retime`).
+        self.retime_steps, self._retiming = 0, None
+        self.retimings = 0
+        self._margin = math.inf  # the last verdict's: a new request's time with the draft over without, - 1
         self.admitted: collections.Counter = collections.Counter()  # requests admitted with / without the draft
 
     def choose(self, request_ids: Sequence[str], key: Key) -> Shape:
         """The shape the next decode step of these requests (all with the draft) runs, at program key `key`."""
         rates = self.rates(request_ids, key)
         shape = self.current = self._choose(rates, key)
-        if shape is None and self.steps_without_speculation >= self.auto.probe_every:
+        if self.retime_steps:
+            shape = self._retime(rates, key, shape)
+        elif shape is None and self.steps_without_speculation >= self.auto.probe_every:
             shape = self._probe(rates, key)
         self.steps_without_speculation = 0 if shape is not None else self.steps_without_speculation + 1
         self.steps_without_draft = 0
@@ -356,13 +373,15 @@ class AdaptiveSpeculation:
 
     def no_choice(self, any_with_draft: bool) -> None:
         """Count a decode step that cannot speculate (a row has no draft): with rows that have the
-        draft, their pairs are stored; without any, the plain program runs."""
+        draft, their pairs are stored; without any, the plain program runs (and a re-timing still
+        owed lapses: the request admitted for it has left)."""
         self.choices[shape_name(None)] += 1
         if any_with_draft:
             self.steps_without_draft = 0
         else:
             self.steps_without_draft += 1
             self.plain_steps += 1
+            self.retime_steps, self._retiming = 0, None
 
     def wants_draft(self, key: Key | None, rows: int = 1, prompt_len: int = 0, max_tokens: int | None = None) -> bool:
         """Whether a request admitted now gets the draft (a draft prefill over its prompt, its pairs
@@ -383,22 +402,34 @@ class AdaptiveSpeculation:
         in: a batch whose context grows into a new block-table width has not changed its mind,
         and drafting every request admitted there would compile and time programs that lost one
         width earlier. Yes before any key is judged. While withheld, a request gets the draft
-        anyway when no running request has had it for `resample_every` steps (its acceptance is
-        measured again).
+        anyway when no running request has had it for `resample_after` steps (its acceptance is
+        measured again, and where it can speculate, step times too: `_retime`).
         """
         self.prompt_lens.append(prompt_len)
         figures = None if key is None else self._step_figures(key, max(rows, 1))
         if figures is not None:
             plain, spec = self.request_seconds(figures, statistics.fmean(self.prompt_lens), max_tokens)
+            self._margin = spec / plain - 1 if plain > 0 else math.inf
             if self.drafting:
                 self.drafting = plain >= spec
             else:
                 self.drafting = plain >= (1 + self.auto.hysteresis) * spec
         want = self.drafting
-        if not want and self.steps_without_draft >= self.auto.resample_every:
+        if not want and self.steps_without_draft >= self.resample_after:
             want, self.steps_without_draft = True, 0
+            self.retime_steps, self._retiming = self.retime_length, None
         self.admitted["with_draft" if want else "without_draft"] += 1
         return want
+
+    @property
+    def resample_after(self) -> int:
+        """Steps in which no row had the draft before a request gets it anyway: `resample_every`
+        after a verdict that withheld it by `skip_margin` or more, down to a sixteenth of that
+        after a narrow one. A narrow verdict is the one that drift in step times or acceptance
+        overturns, and its re-timing costs little (its steps lose about the margin)."""
+        auto = self.auto
+        share = min(max(self._margin, 0.0) / auto.skip_margin, 1.0) if auto.skip_margin > 0 else 1.0
+        return max(1, round(auto.resample_every * max(share, 1 / 16)))
 
     def request_seconds(self, figures: tuple[float, float], prompt_len: float, max_tokens: int | None
                         ) -> tuple[float, float]:
@@ -455,6 +486,27 @@ class AdaptiveSpeculation:
             return self.current
         return best
 
+    @property
+    def retime_length(self) -> int:
+        """Speculative steps a re-timing runs: enough for a fresh median after its cold run."""
+        return self.costs.skip_first + 2 * self.costs.min_samples
+
+    def _retime(self, rates: dict[Shape, float | None], key: Key, chosen: Shape) -> Shape:
+        """One step of a re-timing: the best speculative shape timed at this key runs
+        `retime_length` steps in a row, its old samples there dropped, so a verdict that withheld
+        the draft is judged again on step times of now, not on those it was made on (a shared or
+        throttled host drifts; without this, a withheld draft's step costs would never be timed
+        again). Where no speculative shape is compiled at this key, the step runs what was chosen."""
+        if self._retiming is None or self._retiming[1] != key:
+            shape = self._probe(rates, key)
+            if shape is None:
+                return chosen
+            self._retiming = shape, key
+            self.costs.renew(shape, key)
+            self.retimings += 1
+        self.retime_steps -= 1
+        return self._retiming[0]
+
     def _probe(self, rates: dict[Shape, float | None], key: Key) -> SpecConfig | None:
         """The best speculative shape timed at this key (its program is compiled), if any."""
         timed = [s for s in self.auto.shapes if self.costs.measured(s, key) is not None]
@@ -490,6 +542,7 @@ class AdaptiveSpeculation:
             "steps_without_draft": self.plain_steps,
             "requests_with_draft": self.admitted["with_draft"],
             "requests_without_draft": self.admitted["without_draft"],
+            "retimings": self.retimings,
             "chain_acceptance": [float(x) for x in self.acceptance.chain],
             "tree_accepted": dict(self.acceptance.tree),
             "prefill_s_per_token": {"with_draft": self.prefill.per_token(True), "plain": self.prefill.per_token(False)},

@@ -152,7 +152,10 @@ class AutoSpec:
         measures acceptance again.
     skip_margin: a shape predicted (from other keys) below (1 - skip_margin) x the best is not tried.
     resample_every: after this many decode steps in which no running request had the draft, the
-        next admitted request gets it (its acceptance is measured) whatever the prediction.
+        next admitted request gets it (its acceptance is measured, and where its batch can
+        speculate, the best speculative shape's step time) whatever the prediction; after a
+        narrow verdict (the draft's loss under skip_margin) proportionally sooner, down to
+        resample_every / 16 steps.
     """
 
     menu: tuple[Shape, ...]
