@@ -24,6 +24,7 @@ PROMPTS = [[1, 2, 3], [7] * 11, [5, 9, 11, 13, 17], [4] * 29, [8, 6]]
 def teach(ctl: AdaptiveSpeculation, seconds: dict, accepted: int, rows=("a", "b"), steps: int = 30, key=KEY):
     """Feed `steps` rounds of every shape's step time at `key` and `accepted` draft tokens per row."""
     for _ in range(steps):
+        ctl.acceptance.tick()
         for shape in ctl.auto.menu:
             accept = {} if shape is None else {r: min(accepted, shape.max_accept) for r in rows}
             ctl.observe(shape, key, seconds[shape_name(shape)], accept)
@@ -105,9 +106,16 @@ def test_a_collapsed_request_stops_speculating():
     teach(ctl, {"none": 1.0, "chain:3:1:4": 1.5}, accepted=3, rows=("good",))
     assert ctl.choose(["good"], KEY) == C3 and ctl.choose(["new"], KEY) == C3  # new requests start from the global rate
     for _ in range(40):  # request "bad" never gets a draft token accepted
+        ctl.acceptance.tick()
         ctl.observe(C3, KEY, 1.5, {"bad": 0})
     ctl.acceptance.chain[:] = 0.9  # the global rate stays high (other requests), "bad" alone decides its own
     assert ctl.choose(["bad"], KEY) is None
+    # Its counts fade with every step, speculative or not (its 40 failed steps weigh as about 17
+    # now): after about 14 steps without speculation the global rate (weighing as 2) outweighs
+    # them enough for chain 3 to promise a gain, and it speculates, long before a probe (every
+    # 64 steps) would measure it again.
+    again = next(i for i in range(1, 64) if ctl.choose(["bad"], KEY) == C3)
+    assert 10 <= again <= 18 and ctl.current == C3
 
 
 def test_a_probe_measures_acceptance_again_after_steps_without_speculation():
@@ -119,6 +127,7 @@ def test_a_probe_measures_acceptance_again_after_steps_without_speculation():
     assert [ctl.choose(["a"], KEY) for _ in range(5)] == [None] * 5
     ctl.observe(C1, KEY, 1.6, {"a": 1})  # the probe found the draft good again: speculation resumes
     for _ in range(60):  # long enough for "a"'s own counts to outweigh the global rate's bad past
+        ctl.acceptance.tick()
         ctl.observe(C3, KEY, 3.0, {"a": 3})
     assert ctl.choose(["a"], KEY) == C3
     # No speculative shape timed at a key: no probe there (it would stall on a compile).

@@ -9,8 +9,8 @@ one of them. The choice maximises
 - E_r(chain of k) = 1 + the sum of request r's first k per-position acceptance rates (the chance
   that at least i draft tokens are accepted, i = 1..k, so never rising with i); a chain's i-th
   token does not depend on the chain's length, so every chain length shares these rates. A tree has its own mean accepted
-  count. A request's rates blend its own recent counts (decayed by `request_decay` per step, a
-  window of about 20 steps) with the running global rates (over the last ~512 request-steps, all
+  count. A request's rates blend its own recent counts (decayed by `request_decay` per decode step,
+  speculative or not: a window of about 20 steps) with the running global rates (over the last ~512 request-steps, all
   requests together), weighted as `prior_weight` steps, so a
   new request starts from the global estimate and a request whose acceptance collapses soon
   contributes nothing but its one token: with no gain left in the batch, the scheduler stops
@@ -80,17 +80,19 @@ from .settings import NO_SPEC, AutoSpec, Shape, SpecConfig, is_chain, shape_dept
 @dataclasses.dataclass
 class _Counts:
     """One request's recent acceptance (decayed counts): per chain position, steps that drafted it
-    and that accepted it; per tree shape, steps run and draft tokens accepted."""
+    and that accepted it; per tree shape, steps run and draft tokens accepted; as of decode step
+    `clock` (they fade with every decode step since, speculative or not)."""
 
     drafted: np.ndarray
     accepted: np.ndarray
+    clock: int = 0
     tree_steps: collections.defaultdict = dataclasses.field(default_factory=lambda: collections.defaultdict(float))
     tree_accepted: collections.defaultdict = dataclasses.field(default_factory=lambda: collections.defaultdict(float))
 
 
 class Acceptance:
     """Running acceptance estimates, global (counts over the last `window` request-steps or so) and
-    per request (counts decayed per step)."""
+    per request (counts decayed per decode step, `tick`)."""
 
     def __init__(self, depth: int, trees: Iterable[SpecConfig], prior_weight: float, request_decay: float,
                  window: float = 512.0, prior_rows: float = 2.0):
@@ -110,6 +112,17 @@ class Acceptance:
         self.tree = {shape_name(t): float(optimistic[: t.max_accept].sum()) for t in trees}
         self._tree_counts = {name: (prior_rows, prior_rows * mean) for name, mean in self.tree.items()}
         self._requests: dict[str, _Counts] = {}
+        self.clock = 0  # decode steps so far
+
+    def tick(self) -> None:
+        """A decode step is about to run. A request's own counts fade with every step, not only
+        with the steps that measure it: one that stopped speculating after a few bad steps is
+        judged by the global rates again after a window of steps, and speculates (is measured)
+        again if they promise a gain, instead of keeping a verdict from its first steps."""
+        self.clock += 1
+
+    def _fade(self, c: _Counts) -> float:
+        return self.decay ** (self.clock - c.clock)
 
     def forget(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
@@ -125,8 +138,8 @@ class Acceptance:
             hits = np.zeros(k)
             for rid, a in accepted.items():
                 c = self._counts(rid)
-                c.drafted[:k] = self.decay * c.drafted[:k] + 1
-                c.accepted[:k] = self.decay * c.accepted[:k] + (np.arange(k) < a)
+                c.drafted[:k] += 1
+                c.accepted[:k] += np.arange(k) < a
                 hits[: min(a, k)] += 1
             self._drafted[:k] = fade * self._drafted[:k] + rows
             self._accepted[:k] = fade * self._accepted[:k] + hits
@@ -135,8 +148,8 @@ class Acceptance:
             name = shape_name(shape)
             for rid, a in accepted.items():
                 c = self._counts(rid)
-                c.tree_steps[name] = self.decay * c.tree_steps[name] + 1
-                c.tree_accepted[name] = self.decay * c.tree_accepted[name] + a
+                c.tree_steps[name] += 1
+                c.tree_accepted[name] += a
             steps, total = self._tree_counts[name]
             steps, total = fade * steps + rows, fade * total + sum(accepted.values())
             self._tree_counts[name] = steps, total
@@ -154,8 +167,9 @@ class Acceptance:
             chain_sum = (n - len(known)) * self.global_chain_rates
             if known:
                 w = self.prior_weight
-                accepted = np.stack([c.accepted for c in known])
-                drafted = np.stack([c.drafted for c in known])
+                fade = np.array([self._fade(c) for c in known])[:, None]
+                accepted = fade * np.stack([c.accepted for c in known])
+                drafted = fade * np.stack([c.drafted for c in known])
                 rates = np.minimum.accumulate((accepted + w * self.chain) / (drafted + w), axis=1)
                 chain_sum = chain_sum + rates.sum(axis=0)
         chain_total = np.cumsum(chain_sum)
@@ -188,13 +202,22 @@ class Acceptance:
         c = self._requests.get(request_id)
         if c is None:
             return 1.0 + prior
-        w = self.prior_weight
-        return 1.0 + (c.tree_accepted[name] + w * prior) / (c.tree_steps[name] + w)
+        w, fade = self.prior_weight, self._fade(c)
+        return 1.0 + (fade * c.tree_accepted[name] + w * prior) / (fade * c.tree_steps[name] + w)
 
     def _counts(self, request_id: str) -> _Counts:
+        """A request's counts, faded to now (to add this step's)."""
         c = self._requests.get(request_id)
         if c is None:
-            c = self._requests[request_id] = _Counts(np.zeros(self.depth), np.zeros(self.depth))
+            c = self._requests[request_id] = _Counts(np.zeros(self.depth), np.zeros(self.depth), clock=self.clock)
+        elif c.clock != self.clock:
+            fade = self._fade(c)
+            c.drafted *= fade
+            c.accepted *= fade
+            for counts in (c.tree_steps, c.tree_accepted):
+                for name in counts:
+                    counts[name] *= fade
+            c.clock = self.clock
         return c
 
 
@@ -361,6 +384,7 @@ class AdaptiveSpeculation:
 
     def choose(self, request_ids: Sequence[str], key: Key) -> Shape:
         """The shape the next decode step of these requests (all with the draft) runs, at program key `key`."""
+        self.acceptance.tick()
         rates = self.rates(request_ids, key)
         shape = self.current = self._choose(rates, key)
         if self.retime_steps:
@@ -376,6 +400,7 @@ class AdaptiveSpeculation:
         """Count a decode step that cannot speculate (a row has no draft): with rows that have the
         draft, their pairs are stored; without any, the plain program runs (and a re-timing still
         owed lapses: the request admitted for it has left)."""
+        self.acceptance.tick()
         self.choices[shape_name(None)] += 1
         if any_with_draft:
             self.steps_without_draft = 0
