@@ -80,24 +80,12 @@ def test_untimed_shapes_are_measured_unless_predicted_to_lose():
 
 
 def test_hysteresis_keeps_the_current_shape_within_the_margin():
-    ctl = AdaptiveSpeculation(AutoSpec(menu=(None, C1, C2), hysteresis=0.1))
-    teach(ctl, {"none": 1.0, "chain:1:1:2": 1.0, "chain:2:1:3": 1.0}, accepted=1)
-    ctl.current = C1
-    ctl.acceptance.chain[:] = [0.5, 0.05]  # chain 2 promises 1.55 / 1.5 of chain 1: keep chain 1
-    assert ctl.choose(["z"], KEY) == C1
-    ctl.acceptance.chain[:] = [0.5, 0.25]  # 1.75 / 1.5: switch
-    assert ctl.choose(["z"], KEY) == C2
-    ctl.acceptance.chain[:] = 0.0  # nothing accepted any more, and chains cost 1.08x a plain step
-    for _ in range(31):  # (a median over the last 31 samples)
-        ctl.observe(C1, KEY, 1.08, {})
-        ctl.observe(C2, KEY, 1.08, {})
-    assert ctl.choose(["z"], KEY) == C2  # no-spec promises 1.08x: within the margin, keep chain 2
-    for _ in range(31):
-        ctl.observe(C1, KEY, 1.2, {})
-        ctl.observe(C2, KEY, 1.2, {})
-    assert ctl.choose(["z"], KEY) is None  # 1.2x: switch to no-spec
-    # From no speculation, any gain switches: the rows have the draft, its prefill is paid.
-    ctl.acceptance.chain[:] = [0.25, 0.0]  # chain 1 promises 1.25 / 1.2 (4 %) of no-spec
+    ctl = AdaptiveSpeculation(AutoSpec(menu=(None, C1), hysteresis=0.1))
+    teach(ctl, {"none": 1.0, "chain:1:1:2": 1.0}, accepted=1)
+    ctl.current = None
+    ctl.acceptance.chain[:] = 0.05  # chain 1 promises 1.05x: within the margin, keep no-spec
+    assert ctl.choose(["z"], KEY) is None
+    ctl.acceptance.chain[:] = 0.5  # 1.5x: switch
     assert ctl.choose(["z"], KEY) == C1
 
 

@@ -24,9 +24,8 @@ one of them. The choice maximises
   key visited more than 32 times, a shape not yet timed runs until it has 5 samples, unless timings at the nearest key where both it and an
   already-timed shape ran predict it to lose clearly (`skip_margin`); it then keeps that estimate.
 
-Hysteresis: the step keeps the previous speculative shape unless another promises more than
-`1 + hysteresis` times its rate; after a step without speculation, any shape that promises more
-runs (the rows have the draft: admission gave it because speculation promised to pay).
+Hysteresis: the step keeps the previous shape unless another promises more than
+`1 + hysteresis` times its rate.
 
 A step without speculation runs no draft at all: it stores each row's (target feature, next
 token) pair, and the next speculative step first extends the draft cache over the stored pairs
@@ -508,12 +507,7 @@ class AdaptiveSpeculation:
         if not known:
             return self.current
         best = max(known, key=known.__getitem__)
-        # From no speculation any gain suffices: every row has the draft (its prefill is paid, and
-        # a step without speculation still stores pairs for a catch-up), and admission gave it
-        # because speculation promised to pay; a margin here would leave the batch paying for a
-        # draft it never uses wherever speculation pays by less than the margin.
-        margin = 1.0 if self.current is None else 1 + auto.hysteresis
-        if self.current in known and known[best] <= margin * known[self.current]:
+        if self.current in known and known[best] <= (1 + auto.hysteresis) * known[self.current]:
             return self.current
         return best
 

@@ -138,10 +138,9 @@ class AutoSpec:
     """Adaptive speculation over a menu of step shapes (`SpecConfig.auto(...)` builds one).
 
     menu: the shapes a step may run; None (no speculation) is always among them.
-    hysteresis: another shape must promise this much more throughput to replace the current
-        speculative one (after a step without speculation, any gain switches), and speculation
-        this much more than plain decoding for admissions to start giving new requests the draft
-        (they stop once it promises nothing).
+    hysteresis: another shape must promise this much more throughput to replace the current one,
+        and speculation this much more than plain decoding for admissions to start giving new
+        requests the draft (they stop once it promises nothing).
         Step times leave out what speculation costs between steps (the draft's prefill,
         catch-ups), and on a busy host their medians wander by several percent: at 5% a CPU
         server near break-even drafted requests it then could not speculate for.
