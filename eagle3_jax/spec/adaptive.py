@@ -8,13 +8,14 @@ one of them. The choice maximises
 
 - E_r(chain of k) = 1 + the sum of request r's first k per-position acceptance rates (the chance
   that at least i draft tokens are accepted, i = 1..k, so never rising with i); a chain's i-th
-  token does not depend on the chain's length, so every chain length shares these rates. A tree has its own mean accepted
-  count. A request's rates blend its own recent counts (decayed by `request_decay` per decode step,
-  speculative or not: a window of about 20 steps) with the running global rates (over the last ~512 request-steps, all
-  requests together), weighted as `prior_weight` steps, so a
-  new request starts from the global estimate and a request whose acceptance collapses soon
-  contributes nothing but its one token: with no gain left in the batch, the scheduler stops
-  speculating.
+  token does not depend on the chain's length, so every chain length shares these rates. A tree
+  has its own mean accepted count. A request's rates blend its own recent counts (decayed by
+  `request_decay` per decode step, speculative or not: a window of about 20 steps) with the
+  running global rates (over the last ~512 request-steps, all requests together), weighted as
+  `prior_weight` steps, so a new request starts from the global estimate, a request whose
+  acceptance collapses soon contributes nothing but its one token (with no gain left in the
+  batch, the scheduler stops speculating), and one that stopped is judged by the global rates
+  again once its bad steps have faded.
 - cost(shape, batch, context) is the measured wall time of a step of that compiled program: the
   key is the program's own (batch bucket, block-table width), so the context length is in the
   model (long KV makes verifying many tokens dearer). A step's time runs from the host's read of
@@ -50,12 +51,12 @@ costs more than its steps save (at 8K-token prompts and 1K outputs this is where
 A key without the step timings to judge uses the nearest judged key's. A step speculates only
 when every row has the draft (a row without it reserves KV pages for one token a step), and a
 batch in which no row has it runs the plain decode program, as if speculation were off. One
-request in a while gets the draft anyway (`resample_every` steps without it, down to a sixteenth of
-that when the verdict was narrow), so acceptance stays measured and
-speculation returns when the load changes; where that request's batch can speculate (every row has
-the draft, as at concurrency 1), it re-times the best speculative shape at its key: a few steps in
-a row whose fresh samples replace the old ones, so the verdict is judged again on step times of now
-(a shared host's speed drifts, and a withheld draft is otherwise never timed again).
+request in a while gets the draft anyway (after `resample_every` steps without it, down to a
+sixteenth of that when the verdict was narrow), so acceptance stays measured and speculation
+returns when the load changes; where that request's batch can speculate (every row has the draft,
+as at concurrency 1), it re-times the best speculative shape at its key: a few steps in a row
+whose fresh samples replace the old ones, so the verdict is judged again on step times of now (a
+shared host's speed drifts, and a withheld draft is otherwise never timed again).
 
 The choice never affects correctness: every shape's step is lossless, so greedy output is the
 same whatever runs (sampled output keeps the target's distribution).
