@@ -8,14 +8,13 @@ one of them. The choice maximises
 
 - E_r(chain of k) = 1 + the sum of request r's first k per-position acceptance rates (the chance
   that at least i draft tokens are accepted, i = 1..k, so never rising with i); a chain's i-th
-  token does not depend on the chain's length, so every chain length shares these rates. A tree
-  has its own mean accepted count. A request's rates blend its own recent counts (decayed by
-  `request_decay` per decode step, speculative or not: a window of about 20 steps) with the
-  running global rates (over the last ~512 request-steps, all requests together), weighted as
-  `prior_weight` steps, so a new request starts from the global estimate, a request whose
-  acceptance collapses soon contributes nothing but its one token (with no gain left in the
-  batch, the scheduler stops speculating), and one that stopped is judged by the global rates
-  again once its bad steps have faded.
+  token does not depend on the chain's length, so every chain length shares these rates. A tree has its own mean accepted
+  count. A request's rates blend its own recent counts (decayed by `request_decay` per step, a
+  window of about 20 steps) with the running global rates (over the last ~512 request-steps, all
+  requests together), weighted as `prior_weight` steps, so a
+  new request starts from the global estimate and a request whose acceptance collapses soon
+  contributes nothing but its one token: with no gain left in the batch, the scheduler stops
+  speculating.
 - cost(shape, batch, context) is the measured wall time of a step of that compiled program: the
   key is the program's own (batch bucket, block-table width), so the context length is in the
   model (long KV makes verifying many tokens dearer). A step's time runs from the host's read of
@@ -51,12 +50,8 @@ costs more than its steps save (at 8K-token prompts and 1K outputs this is where
 A key without the step timings to judge uses the nearest judged key's. A step speculates only
 when every row has the draft (a row without it reserves KV pages for one token a step), and a
 batch in which no row has it runs the plain decode program, as if speculation were off. One
-request in a while gets the draft anyway (after `resample_every` steps without it, down to a
-sixteenth of that when the verdict was narrow), so acceptance stays measured and speculation
-returns when the load changes; where that request's batch can speculate (every row has the draft,
-as at concurrency 1), it re-times the best speculative shape at its key: a few steps in a row
-whose fresh samples replace the old ones, so the verdict is judged again on step times of now (a
-shared host's speed drifts, and a withheld draft is otherwise never timed again).
+request in a while gets the draft anyway (`resample_every`), so acceptance stays measured and
+speculation returns when the load changes.
 
 The choice never affects correctness: every shape's step is lossless, so greedy output is the
 same whatever runs (sampled output keeps the target's distribution).
@@ -80,19 +75,17 @@ from .settings import NO_SPEC, AutoSpec, Shape, SpecConfig, is_chain, shape_dept
 @dataclasses.dataclass
 class _Counts:
     """One request's recent acceptance (decayed counts): per chain position, steps that drafted it
-    and that accepted it; per tree shape, steps run and draft tokens accepted; as of decode step
-    `clock` (they fade with every decode step since, speculative or not)."""
+    and that accepted it; per tree shape, steps run and draft tokens accepted."""
 
     drafted: np.ndarray
     accepted: np.ndarray
-    clock: int = 0
     tree_steps: collections.defaultdict = dataclasses.field(default_factory=lambda: collections.defaultdict(float))
     tree_accepted: collections.defaultdict = dataclasses.field(default_factory=lambda: collections.defaultdict(float))
 
 
 class Acceptance:
     """Running acceptance estimates, global (counts over the last `window` request-steps or so) and
-    per request (counts decayed per decode step, `tick`)."""
+    per request (counts decayed per step)."""
 
     def __init__(self, depth: int, trees: Iterable[SpecConfig], prior_weight: float, request_decay: float,
                  window: float = 512.0, prior_rows: float = 2.0):
@@ -112,17 +105,6 @@ class Acceptance:
         self.tree = {shape_name(t): float(optimistic[: t.max_accept].sum()) for t in trees}
         self._tree_counts = {name: (prior_rows, prior_rows * mean) for name, mean in self.tree.items()}
         self._requests: dict[str, _Counts] = {}
-        self.clock = 0  # decode steps so far
-
-    def tick(self) -> None:
-        """A decode step is about to run. A request's own counts fade with every step, not only
-        with the steps that measure it: one that stopped speculating after a few bad steps is
-        judged by the global rates again after a window of steps, and speculates (is measured)
-        again if they promise a gain, instead of keeping a verdict from its first steps."""
-        self.clock += 1
-
-    def _fade(self, c: _Counts) -> float:
-        return self.decay ** (self.clock - c.clock)
 
     def forget(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
@@ -138,8 +120,8 @@ class Acceptance:
             hits = np.zeros(k)
             for rid, a in accepted.items():
                 c = self._counts(rid)
-                c.drafted[:k] += 1
-                c.accepted[:k] += np.arange(k) < a
+                c.drafted[:k] = self.decay * c.drafted[:k] + 1
+                c.accepted[:k] = self.decay * c.accepted[:k] + (np.arange(k) < a)
                 hits[: min(a, k)] += 1
             self._drafted[:k] = fade * self._drafted[:k] + rows
             self._accepted[:k] = fade * self._accepted[:k] + hits
@@ -148,8 +130,8 @@ class Acceptance:
             name = shape_name(shape)
             for rid, a in accepted.items():
                 c = self._counts(rid)
-                c.tree_steps[name] += 1
-                c.tree_accepted[name] += a
+                c.tree_steps[name] = self.decay * c.tree_steps[name] + 1
+                c.tree_accepted[name] = self.decay * c.tree_accepted[name] + a
             steps, total = self._tree_counts[name]
             steps, total = fade * steps + rows, fade * total + sum(accepted.values())
             self._tree_counts[name] = steps, total
@@ -167,9 +149,8 @@ class Acceptance:
             chain_sum = (n - len(known)) * self.global_chain_rates
             if known:
                 w = self.prior_weight
-                fade = np.array([self._fade(c) for c in known])[:, None]
-                accepted = fade * np.stack([c.accepted for c in known])
-                drafted = fade * np.stack([c.drafted for c in known])
+                accepted = np.stack([c.accepted for c in known])
+                drafted = np.stack([c.drafted for c in known])
                 rates = np.minimum.accumulate((accepted + w * self.chain) / (drafted + w), axis=1)
                 chain_sum = chain_sum + rates.sum(axis=0)
         chain_total = np.cumsum(chain_sum)
@@ -202,22 +183,13 @@ class Acceptance:
         c = self._requests.get(request_id)
         if c is None:
             return 1.0 + prior
-        w, fade = self.prior_weight, self._fade(c)
-        return 1.0 + (fade * c.tree_accepted[name] + w * prior) / (fade * c.tree_steps[name] + w)
+        w = self.prior_weight
+        return 1.0 + (c.tree_accepted[name] + w * prior) / (c.tree_steps[name] + w)
 
     def _counts(self, request_id: str) -> _Counts:
-        """A request's counts, faded to now (to add this step's)."""
         c = self._requests.get(request_id)
         if c is None:
-            c = self._requests[request_id] = _Counts(np.zeros(self.depth), np.zeros(self.depth), clock=self.clock)
-        elif c.clock != self.clock:
-            fade = self._fade(c)
-            c.drafted *= fade
-            c.accepted *= fade
-            for counts in (c.tree_steps, c.tree_accepted):
-                for name in counts:
-                    counts[name] *= fade
-            c.clock = self.clock
+            c = self._requests[request_id] = _Counts(np.zeros(self.depth), np.zeros(self.depth))
         return c
 
 
@@ -264,13 +236,6 @@ class StepCosts:
             samples = self._samples[entry] = collections.deque(maxlen=self.window)
         samples.append(seconds)
         self._stale.add(entry)
-
-    def renew(self, shape: Shape | str, key: Key) -> None:
-        """Start timing (shape, key) afresh: its samples are dropped (one cold run too), while its
-        last median stands until `min_samples` new ones replace it."""
-        entry = (_cost_name(shape), key)
-        self._samples.pop(entry, None)
-        self._skipped[entry] = max(self.skip_first - 1, 0)
 
     @property
     def _seconds(self) -> dict[str, dict[Key, float]]:
@@ -376,20 +341,13 @@ class AdaptiveSpeculation:
         # Per key with the timings: (plain, best speculative per expected token) seconds per row of a step.
         self._judged: dict[Key, tuple[float, float]] = {}
         self.plain_steps = 0
-        # A re-timing: speculative steps still owed to it, and the (shape, key) they time (`_retime`).
-        self.retime_steps, self._retiming = 0, None
-        self.retimings = 0
-        self._margin = math.inf  # the last verdict's: a new request's time with the draft over without, - 1
         self.admitted: collections.Counter = collections.Counter()  # requests admitted with / without the draft
 
     def choose(self, request_ids: Sequence[str], key: Key) -> Shape:
         """The shape the next decode step of these requests (all with the draft) runs, at program key `key`."""
-        self.acceptance.tick()
         rates = self.rates(request_ids, key)
         shape = self.current = self._choose(rates, key)
-        if self.retime_steps:
-            shape = self._retime(rates, key, shape)
-        elif shape is None and self.steps_without_speculation >= self.auto.probe_every:
+        if shape is None and self.steps_without_speculation >= self.auto.probe_every:
             shape = self._probe(rates, key)
         self.steps_without_speculation = 0 if shape is not None else self.steps_without_speculation + 1
         self.steps_without_draft = 0
@@ -398,16 +356,13 @@ class AdaptiveSpeculation:
 
     def no_choice(self, any_with_draft: bool) -> None:
         """Count a decode step that cannot speculate (a row has no draft): with rows that have the
-        draft, their pairs are stored; without any, the plain program runs (and a re-timing still
-        owed lapses: the request admitted for it has left)."""
-        self.acceptance.tick()
+        draft, their pairs are stored; without any, the plain program runs."""
         self.choices[shape_name(None)] += 1
         if any_with_draft:
             self.steps_without_draft = 0
         else:
             self.steps_without_draft += 1
             self.plain_steps += 1
-            self.retime_steps, self._retiming = 0, None
 
     def wants_draft(self, key: Key | None, rows: int = 1, prompt_len: int = 0, max_tokens: int | None = None) -> bool:
         """Whether a request admitted now gets the draft (a draft prefill over its prompt, its pairs
@@ -428,34 +383,22 @@ class AdaptiveSpeculation:
         in: a batch whose context grows into a new block-table width has not changed its mind,
         and drafting every request admitted there would compile and time programs that lost one
         width earlier. Yes before any key is judged. While withheld, a request gets the draft
-        anyway when no running request has had it for `resample_after` steps (its acceptance is
-        measured again, and where it can speculate, step times too: `_retime`).
+        anyway when no running request has had it for `resample_every` steps (its acceptance is
+        measured again).
         """
         self.prompt_lens.append(prompt_len)
         figures = None if key is None else self._step_figures(key, max(rows, 1))
         if figures is not None:
             plain, spec = self.request_seconds(figures, statistics.fmean(self.prompt_lens), max_tokens)
-            self._margin = spec / plain - 1 if plain > 0 else math.inf
             if self.drafting:
                 self.drafting = plain >= spec
             else:
                 self.drafting = plain >= (1 + self.auto.hysteresis) * spec
         want = self.drafting
-        if not want and self.steps_without_draft >= self.resample_after:
+        if not want and self.steps_without_draft >= self.auto.resample_every:
             want, self.steps_without_draft = True, 0
-            self.retime_steps, self._retiming = self.retime_length, None
         self.admitted["with_draft" if want else "without_draft"] += 1
         return want
-
-    @property
-    def resample_after(self) -> int:
-        """Steps in which no row had the draft before a request gets it anyway: `resample_every`
-        after a verdict that withheld it by `skip_margin` or more, down to a sixteenth of that
-        after a narrow one. A narrow verdict is the one that drift in step times or acceptance
-        overturns, and its re-timing costs little (its steps lose about the margin)."""
-        auto = self.auto
-        share = min(max(self._margin, 0.0) / auto.skip_margin, 1.0) if auto.skip_margin > 0 else 1.0
-        return max(1, round(auto.resample_every * max(share, 1 / 16)))
 
     def request_seconds(self, figures: tuple[float, float], prompt_len: float, max_tokens: int | None
                         ) -> tuple[float, float]:
@@ -512,27 +455,6 @@ class AdaptiveSpeculation:
             return self.current
         return best
 
-    @property
-    def retime_length(self) -> int:
-        """Speculative steps a re-timing runs: enough for a fresh median after its cold run."""
-        return self.costs.skip_first + 2 * self.costs.min_samples
-
-    def _retime(self, rates: dict[Shape, float | None], key: Key, chosen: Shape) -> Shape:
-        """One step of a re-timing: the best speculative shape timed at this key runs
-        `retime_length` steps in a row, its old samples there dropped, so a verdict that withheld
-        the draft is judged again on step times of now, not on those it was made on (a shared or
-        throttled host drifts; without this, a withheld draft's step costs would never be timed
-        again). Where no speculative shape is compiled at this key, the step runs what was chosen."""
-        if self._retiming is None or self._retiming[1] != key:
-            shape = self._probe(rates, key)
-            if shape is None:
-                return chosen
-            self._retiming = shape, key
-            self.costs.renew(shape, key)
-            self.retimings += 1
-        self.retime_steps -= 1
-        return self._retiming[0]
-
     def _probe(self, rates: dict[Shape, float | None], key: Key) -> SpecConfig | None:
         """The best speculative shape timed at this key (its program is compiled), if any."""
         timed = [s for s in self.auto.shapes if self.costs.measured(s, key) is not None]
@@ -568,7 +490,6 @@ class AdaptiveSpeculation:
             "steps_without_draft": self.plain_steps,
             "requests_with_draft": self.admitted["with_draft"],
             "requests_without_draft": self.admitted["without_draft"],
-            "retimings": self.retimings,
             "chain_acceptance": [float(x) for x in self.acceptance.chain],
             "tree_accepted": dict(self.acceptance.tree),
             "prefill_s_per_token": {"with_draft": self.prefill.per_token(True), "plain": self.prefill.per_token(False)},

@@ -145,19 +145,14 @@ class AutoSpec:
         catch-ups), and on a busy host their medians wander by several percent: at 5% a CPU
         server near break-even drafted requests it then could not speculate for.
     prior_weight: how many steps of a request's own acceptance weigh as much as the global rate.
-    request_decay: per-decode-step decay of a request's own acceptance counts (recent steps count
-        most; steps without speculation fade them too, so a request judged on a few bad steps is
-        judged by the global rates again and speculates again if they promise a gain).
+    request_decay: per-step decay of a request's own acceptance counts (recent steps count most).
     max_gap: steps a request may go without draft work before a step catches its draft up (one
         draft pass over the stored tokens; a buffer of max_gap x 3 x target hidden per sequence).
     probe_every: after this many steps in a row without speculation, one speculative step
         measures acceptance again.
     skip_margin: a shape predicted (from other keys) below (1 - skip_margin) x the best is not tried.
     resample_every: after this many decode steps in which no running request had the draft, the
-        next admitted request gets it (its acceptance is measured, and where its batch can
-        speculate, the best speculative shape's step time) whatever the prediction; after a
-        narrow verdict (the draft's loss under skip_margin) proportionally sooner, down to
-        resample_every / 16 steps.
+        next admitted request gets it (its acceptance is measured) whatever the prediction.
     """
 
     menu: tuple[Shape, ...]
