@@ -277,6 +277,7 @@ class _FakeScheduler:
 
     def __init__(self, max_num_seqs: int):
         self.max_num_seqs, self.reqs, self.order, self.peak = max_num_seqs, {}, [], 0
+        self.ahead = False  # a step launched ahead, read by the next step() (as with overlap)
 
     def add_request(self, prompt, sampling, request_id):
         assert request_id not in self.reqs
@@ -286,7 +287,7 @@ class _FakeScheduler:
         return request_id
 
     def has_unfinished(self):
-        return any(len(r[2]) < r[1] for r in self.reqs.values())
+        return self.ahead or any(len(r[2]) < r[1] for r in self.reqs.values())
 
     def stats(self):
         return {"num_preemptions": 0}
@@ -295,7 +296,9 @@ class _FakeScheduler:
         import time
 
         out = []
-        for rid in [r for r in self.order if len(self.reqs[r][2]) < self.reqs[r][1]][: self.max_num_seqs]:
+        running = [r for r in self.order if len(self.reqs[r][2]) < self.reqs[r][1]][: self.max_num_seqs]
+        self.ahead = bool(running)
+        for rid in running:
             tok, budget, got = self.reqs[rid]
             new = [tok] * min(3, budget - len(got))
             got += new
@@ -310,6 +313,7 @@ def test_drive_keeps_concurrency_and_records_deltas():
     prompts = [[i + 5] for i in range(7)]
     records, duration = drive(sched, prompts, lambda i: SamplingParams(max_tokens=7), 2, tag="t")
     assert sched.peak == 2 and duration > 0
+    assert not sched.has_unfinished()  # the step launched ahead was read too, not left for the next drive
     assert [r.num_output_tokens for r in records] == [7] * 7
     assert [r.token_ids for r in records] == [[i + 5] * 7 for i in range(7)]
     assert all(r.delta_tokens == [3, 3, 1] and len(r.delta_times) == 3 for r in records)
