@@ -198,8 +198,8 @@ def drive(sched, prompts: Sequence[Sequence[int]], sampling: Callable[[int], Sam
         # time would span that whole pause and enter the scheduler's step costs (what `auto`
         # judges by) as one huge sample.
         while sched.has_unfinished():
-            for d in sched.step():
-                raise RuntimeError(f"the scheduler returned a delta for request {d.request_id!r} after all finished")
+            if stray := sched.step():
+                raise RuntimeError(f"the scheduler returned a delta for {stray[0].request_id!r} after all finished")
     finally:
         bar.close()
     return records, duration
