@@ -24,6 +24,7 @@ PROMPTS = [[1, 2, 3], [7] * 11, [5, 9, 11, 13, 17], [4] * 29, [8, 6]]
 def teach(ctl: AdaptiveSpeculation, seconds: dict, accepted: int, rows=("a", "b"), steps: int = 30, key=KEY):
     """Feed `steps` rounds of every shape's step time at `key` and `accepted` draft tokens per row."""
     for _ in range(steps):
+        ctl.acceptance.tick()
         for shape in ctl.auto.menu:
             accept = {} if shape is None else {r: min(accepted, shape.max_accept) for r in rows}
             ctl.observe(shape, key, seconds[shape_name(shape)], accept)
@@ -90,12 +91,32 @@ def test_hysteresis_keeps_the_current_shape_within_the_margin():
 
 def test_a_collapsed_request_stops_speculating():
     ctl = AdaptiveSpeculation(AutoSpec(menu=(None, C3)))
-    teach(ctl, {"none": 1.0, "chain:3:1:4": 1.5}, accepted=3, rows=("good",))
+    teach(ctl, {"none": 1.0, "chain:3:1:4": 2.2}, accepted=3, rows=("good",))
     assert ctl.choose(["good"], KEY) == C3 and ctl.choose(["new"], KEY) == C3  # new requests start from the global rate
     for _ in range(40):  # request "bad" never gets a draft token accepted
-        ctl.observe(C3, KEY, 1.5, {"bad": 0})
+        ctl.acceptance.tick()
+        ctl.observe(C3, KEY, 2.2, {"bad": 0})
     ctl.acceptance.chain[:] = 0.9  # the global rate stays high (other requests), "bad" alone decides its own
     assert ctl.choose(["bad"], KEY) is None
+    # Its counts fade with every step, speculative or not (its 40 failed steps weigh as about 17
+    # now): after about 17 steps without speculation the global rate (weighing as 8) outweighs
+    # them enough for chain 3 to promise 10 % more than plain steps, and it speculates, long
+    # before a probe (every 64 steps) would measure it again.
+    again = next(i for i in range(1, 64) if ctl.choose(["bad"], KEY) == C3)
+    assert 14 <= again <= 20 and ctl.current == C3
+
+
+def test_a_few_bad_first_steps_do_not_stop_a_request():
+    """A request's first steps often accept less than its later ones (its first tokens after the
+    prompt are the draft's hardest): three steps without an accepted token must not outweigh the
+    global rate and stop it for the rest of its tokens."""
+    ctl = AdaptiveSpeculation(AutoSpec(menu=(None, C3)))
+    teach(ctl, {"none": 1.0, "chain:3:1:4": 2.2}, accepted=3, rows=("good",))
+    for _ in range(3):
+        ctl.acceptance.tick()
+        ctl.observe(C3, KEY, 2.2, {"late": 0})
+    ctl.acceptance.chain[:] = 0.8
+    assert ctl.choose(["late"], KEY) == C3
 
 
 def test_a_probe_measures_acceptance_again_after_steps_without_speculation():
@@ -107,6 +128,7 @@ def test_a_probe_measures_acceptance_again_after_steps_without_speculation():
     assert [ctl.choose(["a"], KEY) for _ in range(5)] == [None] * 5
     ctl.observe(C1, KEY, 1.6, {"a": 1})  # the probe found the draft good again: speculation resumes
     for _ in range(60):  # long enough for "a"'s own counts to outweigh the global rate's bad past
+        ctl.acceptance.tick()
         ctl.observe(C3, KEY, 3.0, {"a": 3})
     assert ctl.choose(["a"], KEY) == C3
     # No speculative shape timed at a key: no probe there (it would stall on a compile).
@@ -216,6 +238,38 @@ def test_the_draft_must_pay_for_its_prefill_over_the_whole_request():
     assert verdicts == sorted(verdicts)  # one switch, no flapping
     # Sharing the step with more rows shrinks each row's step time, not its prefill.
     assert not ctl.wants_draft(KEY, rows=64, prompt_len=100, max_tokens=100)
+
+
+def test_admission_judges_speculation_by_its_ratio_to_the_steps_beside_it():
+    """Speculative steps are timed beside the steps that store pairs; plain steps at another time,
+    when the host may run slower or faster. Admission applies the speculative/storing ratio of
+    their time to the plain step of now, so a slow spell while the draft is withheld does not make
+    a speculative time taken in a fast one look cheap."""
+    ctl = AdaptiveSpeculation(AutoSpec.chains(1))
+    teach(ctl, {"none": 1.0, "chain:1:1:2": 3.0}, accepted=1)  # 2 tokens for 3 steps' time: plain wins
+    for _ in range(TIMED + 31):  # the draft withheld; the host runs at half speed now
+        ctl.observe(None, KEY, 2.0, {}, plain=True)
+    plain, spec = ctl._step_figures(KEY, 1)
+    assert plain == pytest.approx(2.0) and spec == pytest.approx(2.0 * 3.0 / 2, rel=0.01)
+    assert not ctl.wants_draft(KEY)
+
+
+def test_a_shape_timed_long_ago_is_timed_again():
+    """Every `refresh_every` steps at an explored key, the shape (not the current one) timed there
+    longest ago is forgotten and timed again beside the current one's steps."""
+    ctl = AdaptiveSpeculation(AutoSpec(menu=(None, C1, C3), refresh_every=16))
+    teach(ctl, {"none": 1.0, "chain:1:1:2": 1.1, "chain:3:1:4": 1.2}, accepted=3)
+    for _ in range(TIMED):  # chain 1 timed again later than none
+        ctl.observe(C1, KEY, 1.1, {"a": 1})
+    choices = [ctl.choose(["a"], KEY) for _ in range(48)]
+    # Step 48 (a multiple of 16 past the 32 steps before exploring) forgets none, timed longest ago:
+    # it runs until timed again, then chain 3 resumes.
+    assert choices[:47] == [C3] * 47 and choices[47] is None and ctl.costs.measured(None, KEY) is None
+    ctl.observe(None, KEY, 1.0, {})
+    assert ctl.choose(["a"], KEY) is None  # still short of its samples
+    for _ in range(TIMED):
+        ctl.observe(None, KEY, 1.0, {})
+    assert ctl.choose(["a"], KEY) == C3 and ctl.costs.measured(None, KEY) == 1.0
 
 
 def test_admission_gives_the_batch_one_verdict_over_mixed_prompts():
@@ -360,3 +414,25 @@ def test_metrics_report_the_shapes_chosen():
     assert requests == {"with": 1, "without": 4}
     rates = {s.labels["position"]: s.value for s in families["eagle3_spec_acceptance_rate"].samples}
     assert rates == {"1": 4 / 4, "2": 2 / 2}
+
+
+def test_only_steps_before_the_same_step_are_timed():
+    """The host launches the next step before reading this one, so a step's read-to-read time holds
+    the next launch's host work when the device finishes first: a step read after a different one
+    was launched (another shape or program, or a catch-up first) is left untimed."""
+    from eagle3_jax.scheduler.core import _Launch, _time_steady_steps_only
+    from eagle3_jax.spec.policy import DECODE, STORE_DECODE, StepPlan
+
+    def pair(before: StepPlan, after: StepPlan) -> bool:
+        step = _Launch("decode", [], [], before)
+        _time_steady_steps_only([_Launch("prefill", [], []), step], [_Launch("decode", [], [], after)])
+        return not step.untimed
+
+    chain, store = StepPlan(DECODE, C3), StepPlan(STORE_DECODE)
+    assert pair(chain, chain) and pair(store, store)
+    assert not pair(chain, StepPlan(DECODE, C1)) and not pair(store, chain) and not pair(chain, store)
+    assert not pair(store, StepPlan(STORE_DECODE, catch_up=True))
+    assert not pair(chain, StepPlan(DECODE, C3, catch_up=True))
+    step = _Launch("decode", [], [], chain)  # nothing launched after it (the batch finished): timed
+    _time_steady_steps_only([step], [])
+    assert not step.untimed

@@ -92,11 +92,28 @@ class _Launch:
     plan: StepPlan | None = None  # decode: what ran
     key: tuple = ()
     launched: float = 0.0
-    untimed: bool = False  # after a catch-up, whose end the host does not see: not timed
+    untimed: bool = False  # not timed: after a catch-up (whose end the host does not see), or before a switch
     compiles: int = 0  # programs compiled before it was launched
     with_draft: bool = False  # prefill: the draft's program
     tokens: int = 0  # prefill: prompt tokens computed
     chunks: list = dataclasses.field(default_factory=list)  # prefill: each row's (chunk start, chunk length)
+
+
+def _time_steady_steps_only(ready: list[_Launch], launched: list[_Launch]) -> None:
+    """Leave untimed a decode step read after a different one was launched (another program or
+    shape, or a catch-up first). A step's time runs from the previous read to its own, and the host
+    launches the next step before that read: when the device finishes first, the host's work for
+    the next launch is in the step's time. That is the step's true cost while the same step repeats
+    (what the adaptive policy's step costs predict), but before a switch it is the cost of neither
+    (a plain step read after launching a catch-up and a speculative step measured up to twice its
+    steady time)."""
+    step = next((launch for launch in ready if launch.kind == "decode"), None)
+    following = next((launch for launch in launched if launch.kind == "decode"), None)
+    if step is None or following is None:
+        return
+    same = following.plan.program == step.plan.program and following.plan.shape == step.plan.shape
+    if following.plan.catch_up or not same:
+        step.untimed = True
 
 
 class Scheduler:
@@ -290,6 +307,8 @@ class Scheduler:
         if decode_rows:
             launches.append(self._launch_decode(decode_rows))
         ready, self._inflight = (self._inflight, launches) if self.overlap else (launches, [])
+        if self.overlap:
+            _time_steady_steps_only(ready, launches)
         news, waited = self._collect(ready)
         self.counters.totals["host_seconds_total"] += time.perf_counter() - start - waited
         self.counters.totals["num_iterations_total"] += 1

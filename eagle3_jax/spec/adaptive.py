@@ -8,21 +8,26 @@ one of them. The choice maximises
 
 - E_r(chain of k) = 1 + the sum of request r's first k per-position acceptance rates (the chance
   that at least i draft tokens are accepted, i = 1..k, so never rising with i); a chain's i-th
-  token does not depend on the chain's length, so every chain length shares these rates. A tree has its own mean accepted
-  count. A request's rates blend its own recent counts (decayed by `request_decay` per step, a
-  window of about 20 steps) with the running global rates (over the last ~512 request-steps, all
-  requests together), weighted as `prior_weight` steps, so a
-  new request starts from the global estimate and a request whose acceptance collapses soon
-  contributes nothing but its one token: with no gain left in the batch, the scheduler stops
-  speculating.
+  token does not depend on the chain's length, so every chain length shares these rates. A tree
+  has its own mean accepted count. A request's rates blend its own recent counts (decayed by
+  `request_decay` per decode step, speculative or not: a window of about 20 steps) with the
+  running global rates (over the last ~512 request-steps, all requests together), weighted as
+  `prior_weight` steps, so a new request starts from the global estimate, a few bad first steps
+  do not stop it for good, and a request whose acceptance collapses soon contributes little more
+  than its one token: with no gain left in the batch, the scheduler stops speculating.
 - cost(shape, batch, context) is the measured wall time of a step of that compiled program: the
   key is the program's own (batch bucket, block-table width), so the context length is in the
   model (long KV makes verifying many tokens dearer). A step's time runs from the host's read of
   the program before it to the read of its own tokens, so host work the device did not hide counts
   too: the median of its last samples. Steps during which a program compiled, its first two
-  runs at a key after that (cold), and steps right after a draft catch-up, are not timed. At a
-  key visited more than 32 times, a shape not yet timed runs until it has 5 samples, unless timings at the nearest key where both it and an
-  already-timed shape ran predict it to lose clearly (`skip_margin`); it then keeps that estimate.
+  runs at a key after that (cold), steps right after a draft catch-up and steps read after a
+  different one was launched (their time holds that launch's host work) are not timed. At a
+  key visited more than 32 times, a shape not yet timed runs until it has 5 samples, unless
+  timings at the nearest key where both it and an already-timed shape ran predict it to lose
+  clearly (`skip_margin`); it then keeps that estimate. Every `refresh_every` steps at such a
+  key the shape timed there longest ago (not the current one) is forgotten and so timed again
+  beside the current one: a median taken once, cold or in a slow second of a shared host, does
+  not keep a shape out for good.
 
 Hysteresis: the step keeps the previous shape unless another promises more than
 `1 + hysteresis` times its rate.
@@ -44,7 +49,9 @@ hysteresis, and it weighs a whole typical request, not one step: the mean prompt
 admissions' prefill (timed per prompt token with and without the draft, by chunk program:
 `PrefillCosts`) plus its expected output (the mean length of recent finished requests, at most
 its budget) at its share of the step time of the batch it joins, plain or at the best
-speculative shape's time per expected token. Workloads of long prompts with short outputs
+speculative shape's time per expected token (as its ratio to the steps without speculation
+timed beside it, applied to the plain step of now: the two are timed at different moments).
+Workloads of long prompts with short outputs
 therefore stay plain even where a speculative step pays: the draft's prefill over the prompts
 costs more than its steps save (at 8K-token prompts and 1K outputs this is where the gain goes).
 A key without the step timings to judge uses the nearest judged key's. A step speculates only
@@ -75,17 +82,19 @@ from .settings import NO_SPEC, AutoSpec, Shape, SpecConfig, is_chain, shape_dept
 @dataclasses.dataclass
 class _Counts:
     """One request's recent acceptance (decayed counts): per chain position, steps that drafted it
-    and that accepted it; per tree shape, steps run and draft tokens accepted."""
+    and that accepted it; per tree shape, steps run and draft tokens accepted; as of decode step
+    `clock` (they fade with every decode step since, speculative or not)."""
 
     drafted: np.ndarray
     accepted: np.ndarray
+    clock: int = 0
     tree_steps: collections.defaultdict = dataclasses.field(default_factory=lambda: collections.defaultdict(float))
     tree_accepted: collections.defaultdict = dataclasses.field(default_factory=lambda: collections.defaultdict(float))
 
 
 class Acceptance:
     """Running acceptance estimates, global (counts over the last `window` request-steps or so) and
-    per request (counts decayed per step)."""
+    per request (counts decayed per decode step, `tick`)."""
 
     def __init__(self, depth: int, trees: Iterable[SpecConfig], prior_weight: float, request_decay: float,
                  window: float = 512.0, prior_rows: float = 2.0):
@@ -105,6 +114,17 @@ class Acceptance:
         self.tree = {shape_name(t): float(optimistic[: t.max_accept].sum()) for t in trees}
         self._tree_counts = {name: (prior_rows, prior_rows * mean) for name, mean in self.tree.items()}
         self._requests: dict[str, _Counts] = {}
+        self.clock = 0  # decode steps so far
+
+    def tick(self) -> None:
+        """A decode step is about to run. A request's own counts fade with every step, not only
+        with the steps that measure it: one that stopped speculating after a few bad steps is
+        judged by the global rates again after a window of steps, and speculates (is measured)
+        again if they promise a gain, instead of keeping a verdict from its first steps."""
+        self.clock += 1
+
+    def _fade(self, c: _Counts) -> float:
+        return self.decay ** (self.clock - c.clock)
 
     def forget(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
@@ -120,8 +140,8 @@ class Acceptance:
             hits = np.zeros(k)
             for rid, a in accepted.items():
                 c = self._counts(rid)
-                c.drafted[:k] = self.decay * c.drafted[:k] + 1
-                c.accepted[:k] = self.decay * c.accepted[:k] + (np.arange(k) < a)
+                c.drafted[:k] += 1
+                c.accepted[:k] += np.arange(k) < a
                 hits[: min(a, k)] += 1
             self._drafted[:k] = fade * self._drafted[:k] + rows
             self._accepted[:k] = fade * self._accepted[:k] + hits
@@ -130,8 +150,8 @@ class Acceptance:
             name = shape_name(shape)
             for rid, a in accepted.items():
                 c = self._counts(rid)
-                c.tree_steps[name] = self.decay * c.tree_steps[name] + 1
-                c.tree_accepted[name] = self.decay * c.tree_accepted[name] + a
+                c.tree_steps[name] += 1
+                c.tree_accepted[name] += a
             steps, total = self._tree_counts[name]
             steps, total = fade * steps + rows, fade * total + sum(accepted.values())
             self._tree_counts[name] = steps, total
@@ -149,8 +169,9 @@ class Acceptance:
             chain_sum = (n - len(known)) * self.global_chain_rates
             if known:
                 w = self.prior_weight
-                accepted = np.stack([c.accepted for c in known])
-                drafted = np.stack([c.drafted for c in known])
+                fade = np.array([self._fade(c) for c in known])[:, None]
+                accepted = fade * np.stack([c.accepted for c in known])
+                drafted = fade * np.stack([c.drafted for c in known])
                 rates = np.minimum.accumulate((accepted + w * self.chain) / (drafted + w), axis=1)
                 chain_sum = chain_sum + rates.sum(axis=0)
         chain_total = np.cumsum(chain_sum)
@@ -183,13 +204,22 @@ class Acceptance:
         c = self._requests.get(request_id)
         if c is None:
             return 1.0 + prior
-        w = self.prior_weight
-        return 1.0 + (c.tree_accepted[name] + w * prior) / (c.tree_steps[name] + w)
+        w, fade = self.prior_weight, self._fade(c)
+        return 1.0 + (fade * c.tree_accepted[name] + w * prior) / (fade * c.tree_steps[name] + w)
 
     def _counts(self, request_id: str) -> _Counts:
+        """A request's counts, faded to now (to add this step's)."""
         c = self._requests.get(request_id)
         if c is None:
-            c = self._requests[request_id] = _Counts(np.zeros(self.depth), np.zeros(self.depth))
+            c = self._requests[request_id] = _Counts(np.zeros(self.depth), np.zeros(self.depth), clock=self.clock)
+        elif c.clock != self.clock:
+            fade = self._fade(c)
+            c.drafted *= fade
+            c.accepted *= fade
+            for counts in (c.tree_steps, c.tree_accepted):
+                for name in counts:
+                    counts[name] *= fade
+            c.clock = self.clock
         return c
 
 
@@ -221,6 +251,8 @@ class StepCosts:
 
     def __init__(self, window: int = 31, min_samples: int = 5, skip_first: int = 2):
         self.window, self.min_samples, self.skip_first = window, min_samples, skip_first
+        self._clock = 0  # samples observed
+        self._last: dict[tuple[str, Key], int] = {}  # (name, key) -> _clock at its last sample
         self._skipped: collections.Counter = collections.Counter()
         self._samples: dict[tuple[str, Key], collections.deque] = {}
         self._stale: set[tuple[str, Key]] = set()  # samples added since the last median
@@ -236,6 +268,12 @@ class StepCosts:
             samples = self._samples[entry] = collections.deque(maxlen=self.window)
         samples.append(seconds)
         self._stale.add(entry)
+        self._clock += 1
+        self._last[entry] = self._clock
+
+    def last_timed(self, shape: Shape | str, key: Key) -> int:
+        """When `shape` was last timed at `key`, in samples observed (any program): 0 if never."""
+        return self._last.get((_cost_name(shape), key), 0)
 
     @property
     def _seconds(self) -> dict[str, dict[Key, float]]:
@@ -246,6 +284,13 @@ class StepCosts:
                 self._medians[name][key] = statistics.median(samples)
         self._stale.clear()
         return self._medians
+
+    def forget(self, shape: Shape | str, key: Key) -> None:
+        """Drop a program's samples at `key`: it counts as not timed there until timed again."""
+        entry = (_cost_name(shape), key)
+        self._samples.pop(entry, None)
+        self._stale.discard(entry)
+        self._medians[entry[0]].pop(key, None)
 
     def measured(self, shape: Shape | str, key: Key) -> float | None:
         return self._seconds[_cost_name(shape)].get(key)
@@ -345,6 +390,7 @@ class AdaptiveSpeculation:
 
     def choose(self, request_ids: Sequence[str], key: Key) -> Shape:
         """The shape the next decode step of these requests (all with the draft) runs, at program key `key`."""
+        self.acceptance.tick()
         rates = self.rates(request_ids, key)
         shape = self.current = self._choose(rates, key)
         if shape is None and self.steps_without_speculation >= self.auto.probe_every:
@@ -357,6 +403,7 @@ class AdaptiveSpeculation:
     def no_choice(self, any_with_draft: bool) -> None:
         """Count a decode step that cannot speculate (a row has no draft): with rows that have the
         draft, their pairs are stored; without any, the plain program runs."""
+        self.acceptance.tick()
         self.choices[shape_name(None)] += 1
         if any_with_draft:
             self.steps_without_draft = 0
@@ -422,13 +469,22 @@ class AdaptiveSpeculation:
     def _step_figures(self, key: Key, rows: int) -> tuple[float, float] | None:
         """(plain step seconds, best speculative step seconds per expected token for a new request),
         per row of a step at `key`; from the nearest judged key when `key` lacks the timings, None
-        when no key has them."""
-        plain = self.costs.measured(PLAIN, key) or self.costs.measured(None, key)
+        when no key has them.
+
+        Speculative steps are timed while rows have the draft, beside the steps that store pairs
+        (no speculation), and plain steps while no row has it, maybe long before or after: on a
+        shared host whose speed wanders by 20 % within seconds, their medians do not compare (a
+        slow spell while plain steps ran made a stale speculative time look cheap, and the
+        verdict flipped). So speculation is judged by its ratio to the storing steps of its
+        time, applied to the plain step of now."""
+        store = self.costs.measured(None, key)
+        plain = self.costs.measured(PLAIN, key) or store
         shapes = self.auto.shapes
         spec = [seconds / tokens for shape, tokens in zip(shapes, self.acceptance.new_request_expected_tokens(shapes))
                 if (seconds := self.costs.estimated(shape, key, self.auto.menu))]
         if plain and spec:
-            figures = self._judged[key] = (plain / rows, min(spec) / rows)
+            scale = plain / store if store else 1.0
+            figures = self._judged[key] = (plain / rows, scale * min(spec) / rows)
             return figures
         nearest = min(self._judged, key=lambda k: key_distance(k, key), default=None)
         return None if nearest is None else self._judged[nearest]
@@ -442,6 +498,8 @@ class AdaptiveSpeculation:
     def _choose(self, rates: dict[Shape, float | None], key: Key) -> Shape:
         auto = self.auto
         self.key_steps[key] += 1
+        if self.key_steps[key] > self.explore_after and self.key_steps[key] % auto.refresh_every == 0:
+            self._refresh(key, rates)
         known = {s: r for s, r in rates.items() if r is not None}
         best_known = max(known.values(), default=0.0)
         if self.key_steps[key] > self.explore_after or not known:
@@ -454,6 +512,15 @@ class AdaptiveSpeculation:
         if self.current in known and known[best] <= (1 + auto.hysteresis) * known[self.current]:
             return self.current
         return best
+
+    def _refresh(self, key: Key, rates: dict[Shape, float | None]) -> None:
+        """Forget the step time at `key` of the shape (not the current one) timed there longest
+        ago, so that the exploration below times it again next to the current shape's samples."""
+        timed = [s for s in self.auto.menu if s != self.current and self.costs.measured(s, key) is not None]
+        if timed:
+            shape = min(timed, key=lambda s: self.costs.last_timed(s, key))
+            self.costs.forget(shape, key)
+            rates[shape] = None
 
     def _probe(self, rates: dict[Shape, float | None], key: Key) -> SpecConfig | None:
         """The best speculative shape timed at this key (its program is compiled), if any."""

@@ -144,12 +144,19 @@ class AutoSpec:
         Step times leave out what speculation costs between steps (the draft's prefill,
         catch-ups), and on a busy host their medians wander by several percent: at 5% a CPU
         server near break-even drafted requests it then could not speculate for.
-    prior_weight: how many steps of a request's own acceptance weigh as much as the global rate.
-    request_decay: per-step decay of a request's own acceptance counts (recent steps count most).
+    prior_weight: how many steps of a request's own acceptance weigh as much as the global rate
+        (a request's first steps often accept less than its later ones: at 2, three bad first
+        steps kept a request from speculating for the rest of its 64 tokens).
+    request_decay: per-decode-step decay of a request's own acceptance counts (recent steps count
+        most; steps without speculation fade them too, so a request judged on a few bad steps is
+        judged by the global rates again and speculates again if they promise a gain).
     max_gap: steps a request may go without draft work before a step catches its draft up (one
         draft pass over the stored tokens; a buffer of max_gap x 3 x target hidden per sequence).
     probe_every: after this many steps in a row without speculation, one speculative step
         measures acceptance again.
+    refresh_every: every this many steps at a program key (once explored), the shape other than
+        the current one timed there longest ago is timed again, so a step time measured once (cold,
+        or in a slow second of a shared host) cannot keep a shape out for good.
     skip_margin: a shape predicted (from other keys) below (1 - skip_margin) x the best is not tried.
     resample_every: after this many decode steps in which no running request had the draft, the
         next admitted request gets it (its acceptance is measured) whatever the prediction.
@@ -157,12 +164,13 @@ class AutoSpec:
 
     menu: tuple[Shape, ...]
     hysteresis: float = 0.10
-    prior_weight: float = 2.0
+    prior_weight: float = 8.0
     request_decay: float = 0.95
     max_gap: int = 16
     probe_every: int = 64
     skip_margin: float = 0.25
     resample_every: int = 4096
+    refresh_every: int = 128
 
     def __post_init__(self) -> None:
         menu = tuple(dict.fromkeys(self.menu))  # drop repeats, keep order
@@ -185,6 +193,8 @@ class AutoSpec:
             raise ValueError(f"AutoSpec.probe_every must be an integer >= 1; got {self.probe_every!r}")
         if not (isinstance(self.resample_every, int) and self.resample_every >= 1):
             raise ValueError(f"AutoSpec.resample_every must be an integer >= 1; got {self.resample_every!r}")
+        if not (isinstance(self.refresh_every, int) and self.refresh_every >= 1):
+            raise ValueError(f"AutoSpec.refresh_every must be an integer >= 1; got {self.refresh_every!r}")
         if not 0 <= self.skip_margin < 1:
             raise ValueError(f"AutoSpec.skip_margin must be in [0, 1); got {self.skip_margin!r}")
 
