@@ -40,7 +40,7 @@ def test_auto_spec_menu_and_validation():
             e3.SpecConfig.parse(bad)
     assert AutoSpec(menu=(C3, C3)).menu == (None, C3)  # no-spec always on the menu, repeats dropped
     for bad in ({"menu": (None,)}, {"menu": (C1,), "hysteresis": 1.5}, {"menu": (C1,), "max_gap": 0},
-                {"menu": ("chain:3:1:4",)}):
+                {"menu": ("chain:3:1:4",)}, {"menu": (C1,), "refresh_every": 0}):
         with pytest.raises(ValueError):
             AutoSpec(**bad)
     with pytest.raises(ValueError, match="num_steps"):
