@@ -152,6 +152,53 @@ def test_acceptance_rates_never_rise_with_the_position():
     assert ctl.acceptance.new_request_expected_tokens([C3]) == pytest.approx([1 + 3 * first])
 
 
+@pytest.mark.parametrize("decay", [0.95, 0.01])  # 0.01: the stored counts' scale is reset every ~50 steps
+def test_per_request_estimates_blend_each_requests_faded_counts_with_the_global_rates(decay):
+    """The batch's expected tokens, computed over all its requests at once, equal the blend of
+    each request's own counts (faded by `decay` per decode step) with the global rates, through
+    requests leaving (their rows reused) and more requests than the table's first rows."""
+    menu = [None, C1, C2, C3, TREE]
+    acceptance = AdaptiveSpeculation(e3.SpecConfig.auto(3, trees=(TREE,), request_decay=decay)).acceptance
+    mine = {}  # request -> [drafted per position, accepted per position, tree steps, tree accepted]
+    rng = np.random.default_rng(0)
+    live, w, tree = [], acceptance.prior_weight, shape_name(TREE)
+    for step in range(300):
+        while len(live) < 90:  # more than the table's first 64 rows
+            live.append(f"r{step}-{len(live)}")
+        for rid in [r for r in live if rng.random() < 0.05]:
+            live.remove(rid)
+            acceptance.forget(rid)
+            mine.pop(rid, None)
+        rows = list(rng.choice(live, size=int(rng.integers(1, 80)), replace=False))
+        expected = []
+        for shape in menu:
+            total = 0.0
+            for rid in rows:
+                d, a, ts, ta = mine.get(rid, (np.zeros(3), np.zeros(3), 0.0, 0.0))
+                if shape is None:
+                    total += 1
+                elif shape == TREE:
+                    total += 1 + (ta + w * acceptance.tree[tree]) / (ts + w)
+                else:
+                    own = np.minimum.accumulate((a + w * acceptance.chain) / (d + w))
+                    total += 1 + own[: shape.max_accept].sum()
+            expected.append(total)
+        np.testing.assert_allclose(acceptance.total_expected_tokens(menu, rows), expected, rtol=1e-9)
+        acceptance.tick()
+        for counts in mine.values():
+            counts[:] = [counts[0] * decay, counts[1] * decay, counts[2] * decay, counts[3] * decay]
+        shape = menu[1 + step % 4]
+        accepted = {rid: int(rng.integers(0, shape.max_accept + 1)) for rid in rows}
+        acceptance.observe(shape, accepted)
+        for rid, n in accepted.items():
+            d, a, ts, ta = mine.setdefault(rid, [np.zeros(3), np.zeros(3), 0.0, 0.0])
+            if shape == TREE:
+                mine[rid][2:] = [ts + 1, ta + n]
+            else:
+                d[: shape.max_accept] += 1
+                a[:n] += 1
+
+
 def test_a_few_hard_requests_do_not_sink_the_global_rate():
     """The global rates (the prior of every new request, and what admission judges by) remember
     request-steps, not steps: at concurrency 1 one hard prompt's steps must not decide them."""

@@ -67,7 +67,6 @@ same whatever runs (sampled output keeps the target's distribution).
 from __future__ import annotations
 
 import collections
-import dataclasses
 import math
 import statistics
 from typing import Iterable, Sequence
@@ -79,17 +78,66 @@ from .settings import NO_SPEC, AutoSpec, Shape, SpecConfig, is_chain, shape_dept
 # ---- acceptance --------------------------------------------------------------------------------------
 
 
-@dataclasses.dataclass
-class _Counts:
-    """One request's recent acceptance (decayed counts): per chain position, steps that drafted it
-    and that accepted it; per tree shape, steps run and draft tokens accepted; as of decode step
-    `clock` (they fade with every decode step since, speculative or not)."""
+class _RequestCounts:
+    """Every running request's recent acceptance, one row per request: per chain position, steps
+    that drafted it and that accepted it (`drafted[row]`, `accepted[row]`); per tree shape, steps
+    run and draft tokens accepted (`tree_steps[row]`, `tree_accepted[row]`). Rows, not objects
+    per request, because a step reads and updates all of its requests before and after every
+    decode step: a few array operations for the batch instead of a loop of small ones per request
+    (at 48 requests the loop cost 0.3 ms a step).
 
-    drafted: np.ndarray
-    accepted: np.ndarray
-    clock: int = 0
-    tree_steps: collections.defaultdict = dataclasses.field(default_factory=lambda: collections.defaultdict(float))
-    tree_accepted: collections.defaultdict = dataclasses.field(default_factory=lambda: collections.defaultdict(float))
+    Counts fade by `decay` with every decode step (`tick`), speculative or not. Rather than fade
+    every row each step, a count is stored multiplied by `unit`, which grows by 1 / decay per
+    step: a row's faded counts are its stored sums / `unit` (rescaled before `unit` grows large).
+    """
+
+    def __init__(self, depth: int, trees: Sequence[str], capacity: int = 64):
+        self.column = {name: i for i, name in enumerate(trees)}
+        self._row: dict[str, int] = {}
+        self._free = list(range(capacity - 1, -1, -1))  # popped from the end: lowest rows first
+        self.drafted, self.accepted = np.zeros((capacity, depth)), np.zeros((capacity, depth))
+        self.tree_steps, self.tree_accepted = np.zeros((capacity, len(trees))), np.zeros((capacity, len(trees)))
+        self.unit = 1.0  # what a count added now is stored as
+
+    def tick(self, decay: float) -> None:
+        """A decode step: every count fades by `decay`."""
+        self.unit /= decay
+        if self.unit > 1e100:
+            for table in self._tables:
+                table /= self.unit
+            self.unit = 1.0
+
+    @property
+    def _tables(self) -> tuple[np.ndarray, ...]:
+        return self.drafted, self.accepted, self.tree_steps, self.tree_accepted
+
+    def lookup(self, request_ids: Sequence[str]) -> np.ndarray:
+        """Each request's row, -1 for a request without counts."""
+        return np.fromiter((self._row.get(rid, -1) for rid in request_ids), np.int64, len(request_ids))
+
+    def rows(self, request_ids: Sequence[str]) -> np.ndarray:
+        """Each request's row, a new zeroed one for a request without counts."""
+        rows = self.lookup(request_ids)
+        if rows.min() < 0:
+            for i in np.flatnonzero(rows < 0):
+                rows[i] = self._row[request_ids[i]] = self._new_row()
+        return rows
+
+    def forget(self, request_id: str) -> None:
+        row = self._row.pop(request_id, None)
+        if row is not None:
+            self._free.append(row)
+
+    def _new_row(self) -> int:
+        if not self._free:
+            n = len(self.drafted)
+            self.drafted, self.accepted, self.tree_steps, self.tree_accepted = (
+                np.concatenate([a, np.zeros_like(a)]) for a in self._tables)
+            self._free = list(range(2 * n - 1, n - 1, -1))
+        row = self._free.pop()
+        for table in self._tables:
+            table[row] = 0.0
+        return row
 
 
 class Acceptance:
@@ -113,7 +161,7 @@ class Acceptance:
         self.chain = optimistic.copy()  # the running global rates: _accepted / _drafted
         self.tree = {shape_name(t): float(optimistic[: t.max_accept].sum()) for t in trees}
         self._tree_counts = {name: (prior_rows, prior_rows * mean) for name, mean in self.tree.items()}
-        self._requests: dict[str, _Counts] = {}
+        self._requests = _RequestCounts(depth, list(self.tree))
         self.clock = 0  # decode steps so far
 
     def tick(self) -> None:
@@ -122,38 +170,37 @@ class Acceptance:
         judged by the global rates again after a window of steps, and speculates (is measured)
         again if they promise a gain, instead of keeping a verdict from its first steps."""
         self.clock += 1
-
-    def _fade(self, c: _Counts) -> float:
-        return self.decay ** (self.clock - c.clock)
+        self._requests.tick(self.decay)
 
     def forget(self, request_id: str) -> None:
-        self._requests.pop(request_id, None)
+        self._requests.forget(request_id)
 
     def observe(self, shape: SpecConfig, accepted: dict[str, int]) -> None:
         """One step of `shape`: draft tokens accepted per request id."""
         if not accepted:
             return
-        rows = len(accepted)
-        fade = self.row_decay ** rows
+        n = len(accepted)
+        counts = np.fromiter(accepted.values(), np.float64, n)
+        table = self._requests
+        rows, unit = table.rows(list(accepted)), table.unit
+        fade = self.row_decay ** n
         if is_chain(shape):
             k = shape.max_accept
-            hits = np.zeros(k)
-            for rid, a in accepted.items():
-                c = self._counts(rid)
-                c.drafted[:k] += 1
-                c.accepted[:k] += np.arange(k) < a
-                hits[: min(a, k)] += 1
-            self._drafted[:k] = fade * self._drafted[:k] + rows
-            self._accepted[:k] = fade * self._accepted[:k] + hits
+            # Whole rows (positions past k add 0): faster than indexing rows and positions at once.
+            positions = np.arange(self.depth)
+            hit = positions < counts[:, None]  # [n, depth]: at least i + 1 draft tokens accepted (i < k)
+            table.drafted[rows] += unit * (positions < k)
+            table.accepted[rows] += unit * hit
+            self._drafted[:k] = fade * self._drafted[:k] + n
+            self._accepted[:k] = fade * self._accepted[:k] + hit[:, :k].sum(axis=0)
             self.chain[:k] = self._accepted[:k] / self._drafted[:k]
         else:
             name = shape_name(shape)
-            for rid, a in accepted.items():
-                c = self._counts(rid)
-                c.tree_steps[name] += 1
-                c.tree_accepted[name] += a
+            column = table.column[name]
+            table.tree_steps[rows, column] += unit
+            table.tree_accepted[rows, column] += unit * counts
             steps, total = self._tree_counts[name]
-            steps, total = fade * steps + rows, fade * total + sum(accepted.values())
+            steps, total = fade * steps + n, fade * total + float(counts.sum())
             self._tree_counts[name] = steps, total
             self.tree[name] = total / steps
 
@@ -161,20 +208,19 @@ class Acceptance:
         """For each shape, the tokens one step of it is expected to emit (bonus token included),
         summed over the requests. A request's rate per chain position (or mean accepted count of
         a tree) blends its own counts with the global rate, weighted as `prior_weight` steps; every
-        chain length comes from one array sum (this runs before every decode step)."""
-        n = len(request_ids)
-        chain_sum = np.zeros(self.depth)  # per position: the requests' acceptance rates summed
+        shape comes from a few array operations over the requests (this runs before every decode
+        step)."""
+        n, w, table = len(request_ids), self.prior_weight, self._requests
+        rows = table.lookup(request_ids)
+        known = rows[rows >= 0]
+        fade = 1.0 / table.unit  # stored counts -> counts faded to now
+        chain_total = np.zeros(self.depth)
         if self.depth and any(is_chain(s) for s in shapes):
-            known = [c for c in map(self._requests.get, request_ids) if c is not None]
             chain_sum = (n - len(known)) * self.global_chain_rates
-            if known:
-                w = self.prior_weight
-                fade = np.array([self._fade(c) for c in known])[:, None]
-                accepted = fade * np.stack([c.accepted for c in known])
-                drafted = fade * np.stack([c.drafted for c in known])
-                rates = np.minimum.accumulate((accepted + w * self.chain) / (drafted + w), axis=1)
-                chain_sum = chain_sum + rates.sum(axis=0)
-        chain_total = np.cumsum(chain_sum)
+            if len(known):
+                rates = (fade * table.accepted[known] + w * self.chain) / (fade * table.drafted[known] + w)
+                chain_sum = chain_sum + np.minimum.accumulate(rates, axis=1).sum(axis=0)
+            chain_total = np.cumsum(chain_sum)
         totals = []
         for shape in shapes:
             if shape is None:
@@ -182,7 +228,11 @@ class Acceptance:
             elif is_chain(shape):
                 totals.append(n + float(chain_total[shape.max_accept - 1]))
             else:
-                totals.append(sum(self._tree_expected_tokens(shape_name(shape), rid) for rid in request_ids))
+                name = shape_name(shape)
+                prior, column = self.tree[name], table.column[name]
+                own = (fade * table.tree_accepted[known, column] + w * prior) / (
+                    fade * table.tree_steps[known, column] + w)
+                totals.append(n + (n - len(known)) * prior + float(own.sum()))
         return totals
 
     @property
@@ -198,29 +248,6 @@ class Acceptance:
         chain_total = np.cumsum(self.global_chain_rates)
         return [1.0 if s is None else 1.0 + float(chain_total[s.max_accept - 1]) if is_chain(s)
                 else 1.0 + self.tree[shape_name(s)] for s in shapes]
-
-    def _tree_expected_tokens(self, name: str, request_id: str) -> float:
-        prior = self.tree[name]
-        c = self._requests.get(request_id)
-        if c is None:
-            return 1.0 + prior
-        w, fade = self.prior_weight, self._fade(c)
-        return 1.0 + (fade * c.tree_accepted[name] + w * prior) / (fade * c.tree_steps[name] + w)
-
-    def _counts(self, request_id: str) -> _Counts:
-        """A request's counts, faded to now (to add this step's)."""
-        c = self._requests.get(request_id)
-        if c is None:
-            c = self._requests[request_id] = _Counts(np.zeros(self.depth), np.zeros(self.depth), clock=self.clock)
-        elif c.clock != self.clock:
-            fade = self._fade(c)
-            c.drafted *= fade
-            c.accepted *= fade
-            for counts in (c.tree_steps, c.tree_accepted):
-                for name in counts:
-                    counts[name] *= fade
-            c.clock = self.clock
-        return c
 
 
 # ---- step cost -----------------------------------------------------------------------------------------
