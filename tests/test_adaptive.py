@@ -40,7 +40,7 @@ def test_auto_spec_menu_and_validation():
             e3.SpecConfig.parse(bad)
     assert AutoSpec(menu=(C3, C3)).menu == (None, C3)  # no-spec always on the menu, repeats dropped
     for bad in ({"menu": (None,)}, {"menu": (C1,), "hysteresis": 1.5}, {"menu": (C1,), "max_gap": 0},
-                {"menu": ("chain:3:1:4",)}, {"menu": (C1,), "refresh_every": 0}):
+                {"menu": ("chain:3:1:4",)}, {"menu": (C1,), "refresh_every": 0}, {"menu": (C1,), "probe_steps": 0}):
         with pytest.raises(ValueError):
             AutoSpec(**bad)
     with pytest.raises(ValueError, match="num_steps"):
@@ -56,6 +56,59 @@ def test_choice_maximises_expected_tokens_per_second():
     ctl2 = AdaptiveSpeculation(e3.SpecConfig.auto(3))
     teach(ctl2, {"none": 1.0, "chain:1:1:2": 1.1, "chain:2:1:3": 1.2, "chain:3:1:4": 2.0}, accepted=0)
     assert ctl2.choose(["a", "b"], KEY) is None
+
+
+def test_choices_track_the_best_shape_on_a_drifting_host():
+    """Concurrency 1 as the demo pair runs it on 2 CPU cores (step costs of the costed harness,
+    chain 3 best by 17 %, plain decoding and chain 1 even), on a host whose speed drifts by
+    -20..+30 % in spells of 30-400 steps with 8 % noise per step, requests of 64 tokens whose
+    acceptance differs (x N(1, 0.2)) and starts low (random prompts: a request's first steps accept
+    least), a catch-up after steps without speculation: `auto`'s steps, costed at the true step
+    costs, emit at least 0.96x the tokens per second of the best fixed setting on average over four
+    runs, 0.93x in each (over 24 runs: 0.955x-1.02x, mean 0.984x; with prior_weight 0.5, each
+    request judged mostly on its own steps, 0.89x-0.95x, mean 0.92x)."""
+    cost = {"none": 0.74, "chain:1:1:2": 1.33, "chain:2:1:3": 1.46, "chain:3:1:4": 1.67}  # ms
+    at_least = np.array([0.75, 0.55, 0.40])  # P(at least i draft tokens accepted), steady
+    early = [0.15, 0.4, 0.6, 0.75]  # a request's first steps accept this share of it
+    rng = np.random.default_rng(0)
+
+    def accepted(quality, index, k):
+        return int((rng.random() < np.minimum(0.98, at_least[:k] * quality * (early[index] if index < 4 else 1))).cumprod().sum())
+
+    def serve(choose, observe, steps=3000):
+        tokens = seconds = 0.0
+        speed, spell, request = 1.0, 0, 0
+        quality, index, emitted, gap = rng.normal(1, 0.2), 0, 0, 0
+        for _ in range(steps):
+            if spell == 0:
+                spell, speed = int(rng.integers(30, 400)), rng.uniform(0.8, 1.3)
+            spell -= 1
+            shape = choose(f"r{request}")
+            true = cost[shape_name(shape)] + (0.25 if shape is not None and gap else 0.0)
+            gap = gap + 1 if shape is None else 0
+            a = 0 if shape is None else accepted(quality, index, shape.max_accept)
+            index += 1
+            observe(f"r{request}", shape, 1e-3 * true * speed * np.exp(rng.normal(0, 0.08)), a)
+            tokens, seconds, emitted = tokens + 1 + a, seconds + true, emitted + 1 + a
+            if emitted >= 64:
+                observe(f"r{request}", "finished", emitted, 0)
+                request, quality, index, emitted = request + 1, rng.normal(1, 0.2), 0, 0
+        return tokens / seconds
+
+    def auto_over_best():
+        best = max(serve(lambda rid, s=s: s, lambda *args: None) for s in (None, C1, C2, C3))
+        ctl = AdaptiveSpeculation(e3.SpecConfig.auto(3))
+
+        def observe(rid, shape, seconds, a):
+            if shape == "finished":
+                ctl.finished(rid, seconds)
+            else:
+                ctl.observe(shape, (1, 8), seconds, {} if shape is None else {rid: a})
+
+        return serve(lambda rid: ctl.choose([rid], (1, 8)), observe) / best
+
+    ratios = [auto_over_best() for _ in range(4)]
+    assert min(ratios) >= 0.93 and np.mean(ratios) >= 0.96, ratios
 
 
 def test_untimed_shapes_are_measured_unless_predicted_to_lose():
@@ -120,10 +173,11 @@ def test_a_few_bad_first_steps_do_not_stop_a_request():
 
 
 def test_a_probe_measures_acceptance_again_after_steps_without_speculation():
-    ctl = AdaptiveSpeculation(AutoSpec(menu=(None, C1, C3), probe_every=5))
+    ctl = AdaptiveSpeculation(AutoSpec(menu=(None, C1, C3), probe_every=5, probe_steps=3))
     teach(ctl, {"none": 1.0, "chain:1:1:2": 1.6, "chain:3:1:4": 3.0}, accepted=0)
     assert [ctl.choose(["a"], KEY) for _ in range(5)] == [None] * 5
-    assert ctl.choose(["a"], KEY) == C1  # the best speculative shape at this key (least bad)
+    # Three steps in a row of the best speculative shape at this key (least bad).
+    assert [ctl.choose(["a"], KEY) for _ in range(3)] == [C1] * 3
     assert ctl.current is None  # a probe is not a switch: the choice stays no speculation
     assert [ctl.choose(["a"], KEY) for _ in range(5)] == [None] * 5
     ctl.observe(C1, KEY, 1.6, {"a": 1})  # the probe found the draft good again: speculation resumes

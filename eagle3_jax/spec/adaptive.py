@@ -37,8 +37,9 @@ token) pair, and the next speculative step first extends the draft cache over th
 (one draft pass over up to `max_gap` tokens), so the draft has seen every accepted token when it
 proposes again. When a row's buffer is full (`max_gap` steps without speculating), the step
 catches the draft up anyway, speculating or not. After `probe_every` steps in a row without
-speculation, one step runs the best speculative shape already timed at its key, so acceptance
-is measured again and speculation resumes when it pays again.
+speculation, `probe_steps` steps in a row run the best speculative shape already timed at their
+key, so acceptance is measured again (past a request's first speculative step, which may accept
+least) and speculation resumes when it pays again.
 
 Keeping the draft ready costs even when no step speculates (its prefill over every prompt, the
 stored pairs, the catch-ups), so the draft follows only requests that may use it: a request
@@ -405,6 +406,7 @@ class AdaptiveSpeculation:
         self.explore_after = 32
         self.choices: collections.Counter = collections.Counter()
         self.steps_without_speculation = 0
+        self.probe_left = 0  # speculative steps still to run in the current probe
         self.steps_without_draft = 0  # decode steps in a row in which no row had the draft
         self.prefill = PrefillCosts()
         self.output_lens: collections.deque = collections.deque(maxlen=64)  # of recent finished requests
@@ -420,7 +422,11 @@ class AdaptiveSpeculation:
         self.acceptance.tick()
         rates = self.rates(request_ids, key)
         shape = self.current = self._choose(rates, key)
-        if shape is None and self.steps_without_speculation >= self.auto.probe_every:
+        if shape is None and self.probe_left:
+            self.probe_left -= 1
+            shape = self._probe(rates, key)
+        elif shape is None and self.steps_without_speculation >= self.auto.probe_every:
+            self.probe_left = self.auto.probe_steps - 1
             shape = self._probe(rates, key)
         self.steps_without_speculation = 0 if shape is not None else self.steps_without_speculation + 1
         self.steps_without_draft = 0

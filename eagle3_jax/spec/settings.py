@@ -152,8 +152,10 @@ class AutoSpec:
         judged by the global rates again and speculates again if they promise a gain).
     max_gap: steps a request may go without draft work before a step catches its draft up (one
         draft pass over the stored tokens; a buffer of max_gap x 3 x target hidden per sequence).
-    probe_every: after this many steps in a row without speculation, one speculative step
-        measures acceptance again.
+    probe_every: after this many steps in a row without speculation, `probe_steps` speculative
+        steps in a row measure acceptance again (in a row, so a request is measured past its first
+        speculative step, which may accept least: on random prompts it accepted a seventh of the
+        steady rate, and probes of single steps kept confirming that speculation does not pay).
     refresh_every: every this many steps at a program key (once explored), the shape other than
         the current one timed there longest ago is timed again, so a step time measured once (cold,
         or in a slow second of a shared host) cannot keep a shape out for good.
@@ -168,6 +170,7 @@ class AutoSpec:
     request_decay: float = 0.95
     max_gap: int = 16
     probe_every: int = 64
+    probe_steps: int = 4
     skip_margin: float = 0.25
     resample_every: int = 4096
     refresh_every: int = 128
@@ -191,6 +194,8 @@ class AutoSpec:
             raise ValueError(f"AutoSpec.max_gap must be an integer >= 1; got {self.max_gap!r}")
         if not (isinstance(self.probe_every, int) and self.probe_every >= 1):
             raise ValueError(f"AutoSpec.probe_every must be an integer >= 1; got {self.probe_every!r}")
+        if not (isinstance(self.probe_steps, int) and self.probe_steps >= 1):
+            raise ValueError(f"AutoSpec.probe_steps must be an integer >= 1; got {self.probe_steps!r}")
         if not (isinstance(self.resample_every, int) and self.resample_every >= 1):
             raise ValueError(f"AutoSpec.resample_every must be an integer >= 1; got {self.resample_every!r}")
         if not (isinstance(self.refresh_every, int) and self.refresh_every >= 1):
