@@ -163,14 +163,12 @@ class Acceptance:
         self.tree = {shape_name(t): float(optimistic[: t.max_accept].sum()) for t in trees}
         self._tree_counts = {name: (prior_rows, prior_rows * mean) for name, mean in self.tree.items()}
         self._requests = _RequestCounts(depth, list(self.tree))
-        self.clock = 0  # decode steps so far
 
     def tick(self) -> None:
         """A decode step is about to run. A request's own counts fade with every step, not only
         with the steps that measure it: one that stopped speculating after a few bad steps is
         judged by the global rates again after a window of steps, and speculates (is measured)
         again if they promise a gain, instead of keeping a verdict from its first steps."""
-        self.clock += 1
         self._requests.tick(self.decay)
 
     def forget(self, request_id: str) -> None:
@@ -422,11 +420,10 @@ class AdaptiveSpeculation:
         self.acceptance.tick()
         rates = self.rates(request_ids, key)
         shape = self.current = self._choose(rates, key)
+        if shape is None and not self.probe_left and self.steps_without_speculation >= self.auto.probe_every:
+            self.probe_left = self.auto.probe_steps
         if shape is None and self.probe_left:
             self.probe_left -= 1
-            shape = self._probe(rates, key)
-        elif shape is None and self.steps_without_speculation >= self.auto.probe_every:
-            self.probe_left = self.auto.probe_steps - 1
             shape = self._probe(rates, key)
         self.steps_without_speculation = 0 if shape is not None else self.steps_without_speculation + 1
         self.steps_without_draft = 0

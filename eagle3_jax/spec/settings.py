@@ -156,6 +156,7 @@ class AutoSpec:
         steps in a row measure acceptance again (in a row, so a request is measured past its first
         speculative step, which may accept least: on random prompts it accepted a seventh of the
         steady rate, and probes of single steps kept confirming that speculation does not pay).
+    probe_steps: speculative steps in a row per probe (see probe_every).
     refresh_every: every this many steps at a program key (once explored), the shape other than
         the current one timed there longest ago is timed again, so a step time measured once (cold,
         or in a slow second of a shared host) cannot keep a shape out for good.
@@ -190,16 +191,10 @@ class AutoSpec:
             raise ValueError(f"AutoSpec.prior_weight must be > 0; got {self.prior_weight!r}")
         if not 0 < self.request_decay <= 1:
             raise ValueError(f"AutoSpec.request_decay must be in (0, 1]; got {self.request_decay!r}")
-        if not (isinstance(self.max_gap, int) and self.max_gap >= 1):
-            raise ValueError(f"AutoSpec.max_gap must be an integer >= 1; got {self.max_gap!r}")
-        if not (isinstance(self.probe_every, int) and self.probe_every >= 1):
-            raise ValueError(f"AutoSpec.probe_every must be an integer >= 1; got {self.probe_every!r}")
-        if not (isinstance(self.probe_steps, int) and self.probe_steps >= 1):
-            raise ValueError(f"AutoSpec.probe_steps must be an integer >= 1; got {self.probe_steps!r}")
-        if not (isinstance(self.resample_every, int) and self.resample_every >= 1):
-            raise ValueError(f"AutoSpec.resample_every must be an integer >= 1; got {self.resample_every!r}")
-        if not (isinstance(self.refresh_every, int) and self.refresh_every >= 1):
-            raise ValueError(f"AutoSpec.refresh_every must be an integer >= 1; got {self.refresh_every!r}")
+        for name in ("max_gap", "probe_every", "probe_steps", "resample_every", "refresh_every"):
+            value = getattr(self, name)
+            if not (isinstance(value, int) and value >= 1):
+                raise ValueError(f"AutoSpec.{name} must be an integer >= 1; got {value!r}")
         if not 0 <= self.skip_margin < 1:
             raise ValueError(f"AutoSpec.skip_margin must be in [0, 1); got {self.skip_margin!r}")
 
