@@ -13,7 +13,7 @@ from .request import RequestOutput
 from .sampling import SamplingParams
 from .scheduler import CapacityError, Scheduler
 from .sharding import initialize_distributed, make_mesh
-from .spec import AutoSpec, SpecConfig
+from .spec_decode import AutoSpec, SpecConfig
 from .target import Target, load_target
 
 __all__ = [

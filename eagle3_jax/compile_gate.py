@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from . import attention, plan
 from .quant import QArray, QFormat
 from .sharding import make_mesh, mesh_context
-from .spec.settings import SpecConfig
+from .spec_decode.settings import SpecConfig
 
 if TYPE_CHECKING:
     from pallas_kernels import isa

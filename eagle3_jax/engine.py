@@ -14,7 +14,7 @@ from .draft import Draft
 from .request import RequestOutput
 from .sampling import SamplingParams
 from .scheduler import Scheduler
-from .spec.settings import AutoSpec, SpecConfig
+from .spec_decode.settings import AutoSpec, SpecConfig
 from .target import Target
 from .tokenizer import Tokenizer
 

@@ -23,6 +23,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from .sampling import SamplingArrays, processed_logits
+
 
 @dataclasses.dataclass(frozen=True)
 class LogprobSettings:
@@ -70,3 +72,13 @@ class Logprob:
 
 
 HostLogprobs = tuple  # (token [B, P], top_ids [B, P, K], top [B, P, K]) as numpy arrays
+
+
+def emitted_logprobs(logits: jax.Array, judged: jax.Array, tokens: jax.Array, sp: SamplingArrays,
+                     counter: jax.Array, logprobs: LogprobSettings) -> TokenLogprobs:
+    """Logprobs of emitted tokens [B, P] from the raw logits [B, P, V] that predicted them, or,
+    processed, from those logits as judged (penalised; token p is the row's generated token number
+    counter + p)."""
+    if logprobs.processed:
+        logits = processed_logits(judged, sp, counter[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32))
+    return token_logprobs(logits, tokens, logprobs.k)

@@ -30,9 +30,10 @@ from .quant import QArray
 from .sampling import MAX_SUPPRESSED_STOP_IDS, SamplingArrays
 from .kernels import parse, resolve
 from .sharding import leaf_partition_spec, mesh_context, param_axes, param_shardings, partition_spec
-from .spec.propose import DraftRoot
-from .spec.step import plain_prefill, plain_step, spec_prefill, spec_step
-from .spec.settings import SpecConfig
+from .spec_decode.propose import DraftRoot
+from .scheduler.steps import plain_prefill, plain_step, spec_prefill
+from .spec_decode.step import spec_step
+from .spec_decode.settings import SpecConfig
 from .target import resolve_dtype, with_quant_options
 
 GB = 10**9  # vendors state HBM sizes in decimal GB: 256 GB = 238.4 GiB

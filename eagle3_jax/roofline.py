@@ -34,7 +34,7 @@ from jax.sharding import Mesh
 
 from .quant import QArray
 from .sharding import param_axes
-from .spec.settings import SpecConfig
+from .spec_decode.settings import SpecConfig
 
 
 def expected_distinct_experts(num_experts: int, per_token: int, tokens: int) -> float:

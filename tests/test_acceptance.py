@@ -31,8 +31,8 @@ import pytest
 from eagle3_jax import kv_cache
 from eagle3_jax.config import parse_model_config
 from eagle3_jax.sampling import SamplingArrays
-from eagle3_jax.spec.tree import ancestor_mask, depths, path_to
-from eagle3_jax.spec.verify import accept, commit_path, emitted_tokens, greedy_accept, sampled_accept
+from eagle3_jax.spec_decode.tree import ancestor_mask, depths, path_to
+from eagle3_jax.spec_decode.verify import accept, commit_path, emitted_tokens, greedy_accept, sampled_accept
 from random_models import LLAMA
 
 V = 8

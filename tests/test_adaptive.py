@@ -10,7 +10,7 @@ import pytest
 import eagle3_jax as e3
 from eagle3_jax import kv_cache
 from eagle3_jax.scheduler import Scheduler
-from eagle3_jax.spec.adaptive import AdaptiveSpeculation, AutoSpec, shape_name
+from eagle3_jax.spec_decode.adaptive import AdaptiveSpeculation, AutoSpec, shape_name
 from random_models import FAMILIES, random_draft, random_target
 
 C1, C2, C3 = (e3.SpecConfig(k, 1, k + 1) for k in (1, 2, 3))
@@ -522,7 +522,7 @@ def test_only_steps_before_the_same_step_are_timed():
     the next launch's host work when the device finishes first: a step read after a different one
     was launched (another shape or program, or a catch-up first) is left untimed."""
     from eagle3_jax.scheduler.core import _Launch, _time_steady_steps_only
-    from eagle3_jax.spec.policy import DECODE, STORE_DECODE, StepPlan
+    from eagle3_jax.spec_decode.policy import DECODE, STORE_DECODE, StepPlan
 
     def pair(before: StepPlan, after: StepPlan) -> bool:
         step = _Launch("decode", [], [], before)

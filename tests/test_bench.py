@@ -19,7 +19,7 @@ from eagle3_jax.bench.runner import RunConfig, check_lengths, drive, make_cell, 
 from eagle3_jax.bench.settings import parse_spec, parse_specs
 from eagle3_jax.request import RequestOutput
 from eagle3_jax.sampling import SamplingParams
-from eagle3_jax.spec import SpecConfig
+from eagle3_jax.spec_decode import SpecConfig
 from eagle3_jax.tokenizer import load_tokenizer
 from eagle3_jax.train.data import load_prompts, render_prompt
 

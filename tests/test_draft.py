@@ -378,7 +378,7 @@ def test_draft_to_target_ids(reduced_pair):
 def test_expand_proposes_mapped_target_ids(reduced_pair):
     """Level-1 proposals are the top-k of the root's *draft* logits, mapped through d2t."""
     from eagle3_jax import kv_cache
-    from eagle3_jax.spec import propose
+    from eagle3_jax.spec_decode import propose
 
     _, draft = reduced_pair
     spec = e3.SpecConfig(3, 2, 6)

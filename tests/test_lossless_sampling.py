@@ -30,7 +30,7 @@ import pytest
 
 import eagle3_jax as e3
 from eagle3_jax.sampling import SamplingArrays
-from eagle3_jax.spec import verify
+from eagle3_jax.spec_decode import verify
 from random_models import LLAMA, draft_config_dict, random_draft, random_target
 
 V = 8
@@ -224,7 +224,7 @@ def _encode(seqs: np.ndarray) -> np.ndarray:
 
 def _unit_sample(logits):
     """UNIT_DRAWS seeded draws per tree through sampled_accept -> emitted rows [2, UNIT_DRAWS, 5]."""
-    from eagle3_jax.spec.tree import ancestor_mask, depths, path_to
+    from eagle3_jax.spec_decode.tree import ancestor_mask, depths, path_to
 
     n = UNIT_DRAWS
     rows = np.repeat(np.arange(2), n)

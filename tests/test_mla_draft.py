@@ -79,7 +79,7 @@ def test_mla_draft_expansion_on_pallas_attention_equals_xla(pair, kernel_calls):
     import functools
 
     from eagle3_jax.draft import with_target_kernels
-    from eagle3_jax.spec.propose import draft_extend, expand
+    from eagle3_jax.spec_decode.propose import draft_extend, expand
 
     target, draft, _ = pair
     rng = np.random.default_rng(3)
@@ -111,9 +111,9 @@ def test_speculative_step_with_mla_draft_lowers_with_triton_attention(pair, plat
     interpreted): the MLA draft's extend and both expansion levels call the Triton kernel too."""
     from eagle3_jax import kernels as kernels_lib
     from eagle3_jax.draft import with_target_kernels
-    from eagle3_jax.spec.step import spec_step
+    from eagle3_jax.spec_decode.step import spec_step
     from eagle3_jax.sampling import SamplingArrays
-    from eagle3_jax.spec.propose import DraftRoot
+    from eagle3_jax.spec_decode.propose import DraftRoot
 
     monkeypatch.setattr(kernels_lib, "interpret", lambda: False)
     target, draft, _ = pair

@@ -88,9 +88,9 @@ def test_speculative_step_lowers_with_triton_attention(platform, monkeypatch):
     """Deviceless lowering of the whole speculative step with kernels="pallas" (compiled, not
     interpreted): the module holds the Triton attention kernel."""
     from eagle3_jax import kernels as kernels_lib
-    from eagle3_jax.spec.step import spec_step
+    from eagle3_jax.spec_decode.step import spec_step
     from eagle3_jax.sampling import SamplingArrays
-    from eagle3_jax.spec.propose import DraftRoot
+    from eagle3_jax.spec_decode.propose import DraftRoot
 
     monkeypatch.setattr(kernels_lib, "interpret", lambda: False)
     target = pallas(random_target(FAMILIES["deepseek_v3"]))
@@ -114,8 +114,8 @@ def test_draft_propose_with_pallas_attention_equals_xla(monkeypatch, kernel_call
     (Dense draft caches run the same code through kv_cache.as_pages; the Engine test above covers
     them end to end.)"""
     from eagle3_jax.draft import with_target_kernels
-    from eagle3_jax.spec import propose
-    from eagle3_jax.spec.propose import draft_extend, expand
+    from eagle3_jax.spec_decode import propose
+    from eagle3_jax.spec_decode.propose import draft_extend, expand
 
     passes = []
     real_forward = propose.draft_forward

@@ -274,7 +274,7 @@ def test_prefill_batch_padding_is_bounded():
     positions beyond twice the chunk: the long one waits for the next step."""
     from eagle3_jax.scheduler.batch import RunningBatch, ScheduledRequest, prefill_fits
     from eagle3_jax.scheduler.metrics import SchedulerCounters
-    from eagle3_jax.spec.policy import PlainDecoding
+    from eagle3_jax.spec_decode.policy import PlainDecoding
 
     assert prefill_fits(1, 256, 16) and prefill_fits(2, 16, 16) and not prefill_fits(4, 16, 16)
     batch = RunningBatch(PlainDecoding(), SchedulerCounters(0), max_num_seqs=8, page_size=16, num_pages=64,

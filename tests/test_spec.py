@@ -8,8 +8,8 @@ import pytest
 
 import eagle3_jax as e3
 from eagle3_jax import draft as draft_lib
-from eagle3_jax.spec import propose
-from eagle3_jax.spec import step as step_lib
+from eagle3_jax.spec_decode import propose
+from eagle3_jax.spec_decode import step as step_lib
 from random_models import FAMILIES, draft_config_dict, random_draft, random_target
 
 # CI's newest-JAX leg runs this file (`make test` deselects it); the default run covers greedy

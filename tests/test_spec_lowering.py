@@ -23,15 +23,16 @@ from eagle3_jax import kv_cache
 from eagle3_jax import params as params_lib
 from eagle3_jax.config import load_model_config
 from eagle3_jax.sampling import SamplingArrays
-from eagle3_jax.spec import step as step_lib
-from eagle3_jax.spec.propose import DraftRoot
+from eagle3_jax.spec_decode import step as step_lib
+from eagle3_jax.scheduler.steps import spec_prefill
+from eagle3_jax.spec_decode.propose import DraftRoot
 from random_models import FAMILIES, random_draft, random_target
 
 PLATFORMS = ("rocm", "cuda")
 TEST_DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
 STATIC = ("tcfg", "dcfg", "spec")
 SPEC_STEP = jax.jit(step_lib.spec_step, static_argnames=STATIC)
-SPEC_PREFILL = jax.jit(step_lib.spec_prefill, static_argnames=STATIC[:2])
+SPEC_PREFILL = jax.jit(spec_prefill, static_argnames=STATIC[:2])
 
 
 def sds(x):

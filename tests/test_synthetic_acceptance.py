@@ -12,7 +12,7 @@ import pytest
 
 import eagle3_jax as e3
 from eagle3_jax.sampling import SamplingArrays, SamplingTable
-from eagle3_jax.spec.verify import synthetic_accept
+from eagle3_jax.spec_decode.verify import synthetic_accept
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPTS = [[1, 403, 407, 286, 261], [1, 291, 276, 286, 261, 370, 298], [1, 90]]

@@ -2,7 +2,7 @@
 request (the form before) against rows of one table (run from the repository root).
 
 `python benchmarks/results/auto-host-ab.py BEFORE_COMMIT [CONCURRENCY ...]` loads `Acceptance` from
-eagle3_jax/spec/adaptive.py as of BEFORE_COMMIT (via `git show`) for one scheduler and the working
+eagle3_jax/spec_decode/adaptive.py as of BEFORE_COMMIT (via `git show`) for one scheduler and the working
 tree's for another; both run `auto` with every request given the draft, on the same random
 64-token prompts (64 out), in rounds interleaved with each other, and print per concurrency the
 scheduler's host seconds per iteration (`host_seconds_total`: its step() time not spent waiting for
@@ -21,11 +21,11 @@ import numpy as np
 import eagle3_jax as e3
 from eagle3_jax.bench.runner import drive
 from eagle3_jax.scheduler import Scheduler
-from eagle3_jax.spec import adaptive
+from eagle3_jax.spec_decode import adaptive
 
 before, concurrencies = sys.argv[1], [int(c) for c in sys.argv[2:]] or [1, 16, 48]
-source = subprocess.run(["git", "show", f"{before}:eagle3_jax/spec/adaptive.py"], check=True, capture_output=True,
-                        text=True).stdout.replace("from .settings import", "from eagle3_jax.spec.settings import")
+source = subprocess.run(["git", "show", f"{before}:eagle3_jax/spec_decode/adaptive.py"], check=True, capture_output=True,
+                        text=True).stdout.replace("from .settings import", "from eagle3_jax.spec_decode.settings import")
 with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
     f.write(source)
 spec = importlib.util.spec_from_file_location("adaptive_before", f.name)

@@ -25,7 +25,7 @@ import numpy as np
 import eagle3_jax as e3
 from eagle3_jax.bench.runner import drive
 from eagle3_jax.scheduler import Scheduler, core
-from eagle3_jax.spec.adaptive import shape_name
+from eagle3_jax.spec_decode.adaptive import shape_name
 
 concurrency, seed, settings = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3].split(",")
 measured, rounds = int(os.environ.get("N", "48")), int(os.environ.get("ROUNDS", "4"))

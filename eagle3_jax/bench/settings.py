@@ -10,8 +10,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
-from ..spec import SpecConfig
-from ..spec.settings import NO_SPEC, SPEC_SYNTAX
+from ..spec_decode import SpecConfig
+from ..spec_decode.settings import NO_SPEC, SPEC_SYNTAX
 
 
 @dataclasses.dataclass(frozen=True)

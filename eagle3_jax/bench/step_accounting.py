@@ -5,7 +5,7 @@ For a scheduler holding `batch` requests in steady decoding, the decode launch i
 (its program and host arrays) and the device state snapshotted. Then, each figure the median of
 `runs` timed calls, every call on a fresh copy of the snapshot (copies made outside the timing):
 
-- phases alone: each phase of the step (spec/step.py: propose, verify, judge, commit, extend; a
+- phases alone: each phase of the step (spec_decode/step.py: propose, verify, judge, commit, extend; a
   plain step: verify, judge; both: state, the results scattered into the state slots) jitted on
   its own over the inputs the phases before it produce, donating the cache pools it rewrites as
   the step does;
@@ -44,9 +44,9 @@ from ..sampling import PenaltyHistory, SamplingParams, apply_penalties, sample
 from ..scheduler.batch import DECODE
 from ..scheduler.programs import DeviceState, advance_state, record_token, slot_rows
 from ..sharding import mesh_context
-from ..spec.propose import DraftRoot, propose
-from ..spec.step import extend_accepted, judge, verify_tree
-from ..spec.verify import commit_path
+from ..spec_decode.propose import DraftRoot, propose
+from ..spec_decode.step import extend_accepted, judge, verify_tree
+from ..spec_decode.verify import commit_path
 from ..target import forward
 
 SPEC_PHASES = ("propose", "verify", "judge", "commit", "extend", "state")

@@ -33,7 +33,7 @@ from .. import kv_cache
 from ..page_allocator import PageAllocator, PrefixCache, page_keys, pages_for
 from ..request import Request
 from ..sampling import SamplingTable
-from ..spec.policy import SpeculationPolicy
+from ..spec_decode.policy import SpeculationPolicy
 from .metrics import SchedulerCounters
 
 MIN_PAGES_BUCKET = 4

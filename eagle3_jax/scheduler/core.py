@@ -13,8 +13,8 @@ Requests queue up and join or leave the running batch between steps. Each `step(
    the most recently admitted request is preempted: its pages are freed and it returns to the
    front of the queue, to be recomputed from prompt + generated tokens when readmitted;
 4. runs one decode program over every decoding request, as the speculation policy plans it
-   (spec/policy.py): an EAGLE-3 step with a draft (draft expand, verify, accept, commit, draft
-   extend, see spec/step.py), one token without, and hands back each request's new tokens.
+   (spec_decode/policy.py): an EAGLE-3 step with a draft (draft expand, verify, accept, commit, draft
+   extend, see spec_decode/step.py), one token without, and hands back each request's new tokens.
 
 Target and draft K/V live in page pools shared by all requests; a request owns a list of pages
 (its block table) that indexes both, and a state slot that keeps, on device, its last token and
@@ -46,8 +46,8 @@ from ..logprobs import Logprob, LogprobSettings
 from ..page_allocator import pages_for
 from ..request import RequestOutput, cap_message, check_request, normalize_sampling, token_budget
 from ..sampling import SamplingParams
-from ..spec.policy import StepPlan, check_speculation, policy_for
-from ..spec.settings import AutoSpec, SpecConfig
+from ..spec_decode.policy import StepPlan, check_speculation, policy_for
+from ..spec_decode.settings import AutoSpec, SpecConfig
 from ..target import Target
 from ..text_stream import TextStream
 from ..tokenizer import Tokenizer

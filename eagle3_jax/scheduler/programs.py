@@ -4,7 +4,7 @@ Every program takes (target params, draft params, `DeviceState`, block table, ho
 donates the state and returns (outputs..., new state). Kinds:
 
 - "prefill" / "plain_prefill": one prompt chunk per row, with / without the draft;
-- "decode": one speculative step of a chain or tree (spec/step.py);
+- "decode": one speculative step of a chain or tree (spec_decode/step.py);
 - "store_decode": one target token per row, its (feature, token) pair kept for the draft
   (adaptive speculation, a step that does not speculate);
 - "plain_decode": one target token per row, no draft arrays at all;
@@ -34,10 +34,11 @@ from ..draft import Draft, DraftConfig
 from ..logprobs import LogprobSettings, TokenLogprobs
 from ..sampling import PenaltyHistory, SamplingArrays, count_tokens
 from ..sharding import mesh_context, replicate, shard_pages, to_host
-from ..spec.policy import SpeculationPolicy
-from ..spec.propose import DraftRoot, draft_extend
-from ..spec.step import plain_prefill, plain_step, spec_prefill, spec_step
-from ..spec.settings import SpecConfig
+from ..spec_decode.policy import SpeculationPolicy
+from ..spec_decode.propose import DraftRoot, draft_extend
+from ..spec_decode.step import spec_step
+from .steps import plain_prefill, plain_step, spec_prefill
+from ..spec_decode.settings import SpecConfig
 from ..target import Target
 
 DONATED = 2  # position of the DeviceState among a program's dynamic arguments
@@ -64,7 +65,7 @@ class DeviceState:
     output_counts: jax.Array  # [S + 1, V] int32: each token's count in the output
     prompt_seen: jax.Array  # [S + 1, V] bool: the prompt's tokens
     # Adaptive speculation: (target feature, next token) pairs of steps that did not speculate,
-    # which the draft has not seen yet (spec/adaptive.py).
+    # which the draft has not seen yet (spec_decode/adaptive.py).
     gap: jax.Array | None = None  # [S + 1] int32
     gap_features: jax.Array | None = None  # [S + 1, max_gap, 3 * target hidden]
     gap_tokens: jax.Array | None = None  # [S + 1, max_gap] int32

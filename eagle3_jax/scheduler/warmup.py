@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Sequence
 
-from ..spec.policy import SpeculationPolicy, StepPlan
+from ..spec_decode.policy import SpeculationPolicy, StepPlan
 from .batch import MIN_CHUNK_BUCKET, MIN_PAGES_BUCKET, RunningBatch, buckets, chunk_cap, prefill_arrays, prefill_fits
 
 

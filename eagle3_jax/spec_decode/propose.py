@@ -75,6 +75,29 @@ def draft_extend(params: dict, cfg: DraftConfig, cache: kv_cache.KVCache, featur
     return root_logits, root_hidden, kv_cache.advance(cache, n_valid)
 
 
+def chunk_next_tokens(tokens: jax.Array, prompt_lens: jax.Array, following: jax.Array, first: jax.Array) -> jax.Array:
+    """The token after each position of prompt chunks [B, T]: the chunk's own next token and, at a
+    row's last valid position, the prompt token `following` the chunk (-1: the chunk ends the
+    prompt, and the first generated token `first` follows it)."""
+    t = tokens.shape[1]
+    after = jnp.where(following >= 0, following, first)
+    shifted = jnp.concatenate([tokens[:, 1:], tokens[:, :1]], axis=1)
+    return jnp.where(jnp.arange(t)[None, :] == (prompt_lens - 1)[:, None], after[:, None], shifted)
+
+
+def draft_prefill(params: dict, cfg: DraftConfig, cache: kv_cache.KVCache, aux: jax.Array, tokens: jax.Array,
+                  prompt_lens: jax.Array, following: jax.Array, first: jax.Array, absorb: bool | None = None
+                  ) -> tuple[kv_cache.KVCache, DraftRoot]:
+    """The draft over a prompt chunk the target just prefilled (features `aux` [B, T, F] of
+    `tokens` [B, T], `prompt_lens` valid; `following` and `first` as in `chunk_next_tokens`) ->
+    (cache advanced by `prompt_lens`, root of the first draft tree). Draft pair t = (feature t,
+    token t+1); the last pair's next token follows the chunk. The root is meaningful for final
+    chunks only."""
+    next_tokens = chunk_next_tokens(tokens, prompt_lens, following, first)
+    _, root_hidden, cache = draft_extend(params, cfg, cache, aux, next_tokens, prompt_lens, absorb)
+    return cache, DraftRoot(token=first, hidden=root_hidden)
+
+
 def expand(params: dict, cfg: DraftConfig, cache: kv_cache.KVCache, root_logits: jax.Array, root_hidden: jax.Array,
            root_token: jax.Array, spec: SpecConfig) -> tuple[DraftTree, kv_cache.KVCache]:
     """Build the next draft tree from the root's draft logits/hidden -> (tree, cache).

@@ -1,7 +1,7 @@
 """Speculation settings: what a user asks to run, and its one written form.
 
 `SpecConfig` is one shape (a chain or a dynamic tree); `AutoSpec` a menu of shapes adaptive
-speculation picks from per step (spec/adaptive.py runs it). Every setting has one written form
+speculation picks from per step (spec_decode/adaptive.py runs it). Every setting has one written form
 everywhere (scripts, tables, logs): `none`, `chain:num_steps:topk:num_draft_tokens` (e.g.
 `chain:3:1:4`), `tree:num_steps:topk:num_draft_tokens` (e.g. `tree:5:4:16`) or `auto[:K]`;
 `SpecConfig.parse` reads it and `.name` writes it.
@@ -14,7 +14,7 @@ from typing import Sequence
 
 
 NO_SPEC = "none"
-AUTO = "auto"  # adaptive speculation: `auto` or `auto:max_chain_steps` (spec/adaptive.py)
+AUTO = "auto"  # adaptive speculation: `auto` or `auto:max_chain_steps` (spec_decode/adaptive.py)
 DEFAULT_AUTO_STEPS = 3
 # The grammar of a written setting, in one place: a keyword, then its integer fields.
 SPEC_KINDS: dict[str, tuple[str, ...]] = {
@@ -60,7 +60,7 @@ class SpecConfig:
     def auto(cls, num_steps: int = DEFAULT_AUTO_STEPS, trees: "tuple[SpecConfig, ...]" = (), **options):
         """Adaptive speculation (an `AutoSpec`, run by the Scheduler): each decode step picks no
         speculation, a chain of 1..num_steps draft tokens or one of `trees`, whichever promises the
-        most output tokens per second (see spec/adaptive.py; `options` tune it)."""
+        most output tokens per second (see spec_decode/adaptive.py; `options` tune it)."""
         return AutoSpec.chains(num_steps, trees, **options)
 
     @property
