@@ -22,9 +22,12 @@ $(VENV)/.stamp-test: pyproject.toml | $(VPY)
 	$(VPY) -m pip install -e '.[test]'
 	touch $@
 
+# The demo runs bfloat16 with batch-invariant numerics (scripts/demo.py's defaults); DEMO_FLAGS adds
+# flags, e.g. make demo DEMO_FLAGS="--json=benchmarks/kimi-mini-demo.json --overwrite" to record it.
+DEMO_FLAGS ?=
 demo: $(VENV)/.stamp-demo
 	$(VPY) scripts/demo.py --target=checkpoints/kimi-mini --draft=checkpoints/kimi-mini-eagle3 \
-		--prompts=checkpoints/demo_prompts.txt --max_tokens=128
+		--prompts=checkpoints/demo_prompts.txt --max_tokens=128 $(DEMO_FLAGS)
 
 # The sharding tests need 8 (fake) CPU devices. The tests compile far more than they run, so LLVM
 # optimizes the CPU programs at -O0 (same results, about a fifth less time), and two pytest
