@@ -1,16 +1,19 @@
 """Per cell of an aa-noise-floor.py report: each copy and `auto` against the best original fixed setting.
 
-`python benchmarks/results/aa-ratios.py REPORT.json` prints, per concurrency, the ratios per seed and
-their min over seeds for `auto` and for the copy of the best original (the setting a perfect `auto`
-would run), against the best original and against `none`.
+    python benchmarks/harness/aa-ratios.py benchmarks/results/aa-random-1k1k.json
+
+prints, per concurrency, the ratios per seed and their min over seeds for `auto` and for the copy
+of the best original (the setting a perfect `auto` would run), against the best original and
+against `none` (recorded: benchmarks/results/aa-random-1k1k-ratios.txt).
 """
 
+import argparse
 import json
-import sys
 
 
 def main(path: str) -> None:
-    cells = json.load(open(path))["cells"]
+    with open(path) as f:
+        cells = json.load(f)["cells"]
     tput = {(c["setting"], c["concurrency"], c["seed"]): c["metrics"]["output_throughput"] for c in cells}
     names = sorted({c["setting"] for c in cells})
     originals = [n for n in names if not n.startswith("auto") and "#" not in n]
@@ -35,4 +38,6 @@ def main(path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("report", help="The JSON report of an aa-noise-floor.py run.")
+    main(parser.parse_args().report)

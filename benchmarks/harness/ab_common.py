@@ -1,17 +1,35 @@
-"""What the recorded A/B scripts beside this file share: the demo pair with its prompts, and a
-module attribute swapped for the length of a `with` block (run them from the repository root)."""
+"""What the harness scripts beside this file share: the repository's root (they run from any
+folder), the demo pair with its prompts, a module attribute swapped for the length of a `with`
+block, and a JSON output that is never written over unless asked."""
 import contextlib
+import json
+import os
+import sys
 
-import eagle3_jax as e3
-from eagle3_jax.tokenizer import load_tokenizer
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+RESULTS = os.path.join(ROOT, "benchmarks", "results")
+TARGET = os.path.join(ROOT, "checkpoints", "kimi-mini")
+DRAFT = os.path.join(ROOT, "checkpoints", "kimi-mini-eagle3")
+PROMPTS = os.path.join(ROOT, "checkpoints", "demo_prompts.txt")
+if ROOT not in sys.path:  # eagle3_jax from this checkout when it is not installed
+    sys.path.append(ROOT)
+
+
+def load_pair(dtype: str = "float32"):
+    """(kimi-mini target, its EAGLE-3 draft)."""
+    import eagle3_jax as e3
+
+    target = e3.load_target(TARGET, dtype=dtype)
+    return target, e3.load_draft(DRAFT, target=target, dtype=dtype)
 
 
 def demo_pair():
     """(kimi-mini target, its EAGLE-3 draft, the demo prompts' token ids), float32."""
-    target = e3.load_target("checkpoints/kimi-mini", dtype="float32")
-    draft = e3.load_draft("checkpoints/kimi-mini-eagle3", target=target, dtype="float32")
-    tok = load_tokenizer("checkpoints/kimi-mini")
-    with open("checkpoints/demo_prompts.txt") as f:
+    from eagle3_jax.tokenizer import load_tokenizer
+
+    target, draft = load_pair()
+    tok = load_tokenizer(TARGET)
+    with open(PROMPTS) as f:
         prompts = [tok.encode(line.strip()) for line in f if line.strip()]
     return target, draft, prompts
 
@@ -25,3 +43,24 @@ def swapped(module, name: str, value):
         yield
     finally:
         setattr(module, name, real)
+
+
+def add_output_flags(parser, default_name: str) -> None:
+    """--json_out (default benchmarks/results/<default_name>) and --overwrite."""
+    parser.add_argument("--json_out", default=os.path.join(RESULTS, default_name),
+                        help=f"Where the rows go (default: benchmarks/results/{default_name}).")
+    parser.add_argument("--overwrite", action="store_true", help="Replace --json_out if it exists.")
+
+
+def check_output(args) -> None:
+    """Refuse, before any work, to write over a recorded file unless --overwrite."""
+    if os.path.exists(args.json_out) and not args.overwrite:
+        sys.exit(f"{os.path.basename(sys.argv[0])}: error: {args.json_out} already exists; pass --overwrite to "
+                 "replace it, or another --json_out")
+
+
+def write_json(path: str, data) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1)
+    print(f"wrote {path}", flush=True)
