@@ -24,7 +24,6 @@ import numpy as np
 from .logprobs import Logprob
 from .sampling import SamplingParams
 from .text_stream import TextStream
-from .tokenizer import Tokenizer
 
 FINISH_STOP, FINISH_LENGTH, FINISH_ABORT = "stop", "length", "abort"
 
@@ -35,7 +34,7 @@ class RequestOutput:
     finish_reason: str  # "stop" (a stop token or string) | "length" (max_tokens or max_seq_len) | "abort"
     metrics: dict
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it (vLLM's field)
-    text: str | None = None  # the decoded output, cut at a stop string (when the scheduler has a tokenizer)
+    text: str | None = None  # the decoded output, cut at a stop string (filled by the front ends, see text_stream.py)
     logprobs: list[Logprob] | None = None  # one per output token (SamplingParams.logprobs), else None
     prompt_logprobs: list[Logprob | None] | None = None  # one per prompt token, None for the first one
 
@@ -116,7 +115,8 @@ class Request:
     sent: int = 0  # tokens already handed out
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    text: TextStream | None = None  # its decoded text, where stop strings are matched (None: no stop strings)
+    text: TextStream | None = None  # its decoded text, where stop strings are matched (None: no stop strings;
+    # the front end that delivers its deltas decodes it)
     logprobs: list[Logprob] | None = None  # per output token, when the sampling asks for them
     prompt_logprobs: list[Logprob | None] | None = None  # per prompt token so far, when asked for
 
@@ -158,10 +158,12 @@ class Request:
                 return FINISH_LENGTH
         return None
 
-    def unsent(self) -> tuple[list[int], list[Logprob] | None]:
-        """The tokens not handed out yet and their logprobs (None: not asked for); marks them handed out."""
+    def unsent(self) -> tuple[list[int], list[Logprob] | None, str | None]:
+        """The tokens not handed out yet, their logprobs (None: not asked for) and, where the request
+        layer decodes this request, their settled text (else None); marks them handed out."""
         start, self.sent = self.sent, len(self.output)
-        return self.output[start:], None if self.logprobs is None else self.logprobs[start:]
+        text = None if self.text is None else self.text.take()
+        return self.output[start:], None if self.logprobs is None else self.logprobs[start:], text
 
     def missing_prompt_logprobs(self, first: int, count: int) -> range:
         """Of prompt tokens `first` .. `first` + count - 1 (what a prefill chunk predicts), those
@@ -195,17 +197,15 @@ class Request:
             "e2e_latency_s": now - self.arrival,
         }
 
-    def final_text(self, tokenizer: Tokenizer) -> str:
-        """The whole output's text, cut at a stop string. A stop string found only once the last
-        tokens settle (an incomplete character before) still ends the text, and finishes the
-        request as stopped."""
-        stream = self.text
-        if stream is None:
-            stream = TextStream(tokenizer, self.prompt)
-            stream.push(self.output)
-        if stream.push([], final=True) and self.finish_reason == FINISH_LENGTH:
-            self.finish_reason, self.stop_reason = FINISH_STOP, stream.stop
-        return stream.take(final=True)
+    def settle_text(self) -> str | None:
+        """At the finish, the text not handed out yet (None: the request layer does not decode this
+        request, see text_stream.py). A stop string found only once the last tokens settle (an
+        incomplete character before) still ends the text, and finishes the request as stopped."""
+        if self.text is None:
+            return None
+        if self.text.push([], final=True) and self.finish_reason == FINISH_LENGTH:
+            self.finish_reason, self.stop_reason = FINISH_STOP, self.text.stop
+        return self.text.take(final=True)
 
     def output_record(self, now: float, max_depth: int, text: str | None = None) -> RequestOutput:
         return RequestOutput(self.output, self.finish_reason, self.metrics(now, max_depth), self.stop_reason, text,

@@ -172,6 +172,11 @@ class TextStream:
                 at, self.stop = found
                 self._end = at + (len(self.stop) if self._include else 0)
 
+    @property
+    def output(self) -> str:
+        """The text so far (settled), cut at the stop string; after a final push, the whole output."""
+        return self._text if self._end is None else self._text[: self._end]
+
     def take(self, final: bool = False) -> str:
         """The text not handed out yet (`final`: the request is over, nothing is held back)."""
         if self._end is not None:
@@ -181,3 +186,33 @@ class TextStream:
         new = self._text[self._taken:end]
         self._taken = max(self._taken, end)
         return new
+
+
+class ChoiceText:
+    """The text of one request's deltas as they are delivered, decoded once.
+
+    A request with stop strings was decoded on the engine thread (its deltas carry their `text`);
+    any other is decoded here, by this choice's own TextStream, as its tokens arrive. `add` returns
+    the new text of a delta; `text` is everything so far.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int], decoded_by_engine: bool):
+        self._stream = None if decoded_by_engine else TextStream(tokenizer, prompt_ids)
+        self.text = ""
+
+    def add(self, token_ids: Sequence[int], engine_text: str | None, final: bool) -> str:
+        """The text a delta adds: `engine_text` when the engine decoded it, else decoded here."""
+        if self._stream is None:
+            new = engine_text or ""
+        else:
+            self._stream.push(token_ids, final)
+            new = self._stream.take(final)
+        self.text += new
+        return new
+
+
+def output_text(tokenizer: Tokenizer, prompt_ids: Sequence[int], token_ids: Sequence[int]) -> str:
+    """The whole text of a finished output with no stop strings, decoded in one go."""
+    stream = TextStream(tokenizer, prompt_ids)
+    stream.push(token_ids, final=True)
+    return stream.take(final=True)

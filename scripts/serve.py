@@ -23,14 +23,14 @@ Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET 
 GET /metrics (Prometheus). Chat messages go through the tokenizer folder's chat template (the bundled
 demo models carry one), or --chat_template=<file.jinja>; --chat_template=join joins their contents
 with newlines on any model; without a template, chat requests get a 400 naming the flag.
-Requests run in a continuous-batching `Scheduler` (up to --max_num_seqs at once, paged KV cache) driven by one engine thread; see eagle3_jax/serving/openai_api.py for
+Requests run in a continuous-batching `Scheduler` (up to --max_num_seqs at once, paged KV cache) driven by one engine thread; see eagle3_jax/serving/fields.py for
 the accepted request fields. The server listens on loopback only unless --host says otherwise; it
 has no authentication, so expose it only behind something that has. Ctrl-C stops it.
 
 The port is checked before the model loads: a busy port, like any other mistake in the flags,
 paths or checkpoints, ends the script with one line on stderr and exit status 2. A request whose
 max_tokens is cut to fit --max_seq_len, or that carries fields the server ignores, is answered
-with a `warnings` list and an X-Eagle3-Warnings header (see eagle3_jax/serving/openai_api.py).
+with a `warnings` list and an X-Eagle3-Warnings header (see eagle3_jax/serving/fields.py).
 """
 
 from __future__ import annotations
@@ -189,7 +189,7 @@ def main(argv: Sequence[str]) -> None:
     if jax.process_count() > 1:
         scheduler.lead()
 
-    engine = AsyncEngine(scheduler).start()
+    engine = AsyncEngine(scheduler, tokenizer=tok).start()
     if FLAGS.warmup:
         say("warming up: compiling the prefill and decode programs of the first bursts...")
         say(f"warm-up {engine.warm_up()} (not counted in /metrics)")
@@ -198,7 +198,7 @@ def main(argv: Sequence[str]) -> None:
     # burst of requests) walks them all.
     gc.collect()
     gc.freeze()
-    application = make_app(engine, tok, model_name, max_seq_len=max_seq_len,
+    application = make_app(engine, model_name, max_seq_len=max_seq_len,
                            eos_token_ids=stop_ids(cfg.eos_token_ids, tok.eos_ids), chat_template=chat_template,
                            allow_synthetic_acceptance=FLAGS.allow_synthetic_acceptance)
 

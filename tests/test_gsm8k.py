@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from eagle3_jax.bench import gsm8k as G
-from eagle3_jax.serving.openai_api import ChatTemplate
+from eagle3_jax.chat_template import ChatTemplate
 from server_fixtures import ServerThread
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -227,8 +227,8 @@ def test_through_the_server_same_answers(demo):
     so it generated at least as many tokens); tau comes from /metrics."""
     from eagle3_jax.serving import AsyncEngine, make_app
 
-    engine = AsyncEngine(demo["scheds"]["chain:3:1:4"]).start()
-    server = ServerThread(make_app(engine, demo["tok"], "kimi-mini", tokenizer_dir=KIMI))
+    engine = AsyncEngine(demo["scheds"]["chain:3:1:4"], tokenizer=demo["tok"]).start()
+    server = ServerThread(make_app(engine, "kimi-mini", tokenizer_dir=KIMI))
     try:
         conversations = [G.fewshot_messages(p.question, []) for p in demo["problems"]]
         out = G.generate_http(server.base_url, conversations, max_tokens=MAX_TOKENS, concurrency=CONCURRENCY)

@@ -42,9 +42,9 @@ def served(speculate: bool) -> tuple[ServerThread, object]:
     target = e3.load_target(TARGET, dtype="float32")
     draft = e3.load_draft(DRAFT, target=target, dtype="float32") if speculate else None
     sched = Scheduler(target, draft, e3.SpecConfig(3, 1, 4) if speculate else None, max_num_seqs=4, max_seq_len=512,
-                      prefix_caching=True)
-    engine = AsyncEngine(sched).start()
-    return ServerThread(make_app(engine, tok, "kimi-mini", tokenizer_dir=TARGET)), engine
+                      prefix_caching=True, page_size=128, prefill_chunk=16)
+    engine = AsyncEngine(sched, tokenizer=tok).start()
+    return ServerThread(make_app(engine, "kimi-mini", tokenizer_dir=TARGET)), engine
 
 
 def test_lm_eval_runs_unmodified_and_speculation_changes_nothing(monkeypatch):

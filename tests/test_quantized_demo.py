@@ -68,8 +68,8 @@ def test_server_serves_the_int4_copy(int4_copy):
     ids = tok.encode("One day, a little dog")
     want = e3.Engine(target, max_batch_size=1, max_seq_len=128).generate([ids], e3.SamplingParams(max_tokens=16))[0]
     sched = Scheduler(target, draft=draft, spec=e3.SpecConfig(3, 1, 4), max_num_seqs=4, max_seq_len=128)
-    engine = AsyncEngine(sched).start()
-    server = ServerThread(make_app(engine, tok, "kimi-mini-int4", eos_token_ids=tok.eos_ids, tokenizer_dir=int4_copy))
+    engine = AsyncEngine(sched, tokenizer=tok).start()
+    server = ServerThread(make_app(engine, "kimi-mini-int4", eos_token_ids=tok.eos_ids, tokenizer_dir=int4_copy))
     try:
         status, _, body = request(server.port, "POST", "/v1/completions",
                                   {"prompt": ids, "max_tokens": 16, "temperature": 0, "ignore_eos": True})

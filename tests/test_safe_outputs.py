@@ -299,12 +299,12 @@ def test_chat_needs_a_template(tmp_path):
 
 
 def test_chat_template_choices(tmp_path):
-    from eagle3_jax.serving.openai_api import ApiError, ChatTemplate
+    from eagle3_jax.chat_template import ChatTemplate, ChatTemplateError
 
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
     for bundled in (KIMI, STORIES):  # base models: their template is the contents, one per line
         assert ChatTemplate.from_dir(bundled).render(messages) == "Be brief.\nHi"
-    with pytest.raises(ApiError, match="--chat_template"):
+    with pytest.raises(ChatTemplateError, match="--chat_template"):
         ChatTemplate.from_dir(tmp_path).render(messages)
     assert ChatTemplate.from_flag("join", tmp_path).render(messages) == "Be brief.\nHi"
     tpl = tmp_path / "t.jinja"

@@ -52,8 +52,8 @@ def served():
     # Each prompt alone, greedy, stopping at EOS as the server does (this also compiles the programs).
     greedy = e3.SamplingParams(temperature=0.0, max_tokens=MAX_REF_TOKENS, stop_token_ids=tok.eos_ids)
     refs = {tuple(p): sched.generate([p], greedy)[0] for p in prompt_ids}
-    engine = AsyncEngine(sched).start()
-    server = ServerThread(make_app(engine, tok, MODEL, eos_token_ids=tok.eos_ids, tokenizer_dir=TARGET))
+    engine = AsyncEngine(sched, tokenizer=tok).start()
+    server = ServerThread(make_app(engine, MODEL, eos_token_ids=tok.eos_ids, tokenizer_dir=TARGET))
     try:
         yield server, engine, tok, refs
     finally:
@@ -282,7 +282,7 @@ def test_synthetic_acceptance_needs_the_servers_consent(served):
     status, _, reply = request(served[0].port, "POST", "/v1/completions", body)
     assert status == 400 and reply["error"]["param"] == "synthetic_acceptance"
     assert "--allow_synthetic_acceptance" in reply["error"]["message"]
-    bench = ServerThread(make_app(engine, tok, MODEL, eos_token_ids=tok.eos_ids, tokenizer_dir=TARGET,
+    bench = ServerThread(make_app(engine, MODEL, eos_token_ids=tok.eos_ids, tokenizer_dir=TARGET,
                                   allow_synthetic_acceptance=True))
     try:
         status, _, reply = request(bench.port, "POST", "/v1/completions", body)
@@ -343,7 +343,7 @@ def test_caps_and_ignored_fields_are_announced(served, caplog):
     """max_tokens cut to fit max_seq_len and unknown fields are told in the body, a header and the log."""
     import logging
 
-    from eagle3_jax.serving.openai_api import WARNINGS_HEADER
+    from eagle3_jax.serving.protocol import WARNINGS_HEADER
 
     server = served[0]
     prompt = [1] + [300] * (MAX_SEQ_LEN - 8)  # room for 7 tokens
@@ -602,11 +602,11 @@ def test_incremental_detokenizer_random_tokens():
 
 def test_chat_template_rendering(tmp_path):
     from eagle3_jax.serving import ChatTemplate
-    from eagle3_jax.serving.openai_api import ApiError
+    from eagle3_jax.chat_template import ChatTemplateError
 
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
     assert ChatTemplate.from_dir(TARGET).render(messages) == "Be brief.\nHi"  # a base model's template: plain lines
-    with pytest.raises(ApiError, match="no chat template.*--chat_template"):  # none: refused, not guessed
+    with pytest.raises(ChatTemplateError, match="no chat template.*--chat_template"):  # none: refused, not guessed
         ChatTemplate.from_dir(tmp_path).render(messages)
     assert ChatTemplate.from_flag("join", tmp_path).render(messages) == "Be brief.\nHi"  # the fallback, when asked
     tpl = ("{{ bos_token }}{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
@@ -682,8 +682,8 @@ def test_capacity_error_and_step_failure_are_reported():
     from eagle3_jax.tokenizer import load_tokenizer
 
     stub = _StubScheduler()
-    engine = AsyncEngine(stub, max_consecutive_failures=2).start()
-    server = ServerThread(make_app(engine, load_tokenizer(TARGET), "stub"))
+    engine = AsyncEngine(stub, tokenizer=load_tokenizer(TARGET), max_consecutive_failures=2).start()
+    server = ServerThread(make_app(engine, "stub"))
     try:
         status, _, answer = request(server.port, "POST", "/v1/completions", {"prompt": [1, 2, 3, 4, 5]})
         assert status == 400 and "never fit" in answer["error"]["message"]

@@ -49,7 +49,7 @@ from ..sampling import SamplingParams
 from ..spec_decode.policy import StepPlan, check_speculation, policy_for
 from ..spec_decode.settings import AutoSpec, SpecConfig
 from ..target import Target
-from ..text_stream import TextStream
+from ..text_stream import TextStream, output_text
 from ..tokenizer import Tokenizer
 from . import lockstep
 from .batch import (DECODE, DONE, MIN_CHUNK_BUCKET, MIN_PAGES_BUCKET, WAITING, RunningBatch, ScheduledRequest, bucket,
@@ -80,6 +80,9 @@ class RequestDelta:
     output: RequestOutput | None  # the whole output and metrics, once finished
     logprobs: list[Logprob] | None = None  # of token_ids, when the request asks for them
     prompt_logprobs: list[Logprob | None] | None = None  # on a request's first delta, when it asks for them
+    # The settled text of token_ids where the request layer decodes the request (one with stop
+    # strings), else None: its front end decodes it (text_stream.ChoiceText).
+    text: str | None = None
 
 
 @dataclasses.dataclass
@@ -119,8 +122,9 @@ def _time_steady_steps_only(ready: list[_Launch], launched: list[_Launch]) -> No
 class Scheduler:
     """Continuous-batching generation over a target, with an optional EAGLE-3 draft.
 
-    With a `tokenizer`, requests may carry stop strings (`SamplingParams.stop`) and every output
-    carries its text (`RequestOutput.text`, cut at a stop string).
+    With a `tokenizer`, requests may carry stop strings (`SamplingParams.stop`), matched on their
+    text as `step()` emits tokens (the deltas of those requests carry their text); `generate`'s
+    outputs carry their text (`RequestOutput.text`, cut at a stop string).
 
     Requests may ask for logprobs (`SamplingParams.logprobs`, `prompt_logprobs`) with up to
     `max_logprobs` top alternatives per token; `logprobs_mode` says of which distribution: "raw"
@@ -271,7 +275,12 @@ class Scheduler:
             for delta in self.step():
                 if delta.finished:
                     done[delta.request_id] = delta.output
-        return [done[i] for i in ids]
+        outputs = [done[i] for i in ids]
+        if self.tokenizer is not None:  # this front end decodes what the request layer did not
+            for prompt, out in zip(checked, outputs):
+                if out.text is None:
+                    out.text = output_text(self.tokenizer, prompt, out.token_ids)
+        return outputs
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached page (vLLM's reset_prefix_cache; benchmarks start cold with it).
@@ -481,8 +490,8 @@ class Scheduler:
         self.counters.totals["generation_tokens_total"] += len(req.output) - before
         if reason is None:
             prompt_lps = req.prompt_logprobs if req.sent == 0 else None
-            new, lps = req.unsent()
-            return RequestDelta(req.id, new, now, False, None, None, lps, prompt_lps)
+            new, lps, text = req.unsent()
+            return RequestDelta(req.id, new, now, False, None, None, lps, prompt_lps, text)
         del self._batch.running[req.id]
         self._batch.release(req)
         self.counters.totals["num_requests_finished"] += 1
@@ -492,8 +501,9 @@ class Scheduler:
         req.state, req.finish_reason = DONE, reason
         del self._requests[req.id]
         self.policy.finished(req.id, len(req.output))
-        text = None if self.tokenizer is None else req.final_text(self.tokenizer)  # may find a late stop string
         prompt_lps = req.prompt_logprobs if req.sent == 0 else None
-        new, lps = req.unsent()
-        return RequestDelta(req.id, new, now, True, req.finish_reason, req.output_record(now, self.policy.max_accept, text),
-                            lps, prompt_lps)
+        new, lps, text = req.unsent()
+        rest = req.settle_text()  # may find a late stop string
+        whole = None if req.text is None else req.text.output
+        return RequestDelta(req.id, new, now, True, req.finish_reason, req.output_record(now, self.policy.max_accept, whole),
+                            lps, prompt_lps, None if rest is None else text + rest)

@@ -1,18 +1,28 @@
 """Serving: an asyncio front end for the continuous-batching scheduler and an OpenAI-compatible
 HTTP API over it (`scripts/serve.py` runs both).
 
-    engine = AsyncEngine(Scheduler(target, draft, spec)).start()
-    app = make_app(engine, tokenizer, "my-model")     # aiohttp web.Application
+    engine = AsyncEngine(Scheduler(target, draft, spec), tokenizer=tokenizer).start()
+    app = make_app(engine, "my-model")                 # aiohttp web.Application
+
+The package, by concept: `async_engine` (the engine thread and the asyncio bridge) and `choices`
+(n choices of one prompt) are the engine's face; `errors`, `fields` and `protocol` turn a body into
+a typed request; `delivery` turns a request's deltas into reply events, streamed or folded whole
+(`replies` renders logprobs and usage); `completions` and `chat` are the routes; `app` ties them
+together with health, models and `metrics`. The HTTP parts need the `serve` extra (aiohttp,
+prometheus_client).
 """
 
+from ..chat_template import ChatTemplate
 from ..text_stream import IncrementalDetokenizer, TextStream
+from .app import make_app
 from .async_engine import AsyncEngine, EngineClosedError, EngineDeadError, EngineError, EngineStepError
+from .choices import Choices
 from .metrics import ServerMetrics
-from .openai_api import ChatTemplate, make_app
 
 __all__ = [
     "AsyncEngine",
     "ChatTemplate",
+    "Choices",
     "EngineClosedError",
     "EngineDeadError",
     "EngineError",

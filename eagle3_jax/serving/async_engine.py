@@ -6,11 +6,18 @@ drains the queue, calls `Scheduler.step()` while anything is unfinished, and oth
 queue, so an idle server uses no CPU. Each request's `RequestDelta`s go to an `asyncio.Queue` owned
 by the caller's event loop, through `loop.call_soon_threadsafe`.
 
-    engine = AsyncEngine(scheduler)
+    engine = AsyncEngine(scheduler, tokenizer=tokenizer)
     engine.start()
     async for delta in engine.generate(prompt_ids, SamplingParams(max_tokens=32)):
-        print(delta.token_ids, delta.finish_reason)
+        print(delta.token_ids, delta.text, delta.finish_reason)
     await engine.close()
+
+With a tokenizer, every delta carries its text and the final delta's output the whole text: the
+engine thread decodes what it must (requests with stop strings, to end them at the right token),
+and `generate` decodes every other request as its deltas arrive, on the caller's event loop and off
+the engine thread, with one `ChoiceText` per request (text_stream.py): each request is decoded once.
+`choices` runs the n choices of one prompt (choices.py). The engine is the whole face the server
+sees: its limits (`max_seq_len`, `max_logprobs`), whether it `speculates`, `stats()`, health.
 
 Request validation errors (`ValueError`, `CapacityError`) are raised by the generator before its
 first delta. A consumer that stops iterating early (closes the generator, is cancelled, or drops it)
@@ -36,6 +43,9 @@ from typing import Any, AsyncIterator, Sequence
 
 from ..sampling import SamplingParams
 from ..scheduler import RequestDelta, Scheduler, WarmUp
+from ..text_stream import ChoiceText
+from .choices import Choices
+from ..tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +79,16 @@ def stats_since(stats: dict[str, Any], baseline: dict[str, Any]) -> dict[str, An
         steps = out["num_decode_steps_total"]
         out["mean_accept_length"] = out.get("accepted_tokens_total", 0) / steps if steps else 1.0
     return out
+
+
+def with_text(delta: "RequestDelta", text: ChoiceText) -> "RequestDelta":
+    """A delta with its new text, and on the final one the output's whole text, from the request's
+    one decoder."""
+    new = text.add(delta.token_ids, delta.text, delta.finished)
+    output = delta.output
+    if output is not None:
+        output = dataclasses.replace(output, text=text.text)
+    return dataclasses.replace(delta, text=new, output=output)
 
 
 class EngineError(RuntimeError):
@@ -132,11 +152,17 @@ class _Stream:
 class AsyncEngine:
     """Runs a `Scheduler` on one background thread and serves requests to asyncio code."""
 
-    def __init__(self, scheduler: "Scheduler", *, max_consecutive_failures: int = 3,
+    def __init__(self, scheduler: "Scheduler", *, tokenizer: Tokenizer | None = None, max_consecutive_failures: int = 3,
                  thread_name: str = "eagle3-engine"):
         if max_consecutive_failures < 1:
             raise ValueError(f"max_consecutive_failures must be >= 1; got {max_consecutive_failures}")
+        own = getattr(scheduler, "tokenizer", None)
+        if tokenizer is not None and own is not None and own is not tokenizer:
+            raise ValueError("the scheduler was built with another tokenizer; give the AsyncEngine the same one")
+        if tokenizer is not None and own is None:
+            scheduler.tokenizer = tokenizer  # it matches stop strings on the text (before the engine thread exists)
         self.scheduler = scheduler
+        self.tokenizer: Tokenizer | None = tokenizer if tokenizer is not None else own
         self.max_consecutive_failures = int(max_consecutive_failures)
         self._thread_name = thread_name
         self._commands: queue.Queue = queue.Queue()
@@ -192,12 +218,33 @@ class AsyncEngine:
         """Why the engine stopped stepping, or None."""
         return self._dead
 
+    @property
+    def max_seq_len(self) -> int:
+        """Prompt plus generated tokens per request, at most."""
+        return int(self.scheduler.max_seq_len)
+
+    @property
+    def max_logprobs(self) -> int:
+        """Top alternatives per token a request may ask for, at most."""
+        return int(getattr(self.scheduler, "max_logprobs", 0))
+
+    @property
+    def speculates(self) -> bool:
+        """Whether requests run with a draft (their outputs then carry speculation's figures)."""
+        return getattr(self.scheduler, "draft", None) is not None
+
+    def choices(self, prompt_ids: Sequence[int], sampling: SamplingParams, n: int = 1,
+                request_id: str | None = None) -> "Choices":
+        """The n choices of one prompt as one async context (see choices.Choices)."""
+        return Choices(self, prompt_ids, sampling, n, request_id)
+
     # ---- requests --------------------------------------------------------------------------------------
 
     async def generate(self, prompt_ids: Sequence[int], sampling: "SamplingParams | None" = None,
                        request_id: str | None = None, wait_for: str | None = None) -> AsyncIterator["RequestDelta"]:
-        """Run one request; yields its `RequestDelta`s, the last with `finished=True`. `wait_for`:
-        another request of the same prompt, queued before (Scheduler.add_request).
+        """Run one request; yields its `RequestDelta`s, the last with `finished=True`, with their
+        text (and the final output's) when the engine has a tokenizer. `wait_for`: another request of
+        the same prompt, queued before (Scheduler.add_request).
 
         `add_request`'s ValueError / CapacityError is raised before any delta. Raises EngineError
         subclasses when the engine fails, is dead or is closed. Leaving the loop early, or being
@@ -217,6 +264,8 @@ class AsyncEngine:
                                     else self._abort(rid, detach=True))
             raise
         finished = False
+        text = None if self.tokenizer is None else ChoiceText(self.tokenizer, prompt_ids,
+                                                              decoded_by_engine=bool(sampling and sampling.stop))
         try:
             while not finished:
                 item = await deltas.get()
@@ -224,7 +273,7 @@ class AsyncEngine:
                     finished = True  # the engine already dropped the request
                     raise item
                 finished = bool(item.finished)
-                yield item
+                yield item if text is None else with_text(item, text)
         finally:
             if not finished:  # the consumer left early or was cancelled
                 self._abort(rid, detach=True)

@@ -1,0 +1,121 @@
+"""The OpenAI-compatible HTTP application (aiohttp) over an `AsyncEngine`.
+
+Routes: `POST /v1/completions` (completions.py), `POST /v1/chat/completions` (chat.py),
+`GET /v1/models`, `GET /health` (200 while the engine runs, 503 when it stopped), `GET /metrics`
+(Prometheus text format, metric names prefixed `eagle3_`; metrics.py). Each request is parsed into
+a typed request (protocol.py, fields.py), run as the engine's choices (choices.py) and answered by
+per-choice delivery (delivery.py), streamed or whole. The server sees the engine only through
+`AsyncEngine`: it never touches the scheduler.
+
+What the server changes or skips in a request is announced, never silent: a `warnings` list in
+the (non-streamed) response body and the `X-Eagle3-Warnings` header on every answer. Errors use
+OpenAI's body (errors.py). Run the app with `handler_cancellation=True` (as `scripts/serve.py`
+does) so that a client leaving before its first token has its request aborted at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from typing import Callable, Sequence
+
+from ..chat_template import ChatTemplate
+from .async_engine import AsyncEngine, EngineDeadError, EngineError
+from .chat import chat_completions
+from .completions import completions
+from .errors import ApiError, error_response, web
+from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from .metrics import ServerMetrics
+from .protocol import Limits
+from .state import ServerState
+
+logger = logging.getLogger(__name__)
+
+_STATE_KEY: web.AppKey[ServerState] = web.AppKey("eagle3_server", ServerState)
+
+
+def make_app(engine: AsyncEngine, model_name: str, *, max_seq_len: int | None = None,
+             eos_token_ids: Sequence[int] | None = None, tokenizer_dir: str | os.PathLike | None = None,
+             default_max_tokens: int = 16, client_max_size: int = 8 * 2**20,
+             chat_template: ChatTemplate | None = None, allow_synthetic_acceptance: bool = False) -> web.Application:
+    """The aiohttp application serving `engine` (built with its tokenizer) under the OpenAI API as
+    `model_name`.
+
+    `max_seq_len` defaults to the engine's; `eos_token_ids` (where requests stop unless
+    `ignore_eos`) to the tokenizer's. `chat_template` renders chat requests (default: the one in
+    `tokenizer_dir`; without one, chat requests are refused, see `ChatTemplate`).
+    `default_max_tokens` is the completions default (OpenAI's is 16). The caller starts and closes
+    the engine. `allow_synthetic_acceptance` lets requests force speculative acceptance
+    (benchmarking only).
+    """
+    if engine.tokenizer is None:
+        raise ValueError("the server needs the engine's tokenizer: AsyncEngine(scheduler, tokenizer=load_tokenizer(...))")
+    tok = engine.tokenizer
+    limits = Limits(max_seq_len=engine.max_seq_len if max_seq_len is None else int(max_seq_len),
+                    max_logprobs=engine.max_logprobs,
+                    eos_token_ids=tuple(int(t) for t in (tok.eos_ids if eos_token_ids is None else eos_token_ids)),
+                    default_max_tokens=int(default_max_tokens), allow_synthetic_acceptance=bool(allow_synthetic_acceptance))
+    state = ServerState(engine, tok, model_name, limits, chat_template or ChatTemplate.from_dir(tokenizer_dir))
+    metrics = ServerMetrics(engine.stats)
+    app = web.Application(middlewares=[_middleware(metrics)], client_max_size=client_max_size)
+    app[_STATE_KEY] = state
+    routes = (("POST", "/v1/completions", completions), ("POST", "/v1/chat/completions", chat_completions),
+              ("GET", "/v1/models", _models), ("GET", "/health", _health))
+    for method, path, handler in routes:
+        app.router.add_route(method, path, _with_state(handler))
+
+    async def scrape(_: web.Request) -> web.Response:
+        return web.Response(body=metrics.render(), headers={"Content-Type": METRICS_CONTENT_TYPE})
+
+    app.router.add_get("/metrics", scrape)
+    return app
+
+
+def _with_state(handler: Callable) -> Callable:
+    async def handle(request: web.Request) -> web.StreamResponse:
+        return await handler(request, request.app[_STATE_KEY])
+    return handle
+
+
+def _middleware(metrics: ServerMetrics) -> Callable:
+    """OpenAI error bodies for every failure, and request counts for /metrics."""
+
+    @web.middleware
+    async def middleware(request: web.Request, handler: Callable) -> web.StreamResponse:
+        resource = getattr(request.match_info.route, "resource", None)
+        route = resource.canonical if resource is not None else "other"  # unmatched paths share one label
+        try:
+            response = await handler(request)
+        except ApiError as e:
+            response = e.response()
+        except web.HTTPException as e:
+            if e.status < 400:
+                raise
+            response = error_response(e.reason, status=e.status, code=e.reason.lower().replace(" ", "_"),
+                                      type="invalid_request_error" if e.status < 500 else "server_error")
+        except EngineDeadError as e:
+            response = error_response(str(e), status=503, type="server_error", code="engine_dead")
+        except EngineError as e:
+            response = error_response(str(e), status=500, type="server_error", code="engine_error")
+        except (asyncio.CancelledError, ConnectionResetError):
+            raise  # the client is gone: nobody to answer
+        except Exception as e:
+            logger.exception("unhandled error in %s %s", request.method, request.path)
+            response = error_response(f"internal server error: {type(e).__name__}: {e}", status=500,
+                                      type="server_error", code="internal_error")
+        metrics.count_http(route, response.status)
+        return response
+
+    return middleware
+
+
+async def _health(request: web.Request, state: ServerState) -> web.Response:
+    if state.engine.is_healthy:
+        return web.json_response({"status": "ok"})
+    reason = state.engine.error or "the engine is not running"
+    return error_response(str(reason), status=503, type="server_error", code="engine_unavailable")
+
+
+async def _models(request: web.Request, state: ServerState) -> web.Response:
+    return web.json_response({"object": "list", "data": [state.model_card()]})
