@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# CI's second leg: the kernel, lowering, compile-gate and greedy-equality tests on the newest JAX the
-# project supports (0.12.x, which needs Python >= 3.12), without torch / transformers (the local CPU
-# torch build is for Python 3.11 only; the tests that need it skip). The tests marked `newest_jax`
-# run here only (`make test` deselects them): the Triton compile-to-ISA tests (every kernel form on
-# gfx942 / gfx950 / sm_90, spill detection, the GPU check script), test_spec.py, test_demo_pair.py,
-# test_pallas_engine.py, test_multihost.py, test_penalties.py and the longest speculative-equality,
-# preemption and sharding cases of other files (which keep shorter cases in the default run).
+# CI's second leg: the whole test suite that needs no torch, on the newest JAX the project supports
+# (0.12.x, which needs Python >= 3.12) and the newest Python, 3.13: every test `make test` runs,
+# plus those marked `newest_jax` (the Triton compile-to-ISA tests of every kernel form on gfx942 /
+# gfx950 / sm_90, spill detection, the GPU check script, multi-host, the longest
+# speculative-equality, preemption and sharding cases) and those marked `slow` (long cases whose
+# paths shorter default cases also take). The local CPU torch build is for Python 3.11 only, so
+# torch / transformers are left out and the tests that compare against them skip.
 #
-# Python: a working python3.13 or python3.12 on PATH or under pyenv, else CPython 3.13 built from
+# Python: a working python3.13 (else 3.12) on PATH or under pyenv, else CPython 3.13 built from
 # Debian's trixie source package (the same Debian registry as the system's, a deb-src line for
 # trixie; about 5 minutes on 2 cores). The build and the leg's virtual environment are cached
 # outside the clone (under $XDG_CACHE_HOME or ~/.cache), so reruns on the same machine skip them.
@@ -21,8 +21,8 @@ works() { "$1" -c 'import sys, ssl, venv; assert sys.version_info >= (3, 12)' 2>
 
 find_python() {
     local candidate
-    for candidate in python3.13 python3.12 "$HOME"/.pyenv/versions/3.13*/bin/python3.13 \
-                     "$HOME"/.pyenv/versions/3.12*/bin/python3.12 "$cache/python3.13/bin/python3.13"; do
+    for candidate in python3.13 "$HOME"/.pyenv/versions/3.13*/bin/python3.13 "$cache/python3.13/bin/python3.13" \
+                     python3.12 "$HOME"/.pyenv/versions/3.12*/bin/python3.12; do
         if works "$candidate"; then
             command -v "$candidate"
             return 0
@@ -77,8 +77,8 @@ if [ ! -f "$stamp" ]; then
     fi
     "$venv/bin/python" "$(ls "$wheels"/pip-*.whl)/pip" install -q --no-index "$(ls "$wheels"/pip-*.whl)"
     rm -rf "$wheels"
-    # the project's dependencies at the newest JAX it allows, plus the test tools (no torch / transformers)
-    "$venv/bin/pip" install -q -e . "jax>=0.12,<0.13" "jaxlib>=0.12,<0.13" pytest pytest-xdist "triton==3.9.0"
+    # the project with every extra at the newest JAX it allows, plus the test tools (no torch / transformers)
+    "$venv/bin/pip" install -q -e '.[test-notorch]' "jax>=0.12,<0.13" "jaxlib>=0.12,<0.13"
     touch "$stamp"
 else
     "$venv/bin/pip" install -q --no-deps -e .  # this clone, not the one the cache was made from
@@ -86,10 +86,6 @@ fi
 "$venv/bin/python" -c 'import sys, jax; print(f"newest-JAX leg: Python {sys.version.split()[0]}, jax {jax.__version__}")'
 
 export XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
-# the kernel, lowering and engine files whole (what `make test` runs of them too) ...
-"$venv/bin/python" -m pytest -q -n 2 --dist loadfile -p no:cacheprovider -m "not slow and not newest_jax" \
-    tests/test_pallas_attention.py tests/test_pallas_moe.py tests/test_compile_gate.py tests/test_lowering.py \
-    tests/test_spec_lowering.py tests/test_stories260k.py tests/test_engine.py tests/test_mla_draft.py
-# ... and every test marked newest_jax, which runs here only
-"$venv/bin/python" -m pytest -q -n 2 --dist loadfile -p no:cacheprovider -m "newest_jax and not slow" tests/
+# -m "" lifts pyproject's default deselection of `slow` and `newest_jax`: every test runs
+"$venv/bin/python" -m pytest -q -n 2 --dist loadfile -p no:cacheprovider -m "" tests/
 echo "newest-JAX leg: $(( $(date +%s) - start )) s"
