@@ -44,6 +44,7 @@ _LIBRARY_USER_ERRORS = (
     ("eagle3_jax.tokenizer", "TokenizerError"),
     ("eagle3_jax.scheduler", "CapacityError"),
     ("eagle3_jax.bench.gsm8k", "DataError"),
+    ("eagle3_jax.chat_template", "ChatTemplateError"),
 )
 
 

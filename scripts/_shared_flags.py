@@ -226,25 +226,25 @@ def check_draft_path(flag: str, path: str | None) -> None:
 
 def define_chat_template_flag() -> None:
     flags.DEFINE_string("chat_template", None, "Chat template for chat prompts: a .jinja file (or a .json holding "
-                        "\"chat_template\"), or join = the messages' contents joined by newlines, roles dropped (for "
-                        "base models). Default: the tokenizer folder's template; a model without one refuses chat.")
+                        "\"chat_template\"), the name of one of the tokenizer folder's named templates (e.g. tool_use), "
+                        "or join = the messages' contents joined by newlines, roles dropped (for base models). Default: "
+                        "the tokenizer folder's template; a model without one refuses chat.")
 
 
 def chat_template_from_flags(tokenizer_dir: str, required: bool):
     """The ChatTemplate --chat_template asks for (default: the tokenizer folder's); a usage error for a
-    file that is not a template, and, when `required`, for a model without one."""
-    from eagle3_jax.serving.openai_api import JOIN, ChatTemplate
+    value that is not a template, and, when `required`, for a model without one."""
+    from eagle3_jax.chat_template import JOIN, ChatTemplate, ChatTemplateError
 
     value = FLAGS.chat_template
-    if value not in (None, JOIN) and not os.path.isfile(value):
-        raise app.UsageError(f"--chat_template={value} is neither a file nor '{JOIN}'; give a .jinja chat template file")
     try:
         template = ChatTemplate.from_flag(value, tokenizer_dir)
-    except UnicodeDecodeError as e:
-        raise app.UsageError(f"--chat_template={value} is not UTF-8 text (byte offset {e.start})") from None
-    except (OSError, ValueError) as e:
+    except (OSError, ChatTemplateError) as e:
         raise app.UsageError(f"--chat_template: {e}") from None
     if required and not template.available:
+        if template.named:
+            raise app.UsageError(f"{tokenizer_dir}'s chat templates are named {', '.join(k for k, _ in template.named)} "
+                                 "and none is 'default'; choose one with --chat_template=<name>")
         raise app.UsageError(f"{tokenizer_dir} has no chat template (tokenizer_config.json's chat_template or "
                              f"chat_template.jinja); pass one with --chat_template=<file.jinja>, or --chat_template={JOIN} "
                              "to join the messages' contents with newlines")
@@ -254,7 +254,8 @@ def chat_template_from_flags(tokenizer_dir: str, required: bool):
 def warn_without_chat_template(tokenizer_dir: str, what: str) -> None:
     """Say that `what` (prompts meant as a user's chat turn) goes to the model as plain text, because
     its tokenizer folder has no chat template (right for a base model, not for a chat model)."""
-    from eagle3_jax.train.data import read_chat_template
+    from eagle3_jax.chat_template import ChatTemplate
 
-    if os.path.isdir(tokenizer_dir) and read_chat_template(tokenizer_dir)[0] is None:
+    template = ChatTemplate.from_dir(tokenizer_dir)  # a broken one: ChatTemplateError, a user error for _cli
+    if os.path.isdir(tokenizer_dir) and template.source is None and not template.named:
         warn(f"{tokenizer_dir} has no chat template: {what} go to the model as plain text")

@@ -180,6 +180,7 @@ def main(argv: Sequence[str]) -> None:
               "(--overwrite trains again)")
         return
 
+    from eagle3_jax.chat_template import render_prompts
     from eagle3_jax.tokenizer import load_tokenizer
     from eagle3_jax.train import data as data_lib
     from eagle3_jax.train.draft_model import assembled_params, init_draft_params, make_ttt_loss, new_draft_config
@@ -191,7 +192,7 @@ def main(argv: Sequence[str]) -> None:
         warn_without_chat_template(FLAGS.target, "the --prompts")
         tok = load_tokenizer(FLAGS.target, bos_id=model_cfg.bos_token_id)
         with _cli.usage_errors(f"--target {FLAGS.target}"):  # a chat template that rejects a prompt
-            prompts = [tok.encode(data_lib.render_prompt(t, FLAGS.target), add_bos=True) for t in texts]
+            prompts = [tok.encode(r, add_bos=True) for r in render_prompts(texts, FLAGS.target)]
     else:
         prompts = [list(map(int, row[: FLAGS.prompt_len])) for row in corpus[: FLAGS.num_prompts]]
     with _cli.usage_errors():  # TrainConfig names a field no check above covers

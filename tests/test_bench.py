@@ -17,11 +17,12 @@ from eagle3_jax.bench import workloads as W
 from eagle3_jax.bench.http_client import completion_payload, parse_sse_line, run_requests
 from eagle3_jax.bench.runner import RunConfig, check_lengths, drive, make_cell, mark_identical, outputs_digest
 from eagle3_jax.bench.settings import parse_spec, parse_specs
+from eagle3_jax.chat_template import render_prompt
 from eagle3_jax.request import RequestOutput
 from eagle3_jax.sampling import SamplingParams
 from eagle3_jax.spec_decode import SpecConfig
 from eagle3_jax.tokenizer import load_tokenizer
-from eagle3_jax.train.data import load_prompts, render_prompt
+from eagle3_jax.train.data import load_prompts
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KIMI = os.path.join(ROOT, "checkpoints", "kimi-mini")

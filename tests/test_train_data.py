@@ -14,8 +14,8 @@ import pytest
 import eagle3_jax as e3
 from eagle3_jax.draft import parse_draft_config
 from eagle3_jax.train import (DraftVocab, Example, FeatureStore, batch_order, count_tokens, export_hf_draft,
-                              load_prompts, online_batches, pack, regenerate, render_prompt, select_draft_vocab,
-                              teacher_batch, write_feature_store)
+                              load_prompts, online_batches, pack, regenerate, select_draft_vocab, teacher_batch,
+                              write_feature_store)
 from random_models import LLAMA, draft_config_dict, random_draft, random_target
 
 V = LLAMA["vocab_size"]
@@ -248,22 +248,6 @@ def test_load_prompts_formats(tmp_path):
     (tmp_path / "broken.jsonl").write_text('{"question": \n')
     with pytest.raises(ValueError, match=r"broken.jsonl:1"):
         load_prompts(tmp_path / "broken.jsonl")
-
-
-def test_render_prompt(tmp_path):
-    plain = tmp_path / "plain"
-    plain.mkdir()
-    (plain / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>"}))
-    assert render_prompt("Hello", plain) == "Hello"
-    chat = tmp_path / "chat"
-    chat.mkdir()
-    template = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}{{ eos_token }}\n"
-                "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
-    (chat / "tokenizer_config.json").write_text(json.dumps(
-        {"chat_template": template, "bos_token": {"content": "<s>"}, "eos_token": "</s>"}))
-    assert render_prompt("Hello", chat) == "<s><|user|>\nHello</s>\n<|assistant|>\n"
-    with pytest.raises(FileNotFoundError):
-        render_prompt("x", tmp_path / "nope")
 
 
 # ---- regeneration and packing --------------------------------------------------------------------------

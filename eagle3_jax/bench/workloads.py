@@ -30,8 +30,9 @@ from typing import Iterable
 
 import numpy as np
 
+from ..chat_template import ChatTemplate, render_prompts
 from ..tokenizer import Tokenizer, load_tokenizer
-from ..train.data import load_prompts, read_chat_template, read_utf8, render_messages, render_prompt
+from ..train.data import load_prompts, read_utf8
 
 # InferenceX / SemiAnalysis fixed serving shapes: (input tokens, output tokens).
 SHAPES: dict[str, tuple[int, int]] = {"1k1k": (1024, 1024), "1k8k": (1024, 8192), "8k1k": (8192, 1024)}
@@ -185,7 +186,7 @@ def encode_rendered(rendered: str, tokenizer: Tokenizer) -> list[int]:
 
 def tokenize_prompts(texts: Iterable[str], tokenizer_dir: str | os.PathLike, tokenizer: Tokenizer) -> list[list[int]]:
     """Each text as the user turn of the chat template (if any), tokenized (BOS exactly once)."""
-    return [encode_rendered(render_prompt(t, tokenizer_dir), tokenizer) for t in texts]
+    return [encode_rendered(r, tokenizer) for r in render_prompts(list(texts), tokenizer_dir)]
 
 
 def dataset_workload(name: str, *, tokenizer_dir: str | os.PathLike, output_len: int, max_seq_len: int,
@@ -247,12 +248,12 @@ def multiturn_workload(name: str, *, target, tokenizer_dir: str | os.PathLike, o
     if name not in MULTITURN:
         raise ValueError(f"unknown multi-turn workload {name!r}; choose one of {', '.join(MULTITURN)}")
     output_len = _check_output_len(output_len)
-    source, specials = read_chat_template(tokenizer_dir)
-    if source is None:
+    template = ChatTemplate.from_dir(tokenizer_dir)
+    if template.source is None and not template.named:  # named ones without a default: render says which
         raise ValueError(f"{name} needs a chat template to render a conversation; {os.fspath(tokenizer_dir)} has none")
     path = dataset_path(MULTITURN[name], data_dir)
     tok = tokenizer if tokenizer is not None else load_tokenizer(tokenizer_dir)
-    render = lambda messages: encode_rendered(render_messages(source, messages, specials), tok)  # noqa: E731
+    render = lambda messages: encode_rendered(template.render(messages), tok)  # noqa: E731
     sessions = load_turns(path, limit)
     if not sessions:
         raise ValueError(f"dataset {name} ({path}) has no record with two user turns")

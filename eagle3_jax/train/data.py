@@ -3,7 +3,7 @@
 The pipeline (as in SpecForge / the EAGLE-3 paper: the draft learns the target's own outputs):
 
 1. `load_prompts` reads prompts (GSM8K, MT-Bench / Spec-Bench, ShareGPT, plain text) and
-   `render_prompt` wraps each in the model's chat template;
+   `eagle3_jax.chat_template.render_prompts` wraps each in the model's chat template;
 2. `regenerate` has the target answer every prompt (greedy and/or sampled), giving `Example`s
    whose `loss_mask` marks the response tokens;
 3. `pack` lays the examples into fixed-length rows;
@@ -158,97 +158,6 @@ def load_prompts(path: str | os.PathLike, limit: int | None = None) -> list[str]
     else:
         raise ValueError(f"prompt file {path} has an unknown extension {ext!r}; use .jsonl, .json (ShareGPT) or .txt")
     return out
-
-
-def _special_token(value) -> str:
-    if isinstance(value, dict):
-        value = value.get("content")
-    return value if isinstance(value, str) else ""
-
-
-def _chat_template(tokenizer_dir: str, config: dict) -> str | None:
-    tpl = config.get("chat_template")
-    if tpl is None:
-        jinja_file = os.path.join(tokenizer_dir, "chat_template.jinja")
-        json_file = os.path.join(tokenizer_dir, "chat_template.json")
-        if os.path.isfile(jinja_file):
-            with open(jinja_file, encoding="utf-8") as f:
-                return f.read()
-        if os.path.isfile(json_file):
-            with open(json_file, encoding="utf-8") as f:
-                tpl = json.load(f).get("chat_template")
-    if isinstance(tpl, list):  # named templates: [{"name": "default", "template": ...}, ...]
-        named = {t.get("name"): t.get("template") for t in tpl if isinstance(t, dict)}
-        tpl = named.get("default") or next(iter(named.values()), None)
-    return tpl if isinstance(tpl, str) and tpl else None
-
-
-@functools.lru_cache(maxsize=16)
-def _compile_template(source: str):
-    try:
-        import jinja2
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-    except ImportError:
-        raise ImportError("rendering a chat template needs jinja2: pip install jinja2") from None
-
-    def raise_exception(message):
-        raise jinja2.exceptions.TemplateError(message)
-
-    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-    def strftime_now(fmt):
-        import datetime
-
-        return datetime.datetime.now().strftime(fmt)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = strftime_now
-    return env.from_string(source)
-
-
-def read_chat_template(tokenizer_dir: str | os.PathLike) -> tuple[str | None, dict[str, str]]:
-    """A tokenizer folder's chat template source (None without one) and its special-token texts.
-
-    The template comes from `tokenizer_config.json` (`chat_template`, or a `chat_template.jinja` /
-    `chat_template.json` beside it); the specials are bos_token, eos_token, unk_token, pad_token.
-    """
-    tokenizer_dir = os.fspath(tokenizer_dir)
-    if not os.path.isdir(tokenizer_dir):
-        raise FileNotFoundError(f"tokenizer folder {tokenizer_dir} does not exist")
-    cfg_path = os.path.join(tokenizer_dir, "tokenizer_config.json")
-    config: dict = {}
-    if os.path.isfile(cfg_path):
-        try:
-            with open(cfg_path, encoding="utf-8") as f:
-                config = json.load(f)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{cfg_path} is not valid JSON: {e}") from e
-        if not isinstance(config, dict):
-            raise ValueError(f"{cfg_path} must hold a JSON object")
-    specials = {k: _special_token(config.get(k)) for k in ("bos_token", "eos_token", "unk_token", "pad_token")}
-    return _chat_template(tokenizer_dir, config), specials
-
-
-def render_messages(source: str, messages: Sequence[dict], specials: dict[str, str]) -> str:
-    """`messages` through the template `source`, as transformers renders it for generation."""
-    return _compile_template(source).render(messages=list(messages), add_generation_prompt=True, **specials)
-
-
-def render_prompt(text: str, tokenizer_dir: str | os.PathLike) -> str:
-    """`text` as the user turn of the model's chat template, ready for the assistant's answer.
-
-    The template (see `read_chat_template`) is rendered with jinja2 (sandboxed) as transformers
-    does: messages=[{"role": "user", "content": text}], add_generation_prompt=True, plus bos_token,
-    eos_token (and the other special tokens). Without a template, `text` is returned unchanged.
-    The result usually starts with the BOS text; `Tokenizer.encode` does not add a second BOS.
-    """
-    source, specials = read_chat_template(tokenizer_dir)
-    if source is None:
-        return text
-    return render_messages(source, [{"role": "user", "content": text}], specials)
 
 
 # ---- regeneration ------------------------------------------------------------------------------------------
