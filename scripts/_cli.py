@@ -45,6 +45,7 @@ _LIBRARY_USER_ERRORS = (
     ("eagle3_jax.scheduler", "CapacityError"),
     ("eagle3_jax.bench.gsm8k", "DataError"),
     ("eagle3_jax.chat_template", "ChatTemplateError"),
+    ("eagle3_jax.extras", "MissingExtraError"),  # an optional dependency not installed: the line names the extra
 )
 
 

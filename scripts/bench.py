@@ -198,6 +198,8 @@ def main(argv: Sequence[str]) -> None:
     from eagle3_jax.bench.workloads import DATASETS, MULTITURN, dataset_workload, multiturn_workload, random_workload_for
     from eagle3_jax.tokenizer import load_tokenizer
 
+    report_lib.pyplot()  # the plots' matplotlib (the bench extra): missing, say so before the run, not after it
+
     try:
         settings = ordered(parse_specs(FLAGS.spec))
     except ValueError as e:

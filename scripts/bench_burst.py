@@ -62,7 +62,9 @@ async def one(session, url: str, model: str, prompt: str, max_tokens: int) -> in
 
 
 async def run_bursts(base: str, requests: list[tuple[str, int]], bursts: int) -> list[dict]:
-    import aiohttp  # optional (the server's extra), loaded when used
+    from eagle3_jax.bench.http_client import client
+
+    aiohttp = client()
 
     async with aiohttp.ClientSession() as session:
         async with session.get(f"{base}/v1/models") as r:

@@ -91,13 +91,11 @@ def engine_ms_per_step(target, draft, spec, prompts: list[list[int]]) -> dict:
 def plot(rows: list[dict], path: str) -> None:
     """One bar per row, stacked to 100 % of its step: the phases alone, the program's extra over
     them, the step's time around the program; each bar labelled with its step's ms."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    from eagle3_jax.bench.report import pyplot
     from eagle3_jax.bench.step_accounting import SPEC_PHASES
     from eagle3_jax.checkpoint.atomic import atomic_output
+
+    plt = pyplot()
 
     labels = [f"{r['mode']}\nB={r['batch']}" for r in rows]
     parts = [(f"{name} (alone)", lambda r, n=name: r["phases"].get(n, 0.0), color)
@@ -132,9 +130,12 @@ def main(argv) -> None:
     for flag, path in (("--json_out", FLAGS.json_out), ("--plot", FLAGS.plot)):
         _cli.check_output(flag, path, {"--target": FLAGS.target, "--draft": FLAGS.draft}, is_file=True)
     import eagle3_jax as e3
-    from eagle3_jax.bench.report import machine_info
+    from eagle3_jax.bench.report import machine_info, pyplot
     from eagle3_jax.bench.step_accounting import account
     from eagle3_jax.tokenizer import load_tokenizer
+
+    if FLAGS.plot:
+        pyplot()  # the bench extra's matplotlib: missing, say so before the run rather than after it
 
     with _cli.usage_errors("--spec"):
         specs = [(name, e3.SpecConfig.parse(name)) for name in FLAGS.spec]

@@ -156,6 +156,7 @@ def main(argv: Sequence[str]) -> None:
 
     import eagle3_jax as e3
     from eagle3_jax.train import run_record
+    from eagle3_jax.train.trainer import Trainer, TrainConfig  # needs the train extra: checked before any work
 
     model_cfg = e3.load_model_config(FLAGS.target)
     if FLAGS.draft_vocab_size > model_cfg.vocab_size:
@@ -185,7 +186,6 @@ def main(argv: Sequence[str]) -> None:
     from eagle3_jax.train import data as data_lib
     from eagle3_jax.train.draft_model import assembled_params, init_draft_params, make_ttt_loss, new_draft_config
     from eagle3_jax.train.export import export_hf_draft
-    from eagle3_jax.train.trainer import Trainer, TrainConfig
     from eagle3_jax.train.vocab import count_tokens, select_draft_vocab
 
     if texts is not None:

@@ -7,6 +7,8 @@ import dataclasses
 import json
 import os
 import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -18,6 +20,7 @@ from eagle3_jax.bench.http_client import completion_payload, parse_sse_line, run
 from eagle3_jax.bench.runner import RunConfig, check_lengths, drive, make_cell, mark_identical, outputs_digest
 from eagle3_jax.bench.settings import parse_spec, parse_specs
 from eagle3_jax.chat_template import render_prompt
+from eagle3_jax.extras import MissingExtraError, require
 from eagle3_jax.request import RequestOutput
 from eagle3_jax.sampling import SamplingParams
 from eagle3_jax.spec_decode import SpecConfig
@@ -520,3 +523,45 @@ def test_multiturn_workload_plays_the_targets_own_answers(tmp_path):
     with pytest.raises(ValueError, match="chat template"):
         W.multiturn_workload("mt_bench_multiturn", target=target, tokenizer_dir=tmp_path, output_len=8,
                              max_seq_len=512, tokenizer=tok, limit=3)
+
+
+# ---- optional dependencies (pip extras) ---------------------------------------------------------------------
+
+EXTRAS_MODULES = ("optax", "matplotlib", "aiohttp", "prometheus_client")
+
+
+def test_require_names_the_extra(tmp_path, monkeypatch):
+    assert require("json", "bench", "x") is json
+    with pytest.raises(MissingExtraError, match=r"^plotting needs no_such_mod, which is not installed: "
+                                                r"pip install 'eagle3-jax\[bench\]'$"):
+        require("no_such_mod.pyplot", "bench", "plotting")
+    (tmp_path / "broken_extra_mod.py").write_text("import no_such_inner_dependency\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ModuleNotFoundError) as info:  # an installed module that fails inside keeps its error
+        require("broken_extra_mod", "bench", "x")
+    assert not isinstance(info.value, MissingExtraError)
+
+
+def run_without_extras(tmp_path, *args: str) -> subprocess.CompletedProcess:
+    """Python with the extras' modules unimportable, as in an install without them (`pip install -e .`)."""
+    site = tmp_path / "site"
+    site.mkdir(exist_ok=True)
+    (site / "sitecustomize.py").write_text(f"import sys\nfor m in {EXTRAS_MODULES!r}:\n    sys.modules[m] = None\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(site), ROOT]), XLA_FLAGS="")
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+
+
+def test_library_and_entry_points_without_the_extras(tmp_path):
+    r = run_without_extras(tmp_path, "-c", "import sys, eagle3_jax, eagle3_jax.engine, eagle3_jax.chat_template, "
+                           "eagle3_jax.bench, eagle3_jax.bench.gsm8k, eagle3_jax.bench.http_client, "
+                           "eagle3_jax.bench.report, eagle3_jax.train; "
+                           f"print([m for m in {EXTRAS_MODULES!r} if sys.modules.get(m) is not None])")
+    assert r.returncode == 0 and r.stdout.strip() == "[]", r.stderr[-3000:]
+    cases = [(("scripts/bench.py", f"--target={KIMI}"), "plotting benchmark results needs matplotlib", "bench"),
+             (("scripts/train_target.py", "--config=/no/config.json", "--corpus=/no/c.npy", "--out=/tmp/never"),
+              "training needs optax", "train")]
+    for args, words, extra in cases:
+        r = run_without_extras(tmp_path, *args)
+        script = os.path.basename(args[0])
+        assert r.returncode == 2 and r.stderr.strip() == (f"{script}: error: {words}, which is not installed: "
+                                                          f"pip install 'eagle3-jax[{extra}]'"), r.stderr[-3000:]

@@ -40,7 +40,7 @@ import time
 from typing import Callable, Mapping, Sequence
 
 from ..sampling import SamplingParams
-from .http_client import TIMEOUT_S, acceptance_between, check_server, scrape_metrics, served_model
+from .http_client import TIMEOUT_S, acceptance_between, check_server, client, scrape_metrics, served_model
 
 # ---- the task, as lm-eval defines it -----------------------------------------------------------------------
 
@@ -333,7 +333,7 @@ class StopRefused(Exception):
 
 async def _chat_once(session, url: str, body: dict) -> tuple[str, int, str | None]:
     """(text, completion tokens, finish_reason) of one non-streamed chat completion."""
-    import aiohttp
+    aiohttp = client()
 
     try:
         async with session.post(url, json=body) as resp:
@@ -358,7 +358,7 @@ async def _chat_once(session, url: str, body: dict) -> tuple[str, int, str | Non
 async def _generate_http(base_url: str, conversations: Sequence[list[dict[str, str]]], *, max_tokens: int,
                          stops: Sequence[str], concurrency: int, model: str | None, progress: bool,
                          desc: str) -> tuple[list[tuple[str, int, str | None]], float, bool]:
-    import aiohttp
+    aiohttp = client()
     from tqdm.auto import tqdm  # optional progress bars, loaded when used
 
     url = base_url.rstrip("/") + "/v1/chat/completions"

@@ -18,14 +18,22 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import types
 from typing import Callable, Sequence
 
+from ..extras import require
 from .metrics import RequestRecord, attach_speedups, hit_rate_between
 from .runner import RunConfig, check_lengths, make_cell, median_pass, pass_label
 from .settings import SpecSetting
 from .workloads import MEASURED, WARMUP, Workload
 
 TIMEOUT_S = 6 * 3600  # a long benchmark cell must not be cut off by the client
+
+
+def client() -> types.ModuleType:
+    """aiohttp, the client of every run against a server (the bench extra's; imported when used, so
+    in-process runs do without it)."""
+    return require("aiohttp", "bench", "running against a server")
 
 
 def completion_payload(prompt: Sequence[int], *, output_len: int, temperature: float, seed: int,
@@ -83,7 +91,7 @@ def apply_event(rec: RequestRecord, event: dict, now: float) -> None:
 
 async def send_request(session, url: str, body: dict) -> RequestRecord:
     """Send one streaming completion and record what arrived when (never raises for request errors)."""
-    import aiohttp
+    aiohttp = client()
 
     rec = RequestRecord(prompt_len=len(body["prompt"]), submit_time=time.perf_counter())
     got_usage = done = False
@@ -120,7 +128,7 @@ async def send_request(session, url: str, body: dict) -> RequestRecord:
 async def run_requests(base_url: str, bodies: Sequence[dict], concurrency: int, *, progress: bool = False,
                        desc: str = "") -> tuple[list[RequestRecord], float]:
     """Send `bodies` with at most `concurrency` in flight; (records in order, wall seconds)."""
-    import aiohttp
+    aiohttp = client()
     from tqdm.auto import tqdm
 
     url = base_url.rstrip("/") + "/v1/completions"
@@ -147,7 +155,8 @@ async def run_requests(base_url: str, bodies: Sequence[dict], concurrency: int, 
 def parse_prometheus(text: str) -> dict[str, float]:
     """Samples of a Prometheus text exposition, parsed by `prometheus_client`: `name` or
     `name{label="value",...}` (labels in the order the text gives them) -> value."""
-    from prometheus_client.parser import text_string_to_metric_families
+    text_string_to_metric_families = require("prometheus_client.parser", "bench",
+                                             "reading a server's /metrics").text_string_to_metric_families
 
     out = {}
     for family in text_string_to_metric_families(text):
@@ -184,7 +193,7 @@ def acceptance_between(before: dict[str, float], after: dict[str, float]) -> dic
 
 async def scrape_metrics(base_url: str) -> dict[str, float] | None:
     """GET /metrics parsed by `parse_prometheus`; None when the server does not answer it."""
-    import aiohttp
+    aiohttp = client()
 
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
@@ -196,7 +205,7 @@ async def scrape_metrics(base_url: str) -> dict[str, float] | None:
 
 async def served_model(base_url: str) -> str | None:
     """The first model id of GET /v1/models, or None when the server does not answer it."""
-    import aiohttp
+    aiohttp = client()
 
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
@@ -211,7 +220,7 @@ async def served_model(base_url: str) -> str | None:
 
 async def check_server(base_url: str) -> None:
     """Raise ConnectionError with the fix when nothing answers at base_url."""
-    import aiohttp
+    aiohttp = client()
 
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:

@@ -12,14 +12,17 @@ TPOT against concurrency, one line per speculation setting.
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import platform
 import sys
 import time
+import types
 from typing import Sequence
 
 from ..checkpoint.atomic import atomic_output, check_output
+from ..extras import require
 from .metrics import mean_or_none, speedup
 
 _ROW_KEYS = {  # aggregated figure -> how to read it from a cell's metrics
@@ -252,13 +255,17 @@ def plot_title(report: dict) -> str:
     return f"{model} on {where}, {m['cpu_count']} CPUs\n{_describe_workload(report['workload'])}{note}"
 
 
+def pyplot() -> types.ModuleType:
+    """matplotlib.pyplot, drawing to files only; MissingExtraError (naming the bench extra) without
+    matplotlib. Scripts that plot at the end call it first, so a long run does not fail at its end."""
+    matplotlib = require("matplotlib", "bench", "plotting benchmark results")
+    matplotlib.use("Agg")  # files only: no display needed
+    return importlib.import_module("matplotlib.pyplot")
+
+
 def plot(report: dict, key: str, ylabel: str, path: str) -> None:
     """A PNG of row figure `key` against concurrency, one line per setting (log2 x axis)."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only: no display needed
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=110)
     try:
         for s in report["settings"]:

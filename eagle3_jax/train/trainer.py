@@ -18,11 +18,13 @@ from typing import Callable, Iterable, Iterator
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import struct
 from jax.sharding import NamedSharding, PartitionSpec
 
+from ..extras import require
 from ..target import resolve_dtype
+
+optax = require("optax", "train", "training")
 
 
 @dataclasses.dataclass(frozen=True)
