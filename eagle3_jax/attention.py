@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from pallas_kernels import launch  # the launch table only: the kernels load when a kernel path runs
 
 from . import kernels, kv_cache
 from .config import ModelConfig
@@ -62,8 +63,6 @@ def _mla_kernel_takes(cache_dtype) -> bool:
     AMD (gfx942, gfx950) float32 MLA (a float32 dot over the 512-wide latent, in IEEE float32)
     spills at every launch tried (16-32 rows, 4-8 warps, 1-2 stages), so float32 MLA keeps the XLA
     path there, with a warning; bfloat16, the serving dtype, runs the kernel everywhere."""
-    from pallas_kernels import launch
-
     arch = launch.ARCHS.get(launch.current_arch())
     if arch is None or arch.vendor != "amd" or jnp.dtype(cache_dtype).itemsize < 4:
         return True

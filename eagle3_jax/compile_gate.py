@@ -27,6 +27,9 @@ from typing import TYPE_CHECKING, Callable, Iterator
 
 import jax
 import jax.numpy as jnp
+from pallas_kernels import launch
+from pallas_kernels.attention import paged_prefix_attention
+from pallas_kernels.moe import grouped_matmul, grouped_swiglu
 
 from . import attention, plan
 from .quant import QArray, QFormat
@@ -128,8 +131,6 @@ def _mesh(shape: tuple[int, int, int]):
 
 def lower_case(case: Case, arch: str) -> None:
     """Trace and lower `case`'s program for `arch` (under `launch.for_arch(arch)` and isa's capture)."""
-    from pallas_kernels import launch
-
     mesh = _mesh(case.mesh)
     spec = spec_for(case.tokens) if case.program == "spec_step" else None
     draft = os.path.join(DATA, case.config.draft) if case.config.draft and case.program != "decode" else None
@@ -155,8 +156,6 @@ class Extra:
 def _fp8_channel_experts(fnuz: bool, swiglu: bool) -> Callable[[str], tuple[Callable, tuple]]:
     """Float8 per-output-channel experts at Kimi-K2.5's expert-parallel shapes (48 local experts,
     hidden 7168, intermediate 2048, batch 64 x T 64 x top-8 assignments)."""
-    from pallas_kernels.moe import grouped_matmul, grouped_swiglu
-
     def build(arch: str):
         sds = jax.ShapeDtypeStruct
         experts, hidden, inter, rows = 48, 7168, 2048, 64 * 64 * 8
@@ -177,8 +176,6 @@ def _fp8_channel_experts(fnuz: bool, swiglu: bool) -> Callable[[str], tuple[Call
 def _large_pages(kind: str, page_size: int) -> Callable[[str], tuple[Callable, tuple]]:
     """Prefix attention over pages larger than the engine's default 16 slots (the scheduler's
     `page_size`): Kimi-K2.5's MLA (64 heads x T 4) or MiniMax-M2.5's GQA (8 KV heads, 6 x T 64 rows)."""
-    from pallas_kernels.attention import paged_prefix_attention
-
     def build(arch: str):
         sds = jax.ShapeDtypeStruct
         batch, pages = 4, CONTEXT // page_size
@@ -206,8 +203,6 @@ EXTRA: tuple[Extra, ...] = tuple(
 
 def lower_extra(extra: Extra, arch: str) -> None:
     """Trace and lower `extra` for `arch` (under `launch.for_arch(arch)` and isa's capture)."""
-    from pallas_kernels import launch
-
     fn, args = extra.build(arch)
     with launch.abstract_gpu():
         jax.jit(lambda *a: fn(*a)).trace(*args).lower(lowering_platforms=(launch.ARCHS[arch].platform,))
@@ -235,8 +230,6 @@ class GateRow:
 def run_gate(items, archs, progress: Callable[[str], None] = lambda _: None) -> list[GateRow]:
     """Lower every case / extra in `items` for every architecture in `archs`, compile each distinct
     Triton module once per architecture, and return one row per (architecture, module)."""
-    from pallas_kernels import launch
-
     rows: list[GateRow] = []
     for arch in archs:
         with launch.for_arch(arch):  # JAX's caches cleared once per architecture, not per program

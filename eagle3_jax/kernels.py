@@ -23,6 +23,7 @@ import functools
 import logging
 
 import jax
+from pallas_kernels import launch
 
 OPS = ("attention", "moe")
 IMPLEMENTATIONS = ("xla", "pallas")
@@ -77,8 +78,6 @@ def uses(kernels: str, op: str) -> bool:
 def interpret() -> bool:
     """Pallas kernels run interpreted on a CPU host, unless the trace is for a named GPU
     architecture (`pallas_kernels.launch.for_arch`: deviceless lowering, the compile gate)."""
-    from pallas_kernels import launch
-
     return jax.default_backend() == "cpu" and not launch.is_overridden()
 
 

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from pallas_kernels import launch
 
 from . import kv_cache
 from .config import ModelConfig, load_model_config
@@ -366,8 +367,6 @@ def plan_memory(target, draft=None, mesh: Mesh | None = None, batch: int = 1, ma
     to float32 and back at each write) and FP8 weights are declared as their bytes
     (`_float8_as_bytes`; XLA:CPU widens whole float8 stacks ahead of the layer loop).
     """
-    from pallas_kernels import launch
-
     wants_kernels = any(impl != "xla" for impl in parse(kernels).values())
     if wants_kernels and arch not in launch.ARCHS:
         raise ValueError(f"planning the Pallas kernels needs the GPU they run on: arch={arch!r}; use one of "

@@ -32,6 +32,7 @@ from typing import Sequence
 import jax
 from jax.sharding import Mesh
 
+from .plan import _cache_device_bytes, _leaf_bytes, _leaf_device_bytes
 from .quant import QArray
 from .sharding import param_axes
 from .spec_decode.settings import SpecConfig
@@ -166,8 +167,6 @@ def predict(costs: StepCosts, hw: Hardware, spec: SpecConfig, acceptance: Sequen
 
 def _leaf_split(leaf, axes, mesh: Mesh) -> tuple[int, int]:
     """(bytes, weight elements) of `leaf` held by one device."""
-    from .plan import _leaf_bytes, _leaf_device_bytes
-
     held = _leaf_device_bytes(leaf, axes, mesh)
     return held, math.prod(leaf.shape) * held // max(_leaf_bytes(leaf), 1)
 
@@ -191,8 +190,6 @@ def attention_flops_per_key(cfg, heads: int) -> int:
 
 def step_costs(setup) -> StepCosts:
     """`StepCosts` of a `plan.AbstractSetup` (batch = the mesh's data size is enough)."""
-    from .plan import _cache_device_bytes
-
     cfg, mesh = setup.cfg, setup.mesh
     dense_b = dense_e = expert_b = expert_e = held = 0
     treedef = jax.tree.structure(setup.tparams, is_leaf=lambda x: isinstance(x, QArray))

@@ -1,5 +1,5 @@
-"""Continuous batching over a paged KV cache: the Scheduler (its API, one iteration, launches,
-results); admission, pages and preemption are the running batch's (batch.py).
+"""Continuous batching over a paged KV cache: the Scheduler (its API, one iteration, results);
+launches are launches.py's; admission, pages and preemption are the running batch's (batch.py).
 
 Requests queue up and join or leave the running batch between steps. Each `step()`:
 
@@ -46,14 +46,14 @@ from ..logprobs import Logprob, LogprobSettings
 from ..page_allocator import pages_for
 from ..request import RequestOutput, cap_message, check_request, normalize_sampling, token_budget
 from ..sampling import SamplingParams
-from ..spec_decode.policy import StepPlan, check_speculation, policy_for
+from ..spec_decode.policy import check_speculation, policy_for
 from ..spec_decode.settings import AutoSpec, SpecConfig
 from ..target import Target
 from ..text_stream import TextStream, output_text
 from ..tokenizer import Tokenizer
 from . import lockstep
-from .batch import (DECODE, DONE, MIN_CHUNK_BUCKET, MIN_PAGES_BUCKET, WAITING, RunningBatch, ScheduledRequest, bucket,
-                    chunk_cap, prefill_arrays)
+from .batch import DECODE, DONE, MIN_PAGES_BUCKET, WAITING, RunningBatch, ScheduledRequest, bucket
+from .launches import Launch, Launcher, time_steady_steps_only
 from .metrics import SchedulerCounters
 from .programs import Executor
 from .warmup import WarmUp, run_on_padding, warmup_programs
@@ -83,40 +83,6 @@ class RequestDelta:
     # The settled text of token_ids where the request layer decodes the request (one with stop
     # strings), else None: its front end decodes it (text_stream.ChoiceText).
     text: str | None = None
-
-
-@dataclasses.dataclass
-class _Launch:
-    """A step program launched on the device, its outputs not read yet."""
-
-    kind: str  # "prefill" | "decode"
-    rows: list  # (sequence, its epoch at launch, prefill: whether the chunk ends its prompt)
-    outputs: list  # device arrays
-    plan: StepPlan | None = None  # decode: what ran
-    key: tuple = ()
-    launched: float = 0.0
-    untimed: bool = False  # not timed: after a catch-up (whose end the host does not see), or before a switch
-    compiles: int = 0  # programs compiled before it was launched
-    with_draft: bool = False  # prefill: the draft's program
-    tokens: int = 0  # prefill: prompt tokens computed
-    chunks: list = dataclasses.field(default_factory=list)  # prefill: each row's (chunk start, chunk length)
-
-
-def _time_steady_steps_only(ready: list[_Launch], launched: list[_Launch]) -> None:
-    """Leave untimed a decode step read after a different one was launched (another program or
-    shape, or a catch-up first). A step's time runs from the previous read to its own, and the host
-    launches the next step before that read: when the device finishes first, the host's work for
-    the next launch is in the step's time. That is the step's true cost while the same step repeats
-    (what the adaptive policy's step costs predict), but before a switch it is the cost of neither
-    (a plain step read after launching a catch-up and a speculative step measured up to twice its
-    steady time)."""
-    step = next((launch for launch in ready if launch.kind == "decode"), None)
-    following = next((launch for launch in launched if launch.kind == "decode"), None)
-    if step is None or following is None:
-        return
-    same = following.plan.program == step.plan.program and following.plan.shape == step.plan.shape
-    if following.plan.catch_up or not same:
-        step.untimed = True
 
 
 class Scheduler:
@@ -184,8 +150,10 @@ class Scheduler:
         self._executor = Executor(features, self.draft, self.policy, int(num_pages), self.page_size, self.max_num_seqs,
                                   int(max_compiled_programs))
         self.programs = self._executor.programs
-        self._leader: lockstep.Leader | None = None
-        self._inflight: list[_Launch] = []  # launched last iteration, read in the next (overlap)
+        self._launcher = Launcher(self._executor, self._batch, self.policy, self.counters, self._logprob_settings,
+                                  max_num_seqs=self.max_num_seqs, prefill_chunk=self.prefill_chunk,
+                                  prefill_width=self._prefill_width)
+        self._inflight: list[Launch] = []  # launched last iteration, read in the next (overlap)
         self._last_read = 0.0  # when the host last had a program's outputs
         self._requests: dict[str, ScheduledRequest] = {}
         self._aborted: list[RequestDelta] = []
@@ -310,93 +278,35 @@ class Scheduler:
         launches = []
         prefill_rows = self._batch.prefill_rows(self.prefill_chunk)
         if prefill_rows:
-            launches.append(self._launch_prefill(prefill_rows))
+            launches.append(self._launcher.prefill(prefill_rows))
         self._batch.grow_pages()
         decode_rows = [r for r in self._batch.running.values() if r.state == DECODE]
         if decode_rows:
-            launches.append(self._launch_decode(decode_rows))
+            launches.append(self._launcher.decode(decode_rows))
         ready, self._inflight = (self._inflight, launches) if self.overlap else (launches, [])
         if self.overlap:
-            _time_steady_steps_only(ready, launches)
+            time_steady_steps_only(ready, launches)
         news, waited = self._collect(ready)
         self.counters.totals["host_seconds_total"] += time.perf_counter() - start - waited
         self.counters.totals["num_iterations_total"] += 1
         return deltas + news
 
-    def _launch(self, kind: str, plan_shape, block_table: np.ndarray, *args, logprobs: bool = False):
-        """Launch a program, the variant returning logprobs when asked (first telling the followers
-        of a multi-host leader)."""
-        settings = self._logprob_settings if logprobs else None
-        if self._leader is not None:
-            self._leader.launched(kind, plan_shape, block_table, args, settings)
-        return self._executor.execute(kind, plan_shape, block_table, *args, logprobs=settings)
-
     # ---- multi-host serving ----------------------------------------------------------------------
     def lead(self) -> None:
         """Make this (process 0's) scheduler send every step to the followers (multi-host serving:
         only process 0 takes requests; see lockstep.py). Call `release_followers` when done."""
-        self._leader = lockstep.Leader()
+        self._launcher.leader = lockstep.Leader()
 
     def release_followers(self) -> None:
         """Leader: tell every follower's `follow` to return (idempotent)."""
-        if self._leader is not None:
-            self._leader.release()
-            self._leader = None
+        if self._launcher.leader is not None:
+            self._launcher.leader.release()
+            self._launcher.leader = None
 
     def follow(self) -> int:
         """Follower (process > 0): run the leader's step programs on this process's shards, in the
         leader's order, until it calls `release_followers`. Returns the number of steps run."""
         return lockstep.follow(self._executor)
-
-    # ---- launches ------------------------------------------------------------------------------
-    def _launch_prefill(self, rows: list[tuple[ScheduledRequest, int]]) -> _Launch:
-        """Launch the next prompt chunks; a request whose prompt ends here decodes from now on."""
-        slots, block_table = self._batch.rows_batch([r for r, _ in rows], self._prefill_width)
-        batch = len(slots)
-        t = bucket(max(n for _, n in rows), MIN_CHUNK_BUCKET, chunk_cap(self.prefill_chunk))
-        tokens, lengths, n_valid, following, counter = prefill_arrays(batch, t)
-        sp = self._batch.sampling.rows(slots)
-        owners = slots.copy()  # each row's own slot, whose penalty history the chunk enters
-        for i, (req, n) in enumerate(rows):
-            c = req.computed
-            tokens[i, :n] = req.prefill_ids[c: c + n]
-            n_valid[i], lengths[i], counter[i] = n, c, len(req.output)
-            if c + n < len(req.prefill_ids):  # not the prompt's last chunk: its first token is not kept
-                following[i] = req.prefill_ids[c + n]
-                slots[i] = self.max_num_seqs
-        launched_rows = [(req, req.epoch, following[i] < 0) for i, (req, _) in enumerate(rows)]
-        # With the draft when any row has it (a row without it then has a draft cache it never uses).
-        with_draft = any(r.with_draft for r, _ in rows)
-        logprobs = any(r.logprobs is not None or r.wants_prompt_logprobs for r, _ in rows)
-        chunks = [(req.computed, n) for req, n in rows]
-        compiles, launched = self.programs.num_compiles, time.perf_counter()
-        outputs = self._launch("prefill" if with_draft else "plain_prefill", None, block_table, tokens, lengths,
-                               n_valid, following, slots, sp, counter, owners, self._batch.prompt_lens[owners],
-                               logprobs=logprobs)
-        for req, n in rows:
-            req.computed += n
-            req.length = req.computed
-            self._batch.cache_prefilled(req, with_draft)
-            if req.computed == len(req.prefill_ids):
-                req.state = DECODE
-        self.counters.totals["prompt_tokens_total"] += int(n_valid[: len(rows)].sum())
-        return _Launch("prefill", launched_rows, outputs, key=(batch, t), launched=launched, compiles=compiles,
-                       with_draft=with_draft, tokens=int(n_valid[: len(rows)].sum()), chunks=chunks)
-
-    def _launch_decode(self, rows: list[ScheduledRequest]) -> _Launch:
-        slots, block_table = self._batch.rows_batch(rows)
-        self._batch.last_decode_key = block_table.shape
-        plan = self.policy.plan(rows, block_table.shape)
-        if plan.catch_up:
-            self._launch("catch_up", None, block_table, slots)
-        for req in rows:
-            req.pending += 1
-        compiles, launched = self.programs.num_compiles, time.perf_counter()
-        outputs = self._launch(plan.program, plan.shape, block_table, slots, self._batch.prompt_lens[slots],
-                               self._batch.sampling.rows(slots), logprobs=any(r.logprobs is not None for r in rows))
-        # A step after a catch-up starts when the catch-up ends, which the host does not see.
-        return _Launch("decode", [(r, r.epoch, True) for r in rows], outputs, plan, block_table.shape, launched,
-                       plan.catch_up, compiles)
 
     # ---- warm-up -------------------------------------------------------------------------------
     def warm_up(self) -> WarmUp:
@@ -409,18 +319,16 @@ class Scheduler:
                                  prefill_width=self._prefill_width, max_pages_per_seq=self.max_pages_per_seq)
         chosen, start = wanted[: self.programs.capacity], time.perf_counter()
         for program in chosen:
-            outputs = run_on_padding(program, self._batch, self._launch)
-            if self._leader is not None:
-                self._leader.reading(1)
+            outputs = run_on_padding(program, self._batch, self._launcher.run)
+            self._launcher.reading(1)
             self._executor.read(outputs)
         return WarmUp.of(wanted, chosen, self.programs.capacity, self.page_size, self.lookahead + self._overshoot,
                          time.perf_counter() - start)
 
     # ---- results -------------------------------------------------------------------------------
-    def _collect(self, launches: list[_Launch]) -> tuple[list[RequestDelta], float]:
+    def _collect(self, launches: list[Launch]) -> tuple[list[RequestDelta], float]:
         """Read launched programs' outputs, in launch order -> (deltas, seconds spent waiting)."""
-        if self._leader is not None and launches:
-            self._leader.reading(len(launches))
+        self._launcher.reading(len(launches))
         deltas, waited = [], 0.0
         for launch in launches:
             start = time.perf_counter()
@@ -437,7 +345,7 @@ class Scheduler:
             self._last_read = now
         return deltas, waited
 
-    def _step_seconds(self, launch: _Launch, now: float) -> float | None:
+    def _step_seconds(self, launch: Launch, now: float) -> float | None:
         """What a program cost the serving loop: the wall time since the previous program's
         outputs were read (the previous step's, or a prefill's of the same iteration), or since
         its launch if later (an idle loop), so host work the device did not hide counts too. None
@@ -446,7 +354,7 @@ class Scheduler:
             return None
         return now - max(launch.launched, self._last_read)
 
-    def _collect_prefill(self, launch: _Launch, outputs: list[np.ndarray], now: float) -> list[RequestDelta]:
+    def _collect_prefill(self, launch: Launch, outputs: list[np.ndarray], now: float) -> list[RequestDelta]:
         """A prefill's first tokens for rows whose prompt ended, and prompt logprobs of every row
         still in the batch that asks for them."""
         first, logprobs = outputs[0], outputs[1:] or None
@@ -463,7 +371,7 @@ class Scheduler:
                 deltas.append(self._emit(req, first[i: i + 1], now, lps))
         return deltas
 
-    def _collect_decode(self, launch: _Launch, rows: list[tuple[int, ScheduledRequest]], outputs: list[np.ndarray],
+    def _collect_decode(self, launch: Launch, rows: list[tuple[int, ScheduledRequest]], outputs: list[np.ndarray],
                         now: float) -> list[RequestDelta]:
         (out, count), logprobs = outputs[:2], outputs[2:] or None
         plan = launch.plan

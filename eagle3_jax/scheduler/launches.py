@@ -1,0 +1,129 @@
+"""Launching the step programs: a batch's rows -> the device arrays of one prefill chunk batch or
+one decode step, launched (and, for a multi-host leader, announced to the followers first).
+
+A `Launch` is a program on the device whose outputs the scheduler has not read yet; with overlap
+it is read in the next iteration, while that iteration's programs run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import numpy as np
+
+from ..logprobs import LogprobSettings
+from ..spec_decode.policy import SpeculationPolicy, StepPlan
+from . import lockstep
+from .batch import DECODE, MIN_CHUNK_BUCKET, RunningBatch, ScheduledRequest, bucket, chunk_cap, prefill_arrays
+from .metrics import SchedulerCounters
+from .programs import Executor
+
+
+@dataclasses.dataclass
+class Launch:
+    """A step program launched on the device, its outputs not read yet."""
+
+    kind: str  # "prefill" | "decode"
+    rows: list  # (sequence, its epoch at launch, prefill: whether the chunk ends its prompt)
+    outputs: list  # device arrays
+    plan: StepPlan | None = None  # decode: what ran
+    key: tuple = ()
+    launched: float = 0.0
+    untimed: bool = False  # not timed: after a catch-up (whose end the host does not see), or before a switch
+    compiles: int = 0  # programs compiled before it was launched
+    with_draft: bool = False  # prefill: the draft's program
+    tokens: int = 0  # prefill: prompt tokens computed
+    chunks: list = dataclasses.field(default_factory=list)  # prefill: each row's (chunk start, chunk length)
+
+
+def time_steady_steps_only(ready: list[Launch], launched: list[Launch]) -> None:
+    """Leave untimed a decode step read after a different one was launched (another program or
+    shape, or a catch-up first). A step's time runs from the previous read to its own, and the host
+    launches the next step before that read: when the device finishes first, the host's work for
+    the next launch is in the step's time. That is the step's true cost while the same step repeats
+    (what the adaptive policy's step costs predict), but before a switch it is the cost of neither
+    (a plain step read after launching a catch-up and a speculative step measured up to twice its
+    steady time)."""
+    step = next((launch for launch in ready if launch.kind == "decode"), None)
+    following = next((launch for launch in launched if launch.kind == "decode"), None)
+    if step is None or following is None:
+        return
+    same = following.plan.program == step.plan.program and following.plan.shape == step.plan.shape
+    if following.plan.catch_up or not same:
+        step.untimed = True
+
+
+class Launcher:
+    """Launches a running batch's programs on the executor's devices."""
+
+    def __init__(self, executor: Executor, batch: RunningBatch, policy: SpeculationPolicy, counters: SchedulerCounters,
+                 logprob_settings: LogprobSettings, *, max_num_seqs: int, prefill_chunk: int, prefill_width: int):
+        self.executor, self.batch, self.policy, self.counters = executor, batch, policy, counters
+        self.logprob_settings = logprob_settings
+        self.max_num_seqs, self.prefill_chunk, self.prefill_width = max_num_seqs, prefill_chunk, prefill_width
+        self.leader: lockstep.Leader | None = None  # multi-host: process 0 announces every launch
+
+    def run(self, kind: str, plan_shape, block_table: np.ndarray, *args, logprobs: bool = False):
+        """Launch a program, the variant returning logprobs when asked (first telling the followers
+        of a multi-host leader)."""
+        settings = self.logprob_settings if logprobs else None
+        if self.leader is not None:
+            self.leader.launched(kind, plan_shape, block_table, args, settings)
+        return self.executor.execute(kind, plan_shape, block_table, *args, logprobs=settings)
+
+    def reading(self, count: int) -> None:
+        """The host is about to read the outputs of its `count` oldest launches (a multi-host leader
+        tells the followers, which read theirs alike)."""
+        if self.leader is not None and count:
+            self.leader.reading(count)
+
+    def prefill(self, rows: list[tuple[ScheduledRequest, int]]) -> Launch:
+        """Launch the next prompt chunks; a request whose prompt ends here decodes from now on."""
+        slots, block_table = self.batch.rows_batch([r for r, _ in rows], self.prefill_width)
+        batch = len(slots)
+        t = bucket(max(n for _, n in rows), MIN_CHUNK_BUCKET, chunk_cap(self.prefill_chunk))
+        tokens, lengths, n_valid, following, counter = prefill_arrays(batch, t)
+        sp = self.batch.sampling.rows(slots)
+        owners = slots.copy()  # each row's own slot, whose penalty history the chunk enters
+        for i, (req, n) in enumerate(rows):
+            c = req.computed
+            tokens[i, :n] = req.prefill_ids[c: c + n]
+            n_valid[i], lengths[i], counter[i] = n, c, len(req.output)
+            if c + n < len(req.prefill_ids):  # not the prompt's last chunk: its first token is not kept
+                following[i] = req.prefill_ids[c + n]
+                slots[i] = self.max_num_seqs
+        launched_rows = [(req, req.epoch, following[i] < 0) for i, (req, _) in enumerate(rows)]
+        # With the draft when any row has it (a row without it then has a draft cache it never uses).
+        with_draft = any(r.with_draft for r, _ in rows)
+        logprobs = any(r.logprobs is not None or r.wants_prompt_logprobs for r, _ in rows)
+        chunks = [(req.computed, n) for req, n in rows]
+        compiles, launched = self.executor.programs.num_compiles, time.perf_counter()
+        outputs = self.run("prefill" if with_draft else "plain_prefill", None, block_table, tokens, lengths,
+                               n_valid, following, slots, sp, counter, owners, self.batch.prompt_lens[owners],
+                               logprobs=logprobs)
+        for req, n in rows:
+            req.computed += n
+            req.length = req.computed
+            self.batch.cache_prefilled(req, with_draft)
+            if req.computed == len(req.prefill_ids):
+                req.state = DECODE
+        self.counters.totals["prompt_tokens_total"] += int(n_valid[: len(rows)].sum())
+        return Launch("prefill", launched_rows, outputs, key=(batch, t), launched=launched, compiles=compiles,
+                       with_draft=with_draft, tokens=int(n_valid[: len(rows)].sum()), chunks=chunks)
+
+    def decode(self, rows: list[ScheduledRequest]) -> Launch:
+        """Launch one decode step over `rows`, as the speculation policy plans it (a catch-up first when planned)."""
+        slots, block_table = self.batch.rows_batch(rows)
+        self.batch.last_decode_key = block_table.shape
+        plan = self.policy.plan(rows, block_table.shape)
+        if plan.catch_up:
+            self.run("catch_up", None, block_table, slots)
+        for req in rows:
+            req.pending += 1
+        compiles, launched = self.executor.programs.num_compiles, time.perf_counter()
+        outputs = self.run(plan.program, plan.shape, block_table, slots, self.batch.prompt_lens[slots],
+                               self.batch.sampling.rows(slots), logprobs=any(r.logprobs is not None for r in rows))
+        # A step after a catch-up starts when the catch-up ends, which the host does not see.
+        return Launch("decode", [(r, r.epoch, True) for r in rows], outputs, plan, block_table.shape, launched,
+                       plan.catch_up, compiles)
