@@ -31,6 +31,8 @@ from typing import Iterable
 import numpy as np
 
 from ..chat_template import ChatTemplate, render_prompts
+from ..sampling import SamplingParams
+from ..scheduler import Scheduler
 from ..tokenizer import Tokenizer, load_tokenizer
 from ..train.data import load_prompts, read_utf8
 
@@ -242,9 +244,6 @@ def multiturn_workload(name: str, *, target, tokenizer_dir: str | os.PathLike, o
     history a chat client would send back. Raises ValueError when the target's tokenizer has no
     chat template (roles would be lost) or when no second turn fits `max_seq_len`.
     """
-    from ..sampling import SamplingParams
-    from ..scheduler import Scheduler
-
     if name not in MULTITURN:
         raise ValueError(f"unknown multi-turn workload {name!r}; choose one of {', '.join(MULTITURN)}")
     output_len = _check_output_len(output_len)
