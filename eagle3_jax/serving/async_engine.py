@@ -42,7 +42,7 @@ import uuid
 from typing import Any, AsyncIterator, Sequence
 
 from ..sampling import SamplingParams
-from ..scheduler import RequestDelta, Scheduler, WarmUp
+from ..scheduler import CapacityError, RequestDelta, Scheduler, WarmUp  # noqa: F401 (CapacityError: the engine's face)
 from ..text_stream import ChoiceText
 from .choices import Choices
 from ..tokenizer import Tokenizer

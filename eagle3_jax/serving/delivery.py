@@ -24,8 +24,7 @@ import uuid
 from typing import Any, AsyncIterator, Iterable, Mapping, Protocol, Sequence
 
 from ..logprobs import Logprob
-from ..scheduler import CapacityError
-from .async_engine import AsyncEngine, EngineError
+from .async_engine import AsyncEngine, CapacityError, EngineError
 from .choices import Choices
 from .errors import ApiError, web
 from .protocol import GenerationRequest

@@ -1,0 +1,119 @@
+"""The shape of the house: module and class sizes, no import cycles, serving independent of training,
+and few imports of the project's own modules inside functions (each one a reason: see the list)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("eagle3_jax", "pallas_kernels")
+MAX_MODULE_LINES, MAX_CLASS_LINES = 600, 330
+# Imports of the project's own modules inside functions, and why each is there.
+LAZY_IMPORTS = {
+    # the Pallas kernels load only when a kernel path runs (the XLA path never imports Pallas, whose
+    # Triton backend warns of its deprecation on import from JAX 0.11)
+    ("eagle3_jax.attention", "pallas_kernels.attention"): 3,
+    ("eagle3_jax.moe", "pallas_kernels.moe"): 2,
+    # compiling to ISA needs the `triton` wheel, which only the compile gate uses
+    ("eagle3_jax.compile_gate", "pallas_kernels.isa"): 1,
+}
+
+
+def _modules() -> dict[str, Path]:
+    mods = {}
+    for pkg in PACKAGES:
+        for path in sorted((ROOT / pkg).rglob("*.py")):
+            name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+            mods[name.removesuffix(".__init__")] = path
+    return mods
+
+
+def _imports(name: str, path: Path, mods: dict[str, Path]):
+    """(imported project module, inside a function, under TYPE_CHECKING) for each import of `name`."""
+    is_pkg = path.name == "__init__.py"
+
+    def targets(node) -> list[str]:
+        if isinstance(node, ast.Import):
+            return [a.name for a in node.names if a.name in mods]
+        if node.level:
+            parts = name.split(".") if is_pkg else name.split(".")[:-1]
+            base = ".".join(parts[: len(parts) - node.level + 1] + ([node.module] if node.module else []))
+        else:
+            base = node.module or ""
+        subs = [f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in mods]
+        return subs or ([base] if base in mods else [])
+
+    def walk(node, in_function: bool, type_checking: bool):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.Import, ast.ImportFrom)):
+                for target in targets(child):
+                    yield target, in_function, type_checking
+            yield from walk(child, in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)),
+                            type_checking or isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test))
+
+    yield from walk(ast.parse(path.read_text()), False, False)
+
+
+def test_modules_and_classes_stay_small():
+    too_long = []
+    for name, path in _modules().items():
+        tree = ast.parse(path.read_text())
+        lines = len(path.read_text().splitlines())
+        if lines > MAX_MODULE_LINES:
+            too_long.append(f"{name}: {lines} lines")
+        too_long += [f"{name}.{c.name}: {c.end_lineno - c.lineno + 1} lines" for c in ast.walk(tree)
+                     if isinstance(c, ast.ClassDef) and c.end_lineno - c.lineno + 1 > MAX_CLASS_LINES]
+    assert not too_long, too_long
+
+
+def test_no_import_cycles_and_serving_needs_no_training():
+    mods = _modules()
+    graph = {name: {t for t, lazy, tc in _imports(name, path, mods) if not lazy and not tc and t != name}
+             for name, path in mods.items()}
+    assert not [(a, b) for a in graph for b in graph[a] if a.startswith("eagle3_jax.serving")
+                and b.startswith("eagle3_jax.train")]
+    state: dict[str, int] = {}  # 1 on the path, 2 done
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(graph[node]):
+            assert state.get(nxt) != 1, "import cycle: " + " -> ".join(path[path.index(nxt):] + [nxt]) \
+                if nxt in path else nxt
+            if nxt not in state:
+                visit(nxt, path + [nxt])
+        state[node] = 2
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [name])
+
+
+def test_imports_inside_functions_are_the_listed_ones():
+    mods = _modules()
+    counts: dict[tuple[str, str], int] = {}
+    for name, path in mods.items():
+        for target, lazy, _ in _imports(name, path, mods):
+            if lazy:
+                counts[(name, target)] = counts.get((name, target), 0) + 1
+    assert counts == LAZY_IMPORTS
+    assert sum(counts.values()) <= 12
+
+
+def test_the_server_never_names_the_scheduler():
+    """The HTTP side of serving reaches the engine only through AsyncEngine (and its choices)."""
+    serving = ROOT / "eagle3_jax" / "serving"
+    named = []
+    for path in sorted(serving.glob("*.py")):
+        if path.name in ("async_engine.py", "choices.py", "__init__.py"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            words = []
+            if isinstance(node, ast.ImportFrom):
+                words = [node.module or ""] + [a.name for a in node.names]
+            elif isinstance(node, ast.Attribute):
+                words = [node.attr]
+            elif isinstance(node, ast.Name):
+                words = [node.id]
+            named += [f"{path.name}:{node.lineno}" for w in words if "scheduler" in w.lower()]
+    assert not named, named
