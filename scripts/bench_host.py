@@ -46,20 +46,25 @@ flags.DEFINE_integer("warmup", 40, "Unmeasured iterations first (programs compil
 flags.DEFINE_integer("iterations", 60, "Measured iterations.", lower_bound=1)
 flags.DEFINE_bool("overlap", False, "Let host and device work overlap (the serving default); off here so that on a "
                   "CPU host the device's threads do not inflate the host figure.")
+flags.DEFINE_bool("detokenize", False, "Give the scheduler the target folder's tokenizer, as the server does (requests "
+                  "with stop strings are then decoded on the scheduler's thread, others where their deltas are delivered).")
+flags.DEFINE_string("stop_string", None, "With --detokenize: every request carries this stop string (one that never "
+                    "occurs measures the decoding a stop string costs the scheduler's thread).")
 flags.DEFINE_string("json_out", None, "Write the figures here as JSON.")
 
 
-def _measure(target, draft, spec, num_seqs: int) -> dict:
+def _measure(target, draft, spec, num_seqs: int, tokenizer=None) -> dict:
     import eagle3_jax as e3
 
     rng = random.Random(0)
     vocab = target.config.vocab_size
     sched = e3.Scheduler(target, draft if spec is not None else None, spec, max_num_seqs=num_seqs,
-                         max_seq_len=FLAGS.prompt_len + FLAGS.max_tokens + 1, overlap=FLAGS.overlap)
+                         max_seq_len=FLAGS.prompt_len + FLAGS.max_tokens + 1, overlap=FLAGS.overlap, tokenizer=tokenizer)
+    stop = () if FLAGS.stop_string is None else (FLAGS.stop_string,)
 
     def submit() -> None:
         prompt = [rng.randrange(3, vocab) for _ in range(FLAGS.prompt_len)]
-        sched.add_request(prompt, e3.SamplingParams(max_tokens=rng.randint(FLAGS.min_tokens, FLAGS.max_tokens)))
+        sched.add_request(prompt, e3.SamplingParams(max_tokens=rng.randint(FLAGS.min_tokens, FLAGS.max_tokens), stop=stop))
 
     def run(iterations: int) -> list[tuple[float, float, int]]:
         """(host seconds, wall seconds, programs compiled) of each iteration."""
@@ -104,7 +109,14 @@ def main(argv) -> None:
 
     with _cli.usage_errors("--spec"):
         specs = [(name, e3.SpecConfig.parse(name)) for name in FLAGS.spec]
+    if FLAGS.stop_string is not None and not FLAGS.detokenize:
+        raise app.UsageError("--stop_string needs --detokenize (stop strings are matched on the decoded text)")
     target = e3.load_target(FLAGS.target)
+    tokenizer = None
+    if FLAGS.detokenize:
+        from eagle3_jax.tokenizer import load_tokenizer
+
+        tokenizer = load_tokenizer(FLAGS.target)
     draft = e3.load_draft(FLAGS.draft, target=target) if any(s is not None for _, s in specs) else None
     rows = []
     print("| spec | seqs | host ms / iteration (median) | host ms (mean) | device wait ms (median) | tokens / iteration | "
@@ -112,7 +124,7 @@ def main(argv) -> None:
     print("|---|---|---|---|---|---|---|---|")
     for name, spec in specs:
         for n in sizes:
-            row = dict(spec=name, **_measure(target, draft, spec, n))
+            row = dict(spec=name, **_measure(target, draft, spec, n, tokenizer))
             rows.append(row)
             print(f"| {name} | {n} | {row['host_ms_per_iteration']:.2f} | {row['host_ms_mean']:.2f} | "
                   f"{row['device_wait_ms_per_iteration']:.2f} | {row['tokens_per_iteration']:.1f} | {row['iterations']} | "
@@ -120,7 +132,8 @@ def main(argv) -> None:
     if FLAGS.json_out:
         record = {"command": " ".join(["python"] + sys.argv), "date": datetime.date.today().isoformat(),
                   "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, {platform.platform()}",
-                  "overlap": FLAGS.overlap, "rows": rows}
+                  "overlap": FLAGS.overlap, "detokenize": FLAGS.detokenize, "stop_string": FLAGS.stop_string,
+                  "rows": rows}
         with open(FLAGS.json_out, "w") as f:
             json.dump(record, f, indent=1)
 
