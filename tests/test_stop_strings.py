@@ -176,3 +176,51 @@ def test_min_tokens_holds_stops_back_under_speculation(demo_engines):
     assert e3.SamplingParams(max_tokens=4, min_tokens=4).min_tokens == 4
     with pytest.raises(ValueError, match="min_tokens"):
         e3.SamplingParams(max_tokens=4, min_tokens=5)
+
+
+@pytest.mark.parametrize("stop", [(), ("zzqx",)], ids=["no-stop", "stop-string"])
+def test_each_choice_is_decoded_once(demo_engines, monkeypatch, stop):
+    """One TextStream per choice: on the engine thread for a request with stop strings (its deltas
+    carry their text), else where its deltas are delivered; either way the reply's text is the
+    decode of its tokens, streamed pieces and whole alike."""
+    import asyncio
+
+    from eagle3_jax import text_stream
+    from eagle3_jax.scheduler import Scheduler
+    from eagle3_jax.serving import AsyncEngine
+
+    tok, engines = demo_engines
+    made = []
+    real_init = text_stream.TextStream.__init__
+
+    def counting_init(self, *args, **kwargs):
+        made.append(self)
+        real_init(self, *args, **kwargs)
+
+    monkeypatch.setattr(text_stream.TextStream, "__init__", counting_init)
+    sched = Scheduler(engines["chain"].target, engines["chain"].draft, e3.SpecConfig(3, 1, 4), max_num_seqs=4,
+                      max_seq_len=128)
+    engine = AsyncEngine(sched, tokenizer=tok).start()
+    prompt = tok.encode(PROMPTS[1])
+    sampling = e3.SamplingParams(temperature=0.8, max_tokens=24, seed=5, stop=stop)
+
+    async def run():
+        pieces, engine_texts, outputs = {}, {}, {}
+        async with engine.choices(prompt, sampling, n=3) as choices:
+            async for i, delta in choices:
+                pieces.setdefault(i, []).append(delta.text)
+                if delta.finished:
+                    outputs[i] = delta.output
+        return pieces, outputs
+
+    try:
+        pieces, outputs = asyncio.run(run())
+    finally:
+        engine.shutdown(timeout=30)
+    assert len(made) == 3  # one per choice, wherever it ran
+    seeds = set()
+    for i, out in outputs.items():
+        text = tok.decode_continuation(prompt, out.token_ids)
+        assert "".join(pieces[i]) == out.text == text
+        seeds.add(tuple(out.token_ids))
+    assert len(seeds) > 1  # choice i samples with seed + i
