@@ -85,10 +85,24 @@ def _turns(sched: Scheduler) -> tuple[list[list[int]], dict]:
     return [o.token_ids for o in outs1 + outs2], sched.stats()
 
 
+@pytest.fixture(scope="module")
+def turns(pair):
+    """(speculate, caching) -> `_turns` of a fresh scheduler, run once per module (the tests below
+    read the same runs)."""
+    runs = {}
+
+    def get(speculate: bool, caching: bool) -> tuple[list[list[int]], dict]:
+        if (speculate, caching) not in runs:
+            runs[speculate, caching] = _turns(_scheduler(pair, speculate, caching=caching))
+        return runs[speculate, caching]
+
+    return get
+
+
 @pytest.mark.parametrize("speculate", [pytest.param(False, marks=pytest.mark.slow), True], ids=["plain", "chain"])
-def test_cached_prefixes_give_the_same_tokens(pair, speculate):
-    want, off = _turns(_scheduler(pair, speculate, caching=False))
-    got, on = _turns(_scheduler(pair, speculate, caching=True))
+def test_cached_prefixes_give_the_same_tokens(turns, speculate):
+    want, off = turns(speculate, caching=False)
+    got, on = turns(speculate, caching=True)
     assert got == want
     assert off["prefix_cache_queries_total"] == 0
     # Wave 1's requests are admitted together (each computes the system prompt); wave 2's find
@@ -98,9 +112,9 @@ def test_cached_prefixes_give_the_same_tokens(pair, speculate):
     assert on["num_free_pages"] == on["num_pages"]  # nothing held; cached pages are evictable
 
 
-def test_speculation_hit_rate_equals_plain(pair):
-    _, plain = _turns(_scheduler(pair, False, caching=True))
-    _, spec = _turns(_scheduler(pair, True, caching=True))
+def test_speculation_hit_rate_equals_plain(turns):
+    _, plain = turns(False, caching=True)
+    _, spec = turns(True, caching=True)
     for key in ("prefix_cache_queries_total", "prefix_cache_hits_total", "prefix_cache_hit_requests_total"):
         assert spec[key] == plain[key], key
 
@@ -120,7 +134,8 @@ def test_n_choices_share_the_prompt_and_are_seeded(pair):
     full = (len(prompt) - 1) // PAGE
     assert stats["prefix_cache_hits_total"] == 3 * full * PAGE  # every later choice took the prompt's full pages
     assert stats["prompt_tokens_total"] == len(prompt) + 3 * (len(prompt) - full * PAGE)
-    alone = [_scheduler(pair, True, caching=False).generate([prompt], sp)[0].token_ids for sp in sps]
+    uncached = _scheduler(pair, True, caching=False)  # one request at a time
+    alone = [uncached.generate([prompt], sp)[0].token_ids for sp in sps]
     assert [done[i] for i in ids] == alone  # each choice is its seed's, as if alone
 
 
