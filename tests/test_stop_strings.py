@@ -205,7 +205,7 @@ def test_each_choice_is_decoded_once(demo_engines, monkeypatch, stop):
     sampling = e3.SamplingParams(temperature=0.8, max_tokens=24, seed=5, stop=stop)
 
     async def run():
-        pieces, engine_texts, outputs = {}, {}, {}
+        pieces, outputs = {}, {}
         async with engine.choices(prompt, sampling, n=3) as choices:
             async for i, delta in choices:
                 pieces.setdefault(i, []).append(delta.text)

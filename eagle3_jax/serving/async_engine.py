@@ -43,43 +43,12 @@ from typing import Any, AsyncIterator, Sequence
 
 from ..sampling import SamplingParams
 from ..scheduler import CapacityError, RequestDelta, Scheduler, WarmUp  # noqa: F401 (CapacityError: the engine's face)
+from ..scheduler.metrics import stats_since
 from ..text_stream import ChoiceText
 from .choices import Choices
 from ..tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
-
-# Cumulative scheduler counters, counted from AsyncEngine.start().
-COUNTER_KEYS = ("num_preemptions", "num_requests_finished", "num_requests_aborted", "prompt_tokens_total",
-                "generation_tokens_total", "num_decode_steps_total", "accepted_tokens_total", "num_iterations_total",
-                "host_seconds_total", "num_drafts_total", "num_draft_tokens_total", "num_accepted_draft_tokens_total",
-                "prefix_cache_queries_total", "prefix_cache_hits_total", "prefix_cache_requests_total",
-                "prefix_cache_hit_requests_total")
-ADAPTIVE_COUNTER_KEYS = ("steps_without_draft", "requests_with_draft", "requests_without_draft")
-
-
-def stats_since(stats: dict[str, Any], baseline: dict[str, Any]) -> dict[str, Any]:
-    """`stats` with the counters of `baseline` (an earlier snapshot) subtracted, and tau and the
-    per-position acceptance counts recomputed over the steps in between."""
-    out = dict(stats)
-    for key in COUNTER_KEYS:
-        if key in out and key in baseline:
-            out[key] = out[key] - baseline[key]
-    for key in ("per_position_accepted_total", "per_position_drafted_total"):
-        now, base = stats.get(key), baseline.get(key)
-        if now is not None and base is not None:
-            out[key] = [a - b for a, b in zip(now, base)]
-    if "adaptive" in stats and "adaptive" in baseline:
-        now, base = stats["adaptive"], baseline["adaptive"]
-        old = base["steps_by_shape"]
-        steps = {k: v - old.get(k, 0) for k, v in now["steps_by_shape"].items()}
-        counts = {k: now[k] - base.get(k, 0) for k in ADAPTIVE_COUNTER_KEYS if k in now}
-        out["adaptive"] = dict(now, steps_by_shape=steps, **counts)
-    if "mean_accept_length" in out and "num_decode_steps_total" in out:
-        steps = out["num_decode_steps_total"]
-        out["mean_accept_length"] = out.get("accepted_tokens_total", 0) / steps if steps else 1.0
-    return out
-
 
 def with_text(delta: "RequestDelta", text: ChoiceText) -> "RequestDelta":
     """A delta with its new text, and on the final one the output's whole text, from the request's

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from .delivery import ChoiceEvent, FoldedChoice, answer
+from .delivery import ChoiceEvent, FoldedChoice, answer, chunk_fields, whole_fields
 from .errors import web
 from .protocol import ChatRequest
 from .replies import chat_logprobs
@@ -34,19 +34,13 @@ class ChatReply:
         lp = self._logprobs(event.token_ids, event.logprobs)
         if not (event.text or lp or event.finish_reason):
             return None, offset
-        choice = {"index": event.index, "delta": {"content": event.text} if event.text else {}, "logprobs": lp,
-                  "finish_reason": event.finish_reason}
-        if event.finish_reason is not None:
-            choice["stop_reason"] = event.stop_reason
-        return choice, offset
+        return chunk_fields(event, lp, delta={"content": event.text} if event.text else {}), offset
 
     def whole_choice(self, choice: FoldedChoice) -> dict[str, Any]:
         lp = None
         if self.request.logprobs and choice.logprobs is not None:
             lp = chat_logprobs(choice.token_ids, choice.logprobs, self.token_text)
-        return {"index": choice.index, "message": {"role": "assistant", "content": choice.text},
-                "logprobs": lp, "finish_reason": choice.finish_reason,
-                "stop_reason": choice.stop_reason}
+        return whole_fields(choice, lp, message={"role": "assistant", "content": choice.text})
 
 
 async def chat_completions(http_request: web.Request, state: ServerState) -> web.StreamResponse:

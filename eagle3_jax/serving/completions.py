@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from .delivery import ChoiceEvent, FoldedChoice, answer
+from .delivery import ChoiceEvent, FoldedChoice, answer, chunk_fields, whole_fields
 from .errors import web
 from .protocol import CompletionRequest
 from .replies import completion_logprobs
@@ -33,17 +33,13 @@ class CompletionReply:
             offset += sum(len(self.token_text(t)) for t in event.token_ids)
         if not (event.text or lp or event.prompt or event.finish_reason):
             return None, offset
-        choice = {"index": event.index, "text": event.text, "logprobs": lp, "finish_reason": event.finish_reason}
-        if event.finish_reason is not None:
-            choice["stop_reason"] = event.stop_reason
-        return choice, offset
+        return chunk_fields(event, lp, text=event.text), offset
 
     def whole_choice(self, choice: FoldedChoice) -> dict[str, Any]:
         lp = None
         if self.request.logprobs and choice.logprobs is not None:
             lp = completion_logprobs(choice.token_ids, choice.logprobs, self.token_text)
-        return {"index": choice.index, "text": choice.text, "logprobs": lp, "finish_reason": choice.finish_reason,
-                "stop_reason": choice.stop_reason}
+        return whole_fields(choice, lp, text=choice.text)
 
 
 async def completions(http_request: web.Request, state: ServerState) -> web.StreamResponse:

@@ -109,6 +109,21 @@ def reply_usage(request: GenerationRequest, choices: Sequence[FoldedChoice]) -> 
     return usage(len(request.prompt_ids), generated, metrics[0] if len(metrics) == 1 else merge_spec_metrics(metrics))
 
 
+def chunk_fields(event: ChoiceEvent, logprobs: dict[str, Any] | None, **body: Any) -> dict[str, Any]:
+    """A streamed chunk's choice: its index, the route's `body`, logprobs, and on a choice's last
+    event why it ended."""
+    choice = {"index": event.index, **body, "logprobs": logprobs, "finish_reason": event.finish_reason}
+    if event.finish_reason is not None:
+        choice["stop_reason"] = event.stop_reason
+    return choice
+
+
+def whole_fields(choice: FoldedChoice, logprobs: dict[str, Any] | None, **body: Any) -> dict[str, Any]:
+    """A whole reply's choice: its index, the route's `body`, logprobs and why it ended."""
+    return {"index": choice.index, **body, "logprobs": logprobs, "finish_reason": choice.finish_reason,
+            "stop_reason": choice.stop_reason}
+
+
 class Reply(Protocol):
     """How a route renders events into its reply's fields (completions and chat differ only here)."""
 
