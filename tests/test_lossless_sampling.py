@@ -4,8 +4,9 @@ Two levels:
 - `sampled_accept` alone on hand-built trees with random target tables: the distribution of the
   whole emitted sequence of one step is enumerated exactly (accepted draft tokens then the bonus
   have probability prod_j p_{node_{j-1}}(e_j)) and compared with 120,000 seeded draws.
-- `Engine.generate` end to end on a tiny-vocabulary (V=8) random target with a random draft: the
-  first 3 generated tokens of a fixed prompt, over 20,480 seeded requests, against the exact
+- the scheduler's `generate` (what `Engine.generate` runs) end to end on a tiny-vocabulary (V=8)
+  random target with a random draft: the first 3 generated tokens of a fixed prompt, over 20,480
+  seeded requests, against the exact
   distribution over all 8^3 continuations computed from `target.logits` with an independent numpy
   implementation of the vLLM filters (temperature, then top-k, then top-p on the renormalised
   top-k distribution, keeping tokens whose sorted mass before them is < top_p).
@@ -30,6 +31,7 @@ import pytest
 
 import eagle3_jax as e3
 from eagle3_jax.sampling import SamplingArrays
+from eagle3_jax.scheduler import Scheduler
 from eagle3_jax.spec_decode import verify
 from random_models import LLAMA, draft_config_dict, random_draft, random_target
 
@@ -353,13 +355,30 @@ def _seed0(spec, temperature, top_k, top_p):
 
 
 def _engine(models, spec):
+    """What `Engine(target, draft, spec, max_batch_size=BATCH, max_seq_len=32)` runs, with a prefill
+    budget that takes a whole wave of BATCH prompts (up to 16 tokens each) in one step: the
+    requests run in waves of one batch bucket, not 32 prefills a step."""
     target, draft, _ = models
-    return e3.Engine(target, draft=draft, spec=SPECS[spec], max_batch_size=BATCH, max_seq_len=32)
+    return Scheduler(target, draft, SPECS[spec], max_num_seqs=BATCH, max_seq_len=32, prefill_chunk=8 * BATCH)
+
+
+@pytest.fixture(scope="module")
+def engines(models):
+    """spec -> one `_engine` per module: the distribution tests share its compiled programs (each
+    request's draws depend on its seed only)."""
+    made = {}
+
+    def get(spec):
+        if spec not in made:
+            made[spec] = _engine(models, spec)
+        return made[spec]
+
+    return get
 
 
 @pytest.mark.parametrize("spec, temperature, top_k, top_p", CASES)
-def test_speculative_sampling_matches_target_distribution(models, spec, temperature, top_k, top_p):
-    counts, accept_lengths = sample_continuations(_engine(models, spec), temperature, top_k, top_p,
+def test_speculative_sampling_matches_target_distribution(models, engines, spec, temperature, top_k, top_p):
+    counts, accept_lengths = sample_continuations(engines(spec), temperature, top_k, top_p,
                                                   seed0=_seed0(spec, temperature, top_k, top_p))
     exact = exact_continuations(models[2], temperature, top_k, top_p)
     stat, df, p = chisquare(counts, exact)
@@ -385,14 +404,14 @@ def _held_back(z):
 
 
 @pytest.mark.parametrize("spec", ["tree", pytest.param("chain", marks=pytest.mark.slow)])
-def test_min_tokens_samples_the_held_back_target_distribution(models, spec):
+def test_min_tokens_samples_the_held_back_target_distribution(models, engines, spec):
     """min_tokens=2 with stop ids HELD_BACK: the first two tokens come from the target's
     distribution with those ids removed (vLLM: before temperature and filters), the third from the
     whole one, under speculation as in plain sampling."""
     temperature, top_k, top_p = 1.0, 5, 0.9
     sps = [e3.SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, max_tokens=GEN, seed=55_000_000 + i,
                              min_tokens=2, stop_token_ids=HELD_BACK) for i in range(N_SAMPLES)]
-    outs = _engine(models, spec).generate([PROMPT] * N_SAMPLES, sps)
+    outs = engines(spec).generate([PROMPT] * N_SAMPLES, sps)
     toks = np.asarray([o.token_ids for o in outs])
     assert toks.shape == (N_SAMPLES, GEN) and not np.isin(toks[:, :2], HELD_BACK).any()
     counts = np.bincount((toks[:, 0] * V + toks[:, 1]) * V + toks[:, 2], minlength=V ** 3).reshape(V, V, V)
@@ -458,14 +477,14 @@ def _penalised(z, prompt_seen, counts):
 
 
 @pytest.mark.parametrize("spec", ["tree", pytest.param("chain", marks=pytest.mark.slow)])
-def test_penalties_sample_the_penalised_target_distribution(models, spec):
+def test_penalties_sample_the_penalised_target_distribution(models, engines, spec):
     """Repetition, frequency and presence penalties: each token comes from the target's distribution
     penalised by the prompt and the tokens before it (the draft's proposals included once accepted),
     under speculation as in plain sampling."""
     temperature = 1.0
     sps = [e3.SamplingParams(temperature=temperature, max_tokens=GEN, seed=66_000_000 + i, **PENALTIES)
            for i in range(N_SAMPLES)]
-    outs = _engine(models, spec).generate([PROMPT] * N_SAMPLES, sps)
+    outs = engines(spec).generate([PROMPT] * N_SAMPLES, sps)
     toks = np.asarray([o.token_ids for o in outs])
     counts = np.bincount((toks[:, 0] * V + toks[:, 1]) * V + toks[:, 2], minlength=V ** 3).reshape(V, V, V)
     cond, eye = models[2], np.eye(V)
