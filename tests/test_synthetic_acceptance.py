@@ -12,6 +12,7 @@ import pytest
 
 import eagle3_jax as e3
 from eagle3_jax.sampling import SamplingArrays, SamplingTable
+from eagle3_jax.scheduler import Scheduler
 from eagle3_jax.spec_decode.verify import synthetic_accept
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -73,7 +74,9 @@ def pair():
 
 def test_scheduler_forces_the_profile_and_leaves_other_requests_alone(pair):
     target, draft = pair
-    engine = e3.Engine(target, draft, e3.SpecConfig.parse("chain:3:1:4"), max_batch_size=4, max_seq_len=160)
+    # pages of 64: every request (up to 160 tokens) steps at one block-table width, fewer programs
+    engine = Scheduler(target, draft, e3.SpecConfig.parse("chain:3:1:4"), max_num_seqs=4, max_seq_len=160,
+                       page_size=64)
     normal = e3.SamplingParams(max_tokens=64)
     alone = engine.generate(PROMPTS, normal)
     forced = e3.SamplingParams(max_tokens=64, synthetic_acceptance=(1.0, 1.0, 1.0))
