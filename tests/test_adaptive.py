@@ -479,9 +479,10 @@ def test_engine_runs_auto_through_the_scheduler(mla_pair):
     """Engine.generate is the scheduler's request path, adaptive speculation included: greedy
     output as plain decoding's, and the policy's step counts in the scheduler's stats."""
     target, draft = mla_pair
-    prompts, sp = PROMPTS[:2], e3.SamplingParams(max_tokens=10)
-    base = [o.token_ids for o in e3.Engine(target, max_batch_size=2, max_seq_len=64).generate(prompts, sp)]
-    engine = e3.Engine(target, draft=draft, spec=e3.SpecConfig.auto(2), max_batch_size=2, max_seq_len=64)
+    # the schedulers' sizes and batch of the test above: the same programs (compilation cache)
+    prompts, sp = PROMPTS[:3], e3.SamplingParams(max_tokens=10)
+    base = [o.token_ids for o in e3.Engine(target, max_batch_size=4, max_seq_len=64).generate(prompts, sp)]
+    engine = e3.Engine(target, draft=draft, spec=e3.SpecConfig.auto(2), max_batch_size=4, max_seq_len=64)
     assert [o.token_ids for o in engine.generate(prompts, sp)] == base
     assert sum(engine.scheduler.stats()["adaptive"]["steps_by_shape"].values()) > 0
 
