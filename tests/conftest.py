@@ -9,6 +9,32 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))  # so tests can `import hf_models`
 
+# The longest test files of the default run on 2 CPU cores, longest first (the others follow in
+# collection order). `make test` hands whole files to two workers in collection order; starting
+# the long ones first leaves short files for the end, so no worker runs a long file alone while
+# the other has finished.
+LONGEST_FIRST = (
+    "test_lossless_sampling.py", "test_server.py", "test_logprobs.py", "test_scheduler.py", "test_trainer.py",
+    "test_bench.py", "test_target_vs_hf.py", "test_quantized_models.py", "test_prefix_cache.py",
+    "test_sharding.py", "test_readme.py", "test_stop_strings.py", "test_safe_outputs.py", "test_adaptive.py",
+    "test_lm_eval.py", "test_gsm8k.py", "test_pallas_attention.py", "test_draft.py", "test_mla_draft.py",
+    "test_engine.py", "test_synthetic_acceptance.py", "test_script_errors.py", "test_ttt.py", "test_plan.py",
+)
+
+
+def pytest_configure(config):
+    # pytest-xdist otherwise reorders files by their number of tests, most first: the files of one
+    # or two long tests would all come last.
+    if getattr(config.option, "dist", "no") in ("loadfile", "loadscope"):
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(config, items):
+    """Files in LONGEST_FIRST order first, each file's tests kept together and in their order."""
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    order = {id(item): (rank.get(item.path.name, len(rank)), i) for i, item in enumerate(items)}
+    items.sort(key=lambda item: order[id(item)])
+
 
 class _HFModelCache:
     """name -> (saved folder, torch model); built lazily, once per session."""
