@@ -49,10 +49,19 @@ def assert_same_logprobs(a: list[Logprob], b: list[Logprob]) -> None:
         assert [i for i, _ in x.top] == [i for i, _ in y.top]
 
 
+PAD_TO = 64  # every reference forward runs at one length: one compiled program per model
+
+
+def forward_logits(target, ids: list[int]) -> np.ndarray:
+    """A plain causal forward's logits over `ids` (padded to PAD_TO: causal, so the padding after
+    a position never changes it)."""
+    assert len(ids) <= PAD_TO
+    return np.asarray(target.logits([ids + [0] * (PAD_TO - len(ids))])[0][: len(ids)])
+
+
 def forward_logprobs(target, prompt: list[int], output: list[int]) -> np.ndarray:
     """log_softmax of a plain causal forward over prompt + output: row i predicts token i + 1."""
-    logits = target.logits([prompt + output])[0]
-    return np.asarray(jax.nn.log_softmax(logits, axis=-1))
+    return np.asarray(jax.nn.log_softmax(forward_logits(target, prompt + output), axis=-1))
 
 
 def test_greedy_logprobs_equal_plain_decoding_and_a_forward(pair):
@@ -96,7 +105,7 @@ def test_sampled_speculative_logprobs_are_the_targets_after_the_same_prefix(pair
     assert sum(a - 1 for o in outs for a in o.metrics["accept_lengths"]) > 0
     for prompt, out in zip(PROMPTS, outs):
         n = len(prompt)
-        logits = np.asarray(target.logits([prompt + out.token_ids])[0])[n - 1: n - 1 + len(out.token_ids)]
+        logits = forward_logits(target, prompt + out.token_ids)[n - 1: n - 1 + len(out.token_ids)]
         if mode == "processed":
             m = len(out.token_ids)
             logits = np.asarray(filtered_logits(logits, np.full(m, temperature, np.float32), np.full(m, top_k, np.int32),
