@@ -22,6 +22,8 @@ def assert_no_leak(sched: Scheduler) -> None:
     assert s["num_free_pages"] == s["num_pages"] and s["num_waiting"] == 0 and s["num_running"] == 0
 
 
+# Tests below that need no other size run schedulers of 2 sequences of up to 64 tokens: their
+# programs compile once (conftest.py's compilation cache) and load in the others.
 @pytest.fixture(scope="module")
 def llama_pair():
     target = random_target(FAMILIES["llama"])
@@ -140,7 +142,7 @@ def test_sampled_tokens_do_not_depend_on_the_batch(llama_pair):
     target, draft = llama_pair
     sps = [e3.SamplingParams(temperature=1.0, top_k=20, max_tokens=10, seed=s) for s in range(len(PROMPTS))]
     together = Scheduler(target, draft, CHAIN, max_num_seqs=8, max_seq_len=64).generate(PROMPTS, sps)
-    alone = Scheduler(target, draft, CHAIN, max_num_seqs=1, max_seq_len=64)
+    alone = Scheduler(target, draft, CHAIN, max_num_seqs=2, max_seq_len=64)  # one request at a time
     for p, sp, out in zip(PROMPTS, sps, together):
         assert alone.generate([p], sp)[0].token_ids == out.token_ids
 
@@ -149,8 +151,8 @@ def test_chunked_prefill_equals_one_chunk(llama_pair):
     target, draft = llama_pair
     prompt = [int(x) for x in np.random.default_rng(3).integers(1, target.config.vocab_size, 45)]
     sp = e3.SamplingParams(max_tokens=10)
-    outs = [Scheduler(target, draft, CHAIN, max_seq_len=96, prefill_chunk=c).generate([prompt], sp)[0].token_ids
-            for c in (7, 16, 64)]
+    outs = [Scheduler(target, draft, CHAIN, max_num_seqs=2, max_seq_len=64, prefill_chunk=c).generate([prompt], sp)[0]
+            .token_ids for c in (7, 16, 64)]
     assert outs[0] == outs[1] == outs[2]
 
 
@@ -208,7 +210,7 @@ def test_bad_requests_are_rejected_and_lose_nothing(llama_pair):
 
 def test_no_recompilation_for_repeated_shapes(llama_pair):
     target, draft = llama_pair
-    sched = Scheduler(target, draft, TREE, max_num_seqs=4, max_seq_len=64)
+    sched = Scheduler(target, draft, TREE, max_num_seqs=2, max_seq_len=64, prefill_chunk=16)
     sched.generate(PROMPTS[:3], e3.SamplingParams(max_tokens=8))
     compiled = sched.programs.num_compiles
     assert compiled == len(sched.programs) > 0
