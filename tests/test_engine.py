@@ -40,7 +40,8 @@ def test_waves_larger_than_max_batch_size():
     prompts = [[i + 1, i + 2] for i in range(5)]
     sp = e3.SamplingParams(max_tokens=4)
     batched = e3.Engine(target, max_batch_size=2, max_seq_len=32).generate(prompts, sp)
-    single = [e3.Engine(target, max_batch_size=1, max_seq_len=32).generate([p], sp)[0] for p in prompts]
+    one = e3.Engine(target, max_batch_size=1, max_seq_len=32)
+    single = [one.generate([p], sp)[0] for p in prompts]
     assert [o.token_ids for o in batched] == [o.token_ids for o in single]
 
 
