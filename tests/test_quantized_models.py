@@ -215,7 +215,7 @@ def test_quantized_weights_take_less_memory(folders):
 
 
 def test_fnuz_loading_gives_the_same_logits(folders):
-    ids = np.random.default_rng(1).integers(0, 64, (1, 7))
+    ids = np.random.default_rng(1).integers(0, 64, (2, 9))  # (2, 9) as the other logits here: fewer compiles
     fn = e3.load_target(folders["deepseek_fp8"], dtype="float32", fp8_format="e4m3fn")
     fnuz = e3.load_target(folders["deepseek_fp8"], dtype="float32", fp8_format="e4m3fnuz")
     leaf = fnuz.params["segments"][1]["experts_up"]
@@ -249,7 +249,7 @@ def test_w4a8_matmul_is_exact_int_arithmetic():
 
 
 def test_w4a8_model_is_close_to_w4a16(folders):
-    ids = np.random.default_rng(2).integers(0, 64, (2, 6))
+    ids = np.random.default_rng(2).integers(0, 64, (2, 9))
     a16 = e3.load_target(folders["kimi_int4"], dtype="float32").logits(ids)
     a8 = e3.load_target(folders["kimi_int4"], dtype="float32", w4a8=True).logits(ids)
     assert np.abs(a8 - a16).max() < 0.05 * np.abs(a16).max()
@@ -262,7 +262,7 @@ def test_orbax_keeps_quantized_format(folders, tmp_path):
     marker = save_orbax(folders["kimi_int4"], out, cfg, progress=False)
     assert marker["quantization"] == "int4_pack"
     assert marker["tensors"]["layers.1.experts_up"]["quant"]["format"] == "int4"
-    ids = np.random.default_rng(4).integers(0, 64, (1, 8))
+    ids = np.random.default_rng(4).integers(0, 64, (2, 9))
     a = e3.load_target(out, dtype="float32")
     assert isinstance(a.params["segments"][1]["experts_up"], QArray)
     np.testing.assert_array_equal(a.logits(ids), e3.load_target(folders["kimi_int4"], dtype="float32").logits(ids))
@@ -335,7 +335,7 @@ def test_greedy_speculation_with_quantized_target_equals_baseline(folders, name,
                                         pytest.param((2, 2, 2), marks=pytest.mark.slow)],
                          ids=lambda s: "x".join(map(str, s)))
 def test_expert_parallel_quantized_equals_one_device(folders, mesh_shape):
-    ids = np.random.default_rng(6).integers(0, 64, (4, 9))
+    ids = np.random.default_rng(6).integers(0, 64, (2, 9))
     ref = e3.load_target(folders["kimi_int4"], dtype="float32")
     sharded = e3.load_target(folders["kimi_int4"], dtype="float32", mesh=e3.make_mesh(*mesh_shape))
     experts = sharded.params["segments"][1]["experts_gate"]
