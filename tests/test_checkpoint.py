@@ -33,22 +33,11 @@ BF16 = np.dtype(ml_dtypes.bfloat16)
 FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
 
 
-# ---- writing checkpoints (with the official safetensors writer, through torch) ----------------
-
-
-def _to_torch(a: np.ndarray):
-    import torch
-
-    a = np.ascontiguousarray(a)
-    if a.dtype == BF16:
-        return torch.from_numpy(a.view(np.uint16).copy()).view(torch.bfloat16)
-    if a.dtype == FP8:
-        return torch.from_numpy(a.view(np.uint8).copy()).view(torch.float8_e4m3fn)
-    return torch.from_numpy(a.copy())
+# ---- writing checkpoints (with the official safetensors writer; its numpy side takes bfloat16 and float8) ----
 
 
 def write_checkpoint(folder, config: dict, tensors: dict[str, np.ndarray], shards: int = 1) -> str:
-    from safetensors.torch import save_file
+    from safetensors.numpy import save_file
 
     folder = str(folder)
     os.makedirs(folder, exist_ok=True)
@@ -56,14 +45,14 @@ def write_checkpoint(folder, config: dict, tensors: dict[str, np.ndarray], shard
         json.dump(config, f)
     keys = sorted(tensors)
     if shards == 1:
-        save_file({k: _to_torch(tensors[k]) for k in keys}, os.path.join(folder, "model.safetensors"))
+        save_file({k: np.ascontiguousarray(tensors[k]) for k in keys}, os.path.join(folder, "model.safetensors"))
         return folder
     weight_map = {}
     per = math.ceil(len(keys) / shards)
     for s in range(shards):
         name = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
         chunk = keys[s * per : (s + 1) * per]
-        save_file({k: _to_torch(tensors[k]) for k in chunk}, os.path.join(folder, name))
+        save_file({k: np.ascontiguousarray(tensors[k]) for k in chunk}, os.path.join(folder, name))
         weight_map.update({k: name for k in chunk})
     with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {"total_size": 0}, "weight_map": weight_map}, f)
