@@ -522,7 +522,7 @@ def test_only_steps_before_the_same_step_are_timed():
     """The host launches the next step before reading this one, so a step's read-to-read time holds
     the next launch's host work when the device finishes first: a step read after a different one
     was launched (another shape or program, or a catch-up first) is left untimed."""
-    from eagle3_jax.scheduler.core import _Launch, _time_steady_steps_only
+    from eagle3_jax.scheduler.launches import Launch as _Launch, time_steady_steps_only as _time_steady_steps_only
     from eagle3_jax.spec_decode.policy import DECODE, STORE_DECODE, StepPlan
 
     def pair(before: StepPlan, after: StepPlan) -> bool:
