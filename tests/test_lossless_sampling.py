@@ -4,9 +4,8 @@ Two levels:
 - `sampled_accept` alone on hand-built trees with random target tables: the distribution of the
   whole emitted sequence of one step is enumerated exactly (accepted draft tokens then the bonus
   have probability prod_j p_{node_{j-1}}(e_j)) and compared with 120,000 seeded draws.
-- the scheduler's `generate` (what `Engine.generate` runs) end to end on a tiny-vocabulary (V=8)
-  random target with a random draft: the first 3 generated tokens of a fixed prompt, over 20,480
-  seeded requests, against the exact
+- `Engine.generate` end to end on a tiny-vocabulary (V=8) random target with a random draft: the
+  first 3 generated tokens of a fixed prompt, over 20,480 seeded requests, against the exact
   distribution over all 8^3 continuations computed from `target.logits` with an independent numpy
   implementation of the vLLM filters (temperature, then top-k, then top-p on the renormalised
   top-k distribution, keeping tokens whose sorted mass before them is < top_p).
@@ -31,7 +30,6 @@ import pytest
 
 import eagle3_jax as e3
 from eagle3_jax.sampling import SamplingArrays
-from eagle3_jax.scheduler import Scheduler
 from eagle3_jax.spec_decode import verify
 from random_models import LLAMA, draft_config_dict, random_draft, random_target
 
@@ -355,11 +353,8 @@ def _seed0(spec, temperature, top_k, top_p):
 
 
 def _engine(models, spec):
-    """What `Engine(target, draft, spec, max_batch_size=BATCH, max_seq_len=32)` runs, with a prefill
-    budget that takes a whole wave of BATCH prompts (up to 16 tokens each) in one step: the
-    requests run in waves of one batch bucket, not 32 prefills a step."""
     target, draft, _ = models
-    return Scheduler(target, draft, SPECS[spec], max_num_seqs=BATCH, max_seq_len=32, prefill_chunk=8 * BATCH)
+    return e3.Engine(target, draft=draft, spec=SPECS[spec], max_batch_size=BATCH, max_seq_len=32)
 
 
 @pytest.fixture(scope="module")
