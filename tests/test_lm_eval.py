@@ -14,6 +14,7 @@ import pytest
 from server_fixtures import ServerThread
 
 lm_eval = pytest.importorskip("lm_eval")
+pytest.importorskip("transformers")  # local-completions counts context lengths with a Hugging Face tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TARGET = os.path.join(ROOT, "checkpoints", "kimi-mini")

@@ -448,7 +448,7 @@ def test_malformed_requests_get_4xx(served):
 
 # ---- the load test -------------------------------------------------------------------------------------
 
-_MALFORMED = [dict(_OK, max_tokens=0), dict(_OK, temperature=-0.5), dict(_OK, top_p=0), dict(_OK, n=3),
+_MALFORMED = [dict(_OK, max_tokens=0), dict(_OK, temperature=-0.5), dict(_OK, top_p=0), dict(_OK, n=0),
               dict(_OK, model="other"), {"model": MODEL}, dict(_OK, prompt=[1] * 300), dict(_OK, seed=-3),
               dict(_OK, top_k=-7), "not json"]
 _LENGTHS = [8, 16, 24, 32, 48]
