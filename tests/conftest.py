@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny random HF models saved once per session, and their loaded JAX targets."""
+"""Shared fixtures (tiny random HF models saved once per session, and their loaded JAX targets) and
+the run's setup: XLA:CPU compile flags, the order files start in, a compilation cache."""
 
 from __future__ import annotations
 
@@ -34,11 +35,12 @@ _cpu_compiles_without_fusion_emitters()  # before any test initialises the CPU b
 # the long ones first leaves short files for the end, so no worker runs a long file alone while
 # the other has finished.
 LONGEST_FIRST = (
-    "test_lossless_sampling.py", "test_server.py", "test_logprobs.py", "test_scheduler.py", "test_trainer.py",
-    "test_bench.py", "test_target_vs_hf.py", "test_quantized_models.py", "test_prefix_cache.py",
-    "test_sharding.py", "test_readme.py", "test_stop_strings.py", "test_safe_outputs.py", "test_adaptive.py",
-    "test_lm_eval.py", "test_gsm8k.py", "test_pallas_attention.py", "test_draft.py", "test_mla_draft.py",
-    "test_engine.py", "test_synthetic_acceptance.py", "test_script_errors.py", "test_ttt.py", "test_plan.py",
+    "test_lossless_sampling.py", "test_scheduler.py", "test_safe_outputs.py", "test_target_vs_hf.py",
+    "test_logprobs.py", "test_script_errors.py", "test_quantized_models.py", "test_sharding.py",
+    "test_prefix_cache.py", "test_stop_strings.py", "test_server.py", "test_bench.py", "test_harness.py",
+    "test_pallas_attention.py", "test_trainer.py", "test_adaptive.py", "test_lm_eval.py", "test_draft.py",
+    "test_readme.py", "test_gsm8k.py", "test_lowering.py", "test_mla_draft.py", "test_checkpoint.py", "test_ttt.py",
+    "test_engine.py", "test_synthetic_acceptance.py", "test_batch_invariant.py", "test_propose.py", "test_plan.py",
 )
 
 
