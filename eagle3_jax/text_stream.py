@@ -191,20 +191,23 @@ class TextStream:
 class ChoiceText:
     """The text of one request's deltas as they are delivered, decoded once.
 
-    A request with stop strings was decoded on the engine thread (its deltas carry their `text`);
-    any other is decoded here, by this choice's own TextStream, as its tokens arrive. `add` returns
-    the new text of a delta; `text` is everything so far.
+    A request the engine thread decoded (one with stop strings) has deltas that carry their
+    `text`; any other (its deltas' text is None) is decoded here, by this choice's own TextStream,
+    as its tokens arrive. `add` returns the new text of a delta; `text` is everything so far.
     """
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int], decoded_by_engine: bool):
-        self._stream = None if decoded_by_engine else TextStream(tokenizer, prompt_ids)
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int]):
+        self._tokenizer, self._prompt = tokenizer, prompt_ids
+        self._stream: TextStream | None = None  # made at the first delta the engine did not decode
         self.text = ""
 
     def add(self, token_ids: Sequence[int], engine_text: str | None, final: bool) -> str:
         """The text a delta adds: `engine_text` when the engine decoded it, else decoded here."""
-        if self._stream is None:
-            new = engine_text or ""
+        if engine_text is not None:
+            new = engine_text
         else:
+            if self._stream is None:
+                self._stream = TextStream(self._tokenizer, self._prompt)
             self._stream.push(token_ids, final)
             new = self._stream.take(final)
         self.text += new

@@ -233,8 +233,7 @@ class AsyncEngine:
                                     else self._abort(rid, detach=True))
             raise
         finished = False
-        text = None if self.tokenizer is None else ChoiceText(self.tokenizer, prompt_ids,
-                                                              decoded_by_engine=bool(sampling and sampling.stop))
+        text = None if self.tokenizer is None else ChoiceText(self.tokenizer, prompt_ids)
         try:
             while not finished:
                 item = await deltas.get()
