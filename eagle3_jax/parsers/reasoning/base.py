@@ -1,0 +1,61 @@
+"""The interface of reasoning parsers, and the common case: reasoning that ends at `</think>`.
+
+A parser splits a model's output into its reasoning and the content after it (`split`); on text
+still growing (`final=False`) it gives only what later text cannot change, and content None while
+the reasoning has not ended. Chat templates of thinking models end the prompt with `<think>`, so
+the output starts inside the reasoning; a `<think>` the model writes itself is dropped. An output
+that ends before its reasoning does is all reasoning.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any, ClassVar, Mapping
+
+from ..markup import settled
+
+
+def thinking_off(template_kwargs: Mapping[str, Any]) -> bool:
+    """Whether the request turned thinking off (`thinking` / `enable_thinking` false)."""
+    return template_kwargs.get("thinking") is False or template_kwargs.get("enable_thinking") is False
+
+
+def thinking_on(template_kwargs: Mapping[str, Any]) -> bool:
+    """Whether the request turned thinking on (`thinking` / `enable_thinking` true)."""
+    return template_kwargs.get("thinking") is True or template_kwargs.get("enable_thinking") is True
+
+
+class ReasoningParser(abc.ABC):
+    """A model family's reasoning markup -> (reasoning, content)."""
+
+    name: ClassVar[str]  # as vLLM names it (`--reasoning_parser`)
+
+    @classmethod
+    def thinks(cls, template_kwargs: Mapping[str, Any]) -> bool:
+        """Whether a request with these chat-template kwargs makes the model reason (on unless
+        turned off)."""
+        return not thinking_off(template_kwargs)
+
+    @abc.abstractmethod
+    def split(self, text: str, final: bool) -> tuple[str | None, str | None]:
+        """(reasoning, content) of `text`; content None while the reasoning goes on."""
+
+
+class ThinkParser(ReasoningParser):
+    """Reasoning up to `end` (dropped), or up to one of `ends_before` (kept, it starts the content)."""
+
+    start: ClassVar[str] = "<think>"
+    end: ClassVar[str] = "</think>"
+    ends_before: ClassVar[tuple[str, ...]] = ()
+
+    def split(self, text: str, final: bool) -> tuple[str | None, str | None]:
+        if text.startswith(self.start):
+            text = text[len(self.start):]
+        elif not final and self.start.startswith(text):
+            return "", None  # may still be the model's own <think>
+        found = [(i, len(self.end)) for i in [text.find(self.end)] if i >= 0]
+        found += [(i, 0) for m in self.ends_before if (i := text.find(m)) >= 0]
+        if not found:
+            return settled(text, (self.end, *self.ends_before), final), None
+        at, skip = min(found)
+        return text[:at], text[at + skip:]

@@ -1,0 +1,31 @@
+"""MiniMax-M2 / M2.5 reasoning: the model always thinks (its prompt ends with `<think>`).
+
+`minimax_m2` splits the reasoning off at `</think>`. `minimax_m2_append_think` (MiniMax's advice
+for agents) keeps it in the content, `<think>` put back in front, so a client that sends the
+content back as history gives the model its own reasoning, which it needs to keep its quality.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from .base import ReasoningParser, ThinkParser
+
+
+class MiniMaxM2(ThinkParser):
+    name = "minimax_m2"
+
+    @classmethod
+    def thinks(cls, template_kwargs: Mapping[str, Any]) -> bool:
+        return True  # there is no switch: the template always opens the reasoning
+
+
+class MiniMaxM2AppendThink(ReasoningParser):
+    name = "minimax_m2_append_think"
+
+    @classmethod
+    def thinks(cls, template_kwargs: Mapping[str, Any]) -> bool:
+        return True
+
+    def split(self, text: str, final: bool) -> tuple[str | None, str | None]:
+        return None, ThinkParser.start + text

@@ -1,0 +1,87 @@
+"""The interface of tool-call parsers, and the common case: calls inside one delimited section.
+
+A parser reads the text a model generated (after any reasoning) and gives back the content and
+the calls (`parse`). Called on text that is still growing (`final=False`) it gives only what no
+later text can change: content up to where a tool section may begin, and the calls of sections
+already closed. Markup that does not parse — a section never closed, arguments that are not a
+JSON object, a function the request's tools do not have — is given back as content, whole.
+"""
+
+from __future__ import annotations
+
+import abc
+import re
+from typing import Any, ClassVar, Mapping, Sequence
+
+from ..markup import ToolCall, settled
+
+Schemas = Mapping[str, Mapping[str, Any]] | None  # markup.tool_schemas: {name: parameters}, None = any name
+
+
+class ToolCallParser(abc.ABC):
+    """A model family's tool-call markup -> (content, calls)."""
+
+    name: ClassVar[str]  # as vLLM names it (`--tool_call_parser`)
+
+    @abc.abstractmethod
+    def parse(self, text: str, final: bool, schemas: Schemas = None) -> tuple[str, list[ToolCall]]:
+        """(content, calls) of `text`; unless `final`, only what later text cannot change."""
+
+    def prepare_messages(self, messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+        """The conversation as this family's chat template expects its tool-call history (as given
+        by default)."""
+        return [dict(m) for m in messages]
+
+
+class SectionParser(ToolCallParser):
+    """Calls written between a begin and an end marker (Kimi, MiniMax, DeepSeek): text outside the
+    sections is content; each closed section is parsed by `calls_in`."""
+
+    begins: ClassVar[tuple[str, ...]]
+    ends: ClassVar[tuple[str, ...]]
+
+    @abc.abstractmethod
+    def calls_in(self, inner: str, schemas: Schemas) -> list[ToolCall] | None:
+        """The calls of a section's inner text; None when it is malformed."""
+
+    def parse(self, text: str, final: bool, schemas: Schemas = None) -> tuple[str, list[ToolCall]]:
+        content, calls, at = [], [], 0
+        while True:
+            begin = _first(text, self.begins, at)
+            if begin is None:
+                content.append(settled(text[at:], self.begins, final))
+                break
+            start, begin_marker = begin
+            content.append(text[at:start])
+            end = _first(text, self.ends, start + len(begin_marker))
+            if end is None:  # open: settled only once it closes, or as content when the output ends
+                if final:
+                    content.append(text[start:])
+                break
+            stop, end_marker = end
+            found = self.calls_in(text[start + len(begin_marker):stop], schemas)
+            if found is None:
+                content.append(text[start:stop + len(end_marker)])
+            else:
+                calls += found
+            at = stop + len(end_marker)
+        return "".join(content), calls
+
+
+def _first(text: str, markers: Sequence[str], at: int) -> tuple[int, str] | None:
+    """(where, which) of the first of `markers` in text[at:], or None."""
+    found = [(i, m) for m in markers if (i := text.find(m, at)) >= 0]
+    return min(found) if found else None
+
+
+def sequence(pattern: re.Pattern[str], text: str) -> list[re.Match[str]] | None:
+    """`text` as back-to-back matches of `pattern` (whitespace around them allowed), or None when
+    anything else is in it or nothing matched."""
+    matches, at = [], 0
+    while at < len(text) and not text[at:].isspace():
+        m = pattern.match(text, at)
+        if m is None or m.end() == at:
+            return None
+        matches.append(m)
+        at = m.end()
+    return matches or None

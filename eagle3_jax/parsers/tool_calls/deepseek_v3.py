@@ -1,0 +1,35 @@
+"""DeepSeek-V3 / R1 tool calls (vLLM's `deepseek_v3`), arguments in a fenced JSON block:
+
+    <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather
+    ```json
+    {"city": "Paris"}
+    ```<｜tool▁call▁end｜><｜tool▁calls▁end｜>
+"""
+
+from __future__ import annotations
+
+import re
+
+from ..markup import ToolCall, json_object_text, known
+from .base import Schemas, SectionParser, sequence
+
+_CALL = re.compile(r"\s*<｜tool▁call▁begin｜>\s*(?P<type>[^<]*?)\s*<｜tool▁sep｜>(?P<name>[^\n<]+?)\s*"
+                   r"```(?:json)?\s*(?P<args>.*?)\s*```\s*<｜tool▁call▁end｜>\s*", re.S)
+
+
+class DeepSeekV3(SectionParser):
+    name = "deepseek_v3"
+    begins = ("<｜tool▁calls▁begin｜>",)
+    ends = ("<｜tool▁calls▁end｜>",)
+
+    def calls_in(self, inner: str, schemas: Schemas) -> list[ToolCall] | None:
+        matches = sequence(_CALL, inner)
+        if matches is None:
+            return None
+        calls = []
+        for m in matches:
+            name, arguments = m["name"].strip(), json_object_text(m["args"])
+            if m["type"] != "function" or arguments is None or not known(name, schemas):
+                return None
+            calls.append(ToolCall(name, arguments))
+        return calls

@@ -1,0 +1,67 @@
+"""Kimi-K2 / K2.5 tool calls (vLLM's `kimi_k2`):
+
+    <|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>
+    {"city": "Paris"}<|tool_call_end|>...<|tool_calls_section_end|>
+
+A call's id is its own `functions.NAME:IDX` (IDX counts the conversation's calls from 0), and the
+template writes the ids of the history as given, so `prepare_messages` rewrites other ids (from
+another provider, or made up by a client) to that form, in the tool results too.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Mapping, Sequence
+
+from ..markup import ToolCall, json_object_text, known
+from .base import Schemas, SectionParser, sequence
+
+_CALL = re.compile(r"\s*<\|tool_call_begin\|>\s*(?P<id>[^<]*?)\s*<\|tool_call_argument_begin\|>(?P<args>.*?)"
+                   r"<\|tool_call_end\|>\s*", re.S)
+_ID = re.compile(r"(?:functions\.)?(?P<name>[^:\s]+):\d+")
+
+
+class KimiK2(SectionParser):
+    name = "kimi_k2"
+    # the singular spelling appears in some Kimi outputs; vLLM takes both
+    begins = ("<|tool_calls_section_begin|>", "<|tool_call_section_begin|>")
+    ends = ("<|tool_calls_section_end|>", "<|tool_call_section_end|>")
+
+    def calls_in(self, inner: str, schemas: Schemas) -> list[ToolCall] | None:
+        matches = sequence(_CALL, inner)
+        if matches is None:
+            return None
+        calls = []
+        for m in matches:
+            ident, arguments = _ID.fullmatch(m["id"]), json_object_text(m["args"])
+            if ident is None or arguments is None or not known(ident["name"], schemas):
+                return None
+            calls.append(ToolCall(ident["name"], arguments, id=m["id"]))
+        return calls
+
+    def prepare_messages(self, messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+        """Ids of earlier calls as Kimi writes them (`functions.NAME:IDX`, IDX the call's number in
+        the conversation), in the assistant's calls and in the tool results that answer them."""
+        renamed: dict[str, str] = {}
+        count, out = 0, []
+        for message in messages:
+            message = dict(message)
+            calls = message.get("tool_calls")
+            if message.get("role") == "assistant" and isinstance(calls, list):
+                message["tool_calls"] = new_calls = []
+                for call in calls:
+                    call = dict(call) if isinstance(call, Mapping) else call
+                    function = call.get("function") if isinstance(call, dict) else None
+                    name = function.get("name") if isinstance(function, Mapping) else None
+                    if isinstance(name, str):
+                        old = call.get("id")
+                        ident = old if isinstance(old, str) and _ID.fullmatch(old) else f"functions.{name}:{count}"
+                        if isinstance(old, str):
+                            renamed[old] = ident
+                        call["id"] = ident
+                        count += 1
+                    new_calls.append(call)
+            elif message.get("role") == "tool" and message.get("tool_call_id") in renamed:
+                message["tool_call_id"] = renamed[message["tool_call_id"]]
+            out.append(message)
+        return out

@@ -1,0 +1,91 @@
+"""MiniMax-M2 / M2.5 tool calls (vLLM's `minimax_m2`), XML-like, values as plain text:
+
+    <minimax:tool_call>
+    <invoke name="get_weather">
+    <parameter name="city">Paris</parameter>
+    <parameter name="days">3</parameter>
+    </invoke>
+    </minimax:tool_call>
+
+Each value becomes the JSON type the tool's schema gives its parameter (integer, number, boolean,
+object, array, null; a list of types is tried in order); without a schema, text that reads as a
+JSON number, boolean, null, object or array is taken as such, anything else is a string.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any, Mapping
+
+from ..markup import ToolCall, known
+from .base import Schemas, SectionParser, sequence
+
+_INVOKE = re.compile(r'\s*<invoke name="?(?P<name>[^">]+)"?\s*>(?P<body>.*?)</invoke>\s*', re.S)
+_PARAMETER = re.compile(r'\s*<parameter name="?(?P<key>[^">]+)"?\s*>(?P<value>.*?)</parameter>\s*', re.S)
+
+
+def _strip_newline(value: str) -> str:
+    # the format puts values on their own lines at times: one newline around a value is markup
+    value = value[1:] if value.startswith("\n") else value
+    return value[:-1] if value.endswith("\n") else value
+
+
+def _as_json(value: str) -> Any:
+    try:
+        return json.loads(value)
+    except (json.JSONDecodeError, RecursionError):
+        return value
+
+
+def convert(value: str, schema: Mapping[str, Any] | None) -> Any:
+    """A parameter's text as the JSON type its schema names."""
+    kinds = schema.get("type") if isinstance(schema, Mapping) else None
+    kinds = kinds if isinstance(kinds, list) else [kinds] if isinstance(kinds, str) else []
+    text = value.strip()
+    for kind in kinds:
+        if kind == "string":
+            return value
+        if kind == "null" and text.lower() in ("null", "none"):
+            return None
+        if kind == "boolean" and text.lower() in ("true", "false"):
+            return text.lower() == "true"
+        if kind in ("integer", "number"):
+            parsed = _as_json(text)
+            if isinstance(parsed, (int, float)) and not isinstance(parsed, bool) and \
+                    (kind == "number" or float(parsed).is_integer()):
+                return int(parsed) if kind == "integer" else parsed
+        if kind in ("object", "array"):
+            parsed = _as_json(text)
+            if isinstance(parsed, dict if kind == "object" else list):
+                return parsed
+    if kinds:  # no type fits: the text as the model wrote it
+        return value
+    parsed = _as_json(text)
+    return parsed if not isinstance(parsed, str) else value
+
+
+class MiniMaxM2(SectionParser):
+    name = "minimax_m2"
+    begins = ("<minimax:tool_call>",)
+    ends = ("</minimax:tool_call>",)
+
+    def calls_in(self, inner: str, schemas: Schemas) -> list[ToolCall] | None:
+        invokes = sequence(_INVOKE, inner)
+        if invokes is None:
+            return None
+        calls = []
+        for invoke in invokes:
+            name = invoke["name"].strip()
+            if not known(name, schemas):
+                return None
+            body = invoke["body"]
+            params = [] if not body.strip() else sequence(_PARAMETER, body)
+            if params is None:
+                return None
+            properties = (schemas or {}).get(name, {}).get("properties")
+            properties = properties if isinstance(properties, Mapping) else {}
+            arguments = {p["key"].strip(): convert(_strip_newline(p["value"]), properties.get(p["key"].strip()))
+                         for p in params}
+            calls.append(ToolCall(name, json.dumps(arguments, ensure_ascii=False)))
+        return calls
