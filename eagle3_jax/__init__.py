@@ -2,7 +2,8 @@
 
 Public API (kept stable):
     load_target, Target, load_draft, Draft, Engine, Scheduler, CapacityError, SpecConfig, AutoSpec,
-    SamplingParams, RequestOutput, make_mesh, initialize_distributed, plan_memory
+    SamplingParams, RequestOutput, make_mesh, initialize_distributed, plan_memory,
+    load_tokenizer, Tokenizer, TokenizerError (a folder's tokenizer.json or Kimi's tiktoken.model layout)
 """
 
 from .config import ConfigError, ModelConfig, load_model_config
@@ -15,6 +16,7 @@ from .scheduler import CapacityError, Scheduler
 from .sharding import initialize_distributed, make_mesh
 from .spec_decode import AutoSpec, SpecConfig
 from .target import Target, load_target
+from .tokenizer import Tokenizer, TokenizerError, load_tokenizer
 
 __all__ = [
     "AutoSpec",
@@ -29,9 +31,12 @@ __all__ = [
     "SamplingParams",
     "Scheduler",
     "Target",
+    "Tokenizer",
+    "TokenizerError",
     "initialize_distributed",
     "load_model_config",
     "load_target",
+    "load_tokenizer",
     "make_mesh",
     "plan_memory",
 ]

@@ -19,8 +19,7 @@ from .tokenizer import Tokenizer
 @functools.lru_cache(maxsize=8)
 def byte_token_ids(tokenizer: Tokenizer) -> frozenset[int]:
     """Ids of the byte-fallback tokens `<0xXX>` of a tokenizer's vocabulary (empty for byte-level BPE)."""
-    return frozenset(i for t, i in tokenizer.backend.get_vocab(with_added_tokens=False).items()
-                     if len(t) == 6 and t.startswith("<0x") and t.endswith(">"))
+    return tokenizer.byte_fallback_ids
 
 
 class IncrementalDetokenizer:

@@ -108,7 +108,7 @@ def scaled_shape(shape: str, scale: float = 1.0) -> tuple[int, int]:
 
 def special_token_ids(tokenizer: Tokenizer) -> set[int]:
     """BOS, EOS and every added token the tokenizer marks special: ids random prompts never use."""
-    ids = {int(i) for i, tok in tokenizer.backend.get_added_tokens_decoder().items() if tok.special}
+    ids = set(tokenizer.special_ids)
     ids.update(int(i) for i in tokenizer.eos_ids)
     if tokenizer.bos_id is not None:
         ids.add(int(tokenizer.bos_id))
