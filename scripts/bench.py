@@ -66,10 +66,11 @@ from _shared_flags import (  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("target", "checkpoints/kimi-mini", "Target model folder (HF or Orbax). With --base_url only its "
-                    "config.json and tokenizer.json are read (vocabulary, max length, prompts).")
+                    "config.json and tokenizer are read (vocabulary, max length, prompts).")
 flags.DEFINE_string("draft", "checkpoints/kimi-mini-eagle3", "EAGLE-3 draft folder, used by the speculative "
                     "settings (ignored with --base_url).")
-flags.DEFINE_string("tokenizer", None, "Folder or tokenizer.json to tokenize with (default: --target).")
+flags.DEFINE_string("tokenizer", None, "Folder (tokenizer.json, or Kimi's tiktoken.model layout) or tokenizer "
+                    "file to tokenize with (default: --target).")
 flags.DEFINE_list("spec", ["none", "chain:3:1:4", "tree:5:4:16"], "Speculation settings: none, "
                   "chain:num_steps:topk:num_draft_tokens, tree:num_steps:topk:num_draft_tokens, auto[:K] "
                   "(adaptive). With --base_url, "
@@ -234,7 +235,7 @@ def main(argv: Sequence[str]) -> None:
     if FLAGS.max_seq_len is not None:
         limit = check_max_seq_len(FLAGS.max_seq_len, model_cfg.max_position_embeddings)
     tok_dir = FLAGS.tokenizer or FLAGS.target
-    template_dir = os.path.dirname(tok_dir) if tok_dir.endswith(".json") else tok_dir  # chat template beside it
+    template_dir = tok_dir if os.path.isdir(tok_dir) else os.path.dirname(tok_dir)  # chat template beside it
     tokenizer = load_tokenizer(tok_dir, bos_id=model_cfg.bos_token_id)
     if FLAGS.workload != "random":
         warn_without_chat_template(template_dir, f"the {FLAGS.workload} prompts")

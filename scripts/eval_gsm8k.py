@@ -57,8 +57,9 @@ FLAGS = flags.FLAGS
 flags.DEFINE_string("target", None, "Target model folder (HF or Orbax) for in-process runs.")
 flags.DEFINE_alias("model", "target")
 flags.DEFINE_string("draft", None, "EAGLE-3 draft folder, needed by the speculative --spec settings.")
-flags.DEFINE_string("tokenizer", None, "Folder or tokenizer.json to tokenize with; its folder holds the chat "
-                    "template (default: --target).")
+flags.DEFINE_string("tokenizer", None, "Folder (tokenizer.json, or Kimi's tiktoken.model "
+                    "layout) or tokenizer file to tokenize with; its folder holds the chat template (default: "
+                    "--target).")
 flags.DEFINE_list("spec", ["none", "chain:3:1:4"], "In-process speculation settings, run in turn: none, "
                   "chain:num_steps:topk:num_draft_tokens, tree:num_steps:topk:num_draft_tokens.")
 flags.DEFINE_list("base_url", [], "Evaluate these OpenAI-compatible servers (e.g. http://127.0.0.1:8000) instead "
@@ -96,8 +97,8 @@ flags.adopt_module_key_flags(_shared_flags)
 flags.adopt_module_key_flags(_cli)
 
 def _template_dir(tok_path: str) -> str:
-    """The folder a chat template is read from: the tokenizer folder, or the folder of a tokenizer.json."""
-    return os.path.dirname(tok_path) if tok_path.endswith(".json") else tok_path
+    """The folder a chat template is read from: the tokenizer folder, or the folder of a tokenizer file."""
+    return tok_path if os.path.isdir(tok_path) else os.path.dirname(tok_path)
 
 
 def check_prompt_lengths(lengths: Sequence[int], max_seq_len: int) -> None:

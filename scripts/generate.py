@@ -36,7 +36,8 @@ from _shared_flags import (  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", None, "HF model folder (safetensors + config.json) or Orbax folder from scripts/convert.py.")
-flags.DEFINE_string("tokenizer", None, "Folder or tokenizer.json to tokenize with (default: --model).")
+flags.DEFINE_string("tokenizer", None, "Folder (tokenizer.json, or Kimi's tiktoken.model layout) or tokenizer "
+                    "file to tokenize with (default: --model).")
 flags.DEFINE_string("prompt", "", "Prompt text; empty means BOS only.")
 flags.DEFINE_string("prompts_file", None, "Text file with one prompt per line (blank lines skipped); replaces --prompt.")
 flags.DEFINE_integer("max_tokens", 64, "Maximum new tokens per prompt.", lower_bound=1)
