@@ -3,14 +3,20 @@
 `Engine.generate(prompts, sampling)` queues every prompt on a `Scheduler` (the same request
 layer, programs and speculation policy the server runs) and steps it until all are done, at most
 `max_batch_size` running at once; outputs come back in prompt order. The scheduler (and its
-compiled programs) lives as long as the Engine, so later calls reuse them.
+compiled programs) lives as long as the Engine, so later calls reuse them. `Engine.chat` renders
+conversations with the tokenizer's chat template and parses the answers' reasoning and tool calls,
+as the server's chat route does.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+import dataclasses
+import uuid
+from typing import Any, Mapping, Sequence
 
 from .draft import Draft
+from .parsers import OutputParsers, parse_output, reasoning_parser as make_reasoning_parser
+from .parsers import tool_call_parser as make_tool_call_parser
 from .request import RequestOutput
 from .sampling import SamplingParams
 from .scheduler import Scheduler
@@ -18,14 +24,29 @@ from .spec_decode.settings import AutoSpec, SpecConfig
 from .target import Target
 from .tokenizer import Tokenizer
 
+Message = Mapping[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatOutput:
+    """One conversation's answer: the generated `text`, and its parts as the parsers read it
+    (`content` None when the answer is only reasoning and calls; `reasoning` None without a
+    reasoning parser; `tool_calls` OpenAI-shaped, arguments a JSON string)."""
+
+    text: str
+    content: str | None
+    reasoning: str | None
+    tool_calls: list[dict[str, Any]]
+    output: RequestOutput  # token ids, finish reason, metrics
+
 
 class Engine:
     """Batched generation over a target: EAGLE-3 speculation with a draft, plain decoding without.
 
     spec: a SpecConfig (default chain 3/1/4 with a draft) or `SpecConfig.auto(...)`.
     max_batch_size: sequences decoded together; max_seq_len: prompt + generated tokens per sequence.
-    tokenizer: lets requests stop at stop strings (`SamplingParams.stop`) and outputs carry their
-    text (`RequestOutput.text`).
+    tokenizer: lets requests stop at stop strings (`SamplingParams.stop`), outputs carry their
+    text (`RequestOutput.text`), and `chat` render conversations.
     """
 
     def __init__(self, target: Target, draft: Draft | None = None, spec: SpecConfig | AutoSpec | None = None,
@@ -37,9 +58,52 @@ class Engine:
                                    tokenizer=tokenizer)
         self.target, self.draft, self.spec = target, self.scheduler.draft, self.scheduler.spec
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
+        self.tokenizer = tokenizer
 
     def generate(self, prompts: Sequence[Sequence[int]],
                  sampling: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
         """Generate for each prompt (a list of token ids); returns outputs in prompt order. A
         max_tokens that does not fit in max_seq_len is cut to the room left, with a warning."""
         return self.scheduler.generate(prompts, sampling)
+
+    def chat(self, conversations: Sequence[Sequence[Message]] | Sequence[Message],
+             sampling: SamplingParams | Sequence[SamplingParams] | None = None, *,
+             tools: Sequence[Mapping[str, Any]] | None = None, chat_template_kwargs: Mapping[str, Any] | None = None,
+             tool_call_parser: str | None = None, reasoning_parser: str | None = None) -> list[ChatOutput]:
+        """Answer each conversation (a list of OpenAI-style messages; one conversation alone is
+        taken too), as vLLM's `LLM.chat`: rendered with the tokenizer's chat template (with `tools`
+        and `chat_template_kwargs`, e.g. `thinking`), generated, and parsed by the named parsers
+        (`eagle3_jax.parsers`; None: not parsed). Each answer also stops at the tokenizer's EOS /
+        end-of-turn ids, beside the sampling's own stop ids. Raises ValueError without a tokenizer,
+        ChatTemplateError when the template rejects a conversation, ParserError for an unknown
+        parser name."""
+        if self.tokenizer is None:
+            raise ValueError("chat needs a tokenizer: Engine(..., tokenizer=e3.load_tokenizer(folder))")
+        if conversations and isinstance(conversations[0], Mapping):
+            conversations = [conversations]  # type: ignore[list-item]
+        kwargs = dict(chat_template_kwargs or {})
+        tool_parser = make_tool_call_parser(tool_call_parser) if tool_call_parser else None
+        reasoner = make_reasoning_parser(reasoning_parser, kwargs) if reasoning_parser else None
+        prompts = []
+        for messages in conversations:
+            messages = tool_parser.prepare_messages(messages) if tool_parser else list(messages)
+            text = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, **kwargs)
+            prompts.append(self.tokenizer.encode(text, add_bos=True))
+        outputs = self.generate(prompts, self._stopping_at_eos(sampling, len(prompts)))
+        parsers = OutputParsers.of(reasoner, tool_parser, tools)
+        answers, reply = [], uuid.uuid4().hex  # tool call ids: unique per call
+        for i, out in enumerate(outputs):
+            text = out.text if out.text is not None else self.tokenizer.decode(out.token_ids)
+            parsed = parse_output(text, parsers)
+            calls = [call.openai(j, f"{reply}-{i}") for j, call in enumerate(parsed.tool_calls)]
+            content = parsed.content or (None if calls or parsed.reasoning else "")
+            answers.append(ChatOutput(text, content, parsed.reasoning, calls, out))
+        return answers
+
+    def _stopping_at_eos(self, sampling: SamplingParams | Sequence[SamplingParams] | None,
+                         n: int) -> list[SamplingParams]:
+        """Each prompt's sampling with the tokenizer's EOS ids added to its stop ids."""
+        if sampling is None or isinstance(sampling, SamplingParams):
+            sampling = [sampling or SamplingParams()] * n
+        eos = tuple(self.tokenizer.eos_ids) if self.tokenizer is not None else ()
+        return [dataclasses.replace(s, stop_token_ids=tuple(dict.fromkeys((*s.stop_token_ids, *eos)))) for s in sampling]

@@ -20,11 +20,14 @@ On several hosts (one process per host, same command, see BUILD.md "Multi-host")
 process runs process 0's step programs on its own devices.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
-GET /metrics (Prometheus). Chat messages go through the tokenizer folder's chat template (the bundled
-demo models carry one), or --chat_template=<file.jinja>; --chat_template=join joins their contents
-with newlines on any model; without a template, chat requests get a 400 naming the flag.
-Requests run in a continuous-batching `Scheduler` (up to --max_num_seqs at once, paged KV cache) driven by one engine thread; see eagle3_jax/serving/fields.py for
-the accepted request fields. The server listens on loopback only unless --host says otherwise; it
+GET /metrics (Prometheus). Chat messages go through the tokenizer folder's chat template (the
+bundled demo models carry one), or --chat_template=<file.jinja>; --chat_template=join joins their
+contents with newlines on any model; without a template, chat requests get a 400 naming the flag.
+Chat replies carry OpenAI `tool_calls` and `reasoning_content` as --tool_call_parser and
+--reasoning_parser parse them (by default the model family's parsers; images and video are not
+served). Requests run in a continuous-batching `Scheduler` (up to --max_num_seqs at once, paged
+KV cache) driven by one engine thread; see eagle3_jax/serving/fields.py and messages.py for the
+accepted request fields. The server listens on loopback only unless --host says otherwise; it
 has no authentication, so expose it only behind something that has. Ctrl-C stops it.
 
 The port is checked before the model loads: a busy port, like any other mistake in the flags,
@@ -93,6 +96,16 @@ flags.DEFINE_bool("allow_synthetic_acceptance", False, "Benchmarking only: let r
                   "(per-position rates a speculative step is forced to accept; their outputs are then not the model's), "
                   "as scripts/bench.py --synthetic_acceptance sends. Off: such requests get a 400.")
 define_chat_template_flag()
+_PARSER_HELP = ("auto = the one the model's family uses (from config.json's model_type and the chat template; said at "
+                "start), none = off")
+flags.DEFINE_enum("tool_call_parser", "auto", ["auto", "none", "kimi_k2", "minimax_m2", "deepseek_v3", "deepseek_v31",
+                                               "llama3_json"],
+                  "How chat replies to requests with `tools` are parsed into OpenAI `tool_calls` (vLLM's parser "
+                  f"names): {_PARSER_HELP}.")
+flags.DEFINE_enum("reasoning_parser", "auto", ["auto", "none", "kimi_k2", "deepseek_r1", "deepseek_v3", "minimax_m2",
+                                               "minimax_m2_append_think"],
+                  "How chat replies are split into `reasoning_content` (also sent as `reasoning`) and `content` "
+                  f"(vLLM's parser names): {_PARSER_HELP}.")
 flags.mark_flag_as_required("target")
 # --help lists the shared flags (speculation, mesh, kernels, quantization, --verbose) with the script's own
 flags.adopt_module_key_flags(_shared_flags)
@@ -146,6 +159,22 @@ def tokenizer_dir(path: str) -> str:
     return path if os.path.isdir(path) else os.path.dirname(path)
 
 
+def output_parsers(model_type: str, template_source: str | None) -> tuple[str | None, str | None]:
+    """The --tool_call_parser and --reasoning_parser in effect (None: off), each said when chosen
+    for the user."""
+    from eagle3_jax.parsers.defaults import default_reasoning_parser, default_tool_call_parser
+
+    chosen = []
+    for flag, default in (("tool_call_parser", default_tool_call_parser),
+                          ("reasoning_parser", default_reasoning_parser)):
+        value = getattr(FLAGS, flag)
+        if value == "auto":
+            value = default(model_type, template_source) or "none"
+            say(f"--{flag}={value} (auto, for model_type {model_type}; set --{flag} to change it)")
+        chosen.append(None if value == "none" else value)
+    return chosen[0], chosen[1]
+
+
 def main(argv: Sequence[str]) -> None:
     _cli.reject_positional(argv)
     spec = spec_from_flags(has_draft=FLAGS.draft is not None)
@@ -170,6 +199,8 @@ def main(argv: Sequence[str]) -> None:
     tok = load_tokenizer(tok_path, bos_id=cfg.bos_token_id)
     max_seq_len = check_max_seq_len(FLAGS.max_seq_len, cfg.max_position_embeddings)
     chat_template = chat_template_from_flags(tokenizer_dir(tok_path), required=False)
+    template_sources = "\n".join(filter(None, [chat_template.source, *dict(chat_template.named).values()]))
+    tool_call_parser, reasoning_parser = output_parsers(cfg.model_type, template_sources)
     if not chat_template.available:
         _cli.warn(f"{tokenizer_dir(tok_path)} has no chat template: /v1/chat/completions answers 400 (use "
                   "/v1/completions, or restart with --chat_template=<file.jinja> or --chat_template=join)")
@@ -201,7 +232,8 @@ def main(argv: Sequence[str]) -> None:
     gc.freeze()
     application = make_app(engine, model_name, max_seq_len=max_seq_len,
                            eos_token_ids=stop_ids(cfg.eos_token_ids, tok.eos_ids), chat_template=chat_template,
-                           allow_synthetic_acceptance=FLAGS.allow_synthetic_acceptance)
+                           allow_synthetic_acceptance=FLAGS.allow_synthetic_acceptance,
+                           tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser)
 
     async def close_engine(_app) -> None:
         await engine.close()

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import logging
 import math
 import os
 import re
@@ -48,6 +49,8 @@ GLOBAL_NAMES = ("embed", "final_norm", "lm_head")
 _MAX_REPORTED = 25
 _COMPANIONS = (("_scale_inv", "scale_inv"), ("_packed", "packed"), ("_scale", "scale"), ("_shape", "shape"))
 _LAYER_NAME_RE = re.compile(r"^layers\.(\d+)\.")
+
+logger = logging.getLogger(__name__)
 
 
 def resolve_dtype(dtype: str | np.dtype | type | None) -> np.dtype | None:
@@ -350,6 +353,21 @@ def _check_quantized(asm: Assembly, cfg: ModelConfig, problems: list[str]) -> No
             return
 
 
+_said: set[str] = set()
+
+
+def _say_unserved(ckpt: HFCheckpoint, cfg: ModelConfig, keys: list[str]) -> None:
+    """Once per folder: the multimodal parts of the checkpoint (Kimi-K2.5's vision tower and
+    projector) are not read, only the text model is served."""
+    if ckpt.folder in _said:
+        return
+    _said.add(ckpt.folder)
+    size = sum(ckpt.infos[k].end - ckpt.infos[k].begin for k in keys)
+    logger.warning("%s (%s): loading the text model only; its vision tower and projector (%d tensors, %.2f GB) are "
+                   "not read, so requests with images or video are refused", ckpt.folder, cfg.model_type, len(keys),
+                   size / 1e9)
+
+
 def plan_hf(ckpt: HFCheckpoint, cfg: ModelConfig) -> Plan:
     """Validate the checkpoint against `cfg` from headers alone; raise one error listing all problems."""
     specs = flat_specs(cfg)
@@ -359,6 +377,10 @@ def plan_hf(ckpt: HFCheckpoint, cfg: ModelConfig) -> Plan:
         grouped.setdefault(base, {})[role] = key
     problems: list[str] = []
     assemblies = {name: Assembly(name, spec) for name, spec in specs.items()}
+    unserved = [key for key in ckpt.keys() if keymap.strip_prefix(key, cfg) is None and key.startswith(
+        keymap.SKIPPED_PREFIXES)]
+    if unserved:
+        _say_unserved(ckpt, cfg, unserved)
     for base in sorted(grouped):
         parts = grouped[base]
         targets = keymap.map_hf_key(base, cfg)

@@ -21,13 +21,14 @@ import os
 from typing import Callable, Sequence
 
 from ..chat_template import ChatTemplate
+from ..parsers import REASONING_PARSERS, TOOL_CALL_PARSERS, ParserError
 from .async_engine import AsyncEngine, EngineDeadError, EngineError
 from .chat import chat_completions
 from .completions import completions
 from .errors import ApiError, error_response, web
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import ServerMetrics
-from .protocol import Limits
+from .protocol import Limits, OutputParsing
 from .state import ServerState
 
 logger = logging.getLogger(__name__)
@@ -38,7 +39,8 @@ _STATE_KEY: web.AppKey[ServerState] = web.AppKey("eagle3_server", ServerState)
 def make_app(engine: AsyncEngine, model_name: str, *, max_seq_len: int | None = None,
              eos_token_ids: Sequence[int] | None = None, tokenizer_dir: str | os.PathLike | None = None,
              default_max_tokens: int = 16, client_max_size: int = 8 * 2**20,
-             chat_template: ChatTemplate | None = None, allow_synthetic_acceptance: bool = False) -> web.Application:
+             chat_template: ChatTemplate | None = None, allow_synthetic_acceptance: bool = False,
+             tool_call_parser: str | None = None, reasoning_parser: str | None = None) -> web.Application:
     """The aiohttp application serving `engine` (built with its tokenizer) under the OpenAI API as
     `model_name`.
 
@@ -47,7 +49,9 @@ def make_app(engine: AsyncEngine, model_name: str, *, max_seq_len: int | None = 
     `tokenizer_dir`; without one, chat requests are refused, see `ChatTemplate`).
     `default_max_tokens` is the completions default (OpenAI's is 16). The caller starts and closes
     the engine. `allow_synthetic_acceptance` lets requests force speculative acceptance
-    (benchmarking only).
+    (benchmarking only). `tool_call_parser` and `reasoning_parser` (names as vLLM's, see
+    `eagle3_jax.parsers`; None: off) turn chat outputs into `tool_calls` and `reasoning_content`;
+    an unknown name raises ParserError.
     """
     if engine.tokenizer is None:
         raise ValueError("the server needs the engine's tokenizer: AsyncEngine(scheduler, tokenizer=load_tokenizer(...))")
@@ -56,7 +60,11 @@ def make_app(engine: AsyncEngine, model_name: str, *, max_seq_len: int | None = 
                     max_logprobs=engine.max_logprobs,
                     eos_token_ids=tuple(int(t) for t in (tok.eos_ids if eos_token_ids is None else eos_token_ids)),
                     default_max_tokens=int(default_max_tokens), allow_synthetic_acceptance=bool(allow_synthetic_acceptance))
-    state = ServerState(engine, tok, model_name, limits, chat_template or ChatTemplate.from_dir(tokenizer_dir))
+    for name, known in ((tool_call_parser, TOOL_CALL_PARSERS), (reasoning_parser, REASONING_PARSERS)):
+        if name is not None and name not in known:
+            raise ParserError(f"unknown parser {name!r}; choose one of {', '.join(known)}")
+    state = ServerState(engine, tok, model_name, limits, chat_template or ChatTemplate.from_dir(tokenizer_dir),
+                        OutputParsing(tool_call_parser, reasoning_parser))
     metrics = ServerMetrics(engine.stats)
     app = web.Application(middlewares=[_middleware(metrics)], client_max_size=client_max_size)
     app[_STATE_KEY] = state

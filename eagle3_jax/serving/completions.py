@@ -26,14 +26,14 @@ class CompletionReply:
     def opening(self, index: int) -> None:
         return None
 
-    def chunk_choice(self, event: ChoiceEvent, offset: int) -> tuple[dict[str, Any] | None, int]:
+    def chunk_choices(self, event: ChoiceEvent, offset: int) -> tuple[list[dict[str, Any]], int]:
         lp = None
         if self.request.logprobs and event.token_ids and event.logprobs is not None:
             lp = completion_logprobs(event.token_ids, event.logprobs, self.token_text, offset)
             offset += sum(len(self.token_text(t)) for t in event.token_ids)
         if not (event.text or lp or event.prompt or event.finish_reason):
-            return None, offset
-        return chunk_fields(event, lp, text=event.text), offset
+            return [], offset
+        return [chunk_fields(event, lp, text=event.text)], offset
 
     def whole_choice(self, choice: FoldedChoice) -> dict[str, Any]:
         lp = None

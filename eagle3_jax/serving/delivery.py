@@ -2,9 +2,12 @@
 
 `choice_events` turns the deltas of a request's choices into `ChoiceEvent`s (what one delta adds
 to one choice: text, tokens and their logprobs, and on a choice's last event why it ended). A
-streamed reply sends one Server-Sent Event chunk per event that adds anything; a whole reply is
-the fold of the same events (`fold`), so streamed and whole replies cannot differ, and whatever
-turns text into reply fields (the routes' `Reply`) is written once, for both.
+chat request with output parsers has each choice's text parsed as it streams (parsers/output.py):
+its events also carry what the delta adds to the reasoning, the content and the tool calls, and a
+choice that made calls ends with finish_reason "tool_calls" (when it stopped, not when it was
+cut). A streamed reply sends the Server-Sent Event chunks of each event that adds anything; a
+whole reply is the fold of the same events (`fold`), so streamed and whole replies cannot differ,
+and whatever turns text into reply fields (the routes' `Reply`) is written once, for both.
 
 Streaming answers are `data: {chunk}\\n\\n` ... `data: [DONE]\\n\\n`, started once every choice's
 first delta is out (so the engine's validation errors still get a 4xx status); with
@@ -24,6 +27,7 @@ import uuid
 from typing import Any, AsyncIterator, Iterable, Mapping, Protocol, Sequence
 
 from ..logprobs import Logprob
+from ..parsers import OutputDelta, StreamingParser, ToolCall
 from .async_engine import AsyncEngine, CapacityError, EngineError
 from .choices import Choices
 from .errors import ApiError, web
@@ -45,6 +49,7 @@ class ChoiceEvent:
     finish_reason: str | None = None  # on a choice's last event
     stop_reason: int | str | None = None
     metrics: Mapping[str, Any] | None = None  # the finished request's, with a speculating engine
+    parsed: OutputDelta | None = None  # with output parsers: what `text` adds to reasoning, content, calls
 
 
 @dataclasses.dataclass
@@ -59,9 +64,16 @@ class FoldedChoice:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     metrics: Mapping[str, Any] | None = None
+    content: str = ""  # with output parsers: the text less reasoning and call markup
+    reasoning: str = ""
+    tool_calls: list[ToolCall] = dataclasses.field(default_factory=list)
 
     def add(self, event: ChoiceEvent) -> None:
         self.text += event.text
+        if event.parsed is not None:
+            self.content += event.parsed.content
+            self.reasoning += event.parsed.reasoning
+            self.tool_calls += [call for _, call in event.parsed.tool_calls]
         self.token_ids += event.token_ids
         if event.logprobs is not None:
             self.logprobs = (self.logprobs or []) + list(event.logprobs)
@@ -87,16 +99,22 @@ async def choice_events(choices: Choices, request: GenerationRequest, prompt_tex
             lps = tuple(first.prompt_logprobs) if request.logprobs and first.prompt_logprobs is not None else None
             yield ChoiceEvent(i, prompt_text, tuple(choices.prompt_ids), lps, prompt=True)
     speculates = choices.engine.speculates
+    streams = [StreamingParser(request.parsers) for _ in range(request.n)] if request.parsers is not None else None
     async for i, delta in choices:
         if request.echo_only:  # the one token generated for a prompt scored alone is left out
             yield ChoiceEvent(i, finish_reason="length" if delta.finished else None)
             continue
         lps = None if not request.logprobs or delta.logprobs is None else tuple(delta.logprobs)
-        out = delta.output
-        yield ChoiceEvent(i, delta.text or "", tuple(delta.token_ids), lps,
-                          finish_reason=finish_reason(delta.finish_reason) if delta.finished else None,
+        out, text = delta.output, delta.text or ""
+        reason = finish_reason(delta.finish_reason) if delta.finished else None
+        parsed = None
+        if streams is not None:
+            parsed = streams[i].push(text, final=delta.finished)
+            if reason == "stop" and streams[i].sent.tool_calls:
+                reason = "tool_calls"
+        yield ChoiceEvent(i, text, tuple(delta.token_ids), lps, finish_reason=reason,
                           stop_reason=out.stop_reason if out is not None else None,
-                          metrics=out.metrics if out is not None and speculates else None)
+                          metrics=out.metrics if out is not None and speculates else None, parsed=parsed)
 
 
 def reply_usage(request: GenerationRequest, choices: Sequence[FoldedChoice]) -> dict[str, Any]:
@@ -133,9 +151,9 @@ class Reply(Protocol):
     def opening(self, index: int) -> dict[str, Any] | None:
         """A choice's first streamed chunk choice before any event (chat: the assistant role), or None."""
 
-    def chunk_choice(self, event: ChoiceEvent, offset: int) -> tuple[dict[str, Any] | None, int]:
-        """A streamed chunk's choice for an event (None: it adds nothing to send) and the text
-        offset after it (completions' logprobs count offsets across chunks)."""
+    def chunk_choices(self, event: ChoiceEvent, offset: int) -> tuple[list[dict[str, Any]], int]:
+        """The streamed chunks' choices for an event (none when it adds nothing to send), and the
+        text offset after it (completions' logprobs count offsets across chunks)."""
 
     def whole_choice(self, choice: FoldedChoice) -> dict[str, Any]:
         """A whole reply's choice."""
@@ -187,8 +205,8 @@ async def stream_reply(http_request: web.Request, events: AsyncIterator[ChoiceEv
                 await send_event(response, {**head, "choices": [opening], **extra})
         async for event in events:
             folded[event.index].add(event)
-            choice, offsets[event.index] = reply.chunk_choice(event, offsets[event.index])
-            if choice is not None:
+            sent, offsets[event.index] = reply.chunk_choices(event, offsets[event.index])
+            for choice in sent:
                 await send_event(response, {**head, "choices": [choice], **extra})
         if request.include_usage:
             await send_event(response, {**head, "choices": [], "usage": reply_usage(request, folded)})

@@ -25,7 +25,7 @@ with it: one token is generated and left out), chat's `logprobs` + `top_logprobs
 items with `token`, `logprob`, `bytes`, `top_logprobs`), at most the scheduler's `max_logprobs`
 alternatives; streamed chunks carry their own tokens' logprobs. -inf reads -9999.0. Parameters
 this engine does not implement (`logit_bias`, `best_of` other than n, chat's `echo`,
-tools, `suffix`, non-text `response_format`) get a 400 when set to anything but their neutral
+completions' tools, `functions`, `suffix`, non-text `response_format`) get a 400 when set to anything but their neutral
 value, rather than being ignored. Benchmarking extension: `synthetic_acceptance` (per-position
 rates, e.g. [0.9, 0.8, 0.7]) forces a speculative step to accept that profile, so that a step's
 cost can be measured at a realistic acceptance without a trained draft; the output is then not
@@ -101,8 +101,10 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "functions": (None, []),
     "function_call": (None, "none"),
 }
-_NEUTRAL_BY_KIND: dict[str, dict[str, tuple[Any, ...]]] = {"completion": _NEUTRAL,
-                                                           "chat": {**_NEUTRAL, "echo": (None, False)}}
+# chat reads tools and tool_choice (messages.py)
+_NEUTRAL_BY_KIND: dict[str, dict[str, tuple[Any, ...]]] = {
+    "completion": _NEUTRAL,
+    "chat": {**{k: v for k, v in _NEUTRAL.items() if k not in ("tools", "tool_choice")}, "echo": (None, False)}}
 _HINTS: dict[str, str] = {}
 # Fields a request may carry without a warning: the ones read here, the refused ones above, and
 # `user` (an end-user id OpenAI's API takes and this server has no use for).

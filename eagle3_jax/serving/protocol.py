@@ -5,8 +5,9 @@
 prompt and give the request's `SamplingParams`; anything malformed is a 400 (`ApiError`) naming
 the field. What the server changes in a request (a max_tokens cut to the room left in
 max_seq_len) or skips (fields it does not know) is collected in `warnings`, told to the client.
-Tools, tool_choice and response_format are carried as typed fields; those the engine does not
-implement yet are refused unless neutral (fields.check_unsupported).
+Chat's `tools` and `tool_choice` (messages.py) choose how its output is parsed: with the server's
+tool-call and reasoning parsers (`OutputParsing`), a chat request carries the `OutputParsers` its
+choices' text goes through (delivery.py).
 """
 
 from __future__ import annotations
@@ -16,12 +17,14 @@ import logging
 from typing import Any, Mapping, Sequence
 
 from ..chat_template import ChatTemplate, ChatTemplateError
+from ..parsers import OutputParsers, reasoning_parser, tool_call_parser
 from ..request import cap_message
 from ..sampling import SamplingParams
 from ..tokenizer import Tokenizer
 from .errors import ApiError
 from .fields import (_is_int, check_unsupported, get_bool, get_int, ignored_fields, parse_logprobs,
                      parse_sampling, parse_stream)
+from .messages import parse_messages, parse_tool_choice, parse_tools
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +43,24 @@ class Limits:
 
 
 @dataclasses.dataclass(frozen=True)
+class OutputParsing:
+    """The server's parsers of chat outputs, by vLLM's names (None: off)."""
+
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
+
+    def parsers(self, tools: Sequence[Mapping[str, Any]], tool_choice: str,
+                template_kwargs: Mapping[str, Any]) -> OutputParsers | None:
+        """What a chat request's output goes through: calls parsed when it brings tools with
+        tool_choice "auto", reasoning unless its template kwargs turn thinking off."""
+        reasoner = reasoning_parser(self.reasoning_parser, template_kwargs) if self.reasoning_parser else None
+        tool_parser = tool_call_parser(self.tool_call_parser) if self.tool_call_parser and tools and \
+            tool_choice == "auto" else None
+        parsers = OutputParsers.of(reasoner, tool_parser, tools)
+        return parsers if parsers.active else None
+
+
+@dataclasses.dataclass(frozen=True)
 class GenerationRequest:
     """What both kinds of request share once checked: the prompt, its sampling and its choices."""
 
@@ -51,6 +72,7 @@ class GenerationRequest:
     warnings: tuple[str, ...] = ()  # what was changed or skipped in the request, told to the client
     echo: bool = False  # completions: the reply starts with the prompt (and its logprobs)
     echo_only: bool = False  # echo with max_tokens 0: the one token generated is left out of the reply
+    parsers: OutputParsers | None = None  # chat: what each choice's text is parsed into (None: content)
 
     kind = ""  # "completion" | "chat"
 
@@ -91,17 +113,25 @@ class ChatRequest(GenerationRequest):
 
     messages: tuple[Mapping[str, Any], ...] = ()
     tools: tuple[Mapping[str, Any], ...] = ()
-    tool_choice: str | Mapping[str, Any] | None = None
+    tool_choice: str = "none"  # "auto" | "none"
     response_format: Mapping[str, Any] | None = None
     template_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # `chat_template_kwargs`
 
     kind = "chat"
 
     @classmethod
-    def from_body(cls, body: Mapping[str, Any], limits: Limits, tokenizer: Tokenizer,
-                  template: ChatTemplate) -> "ChatRequest":
+    def from_body(cls, body: Mapping[str, Any], limits: Limits, tokenizer: Tokenizer, template: ChatTemplate,
+                  parsing: OutputParsing = OutputParsing()) -> "ChatRequest":
         check_unsupported(body, "chat")
         messages = parse_messages(body.get("messages"))
+        tools = parse_tools(body.get("tools"))
+        tool_choice = parse_tool_choice(body.get("tool_choice"), tools)
+        if tools and tool_choice == "auto" and parsing.tool_call_parser is None:
+            raise ApiError("this server parses no tool calls (started with --tool_call_parser=none): send "
+                           "tool_choice \"none\" to give the model the tools without parsing its calls, or restart it "
+                           "with --tool_call_parser=<name>", param="tool_choice", code="unsupported_value")
+        if parsing.tool_call_parser is not None:  # the history as the family's template expects it
+            messages = tool_call_parser(parsing.tool_call_parser).prepare_messages(messages)
         kwargs = body.get("chat_template_kwargs")
         if kwargs is None:
             kwargs = {}
@@ -110,14 +140,14 @@ class ChatRequest(GenerationRequest):
                            code="invalid_type")
         add_prompt = get_bool(body, "add_generation_prompt", True)
         continue_final = get_bool(body, "continue_final_message", False)
-        tools = tuple(body.get("tools") or ())
         text = render_chat(template, messages, tools or None, add_prompt, continue_final, kwargs)
         prompt_ids = tokenizer.encode(text, add_bos=True)
         # Chat defaults to the whole room left in max_seq_len, as vLLM does.
         common, _, _ = _common(body, "chat", prompt_ids, "messages", limits, max(limits.max_seq_len - len(prompt_ids), 1),
                                ("max_completion_tokens", "max_tokens"))
-        return cls(**common, messages=tuple(messages), tools=tools, tool_choice=body.get("tool_choice"),
-                   response_format=body.get("response_format"), template_kwargs=kwargs)
+        return cls(**common, messages=tuple(messages), tools=tools, tool_choice=tool_choice,
+                   response_format=body.get("response_format"), template_kwargs=kwargs,
+                   parsers=parsing.parsers(tools, tool_choice, kwargs))
 
 
 def render_chat(template: ChatTemplate, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None,
@@ -183,37 +213,3 @@ def parse_prompt(prompt: Any, tokenizer: Tokenizer) -> list[int]:
         raise ApiError("'prompt' must not be an empty list", param="prompt", code="invalid_value")
     raise ApiError("'prompt' must be a string or a list of token ids" + (" (it is missing)" if prompt is None else
                    f"; got {type(prompt).__name__}"), param="prompt", code="invalid_type")
-
-
-_ROLES = ("system", "developer", "user", "assistant", "tool")
-
-
-def parse_messages(messages: Any) -> list[dict[str, str]]:
-    """Chat messages as [{"role", "content"}] with string content (a list of text parts is joined)."""
-    if messages is None:
-        raise ApiError("'messages' is missing", param="messages", code="invalid_type")
-    if not isinstance(messages, list) or not messages:
-        raise ApiError("'messages' must be a non-empty list of {role, content} objects", param="messages",
-                       code="invalid_type")
-    out = []
-    for i, m in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise ApiError(f"{where} must be an object with 'role' and 'content'", param=where, code="invalid_type")
-        role, content = m.get("role"), m.get("content")
-        if role not in _ROLES:
-            raise ApiError(f"{where}.role must be one of {', '.join(_ROLES)}; got {role!r}", param=f"{where}.role",
-                           code="invalid_value")
-        if isinstance(content, list):
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                       for p in content):
-                raise ApiError(f"{where}.content parts must all be {{'type': 'text', 'text': ...}}; this server "
-                               "takes text only", param=f"{where}.content", code="unsupported_value")
-            content = "".join(p["text"] for p in content)
-        elif content is None and role == "assistant":
-            content = ""
-        if not isinstance(content, str):
-            raise ApiError(f"{where}.content must be a string or a list of text parts; got {content!r}",
-                           param=f"{where}.content", code="invalid_type")
-        out.append({"role": role, "content": content})
-    return out

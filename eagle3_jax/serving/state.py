@@ -1,4 +1,5 @@
-"""What every route of one server shares: the engine, the tokenizer, the limits, the chat template."""
+"""What every route of one server shares: the engine, the tokenizer, the limits, the chat template
+and the parsers of chat outputs."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from ..chat_template import ChatTemplate
 from ..tokenizer import Tokenizer
 from .async_engine import AsyncEngine
 from .errors import ApiError, web
-from .protocol import Limits
+from .protocol import Limits, OutputParsing
 
 
 @dataclasses.dataclass
@@ -22,6 +23,7 @@ class ServerState:
     model_name: str
     limits: Limits
     chat_template: ChatTemplate
+    parsing: OutputParsing = OutputParsing()
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self) -> None:

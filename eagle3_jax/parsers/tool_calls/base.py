@@ -10,6 +10,7 @@ JSON object, a function the request's tools do not have — is given back as con
 from __future__ import annotations
 
 import abc
+import json
 import re
 from typing import Any, ClassVar, Mapping, Sequence
 
@@ -22,15 +23,41 @@ class ToolCallParser(abc.ABC):
     """A model family's tool-call markup -> (content, calls)."""
 
     name: ClassVar[str]  # as vLLM names it (`--tool_call_parser`)
+    # How the family's chat template reads the `arguments` of earlier calls: "object" (a mapping, the
+    # transformers convention: templates iterate or `tojson` it) or "text" (JSON text written as is).
+    arguments_as: ClassVar[str] = "object"
 
     @abc.abstractmethod
     def parse(self, text: str, final: bool, schemas: Schemas = None) -> tuple[str, list[ToolCall]]:
         """(content, calls) of `text`; unless `final`, only what later text cannot change."""
 
     def prepare_messages(self, messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-        """The conversation as this family's chat template expects its tool-call history (as given
-        by default)."""
-        return [dict(m) for m in messages]
+        """The conversation as this family's chat template expects its tool-call history: each
+        earlier call's arguments as `arguments_as` says (OpenAI clients send JSON text)."""
+        return [_with_arguments_as(m, self.arguments_as) for m in messages]
+
+
+def _arguments(value: Any, form: str) -> Any:
+    if form == "text" and isinstance(value, Mapping):
+        return json.dumps(value, ensure_ascii=False)
+    if form == "object" and isinstance(value, str):
+        try:
+            parsed = json.loads(value)
+        except (json.JSONDecodeError, RecursionError):
+            return value
+        return parsed if isinstance(parsed, dict) else value
+    return value
+
+
+def _with_arguments_as(message: Mapping[str, Any], form: str) -> dict[str, Any]:
+    """A copy of `message` whose tool calls' arguments are in `form` (other fields as given)."""
+    message = dict(message)
+    calls = message.get("tool_calls")
+    if isinstance(calls, list):
+        message["tool_calls"] = [
+            {**call, "function": {**call["function"], "arguments": _arguments(call["function"].get("arguments"), form)}}
+            if isinstance(call, Mapping) and isinstance(call.get("function"), Mapping) else call for call in calls]
+    return message
 
 
 class SectionParser(ToolCallParser):

@@ -19,6 +19,7 @@ _CALL = re.compile(r"\s*<｜tool▁call▁begin｜>\s*(?P<type>[^<]*?)\s*<｜too
 
 class DeepSeekV3(SectionParser):
     name = "deepseek_v3"
+    arguments_as = "text"  # its template concatenates the arguments as a string
     begins = ("<｜tool▁calls▁begin｜>",)
     ends = ("<｜tool▁calls▁end｜>",)
 

@@ -15,6 +15,7 @@ _CALL = re.compile(r"\s*<｜tool▁call▁begin｜>(?P<name>[^<]+?)<｜tool▁se
 
 class DeepSeekV31(SectionParser):
     name = "deepseek_v31"
+    arguments_as = "text"  # its template concatenates the arguments as a string
     begins = ("<｜tool▁calls▁begin｜>",)
     ends = ("<｜tool▁calls▁end｜>",)
 

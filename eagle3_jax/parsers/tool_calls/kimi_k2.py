@@ -23,6 +23,7 @@ _ID = re.compile(r"(?:functions\.)?(?P<name>[^:\s]+):\d+")
 
 class KimiK2(SectionParser):
     name = "kimi_k2"
+    arguments_as = "text"  # its template writes string arguments as they are (the model's own JSON)
     # the singular spelling appears in some Kimi outputs; vLLM takes both
     begins = ("<|tool_calls_section_begin|>", "<|tool_call_section_begin|>")
     ends = ("<|tool_calls_section_end|>", "<|tool_call_section_end|>")
@@ -44,8 +45,7 @@ class KimiK2(SectionParser):
         the conversation), in the assistant's calls and in the tool results that answer them."""
         renamed: dict[str, str] = {}
         count, out = 0, []
-        for message in messages:
-            message = dict(message)
+        for message in super().prepare_messages(messages):
             calls = message.get("tool_calls")
             if message.get("role") == "assistant" and isinstance(calls, list):
                 message["tool_calls"] = new_calls = []
