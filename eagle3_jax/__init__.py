@@ -3,12 +3,15 @@
 Public API (kept stable):
     load_target, Target, load_draft, Draft, Engine, Scheduler, CapacityError, SpecConfig, AutoSpec,
     SamplingParams, RequestOutput, make_mesh, initialize_distributed, plan_memory,
-    load_tokenizer, Tokenizer, TokenizerError (a folder's tokenizer.json or Kimi's tiktoken.model layout)
+    load_tokenizer, Tokenizer, TokenizerError (a folder's tokenizer.json or Kimi's tiktoken.model layout),
+    ChatOutput (Engine.chat's answers), parse_tool_calls, parse_reasoning, ParserError (model outputs'
+    tool-call and reasoning markup, by vLLM's parser names)
 """
 
 from .config import ConfigError, ModelConfig, load_model_config
 from .draft import Draft, load_draft
-from .engine import Engine
+from .engine import ChatOutput, Engine
+from .parsers import ParserError, parse_reasoning, parse_tool_calls
 from .plan import plan_memory
 from .request import RequestOutput
 from .sampling import SamplingParams
@@ -20,6 +23,10 @@ from .tokenizer import Tokenizer, TokenizerError, load_tokenizer
 
 __all__ = [
     "AutoSpec",
+    "ChatOutput",
+    "ParserError",
+    "parse_reasoning",
+    "parse_tool_calls",
     "CapacityError",
     "ConfigError",
     "Draft",
