@@ -88,7 +88,7 @@ class Engine:
         for messages in conversations:
             messages = tool_parser.prepare_messages(messages) if tool_parser else list(messages)
             text = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, **kwargs)
-            prompts.append(self.tokenizer.encode(text, add_bos=True))
+            prompts.append(self.tokenizer.encode(text))
         outputs = self.generate(prompts, self._stopping_at_eos(sampling, len(prompts)))
         parsers = OutputParsers.of(reasoner, tool_parser, tools)
         answers, reply = [], uuid.uuid4().hex  # tool call ids: unique per call

@@ -80,6 +80,7 @@ class Tokenizer:
     bos_id: int | None
     eos_ids: tuple[int, ...]
     folder: str | None = None  # where the chat template is read from; None: no template
+    adds_bos: bool = True  # whether the model's own tokenizer starts an encoding with BOS (Kimi's never does)
 
     @property
     def vocab_size(self) -> int:
@@ -95,12 +96,15 @@ class Tokenizer:
         """Ids of the byte-fallback tokens `<0xXX>` (empty for byte-level BPE, and for tiktoken)."""
         return self.backend.byte_fallback_ids
 
-    def encode(self, text: str, add_bos: bool = True) -> list[int]:
-        """Token ids of `text`; with `add_bos`, the ids start with BOS exactly once.
+    def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
+        """Token ids of `text`; with `add_bos`, the ids start with BOS exactly once; None (the
+        default) adds it where the model's own tokenizer does (`adds_bos`: tokenizer_config.json's
+        `add_bos_token`, else yes for tokenizer.json and no for Kimi's tiktoken layout).
 
         Text that already starts with the BOS text (a rendered chat template) keeps that one BOS.
         Special-token names in the text become their ids.
         """
+        add_bos = self.adds_bos if add_bos is None else add_bos
         bos_text = self.backend.id_to_token(self.bos_id) if self.bos_id is not None else None
         has_bos_text = bool(bos_text) and text.startswith(bos_text)
         ids = self.backend.encode(text, add_special_tokens=add_bos and not has_bos_text)
@@ -253,7 +257,8 @@ def load_tokenizer(path: str | os.PathLike, bos_id: int | None = None,
     """The tokenizer of a model folder (or of a tokenizer.json / tiktoken file given itself).
 
     A folder's tokenizer.json is used when present, else its tiktoken vocabulary (the module
-    docstring). `bos_id` / `eos_ids` override what the folder's configs say. Raises TokenizerError
+    docstring). `bos_id` / `eos_ids` override what the folder's configs say; `encode` adds BOS where
+    the model's own tokenizer does (`Tokenizer.adds_bos`). Raises TokenizerError
     (one line: the problem and the fix) for a folder with neither file or a file that cannot be read.
     """
     p = os.fspath(path)
@@ -271,9 +276,11 @@ def load_tokenizer(path: str | os.PathLike, bos_id: int | None = None,
             f"({HF_FILE}, or {VOCAB_FILE} with tokenizer_config.json), or pass token ids to the Python API")
     tiktoken_file = os.path.basename(file) == VOCAB_FILE or file.endswith(".tiktoken")
     backend = _load_tiktoken(file, folder) if tiktoken_file else _load_tokenizers(file, folder)
+    adds_bos = _read_json(os.path.join(folder, "tokenizer_config.json")).get("add_bos_token", not tiktoken_file)
     return Tokenizer(
         backend=backend,
         bos_id=find_bos_id(folder, backend) if bos_id is None else int(bos_id),
         eos_ids=find_eos_ids(folder, backend) if eos_ids is None else tuple(int(i) for i in eos_ids),
         folder=folder or ".",
+        adds_bos=bool(adds_bos),
     )

@@ -97,11 +97,14 @@ def test_same_ids_as_tiktoken(tok, ref, text):
     ids = tok.encode(text, add_bos=False)
     assert ids == ref.encode(text, allowed_special="all")
     assert tok.decode(ids, skip_special_tokens=False) == ref.decode(ids) == text
-    assert tok.encode(text) == [tok.bos_id] + ids
+    assert tok.encode(text, add_bos=True) == [tok.bos_id] + ids
+    assert tok.encode(text) == ids  # Kimi's own tokenizer adds no BOS, and neither does the default
 
 
 def test_bos_once(tok):
-    assert tok.encode("[BOS]hi") == tok.encode("hi") and tok.encode("hi").count(tok.bos_id) == 1
+    assert not tok.adds_bos
+    assert tok.encode("[BOS]hi", add_bos=True) == tok.encode("hi", add_bos=True)
+    assert tok.encode("hi", add_bos=True).count(tok.bos_id) == 1
 
 
 def test_skip_special_tokens_keeps_tool_and_think_markers(tok):

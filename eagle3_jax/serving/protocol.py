@@ -141,7 +141,7 @@ class ChatRequest(GenerationRequest):
         add_prompt = get_bool(body, "add_generation_prompt", True)
         continue_final = get_bool(body, "continue_final_message", False)
         text = render_chat(template, messages, tools or None, add_prompt, continue_final, kwargs)
-        prompt_ids = tokenizer.encode(text, add_bos=True)
+        prompt_ids = tokenizer.encode(text)
         # Chat defaults to the whole room left in max_seq_len, as vLLM does.
         common, _, _ = _common(body, "chat", prompt_ids, "messages", limits, max(limits.max_seq_len - len(prompt_ids), 1),
                                ("max_completion_tokens", "max_tokens"))
@@ -197,11 +197,11 @@ def single_prompt(prompt: Any) -> Any:
 
 
 def parse_prompt(prompt: Any, tokenizer: Tokenizer) -> list[int]:
-    """Token ids of a completion prompt: a string (BOS added), a list of token ids (used as is), or a
-    one-element list holding either."""
+    """Token ids of a completion prompt: a string (BOS added where the model's own tokenizer adds
+    it), a list of token ids (used as is), or a one-element list holding either."""
     prompt = single_prompt(prompt)
     if isinstance(prompt, str):
-        return tokenizer.encode(prompt, add_bos=True)
+        return tokenizer.encode(prompt)
     if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
         if min(prompt) < 0:
             raise ApiError("'prompt' token ids must be >= 0", param="prompt", code="invalid_value")
