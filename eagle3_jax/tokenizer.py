@@ -70,6 +70,14 @@ class TokenizersBackend:
     def id_to_token(self, token_id: int) -> str | None:
         return self.hf.id_to_token(int(token_id))
 
+    @functools.cached_property
+    def post_processor_adds_bos(self) -> bool:
+        """Whether tokenizer.json's post-processor puts a token before the text (a BOS template, as
+        Llama's has; a GPT-2 style ByteLevel one adds none)."""
+        plain = self.hf.encode("a", add_special_tokens=False).ids
+        full = self.hf.encode("a", add_special_tokens=True).ids
+        return len(full) > len(plain) and full[len(full) - len(plain):] == plain
+
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Tokenizer:
@@ -99,7 +107,8 @@ class Tokenizer:
     def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
         """Token ids of `text`; with `add_bos`, the ids start with BOS exactly once; None (the
         default) adds it where the model's own tokenizer does (`adds_bos`: tokenizer_config.json's
-        `add_bos_token`, else yes for tokenizer.json and no for Kimi's tiktoken layout).
+        `add_bos_token`; without it, whether tokenizer.json's post-processor adds one (yes for a bare
+        tokenizer.json with no tokenizer_config.json), and no for Kimi's tiktoken layout).
 
         Text that already starts with the BOS text (a rendered chat template) keeps that one BOS.
         Special-token names in the text become their ids.
@@ -276,7 +285,14 @@ def load_tokenizer(path: str | os.PathLike, bos_id: int | None = None,
             f"({HF_FILE}, or {VOCAB_FILE} with tokenizer_config.json), or pass token ids to the Python API")
     tiktoken_file = os.path.basename(file) == VOCAB_FILE or file.endswith(".tiktoken")
     backend = _load_tiktoken(file, folder) if tiktoken_file else _load_tokenizers(file, folder)
-    adds_bos = _read_json(os.path.join(folder, "tokenizer_config.json")).get("add_bos_token", not tiktoken_file)
+    tokenizer_config = os.path.join(folder, "tokenizer_config.json")
+    adds_bos = _read_json(tokenizer_config).get("add_bos_token")
+    if adds_bos is None:
+        # as transformers' fast tokenizer: its tokenizer.json's post-processor decides (a folder
+        # whose tokenizer_config.json says nothing, e.g. MiniMax's GPT2Tokenizer, adds no BOS); a
+        # bare tokenizer.json without that config keeps BOS, and Kimi's tiktoken layout never has one
+        adds_bos = (False if tiktoken_file else
+                    backend.post_processor_adds_bos if os.path.isfile(tokenizer_config) else True)
     return Tokenizer(
         backend=backend,
         bos_id=find_bos_id(folder, backend) if bos_id is None else int(bos_id),
