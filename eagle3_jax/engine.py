@@ -86,7 +86,10 @@ class Engine:
         reasoner = make_reasoning_parser(reasoning_parser, kwargs) if reasoning_parser else None
         prompts = []
         for messages in conversations:
-            messages = tool_parser.prepare_messages(messages) if tool_parser else list(messages)
+            # an assistant turn of only calls has content None (OpenAI); templates concatenate it: ""
+            messages = [{**m, "content": ""} if m.get("role") == "assistant" and m.get("content") is None else m
+                        for m in messages]
+            messages = tool_parser.prepare_messages(messages) if tool_parser else messages
             text = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, **kwargs)
             prompts.append(self.tokenizer.encode(text))
         outputs = self.generate(prompts, self._stopping_at_eos(sampling, len(prompts)))
