@@ -46,7 +46,8 @@ def make_app(engine: AsyncEngine, model_name: str, *, max_seq_len: int | None = 
 
     `max_seq_len` defaults to the engine's; `eos_token_ids` (where requests stop unless
     `ignore_eos`) to the tokenizer's. `chat_template` renders chat requests (default: the one in
-    `tokenizer_dir`; without one, chat requests are refused, see `ChatTemplate`).
+    `tokenizer_dir`, else the tokenizer's folder's; without one, chat requests are refused, see
+    `ChatTemplate`).
     `default_max_tokens` is the completions default (OpenAI's is 16). The caller starts and closes
     the engine. `allow_synthetic_acceptance` lets requests force speculative acceptance
     (benchmarking only). `tool_call_parser` and `reasoning_parser` (names as vLLM's, see
@@ -63,7 +64,9 @@ def make_app(engine: AsyncEngine, model_name: str, *, max_seq_len: int | None = 
     for name, known in ((tool_call_parser, TOOL_CALL_PARSERS), (reasoning_parser, REASONING_PARSERS)):
         if name is not None and name not in known:
             raise ParserError(f"unknown parser {name!r}; choose one of {', '.join(known)}")
-    state = ServerState(engine, tok, model_name, limits, chat_template or ChatTemplate.from_dir(tokenizer_dir),
+    if chat_template is None:
+        chat_template = ChatTemplate.from_dir(tokenizer_dir) if tokenizer_dir is not None else tok.chat_template
+    state = ServerState(engine, tok, model_name, limits, chat_template,
                         OutputParsing(tool_call_parser, reasoning_parser))
     metrics = ServerMetrics(engine.stats)
     app = web.Application(middlewares=[_middleware(metrics)], client_max_size=client_max_size)
