@@ -22,7 +22,7 @@ import eagle3_jax as e3
 from eagle3_jax.scheduler import Scheduler
 from eagle3_jax.serving import AsyncEngine, make_app
 from eagle3_jax.serving.protocol import ChatRequest, Limits, OutputParsing
-from model_folders import kimi_folder
+from model_folders import kimi_folder, minimax_folder
 from scripted_models import write_scripted_pair
 from server_fixtures import ServerThread
 
@@ -55,6 +55,19 @@ TURNS = {
                     (None, "Paris is the capital of France.", [], "stop")),
 }
 PARSING = OutputParsing("kimi_k2", "kimi_k2")
+# MiniMax-M2.5 with minimax_m2_append_think: the reasoning stays in the content, <think> put back
+MM_CALL = {"role": "assistant", "content": "<think>I need the weather tool.\n</think>\n\n", "tool_calls": [
+    {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]}
+MM_RESULT = {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"}
+MM_TURNS = {
+    "call": (dict(messages=ASK, tools=TOOLS),
+             'I need the weather tool.\n</think>\n\n<minimax:tool_call>\n<invoke name="get_weather">\n'
+             '<parameter name="city">Paris</parameter>\n</invoke>\n</minimax:tool_call>',
+             (None, MM_CALL["content"], [("get_weather", {"city": "Paris"})], "tool_calls")),
+    "answer": (dict(messages=ASK + [MM_CALL, MM_RESULT], tools=TOOLS),
+               "The tool says sunny.\n</think>\n\nIt is sunny in Paris.",
+               (None, "<think>The tool says sunny.\n</think>\n\nIt is sunny in Paris.", [], "stop")),
+}
 
 
 def _body(kwargs: dict) -> dict:
@@ -62,23 +75,37 @@ def _body(kwargs: dict) -> dict:
     return {**body, **kwargs.get("extra_body", {})}
 
 
-@pytest.fixture(scope="module")
-def kimi(tmp_path_factory):
+def _scripted(root, tok_dir: str, turns: dict, parsing: OutputParsing, end_of_turn: str, family: str):
     """(tokenizer folder, tokenizer, target dir, draft dir): the scripted answers keyed by the very
     prompts the server builds from each turn's request."""
-    root = tmp_path_factory.mktemp("kimi-scripted")
-    with open(TEMPLATE) as f:
-        tok_dir = kimi_folder(root / "tokenizer", chat_template=f.read())
     tok = e3.load_tokenizer(tok_dir)
     limits = Limits(max_seq_len=1024, max_logprobs=0, eos_token_ids=tok.eos_ids)
     prompts, scripts = [], []
-    for request, answer, _ in TURNS.values():
-        prompts.append(ChatRequest.from_body(_body(request), limits, tok, tok.chat_template, PARSING).prompt_ids)
-        scripts.append(tok.encode(answer, add_bos=False) + [tok.token_to_id("<|im_end|>")])
-    target_dir, draft_dir = write_scripted_pair(str(root / "model"), tok.vocab_size, prompts, scripts,
+    for request, answer, _ in turns.values():
+        prompts.append(ChatRequest.from_body(_body(request), limits, tok, tok.chat_template, parsing).prompt_ids)
+        scripts.append(tok.encode(answer, add_bos=False) + [tok.token_to_id(end_of_turn)])
+    target_dir, draft_dir = write_scripted_pair(str(root / "model"), tok.vocab_size, prompts, scripts, family=family,
                                                 eos_token_id=list(tok.eos_ids), bos_token_id=tok.bos_id,
                                                 tokenizer_dir=tok_dir)
     return tok_dir, tok, target_dir, draft_dir
+
+
+@pytest.fixture(scope="module")
+def kimi(tmp_path_factory):
+    root = tmp_path_factory.mktemp("kimi-scripted")
+    with open(TEMPLATE) as f:
+        tok_dir = kimi_folder(root / "tokenizer", chat_template=f.read())
+    return _scripted(root, tok_dir, TURNS, PARSING, "<|im_end|>", "kimi_k25")
+
+
+@pytest.fixture(scope="module")
+def minimax(tmp_path_factory):
+    """A MiniMax-M2.5 tokenizer folder over a scripted target (Llama layout: the parsers and the
+    template are what is under test, not the architecture)."""
+    root = tmp_path_factory.mktemp("minimax-scripted")
+    tok_dir = minimax_folder(root / "tokenizer")
+    return _scripted(root, tok_dir, MM_TURNS, OutputParsing("minimax_m2", "minimax_m2_append_think"), "[e~[",
+                     "llama")
 
 
 def _reply(client, request: dict, stream: bool):
@@ -169,55 +196,81 @@ def test_engine_chat_answers_as_the_server(kimi):
     assert (plain.reasoning, plain.content, plain.tool_calls) == TURNS["no_thinking"][2][:3]
 
 
-def _readme_kimi_command() -> list[str]:
+def _readme_command(model: str) -> list[str]:
     with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
         readme = f.read()
     section = readme.split("### Serving a real model", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
     commands = [c for c in section.replace("\\\n", " ").splitlines() if "scripts/serve.py" in c]
-    kimi_line = next(c for c in commands if "Kimi-K2.5" in c)
-    return shlex.split(kimi_line.split("#", 1)[0])
+    return shlex.split(next(c for c in commands if model in c).split("#", 1)[0])
 
 
-def test_readme_kimi_command_serves_the_tool_round_trip(kimi):
-    """The README's Kimi-K2.5 command, its model paths, mesh and sizes swapped for the scripted
-    folders (every other flag as written: spec, dtype, parsers, served name)."""
-    tok_dir, _, target_dir, draft_dir = kimi
-    args = _readme_kimi_command()
+def _serve(args: list[str], target_dir: str, draft_dir: str):
+    """serve.py with `args` (as a README line gives them: `python scripts/serve.py ...`), its model
+    paths, mesh and sizes swapped for the scripted folders; (process, port, served name)."""
     assert args[:2] == ["python", "scripts/serve.py"]
-    assert "--tool_call_parser=kimi_k2" in args and "--reasoning_parser=kimi_k2" in args
     swapped = {"--target": target_dir, "--draft": draft_dir, "--max_num_seqs": "2", "--max_seq_len": "1024"}
-    flags = []
-    for arg in args[2:]:
-        name = arg.split("=", 1)[0]
-        if name == "--mesh":
-            continue  # 8 devices of a GPU node; the scripted model runs on one
-        flags.append(f"{name}={swapped[name]}" if name in swapped else arg)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    name = next(a.split("=", 1)[1] for a in flags if a.startswith("--served_model_name="))
+    flags = [f"{name}={swapped[name]}" if (name := a.split("=", 1)[0]) in swapped else a
+             for a in args[2:] if not a.startswith("--mesh=")]  # 8 GPUs' mesh; the scripted model runs on one
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    name = next((a.split("=", 1)[1] for a in flags if a.startswith("--served_model_name=")),
+                os.path.basename(os.path.normpath(target_dir)))  # serve.py's default
     proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "scripts", "serve.py"), *flags, f"--port={port}",
                              "--nowarmup"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+    deadline = time.time() + 240
+    while True:
+        try:
+            client.models.list()
+            return proc, client, name
+        except openai.APIConnectionError:
+            if proc.poll() is not None or time.time() > deadline:
+                proc.kill()
+                pytest.fail(f"serve.py did not start: {proc.communicate()[0]}")
+            time.sleep(0.5)
+
+
+def _stop(proc) -> str:
+    proc.terminate()
+    return proc.communicate(timeout=30)[0]
+
+
+def _whole(client, name: str, request: dict):
+    r = client.chat.completions.create(model=name, temperature=0, max_tokens=200, **request)
+    m = r.choices[0].message
+    calls = [(c.function.name, json.loads(c.function.arguments)) for c in m.tool_calls or []]
+    return (m.model_extra or {}).get("reasoning_content"), m.content, calls, r.choices[0].finish_reason
+
+
+@pytest.mark.parametrize("model", ["Kimi-K2.5", "MiniMax-M2.5"])
+def test_readme_commands_serve_the_tool_round_trip(model, request):
+    """The README's serve.py commands, model paths, mesh and sizes swapped for scripted folders
+    (every other flag as written: spec, dtype, parsers, served name)."""
+    tok_dir, _, target_dir, draft_dir = request.getfixturevalue("kimi" if model == "Kimi-K2.5" else "minimax")
+    turns = TURNS if model == "Kimi-K2.5" else MM_TURNS
+    args = _readme_command(model)
+    assert any(a.startswith("--tool_call_parser=") for a in args) and any(a.startswith("--reasoning_parser=")
+                                                                          for a in args)
+    proc, client, name = _serve(args, target_dir, draft_dir)
     try:
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
-        deadline = time.time() + 240
-        while True:
-            try:
-                client.models.list()
-                break
-            except openai.APIConnectionError:
-                assert proc.poll() is None and time.time() < deadline, proc.stdout.read() if proc.poll() else "timeout"
-                time.sleep(0.5)
         for turn in ("call", "answer"):
-            request, _, expected = TURNS[turn]
-            common = dict(model=name, temperature=0, max_tokens=200, **request)
-            r = client.chat.completions.create(**common)
-            m = r.choices[0].message
-            calls = [(c.id, c.function.name, json.loads(c.function.arguments)) for c in m.tool_calls or []]
-            assert ((m.model_extra or {}).get("reasoning_content"), m.content, calls, r.choices[0].finish_reason) \
-                == expected
+            reasoning, content, calls, finish = turns[turn][2]
+            expected = (reasoning, content, [c[-2:] for c in calls], finish)
+            assert _whole(client, name, turns[turn][0]) == expected, turn
     finally:
-        proc.terminate()
-        out = proc.communicate(timeout=30)[0]
-    assert re.search(r"serving .* as 'kimi-k2.5' \(EAGLE-3 chain", out), out  # the draft speculated
+        out = _stop(proc)
+    assert re.search(rf"serving .* as '{name}' \(EAGLE-3 chain", out), out  # the draft speculated
     assert "(auto, for model_type" not in out  # the parsers were set by the flags, not chosen for the user
+
+
+def test_serve_chooses_the_familys_parsers_and_says_so(kimi):
+    _, _, target_dir, _ = kimi
+    proc, client, name = _serve(["python", "scripts/serve.py", "--target=x"], target_dir, "")
+    try:
+        assert _whole(client, name, TURNS["call"][0]) == (
+            TURNS["call"][2][0], TURNS["call"][2][1], [c[-2:] for c in TURNS["call"][2][2]], "tool_calls")
+    finally:
+        out = _stop(proc)
+    assert "--tool_call_parser=kimi_k2 (auto, for model_type kimi_k25" in out, out
+    assert "--reasoning_parser=kimi_k2 (auto, for model_type kimi_k25" in out, out
