@@ -274,3 +274,17 @@ def test_serve_chooses_the_familys_parsers_and_says_so(kimi):
         out = _stop(proc)
     assert "--tool_call_parser=kimi_k2 (auto, for model_type kimi_k25" in out, out
     assert "--reasoning_parser=kimi_k2 (auto, for model_type kimi_k25" in out, out
+
+
+def test_reasoning_is_parsed_only_where_the_prompt_opens_an_answer(kimi):
+    _, tok, _, _ = kimi
+    limits = Limits(max_seq_len=1024, max_logprobs=0, eos_token_ids=tok.eos_ids)
+    fresh = ChatRequest.from_body({"messages": ASK}, limits, tok, tok.chat_template, PARSING)
+    assert fresh.parsers is not None and fresh.parsers.reasoning is not None and fresh.parsers.tool_calls is None
+    continued = ChatRequest.from_body({"messages": ASK + [{"role": "assistant", "content": "Paris is"}],
+                                       "add_generation_prompt": False, "continue_final_message": True},
+                                      limits, tok, tok.chat_template, PARSING)
+    assert continued.parsers is None  # the model continues the given text: nothing to split off
+    off = ChatRequest.from_body({"messages": ASK, "chat_template_kwargs": {"thinking": False}, "tools": TOOLS},
+                                limits, tok, tok.chat_template, PARSING)
+    assert off.parsers.reasoning is None and off.parsers.tool_calls is not None

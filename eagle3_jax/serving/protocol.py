@@ -49,11 +49,14 @@ class OutputParsing:
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
 
-    def parsers(self, tools: Sequence[Mapping[str, Any]], tool_choice: str,
-                template_kwargs: Mapping[str, Any]) -> OutputParsers | None:
+    def parsers(self, tools: Sequence[Mapping[str, Any]], tool_choice: str, template_kwargs: Mapping[str, Any],
+                opens_answer: bool = True) -> OutputParsers | None:
         """What a chat request's output goes through: calls parsed when it brings tools with
-        tool_choice "auto", reasoning unless its template kwargs turn thinking off."""
-        reasoner = reasoning_parser(self.reasoning_parser, template_kwargs) if self.reasoning_parser else None
+        tool_choice "auto"; reasoning when the prompt opens a new answer (`opens_answer`: not when
+        the final message is continued or no generation prompt is added) and the template kwargs
+        do not turn thinking off."""
+        reasoner = reasoning_parser(self.reasoning_parser, template_kwargs) \
+            if self.reasoning_parser and opens_answer else None
         tool_parser = tool_call_parser(self.tool_call_parser) if self.tool_call_parser and tools and \
             tool_choice == "auto" else None
         parsers = OutputParsers.of(reasoner, tool_parser, tools)
@@ -147,7 +150,7 @@ class ChatRequest(GenerationRequest):
                                ("max_completion_tokens", "max_tokens"))
         return cls(**common, messages=tuple(messages), tools=tools, tool_choice=tool_choice,
                    response_format=body.get("response_format"), template_kwargs=kwargs,
-                   parsers=parsing.parsers(tools, tool_choice, kwargs))
+                   parsers=parsing.parsers(tools, tool_choice, kwargs, opens_answer=add_prompt and not continue_final))
 
 
 def render_chat(template: ChatTemplate, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None,
