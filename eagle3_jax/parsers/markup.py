@@ -14,6 +14,8 @@ import hashlib
 import json
 from typing import Any, Iterable, Mapping, Sequence
 
+from ..text_stream import stop_prefix_len
+
 
 class ParserError(ValueError):
     """An unknown parser name, or tools a parser cannot use; the message names the choices."""
@@ -39,23 +41,11 @@ def call_id(seed: str, index: int) -> str:
     return "call_" + hashlib.sha256(f"{seed}\0{index}".encode()).hexdigest()[:24]
 
 
-def held_back(text: str, markers: Iterable[str]) -> int:
-    """How many characters at the end of `text` may be the start of one of `markers` (the longest
-    proper prefix of a marker that `text` ends with); 0 when none."""
-    longest = 0
-    for marker in markers:
-        for n in range(min(len(marker) - 1, len(text)), longest, -1):
-            if text.endswith(marker[:n]):
-                longest = n
-                break
-    return longest
-
-
 def settled(text: str, markers: Iterable[str], final: bool) -> str:
     """`text`, less a tail that may still become a marker unless the output is `final`."""
     if final:
         return text
-    n = held_back(text, markers)
+    n = stop_prefix_len(text, tuple(markers))  # the longest end of `text` that begins a marker
     return text[: len(text) - n] if n else text
 
 

@@ -62,14 +62,22 @@ def _with_arguments_as(message: Mapping[str, Any], form: str) -> dict[str, Any]:
 
 class SectionParser(ToolCallParser):
     """Calls written between a begin and an end marker (Kimi, MiniMax, DeepSeek): text outside the
-    sections is content; each closed section is parsed by `calls_in`."""
+    sections is content; a closed section must hold only back-to-back matches of `call`, each of
+    which `call_of` turns into a call, else the whole section is content."""
 
     begins: ClassVar[tuple[str, ...]]
     ends: ClassVar[tuple[str, ...]]
+    call: ClassVar[re.Pattern[str]]
 
     @abc.abstractmethod
+    def call_of(self, match: re.Match[str], schemas: Schemas) -> ToolCall | None:
+        """The call one match of `call` writes; None when it is malformed."""
+
     def calls_in(self, inner: str, schemas: Schemas) -> list[ToolCall] | None:
         """The calls of a section's inner text; None when it is malformed."""
+        matches = sequence(self.call, inner)
+        calls = [self.call_of(m, schemas) for m in matches or ()]
+        return None if not calls or None in calls else calls
 
     def parse(self, text: str, final: bool, schemas: Schemas = None) -> tuple[str, list[ToolCall]]:
         content, calls, at = [], [], 0

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 
 from ..markup import ToolCall, json_object_text, known
-from .base import Schemas, SectionParser, sequence
+from .base import Schemas, SectionParser
 
 _CALL = re.compile(r"\s*<｜tool▁call▁begin｜>\s*(?P<type>[^<]*?)\s*<｜tool▁sep｜>(?P<name>[^\n<]+?)\s*"
                    r"```(?:json)?\s*(?P<args>.*?)\s*```\s*<｜tool▁call▁end｜>\s*", re.S)
@@ -22,15 +22,10 @@ class DeepSeekV3(SectionParser):
     arguments_as = "text"  # its template concatenates the arguments as a string
     begins = ("<｜tool▁calls▁begin｜>",)
     ends = ("<｜tool▁calls▁end｜>",)
+    call = _CALL
 
-    def calls_in(self, inner: str, schemas: Schemas) -> list[ToolCall] | None:
-        matches = sequence(_CALL, inner)
-        if matches is None:
+    def call_of(self, match: re.Match[str], schemas: Schemas) -> ToolCall | None:
+        name, arguments = match["name"].strip(), json_object_text(match["args"])
+        if match["type"] != "function" or arguments is None or not known(name, schemas):
             return None
-        calls = []
-        for m in matches:
-            name, arguments = m["name"].strip(), json_object_text(m["args"])
-            if m["type"] != "function" or arguments is None or not known(name, schemas):
-                return None
-            calls.append(ToolCall(name, arguments))
-        return calls
+        return ToolCall(name, arguments)

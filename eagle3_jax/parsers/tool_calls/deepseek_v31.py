@@ -8,25 +8,20 @@ from __future__ import annotations
 import re
 
 from ..markup import ToolCall, json_object_text, known
-from .base import Schemas, SectionParser, sequence
+from .base import Schemas
+from .deepseek_v3 import DeepSeekV3
 
 _CALL = re.compile(r"\s*<｜tool▁call▁begin｜>(?P<name>[^<]+?)<｜tool▁sep｜>(?P<args>.*?)<｜tool▁call▁end｜>\s*", re.S)
 
 
-class DeepSeekV31(SectionParser):
-    name = "deepseek_v31"
-    arguments_as = "text"  # its template concatenates the arguments as a string
-    begins = ("<｜tool▁calls▁begin｜>",)
-    ends = ("<｜tool▁calls▁end｜>",)
+class DeepSeekV31(DeepSeekV3):
+    """V3's section markers and history form; each call's markup differs."""
 
-    def calls_in(self, inner: str, schemas: Schemas) -> list[ToolCall] | None:
-        matches = sequence(_CALL, inner)
-        if matches is None:
+    name = "deepseek_v31"
+    call = _CALL
+
+    def call_of(self, match: re.Match[str], schemas: Schemas) -> ToolCall | None:
+        name, arguments = match["name"].strip(), json_object_text(match["args"])
+        if arguments is None or not known(name, schemas):
             return None
-        calls = []
-        for m in matches:
-            name, arguments = m["name"].strip(), json_object_text(m["args"])
-            if arguments is None or not known(name, schemas):
-                return None
-            calls.append(ToolCall(name, arguments))
-        return calls
+        return ToolCall(name, arguments)

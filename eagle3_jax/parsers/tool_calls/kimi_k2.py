@@ -14,7 +14,7 @@ import re
 from typing import Any, Mapping, Sequence
 
 from ..markup import ToolCall, json_object_text, known
-from .base import Schemas, SectionParser, sequence
+from .base import Schemas, SectionParser
 
 _CALL = re.compile(r"\s*<\|tool_call_begin\|>\s*(?P<id>[^<]*?)\s*<\|tool_call_argument_begin\|>(?P<args>.*?)"
                    r"<\|tool_call_end\|>\s*", re.S)
@@ -27,18 +27,13 @@ class KimiK2(SectionParser):
     # the singular spelling appears in some Kimi outputs; vLLM takes both
     begins = ("<|tool_calls_section_begin|>", "<|tool_call_section_begin|>")
     ends = ("<|tool_calls_section_end|>", "<|tool_call_section_end|>")
+    call = _CALL
 
-    def calls_in(self, inner: str, schemas: Schemas) -> list[ToolCall] | None:
-        matches = sequence(_CALL, inner)
-        if matches is None:
+    def call_of(self, match: re.Match[str], schemas: Schemas) -> ToolCall | None:
+        ident, arguments = _ID.fullmatch(match["id"]), json_object_text(match["args"])
+        if ident is None or arguments is None or not known(ident["name"], schemas):
             return None
-        calls = []
-        for m in matches:
-            ident, arguments = _ID.fullmatch(m["id"]), json_object_text(m["args"])
-            if ident is None or arguments is None or not known(ident["name"], schemas):
-                return None
-            calls.append(ToolCall(ident["name"], arguments, id=m["id"]))
-        return calls
+        return ToolCall(ident["name"], arguments, id=match["id"])
 
     def prepare_messages(self, messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
         """Ids of earlier calls as Kimi writes them (`functions.NAME:IDX`, IDX the call's number in

@@ -69,23 +69,15 @@ class MiniMaxM2(SectionParser):
     name = "minimax_m2"
     begins = ("<minimax:tool_call>",)
     ends = ("</minimax:tool_call>",)
+    call = _INVOKE
 
-    def calls_in(self, inner: str, schemas: Schemas) -> list[ToolCall] | None:
-        invokes = sequence(_INVOKE, inner)
-        if invokes is None:
+    def call_of(self, match: re.Match[str], schemas: Schemas) -> ToolCall | None:
+        name, body = match["name"].strip(), match["body"]
+        params = [] if not body.strip() else sequence(_PARAMETER, body)
+        if params is None or not known(name, schemas):
             return None
-        calls = []
-        for invoke in invokes:
-            name = invoke["name"].strip()
-            if not known(name, schemas):
-                return None
-            body = invoke["body"]
-            params = [] if not body.strip() else sequence(_PARAMETER, body)
-            if params is None:
-                return None
-            properties = (schemas or {}).get(name, {}).get("properties")
-            properties = properties if isinstance(properties, Mapping) else {}
-            arguments = {p["key"].strip(): convert(_strip_newline(p["value"]), properties.get(p["key"].strip()))
-                         for p in params}
-            calls.append(ToolCall(name, json.dumps(arguments, ensure_ascii=False)))
-        return calls
+        properties = (schemas or {}).get(name, {}).get("properties")
+        properties = properties if isinstance(properties, Mapping) else {}
+        arguments = {p["key"].strip(): convert(_strip_newline(p["value"]), properties.get(p["key"].strip()))
+                     for p in params}
+        return ToolCall(name, json.dumps(arguments, ensure_ascii=False))
