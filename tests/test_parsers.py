@@ -98,6 +98,8 @@ MALFORMED = [
     ("llama3_json", LLAMA_CALLS.replace('"parameters": {}}', '"parameters": {}')),
     ("llama3_json", '{"name": "rm_rf", "parameters": {}}'),
     ("llama3_json", '{"parameters": {}}'),
+    ("llama3_json", '{"name": "get_time", "parameters": {"at": NaN}}'),  # not JSON as clients parse it
+    ("kimi_k2", KIMI_CALLS.replace('"days": 3', '"days": Infinity')),
 ]
 
 
@@ -109,6 +111,13 @@ def test_malformed_markup_is_content(parser, text):
 def test_without_tools_any_function_name_is_a_call():
     _, calls = parse_tool_calls(KIMI_CALLS.replace("get_time", "rm_rf"), "kimi_k2")
     assert [c["function"]["name"] for c in calls] == ["get_weather", "rm_rf"]
+
+
+def test_minimax_numbers_beyond_floats_stay_exact_or_text():
+    text = ('<minimax:tool_call><invoke name="get_weather"><parameter name="days">' + "9" * 40 + '</parameter>'
+            '<parameter name="ratio">1e999</parameter></invoke></minimax:tool_call>')
+    _, calls = parse_tool_calls(text, "minimax_m2", tools=TOOLS)
+    assert json.loads(calls[0]["function"]["arguments"]) == {"days": int("9" * 40), "ratio": "1e999"}
 
 
 def test_minimax_values_follow_the_schema_or_read_as_json():

@@ -14,7 +14,7 @@ import json
 import re
 from typing import Any, ClassVar, Mapping, Sequence
 
-from ..markup import ToolCall, settled
+from ..markup import ToolCall, loads, settled
 
 Schemas = Mapping[str, Mapping[str, Any]] | None  # markup.tool_schemas: {name: parameters}, None = any name
 
@@ -42,8 +42,8 @@ def _arguments(value: Any, form: str) -> Any:
         return json.dumps(value, ensure_ascii=False)
     if form == "object" and isinstance(value, str):
         try:
-            parsed = json.loads(value)
-        except (json.JSONDecodeError, RecursionError):
+            parsed = loads(value)
+        except (ValueError, RecursionError):
             return value
         return parsed if isinstance(parsed, dict) else value
     return value
@@ -76,7 +76,10 @@ class SectionParser(ToolCallParser):
     def calls_in(self, inner: str, schemas: Schemas) -> list[ToolCall] | None:
         """The calls of a section's inner text; None when it is malformed."""
         matches = sequence(self.call, inner)
-        calls = [self.call_of(m, schemas) for m in matches or ()]
+        try:
+            calls = [self.call_of(m, schemas) for m in matches or ()]
+        except (ValueError, OverflowError, RecursionError):  # a value no JSON type holds: not a call
+            return None
         return None if not calls or None in calls else calls
 
     def parse(self, text: str, final: bool, schemas: Schemas = None) -> tuple[str, list[ToolCall]]:

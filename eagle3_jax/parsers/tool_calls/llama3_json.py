@@ -8,14 +8,12 @@ ends; text before a tag mid-answer is content.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
-from ..markup import ToolCall, json_object_text, known, settled
+from ..markup import STRICT_JSON, ToolCall, json_object_text, known, settled
 from .base import Schemas, ToolCallParser
 
 TAG = "<|python_tag|>"
-_DECODER = json.JSONDecoder()
 
 
 def _objects(text: str) -> list[Any] | None:
@@ -27,8 +25,8 @@ def _objects(text: str) -> list[Any] | None:
         if at == len(text):
             return out or None
         try:
-            value, at = _DECODER.raw_decode(text, at)
-        except (json.JSONDecodeError, RecursionError):
+            value, at = STRICT_JSON.raw_decode(text, at)
+        except (ValueError, RecursionError):
             return None
         out.append(value)
         while at < len(text) and text[at].isspace():

@@ -15,10 +15,11 @@ JSON number, boolean, null, object or array is taken as such, anything else is a
 from __future__ import annotations
 
 import json
+import math
 import re
 from typing import Any, Mapping
 
-from ..markup import ToolCall, known
+from ..markup import ToolCall, known, loads
 from .base import Schemas, SectionParser, sequence
 
 _INVOKE = re.compile(r'\s*<invoke name="?(?P<name>[^">]+)"?\s*>(?P<body>.*?)</invoke>\s*', re.S)
@@ -33,8 +34,8 @@ def _strip_newline(value: str) -> str:
 
 def _as_json(value: str) -> Any:
     try:
-        return json.loads(value)
-    except (json.JSONDecodeError, RecursionError):
+        return loads(value)
+    except (ValueError, RecursionError):
         return value
 
 
@@ -52,8 +53,10 @@ def convert(value: str, schema: Mapping[str, Any] | None) -> Any:
             return text.lower() == "true"
         if kind in ("integer", "number"):
             parsed = _as_json(text)
-            if isinstance(parsed, (int, float)) and not isinstance(parsed, bool) and \
-                    (kind == "number" or float(parsed).is_integer()):
+            if isinstance(parsed, float) and not math.isfinite(parsed):
+                continue  # 1e999: no JSON number
+            if isinstance(parsed, int) and not isinstance(parsed, bool) or \
+                    isinstance(parsed, float) and (kind == "number" or parsed.is_integer()):
                 return int(parsed) if kind == "integer" else parsed
         if kind in ("object", "array"):
             parsed = _as_json(text)
