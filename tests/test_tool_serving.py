@@ -288,3 +288,16 @@ def test_reasoning_is_parsed_only_where_the_prompt_opens_an_answer(kimi):
     off = ChatRequest.from_body({"messages": ASK, "chat_template_kwargs": {"thinking": False}, "tools": TOOLS},
                                 limits, tok, tok.chat_template, PARSING)
     assert off.parsers.reasoning is None and off.parsers.tool_calls is not None
+
+
+@pytest.mark.parametrize("field,value", [("guided_json", {"type": "object"}), ("guided_regex", "[0-9]+"),
+                                         ("guided_choice", ["yes", "no"]), ("structured_outputs", {"regex": "a+"}),
+                                         ("response_format", {"type": "json_object"})])
+def test_constraints_are_refused_never_ignored(kimi, field, value):
+    from eagle3_jax.serving.errors import ApiError
+
+    _, tok, _, _ = kimi
+    limits = Limits(max_seq_len=1024, max_logprobs=0, eos_token_ids=tok.eos_ids)
+    with pytest.raises(ApiError, match="constrain") as e:
+        ChatRequest.from_body({"messages": ASK, field: value}, limits, tok, tok.chat_template, PARSING)
+    assert e.value.param == field and e.value.status == 400

@@ -25,7 +25,8 @@ with it: one token is generated and left out), chat's `logprobs` + `top_logprobs
 items with `token`, `logprob`, `bytes`, `top_logprobs`), at most the scheduler's `max_logprobs`
 alternatives; streamed chunks carry their own tokens' logprobs. -inf reads -9999.0. Parameters
 this engine does not implement (`logit_bias`, `best_of` other than n, chat's `echo`,
-completions' tools, `functions`, `suffix`, non-text `response_format`) get a 400 when set to anything but their neutral
+completions' tools, `functions`, `suffix`, non-text `response_format`, vLLM's
+`structured_outputs` and `guided_*` constraints) get a 400 when set to anything but their neutral
 value, rather than being ignored. Benchmarking extension: `synthetic_acceptance` (per-position
 rates, e.g. [0.9, 0.8, 0.7]) forces a speculative step to accept that profile, so that a step's
 cost can be measured at a realistic acceptance without a trained draft; the output is then not
@@ -100,12 +101,17 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "tool_choice": (None, "none"),
     "functions": (None, []),
     "function_call": (None, "none"),
+    # constrained output (vLLM's structured outputs): refused, never answered unconstrained
+    **{k: (None,) for k in ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                            "structural_tag")},
 }
 # chat reads tools and tool_choice (messages.py)
 _NEUTRAL_BY_KIND: dict[str, dict[str, tuple[Any, ...]]] = {
     "completion": _NEUTRAL,
     "chat": {**{k: v for k, v in _NEUTRAL.items() if k not in ("tools", "tool_choice")}, "echo": (None, False)}}
-_HINTS: dict[str, str] = {}
+_CONSTRAINED = ": this server does not constrain output to a schema, regex, choice or grammar"
+_HINTS: dict[str, str] = {k: _CONSTRAINED for k in ("structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                                                    "guided_grammar", "structural_tag")}
 # Fields a request may carry without a warning: the ones read here, the refused ones above, and
 # `user` (an end-user id OpenAI's API takes and this server has no use for).
 _COMMON_FIELDS = frozenset({"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "n", "stream",
@@ -133,8 +139,8 @@ def check_unsupported(body: Mapping[str, Any], kind: str = "completion") -> None
                            param=key, code="unsupported_parameter")
     fmt = body.get("response_format")
     if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") in (None, "text")):
-        raise ApiError(f"only response_format type 'text' is supported; got {fmt!r}", param="response_format",
-                       code="unsupported_parameter")
+        raise ApiError(f"only response_format type 'text' is supported (this server does not constrain output to "
+                       f"JSON); got {fmt!r}", param="response_format", code="unsupported_parameter")
 
 
 def parse_logprobs(body: Mapping[str, Any], kind: str, max_logprobs: int) -> tuple[int | None, bool]:
