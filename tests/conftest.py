@@ -51,9 +51,21 @@ def pytest_configure(config):
         config.option.loadscopereorder = False
 
 
+# With the slow and newest_jax tests (CI's second leg, `-m ""`), these files are the longest by far
+# (batch-invariant speculation over bfloat16 models, about 13 minutes of one worker; Triton compiles
+# to three GPU architectures; two processes of a multi-host run): they start first, or the worker
+# that draws one late runs it alone at the end.
+LONGEST_FIRST_ALL = ("test_batch_invariant.py", "test_compile_gate.py", "test_multihost.py", "test_scheduler.py",
+                     "test_prefix_cache.py")
+
+
 def pytest_collection_modifyitems(config, items):
-    """Files in LONGEST_FIRST order first, each file's tests kept together and in their order."""
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    """Files in LONGEST_FIRST order first (LONGEST_FIRST_ALL ahead of it when slow tests run), each
+    file's tests kept together and in their order."""
+    longest = LONGEST_FIRST
+    if any(item.get_closest_marker("slow") or item.get_closest_marker("newest_jax") for item in items):
+        longest = LONGEST_FIRST_ALL + tuple(name for name in LONGEST_FIRST if name not in LONGEST_FIRST_ALL)
+    rank = {name: i for i, name in enumerate(longest)}
     order = {id(item): (rank.get(item.path.name, len(rank)), i) for i, item in enumerate(items)}
     items.sort(key=lambda item: order[id(item)])
 
