@@ -301,3 +301,17 @@ def test_constraints_are_refused_never_ignored(kimi, field, value):
     with pytest.raises(ApiError, match="constrain") as e:
         ChatRequest.from_body({"messages": ASK, field: value}, limits, tok, tok.chat_template, PARSING)
     assert e.value.param == field and e.value.status == 400
+
+
+def test_a_template_refusing_the_conversation_is_a_400_with_its_message(kimi):
+    from eagle3_jax.chat_template import ChatTemplate
+    from eagle3_jax.serving.errors import ApiError
+
+    _, tok, _, _ = kimi
+    strict = ChatTemplate("{% for m in messages %}{% if m.role == 'tool' and not m.tool_call_id is defined %}"
+                          "{{ raise_exception('a tool result needs its tool_call_id') }}{% endif %}{% endfor %}ok")
+    limits = Limits(max_seq_len=1024, max_logprobs=0, eos_token_ids=tok.eos_ids)
+    body = {"messages": ASK + [CALL, {"role": "tool", "content": "sunny"}], "tools": TOOLS}
+    with pytest.raises(ApiError, match="a tool result needs its tool_call_id") as e:
+        ChatRequest.from_body(body, limits, tok, strict, PARSING)
+    assert e.value.status == 400 and e.value.param == "messages"
