@@ -118,12 +118,19 @@ def find_stop(text: str, stops: Sequence[str], new_from: int = 0) -> tuple[int, 
 
 def stop_prefix_len(text: str, stops: Sequence[str]) -> int:
     """The length of the longest end of `text` that begins a stop string (held back while streaming)."""
-    longest = 0
+    if not text:
+        return 0
+    last, longest = text[-1], 0
     for stop in stops:
-        for n in range(min(len(stop) - 1, len(text)), longest, -1):
-            if text.endswith(stop[:n]):
-                longest = n
+        end = min(len(stop) - 1, len(text))
+        while end > longest:  # only prefixes ending in `last` can be an end of `text`
+            i = stop.rfind(last, 0, end)
+            if i < longest:
                 break
+            if text.endswith(stop[:i + 1]):
+                longest = i + 1
+                break
+            end = i
     return longest
 
 

@@ -164,6 +164,8 @@ def test_unknown_parser_names_the_choices():
 STREAMED = [
     ("kimi_k2", "kimi_k2", {}, "Plan: check the weather.</think>Looking it up." + KIMI_CALLS + " done"),
     ("kimi_k2", "kimi_k2", {}, "Short." + KIMI_CALLS),
+    ("kimi_k2", "kimi_k2", {}, "A</think>B" + KIMI_CALLS + "C<|tool_calls_section_begin|>bad<|tool_calls_section_end|>D"
+     + KIMI_CALLS.replace(":0", ":2").replace(":1", ":3") + "E<|tool_calls_sec"),  # sections after settled ones
     ("kimi_k2", "kimi_k2", {}, "Unclosed." + KIMI_CALLS[:-len("<|tool_calls_section_end|>")]),
     ("kimi_k2", "kimi_k2", {"thinking": False}, "</thi" + KIMI_CALLS.replace("get_time", "nope")),
     ("minimax_m2", "minimax_m2", {}, "I should call it.\n</think>\n\n" + MINIMAX_CALLS),

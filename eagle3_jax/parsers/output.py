@@ -74,18 +74,57 @@ def parse_output(text: str, parsers: OutputParsers, final: bool = True) -> Parse
 
 
 class StreamingParser:
-    """A choice's text, pushed delta by delta; each push returns what it adds (`OutputDelta`)."""
+    """A choice's text, pushed delta by delta; each push returns what it adds (`OutputDelta`).
+
+    Each push parses what can still change, not the whole text: while the reasoning goes on, its
+    end is looked for only in the new text; once it ended, its split is kept, and the tool-call
+    parser reads only the text after what it has settled (`ToolCallParser.parse_settled`). The
+    result is `parse_output` of the whole text, at any split of it into deltas."""
 
     def __init__(self, parsers: OutputParsers):
         self.parsers = parsers
         self.text = ""
         self.sent = ParsedOutput("", "" if parsers.reasoning is not None else None)
+        self._reasoning: str | None = None  # the reasoning, once it ended
+        self._content_at: tuple[str, int] | None = None  # once it ended: content = lead + text[start:]
+        self._settled = (0, "", ())  # of the content: (length accounted for, content, calls)
+
+    def _reasoned(self, final: bool, searched: int) -> tuple[str | None, str | None]:
+        """(reasoning, content) as the reasoning parser splits the text so far."""
+        if self._content_at is not None:
+            lead, start = self._content_at
+            return self._reasoning, lead + self.text[start:]
+        if self.parsers.reasoning is None:
+            return None, self.text
+        longest = max(map(len, self.parsers.reasoning.markers), default=0)
+        reasoning, content = self.parsers.reasoning.split(self.text, final, max(0, searched - longest))
+        if content is not None:  # ended: the split stays where it is
+            if self.text.endswith(content):
+                self._reasoning, self._content_at = reasoning, ("", len(self.text) - len(content))
+            elif content.endswith(self.text):
+                self._reasoning, self._content_at = reasoning, (content[: len(content) - len(self.text)], 0)
+        return reasoning, content
+
+    def _parse(self, final: bool, searched: int) -> ParsedOutput:
+        reasoning, content = self._reasoned(final, searched)
+        if content is None:
+            return ParsedOutput("", reasoning or "")
+        if self.parsers.tool_calls is None:
+            return ParsedOutput(content, reasoning)
+        done, done_content, done_calls = self._settled
+        if done > len(content):  # the split moved (a reasoning parser that does not keep it): start over
+            done, done_content, done_calls = 0, "", ()
+        more, calls, used = self.parsers.tool_calls.parse_settled(content[done:], final, self.parsers.schemas)
+        if used:  # what it returned lies in the part it settled
+            self._settled = (done + used, done_content + more, done_calls + tuple(calls))
+        return ParsedOutput(done_content + more, reasoning, done_calls + tuple(calls))
 
     def push(self, text: str, final: bool = False) -> OutputDelta:
+        searched = len(self.text)
         self.text += text
         if not text and not final:
             return OutputDelta()
-        now = parse_output(self.text, self.parsers, final)
+        now = self._parse(final, searched)
         sent = self.sent
         reasoning_sent = sent.reasoning or ""
         if not (now.content.startswith(sent.content) and (now.reasoning or "").startswith(reasoning_sent)

@@ -29,6 +29,7 @@ class ReasoningParser(abc.ABC):
     """A model family's reasoning markup -> (reasoning, content)."""
 
     name: ClassVar[str]  # as vLLM names it (`--reasoning_parser`)
+    markers: ClassVar[tuple[str, ...]] = ()  # the texts that end the reasoning
 
     @classmethod
     def thinks(cls, template_kwargs: Mapping[str, Any]) -> bool:
@@ -37,24 +38,32 @@ class ReasoningParser(abc.ABC):
         return not thinking_off(template_kwargs)
 
     @abc.abstractmethod
-    def split(self, text: str, final: bool) -> tuple[str | None, str | None]:
-        """(reasoning, content) of `text`; content None while the reasoning goes on."""
+    def split(self, text: str, final: bool, search_from: int = 0) -> tuple[str | None, str | None]:
+        """(reasoning, content) of `text`; content None while the reasoning goes on. `search_from`:
+        where a marker that ends the reasoning may start at the earliest (a streaming caller that
+        found none in the text before knows it)."""
 
 
 class ThinkParser(ReasoningParser):
     """Reasoning up to `end` (dropped), or up to one of `ends_before` (kept, it starts the content)."""
 
+    markers = ("</think>",)
+
     start: ClassVar[str] = "<think>"
     end: ClassVar[str] = "</think>"
     ends_before: ClassVar[tuple[str, ...]] = ()
 
-    def split(self, text: str, final: bool) -> tuple[str | None, str | None]:
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        cls.markers = (cls.end, *cls.ends_before)
+
+    def split(self, text: str, final: bool, search_from: int = 0) -> tuple[str | None, str | None]:
         if text.startswith(self.start):
-            text = text[len(self.start):]
+            text, search_from = text[len(self.start):], max(0, search_from - len(self.start))
         elif not final and self.start.startswith(text):
             return "", None  # may still be the model's own <think>
-        found = [(i, len(self.end)) for i in [text.find(self.end)] if i >= 0]
-        found += [(i, 0) for m in self.ends_before if (i := text.find(m)) >= 0]
+        found = [(i, len(self.end)) for i in [text.find(self.end, search_from)] if i >= 0]
+        found += [(i, 0) for m in self.ends_before if (i := text.find(m, search_from)) >= 0]
         if not found:
             return settled(text, (self.end, *self.ends_before), final), None
         at, skip = min(found)

@@ -27,5 +27,5 @@ class MiniMaxM2AppendThink(ReasoningParser):
     def thinks(cls, template_kwargs: Mapping[str, Any]) -> bool:
         return True
 
-    def split(self, text: str, final: bool) -> tuple[str | None, str | None]:
+    def split(self, text: str, final: bool, search_from: int = 0) -> tuple[str | None, str | None]:
         return None, ThinkParser.start + text

@@ -31,6 +31,13 @@ class ToolCallParser(abc.ABC):
     def parse(self, text: str, final: bool, schemas: Schemas = None) -> tuple[str, list[ToolCall]]:
         """(content, calls) of `text`; unless `final`, only what later text cannot change."""
 
+    def parse_settled(self, text: str, final: bool, schemas: Schemas = None) -> tuple[str, list[ToolCall], int]:
+        """`parse`, and how much of `text` its content and calls account for whatever follows: a
+        streaming caller parses only the text after that next time, and adds the results. 0 (the
+        default): the whole text is parsed again each time."""
+        content, calls = self.parse(text, final, schemas)
+        return content, calls, 0
+
     def prepare_messages(self, messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
         """The conversation as this family's chat template expects its tool-call history: each
         earlier call's arguments as `arguments_as` says (OpenAI clients send JSON text)."""
@@ -83,19 +90,27 @@ class SectionParser(ToolCallParser):
         return None if not calls or None in calls else calls
 
     def parse(self, text: str, final: bool, schemas: Schemas = None) -> tuple[str, list[ToolCall]]:
+        content, calls, _ = self.parse_settled(text, final, schemas)
+        return content, calls
+
+    def parse_settled(self, text: str, final: bool, schemas: Schemas = None) -> tuple[str, list[ToolCall], int]:
+        # Sections are found scanning forward, so text up to the end of what is settled (content
+        # before an open section or a possible marker, closed sections) parses the same alone.
         content, calls, at = [], [], 0
         while True:
             begin = _first(text, self.begins, at)
             if begin is None:
-                content.append(settled(text[at:], self.begins, final))
-                break
+                tail = settled(text[at:], self.begins, final)
+                content.append(tail)
+                return "".join(content), calls, at + len(tail)
             start, begin_marker = begin
             content.append(text[at:start])
             end = _first(text, self.ends, start + len(begin_marker))
             if end is None:  # open: settled only once it closes, or as content when the output ends
                 if final:
                     content.append(text[start:])
-                break
+                    start = len(text)
+                return "".join(content), calls, start
             stop, end_marker = end
             found = self.calls_in(text[start + len(begin_marker):stop], schemas)
             if found is None:
@@ -103,7 +118,6 @@ class SectionParser(ToolCallParser):
             else:
                 calls += found
             at = stop + len(end_marker)
-        return "".join(content), calls
 
 
 def _first(text: str, markers: Sequence[str], at: int) -> tuple[int, str] | None:
