@@ -135,6 +135,7 @@ REASONING = [
     ("kimi_k2", {}, "Need weather." + KIMI_CALLS, "Need weather.", KIMI_CALLS),  # ends straight at the calls
     ("kimi_k2", {}, "Still thinking when the tokens ran out", "Still thinking when the tokens ran out", None),
     ("kimi_k2", {"thinking": False}, "The answer is 4.", None, "The answer is 4."),
+    ("deepseek_r1", {}, "only reasoning</think>", "only reasoning", None),  # nothing after it: None, as vLLM
     ("deepseek_r1", {}, "<think>\nhmm\n</think>\n\n4", "\nhmm\n", "\n\n4"),
     ("deepseek_v3", {}, "4</think>x", None, "4</think>x"),  # V3.1 thinks only when asked
     ("deepseek_v3", {"thinking": True}, "hmm</think>4", "hmm", "4"),

@@ -30,13 +30,14 @@ def parse_tool_calls(text: str, parser: str, tools: Sequence[Mapping[str, Any]] 
 
 
 def parse_reasoning(text: str, parser: str, **template_kwargs: Any) -> tuple[str | None, str | None]:
-    """(reasoning, content) of a model's answer; `template_kwargs` as the prompt was rendered with
-    (`thinking=False` means there is no reasoning to split off)."""
+    """(reasoning, content) of a model's answer, as vLLM's parsers give them: content None when
+    nothing follows the reasoning (or it never ended); reasoning None when the parser splits none
+    off. `template_kwargs` as the prompt was rendered with (`thinking=False`: no reasoning)."""
     reasoner = reasoning_parser(parser, template_kwargs)
     if reasoner is None:
         return None, text
     reasoning, content = reasoner.split(text, True)
-    return reasoning, content
+    return reasoning, content or None
 
 
 __all__ = [
