@@ -228,3 +228,25 @@ def test_streaming_sends_reasoning_and_content_as_they_settle():
     assert not stream.push(KIMI_CALLS[:40])  # an open section settles nothing
     delta = stream.push(KIMI_CALLS[40:])
     assert [(i, c.name) for i, c in delta.tool_calls] == [(0, "get_weather"), (1, "get_time")]
+
+
+@pytest.mark.parametrize("tool,reasoning", [("kimi_k2", "kimi_k2"), ("minimax_m2", "minimax_m2_append_think"),
+                                            ("deepseek_v3", "deepseek_r1"), ("deepseek_v31", None),
+                                            ("llama3_json", None), (None, "minimax_m2")])
+def test_streaming_folds_to_the_whole_parse_on_random_markup(tool, reasoning):
+    """Texts made of the families' markers, cut short, glued and mixed with words, over random splits."""
+    pieces = ["<think>", "</think>", "</thi", "Hi ", "{", "}", '"a": 1', ";", "\n", "<|python_tag|>", KIMI_CALLS,
+              KIMI_CALLS[:50], "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", MINIMAX_CALLS,
+              MINIMAX_CALLS[:30], "<minimax:tool_call>", "</minimax:tool_call>", DEEPSEEK_CALLS, DEEPSEEK31_CALLS,
+              "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", LLAMA_CALLS, LLAMA_CALLS[:20]]
+    rng = random.Random(f"{tool}-{reasoning}")  # str seeds are stable across runs
+    ps = _parsers(tool, reasoning, {})
+    for _ in range(150):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 6)))
+        whole = parse_output(text, ps)
+        for _ in range(4):
+            cuts = sorted(rng.sample(range(len(text) + 1), min(len(text) + 1, rng.randint(1, 8))))
+            parts = [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
+            content, reasoning_text, calls = _streamed(parts, ps)
+            assert (content, reasoning_text, tuple(calls)) == (whole.content, whole.reasoning or "", whole.tool_calls), \
+                (text, parts)
