@@ -15,8 +15,7 @@ import uuid
 from typing import Any, Mapping, Sequence
 
 from .draft import Draft
-from .parsers import OutputParsers, parse_output, reasoning_parser as make_reasoning_parser
-from .parsers import tool_call_parser as make_tool_call_parser
+from .parsers import OutputParsing, parse_output
 from .request import RequestOutput
 from .sampling import SamplingParams
 from .scheduler import Scheduler
@@ -82,25 +81,23 @@ class Engine:
         if conversations and isinstance(conversations[0], Mapping):
             conversations = [conversations]  # type: ignore[list-item]
         kwargs = dict(chat_template_kwargs or {})
-        tool_parser = make_tool_call_parser(tool_call_parser) if tool_call_parser else None
-        reasoner = make_reasoning_parser(reasoning_parser, kwargs) if reasoning_parser else None
+        parsing = OutputParsing(tool_call_parser, reasoning_parser)
         prompts = []
         for messages in conversations:
             # an assistant turn of only calls has content None (OpenAI); templates concatenate it: ""
             messages = [{**m, "content": ""} if m.get("role") == "assistant" and m.get("content") is None else m
                         for m in messages]
-            messages = tool_parser.prepare_messages(messages) if tool_parser else messages
+            messages = parsing.prepare_messages(messages)
             text = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, **kwargs)
             prompts.append(self.tokenizer.encode(text))
         outputs = self.generate(prompts, self._stopping_at_eos(sampling, len(prompts)))
-        parsers = OutputParsers.of(reasoner, tool_parser, tools)
+        parsers = parsing.parsers(tools, kwargs)
         answers, reply = [], uuid.uuid4().hex  # tool call ids: unique per call
         for i, out in enumerate(outputs):
             text = out.text if out.text is not None else self.tokenizer.decode(out.token_ids)
             parsed = parse_output(text, parsers)
             calls = [call.openai(j, f"{reply}-{i}") for j, call in enumerate(parsed.tool_calls)]
-            content = parsed.content or (None if calls or parsed.reasoning else "")
-            answers.append(ChatOutput(text, content, parsed.reasoning, calls, out))
+            answers.append(ChatOutput(text, parsed.message_content, parsed.reasoning, calls, out))
         return answers
 
     def _stopping_at_eos(self, sampling: SamplingParams | Sequence[SamplingParams] | None,

@@ -9,14 +9,12 @@ one to render the reply: the same class over the same tokens, so both cut in the
 
 from __future__ import annotations
 
-import functools
 import os
 from typing import Sequence
 
 from .tokenizer import Tokenizer
 
 
-@functools.lru_cache(maxsize=8)
 def byte_token_ids(tokenizer: Tokenizer) -> frozenset[int]:
     """Ids of the byte-fallback tokens `<0xXX>` of a tokenizer's vocabulary (empty for byte-level BPE)."""
     return tokenizer.byte_fallback_ids

@@ -193,12 +193,14 @@ def _model_configs(folder: str) -> list[dict[str, Any]]:
             text if isinstance(text, dict) else {}]
 
 
-def find_bos_id(folder: str, backend: TokenizersBackend | TiktokenBackend) -> int | None:
-    """BOS from generation_config.json, config.json, its text_config, else tokenizer_config's bos_token."""
-    for cfg in _model_configs(folder):
+def find_bos_id(models: Sequence[Mapping[str, Any]], tokenizer_config: Mapping[str, Any],
+                backend: TokenizersBackend | TiktokenBackend) -> int | None:
+    """BOS from generation_config.json, config.json, its text_config (`models`, `_model_configs`),
+    else tokenizer_config's bos_token."""
+    for cfg in models:
         if cfg.get("bos_token_id") is not None:
             return int(cfg["bos_token_id"])
-    return _token_id(backend, _read_json(os.path.join(folder, "tokenizer_config.json")).get("bos_token"))
+    return _token_id(backend, tokenizer_config.get("bos_token"))
 
 
 _MARKER = "EAGLE3_END_OF_TURN_PROBE"
@@ -221,12 +223,13 @@ def end_of_turn_id(folder: str, backend: TokenizersBackend | TiktokenBackend) ->
     return ids[0] if ids and ids[0] in backend.added_ids else None
 
 
-def find_eos_ids(folder: str, backend: TokenizersBackend | TiktokenBackend) -> tuple[int, ...]:
+def find_eos_ids(folder: str, models: Sequence[Mapping[str, Any]], tokenizer_config: Mapping[str, Any],
+                 backend: TokenizersBackend | TiktokenBackend) -> tuple[int, ...]:
     """Every id that ends generation, in order, without repeats: generation_config.json's, config.json's
-    and its text_config's eos_token_id (an int or a list), tokenizer_config's eos_token, and the chat
-    template's end-of-turn token (`end_of_turn_id`)."""
-    ids = [i for cfg in _model_configs(folder) for i in _as_ids(cfg.get("eos_token_id"))]
-    ids.append(_token_id(backend, _read_json(os.path.join(folder, "tokenizer_config.json")).get("eos_token")))
+    and its text_config's eos_token_id (an int or a list; `models`), tokenizer_config's eos_token, and
+    the chat template's end-of-turn token (`end_of_turn_id`)."""
+    ids = [i for cfg in models for i in _as_ids(cfg.get("eos_token_id"))]
+    ids.append(_token_id(backend, tokenizer_config.get("eos_token")))
     ids.append(end_of_turn_id(folder, backend))
     return tuple(dict.fromkeys(i for i in ids if i is not None))
 
@@ -254,9 +257,9 @@ def _load_tokenizers(file: str, folder: str) -> TokenizersBackend:
         raise TokenizerError(f"{file} could not be read as a `tokenizers` tokenizer.json: {e}") from e
 
 
-def _load_tiktoken(file: str, folder: str) -> TiktokenBackend:
+def _load_tiktoken(file: str, tokenizer_config: Mapping[str, Any]) -> TiktokenBackend:
     try:
-        return load_tiktoken(file, _read_json(os.path.join(folder, "tokenizer_config.json")))
+        return load_tiktoken(file, tokenizer_config)
     except TiktokenFileError as e:
         raise TokenizerError(str(e)) from e
 
@@ -272,10 +275,12 @@ def load_tokenizer(path: str | os.PathLike, bos_id: int | None = None,
     """
     p = os.fspath(path)
     folder = p if os.path.isdir(p) else os.path.dirname(p)
+    config_path = os.path.join(folder, "tokenizer_config.json")
+    config = _read_json(config_path)
     if os.path.isdir(p):
         file = os.path.join(p, HF_FILE)
         if not os.path.isfile(file):
-            file = _tiktoken_file(p, _read_json(os.path.join(p, "tokenizer_config.json"))) or file
+            file = _tiktoken_file(p, config) or file
     else:
         file = p
     if not os.path.isfile(file):
@@ -284,19 +289,19 @@ def load_tokenizer(path: str | os.PathLike, bos_id: int | None = None,
             f"{p if os.path.isdir(p) else file}: copy the tokenizer files of the original model folder "
             f"({HF_FILE}, or {VOCAB_FILE} with tokenizer_config.json), or pass token ids to the Python API")
     tiktoken_file = os.path.basename(file) == VOCAB_FILE or file.endswith(".tiktoken")
-    backend = _load_tiktoken(file, folder) if tiktoken_file else _load_tokenizers(file, folder)
-    tokenizer_config = os.path.join(folder, "tokenizer_config.json")
-    adds_bos = _read_json(tokenizer_config).get("add_bos_token")
+    backend = _load_tiktoken(file, config) if tiktoken_file else _load_tokenizers(file, folder)
+    adds_bos = config.get("add_bos_token")
     if adds_bos is None:
         # as transformers' fast tokenizer: its tokenizer.json's post-processor decides (a folder
         # whose tokenizer_config.json says nothing, e.g. MiniMax's GPT2Tokenizer, adds no BOS); a
         # bare tokenizer.json without that config keeps BOS, and Kimi's tiktoken layout never has one
         adds_bos = (False if tiktoken_file else
-                    backend.post_processor_adds_bos if os.path.isfile(tokenizer_config) else True)
+                    backend.post_processor_adds_bos if os.path.isfile(config_path) else True)
+    models = _model_configs(folder)
     return Tokenizer(
         backend=backend,
-        bos_id=find_bos_id(folder, backend) if bos_id is None else int(bos_id),
-        eos_ids=find_eos_ids(folder, backend) if eos_ids is None else tuple(int(i) for i in eos_ids),
+        bos_id=find_bos_id(models, config, backend) if bos_id is None else int(bos_id),
+        eos_ids=find_eos_ids(folder, models, config, backend) if eos_ids is None else tuple(int(i) for i in eos_ids),
         folder=folder or ".",
         adds_bos=bool(adds_bos),
     )

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any, Mapping, Sequence
 
 from .markup import ParserError, ToolCall, tool_schemas
-from .output import OutputDelta, OutputParsers, ParsedOutput, StreamingParser, parse_output
+from .output import OutputDelta, OutputParsers, OutputParsing, ParsedOutput, StreamingParser, message_content, parse_output
 from .reasoning import REASONING_PARSERS, ReasoningParser, reasoning_parser
 from .tool_calls import TOOL_CALL_PARSERS, ToolCallParser, tool_call_parser
 
@@ -26,7 +26,7 @@ def parse_tool_calls(text: str, parser: str, tools: Sequence[Mapping[str, Any]] 
     is empty and there are calls). With `tools`, a call of a function they lack is not a call.
     Markup that does not parse is given back as content."""
     content, calls = tool_call_parser(parser).parse(text, True, tool_schemas(tools))
-    return (content or None) if calls else content, [c.openai(i, text) for i, c in enumerate(calls)]
+    return message_content(content, None, calls), [c.openai(i, text) for i, c in enumerate(calls)]
 
 
 def parse_reasoning(text: str, parser: str, **template_kwargs: Any) -> tuple[str | None, str | None]:
@@ -43,6 +43,7 @@ def parse_reasoning(text: str, parser: str, **template_kwargs: Any) -> tuple[str
 __all__ = [
     "OutputDelta",
     "OutputParsers",
+    "OutputParsing",
     "ParsedOutput",
     "ParserError",
     "REASONING_PARSERS",
@@ -51,6 +52,7 @@ __all__ = [
     "TOOL_CALL_PARSERS",
     "ToolCall",
     "ToolCallParser",
+    "message_content",
     "parse_output",
     "parse_reasoning",
     "parse_tool_calls",

@@ -41,6 +41,12 @@ def call_id(seed: str, index: int) -> str:
     return "call_" + hashlib.sha256(f"{seed}\0{index}".encode()).hexdigest()[:24]
 
 
+def first_marker(text: str, markers: Sequence[str], at: int = 0) -> tuple[int, str] | None:
+    """(where, which) of the first of `markers` in text[at:], or None."""
+    found = [(i, m) for m in markers if (i := text.find(m, at)) >= 0]
+    return min(found) if found else None
+
+
 def settled(text: str, markers: Iterable[str], final: bool) -> str:
     """`text`, less a tail that may still become a marker unless the output is `final`."""
     if final:

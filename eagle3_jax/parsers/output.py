@@ -1,11 +1,12 @@
 """One choice's output parsed into reasoning, content and tool calls, whole or as it streams.
 
-`parse_output` reads a whole text: the reasoning parser (if any) splits off the reasoning, the
-tool-call parser (if any) reads the rest. `StreamingParser` re-parses a choice's whole text at
-each delta and hands out only what is new: under speculation a delta holds several tokens, so a
-marker can arrive glued to text or to the next call, and parsing each delta alone would cut
-calls. Every parser gives, on a growing text, only what later text cannot change, so the streamed
-deltas always fold to `parse_output` of the whole text.
+The reasoning parser (if any) splits off the reasoning, the tool-call parser (if any) reads the
+rest. `StreamingParser` takes a choice's text delta by delta and hands out only what is new:
+under speculation a delta holds several tokens, so a marker can arrive glued to text or to the
+next call, and parsing each delta alone would cut calls. Every parser gives, on a growing text,
+only what later text cannot change, so the streamed deltas always fold to `parse_output` of the
+whole text (one push of all of it). `OutputParsing` is a front end's choice of parsers by name,
+and what a request makes of it.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ import logging
 from typing import Any, Mapping, Sequence
 
 from .markup import ToolCall, tool_schemas
-from .reasoning import ReasoningParser
-from .tool_calls import ToolCallParser
+from .reasoning import ReasoningParser, reasoning_parser
+from .tool_calls import ToolCallParser, tool_call_parser
 
 logger = logging.getLogger(__name__)
 
@@ -28,6 +29,15 @@ class ParsedOutput:
     content: str = ""
     reasoning: str | None = None
     tool_calls: tuple[ToolCall, ...] = ()
+
+    @property
+    def message_content(self) -> str | None:
+        return message_content(self.content, self.reasoning, self.tool_calls)
+
+
+def message_content(content: str, reasoning: str | None, calls) -> str | None:
+    """An answer's `content` as OpenAI writes it: None when the answer is only reasoning and calls."""
+    return content or (None if calls or reasoning else "")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,17 +70,39 @@ class OutputParsers:
         return self.reasoning is not None or self.tool_calls is not None
 
 
+@dataclasses.dataclass(frozen=True)
+class OutputParsing:
+    """A front end's parsers of chat outputs, by vLLM's names (None: off); ParserError for a name
+    that is none of them."""
+
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_tools", tool_call_parser(self.tool_call_parser) if self.tool_call_parser else None)
+        if self.reasoning_parser:
+            reasoning_parser(self.reasoning_parser)  # the name checked now, the parser made per request
+
+    def prepare_messages(self, messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+        """The conversation as the family's template expects its tool-call history (as given
+        without a tool-call parser)."""
+        return self._tools.prepare_messages(messages) if self._tools else [dict(m) for m in messages]
+
+    def parsers(self, tools: Sequence[Mapping[str, Any]] | None, template_kwargs: Mapping[str, Any], *,
+                parse_calls: bool = True, opens_answer: bool = True) -> OutputParsers:
+        """What a request's output goes through: calls when `parse_calls`; reasoning when the
+        prompt opens a new answer (`opens_answer`: not when the final message is continued or no
+        generation prompt is added) and the template kwargs do not turn thinking off."""
+        reasoner = reasoning_parser(self.reasoning_parser, template_kwargs) \
+            if self.reasoning_parser and opens_answer else None
+        return OutputParsers.of(reasoner, self._tools if parse_calls else None, tools)
+
+
 def parse_output(text: str, parsers: OutputParsers, final: bool = True) -> ParsedOutput:
     """`text`'s reasoning, content and calls; unless `final`, only what later text cannot change."""
-    reasoning, rest = None, text
-    if parsers.reasoning is not None:
-        reasoning, rest = parsers.reasoning.split(text, final)
-        if rest is None:
-            return ParsedOutput("", reasoning or "")
-    if parsers.tool_calls is None:
-        return ParsedOutput(rest, reasoning)
-    content, calls = parsers.tool_calls.parse(rest, final, parsers.schemas)
-    return ParsedOutput(content, reasoning, tuple(calls))
+    stream = StreamingParser(parsers)
+    stream.push(text, final)
+    return stream.sent
 
 
 class StreamingParser:
@@ -85,24 +117,24 @@ class StreamingParser:
         self.parsers = parsers
         self.text = ""
         self.sent = ParsedOutput("", "" if parsers.reasoning is not None else None)
-        self._reasoning: str | None = None  # the reasoning, once it ended
-        self._content_at: tuple[str, int] | None = None  # once it ended: content = lead + text[start:]
+        # once the reasoning ended: (reasoning, lead, start), the content being lead + text[start:]
+        self._split: tuple[str | None, str, int] | None = None
         self._settled = (0, "", ())  # of the content: (length accounted for, content, calls)
 
     def _reasoned(self, final: bool, searched: int) -> tuple[str | None, str | None]:
         """(reasoning, content) as the reasoning parser splits the text so far."""
-        if self._content_at is not None:
-            lead, start = self._content_at
-            return self._reasoning, lead + self.text[start:]
+        if self._split is not None:
+            reasoning, lead, start = self._split
+            return reasoning, lead + self.text[start:]
         if self.parsers.reasoning is None:
             return None, self.text
         longest = max(map(len, self.parsers.reasoning.markers), default=0)
         reasoning, content = self.parsers.reasoning.split(self.text, final, max(0, searched - longest))
         if content is not None:  # ended: the split stays where it is
             if self.text.endswith(content):
-                self._reasoning, self._content_at = reasoning, ("", len(self.text) - len(content))
+                self._split = (reasoning, "", len(self.text) - len(content))
             elif content.endswith(self.text):
-                self._reasoning, self._content_at = reasoning, (content[: len(content) - len(self.text)], 0)
+                self._split = (reasoning, content[: len(content) - len(self.text)], 0)
         return reasoning, content
 
     def _parse(self, final: bool, searched: int) -> ParsedOutput:

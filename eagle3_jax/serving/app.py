@@ -21,14 +21,14 @@ import os
 from typing import Callable, Sequence
 
 from ..chat_template import ChatTemplate
-from ..parsers import REASONING_PARSERS, TOOL_CALL_PARSERS, ParserError
+from ..parsers import OutputParsing
 from .async_engine import AsyncEngine, EngineDeadError, EngineError
 from .chat import chat_completions
 from .completions import completions
 from .errors import ApiError, error_response, web
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import ServerMetrics
-from .protocol import Limits, OutputParsing
+from .protocol import Limits
 from .state import ServerState
 
 logger = logging.getLogger(__name__)
@@ -61,13 +61,10 @@ def make_app(engine: AsyncEngine, model_name: str, *, max_seq_len: int | None = 
                     max_logprobs=engine.max_logprobs,
                     eos_token_ids=tuple(int(t) for t in (tok.eos_ids if eos_token_ids is None else eos_token_ids)),
                     default_max_tokens=int(default_max_tokens), allow_synthetic_acceptance=bool(allow_synthetic_acceptance))
-    for name, known in ((tool_call_parser, TOOL_CALL_PARSERS), (reasoning_parser, REASONING_PARSERS)):
-        if name is not None and name not in known:
-            raise ParserError(f"unknown parser {name!r}; choose one of {', '.join(known)}")
+    parsing = OutputParsing(tool_call_parser, reasoning_parser)  # ParserError for an unknown name
     if chat_template is None:
         chat_template = ChatTemplate.from_dir(tokenizer_dir) if tokenizer_dir is not None else tok.chat_template
-    state = ServerState(engine, tok, model_name, limits, chat_template,
-                        OutputParsing(tool_call_parser, reasoning_parser))
+    state = ServerState(engine, tok, model_name, limits, chat_template, parsing)
     metrics = ServerMetrics(engine.stats)
     app = web.Application(middlewares=[_middleware(metrics)], client_max_size=client_max_size)
     app[_STATE_KEY] = state

@@ -15,6 +15,7 @@ import dataclasses
 import uuid
 from typing import Any, Callable
 
+from ..parsers import message_content
 from .delivery import ChoiceEvent, FoldedChoice, answer, chunk_fields, whole_fields
 from .errors import web
 from .protocol import ChatRequest
@@ -69,8 +70,7 @@ class ChatReply:
         parsers = self.request.parsers
         if parsers is None:
             return {"role": "assistant", "content": choice.text}
-        message = {"role": "assistant",
-                   "content": choice.content or (None if choice.tool_calls or choice.reasoning else "")}
+        message = {"role": "assistant", "content": message_content(choice.content, choice.reasoning, choice.tool_calls)}
         if parsers.reasoning is not None:
             message["reasoning_content"] = message["reasoning"] = choice.reasoning or None
         if choice.tool_calls:

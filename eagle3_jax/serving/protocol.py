@@ -17,7 +17,7 @@ import logging
 from typing import Any, Mapping, Sequence
 
 from ..chat_template import ChatTemplate, ChatTemplateError
-from ..parsers import OutputParsers, reasoning_parser, tool_call_parser
+from ..parsers import OutputParsers, OutputParsing
 from ..request import cap_message
 from ..sampling import SamplingParams
 from ..tokenizer import Tokenizer
@@ -40,27 +40,6 @@ class Limits:
     eos_token_ids: tuple[int, ...]  # where requests stop unless `ignore_eos`
     default_max_tokens: int = 16  # completions' default (OpenAI's); chat defaults to the room left
     allow_synthetic_acceptance: bool = False  # benchmarking only (see fields.parse_synthetic_acceptance)
-
-
-@dataclasses.dataclass(frozen=True)
-class OutputParsing:
-    """The server's parsers of chat outputs, by vLLM's names (None: off)."""
-
-    tool_call_parser: str | None = None
-    reasoning_parser: str | None = None
-
-    def parsers(self, tools: Sequence[Mapping[str, Any]], tool_choice: str, template_kwargs: Mapping[str, Any],
-                opens_answer: bool = True) -> OutputParsers | None:
-        """What a chat request's output goes through: calls parsed when it brings tools with
-        tool_choice "auto"; reasoning when the prompt opens a new answer (`opens_answer`: not when
-        the final message is continued or no generation prompt is added) and the template kwargs
-        do not turn thinking off."""
-        reasoner = reasoning_parser(self.reasoning_parser, template_kwargs) \
-            if self.reasoning_parser and opens_answer else None
-        tool_parser = tool_call_parser(self.tool_call_parser) if self.tool_call_parser and tools and \
-            tool_choice == "auto" else None
-        parsers = OutputParsers.of(reasoner, tool_parser, tools)
-        return parsers if parsers.active else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,8 +112,7 @@ class ChatRequest(GenerationRequest):
             raise ApiError("this server parses no tool calls (started with --tool_call_parser=none): send "
                            "tool_choice \"none\" to give the model the tools without parsing its calls, or restart it "
                            "with --tool_call_parser=<name>", param="tool_choice", code="unsupported_value")
-        if parsing.tool_call_parser is not None:  # the history as the family's template expects it
-            messages = tool_call_parser(parsing.tool_call_parser).prepare_messages(messages)
+        messages = parsing.prepare_messages(messages)  # the history as the family's template expects it
         kwargs = body.get("chat_template_kwargs")
         if kwargs is None:
             kwargs = {}
@@ -150,7 +128,12 @@ class ChatRequest(GenerationRequest):
                                ("max_completion_tokens", "max_tokens"))
         return cls(**common, messages=tuple(messages), tools=tools, tool_choice=tool_choice,
                    response_format=body.get("response_format"), template_kwargs=kwargs,
-                   parsers=parsing.parsers(tools, tool_choice, kwargs, opens_answer=add_prompt and not continue_final))
+                   parsers=_active(parsing.parsers(tools, kwargs, parse_calls=bool(tools) and tool_choice == "auto",
+                                                   opens_answer=add_prompt and not continue_final)))
+
+
+def _active(parsers: OutputParsers) -> OutputParsers | None:
+    return parsers if parsers.active else None
 
 
 def render_chat(template: ChatTemplate, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None,

@@ -13,7 +13,8 @@ from ..chat_template import ChatTemplate
 from ..tokenizer import Tokenizer
 from .async_engine import AsyncEngine
 from .errors import ApiError, web
-from .protocol import Limits, OutputParsing
+from ..parsers import OutputParsing
+from .protocol import Limits
 
 
 @dataclasses.dataclass

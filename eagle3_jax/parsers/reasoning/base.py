@@ -12,7 +12,7 @@ from __future__ import annotations
 import abc
 from typing import Any, ClassVar, Mapping
 
-from ..markup import settled
+from ..markup import first_marker, settled
 
 
 def thinking_off(template_kwargs: Mapping[str, Any]) -> bool:
@@ -29,7 +29,11 @@ class ReasoningParser(abc.ABC):
     """A model family's reasoning markup -> (reasoning, content)."""
 
     name: ClassVar[str]  # as vLLM names it (`--reasoning_parser`)
-    markers: ClassVar[tuple[str, ...]] = ()  # the texts that end the reasoning
+
+    @property
+    def markers(self) -> tuple[str, ...]:
+        """The texts that end the reasoning (none: it never ends by a marker)."""
+        return ()
 
     @classmethod
     def thinks(cls, template_kwargs: Mapping[str, Any]) -> bool:
@@ -47,24 +51,21 @@ class ReasoningParser(abc.ABC):
 class ThinkParser(ReasoningParser):
     """Reasoning up to `end` (dropped), or up to one of `ends_before` (kept, it starts the content)."""
 
-    markers = ("</think>",)
-
     start: ClassVar[str] = "<think>"
     end: ClassVar[str] = "</think>"
     ends_before: ClassVar[tuple[str, ...]] = ()
 
-    def __init_subclass__(cls, **kwargs):
-        super().__init_subclass__(**kwargs)
-        cls.markers = (cls.end, *cls.ends_before)
+    @property
+    def markers(self) -> tuple[str, ...]:
+        return (self.end, *self.ends_before)
 
     def split(self, text: str, final: bool, search_from: int = 0) -> tuple[str | None, str | None]:
         if text.startswith(self.start):
             text, search_from = text[len(self.start):], max(0, search_from - len(self.start))
         elif not final and self.start.startswith(text):
             return "", None  # may still be the model's own <think>
-        found = [(i, len(self.end)) for i in [text.find(self.end, search_from)] if i >= 0]
-        found += [(i, 0) for m in self.ends_before if (i := text.find(m, search_from)) >= 0]
-        if not found:
-            return settled(text, (self.end, *self.ends_before), final), None
-        at, skip = min(found)
-        return text[:at], text[at + skip:]
+        found = first_marker(text, self.markers, search_from)
+        if found is None:
+            return settled(text, self.markers, final), None
+        at, marker = found
+        return text[:at], text[at + len(marker) if marker == self.end else at:]

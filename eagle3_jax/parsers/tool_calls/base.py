@@ -14,7 +14,7 @@ import json
 import re
 from typing import Any, ClassVar, Mapping, Sequence
 
-from ..markup import ToolCall, loads, settled
+from ..markup import ToolCall, first_marker, loads, settled
 
 Schemas = Mapping[str, Mapping[str, Any]] | None  # markup.tool_schemas: {name: parameters}, None = any name
 
@@ -98,14 +98,14 @@ class SectionParser(ToolCallParser):
         # before an open section or a possible marker, closed sections) parses the same alone.
         content, calls, at = [], [], 0
         while True:
-            begin = _first(text, self.begins, at)
+            begin = first_marker(text, self.begins, at)
             if begin is None:
                 tail = settled(text[at:], self.begins, final)
                 content.append(tail)
                 return "".join(content), calls, at + len(tail)
             start, begin_marker = begin
             content.append(text[at:start])
-            end = _first(text, self.ends, start + len(begin_marker))
+            end = first_marker(text, self.ends, start + len(begin_marker))
             if end is None:  # open: settled only once it closes, or as content when the output ends
                 if final:
                     content.append(text[start:])
@@ -118,12 +118,6 @@ class SectionParser(ToolCallParser):
             else:
                 calls += found
             at = stop + len(end_marker)
-
-
-def _first(text: str, markers: Sequence[str], at: int) -> tuple[int, str] | None:
-    """(where, which) of the first of `markers` in text[at:], or None."""
-    found = [(i, m) for m in markers if (i := text.find(m, at)) >= 0]
-    return min(found) if found else None
 
 
 def sequence(pattern: re.Pattern[str], text: str) -> list[re.Match[str]] | None:
