@@ -8,8 +8,9 @@ written once:
 - `token_budget`: the tokens a request may generate, max_tokens cut to the room left in
   max_seq_len; `cap_message` says so (front ends report every cap, none is silent).
 - `Request.emit`: a step's tokens (and their logprobs, when asked for) appended up to a stop
-  token, a stop string (text_stream.py) or the budget; the finish reason. Tokens a speculative
-  step accepted past the stop are dropped, neither emitted nor counted.
+  token, a stop string (text_stream.py), the end of its grammar (structured output: the grammar
+  complete, or the end-of-sequence token where it may end) or the budget; the finish reason.
+  Tokens a speculative step accepted past the stop are dropped, neither emitted nor counted.
 - `Request.metrics` -> `RequestOutput.metrics`: acceptance, passes, latencies.
 """
 
@@ -23,6 +24,7 @@ import numpy as np
 
 from .logprobs import Logprob
 from .sampling import SamplingParams
+from .structured import RequestGrammar
 from .text_stream import TextStream
 
 FINISH_STOP, FINISH_LENGTH, FINISH_ABORT = "stop", "length", "abort"
@@ -54,6 +56,9 @@ def check_request(vocab_size: int, max_seq_len: int, prompt: Sequence[int], samp
     if sampling.stop and not decodes_text:
         raise ValueError(f"sampling[{index}] has stop strings, which are matched on the decoded text: give the "
                          "Engine or Scheduler a tokenizer (tokenizer=load_tokenizer(model_folder))")
+    if sampling.constraint is not None and not decodes_text:
+        raise ValueError(f"sampling[{index}] has a constraint, whose grammar reads the tokenizer's vocabulary: give "
+                         "the Engine or Scheduler a tokenizer (tokenizer=load_tokenizer(model_folder))")
     try:
         ids = [int(t) for t in prompt]
     except (TypeError, ValueError):
@@ -119,6 +124,7 @@ class Request:
     # the front end that delivers its deltas decodes it)
     logprobs: list[Logprob] | None = None  # per output token, when the sampling asks for them
     prompt_logprobs: list[Logprob | None] | None = None  # per prompt token so far, when asked for
+    grammar: RequestGrammar | None = None  # structured output: where its grammar stands (None: unconstrained)
 
     def __post_init__(self) -> None:
         if self.sampling.logprobs is not None and self.logprobs is None:
@@ -139,8 +145,11 @@ class Request:
 
     def emit(self, tokens: Sequence[int], now: float, logprobs: Sequence[Logprob] | None = None) -> str | None:
         """Append a step's tokens (and their `logprobs`, one each, where the request asks for
-        them), up to and including a stop token or the budget's last; returns the finish reason
-        then ("stop" / "length"), else None. Tokens past the finish are dropped."""
+        them), up to and including a stop token, the one that ends its grammar or the budget's
+        last; returns the finish reason then ("stop" / "length"), else None. Tokens past the
+        finish are dropped. A grammar's end ends the output even below min_tokens (nothing else
+        may follow it). Raises structured.GrammarViolation for a token the grammar forbids (the
+        token is kept: the caller ends the request)."""
         stops = self.sampling.stop_token_ids
         for i, tok in enumerate(tokens):
             tok = int(tok)
@@ -148,11 +157,14 @@ class Request:
             self.token_times.append(now)
             if self.logprobs is not None:
                 self.logprobs.append(logprobs[i])
+            grammar_done = self.grammar is not None and self.grammar.accept(tok)
             if tok in stops and len(self.output) >= self.sampling.min_tokens:
                 self.stop_reason = tok
                 return FINISH_STOP
             if self.text is not None and self.text.push([tok]):
                 self.stop_reason = self.text.stop
+                return FINISH_STOP
+            if grammar_done:
                 return FINISH_STOP
             if len(self.output) >= self.budget:
                 return FINISH_LENGTH

@@ -19,6 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .structured.constraints import Constraint
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
@@ -42,6 +44,9 @@ class SamplingParams:
     # probabilities (non-increasing, in [0, 1]) whatever the target says; the output is then not
     # the target's. None: the real, lossless rule.
     synthetic_acceptance: tuple[float, ...] | None = None
+    # What the output must match (a JSON schema, a regex, a choice, a grammar: structured.Constraint),
+    # applied to the target's distribution at every token; needs a tokenizer. None: anything.
+    constraint: Constraint | None = None
 
     def __post_init__(self) -> None:
         if not (isinstance(self.temperature, (int, float)) and self.temperature >= 0 and np.isfinite(self.temperature)):
@@ -76,6 +81,12 @@ class SamplingParams:
                                  f"got {value!r}")
         if self.synthetic_acceptance is not None:
             object.__setattr__(self, "synthetic_acceptance", check_acceptance_profile(self.synthetic_acceptance))
+        if self.constraint is not None and not isinstance(self.constraint, Constraint):
+            raise ValueError(f"constraint must be a Constraint (eagle3_jax.Constraint.json_schema(...), .regex(...), "
+                             f".choice(...), .grammar(...)); got {type(self.constraint).__name__}")
+        if self.constraint is not None and self.synthetic_acceptance is not None:
+            raise ValueError("synthetic_acceptance forces tokens whatever the target says, so it cannot keep a "
+                             "constraint; drop one of them")
         if self.min_tokens and len(self.stop_token_ids) > MAX_SUPPRESSED_STOP_IDS:
             raise ValueError(f"min_tokens holds back at most {MAX_SUPPRESSED_STOP_IDS} stop token ids; this request "
                              f"has {len(self.stop_token_ids)}")
@@ -261,6 +272,21 @@ def hold_back_stops(logits: jax.Array, sp: SamplingArrays, generated: jax.Array)
         return jnp.where(early & stop, -jnp.inf, logits)
 
     return jax.lax.cond(jnp.any(sp.min_tokens > 0), hold_back, lambda: logits)
+
+
+def allowed_tokens(masks: jax.Array, token_ids: jax.Array) -> jax.Array:
+    """Token bitmasks [..., words] int32 (bit t % 32 of word t // 32) -> bool [..., K]: whether
+    each of `token_ids` [K] is allowed."""
+    return ((masks[..., token_ids >> 5] >> (token_ids & 31)) & 1).astype(bool)
+
+
+def apply_token_masks(logits: jax.Array, masks: jax.Array | None) -> jax.Array:
+    """`logits` [B, ..., V] at -inf where the bitmasks `masks` [B, ..., words] (structured output:
+    the tokens a row's grammar allows at each position) clear a token's bit; None: unchanged."""
+    if masks is None:
+        return logits
+    allowed = allowed_tokens(masks, jnp.arange(logits.shape[-1], dtype=jnp.int32))
+    return jnp.where(allowed, logits, -jnp.inf).astype(logits.dtype)
 
 
 def processed_logits(logits: jax.Array, sp: SamplingArrays, generated: jax.Array) -> jax.Array:

@@ -48,6 +48,7 @@ from ..request import RequestOutput, cap_message, check_request, normalize_sampl
 from ..sampling import SamplingParams
 from ..spec_decode.policy import check_speculation, policy_for
 from ..spec_decode.settings import AutoSpec, SpecConfig
+from ..structured import Constraint, GrammarCache, GrammarViolation, RequestGrammar
 from ..target import Target
 from ..text_stream import TextStream, output_text
 from ..tokenizer import Tokenizer
@@ -104,6 +105,14 @@ class Scheduler:
     again (batch.py says when a page is cached and when it may be shared); they are evicted least
     recently used when pages run short. `stats()` counts the hits (tokens and requests).
 
+    Requests may constrain their output (`SamplingParams.constraint`: a JSON schema, a regex, a
+    choice, a grammar; needs a tokenizer): each token is judged only among those its grammar
+    allows, in plain and speculative steps alike, so greedy output is the target's greedy output
+    under the constraint and sampled output its masked distribution. Grammars are compiled once
+    per distinct constraint (`grammars`, bounded). A step with such a row reads every launched
+    step first (its masks follow from every token so far) and, when it speculates, runs as two
+    programs with the host computing each tree node's mask between them (programs.py).
+
     Not thread-safe: one thread calls its methods (see serving.AsyncEngine for asyncio use).
     """
 
@@ -158,6 +167,24 @@ class Scheduler:
         self._requests: dict[str, ScheduledRequest] = {}
         self._aborted: list[RequestDelta] = []
         self._ids = itertools.count()
+        self._grammars: GrammarCache | None = None
+
+    @property
+    def grammars(self) -> GrammarCache:
+        """The compiled grammars of this scheduler's vocabulary (structured output; needs the tokenizer)."""
+        if self._grammars is None:
+            if self.tokenizer is None:
+                raise ValueError("constrained output reads the tokenizer's vocabulary: give the Engine or Scheduler "
+                                 "a tokenizer (tokenizer=load_tokenizer(model_folder))")
+            self._grammars = GrammarCache(self.tokenizer, self.target.config.vocab_size)
+        return self._grammars
+
+    def _grammar(self, constraint: Constraint | None) -> RequestGrammar | None:
+        """A fresh grammar state for a request's constraint (compiled once per constraint);
+        structured.ConstraintError (a ValueError) for one that cannot be compiled."""
+        if constraint is None:
+            return None
+        return RequestGrammar(self.grammars.matcher(constraint), constraint.after_token)
 
     # ---- requests ------------------------------------------------------------------------------
     def add_request(self, prompt_ids: Sequence[int], sampling: SamplingParams | None = None,
@@ -174,15 +201,15 @@ class Scheduler:
         sampling = SamplingParams() if sampling is None else sampling
         ids = check_request(self.target.config.vocab_size, self.max_seq_len, prompt_ids, sampling,
                             decodes_text=self.tokenizer is not None, max_logprobs=self.max_logprobs)
-        rid = self._queue(ids, sampling, request_id, wait_for)
+        rid = self._queue(ids, sampling, request_id, wait_for, self._grammar(sampling.constraint))
         cut = cap_message(len(ids), sampling.max_tokens, self.max_seq_len)
         if cut:
             logger.warning("request %s: %s", rid, cut)
         return rid
 
     def _queue(self, ids: list[int], sampling: SamplingParams, request_id: str | None,
-               wait_for: str | None = None) -> str:
-        """Queue a checked prompt (check_request's ids); returns its id."""
+               wait_for: str | None = None, grammar: RequestGrammar | None = None) -> str:
+        """Queue a checked prompt (check_request's ids) with its grammar state; returns its id."""
         rid = str(next(self._ids)) if request_id is None else str(request_id)
         if rid in self._requests:
             raise ValueError(f"request id {rid!r} is already in use")
@@ -195,7 +222,8 @@ class Scheduler:
                 f"shorten the prompt or raise num_pages"
             )
         req = ScheduledRequest(id=rid, prompt=ids, sampling=sampling, budget=budget, prefill_ids=list(ids),
-                               wait_for=None if wait_for is None else self._requests.get(str(wait_for)))
+                               wait_for=None if wait_for is None else self._requests.get(str(wait_for)),
+                               grammar=grammar)
         if sampling.stop:
             req.text = TextStream(self.tokenizer, ids, sampling.stop, sampling.include_stop_str_in_output,
                                   sampling.min_tokens)
@@ -233,11 +261,12 @@ class Scheduler:
                    for i, (p, sp) in enumerate(zip(prompts, sampling))]  # all checked before any is queued
         cuts = [(i, m) for i, (p, sp) in enumerate(zip(checked, sampling))
                 if (m := cap_message(len(p), sp.max_tokens, self.max_seq_len))]
+        grammars = [self._grammar(sp.constraint) for sp in sampling]  # compiled before any is queued
         for i, message in cuts[:3]:
             logger.warning("prompt %d: %s", i, message)
         if len(cuts) > 3:
             logger.warning("... and for %d more prompts", len(cuts) - 3)
-        ids = [self._queue(p, sp, None) for p, sp in zip(checked, sampling)]
+        ids = [self._queue(p, sp, None, grammar=g) for p, sp, g in zip(checked, sampling, grammars)]
         done: dict[str, RequestOutput] = {}
         while len(done) < len(ids):
             for delta in self.step():
@@ -261,7 +290,10 @@ class Scheduler:
         return {"num_waiting": len(b.waiting), "num_running": len(b.running),
                 "num_pages": b.alloc.num_usable, "num_free_pages": b.alloc.num_free,
                 "num_cached_pages": b.alloc.cache.num_cached if b.alloc.cache is not None else 0,
-                "page_size": self.page_size, **self.counters.stats(), **self.policy.stats()}
+                "page_size": self.page_size,
+                "num_constrained_requests": sum(r.grammar is not None for r in self._requests.values()),
+                "num_compiled_grammars": 0 if self._grammars is None else len(self._grammars),
+                **self.counters.stats(), **self.policy.stats()}
 
     # ---- one iteration -------------------------------------------------------------------------
     def step(self) -> list[RequestDelta]:
@@ -281,6 +313,13 @@ class Scheduler:
             launches.append(self._launcher.prefill(prefill_rows))
         self._batch.grow_pages()
         decode_rows = [r for r in self._batch.running.values() if r.state == DECODE]
+        if any(r.grammar is not None for r in decode_rows):
+            # A grammar's masks follow from every token so far: read every launched program first.
+            early, waited = self._collect(self._inflight + launches)
+            deltas += early
+            self.counters.totals["host_seconds_total"] -= waited
+            self._inflight, launches = [], []
+            decode_rows = [r for r in self._batch.running.values() if r.state == DECODE]
         if decode_rows:
             launches.append(self._launcher.decode(decode_rows))
         ready, self._inflight = (self._inflight, launches) if self.overlap else (launches, [])
@@ -394,7 +433,11 @@ class Scheduler:
         """Hand out a step's tokens (up to a stop token or the budget) and their logprobs; finish the
         request if done."""
         before = len(req.output)
-        reason = req.emit(tokens.tolist(), now, logprobs)
+        try:
+            reason = req.emit(tokens.tolist(), now, logprobs)
+        except GrammarViolation as e:  # a masking bug: end this request, keep serving the others
+            logger.error("request %s: %s; the request is ended", req.id, e)
+            reason = "abort"
         self.counters.totals["generation_tokens_total"] += len(req.output) - before
         if reason is None:
             prompt_lps = req.prompt_logprobs if req.sent == 0 else None
@@ -406,7 +449,7 @@ class Scheduler:
         return self._finish(req, reason, now)
 
     def _finish(self, req: ScheduledRequest, reason: str, now: float) -> RequestDelta:
-        req.state, req.finish_reason = DONE, reason
+        req.state, req.finish_reason, req.grammar = DONE, reason, None
         del self._requests[req.id]
         self.policy.finished(req.id, len(req.output))
         prompt_lps = req.prompt_logprobs if req.sent == 0 else None

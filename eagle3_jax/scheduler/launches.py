@@ -14,6 +14,7 @@ import numpy as np
 
 from ..logprobs import LogprobSettings
 from ..spec_decode.policy import SpeculationPolicy, StepPlan
+from ..structured import batch_masks, batch_tree_masks, mask_words
 from . import lockstep
 from .batch import DECODE, MIN_CHUNK_BUCKET, RunningBatch, ScheduledRequest, bucket, chunk_cap, prefill_arrays
 from .metrics import SchedulerCounters
@@ -64,13 +65,18 @@ class Launcher:
         self.max_num_seqs, self.prefill_chunk, self.prefill_width = max_num_seqs, prefill_chunk, prefill_width
         self.leader: lockstep.Leader | None = None  # multi-host: process 0 announces every launch
 
-    def run(self, kind: str, plan_shape, block_table: np.ndarray, *args, logprobs: bool = False):
-        """Launch a program, the variant returning logprobs when asked (first telling the followers
-        of a multi-host leader)."""
+    def run(self, kind: str, plan_shape, block_table: np.ndarray, *args, logprobs: bool = False,
+            masks: np.ndarray | None = None):
+        """Launch a program, the variant returning logprobs when asked, with token bitmasks when
+        given (first telling the followers of a multi-host leader)."""
         settings = self.logprob_settings if logprobs else None
         if self.leader is not None:
-            self.leader.launched(kind, plan_shape, block_table, args, settings)
-        return self.executor.execute(kind, plan_shape, block_table, *args, logprobs=settings)
+            self.leader.launched(kind, plan_shape, block_table, args, settings, masks)
+        return self.executor.execute(kind, plan_shape, block_table, *args, logprobs=settings, masks=masks)
+
+    @property
+    def mask_words(self) -> int:
+        return mask_words(self.executor.target.config.vocab_size)
 
     def reading(self, count: int) -> None:
         """The host is about to read the outputs of its `count` oldest launches (a multi-host leader
@@ -98,10 +104,13 @@ class Launcher:
         with_draft = any(r.with_draft for r, _ in rows)
         logprobs = any(r.logprobs is not None or r.wants_prompt_logprobs for r, _ in rows)
         chunks = [(req.computed, n) for req, n in rows]
+        # Structured output: the first token of a row whose prompt ends here follows its grammar.
+        grammars = [req.grammar if following[i] < 0 else None for i, (req, _) in enumerate(rows)]
+        masks = batch_masks(grammars, batch, self.mask_words) if any(g is not None for g in grammars) else None
         compiles, launched = self.executor.programs.num_compiles, time.perf_counter()
         outputs = self.run("prefill" if with_draft else "plain_prefill", None, block_table, tokens, lengths,
                                n_valid, following, slots, sp, counter, owners, self.batch.prompt_lens[owners],
-                               logprobs=logprobs)
+                               logprobs=logprobs, masks=masks)
         for req, n in rows:
             req.computed += n
             req.length = req.computed
@@ -122,8 +131,29 @@ class Launcher:
         for req in rows:
             req.pending += 1
         compiles, launched = self.executor.programs.num_compiles, time.perf_counter()
-        outputs = self.run(plan.program, plan.shape, block_table, slots, self.batch.prompt_lens[slots],
-                               self.batch.sampling.rows(slots), logprobs=any(r.logprobs is not None for r in rows))
-        # A step after a catch-up starts when the catch-up ends, which the host does not see.
+        args = (block_table, slots, self.batch.prompt_lens[slots], self.batch.sampling.rows(slots))
+        logprobs = any(r.logprobs is not None for r in rows)
+        if any(r.grammar is not None for r in rows):
+            outputs = self._constrained(rows, plan, args, logprobs)
+        else:
+            outputs = self.run(plan.program, plan.shape, *args, logprobs=logprobs)
+        # A step after a catch-up starts when the catch-up ends, which the host does not see; a
+        # constrained step's time holds the host's mask work between its two programs.
         return Launch("decode", [(r, r.epoch, True) for r in rows], outputs, plan, block_table.shape, launched,
-                       plan.catch_up, compiles)
+                       plan.catch_up or any(r.grammar is not None for r in rows), compiles)
+
+    def _constrained(self, rows: list[ScheduledRequest], plan: StepPlan, args: tuple, logprobs: bool) -> list:
+        """A decode step under the rows' grammars (each row's every earlier token read): one
+        token under each row's next mask, or a speculative step as two programs, "propose" (the
+        tree, its first level under the next masks) and, once the host has each node's mask from
+        the tree, "verify"."""
+        block_table, slots, prompt_lens, sp = args
+        grammars = [r.grammar for r in rows]
+        masks = batch_masks(grammars, len(slots), self.mask_words)
+        if plan.program != "decode":
+            return self.run(plan.program, plan.shape, *args, logprobs=logprobs, masks=masks)
+        tree = self.run("propose", plan.shape, block_table, slots, prompt_lens, masks=masks)
+        self.reading(1)
+        tokens, parents = self.executor.read(tree)
+        node_masks = batch_tree_masks(grammars, tokens, parents, self.mask_words)
+        return self.run("verify", plan.shape, *args, tokens, parents, logprobs=logprobs, masks=node_masks)

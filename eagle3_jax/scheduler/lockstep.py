@@ -68,8 +68,8 @@ class Leader:
         if not self.channel.is_leader:
             raise RuntimeError("lead() is for process 0; the other processes call follow()")
 
-    def launched(self, kind: str, shape, block_table: np.ndarray, args: tuple, logprobs=None) -> None:
-        self.channel.send((kind, shape, block_table, jax.tree.map(np.asarray, args), logprobs))
+    def launched(self, kind: str, shape, block_table: np.ndarray, args: tuple, logprobs=None, masks=None) -> None:
+        self.channel.send((kind, shape, block_table, jax.tree.map(np.asarray, args), logprobs, masks))
 
     def reading(self, launches: int) -> None:
         """The leader now reads the outputs of its `launches` oldest unread programs."""
@@ -93,8 +93,8 @@ def follow(executor) -> int:
             for _ in range(message[1]):
                 executor.read(unread.popleft())
             continue
-        kind, shape, block_table, args, logprobs = message
-        outputs = executor.execute(kind, shape, block_table, *args, logprobs=logprobs)
+        kind, shape, block_table, args, logprobs, masks = message
+        outputs = executor.execute(kind, shape, block_table, *args, logprobs=logprobs, masks=masks)
         if outputs:  # a catch-up returns nothing to read
             unread.append(outputs)
         steps += 1

@@ -8,7 +8,14 @@ donates the state and returns (outputs..., new state). Kinds:
 - "store_decode": one target token per row, its (feature, token) pair kept for the draft
   (adaptive speculation, a step that does not speculate);
 - "plain_decode": one target token per row, no draft arrays at all;
-- "catch_up": the draft runs over the pairs it has not seen.
+- "catch_up": the draft runs over the pairs it has not seen;
+- "propose" then "verify": a speculative step in two programs, for batches with a structured
+  output row: the draft's tree (its first level under each row's token bitmask), read by the host,
+  which computes every node's bitmask from the row's grammar, then the rest of the step under
+  those masks (spec_decode/step.py's `verify_step`).
+
+Prefill and one-token programs take an optional bitmask per row (structured output) for the
+token they sample; programs with masks are compiled apart from those without.
 
 Prefill and decode programs also come in a variant that returns the logprobs of the tokens they
 produce (`LogprobSettings`; three more outputs: each token's logprob, the top ids and their
@@ -35,8 +42,8 @@ from ..logprobs import LogprobSettings, TokenLogprobs
 from ..sampling import PenaltyHistory, SamplingArrays, count_tokens
 from ..sharding import mesh_context, replicate, shard_pages, to_host
 from ..spec_decode.policy import SpeculationPolicy
-from ..spec_decode.propose import DraftRoot, draft_extend
-from ..spec_decode.step import spec_step
+from ..spec_decode.propose import DraftRoot, DraftTree, draft_extend, propose
+from ..spec_decode.step import spec_step, verify_step
 from .steps import plain_prefill, plain_step, spec_prefill
 from ..spec_decode.settings import SpecConfig
 from ..target import Target
@@ -129,9 +136,10 @@ def _history_with_chunk(state: DeviceState, owners, prompt_lens, tokens, lengths
 
 def _prefill_program(tcfg: ModelConfig, dcfg: DraftConfig | None, shape: None, logprobs: LogprobSettings | None,
                      tparams: dict, dparams: dict | None, state: DeviceState, block_table, tokens, lengths, n_valid,
-                     following, slots, sp: SamplingArrays, counter, owners, prompt_lens):
+                     following, slots, sp: SamplingArrays, counter, owners, prompt_lens, masks=None):
     """One prompt chunk per row after its cached prefix (`lengths`) -> (first token, [logprobs of
-    each position's next token,] state).
+    each position's next token,] state). `masks` [B, words]: the tokens each row's first token may
+    be (structured output).
 
     Rows whose chunk ends the prompt store their length, first token (and draft root) in state
     slot `slots[i]`; the others pass the scratch slot. Every row's chunk enters the penalty history
@@ -148,13 +156,14 @@ def _prefill_program(tcfg: ModelConfig, dcfg: DraftConfig | None, shape: None, l
         state = state.replace(gap=state.gap.at[slots].set(0))
     if dcfg is None:
         first, _, tcache, lp = plain_prefill(tparams, tcfg, tcache, tokens, n_valid, sp, counter, following,
-                                             absorb=False, logprobs=logprobs, history=history)
+                                             absorb=False, logprobs=logprobs, history=history, masks=masks)
         return first, *_logprob_outputs(lp), state.replace(tk=tcache.k, tv=tcache.v, length=length,
                                                            last_token=state.last_token.at[slots].set(first),
                                                            output_counts=counted(first))
     first, tcache, dcache, root, lp = spec_prefill(tparams, tcfg, dparams, dcfg, tcache,
                                                    state.draft_cache(block_table, lengths), tokens, n_valid, sp, counter,
-                                                   following, absorb=False, logprobs=logprobs, history=history)
+                                                   following, absorb=False, logprobs=logprobs, history=history,
+                                                   masks=masks)
     return first, *_logprob_outputs(lp), state.replace(tk=tcache.k, tv=tcache.v, dk=dcache.k, dv=dcache.v, length=length,
                                                        output_counts=counted(first),
                                 last_token=state.last_token.at[slots].set(root.token),
@@ -170,11 +179,13 @@ def slot_rows(state: DeviceState, slots, prompt_lens):
 
 
 def _one_token_step(tcfg: ModelConfig, logprobs: LogprobSettings | None, tparams: dict, state: DeviceState,
-                    block_table, slots, prompt_lens, sp: SamplingArrays):
-    """One target token per row: (tokens [B, 1], counts [B], aux features [B, F], logprob outputs, state)."""
+                    block_table, slots, prompt_lens, sp: SamplingArrays, masks=None):
+    """One target token per row (`masks` [B, words]: among those allowed): (tokens [B, 1], counts
+    [B], aux features [B, F], logprob outputs, state)."""
     lengths, counter = slot_rows(state, slots, prompt_lens)
     nxt, aux, tcache, lp = plain_step(tparams, tcfg, state.target_cache(block_table, lengths), state.last_token[slots],
-                                      sp, counter, logprobs, PenaltyHistory(state.output_counts, state.prompt_seen, slots))
+                                      sp, counter, logprobs, PenaltyHistory(state.output_counts, state.prompt_seen, slots),
+                                      masks)
     with jax.named_scope("state"):
         state = record_token(state.replace(tk=tcache.k, tv=tcache.v), slots, lengths, nxt)
     return nxt[:, None], jnp.ones_like(nxt), aux, _logprob_outputs(lp), state
@@ -191,18 +202,20 @@ def record_token(state: DeviceState, slots, lengths, nxt) -> DeviceState:
 
 def _plain_decode_program(tcfg: ModelConfig, dcfg: None, shape: None, logprobs: LogprobSettings | None,
                           tparams: dict, dparams: None, state: DeviceState, block_table, slots, prompt_lens,
-                          sp: SamplingArrays):
+                          sp: SamplingArrays, masks=None):
     """One target token per row from its state slot -> (tokens [B, 1], counts [B], [logprobs,] state)."""
-    out, count, _, lp, state = _one_token_step(tcfg, logprobs, tparams, state, block_table, slots, prompt_lens, sp)
+    out, count, _, lp, state = _one_token_step(tcfg, logprobs, tparams, state, block_table, slots, prompt_lens, sp,
+                                               masks)
     return out, count, *lp, state
 
 
 def _store_decode_program(tcfg: ModelConfig, dcfg: DraftConfig, shape: None, logprobs: LogprobSettings | None,
                           tparams: dict, dparams: dict, state: DeviceState, block_table, slots, prompt_lens,
-                          sp: SamplingArrays):
+                          sp: SamplingArrays, masks=None):
     """A step without speculation or draft work: one target token per row; the pair (its target
     feature, the sampled next token) waits in the row's gap buffer for the catch-up program."""
-    out, count, aux, lp, state = _one_token_step(tcfg, logprobs, tparams, state, block_table, slots, prompt_lens, sp)
+    out, count, aux, lp, state = _one_token_step(tcfg, logprobs, tparams, state, block_table, slots, prompt_lens, sp,
+                                                 masks)
     gap = state.gap[slots]  # < max_gap: the host has a full buffer caught up first
     return out, count, *lp, state.replace(
         gap=state.gap.at[slots].set(gap + 1),
@@ -222,6 +235,35 @@ def _decode_program(tcfg: ModelConfig, dcfg: DraftConfig, shape: SpecConfig, log
                                                         state.draft_cache(block_table, lengths), root, sp, counter,
                                                         logprobs, PenaltyHistory(state.output_counts, state.prompt_seen,
                                                                                  slots))
+    with jax.named_scope("state"):
+        state = advance_state(state, slots, lengths, out, count, tcache, dcache, root)
+    return out, count, *_logprob_outputs(lp), state
+
+
+def _propose_program(tcfg: ModelConfig, dcfg: DraftConfig, shape: SpecConfig, logprobs: None, tparams: dict,
+                     dparams: dict, state: DeviceState, block_table, slots, prompt_lens, masks):
+    """The draft tree (`shape`) of each row from its state slot, its first level among the tokens
+    the row's bitmask `masks` [B, words] allows -> (tree tokens [B, N], parents [B, N], state: the
+    draft pages hold the frontier's scratch K/V, which "verify" overwrites)."""
+    lengths, _ = slot_rows(state, slots, prompt_lens)
+    root = DraftRoot(token=state.last_token[slots], hidden=state.draft_hidden[slots])
+    tree, dcache = propose(dparams, dcfg, state.draft_cache(block_table, lengths), root, shape, masks)
+    return tree.tokens, tree.parents, state.replace(dk=dcache.k, dv=dcache.v)
+
+
+def _verify_program(tcfg: ModelConfig, dcfg: DraftConfig, shape: SpecConfig, logprobs: LogprobSettings | None,
+                    tparams: dict, dparams: dict, state: DeviceState, block_table, slots, prompt_lens,
+                    sp: SamplingArrays, tokens, parents, masks):
+    """The rest of a speculative step over the given tree (`tokens`, `parents` [B, N], from
+    "propose"), each node judged among the tokens its bitmask `masks` [B, N, words] allows ->
+    as "decode"."""
+    lengths, counter = slot_rows(state, slots, prompt_lens)
+    history = PenaltyHistory(state.output_counts, state.prompt_seen, slots)
+    out, count, tcache, dcache, root, _, lp = verify_step(tparams, tcfg, dparams, dcfg, shape.max_accept,
+                                                          state.target_cache(block_table, lengths),
+                                                          state.draft_cache(block_table, lengths),
+                                                          DraftTree(tokens=tokens, parents=parents), sp, counter,
+                                                          logprobs, history, masks)
     with jax.named_scope("state"):
         state = advance_state(state, slots, lengths, out, count, tcache, dcache, root)
     return out, count, *_logprob_outputs(lp), state
@@ -255,7 +297,7 @@ def _catch_up_program(tcfg: ModelConfig, dcfg: DraftConfig, shape: None, logprob
 
 PROGRAMS = {"prefill": _prefill_program, "plain_prefill": _prefill_program, "decode": _decode_program,
             "store_decode": _store_decode_program, "plain_decode": _plain_decode_program,
-            "catch_up": _catch_up_program}
+            "catch_up": _catch_up_program, "propose": _propose_program, "verify": _verify_program}
 # Programs that run without the draft get the state without these arrays (fewer to dispatch; the
 # gap counts stay: a plain prefill zeroes its slot's).
 _PLAIN = ("plain_prefill", "plain_decode")
@@ -307,15 +349,18 @@ class Executor:
         self.programs = ProgramCache(max_compiled_programs)
 
     def execute(self, kind: str, shape: SpecConfig | None, block_table: np.ndarray, *args,
-                logprobs: LogprobSettings | None = None) -> list[jax.Array]:
+                logprobs: LogprobSettings | None = None, masks: np.ndarray | None = None) -> list[jax.Array]:
         """Launch the `kind` program (for "decode", of speculation `shape`; with `logprobs`, the
-        variant that returns them) on the state; returns its outputs as device arrays, not waited
-        for. The cache key is the kind, the shape, the logprob settings, whether a row has a
-        synthetic acceptance profile and the bucketed array shapes."""
+        variant that returns them; with `masks`, the token bitmasks of structured output) on the
+        state; returns its outputs as device arrays, not waited for. The cache key is the kind,
+        the shape, the logprob settings, whether a row has a synthetic acceptance profile, whether
+        there are masks and the bucketed array shapes."""
         with_draft = self.draft is not None and kind not in _PLAIN
         dcfg, dparams = (self.draft.config, self.draft.params) if with_draft else (None, None)
         synthetic = any(isinstance(a, SamplingArrays) and a.accept_profile is not None for a in args)
-        key = (kind, shape, logprobs, synthetic, block_table.shape, np.shape(args[0]))
+        key = (kind, shape, logprobs, synthetic, block_table.shape, np.shape(args[0]), np.shape(masks))
+        if masks is not None:
+            args = (*args, masks)
         state, held = self.state, {}
         if self.draft is not None and not with_draft:
             held = {name: getattr(state, name) for name in _DRAFT_STATE}

@@ -13,7 +13,7 @@ from .. import kv_cache
 from ..config import ModelConfig
 from ..draft import DraftConfig
 from ..logprobs import LogprobSettings, emitted_logprobs, token_logprobs
-from ..sampling import PenaltyHistory, SamplingArrays, apply_penalties, processed_logits, sample
+from ..sampling import PenaltyHistory, SamplingArrays, apply_penalties, apply_token_masks, processed_logits, sample
 from ..spec_decode.propose import chunk_next_tokens, draft_prefill
 from ..target import forward
 
@@ -21,10 +21,12 @@ from ..target import forward
 def plain_prefill(tparams: dict, tcfg: ModelConfig, tcache: kv_cache.KVCache, tokens: jax.Array,
                   prompt_lens: jax.Array, sp: SamplingArrays, counter: jax.Array | None = None,
                   following: jax.Array | None = None, absorb: bool | None = None,
-                  logprobs: LogprobSettings | None = None, history: PenaltyHistory | None = None):
+                  logprobs: LogprobSettings | None = None, history: PenaltyHistory | None = None,
+                  masks: jax.Array | None = None):
     """Prompt tokens [B, T] (right-padded; `prompt_lens` valid) after each row's cached prefix ->
-    (first token [B] sampled with key `counter` (default 0) and penalties read from `history`
-    (the sequence so far, this chunk included), aux features [B, T, F], cache advanced by
+    (first token [B] sampled with key `counter` (default 0), penalties read from `history`
+    (the sequence so far, this chunk included) and, with `masks` [B, words], only among the tokens
+    each row's bitmask allows (structured output), aux features [B, T, F], cache advanced by
     `prompt_lens`, logprobs). `following` as in `spec_prefill`. `absorb` picks the MLA form (see
     target.forward). With `logprobs`, the logprobs [B, T] of each position's next token
     (`chunk_next_tokens`: raw for prompt tokens; the first generated token's as the settings say),
@@ -36,7 +38,7 @@ def plain_prefill(tparams: dict, tcfg: ModelConfig, tcache: kv_cache.KVCache, to
     logits, aux, tcache = forward(tparams, tcfg, tokens, positions, tcache, absorb=absorb)
     last = (prompt_lens - 1)[:, None]
     last_logits = jnp.take_along_axis(logits, last[:, :, None], axis=1)[:, 0]
-    judged = apply_penalties(last_logits, sp, history)
+    judged = apply_token_masks(apply_penalties(last_logits, sp, history), masks)
     first = sample(judged, sp, counter)
     lp = None
     if logprobs is not None:
@@ -53,14 +55,16 @@ def plain_prefill(tparams: dict, tcfg: ModelConfig, tcache: kv_cache.KVCache, to
 
 
 def plain_step(tparams: dict, tcfg: ModelConfig, tcache: kv_cache.KVCache, tokens: jax.Array, sp: SamplingArrays,
-               counter: jax.Array, logprobs: LogprobSettings | None = None, history: PenaltyHistory | None = None):
+               counter: jax.Array, logprobs: LogprobSettings | None = None, history: PenaltyHistory | None = None,
+               masks: jax.Array | None = None):
     """One token per row after `tokens` [B] (written at the cache's lengths) -> (next token [B]
-    sampled with key `counter` and penalties read from `history`, aux feature [B, F] of `tokens`,
+    sampled with key `counter`, penalties read from `history` and, with `masks` [B, words], among
+    the allowed tokens only, aux feature [B, F] of `tokens`,
     cache advanced by one, its logprobs [B, 1] with `logprobs` else None)."""
     with jax.named_scope("verify"):  # the target pass (named as a speculative step's, for the accounting)
         logits, aux, tcache = forward(tparams, tcfg, tokens[:, None], tcache.lengths[:, None], tcache)
     with jax.named_scope("judge"):
-        judged = apply_penalties(logits[:, 0], sp, history)
+        judged = apply_token_masks(apply_penalties(logits[:, 0], sp, history), masks)
         nxt = sample(judged, sp, counter)
     lp = None if logprobs is None else emitted_logprobs(logits, judged[:, None], nxt[:, None], sp, counter, logprobs)
     return nxt, aux[:, 0], kv_cache.advance(tcache, jnp.ones_like(tcache.lengths)), lp
@@ -70,7 +74,7 @@ def spec_prefill(tparams: dict, tcfg: ModelConfig, dparams: dict, dcfg: DraftCon
                  tcache: kv_cache.KVCache, dcache: kv_cache.KVCache, tokens: jax.Array, prompt_lens: jax.Array,
                  sp: SamplingArrays, counter: jax.Array | None = None, following: jax.Array | None = None,
                  absorb: bool | None = None, logprobs: LogprobSettings | None = None,
-                 history: PenaltyHistory | None = None):
+                 history: PenaltyHistory | None = None, masks: jax.Array | None = None):
     """Prompt tokens [B, T] (right-padded; `prompt_lens` valid) -> first token [B], caches, draft root.
 
     The tokens go after each row's cached prefix (cache lengths, equal in both caches), so a long
@@ -79,12 +83,12 @@ def spec_prefill(tparams: dict, tcfg: ModelConfig, dparams: dict, dcfg: DraftCon
     generated token with key `counter` (default 0) and the draft pairs its last feature with it.
     The first token and root are meaningful for final chunks only. `absorb` picks the MLA form
     (see target.forward) of the target and, for an MLA draft, of the draft's extend. `logprobs` as
-    in `plain_prefill` (the last output; None without), and `history` (penalties).
+    in `plain_prefill` (the last output; None without), `history` (penalties) and `masks`.
     """
     b, t = tokens.shape
     if following is None:
         following = jnp.full((b,), -1, jnp.int32)
     first, aux, tcache, lp = plain_prefill(tparams, tcfg, tcache, tokens, prompt_lens, sp, counter, following, absorb,
-                                           logprobs, history)
+                                           logprobs, history, masks)
     dcache, root = draft_prefill(dparams, dcfg, dcache, aux, tokens, prompt_lens, following, first, absorb)
     return first, tcache, dcache, root, lp

@@ -25,6 +25,7 @@ from flax import struct
 
 from .. import kv_cache
 from ..draft import DraftConfig, draft_forward, draft_head, draft_to_target_ids, project_features
+from ..sampling import allowed_tokens
 from .settings import SpecConfig
 
 
@@ -46,12 +47,26 @@ def root_only(token: jax.Array) -> DraftTree:
 
 
 def propose(params: dict, cfg: DraftConfig, cache: kv_cache.KVCache, root: DraftRoot,
-            spec: SpecConfig | None) -> tuple[DraftTree, kv_cache.KVCache]:
+            spec: SpecConfig | None, root_mask: jax.Array | None = None) -> tuple[DraftTree, kv_cache.KVCache]:
     """The tree a step verifies (expanded from `root` by `spec`, or the root alone for None) and
-    the cache holding the frontier's scratch K/V (see `expand`)."""
+    the cache holding the frontier's scratch K/V (see `expand`). `root_mask` [B, words]
+    (structured output: the target tokens each row's grammar allows next) keeps the first level
+    to allowed tokens."""
     if spec is None:
         return root_only(root.token), cache
-    return expand(params, cfg, cache, draft_head(params, cfg, root.hidden), root.hidden, root.token, spec)
+    root_logits = draft_head(params, cfg, root.hidden)
+    if root_mask is not None:
+        root_logits = masked_draft_logits(params, root_logits, root_mask)
+    return expand(params, cfg, cache, root_logits, root.hidden, root.token, spec)
+
+
+def masked_draft_logits(params: dict, logits: jax.Array, masks: jax.Array) -> jax.Array:
+    """Draft-vocabulary logits [B, Vd] at -inf where the target-vocabulary bitmasks [B, words]
+    forbid the token (read through the draft's vocabulary map); a row whose draft vocabulary has
+    no allowed token keeps its logits (its proposals are then rejected by the target's masks)."""
+    allowed = allowed_tokens(masks, draft_to_target_ids(params, jnp.arange(logits.shape[-1], dtype=jnp.int32)))
+    masked = jnp.where(allowed, logits, -jnp.inf)
+    return jnp.where(allowed.any(-1, keepdims=True), masked, logits)
 
 
 def draft_extend(params: dict, cfg: DraftConfig, cache: kv_cache.KVCache, features: jax.Array,

@@ -6,6 +6,13 @@ depth, aux features captured) -> acceptance -> compact the accepted path into th
 draft extend over the accepted (feature, next token) pairs, which gives the next root. The draft
 cache is extended whatever the step's shape, so a sequence that stops speculating for a while
 resumes with a draft that has seen every accepted token.
+
+Structured output: a step may take token bitmasks, one per tree node (`verify_step`'s `masks`),
+applied to the target's logits before acceptance, so every token it emits is one the grammar
+allows and a sampled row keeps exactly the masked distribution (a draft token its parent's mask
+forbids has no probability, so it is never accepted). The masks depend on the tree, so such a
+step runs as two programs: `propose` (under each row's root mask), then `verify_step` with the
+masks the host computed for that tree (structured/guide.py).
 """
 
 from __future__ import annotations
@@ -17,9 +24,9 @@ from .. import kv_cache
 from ..config import ModelConfig
 from ..draft import DraftConfig
 from ..logprobs import LogprobSettings, emitted_logprobs
-from ..sampling import PenaltyHistory, SamplingArrays, apply_penalties
+from ..sampling import PenaltyHistory, SamplingArrays, apply_penalties, apply_token_masks
 from ..target import forward
-from .propose import DraftRoot, draft_extend, propose
+from .propose import DraftRoot, DraftTree, draft_extend, propose
 from .settings import SpecConfig
 from .tree import ancestor_mask, depths, path_to
 from .verify import accept, commit_path, emitted_tokens
@@ -43,11 +50,12 @@ def verify_tree(tparams: dict, tcfg: ModelConfig, tcache: kv_cache.KVCache, tree
 
 
 def judge(logits: jax.Array, tree, anc: jax.Array, depth: jax.Array, sp: SamplingArrays, counter: jax.Array,
-          history: PenaltyHistory | None, max_accept: int) -> tuple:
+          history: PenaltyHistory | None, max_accept: int, masks: jax.Array | None = None) -> tuple:
     """Acceptance over a verified tree -> (emitted tokens [B, D+1], counts [B], accepted path [B, D+1],
     judged logits, bonus [B]). Penalties read `history` plus, at each node, the draft tokens on
-    its path (the output it would have)."""
+    its path (the output it would have); `masks` [B, N, words] keep each node's allowed tokens."""
     judged = apply_penalties(logits, sp, history, lambda: path_counts(tree.tokens, anc, logits.shape[-1]))
+    judged = apply_token_masks(judged, masks)
     node, bonus = accept(judged, tree.tokens, tree.parents, anc, depth, sp, counter)
     n_accept = jnp.take_along_axis(depth, node[:, None], axis=1)[:, 0]
     path = path_to(anc, depth, node, max_accept + 1)
@@ -76,11 +84,20 @@ def spec_step(tparams: dict, tcfg: ModelConfig, dparams: dict, dcfg: DraftConfig
     see them apart."""
     with jax.named_scope("propose"):
         tree, dcache = propose(dparams, dcfg, dcache, root, spec)
+    return verify_step(tparams, tcfg, dparams, dcfg, spec.max_accept if spec is not None else 0, tcache, dcache, tree,
+                       sp, counter, logprobs, history)
+
+
+def verify_step(tparams: dict, tcfg: ModelConfig, dparams: dict, dcfg: DraftConfig, max_accept: int,
+                tcache: kv_cache.KVCache, dcache: kv_cache.KVCache, tree: DraftTree, sp: SamplingArrays,
+                counter: jax.Array, logprobs: LogprobSettings | None = None, history: PenaltyHistory | None = None,
+                masks: jax.Array | None = None):
+    """`spec_step` after the proposal: verify `tree` (at most `max_accept` draft tokens accepted),
+    with `masks` [B, N, words] (structured output) keeping each node's allowed tokens; same returns."""
     with jax.named_scope("verify"):
         logits, aux, tcache, anc, depth = verify_tree(tparams, tcfg, tcache, tree)
     with jax.named_scope("judge"):
-        out, count, path, judged, bonus = judge(logits, tree, anc, depth, sp, counter, history,
-                                                spec.max_accept if spec is not None else 0)
+        out, count, path, judged, bonus = judge(logits, tree, anc, depth, sp, counter, history, max_accept, masks)
     with jax.named_scope("commit"):
         tcache = commit_path(tcache, path, count)
     with jax.named_scope("extend"):

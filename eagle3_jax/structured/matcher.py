@@ -97,7 +97,7 @@ class GrammarCache:
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
         self.max_entries, self.compile_seconds = max_entries, compile_seconds
         self._limits = llguidance.LLParserLimits(**LIMITS)
-        self._compiled: collections.OrderedDict[Constraint, llguidance.LLMatcher] = collections.OrderedDict()
+        self._compiled: collections.OrderedDict[tuple[str, str], llguidance.LLMatcher] = collections.OrderedDict()
         self._lock = threading.Lock()
 
     def _compile(self, constraint: Constraint) -> llguidance.LLMatcher:
@@ -116,14 +116,15 @@ class GrammarCache:
     def matcher(self, constraint: Constraint) -> Matcher:
         """A fresh matcher at the start of `constraint`'s grammar; ConstraintError for one that
         cannot be compiled."""
+        key = constraint.key
         with self._lock:
-            base = self._compiled.get(constraint)
+            base = self._compiled.get(key)
             if base is not None:
-                self._compiled.move_to_end(constraint)
+                self._compiled.move_to_end(key)
         if base is None:
             base = self._compile(constraint)
             with self._lock:
-                self._compiled[constraint] = base
+                self._compiled[key] = base
                 while len(self._compiled) > self.max_entries:
                     self._compiled.popitem(last=False)
         return Matcher(base.deep_copy(), self.vocab_size)
