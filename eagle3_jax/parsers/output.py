@@ -83,6 +83,11 @@ class OutputParsing:
         if self.reasoning_parser:
             reasoning_parser(self.reasoning_parser)  # the name checked now, the parser made per request
 
+    @property
+    def tool_calls(self) -> ToolCallParser | None:
+        """The tool-call parser (None: off)."""
+        return self._tools
+
     def prepare_messages(self, messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
         """The conversation as the family's template expects its tool-call history (as given
         without a tool-call parser)."""

@@ -167,16 +167,15 @@ class Scheduler:
         self._requests: dict[str, ScheduledRequest] = {}
         self._aborted: list[RequestDelta] = []
         self._ids = itertools.count()
-        self._grammars: GrammarCache | None = None
+        # Made now (compiling is lazy), so a server's request threads and this one share it.
+        self._grammars = None if tokenizer is None else GrammarCache(tokenizer, target.config.vocab_size)
 
     @property
     def grammars(self) -> GrammarCache:
         """The compiled grammars of this scheduler's vocabulary (structured output; needs the tokenizer)."""
         if self._grammars is None:
-            if self.tokenizer is None:
-                raise ValueError("constrained output reads the tokenizer's vocabulary: give the Engine or Scheduler "
-                                 "a tokenizer (tokenizer=load_tokenizer(model_folder))")
-            self._grammars = GrammarCache(self.tokenizer, self.target.config.vocab_size)
+            raise ValueError("constrained output reads the tokenizer's vocabulary: give the Engine or Scheduler "
+                             "a tokenizer (tokenizer=load_tokenizer(model_folder))")
         return self._grammars
 
     def _grammar(self, constraint: Constraint | None) -> RequestGrammar | None:

@@ -222,6 +222,10 @@ class AsyncEngine:
         self._check_accepting()
         rid = request_id if request_id is not None else f"req-{uuid.uuid4().hex}"
         loop = asyncio.get_running_loop()
+        if sampling is not None and sampling.constraint is not None:
+            # Compiled here, off the engine thread (which then finds it compiled): a new schema
+            # never stalls the other requests' steps.
+            await loop.run_in_executor(None, self.scheduler.grammars.matcher, sampling.constraint)
         deltas: asyncio.Queue = asyncio.Queue()
         added: concurrent.futures.Future = concurrent.futures.Future()
         self._commands.put(_Add([int(t) for t in prompt_ids], sampling, rid, loop, deltas, added, wait_for))

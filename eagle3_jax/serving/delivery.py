@@ -28,6 +28,7 @@ from typing import Any, AsyncIterator, Iterable, Mapping, Protocol, Sequence
 
 from ..logprobs import Logprob
 from ..parsers import OutputDelta, StreamingParser, ToolCall
+from ..structured import ConstraintError
 from .async_engine import AsyncEngine, CapacityError, EngineError
 from .choices import Choices
 from .errors import ApiError, web
@@ -167,6 +168,8 @@ async def started(choices: Choices, request: GenerationRequest) -> AsyncIterator
             await choices.start()
         except CapacityError as e:
             raise ApiError(str(e), param="max_tokens", code="request_too_large") from e
+        except ConstraintError as e:  # the grammar did not compile
+            raise ApiError(str(e), param=request.constraint_field, code="invalid_value") from e
         except ValueError as e:  # add_request's validation: bad token ids, no room in max_seq_len
             raise ApiError(str(e), param="prompt" if request.kind == "completion" else "messages",
                            code="invalid_value") from e

@@ -25,9 +25,9 @@ with it: one token is generated and left out), chat's `logprobs` + `top_logprobs
 items with `token`, `logprob`, `bytes`, `top_logprobs`), at most the scheduler's `max_logprobs`
 alternatives; streamed chunks carry their own tokens' logprobs. -inf reads -9999.0. Parameters
 this engine does not implement (`logit_bias`, `best_of` other than n, chat's `echo`,
-completions' tools, `functions`, `suffix`, non-text `response_format`, vLLM's
-`structured_outputs` and `guided_*` constraints) get a 400 when set to anything but their neutral
-value, rather than being ignored. Benchmarking extension: `synthetic_acceptance` (per-position
+completions' tools, `functions`, `suffix`, vLLM's `structural_tag`) get a 400 when set to
+anything but their neutral value, rather than being ignored. Constrained output
+(`response_format`, `structured_outputs`, `guided_*`) is constraints.py's. Benchmarking extension: `synthetic_acceptance` (per-position
 rates, e.g. [0.9, 0.8, 0.7]) forces a speculative step to accept that profile, so that a step's
 cost can be measured at a realistic acceptance without a trained draft; the output is then not
 the model's, and the server refuses it (400) unless started to allow it
@@ -47,6 +47,7 @@ from typing import Any, Mapping, Sequence
 
 from ..sampling import SamplingParams, check_acceptance_profile
 from .choices import SEED_LIMIT
+from .constraints import CONSTRAINT_FIELDS
 from .errors import ApiError
 
 MAX_CHOICES = 128  # most choices (n) one request may ask for
@@ -101,24 +102,21 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "tool_choice": (None, "none"),
     "functions": (None, []),
     "function_call": (None, "none"),
-    # constrained output (vLLM's structured outputs): refused, never answered unconstrained
-    **{k: (None,) for k in ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-                            "structural_tag")},
+    # vLLM's structural tags (constrained spans inside free text): refused, never answered unconstrained
+    "structural_tag": (None,),
 }
 # chat reads tools and tool_choice (messages.py)
 _NEUTRAL_BY_KIND: dict[str, dict[str, tuple[Any, ...]]] = {
     "completion": _NEUTRAL,
     "chat": {**{k: v for k, v in _NEUTRAL.items() if k not in ("tools", "tool_choice")}, "echo": (None, False)}}
-_CONSTRAINED = ": this server does not constrain output to a schema, regex, choice or grammar"
-_HINTS: dict[str, str] = {k: _CONSTRAINED for k in ("structured_outputs", "guided_json", "guided_regex", "guided_choice",
-                                                    "guided_grammar", "structural_tag")}
+_HINTS: dict[str, str] = {"structural_tag": " (structural tags are not implemented; constrain the whole output with "
+                                            "response_format or structured_outputs, or force calls with tool_choice)"}
 # Fields a request may carry without a warning: the ones read here, the refused ones above, and
 # `user` (an end-user id OpenAI's API takes and this server has no use for).
 _COMMON_FIELDS = frozenset({"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "n", "stream",
                             "stream_options", "stop", "stop_token_ids", "ignore_eos", "include_stop_str_in_output",
                             "min_tokens", "logprobs", "best_of", "presence_penalty", "frequency_penalty", "repetition_penalty",
-                            "response_format", "user", "synthetic_acceptance",
-                            *_NEUTRAL})
+                            "user", "synthetic_acceptance", *CONSTRAINT_FIELDS, *_NEUTRAL})
 KNOWN_FIELDS = {"completion": _COMMON_FIELDS | {"prompt", "echo"},
                 "chat": _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "echo",
                                           "chat_template_kwargs", "add_generation_prompt", "continue_final_message"}}
@@ -137,10 +135,6 @@ def check_unsupported(body: Mapping[str, Any], kind: str = "completion") -> None
         if not any(v == n and type(v) is type(n) or v is n for n in neutral):
             raise ApiError(f"'{key}' is not supported by this server{_HINTS.get(key, '')}; got {v!r}",
                            param=key, code="unsupported_parameter")
-    fmt = body.get("response_format")
-    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") in (None, "text")):
-        raise ApiError(f"only response_format type 'text' is supported (this server does not constrain output to "
-                       f"JSON); got {fmt!r}", param="response_format", code="unsupported_parameter")
 
 
 def parse_logprobs(body: Mapping[str, Any], kind: str, max_logprobs: int) -> tuple[int | None, bool]:

@@ -5,9 +5,10 @@ Messages keep what chat templates read: `role`, `content` (a string, or text par
 `name`, an assistant's `tool_calls` and `reasoning_content` (or `reasoning`), a tool result's
 `tool_call_id`. This server takes text only: image, audio and video parts are refused (the vision
 tower of a multimodal checkpoint such as Kimi-K2.5 is not loaded). `tool_choice` may be "auto"
-(the default with tools: the model decides, its calls are parsed) or "none" (the tools are still
-shown to the template, nothing is parsed); "required" and a named function need the output
-constrained to the call markup, which this server does not do, so they are refused.
+(the default with tools: the model decides, its calls are parsed), "none" (the tools are still
+shown to the template, nothing is parsed), "required" (one call or more, the output constrained
+to the family's call markup) or a named function (`{"type": "function", "function": {"name":
+...}}`: one call to it).
 """
 
 from __future__ import annotations
@@ -110,16 +111,28 @@ def parse_tools(tools: Any) -> tuple[dict[str, Any], ...]:
     return tuple(tools)
 
 
-def parse_tool_choice(choice: Any, tools: tuple[Mapping[str, Any], ...]) -> str:
-    """"auto" or "none" (the default: "auto" with tools, "none" without); 400 for what this server
-    cannot honour."""
+def parse_tool_choice(choice: Any, tools: tuple[Mapping[str, Any], ...]) -> str | dict[str, Any]:
+    """"auto", "none" (the default: "auto" with tools, "none" without), "required" or a named
+    function {"type": "function", "function": {"name": ...}} among the tools; 400 otherwise."""
     if choice is None:
         return "auto" if tools else "none"
     if choice in ("auto", "none"):
         return choice
     if choice == "required" or isinstance(choice, dict):
-        raise ApiError(f"tool_choice {choice!r} forces a call, which needs the output constrained to the tool-call "
-                       "markup; this server does not constrain output: use \"auto\" (the model decides) or \"none\"",
-                       param="tool_choice", code="unsupported_value")
+        names = [t["function"]["name"] for t in tools]
+        if not tools:
+            raise ApiError(f"tool_choice {choice!r} forces a call, but the request has no tools", param="tool_choice",
+                           code="invalid_value")
+        if choice == "required":
+            return choice
+        function = choice.get("function")
+        name = function.get("name") if isinstance(function, dict) else None
+        if choice.get("type") != "function" or not isinstance(name, str):
+            raise ApiError(f"a named tool_choice is {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}; got "
+                           f"{choice!r}", param="tool_choice", code="invalid_value")
+        if name not in names:
+            raise ApiError(f"tool_choice names {name!r}, which is not among the request's tools ({', '.join(names)})",
+                           param="tool_choice", code="invalid_value")
+        return {"type": "function", "function": {"name": name}}
     raise ApiError(f"tool_choice must be \"auto\", \"none\", \"required\" or a named function; got {choice!r}",
                    param="tool_choice", code="invalid_value")

@@ -7,7 +7,9 @@ the field. What the server changes in a request (a max_tokens cut to the room le
 max_seq_len) or skips (fields it does not know) is collected in `warnings`, told to the client.
 Chat's `tools` and `tool_choice` (messages.py) choose how its output is parsed: with the server's
 tool-call and reasoning parsers (`OutputParsing`), a chat request carries the `OutputParsers` its
-choices' text goes through (delivery.py).
+choices' text goes through (delivery.py). A request's constraint (constraints.py; chat's
+`tool_choice` "required" or named: the family's call markup) is its sampling's `constraint`; with
+a reasoning parser on, it starts after the model's end-of-thinking token.
 """
 
 from __future__ import annotations
@@ -17,10 +19,12 @@ import logging
 from typing import Any, Mapping, Sequence
 
 from ..chat_template import ChatTemplate, ChatTemplateError
-from ..parsers import OutputParsers, OutputParsing
+from ..parsers import OutputParsers, OutputParsing, ParserError
+from ..parsers.forced import answer_start, forced_calls
 from ..request import cap_message
 from ..sampling import SamplingParams
 from ..tokenizer import Tokenizer
+from .constraints import parse_constraint
 from .errors import ApiError
 from .fields import (_is_int, check_unsupported, get_bool, get_int, ignored_fields, parse_logprobs,
                      parse_sampling, parse_stream)
@@ -55,6 +59,7 @@ class GenerationRequest:
     echo: bool = False  # completions: the reply starts with the prompt (and its logprobs)
     echo_only: bool = False  # echo with max_tokens 0: the one token generated is left out of the reply
     parsers: OutputParsers | None = None  # chat: what each choice's text is parsed into (None: content)
+    constraint_field: str | None = None  # the field that constrains the output (its 400s name it)
 
     kind = ""  # "completion" | "chat"
 
@@ -95,8 +100,7 @@ class ChatRequest(GenerationRequest):
 
     messages: tuple[Mapping[str, Any], ...] = ()
     tools: tuple[Mapping[str, Any], ...] = ()
-    tool_choice: str = "none"  # "auto" | "none"
-    response_format: Mapping[str, Any] | None = None
+    tool_choice: str | Mapping[str, Any] = "none"  # "auto" | "none" | "required" | a named function
     template_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # `chat_template_kwargs`
 
     kind = "chat"
@@ -108,7 +112,7 @@ class ChatRequest(GenerationRequest):
         messages = parse_messages(body.get("messages"))
         tools = parse_tools(body.get("tools"))
         tool_choice = parse_tool_choice(body.get("tool_choice"), tools)
-        if tools and tool_choice == "auto" and parsing.tool_call_parser is None:
+        if tools and tool_choice != "none" and parsing.tool_call_parser is None:
             raise ApiError("this server parses no tool calls (started with --tool_call_parser=none): send "
                            "tool_choice \"none\" to give the model the tools without parsing its calls, or restart it "
                            "with --tool_call_parser=<name>", param="tool_choice", code="unsupported_value")
@@ -126,10 +130,25 @@ class ChatRequest(GenerationRequest):
         # Chat defaults to the whole room left in max_seq_len, as vLLM does.
         common, _, _ = _common(body, "chat", prompt_ids, "messages", limits, max(limits.max_seq_len - len(prompt_ids), 1),
                                ("max_completion_tokens", "max_tokens"))
-        return cls(**common, messages=tuple(messages), tools=tools, tool_choice=tool_choice,
-                   response_format=body.get("response_format"), template_kwargs=kwargs,
-                   parsers=_active(parsing.parsers(tools, kwargs, parse_calls=bool(tools) and tool_choice == "auto",
-                                                   opens_answer=add_prompt and not continue_final)))
+        parsers = parsing.parsers(tools, kwargs, parse_calls=bool(tools) and tool_choice != "none",
+                                  opens_answer=add_prompt and not continue_final)
+        if tool_choice not in ("auto", "none"):
+            if common["constraint_field"] is not None:
+                raise ApiError(f"tool_choice {tool_choice!r} constrains the output to a call, and "
+                               f"'{common['constraint_field']}' constrains it too; send one of them",
+                               param="tool_choice", code="invalid_value")
+            constraint = forced_calls(parsing.tool_calls, tools, tool_choice, tokenizer)
+            common.update(sampling=dataclasses.replace(common["sampling"], constraint=constraint),
+                          constraint_field="tool_choice")
+        constraint = common["sampling"].constraint
+        if constraint is not None and parsers.reasoning is not None:  # the reasoning is free, the answer constrained
+            try:
+                start = answer_start(parsers.reasoning, tokenizer)
+            except ParserError as e:
+                raise ApiError(str(e), param=common["constraint_field"], code="unsupported_value") from e
+            common["sampling"] = dataclasses.replace(common["sampling"], constraint=constraint.starting_after(start))
+        return cls(**common, messages=tuple(messages), tools=tools, tool_choice=tool_choice, template_kwargs=kwargs,
+                   parsers=_active(parsers))
 
 
 def _active(parsers: OutputParsers) -> OutputParsers | None:
@@ -157,6 +176,9 @@ def _common(body: Mapping[str, Any], kind: str, prompt_ids: list[int], prompt_pa
     sampling = parse_sampling(body, default_max_tokens=default_max_tokens, eos_token_ids=limits.eos_token_ids,
                               max_tokens_keys=max_tokens_keys, logprobs=logprobs, echo=echo,
                               allow_synthetic_acceptance=limits.allow_synthetic_acceptance)
+    constraint, constraint_field = parse_constraint(body)
+    if constraint is not None:
+        sampling = dataclasses.replace(sampling, constraint=constraint)
     echo_only = echo and any(body.get(key) == 0 for key in max_tokens_keys)
     stream, include_usage = parse_stream(body)
     if len(prompt_ids) >= limits.max_seq_len:
@@ -172,7 +194,7 @@ def _common(body: Mapping[str, Any], kind: str, prompt_ids: list[int], prompt_pa
         logger.warning("The following fields were present in the request but ignored: %s", set(ignored))
         warnings.append(f"these fields are not supported and were ignored: {', '.join(ignored)}")
     return dict(prompt_ids=prompt_ids, sampling=sampling, n=get_int(body, "n", 1), stream=stream,
-                include_usage=include_usage, warnings=tuple(warnings)), echo, echo_only
+                include_usage=include_usage, warnings=tuple(warnings), constraint_field=constraint_field), echo, echo_only
 
 
 def single_prompt(prompt: Any) -> Any:

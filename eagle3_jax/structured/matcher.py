@@ -102,7 +102,11 @@ class GrammarCache:
 
     def _compile(self, constraint: Constraint) -> llguidance.LLMatcher:
         grammar = constraint.grammar_text()
-        vocab = vocabulary(self.tokenizer, self.vocab_size)
+        try:
+            vocab = vocabulary(self.tokenizer, self.vocab_size)
+        except ValueError as e:
+            raise ConstraintError(f"this model's tokenizer cannot be read by the grammar engine, so its output cannot "
+                                  f"be constrained: {e}") from None
         start = time.perf_counter()
         matcher = llguidance.LLMatcher(vocab, grammar, log_level=0, limits=self._limits)
         if matcher.is_error():

@@ -29,6 +29,8 @@ class ReasoningParser(abc.ABC):
     """A model family's reasoning markup -> (reasoning, content)."""
 
     name: ClassVar[str]  # as vLLM names it (`--reasoning_parser`)
+    # The text after which the answer starts (a constrained answer's grammar starts there).
+    answer_marker: ClassVar[str | None] = "</think>"
 
     @property
     def markers(self) -> tuple[str, ...]:

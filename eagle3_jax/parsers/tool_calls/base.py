@@ -5,6 +5,10 @@ the calls (`parse`). Called on text that is still growing (`final=False`) it giv
 later text can change: content up to where a tool section may begin, and the calls of sections
 already closed. Markup that does not parse — a section never closed, arguments that are not a
 JSON object, a function the request's tools do not have — is given back as content, whole.
+
+`calls_grammar` is the other direction: a grammar (llguidance's Lark) of the family's markup for
+calls to the request's tools, their arguments held to each tool's parameter schema, which
+structured output applies when a request forces a call (`tool_choice` "required" or named).
 """
 
 from __future__ import annotations
@@ -12,11 +16,26 @@ from __future__ import annotations
 import abc
 import json
 import re
-from typing import Any, ClassVar, Mapping, Sequence
+from typing import Any, Callable, ClassVar, Mapping, Sequence
 
+from ...structured.constraints import with_json_layout
 from ..markup import ToolCall, first_marker, loads, settled
 
 Schemas = Mapping[str, Mapping[str, Any]] | None  # markup.tool_schemas: {name: parameters}, None = any name
+# A marker's Lark terminal: its token (`<[id]>`) when the tokenizer has it as one, else its text.
+Terminal = Callable[[str], str]
+
+
+def literal(text: str) -> str:
+    """`text` as a Lark string literal."""
+    return json.dumps(text, ensure_ascii=False)
+
+
+def json_rule(schema: Mapping[str, Any] | None) -> str:
+    """A Lark rule body for a JSON value of `schema` (an object without one), laid out as
+    structured output writes JSON (constraints.JSON_LAYOUT)."""
+    schema = schema if isinstance(schema, Mapping) and schema else {"type": "object"}
+    return "%json " + json.dumps(with_json_layout(schema), ensure_ascii=False)
 
 
 class ToolCallParser(abc.ABC):
@@ -42,6 +61,12 @@ class ToolCallParser(abc.ABC):
         """The conversation as this family's chat template expects its tool-call history: each
         earlier call's arguments as `arguments_as` says (OpenAI clients send JSON text)."""
         return [_with_arguments_as(m, self.arguments_as) for m in messages]
+
+    @abc.abstractmethod
+    def calls_grammar(self, schemas: Mapping[str, Mapping[str, Any]], single: bool, terminal: Terminal) -> str:
+        """A Lark grammar of this family's markup for one call (`single`) or one or more calls,
+        each to one of the tools `schemas` ({name: parameters schema}) with arguments its schema
+        allows; `terminal` writes a marker."""
 
 
 def _arguments(value: Any, form: str) -> Any:
@@ -79,6 +104,20 @@ class SectionParser(ToolCallParser):
     @abc.abstractmethod
     def call_of(self, match: re.Match[str], schemas: Schemas) -> ToolCall | None:
         """The call one match of `call` writes; None when it is malformed."""
+
+    @abc.abstractmethod
+    def call_rules(self, index: int, name: str, parameters: Mapping[str, Any], terminal: Terminal) -> list[str]:
+        """Lark rules, `call_{index}` first, of one call to `name` in this family's markup."""
+
+    def calls_grammar(self, schemas: Mapping[str, Mapping[str, Any]], single: bool, terminal: Terminal) -> str:
+        """The section markers around one call or more (`ToolCallParser.calls_grammar`)."""
+        # a blank line may come first (templates put one after the reasoning)
+        rules = [f"start: lead? {terminal(self.begins[0])} {'call' if single else 'call+'} {terminal(self.ends[0])}",
+                 "lead: /\\n{1,2}/",
+                 "call: " + " | ".join(f"call_{i}" for i in range(len(schemas)))]
+        for i, (name, parameters) in enumerate(schemas.items()):
+            rules += self.call_rules(i, name, parameters, terminal)
+        return "\n".join(rules)
 
     def calls_in(self, inner: str, schemas: Schemas) -> list[ToolCall] | None:
         """The calls of a section's inner text; None when it is malformed."""

@@ -6,9 +6,10 @@
 from __future__ import annotations
 
 import re
+from typing import Any, Mapping
 
 from ..markup import ToolCall, json_object_text, known
-from .base import Schemas
+from .base import Schemas, Terminal, json_rule, literal
 from .deepseek_v3 import DeepSeekV3
 
 _CALL = re.compile(r"\s*<｜tool▁call▁begin｜>(?P<name>[^<]+?)<｜tool▁sep｜>(?P<args>.*?)<｜tool▁call▁end｜>\s*", re.S)
@@ -25,3 +26,8 @@ class DeepSeekV31(DeepSeekV3):
         if arguments is None or not known(name, schemas):
             return None
         return ToolCall(name, arguments)
+
+    def call_rules(self, index: int, name: str, parameters: Mapping[str, Any], terminal: Terminal) -> list[str]:
+        return [f"call_{index}: {terminal('<｜tool▁call▁begin｜>')} {literal(name)} {terminal('<｜tool▁sep｜>')} "
+                f"args_{index} {terminal('<｜tool▁call▁end｜>')}",
+                f"args_{index}: {json_rule(parameters)}"]

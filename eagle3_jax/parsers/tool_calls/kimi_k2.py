@@ -14,7 +14,7 @@ import re
 from typing import Any, Mapping, Sequence
 
 from ..markup import ToolCall, json_object_text, known
-from .base import Schemas, SectionParser
+from .base import Schemas, SectionParser, Terminal, json_rule, literal
 
 _CALL = re.compile(r"\s*<\|tool_call_begin\|>\s*(?P<id>[^<]*?)\s*<\|tool_call_argument_begin\|>(?P<args>.*?)"
                    r"<\|tool_call_end\|>\s*", re.S)
@@ -34,6 +34,11 @@ class KimiK2(SectionParser):
         if ident is None or arguments is None or not known(ident["name"], schemas):
             return None
         return ToolCall(ident["name"], arguments, id=match["id"])
+
+    def call_rules(self, index: int, name: str, parameters: Mapping[str, Any], terminal: Terminal) -> list[str]:
+        return [f"call_{index}: {terminal('<|tool_call_begin|>')} {literal(f'functions.{name}:')} /[0-9]{{1,4}}/ "
+                f"{terminal('<|tool_call_argument_begin|>')} args_{index} {terminal('<|tool_call_end|>')}",
+                f"args_{index}: {json_rule(parameters)}"]
 
     def prepare_messages(self, messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
         """Ids of earlier calls as Kimi writes them (`functions.NAME:IDX`, IDX the call's number in

@@ -8,10 +8,11 @@ ends; text before a tag mid-answer is content.
 
 from __future__ import annotations
 
-from typing import Any
+import json
+from typing import Any, Mapping
 
 from ..markup import STRICT_JSON, ToolCall, json_object_text, known, settled
-from .base import Schemas, ToolCallParser
+from .base import Schemas, Terminal, ToolCallParser, json_rule
 
 TAG = "<|python_tag|>"
 
@@ -70,3 +71,12 @@ class Llama3Json(ToolCallParser):
             return text[:at], []
         calls = _calls(text[at + len(TAG):], schemas)
         return (text[:at], calls) if calls is not None else (text, [])
+
+    def calls_grammar(self, schemas: Mapping[str, Mapping[str, Any]], single: bool, terminal: Terminal) -> str:
+        """`{"name": ..., "parameters": {...}}` objects, `; ` between them."""
+        call = {"anyOf": [{"type": "object", "properties": {"name": {"const": name},
+                                                            "parameters": dict(parameters) or {"type": "object"}},
+                           "required": ["name", "parameters"], "additionalProperties": False}
+                          for name, parameters in schemas.items()]}
+        return "\n".join([f"start: call{'' if single else ' (' + json.dumps('; ') + ' call)*'}",
+                          f"call: {json_rule(call)}"])

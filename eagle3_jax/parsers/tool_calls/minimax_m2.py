@@ -20,7 +20,7 @@ import re
 from typing import Any, Mapping
 
 from ..markup import ToolCall, known, loads
-from .base import Schemas, SectionParser, sequence
+from .base import Schemas, SectionParser, Terminal, json_rule, literal, sequence
 
 _INVOKE = re.compile(r'\s*<invoke name="?(?P<name>[^">]+)"?\s*>(?P<body>.*?)</invoke>\s*', re.S)
 _PARAMETER = re.compile(r'\s*<parameter name="?(?P<key>[^">]+)"?\s*>(?P<value>.*?)</parameter>\s*', re.S)
@@ -68,6 +68,24 @@ def convert(value: str, schema: Mapping[str, Any] | None) -> Any:
     return parsed if not isinstance(parsed, str) else value
 
 
+def _is_text(schema: Any) -> bool:
+    """Whether a parameter's value is written as plain text (a string, or no type named)."""
+    kinds = schema.get("type") if isinstance(schema, Mapping) else None
+    kinds = kinds if isinstance(kinds, list) else [kinds]
+    return kinds[0] in ("string", None)
+
+
+def _value_rule(schema: Any) -> str:
+    """A Lark rule body of a parameter's value: text (one of its `enum` strings, or any text
+    without `<`), else JSON of its schema."""
+    if not _is_text(schema):
+        return json_rule(schema)
+    options = schema.get("enum") if isinstance(schema, Mapping) else None
+    if isinstance(options, list) and options and all(isinstance(o, str) for o in options):
+        return " | ".join(literal(o) for o in options)
+    return "/[^<]*/"
+
+
 class MiniMaxM2(SectionParser):
     name = "minimax_m2"
     begins = ("<minimax:tool_call>",)
@@ -84,3 +102,22 @@ class MiniMaxM2(SectionParser):
         arguments = {p["key"].strip(): convert(_strip_newline(p["value"]), properties.get(p["key"].strip()))
                      for p in params}
         return ToolCall(name, json.dumps(arguments, ensure_ascii=False))
+
+    def calls_grammar(self, schemas: Mapping[str, Mapping[str, Any]], single: bool, terminal: Terminal) -> str:
+        # the section's markers on lines of their own, as the format writes them
+        return super().calls_grammar(schemas, single, lambda text: terminal(text) + (
+            f" {literal(chr(10))}" if text == self.begins[0] else ""))
+
+    def call_rules(self, index: int, name: str, parameters: Mapping[str, Any], terminal: Terminal) -> list[str]:
+        """Parameters in the schema's order, the required ones always written, the others optional."""
+        properties = parameters.get("properties") if isinstance(parameters, Mapping) else None
+        properties = properties if isinstance(properties, Mapping) else {}
+        required = parameters.get("required") if isinstance(parameters, Mapping) else None
+        required = set(required) if isinstance(required, list) else set()
+        rules, parts = [], []
+        for j, (key, schema) in enumerate(properties.items()):
+            rules += [f"param_{index}_{j}: {literal(f'<parameter name={json.dumps(key)}>')} value_{index}_{j} "
+                      f"{literal('</parameter>' + chr(10))}", f"value_{index}_{j}: {_value_rule(schema)}"]
+            parts.append(f"param_{index}_{j}" + ("" if key in required else "?"))
+        head = literal(f"<invoke name={json.dumps(name)}>" + chr(10))
+        return [f"call_{index}: {head} {' '.join(parts)} {literal('</invoke>' + chr(10))}", *rules]

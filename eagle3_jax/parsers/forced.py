@@ -1,0 +1,57 @@
+"""Forced tool calls and constrained answers of reasoning models: the `Constraint` a request's
+`tool_choice` ("required": one call or more to any of its tools; a named function: one call to
+it) makes of the family's call markup (each parser's `calls_grammar`), and where a constraint
+starts when the model reasons first (after its end-of-thinking token: the reasoning is free).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+from ..structured.constraints import Constraint
+from ..tokenizer import Tokenizer
+from .markup import ParserError, tool_schemas
+from .reasoning.base import ReasoningParser
+from .tool_calls.base import ToolCallParser, literal
+
+
+def marker_terminal(tokenizer: Tokenizer):
+    """A marker's Lark terminal: the token itself (`<[id]>`) where the vocabulary has the marker as
+    one token (so the grammar asks for exactly the token the model writes), else its text."""
+
+    def terminal(text: str) -> str:
+        token = tokenizer.token_to_id(text)
+        return f"<[{token}]>" if token is not None and tokenizer.decode([token], skip_special_tokens=False) == text \
+            else literal(text)
+
+    return terminal
+
+
+def forced_calls(parser: ToolCallParser, tools: Sequence[Mapping[str, Any]], choice: str | Mapping[str, Any],
+                 tokenizer: Tokenizer) -> Constraint:
+    """The constraint of `tool_choice` `choice` ("required", or {"type": "function", "function":
+    {"name": ...}}) over `tools` in `parser`'s markup; ParserError for a name the tools lack."""
+    schemas = tool_schemas(tools) or {}
+    single = choice != "required"
+    if single:
+        name = choice["function"]["name"]
+        if name not in schemas:
+            raise ParserError(f"tool_choice names {name!r}, which is not among the request's tools "
+                              f"({', '.join(schemas) or 'none'})")
+        schemas = {name: schemas[name]}
+    return Constraint.grammar(parser.calls_grammar(schemas, single, marker_terminal(tokenizer)))
+
+
+def answer_start(reasoning: ReasoningParser | None, tokenizer: Tokenizer) -> int | None:
+    """The token after which a reasoning model's answer starts (its end-of-thinking token), None
+    without reasoning; ParserError when that marker is not one token (a constraint could not tell
+    where the answer starts)."""
+    if reasoning is None:
+        return None
+    marker = reasoning.answer_marker
+    token = None if marker is None else tokenizer.token_to_id(marker)
+    if token is None:
+        raise ParserError(f"the {reasoning.name} reasoning ends at {marker!r}, which is not one token of this "
+                          "vocabulary, so a constraint cannot start after it: turn thinking off for this request "
+                          "(chat_template_kwargs) or serve without a reasoning parser")
+    return token
