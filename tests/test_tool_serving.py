@@ -167,15 +167,82 @@ def test_tool_round_trip_whole_and_streamed(served, turn):
             assert (usage.model_extra or {})["spec_decode"]["mean_accept_length"] > 2
 
 
-def test_tool_choice_none_and_forced_calls(served):
+def test_tool_choice_none(served):
     _, client = served
     request, answer, _ = TURNS["call"]
     r = client.chat.completions.create(model="kimi", temperature=0, max_tokens=200, tool_choice="none", **request)
     assert r.choices[0].message.tool_calls is None and r.choices[0].finish_reason == "stop"
     assert r.choices[0].message.content == answer.split("</think>", 1)[1]  # the markup, unparsed
-    for forced in ("required", {"type": "function", "function": {"name": "get_weather"}}):
-        with pytest.raises(openai.BadRequestError, match="constrain"):
-            client.chat.completions.create(model="kimi", max_tokens=8, tool_choice=forced, **request)
+
+
+# A tool whose every argument the schema bounds: a forced call to it is valid whatever the model
+# would have said (the scripted model has no script for these prompts).
+ENUM_TOOLS = [{"type": "function", "function": {"name": "set_mode", "parameters": {
+    "type": "object", "properties": {"mode": {"enum": ["fast", "slow"]}, "level": {"type": "integer", "minimum": 1,
+                                                                                 "maximum": 3}},
+    "required": ["mode", "level"], "additionalProperties": False}}}] + TOOLS
+
+
+def _forced_call(client, model: str, request: dict, choice, stream: bool):
+    """The (name, arguments) of a forced call's reply, which must hold exactly one valid call."""
+    *_, calls, finish, _ = _reply(client, {**request, "tool_choice": choice}, stream) if model == "kimi" else \
+        (*_whole(client, model, {**request, "tool_choice": choice}), None)
+    assert finish == "tool_calls" and len(calls) == 1, (calls, finish)
+    return calls[0][-2:]
+
+
+def _check_set_mode(arguments: dict) -> None:
+    jsonschema = pytest.importorskip("jsonschema")
+    jsonschema.validate(arguments, ENUM_TOOLS[0]["function"]["parameters"])
+
+
+def test_forced_calls_are_valid_calls(served):
+    """tool_choice "required" on the scripted call turn gives its call; a named function off any
+    script gives a call to it whose arguments keep to its schema, streamed and whole alike."""
+    _, client = served
+    request, _, expected = TURNS["call"]
+    for stream in (False, True):
+        assert _forced_call(client, "kimi", request, "required", stream) == expected[2][0][-2:]
+    named = {"type": "function", "function": {"name": "set_mode"}}
+    off = {"chat_template_kwargs": {"thinking": False}}  # off any script the model would never end a reasoning
+    replies = [_forced_call(client, "kimi", dict(messages=ASK, tools=ENUM_TOOLS, extra_body=off), named, stream)
+               for stream in (False, True)]
+    assert replies[0] == replies[1] and replies[0][0] == "set_mode"
+    _check_set_mode(replies[0][1])
+
+
+def test_forced_calls_on_the_minimax_layout(minimax):
+    tok_dir, tok, target_dir, _ = minimax
+    target = e3.load_target(target_dir, dtype="float32")
+    scheduler = Scheduler(target, None, None, max_num_seqs=2, max_seq_len=1024, tokenizer=tok)
+    engine = AsyncEngine(scheduler, tokenizer=tok).start()
+    server = ServerThread(make_app(engine, "mm", tool_call_parser="minimax_m2",
+                                   reasoning_parser="minimax_m2_append_think"))
+    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0)
+    try:
+        # MiniMax always reasons first, so its scripted turn (which ends its reasoning) is asked.
+        request, _, expected = MM_TURNS["call"]
+        for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+            assert _forced_call(client, "mm", request, choice, False) == expected[2][0]
+    finally:
+        server.stop()
+        engine.shutdown(timeout=10)
+
+
+def test_response_format_is_kept_whole_and_streamed(served):
+    _, client = served
+    schema = ENUM_TOOLS[0]["function"]["parameters"]
+    request = dict(messages=NO_THINKING, extra_body={"chat_template_kwargs": {"thinking": False}},
+                   response_format={"type": "json_schema", "json_schema": {"name": "mode", "schema": schema}})
+    whole = _reply(client, request, False)
+    streamed = _reply(client, request, True)
+    assert whole[:4] == streamed[:4] and whole[3] == "stop"
+    _check_set_mode(json.loads(whole[1]))
+    with pytest.raises(openai.BadRequestError, match="cannot") as e:
+        client.chat.completions.create(model="kimi", max_tokens=8, messages=NO_THINKING, response_format={
+            "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": {
+                "a": {"type": "no-such-type"}}}}})
+    assert e.value.body["param"] == "response_format"
 
 
 def test_engine_chat_answers_as_the_server(kimi):
@@ -290,17 +357,42 @@ def test_reasoning_is_parsed_only_where_the_prompt_opens_an_answer(kimi):
     assert off.parsers.reasoning is None and off.parsers.tool_calls is not None
 
 
-@pytest.mark.parametrize("field,value", [("guided_json", {"type": "object"}), ("guided_regex", "[0-9]+"),
-                                         ("guided_choice", ["yes", "no"]), ("structured_outputs", {"regex": "a+"}),
-                                         ("response_format", {"type": "json_object"})])
-def test_constraints_are_refused_never_ignored(kimi, field, value):
+@pytest.mark.parametrize("field,value,kind", [
+    ("guided_json", {"type": "object"}, "json_schema"), ("guided_regex", "[0-9]+", "regex"),
+    ("guided_choice", ["yes", "no"], "choice"), ("guided_grammar", 'start: "a"+', "grammar"),
+    ("structured_outputs", {"regex": "a+"}, "regex"), ("structured_outputs", {"json_object": True}, "json_object"),
+    ("response_format", {"type": "json_object"}, "json_object"),
+    ("response_format", {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "object"}}},
+     "json_schema")])
+def test_constraint_fields_constrain_the_answer_after_the_reasoning(kimi, field, value, kind):
+    _, tok, _, _ = kimi
+    limits = Limits(max_seq_len=1024, max_logprobs=0, eos_token_ids=tok.eos_ids)
+    thinking = ChatRequest.from_body({"messages": ASK, field: value}, limits, tok, tok.chat_template, PARSING)
+    assert thinking.sampling.constraint.kind == kind and thinking.constraint_field == field
+    assert thinking.sampling.constraint.after_token == tok.token_to_id("</think>")  # the reasoning is free
+    off = ChatRequest.from_body({"messages": ASK, field: value, "chat_template_kwargs": {"thinking": False}}, limits,
+                                tok, tok.chat_template, PARSING)
+    assert off.sampling.constraint.after_token is None
+
+
+@pytest.mark.parametrize("body,param,match", [
+    ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice", "one way"),
+    ({"structural_tag": {"type": "structural_tag"}}, "structural_tag", "structural tags are not implemented"),
+    ({"structured_outputs": {"regex": "a", "whitespace_pattern": " "}}, "structured_outputs", "whitespace_pattern"),
+    ({"structured_outputs": {}}, "structured_outputs", "exactly one"),
+    ({"response_format": {"type": "xml"}}, "response_format", "must be"),
+    ({"guided_choice": "yes"}, "guided_choice", "list"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "not among"),
+    ({"tools": TOOLS, "tool_choice": "required", "guided_regex": "a"}, "tool_choice", "send one of them"),
+    ({"tool_choice": "required"}, "tool_choice", "no tools")])
+def test_constraints_the_server_cannot_honour_are_400s(kimi, body, param, match):
     from eagle3_jax.serving.errors import ApiError
 
     _, tok, _, _ = kimi
     limits = Limits(max_seq_len=1024, max_logprobs=0, eos_token_ids=tok.eos_ids)
-    with pytest.raises(ApiError, match="constrain") as e:
-        ChatRequest.from_body({"messages": ASK, field: value}, limits, tok, tok.chat_template, PARSING)
-    assert e.value.param == field and e.value.status == 400
+    with pytest.raises(ApiError, match=match) as e:
+        ChatRequest.from_body({"messages": ASK, **body}, limits, tok, tok.chat_template, PARSING)
+    assert e.value.param == param and e.value.status == 400
 
 
 def test_a_template_refusing_the_conversation_is_a_400_with_its_message(kimi):
