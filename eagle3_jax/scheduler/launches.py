@@ -137,10 +137,11 @@ class Launcher:
             outputs = self._constrained(rows, plan, args, logprobs)
         else:
             outputs = self.run(plan.program, plan.shape, *args, logprobs=logprobs)
-        # A step after a catch-up starts when the catch-up ends, which the host does not see; a
-        # constrained step's time holds the host's mask work between its two programs.
+        # A step after a catch-up starts when the catch-up ends, which the host does not see. A
+        # constrained step's time holds the host's mask work between its two programs: its true
+        # cost, which the adaptive policy weighs.
         return Launch("decode", [(r, r.epoch, True) for r in rows], outputs, plan, block_table.shape, launched,
-                       plan.catch_up or any(r.grammar is not None for r in rows), compiles)
+                       plan.catch_up, compiles)
 
     def _constrained(self, rows: list[ScheduledRequest], plan: StepPlan, args: tuple, logprobs: bool) -> list:
         """A decode step under the rows' grammars (each row's every earlier token read): one
