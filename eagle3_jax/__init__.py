@@ -5,7 +5,8 @@ Public API (kept stable):
     SamplingParams, RequestOutput, make_mesh, initialize_distributed, plan_memory,
     load_tokenizer, Tokenizer, TokenizerError (a folder's tokenizer.json or Kimi's tiktoken.model layout),
     ChatOutput (Engine.chat's answers), parse_tool_calls, parse_reasoning, ParserError (model outputs'
-    tool-call and reasoning markup, by vLLM's parser names)
+    tool-call and reasoning markup, by vLLM's parser names), Constraint, ConstraintError (structured
+    output: SamplingParams.constraint)
 """
 
 from .config import ConfigError, ModelConfig, load_model_config
@@ -18,6 +19,7 @@ from .sampling import SamplingParams
 from .scheduler import CapacityError, Scheduler
 from .sharding import initialize_distributed, make_mesh
 from .spec_decode import AutoSpec, SpecConfig
+from .structured import Constraint, ConstraintError
 from .target import Target, load_target
 from .tokenizer import Tokenizer, TokenizerError, load_tokenizer
 
@@ -29,6 +31,8 @@ __all__ = [
     "parse_tool_calls",
     "CapacityError",
     "ConfigError",
+    "Constraint",
+    "ConstraintError",
     "Draft",
     "SpecConfig",
     "load_draft",

@@ -16,6 +16,7 @@ from typing import Any, Mapping, Sequence
 
 from .draft import Draft
 from .parsers import OutputParsing, parse_output
+from .parsers.forced import answer_start
 from .request import RequestOutput
 from .sampling import SamplingParams
 from .scheduler import Scheduler
@@ -75,7 +76,8 @@ class Engine:
         (`eagle3_jax.parsers`; None: not parsed). Each answer also stops at the tokenizer's EOS /
         end-of-turn ids, beside the sampling's own stop ids. Raises ValueError without a tokenizer,
         ChatTemplateError when the template rejects a conversation, ParserError for an unknown
-        parser name."""
+        parser name. A sampling's `constraint` holds the answer; with a reasoning parser, only
+        what follows the reasoning."""
         if self.tokenizer is None:
             raise ValueError("chat needs a tokenizer: Engine(..., tokenizer=e3.load_tokenizer(folder))")
         if conversations and isinstance(conversations[0], Mapping):
@@ -90,8 +92,13 @@ class Engine:
             messages = parsing.prepare_messages(messages)
             text = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, **kwargs)
             prompts.append(self.tokenizer.encode(text))
-        outputs = self.generate(prompts, self._stopping_at_eos(sampling, len(prompts)))
         parsers = parsing.parsers(tools, kwargs)
+        sampling = self._stopping_at_eos(sampling, len(prompts))
+        if parsers.reasoning is not None and any(s.constraint is not None for s in sampling):
+            start = answer_start(parsers.reasoning, self.tokenizer)  # the reasoning is free
+            sampling = [s if s.constraint is None else dataclasses.replace(s, constraint=s.constraint.starting_after(start))
+                        for s in sampling]
+        outputs = self.generate(prompts, sampling)
         answers, reply = [], uuid.uuid4().hex  # tool call ids: unique per call
         for i, out in enumerate(outputs):
             text = out.text if out.text is not None else self.tokenizer.decode(out.token_ids)
