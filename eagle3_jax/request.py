@@ -17,6 +17,7 @@ written once:
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from typing import Sequence
 
@@ -24,10 +25,11 @@ import numpy as np
 
 from .logprobs import Logprob
 from .sampling import SamplingParams
-from .structured import RequestGrammar
+from .structured import GrammarViolation, RequestGrammar
 from .text_stream import TextStream
 
 FINISH_STOP, FINISH_LENGTH, FINISH_ABORT = "stop", "length", "abort"
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -148,8 +150,8 @@ class Request:
         them), up to and including a stop token, the one that ends its grammar or the budget's
         last; returns the finish reason then ("stop" / "length"), else None. Tokens past the
         finish are dropped. A grammar's end ends the output even below min_tokens (nothing else
-        may follow it). Raises structured.GrammarViolation for a token the grammar forbids (the
-        token is kept: the caller ends the request)."""
+        may follow it). A token the grammar forbids (a masking bug, logged) ends the request
+        ("abort"), never the engine."""
         stops = self.sampling.stop_token_ids
         for i, tok in enumerate(tokens):
             tok = int(tok)
@@ -157,7 +159,11 @@ class Request:
             self.token_times.append(now)
             if self.logprobs is not None:
                 self.logprobs.append(logprobs[i])
-            grammar_done = self.grammar is not None and self.grammar.accept(tok)
+            try:
+                grammar_done = self.grammar is not None and self.grammar.accept(tok)
+            except GrammarViolation as e:
+                logger.error("request %s: %s; the request is ended", self.id, e)
+                return FINISH_ABORT
             if tok in stops and len(self.output) >= self.sampling.min_tokens:
                 self.stop_reason = tok
                 return FINISH_STOP

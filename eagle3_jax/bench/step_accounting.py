@@ -125,10 +125,10 @@ def capture_decode(sched):
     executor, last = sched._executor, {}
     run = executor.execute
 
-    def spy(kind, shape, block_table, *args, logprobs=None):
-        if kind in ("decode", "plain_decode"):
+    def spy(kind, shape, block_table, *args, logprobs=None, masks=None):
+        if kind in ("decode", "plain_decode") and masks is None:
             last["launch"] = Launch(kind, shape, block_table, args, logprobs)
-        return run(kind, shape, block_table, *args, logprobs=logprobs)
+        return run(kind, shape, block_table, *args, logprobs=logprobs, masks=masks)
 
     executor.execute = spy
     try:

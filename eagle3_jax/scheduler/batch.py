@@ -237,6 +237,10 @@ class RunningBatch:
         self.tables[req.slot, len(req.pages): len(req.pages) + n] = pages
         req.pages += pages
 
+    def decoding(self) -> list[ScheduledRequest]:
+        """The running requests past their prefill, in admission order."""
+        return [r for r in self.running.values() if r.state == DECODE]
+
     def grow_pages(self) -> None:
         """Give every decoding request pages for its next step, preempting the newest when short."""
         for req in list(self.running.values()):

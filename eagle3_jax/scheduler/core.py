@@ -16,6 +16,14 @@ Requests queue up and join or leave the running batch between steps. Each `step(
    (spec_decode/policy.py): an EAGLE-3 step with a draft (draft expand, verify, accept, commit, draft
    extend, see spec_decode/step.py), one token without, and hands back each request's new tokens.
 
+Structured output: requests may constrain their output (`SamplingParams.constraint`: a JSON
+schema, a regex, a choice, a grammar; needs a tokenizer); each token is judged only among those
+its grammar allows, in plain and speculative steps alike, so greedy output is the target's greedy
+output under the constraint and sampled output its masked distribution. Grammars are compiled
+once per distinct constraint (`Scheduler.grammars`, bounded). A step with such a row reads every
+launched step first (its masks follow from every token so far) and, when it speculates, runs as
+two programs with the host computing each tree node's mask between them (launches.py).
+
 Target and draft K/V live in page pools shared by all requests; a request owns a list of pages
 (its block table) that indexes both, and a state slot that keeps, on device, its last token and
 (with a draft) the draft's hidden state from which the next step proposes (programs.py). Batch
@@ -48,7 +56,7 @@ from ..request import RequestOutput, cap_message, check_request, normalize_sampl
 from ..sampling import SamplingParams
 from ..spec_decode.policy import check_speculation, policy_for
 from ..spec_decode.settings import AutoSpec, SpecConfig
-from ..structured import Constraint, GrammarCache, GrammarViolation, RequestGrammar
+from ..structured import GrammarCache, RequestGrammar
 from ..target import Target
 from ..text_stream import TextStream, output_text
 from ..tokenizer import Tokenizer
@@ -86,6 +94,22 @@ class RequestDelta:
     text: str | None = None
 
 
+def _checked_all(sched: "Scheduler", prompts: Sequence[Sequence[int]], sampling: list[SamplingParams]) -> tuple:
+    """(checked prompts, grammars) of a `generate` call, all checked and compiled before any is
+    queued; a max_tokens cut to fit max_seq_len is said in a warning (the first three, then a count)."""
+    checked = [check_request(sched.target.config.vocab_size, sched.max_seq_len, p, sp, index=i,
+                             decodes_text=sched.tokenizer is not None, max_logprobs=sched.max_logprobs)
+               for i, (p, sp) in enumerate(zip(prompts, sampling))]
+    grammars = [RequestGrammar.of(sched.grammars, sp.constraint) for sp in sampling]
+    cuts = [(i, m) for i, (p, sp) in enumerate(zip(checked, sampling))
+            if (m := cap_message(len(p), sp.max_tokens, sched.max_seq_len))]
+    for i, message in cuts[:3]:
+        logger.warning("prompt %d: %s", i, message)
+    if len(cuts) > 3:
+        logger.warning("... and for %d more prompts", len(cuts) - 3)
+    return checked, grammars
+
+
 class Scheduler:
     """Continuous-batching generation over a target, with an optional EAGLE-3 draft.
 
@@ -104,14 +128,6 @@ class Scheduler:
     and a request whose prompt starts with cached pages takes them instead of computing them
     again (batch.py says when a page is cached and when it may be shared); they are evicted least
     recently used when pages run short. `stats()` counts the hits (tokens and requests).
-
-    Requests may constrain their output (`SamplingParams.constraint`: a JSON schema, a regex, a
-    choice, a grammar; needs a tokenizer): each token is judged only among those its grammar
-    allows, in plain and speculative steps alike, so greedy output is the target's greedy output
-    under the constraint and sampled output its masked distribution. Grammars are compiled once
-    per distinct constraint (`grammars`, bounded). A step with such a row reads every launched
-    step first (its masks follow from every token so far) and, when it speculates, runs as two
-    programs with the host computing each tree node's mask between them (programs.py).
 
     Not thread-safe: one thread calls its methods (see serving.AsyncEngine for asyncio use).
     """
@@ -167,23 +183,7 @@ class Scheduler:
         self._requests: dict[str, ScheduledRequest] = {}
         self._aborted: list[RequestDelta] = []
         self._ids = itertools.count()
-        # Made now (compiling is lazy), so a server's request threads and this one share it.
-        self._grammars = None if tokenizer is None else GrammarCache(tokenizer, target.config.vocab_size)
-
-    @property
-    def grammars(self) -> GrammarCache:
-        """The compiled grammars of this scheduler's vocabulary (structured output; needs the tokenizer)."""
-        if self._grammars is None:
-            raise ValueError("constrained output reads the tokenizer's vocabulary: give the Engine or Scheduler "
-                             "a tokenizer (tokenizer=load_tokenizer(model_folder))")
-        return self._grammars
-
-    def _grammar(self, constraint: Constraint | None) -> RequestGrammar | None:
-        """A fresh grammar state for a request's constraint (compiled once per constraint);
-        structured.ConstraintError (a ValueError) for one that cannot be compiled."""
-        if constraint is None:
-            return None
-        return RequestGrammar(self.grammars.matcher(constraint), constraint.after_token)
+        self.grammars = GrammarCache(tokenizer, target.config.vocab_size) if tokenizer is not None else None
 
     # ---- requests ------------------------------------------------------------------------------
     def add_request(self, prompt_ids: Sequence[int], sampling: SamplingParams | None = None,
@@ -200,7 +200,7 @@ class Scheduler:
         sampling = SamplingParams() if sampling is None else sampling
         ids = check_request(self.target.config.vocab_size, self.max_seq_len, prompt_ids, sampling,
                             decodes_text=self.tokenizer is not None, max_logprobs=self.max_logprobs)
-        rid = self._queue(ids, sampling, request_id, wait_for, self._grammar(sampling.constraint))
+        rid = self._queue(ids, sampling, request_id, wait_for, RequestGrammar.of(self.grammars, sampling.constraint))
         cut = cap_message(len(ids), sampling.max_tokens, self.max_seq_len)
         if cut:
             logger.warning("request %s: %s", rid, cut)
@@ -220,9 +220,8 @@ class Scheduler:
                 f"{self.page_size} slots, but the cache has only {self._batch.alloc.num_usable}; lower max_tokens, "
                 f"shorten the prompt or raise num_pages"
             )
-        req = ScheduledRequest(id=rid, prompt=ids, sampling=sampling, budget=budget, prefill_ids=list(ids),
-                               wait_for=None if wait_for is None else self._requests.get(str(wait_for)),
-                               grammar=grammar)
+        req = ScheduledRequest(id=rid, prompt=ids, sampling=sampling, budget=budget, prefill_ids=list(ids), grammar=grammar,
+                               wait_for=None if wait_for is None else self._requests.get(str(wait_for)))
         if sampling.stop:
             req.text = TextStream(self.tokenizer, ids, sampling.stop, sampling.include_stop_str_in_output,
                                   sampling.min_tokens)
@@ -252,19 +251,10 @@ class Scheduler:
 
     def generate(self, prompts: Sequence[Sequence[int]],
                  sampling: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
-        """Run prompts to completion (all queued at once); outputs in prompt order. A max_tokens
-        cut to fit max_seq_len is said in a warning (the first three, then a count)."""
+        """Run prompts to completion (all queued at once); outputs in prompt order. A max_tokens cut
+        to fit max_seq_len is said in a warning."""
         sampling = normalize_sampling(sampling, len(prompts))
-        checked = [check_request(self.target.config.vocab_size, self.max_seq_len, p, sp, index=i,
-                                 decodes_text=self.tokenizer is not None, max_logprobs=self.max_logprobs)
-                   for i, (p, sp) in enumerate(zip(prompts, sampling))]  # all checked before any is queued
-        cuts = [(i, m) for i, (p, sp) in enumerate(zip(checked, sampling))
-                if (m := cap_message(len(p), sp.max_tokens, self.max_seq_len))]
-        grammars = [self._grammar(sp.constraint) for sp in sampling]  # compiled before any is queued
-        for i, message in cuts[:3]:
-            logger.warning("prompt %d: %s", i, message)
-        if len(cuts) > 3:
-            logger.warning("... and for %d more prompts", len(cuts) - 3)
+        checked, grammars = _checked_all(self, prompts, sampling)
         ids = [self._queue(p, sp, None, grammar=g) for p, sp, g in zip(checked, sampling, grammars)]
         done: dict[str, RequestOutput] = {}
         while len(done) < len(ids):
@@ -289,9 +279,8 @@ class Scheduler:
         return {"num_waiting": len(b.waiting), "num_running": len(b.running),
                 "num_pages": b.alloc.num_usable, "num_free_pages": b.alloc.num_free,
                 "num_cached_pages": b.alloc.cache.num_cached if b.alloc.cache is not None else 0,
-                "page_size": self.page_size,
+                "page_size": self.page_size, "num_compiled_grammars": len(self.grammars or ()),
                 "num_constrained_requests": sum(r.grammar is not None for r in self._requests.values()),
-                "num_compiled_grammars": 0 if self._grammars is None else len(self._grammars),
                 **self.counters.stats(), **self.policy.stats()}
 
     # ---- one iteration -------------------------------------------------------------------------
@@ -311,14 +300,12 @@ class Scheduler:
         if prefill_rows:
             launches.append(self._launcher.prefill(prefill_rows))
         self._batch.grow_pages()
-        decode_rows = [r for r in self._batch.running.values() if r.state == DECODE]
-        if any(r.grammar is not None for r in decode_rows):
-            # A grammar's masks follow from every token so far: read every launched program first.
+        decode_rows = self._batch.decoding()
+        if any(r.grammar is not None for r in decode_rows):  # its masks follow from every token: read all first
             early, waited = self._collect(self._inflight + launches)
             deltas += early
             self.counters.totals["host_seconds_total"] -= waited
-            self._inflight, launches = [], []
-            decode_rows = [r for r in self._batch.running.values() if r.state == DECODE]
+            self._inflight, launches, decode_rows = [], [], self._batch.decoding()
         if decode_rows:
             launches.append(self._launcher.decode(decode_rows))
         ready, self._inflight = (self._inflight, launches) if self.overlap else (launches, [])
@@ -432,11 +419,7 @@ class Scheduler:
         """Hand out a step's tokens (up to a stop token or the budget) and their logprobs; finish the
         request if done."""
         before = len(req.output)
-        try:
-            reason = req.emit(tokens.tolist(), now, logprobs)
-        except GrammarViolation as e:  # a masking bug: end this request, keep serving the others
-            logger.error("request %s: %s; the request is ended", req.id, e)
-            reason = "abort"
+        reason = req.emit(tokens.tolist(), now, logprobs)
         self.counters.totals["generation_tokens_total"] += len(req.output) - before
         if reason is None:
             prompt_lps = req.prompt_logprobs if req.sent == 0 else None

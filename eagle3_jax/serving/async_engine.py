@@ -42,6 +42,7 @@ import uuid
 from typing import Any, AsyncIterator, Sequence
 
 from ..sampling import SamplingParams
+from ..structured import RequestGrammar
 from ..scheduler import CapacityError, RequestDelta, Scheduler, WarmUp  # noqa: F401 (CapacityError: the engine's face)
 from ..scheduler.metrics import stats_since
 from ..text_stream import ChoiceText
@@ -225,7 +226,7 @@ class AsyncEngine:
         if sampling is not None and sampling.constraint is not None:
             # Compiled here, off the engine thread (which then finds it compiled): a new schema
             # never stalls the other requests' steps.
-            await loop.run_in_executor(None, self.scheduler.grammars.matcher, sampling.constraint)
+            await loop.run_in_executor(None, RequestGrammar.of, self.scheduler.grammars, sampling.constraint)
         deltas: asyncio.Queue = asyncio.Queue()
         added: concurrent.futures.Future = concurrent.futures.Future()
         self._commands.put(_Add([int(t) for t in prompt_ids], sampling, rid, loop, deltas, added, wait_for))

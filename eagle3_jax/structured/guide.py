@@ -20,7 +20,8 @@ from typing import Sequence
 
 import numpy as np
 
-from .matcher import Matcher
+from .constraints import Constraint
+from .matcher import GrammarCache, Matcher
 
 ALL_TOKENS = -1  # an int32 mask word with every bit set
 
@@ -46,6 +47,18 @@ class RequestGrammar:
         self.matcher, self.after_token = matcher, after_token
         self.live = after_token is None
         self.words = mask_words(matcher.vocab_size)
+
+    @staticmethod
+    def of(grammars: GrammarCache | None, constraint: Constraint | None) -> "RequestGrammar | None":
+        """A request's grammar at its start (compiled in `grammars` once per constraint; None
+        without a constraint); ValueError without a cache (no tokenizer), ConstraintError for a
+        constraint that cannot be compiled."""
+        if constraint is None:
+            return None
+        if grammars is None:
+            raise ValueError("constrained output reads the tokenizer's vocabulary: give the Engine or Scheduler a "
+                             "tokenizer (tokenizer=load_tokenizer(model_folder))")
+        return RequestGrammar(grammars.matcher(constraint), constraint.after_token)
 
     @property
     def finished(self) -> bool:
