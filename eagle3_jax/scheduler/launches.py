@@ -145,16 +145,21 @@ class Launcher:
 
     def _constrained(self, rows: list[ScheduledRequest], plan: StepPlan, args: tuple, logprobs: bool) -> list:
         """A decode step under the rows' grammars (each row's every earlier token read): one
-        token under each row's next mask, or a speculative step as two programs, "propose" (the
-        tree, its first level under the next masks) and, once the host has each node's mask from
-        the tree, "verify"."""
+        token under each row's next mask, or a speculative step: "propose" (the tree, its first
+        level under the next masks), "forward" (the target's pass), during which the host reads the
+        tree and computes each node's mask, then "accept" with those masks."""
         block_table, slots, prompt_lens, sp = args
         grammars = [r.grammar for r in rows]
         masks = batch_masks(grammars, len(slots), self.mask_words)
         if plan.program != "decode":
             return self.run(plan.program, plan.shape, *args, logprobs=logprobs, masks=masks)
         tree = self.run("propose", plan.shape, block_table, slots, prompt_lens, masks=masks)
+        if self.leader is None:
+            passed = self.executor.execute("forward", plan.shape, block_table, slots, prompt_lens, *tree)
         self.reading(1)
-        tokens, parents = self.executor.read(tree)
+        tokens, parents = self.executor.read(tree)  # waits for the proposal only
         node_masks = batch_tree_masks(grammars, tokens, parents, self.mask_words)
-        return self.run("verify", plan.shape, *args, tokens, parents, logprobs=logprobs, masks=node_masks)
+        if self.leader is not None:  # followers cannot take this process's device arrays: one program
+            return self.run("verify", plan.shape, *args, tokens, parents, logprobs=logprobs, masks=node_masks)
+        return self.executor.execute("accept", plan.shape, *args, *tree, *passed,
+                                     logprobs=self.logprob_settings if logprobs else None, masks=node_masks)

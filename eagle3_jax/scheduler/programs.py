@@ -9,10 +9,12 @@ donates the state and returns (outputs..., new state). Kinds:
   (adaptive speculation, a step that does not speculate);
 - "plain_decode": one target token per row, no draft arrays at all;
 - "catch_up": the draft runs over the pairs it has not seen;
-- "propose" then "verify": a speculative step in two programs, for batches with a structured
-  output row: the draft's tree (its first level under each row's token bitmask), read by the host,
-  which computes every node's bitmask from the row's grammar, then the rest of the step under
-  those masks (spec_decode/step.py's `verify_step`).
+- "propose", "forward", "accept": a speculative step in three programs, for batches with a
+  structured-output row: the draft's tree (its first level under each row's token bitmask); the
+  target's pass over it (logits and features stay on the device), while which the host reads the
+  tree and computes every node's bitmask from the row's grammar; then the rest of the step under
+  those masks (spec_decode/step.py's `accept_step`). A multi-host leader, whose followers cannot
+  take another process's device arrays, runs the last two as one, "verify".
 
 Prefill and one-token programs take an optional bitmask per row (structured output) for the
 token they sample; programs with masks are compiled apart from those without.
@@ -43,7 +45,7 @@ from ..sampling import PenaltyHistory, SamplingArrays, count_tokens
 from ..sharding import mesh_context, replicate, shard_pages, to_host
 from ..spec_decode.policy import SpeculationPolicy
 from ..spec_decode.propose import DraftRoot, DraftTree, draft_extend, propose
-from ..spec_decode.step import spec_step, verify_step
+from ..spec_decode.step import accept_step, spec_step, verify_step, verify_tree
 from .steps import plain_prefill, plain_step, spec_prefill
 from ..spec_decode.settings import SpecConfig
 from ..target import Target
@@ -269,6 +271,33 @@ def _verify_program(tcfg: ModelConfig, dcfg: DraftConfig, shape: SpecConfig, log
     return out, count, *_logprob_outputs(lp), state
 
 
+def _forward_program(tcfg: ModelConfig, dcfg: DraftConfig, shape: SpecConfig, logprobs: None, tparams: dict,
+                     dparams: dict, state: DeviceState, block_table, slots, prompt_lens, tokens, parents):
+    """The target's pass over each row's tree (from "propose") -> (logits [B, N, V], features
+    [B, N, F], state: the nodes' K/V written past each row's committed length)."""
+    lengths, _ = slot_rows(state, slots, prompt_lens)
+    logits, aux, tcache, _, _ = verify_tree(tparams, tcfg, state.target_cache(block_table, lengths),
+                                            DraftTree(tokens=tokens, parents=parents))
+    return logits, aux, state.replace(tk=tcache.k, tv=tcache.v)
+
+
+def _accept_program(tcfg: ModelConfig, dcfg: DraftConfig, shape: SpecConfig, logprobs: LogprobSettings | None,
+                    tparams: dict, dparams: dict, state: DeviceState, block_table, slots, prompt_lens,
+                    sp: SamplingArrays, tokens, parents, logits, aux, masks):
+    """The rest of a speculative step after "forward" (its `logits`, `aux`), each node judged among
+    the tokens its bitmask `masks` [B, N, words] allows -> as "decode"."""
+    lengths, counter = slot_rows(state, slots, prompt_lens)
+    history = PenaltyHistory(state.output_counts, state.prompt_seen, slots)
+    out, count, tcache, dcache, root, _, lp = accept_step(dparams, dcfg, shape.max_accept,
+                                                          state.target_cache(block_table, lengths),
+                                                          state.draft_cache(block_table, lengths),
+                                                          DraftTree(tokens=tokens, parents=parents), logits, aux, sp,
+                                                          counter, logprobs, history, masks)
+    with jax.named_scope("state"):
+        state = advance_state(state, slots, lengths, out, count, tcache, dcache, root)
+    return out, count, *_logprob_outputs(lp), state
+
+
 def advance_state(state: DeviceState, slots, lengths, out, count, tcache, dcache, root: DraftRoot) -> DeviceState:
     """A speculative step's results into the rows' state slots: caches, lengths, next roots and the
     emitted tokens' counts (what penalties read)."""
@@ -297,7 +326,8 @@ def _catch_up_program(tcfg: ModelConfig, dcfg: DraftConfig, shape: None, logprob
 
 PROGRAMS = {"prefill": _prefill_program, "plain_prefill": _prefill_program, "decode": _decode_program,
             "store_decode": _store_decode_program, "plain_decode": _plain_decode_program,
-            "catch_up": _catch_up_program, "propose": _propose_program, "verify": _verify_program}
+            "catch_up": _catch_up_program, "propose": _propose_program, "verify": _verify_program,
+            "forward": _forward_program, "accept": _accept_program}
 # Programs that run without the draft get the state without these arrays (fewer to dispatch; the
 # gap counts stay: a plain prefill zeroes its slot's).
 _PLAIN = ("plain_prefill", "plain_decode")

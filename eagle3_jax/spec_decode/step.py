@@ -11,8 +11,9 @@ Structured output: a step may take token bitmasks, one per tree node (`verify_st
 applied to the target's logits before acceptance, so every token it emits is one the grammar
 allows and a sampled row keeps exactly the masked distribution (a draft token its parent's mask
 forbids has no probability, so it is never accepted). The masks depend on the tree, so such a
-step runs as two programs: `propose` (under each row's root mask), then `verify_step` with the
-masks the host computed for that tree (structured/guide.py).
+step runs as programs the host works between: `propose` (under each row's root mask), the
+target's pass over the tree (`verify_tree`), during which the host computes every node's mask
+from the tree (structured/guide.py), then `accept_step` with those masks.
 """
 
 from __future__ import annotations
@@ -95,7 +96,20 @@ def verify_step(tparams: dict, tcfg: ModelConfig, dparams: dict, dcfg: DraftConf
     """`spec_step` after the proposal: verify `tree` (at most `max_accept` draft tokens accepted),
     with `masks` [B, N, words] (structured output) keeping each node's allowed tokens; same returns."""
     with jax.named_scope("verify"):
-        logits, aux, tcache, anc, depth = verify_tree(tparams, tcfg, tcache, tree)
+        logits, aux, tcache, _, _ = verify_tree(tparams, tcfg, tcache, tree)
+    return accept_step(dparams, dcfg, max_accept, tcache, dcache, tree, logits, aux, sp, counter, logprobs, history,
+                       masks)
+
+
+def accept_step(dparams: dict, dcfg: DraftConfig, max_accept: int, tcache: kv_cache.KVCache,
+                dcache: kv_cache.KVCache, tree: DraftTree, logits: jax.Array, aux: jax.Array, sp: SamplingArrays,
+                counter: jax.Array, logprobs: LogprobSettings | None = None, history: PenaltyHistory | None = None,
+                masks: jax.Array | None = None):
+    """`verify_step` after the target's pass (`logits`, `aux` of `tree`, its K/V in `tcache`):
+    judge, commit, extend; same returns. Apart, so that a structured-output step can fill its
+    masks on the host while the target's pass runs."""
+    anc = ancestor_mask(tree.parents)
+    depth = depths(anc)
     with jax.named_scope("judge"):
         out, count, path, judged, bonus = judge(logits, tree, anc, depth, sp, counter, history, max_accept, masks)
     with jax.named_scope("commit"):
