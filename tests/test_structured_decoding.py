@@ -248,7 +248,8 @@ def test_mixed_batch_with_cancellations_leaks_nothing(demo):
     wanted = {}
     for i in range(32):
         constraint = CONSTRAINTS[i % len(CONSTRAINTS)] if i % 3 != 2 else None
-        rid = scheduler.add_request(prompts[i % len(prompts)], e3.SamplingParams(max_tokens=48, constraint=constraint))
+        sampling = e3.SamplingParams(max_tokens=48, constraint=constraint, logprobs=1 if i % 5 == 0 else None)
+        rid = scheduler.add_request(prompts[i % len(prompts)], sampling)
         wanted[rid] = constraint
     cancel = [rid for i, rid in enumerate(wanted) if i % 4 == 1]
     done, steps = {}, 0
@@ -267,6 +268,43 @@ def test_mixed_batch_with_cancellations_leaks_nothing(demo):
         if constraint is not None:
             assert out.finish_reason == "stop", (constraint, out)
             check_valid(constraint, tok.decode(out.token_ids))
+        if out.logprobs is not None:  # the programs' logprob variants ran too
+            assert len(out.logprobs) == len(out.token_ids)
     stats = scheduler.stats()
     assert stats["num_free_pages"] == stats["num_pages"] and stats["num_running"] == 0
     assert stats["num_constrained_requests"] == 0
+
+
+# ---- through the server ------------------------------------------------------------------------------
+
+def _request_field(constraint: Constraint) -> dict:
+    """The constraint as vLLM clients send it (structured_outputs)."""
+    value = json.loads(constraint.text) if constraint.kind in ("json_schema", "choice") else constraint.text
+    return {"structured_outputs": {{"json_schema": "json"}.get(constraint.kind, constraint.kind): value}}
+
+
+def test_served_outputs_are_valid_streamed_and_whole(demo):
+    """The held-out constraints through /v1/completions with a speculating server: each reply
+    valid, streamed == whole == the Engine's greedy output."""
+    openai = pytest.importorskip("openai")
+    from eagle3_jax.serving import AsyncEngine, make_app
+    from server_fixtures import ServerThread
+
+    tok, target, draft, prompts = demo
+    scheduler = e3.Scheduler(target, draft, e3.SpecConfig(3, 2, 6), max_num_seqs=4, max_seq_len=256, tokenizer=tok)
+    engine = AsyncEngine(scheduler, tokenizer=tok).start()
+    server = ServerThread(make_app(engine, "demo"))
+    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0)
+    try:
+        for i, constraint in enumerate(CONSTRAINTS):
+            common = dict(model="demo", prompt=prompts[i % len(prompts)], temperature=0, max_tokens=48,
+                          extra_body=_request_field(constraint))
+            whole = client.completions.create(**common)
+            streamed = "".join(c.choices[0].text for c in client.completions.create(**common, stream=True)
+                               if c.choices)
+            assert whole.choices[0].finish_reason == "stop", (constraint, whole.choices[0].text)
+            assert whole.choices[0].text == streamed
+            check_valid(constraint, streamed)
+    finally:
+        server.stop()
+        engine.shutdown(timeout=10)

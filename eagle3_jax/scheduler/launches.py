@@ -144,12 +144,21 @@ class Launcher:
                        plan.catch_up, compiles)
 
     def _constrained(self, rows: list[ScheduledRequest], plan: StepPlan, args: tuple, logprobs: bool) -> list:
-        """A decode step under the rows' grammars (each row's every earlier token read): one
-        token under each row's next mask, or a speculative step: "propose" (the tree, its first
-        level under the next masks), "forward" (the target's pass), during which the host reads the
-        tree and computes each node's mask, then "accept" with those masks."""
+        """A decode step under the rows' grammars (each row's every earlier token read): one token
+        ("one_forward", the target's pass, during which the host fills each row's next mask, then
+        "one_sample" / "store_sample" with them), or a speculative step: "propose" (the tree, its
+        first level under the next masks), "forward" (the target's pass), during which the host
+        reads the tree and computes each node's mask, then "accept" with those masks. A
+        multi-host leader runs each step's single-program form (its followers hold their own
+        device arrays)."""
         block_table, slots, prompt_lens, sp = args
         grammars = [r.grammar for r in rows]
+        settings = self.logprob_settings if logprobs else None
+        if plan.program != "decode" and self.leader is None:  # one token: masks filled during the pass
+            passed = self.executor.execute("one_forward", None, block_table, slots, prompt_lens)
+            masks = batch_masks(grammars, len(slots), self.mask_words)
+            sample = "store_sample" if plan.program == "store_decode" else "one_sample"
+            return self.executor.execute(sample, None, *args, *passed, logprobs=settings, masks=masks)
         masks = batch_masks(grammars, len(slots), self.mask_words)
         if plan.program != "decode":
             return self.run(plan.program, plan.shape, *args, logprobs=logprobs, masks=masks)
@@ -161,5 +170,4 @@ class Launcher:
         node_masks = batch_tree_masks(grammars, tokens, parents, self.mask_words)
         if self.leader is not None:  # followers cannot take this process's device arrays: one program
             return self.run("verify", plan.shape, *args, tokens, parents, logprobs=logprobs, masks=node_masks)
-        return self.executor.execute("accept", plan.shape, *args, *tree, *passed,
-                                     logprobs=self.logprob_settings if logprobs else None, masks=node_masks)
+        return self.executor.execute("accept", plan.shape, *args, *tree, *passed, logprobs=settings, masks=node_masks)

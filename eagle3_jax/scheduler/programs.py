@@ -14,7 +14,9 @@ donates the state and returns (outputs..., new state). Kinds:
   target's pass over it (logits and features stay on the device), while which the host reads the
   tree and computes every node's bitmask from the row's grammar; then the rest of the step under
   those masks (spec_decode/step.py's `accept_step`). A multi-host leader, whose followers cannot
-  take another process's device arrays, runs the last two as one, "verify".
+  take another process's device arrays, runs the last two as one, "verify";
+- "one_forward", then "one_sample" / "store_sample": a one-token step ("plain_decode" /
+  "store_decode") in two programs for such batches, the host filling the masks during the first.
 
 Prefill and one-token programs take an optional bitmask per row (structured output) for the
 token they sample; programs with masks are compiled apart from those without.
@@ -46,7 +48,7 @@ from ..sharding import mesh_context, replicate, shard_pages, to_host
 from ..spec_decode.policy import SpeculationPolicy
 from ..spec_decode.propose import DraftRoot, DraftTree, draft_extend, propose
 from ..spec_decode.step import accept_step, spec_step, verify_step, verify_tree
-from .steps import plain_prefill, plain_step, spec_prefill
+from .steps import plain_forward, plain_prefill, plain_sample, plain_step, spec_prefill
 from ..spec_decode.settings import SpecConfig
 from ..target import Target
 
@@ -218,11 +220,40 @@ def _store_decode_program(tcfg: ModelConfig, dcfg: DraftConfig, shape: None, log
     feature, the sampled next token) waits in the row's gap buffer for the catch-up program."""
     out, count, aux, lp, state = _one_token_step(tcfg, logprobs, tparams, state, block_table, slots, prompt_lens, sp,
                                                  masks)
-    gap = state.gap[slots]  # < max_gap: the host has a full buffer caught up first
-    return out, count, *lp, state.replace(
-        gap=state.gap.at[slots].set(gap + 1),
-        gap_features=state.gap_features.at[slots, gap].set(aux.astype(state.gap_features.dtype)),
-        gap_tokens=state.gap_tokens.at[slots, gap].set(out[:, 0]))
+    return out, count, *lp, store_pair(state, slots, aux, out[:, 0])
+
+
+def store_pair(state: DeviceState, slots, aux, token) -> DeviceState:
+    """A (target feature, next token) pair into each row's gap buffer (< max_gap: the host has a
+    full buffer caught up first)."""
+    gap = state.gap[slots]
+    return state.replace(gap=state.gap.at[slots].set(gap + 1),
+                         gap_features=state.gap_features.at[slots, gap].set(aux.astype(state.gap_features.dtype)),
+                         gap_tokens=state.gap_tokens.at[slots, gap].set(token))
+
+
+def _one_forward_program(tcfg: ModelConfig, dcfg: None, shape: None, logprobs: None, tparams: dict, dparams: None,
+                         state: DeviceState, block_table, slots, prompt_lens):
+    """The target's pass of a one-token step -> (logits [B, 1, V], features [B, F], state: the
+    rows' last tokens' K/V written)."""
+    lengths, _ = slot_rows(state, slots, prompt_lens)
+    logits, aux, tcache = plain_forward(tparams, tcfg, state.target_cache(block_table, lengths), state.last_token[slots])
+    return logits, aux, state.replace(tk=tcache.k, tv=tcache.v)
+
+
+def _one_sample_program(tcfg: ModelConfig, dcfg: DraftConfig | None, shape: None, logprobs: LogprobSettings | None,
+                        tparams: dict, dparams: dict | None, state: DeviceState, block_table, slots, prompt_lens,
+                        sp: SamplingArrays, logits, aux, masks):
+    """The rest of a one-token step after "one_forward", each row's token among those its bitmask
+    `masks` [B, words] allows -> as "plain_decode"; with the draft's state ("store_sample"), the
+    pair kept for the catch-up as "store_decode" does."""
+    lengths, counter = slot_rows(state, slots, prompt_lens)
+    nxt, lp = plain_sample(logits, sp, counter, logprobs, PenaltyHistory(state.output_counts, state.prompt_seen, slots),
+                           masks)
+    state = record_token(state, slots, lengths, nxt)
+    if state.gap_tokens is not None:
+        state = store_pair(state, slots, aux, nxt)
+    return nxt[:, None], jnp.ones_like(nxt), *_logprob_outputs(lp), state
 
 
 def _decode_program(tcfg: ModelConfig, dcfg: DraftConfig, shape: SpecConfig, logprobs: LogprobSettings | None,
@@ -327,10 +358,11 @@ def _catch_up_program(tcfg: ModelConfig, dcfg: DraftConfig, shape: None, logprob
 PROGRAMS = {"prefill": _prefill_program, "plain_prefill": _prefill_program, "decode": _decode_program,
             "store_decode": _store_decode_program, "plain_decode": _plain_decode_program,
             "catch_up": _catch_up_program, "propose": _propose_program, "verify": _verify_program,
-            "forward": _forward_program, "accept": _accept_program}
+            "forward": _forward_program, "accept": _accept_program, "one_forward": _one_forward_program,
+            "one_sample": _one_sample_program, "store_sample": _one_sample_program}
 # Programs that run without the draft get the state without these arrays (fewer to dispatch; the
 # gap counts stay: a plain prefill zeroes its slot's).
-_PLAIN = ("plain_prefill", "plain_decode")
+_PLAIN = ("plain_prefill", "plain_decode", "one_forward", "one_sample")
 _DRAFT_STATE = ("dk", "dv", "draft_hidden", "gap_features", "gap_tokens")
 
 

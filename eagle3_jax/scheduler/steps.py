@@ -61,13 +61,27 @@ def plain_step(tparams: dict, tcfg: ModelConfig, tcache: kv_cache.KVCache, token
     sampled with key `counter`, penalties read from `history` and, with `masks` [B, words], among
     the allowed tokens only, aux feature [B, F] of `tokens`,
     cache advanced by one, its logprobs [B, 1] with `logprobs` else None)."""
+    logits, aux, tcache = plain_forward(tparams, tcfg, tcache, tokens)
+    nxt, lp = plain_sample(logits, sp, counter, logprobs, history, masks)
+    return nxt, aux, kv_cache.advance(tcache, jnp.ones_like(tcache.lengths)), lp
+
+
+def plain_forward(tparams: dict, tcfg: ModelConfig, tcache: kv_cache.KVCache, tokens: jax.Array) -> tuple:
+    """The target's pass of `plain_step` -> (logits [B, 1, V], aux feature [B, F], cache holding
+    the tokens' K/V, its lengths not advanced)."""
     with jax.named_scope("verify"):  # the target pass (named as a speculative step's, for the accounting)
         logits, aux, tcache = forward(tparams, tcfg, tokens[:, None], tcache.lengths[:, None], tcache)
+    return logits, aux[:, 0], tcache
+
+
+def plain_sample(logits: jax.Array, sp: SamplingArrays, counter: jax.Array, logprobs: LogprobSettings | None = None,
+                 history: PenaltyHistory | None = None, masks: jax.Array | None = None) -> tuple:
+    """The choice of `plain_step` from its pass's `logits` [B, 1, V] -> (next token [B], logprobs)."""
     with jax.named_scope("judge"):
         judged = apply_token_masks(apply_penalties(logits[:, 0], sp, history), masks)
         nxt = sample(judged, sp, counter)
     lp = None if logprobs is None else emitted_logprobs(logits, judged[:, None], nxt[:, None], sp, counter, logprobs)
-    return nxt, aux[:, 0], kv_cache.advance(tcache, jnp.ones_like(tcache.lengths)), lp
+    return nxt, lp
 
 
 def spec_prefill(tparams: dict, tcfg: ModelConfig, dparams: dict, dcfg: DraftConfig,
