@@ -308,3 +308,22 @@ def test_served_outputs_are_valid_streamed_and_whole(demo):
     finally:
         server.stop()
         engine.shutdown(timeout=10)
+
+
+@pytest.mark.slow
+def test_a_multihost_leader_runs_the_single_program_forms(demo):
+    """A leader (here alone: its broadcasts reach no follower) runs a constrained step's parts as
+    one program each ("verify", masked "plain_decode" / "store_decode"): the same tokens."""
+    tok, target, draft, prompts = demo
+    constraints = [CONSTRAINTS[0], CONSTRAINTS[4], CONSTRAINTS[-1]]
+    for spec in (e3.SpecConfig(3, 2, 6), None):
+        outputs = []
+        for lead in (False, True):
+            scheduler = e3.Scheduler(target, draft if spec else None, spec, max_num_seqs=4, max_seq_len=256,
+                                     tokenizer=tok)
+            if lead:
+                scheduler.lead()
+            outputs.append([o.token_ids for o in scheduler.generate(
+                prompts[:3], [e3.SamplingParams(max_tokens=24, constraint=c) for c in constraints])])
+            scheduler.release_followers()
+        assert outputs[0] == outputs[1], spec
