@@ -6,7 +6,8 @@ HTTP API over it (`scripts/serve.py` runs both).
 
 The package, by concept: `async_engine` (the engine thread and the asyncio bridge) and `choices`
 (n choices of one prompt) are the engine's face; `errors`, `fields`, `messages` (chat messages,
-tools, tool_choice) and `protocol` turn a body into a typed request; `delivery` turns a request's
+tools, tool_choice), `constraints` (structured output fields) and `protocol` turn a body into a
+typed request; `delivery` turns a request's
 deltas into reply events, parsed into reasoning, content and tool calls (`eagle3_jax.parsers`),
 streamed or folded whole (`replies` renders logprobs and usage); `completions` and `chat` are the
 routes; `app` ties them together with health, models and `metrics`. The HTTP parts need the `serve` extra (aiohttp,
