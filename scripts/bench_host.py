@@ -9,6 +9,12 @@ serving), runs --warmup iterations (programs compile), then reports over --itera
 - device-wait ms per iteration (median). Iterations that compiled a program are left out (their
   host time is compile time) and counted.
 
+With --profile=N, cProfile runs over the measured iterations and the script prints where the host
+time goes: each phase's cumulative ms per iteration (admission, page growth, the launches and
+their jitted calls, the outputs' read, which holds the device wait, token emission, counters)
+and the N functions of most own time. The profiler's own overhead inflates every figure of
+that run (roughly 1.5-2x); compare profiles with profiles.
+
 By default host and device work do not overlap (`--nooverlap`): on a CPU host the device's
 threads would otherwise run beside the host's Python and inflate it. Prints a table and writes
 --json_out (command, machine, date, figures).
@@ -19,10 +25,12 @@ threads would otherwise run beside the host's Python and inflate it. Prints a ta
 
 from __future__ import annotations
 
+import cProfile
 import datetime
 import json
 import os
 import platform
+import pstats
 import random
 import sys
 import time
@@ -51,6 +59,20 @@ flags.DEFINE_bool("detokenize", False, "Give the scheduler the target folder's t
 flags.DEFINE_string("stop_string", None, "With --detokenize: every request carries this stop string (one that never "
                     "occurs measures the decoding a stop string costs the scheduler's thread).")
 flags.DEFINE_string("json_out", None, "Write the figures here as JSON.")
+flags.DEFINE_integer("profile", 0, "Profile the measured iterations with cProfile and print where the host time goes: "
+                     "the scheduler's phases (cumulative ms per iteration) and the top N functions by own time.",
+                     lower_bound=0)
+
+# The phases of one iteration whose cumulative time the profile reports (function names as cProfile
+# gives them: file suffix, function).
+PHASES = (("admission", "scheduler/batch.py", "admit"), ("prefill rows", "scheduler/batch.py", "prefill_rows"),
+          ("page growth", "scheduler/batch.py", "grow_pages"), ("prefill launch", "scheduler/launches.py", "prefill"),
+          ("decode launch", "scheduler/launches.py", "decode"), ("  rows / block table", "scheduler/batch.py", "rows_batch"),
+          ("  sampling rows", "eagle3_jax/sampling.py", "rows"), ("  speculation plan", "spec_decode/policy.py", "plan"),
+          ("  jitted call (dispatch)", "scheduler/programs.py", "run"),
+          ("outputs read (device wait)", "scheduler/programs.py", "read"),
+          ("collect decode", "scheduler/core.py", "_collect_decode"), ("  token emission", "scheduler/core.py", "_emit"),
+          ("  policy observe", "spec_decode/policy.py", "observe"), ("metrics counters", "scheduler/metrics.py", "decode_step"))
 
 
 def _measure(target, draft, spec, num_seqs: int, tokenizer=None) -> dict:
@@ -66,23 +88,34 @@ def _measure(target, draft, spec, num_seqs: int, tokenizer=None) -> dict:
         prompt = [rng.randrange(3, vocab) for _ in range(FLAGS.prompt_len)]
         sched.add_request(prompt, e3.SamplingParams(max_tokens=rng.randint(FLAGS.min_tokens, FLAGS.max_tokens), stop=stop))
 
-    def run(iterations: int) -> list[tuple[float, float, int]]:
-        """(host seconds, wall seconds, programs compiled) of each iteration."""
+    def run(iterations: int, profiles: list | None = None) -> list[tuple[float, float, int]]:
+        """(host seconds, wall seconds, programs compiled) of each iteration; with `profiles`, each
+        iteration that compiled nothing adds its cProfile there."""
         per_iteration = []
         for _ in range(iterations):
+            profiler = None if profiles is None else cProfile.Profile()
             host, compiles, start = sched.stats()["host_seconds_total"], sched.programs.num_compiles, time.perf_counter()
+            if profiler is not None:
+                profiler.enable()
             for delta in sched.step():
                 if delta.finished:
                     submit()
+            if profiler is not None:
+                profiler.disable()
             per_iteration.append((sched.stats()["host_seconds_total"] - host, time.perf_counter() - start,
                                   sched.programs.num_compiles - compiles))
+            if profiler is not None and not per_iteration[-1][2]:
+                profiles.append(profiler)
         return per_iteration
 
     for _ in range(num_seqs):
         submit()
     run(FLAGS.warmup)
     tokens = sched.stats()["generation_tokens_total"]
-    measured = run(FLAGS.iterations)
+    profiles = [] if FLAGS.profile else None
+    measured = run(FLAGS.iterations, profiles)
+    if profiles:
+        _print_profile(profiles)
     tokens = sched.stats()["generation_tokens_total"] - tokens
     # An iteration that compiled a program spent its host time compiling: left out.
     clean = np.asarray([(host, wall) for host, wall, compiled in measured if not compiled])
@@ -92,6 +125,27 @@ def _measure(target, draft, spec, num_seqs: int, tokenizer=None) -> dict:
             "device_wait_ms_per_iteration": 1e3 * float(np.median(clean[:, 1] - clean[:, 0])),
             "tokens_per_iteration": tokens / len(measured),
             "iterations_that_compiled": len(measured) - len(clean)}
+
+
+def _print_profile(profiles: list) -> None:
+    """The phases' cumulative ms per iteration, then the top --profile functions by own time, over
+    the iterations that compiled nothing."""
+    iterations = len(profiles)
+    merged = pstats.Stats(profiles[0])
+    for profile in profiles[1:]:
+        merged.add(profile)
+    stats = merged.stats  # (file, line, name) -> (calls, primitive, own, cumulative, callers)
+    print("\n| phase | ms / iteration (cumulative) |\n|---|---|")
+    for label, suffix, name in PHASES:
+        total = sum(v[3] for (file, _, fn), v in stats.items() if fn == name and file.endswith(suffix))
+        print(f"| {label} | {1e3 * total / iterations:.3f} |")
+    print(f"\n| function (top {FLAGS.profile} by own time) | calls / iteration | own ms / iteration | cumulative ms |"
+          "\n|---|---|---|---|")
+    top = sorted(stats.items(), key=lambda kv: -kv[1][2])[: FLAGS.profile]
+    for (file, line, name), (calls, _, own, cumulative, _) in top:
+        where = f"{'/'.join(file.split('/')[-2:])}:{line}({name})"
+        print(f"| {where} | {calls / iterations:.1f} | {1e3 * own / iterations:.3f} | {1e3 * cumulative / iterations:.3f} |")
+    print()
 
 
 def main(argv) -> None:
