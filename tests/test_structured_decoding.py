@@ -63,6 +63,11 @@ def demo():
     return tok, target, draft, prompts
 
 
+# Pages of 32 slots: every sequence here fits a block table of 4 pages, so each program compiles
+# for one width only (the tests' time is mostly compiling).
+PAGE = 32
+
+
 def _constrained(engine, prompts, constraints, max_tokens=48):
     n = len(constraints)
     sps = [e3.SamplingParams(max_tokens=max_tokens, constraint=c) for c in constraints]
@@ -73,15 +78,15 @@ def _constrained(engine, prompts, constraints, max_tokens=48):
 def plain_outputs(demo):
     """Greedy constrained plain decoding of the held-out constraints: the reference."""
     tok, target, _, prompts = demo
-    engine = e3.Engine(target, max_batch_size=16, max_seq_len=256, tokenizer=tok)
+    engine = e3.Scheduler(target, max_num_seqs=16, max_seq_len=256, page_size=PAGE, tokenizer=tok)
     return _constrained(engine, prompts, CONSTRAINTS)
 
 
 def _speculative(demo, spec) -> list:
     tok, target, draft, prompts = demo
-    engine = e3.Engine(target, draft, spec, max_batch_size=16, max_seq_len=256, tokenizer=tok)
+    engine = e3.Scheduler(target, draft, spec, max_num_seqs=16, max_seq_len=256, page_size=PAGE, tokenizer=tok)
     outputs = _constrained(engine, prompts, CONSTRAINTS)
-    assert engine.scheduler.stats()["num_compiled_grammars"] == len(CONSTRAINTS)
+    assert engine.stats()["num_compiled_grammars"] == len(CONSTRAINTS)
     return outputs
 
 
@@ -105,7 +110,8 @@ def test_greedy_constrained_auto_equals_plain(demo, plain_outputs):
 
 def test_a_constraint_that_cannot_finish_ends_at_length(demo):
     tok, target, draft, prompts = demo
-    engine = e3.Engine(target, draft, e3.SpecConfig(3, 1, 4), max_batch_size=2, max_seq_len=256, tokenizer=tok)
+    engine = e3.Scheduler(target, draft, e3.SpecConfig(3, 1, 4), max_num_seqs=2, max_seq_len=256, page_size=PAGE,
+                          tokenizer=tok)
     out, = engine.generate([prompts[0]], e3.SamplingParams(max_tokens=12, constraint=Constraint.regex("[a-z ]{40,}")))
     assert out.finish_reason == "length" and len(out.token_ids) == 12
     assert re.fullmatch("[a-z ]*", out.text)
@@ -258,7 +264,8 @@ def test_sampled_constrained_speculation_follows_the_masked_distribution(char_mo
 
 def test_mixed_batch_with_cancellations_leaks_nothing(demo):
     tok, target, draft, prompts = demo
-    scheduler = e3.Scheduler(target, draft, e3.SpecConfig(3, 1, 4), max_num_seqs=32, max_seq_len=256, tokenizer=tok)
+    scheduler = e3.Scheduler(target, draft, e3.SpecConfig(3, 1, 4), max_num_seqs=32, max_seq_len=256, page_size=PAGE,
+                             tokenizer=tok)
     wanted = {}
     for i in range(32):
         constraint = CONSTRAINTS[i % len(CONSTRAINTS)] if i % 3 != 2 else None
@@ -305,7 +312,8 @@ def test_served_outputs_are_valid_streamed_and_whole(demo):
     from server_fixtures import ServerThread
 
     tok, target, draft, prompts = demo
-    scheduler = e3.Scheduler(target, draft, e3.SpecConfig(3, 2, 6), max_num_seqs=4, max_seq_len=256, tokenizer=tok)
+    scheduler = e3.Scheduler(target, draft, e3.SpecConfig(3, 2, 6), max_num_seqs=4, max_seq_len=256, page_size=PAGE,
+                             tokenizer=tok)
     engine = AsyncEngine(scheduler, tokenizer=tok).start()
     server = ServerThread(make_app(engine, "demo"))
     client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0)
@@ -334,7 +342,7 @@ def test_a_multihost_leader_runs_the_single_program_forms(demo):
         outputs = []
         for lead in (False, True):
             scheduler = e3.Scheduler(target, draft if spec else None, spec, max_num_seqs=4, max_seq_len=256,
-                                     tokenizer=tok)
+                                     page_size=PAGE, tokenizer=tok)
             if lead:
                 scheduler.lead()
             outputs.append([o.token_ids for o in scheduler.generate(

@@ -138,8 +138,8 @@ class Launcher:
         else:
             outputs = self.run(plan.program, plan.shape, *args, logprobs=logprobs)
         # A step after a catch-up starts when the catch-up ends, which the host does not see. A
-        # constrained step's time holds the host's mask work between its two programs: its true
-        # cost, which the adaptive policy weighs.
+        # constrained step's time holds the host's mask work beside its programs: its true cost,
+        # which the adaptive policy weighs.
         return Launch("decode", [(r, r.epoch, True) for r in rows], outputs, plan, block_table.shape, launched,
                        plan.catch_up, compiles)
 
