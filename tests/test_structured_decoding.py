@@ -349,3 +349,27 @@ def test_a_multihost_leader_runs_the_single_program_forms(demo):
                 prompts[:3], [e3.SamplingParams(max_tokens=24, constraint=c) for c in constraints])])
             scheduler.release_followers()
         assert outputs[0] == outputs[1], spec
+
+
+def test_chain_masks_filled_in_one_call_equal_the_walk(demo):
+    """Chains are filled by llguidance for the whole batch at once: the same masks as the walk,
+    nodes past a forbidden token included (every token: never reached)."""
+    from eagle3_jax.structured import batch_tree_masks
+
+    tok, target, _, _ = demo
+    vocab = target.config.vocab_size
+    cache = GrammarCache(tok, vocab)
+    constraint = Constraint.json_schema(SCHEMAS[0])
+    valid = tok.encode('{"name": "Tim", "age": 3}', add_bos=False)[1:]
+    rng = np.random.default_rng(1)
+    n, batch = 5, 6
+    tokens = np.asarray([[0] + [valid[j] if rng.random() < 0.8 else int(rng.integers(0, vocab)) for j in range(n - 1)]
+                         for _ in range(batch)], np.int32)
+    parents = np.tile(np.maximum(np.arange(n) - 1, 0), (batch, 1)).astype(np.int32)
+    grammars = [RequestGrammar(cache.matcher(constraint)) if row != 2 else None for row in range(batch)]
+    masks = batch_tree_masks(grammars, tokens, parents, mask_words(vocab))
+    for row, grammar in enumerate(grammars):
+        expected = np.full((n, mask_words(vocab)), -1, np.int32)
+        if grammar is not None:
+            RequestGrammar(cache.matcher(constraint)).tree_masks(tokens[row], parents[row], expected)
+        np.testing.assert_array_equal(masks[row], expected, err_msg=f"row {row}")

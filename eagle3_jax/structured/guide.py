@@ -12,12 +12,20 @@ the grammar for good (`accept`).
 With `after_token` (the end of a reasoning model's thinking) the grammar is not live until that
 token is output: before it every token is allowed, and in a tree the nodes below such a token
 start the grammar afresh.
+
+Chains (each node the child of the one before) of live grammars are filled by llguidance in one
+call for the whole batch, on its own threads (`fill_next_token_bitmask_par_with_draft_tokens`);
+other trees are walked in Python, row by row.
 """
 
 from __future__ import annotations
 
 from typing import Sequence
 
+import functools
+
+import llguidance
+import llguidance.numpy as llnp
 import numpy as np
 
 from .constraints import Constraint
@@ -115,8 +123,30 @@ def batch_masks(grammars: Sequence[RequestGrammar | None], batch: int, words: in
 def batch_tree_masks(grammars: Sequence[RequestGrammar | None], tokens: np.ndarray, parents: np.ndarray,
                      words: int) -> np.ndarray:
     """[batch, N, words]: the masks at every node of each row's tree (`tokens`, `parents` [batch, N])."""
-    masks = np.full(tokens.shape + (words,), ALL_TOKENS, np.int32)
+    batch, n = tokens.shape
+    masks = np.full((batch, n, words), ALL_TOKENS, np.int32)
+    chain = bool((parents[:, 1:] == np.arange(n - 1)[None, :]).all())
+    chains = []
     for row, grammar in enumerate(grammars):
-        if grammar is not None:
+        if grammar is None:
+            continue
+        if chain and grammar.live:
+            chains.append((grammar.matcher.llmatcher, row * n, [int(t) for t in tokens[row, 1:]]))
+        else:
             grammar.tree_masks(tokens[row], parents[row], masks[row])
+    if chains:
+        flat = masks.reshape(batch * n, words)
+        rows = np.concatenate([np.arange(start, start + n) for _, start, _ in chains])
+        flat[rows] = 0
+        llnp.fill_next_token_bitmask_par_with_draft_tokens(_executor(), chains, flat)
+        # past a draft token the grammar forbids, llguidance leaves the masks empty: those nodes are
+        # never reached, and an empty mask would make their distributions undefined
+        empty = rows[~flat[rows].any(axis=1)]
+        flat[empty] = ALL_TOKENS
     return masks
+
+
+@functools.lru_cache(maxsize=1)
+def _executor() -> llguidance.LLExecutor:
+    """llguidance's thread pool for filling many matchers' masks at once."""
+    return llguidance.LLExecutor()

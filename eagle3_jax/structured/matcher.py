@@ -56,6 +56,11 @@ class Matcher:
         self.vocab_size = vocab_size
 
     @property
+    def llmatcher(self) -> llguidance.LLMatcher:
+        """llguidance's matcher (for its batched calls)."""
+        return self._m
+
+    @property
     def accepting(self) -> bool:
         """Whether the output may end here (the grammar is complete)."""
         return self._m.is_accepting()
