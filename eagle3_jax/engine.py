@@ -16,7 +16,7 @@ from typing import Any, Mapping, Sequence
 
 from .draft import Draft
 from .parsers import OutputParsing, parse_output
-from .parsers.forced import answer_start
+from .parsers.forced import constrain_answer
 from .request import RequestOutput
 from .sampling import SamplingParams
 from .scheduler import Scheduler
@@ -94,10 +94,7 @@ class Engine:
             prompts.append(self.tokenizer.encode(text))
         parsers = parsing.parsers(tools, kwargs)
         sampling = self._stopping_at_eos(sampling, len(prompts))
-        if parsers.reasoning is not None and any(s.constraint is not None for s in sampling):
-            start = answer_start(parsers.reasoning, self.tokenizer)  # the reasoning is free
-            sampling = [s if s.constraint is None else dataclasses.replace(s, constraint=s.constraint.starting_after(start))
-                        for s in sampling]
+        sampling = [constrain_answer(s, parsers.reasoning, self.tokenizer) for s in sampling]  # the reasoning is free
         outputs = self.generate(prompts, sampling)
         answers, reply = [], uuid.uuid4().hex  # tool call ids: unique per call
         for i, out in enumerate(outputs):

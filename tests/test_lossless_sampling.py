@@ -286,16 +286,21 @@ def test_broken_acceptance_is_caught_on_hand_trees(name, monkeypatch):
 
 # ---- end to end through the engine --------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def models():
+def random_pair_and_conditionals():
+    """(target, draft, conditional logits): a random target of V tokens and a random draft, with the
+    target's logits of every continuation (position len(PROMPT)-1+j of PROMPT + [a, b])."""
     target = random_target(dict(LLAMA, vocab_size=V))
     draft = random_draft(target, draft_config_dict(target.config))
-    # Conditional logits of every continuation: position len(PROMPT)-1+j of PROMPT + [a, b].
     seqs = np.asarray([PROMPT + [a, b] for a in range(V) for b in range(V)], np.int32)
     logits = target.logits(seqs).astype(np.float64)
     p = len(PROMPT)
     cond = (logits[0, p - 1], logits[::V, p], logits[:, p + 1].reshape(V, V, V))
     return target, draft, cond
+
+
+@pytest.fixture(scope="module")
+def models():
+    return random_pair_and_conditionals()
 
 
 def _reference_probs(z, temperature, top_k, top_p):

@@ -16,8 +16,7 @@ import pytest
 import eagle3_jax as e3
 from eagle3_jax.structured import Constraint, ConstraintError, GrammarCache, RequestGrammar, mask_words
 from eagle3_jax.structured.guide import allows
-from random_models import LLAMA, draft_config_dict, random_draft, random_target
-from test_lossless_sampling import P_OK, chisquare, exact_continuations
+from test_lossless_sampling import PROMPT, P_OK, V, chisquare, exact_continuations, random_pair_and_conditionals
 
 jsonschema = pytest.importorskip("jsonschema")
 
@@ -193,8 +192,6 @@ def test_grammar_starts_after_the_answer_token(demo):
 
 # ---- the masked distribution, sampled ---------------------------------------------------------------
 
-V = 8
-PROMPT = [1, 2, 3]
 REGEX = "[ab][cde][a-g]*"  # tokens a..g are ids 0..6, </s> (EOS) is 7
 N_SAMPLES = 6144
 
@@ -219,13 +216,7 @@ def _char_tokenizer(folder) -> e3.Tokenizer:
 
 @pytest.fixture(scope="module")
 def char_models(tmp_path_factory):
-    target = random_target(dict(LLAMA, vocab_size=V))
-    draft = random_draft(target, draft_config_dict(target.config))
-    seqs = np.asarray([PROMPT + [a, b] for a in range(V) for b in range(V)], np.int32)
-    logits = target.logits(seqs).astype(np.float64)
-    p = len(PROMPT)
-    cond = (logits[0, p - 1], logits[::V, p], logits[:, p + 1].reshape(V, V, V))
-    return _char_tokenizer(tmp_path_factory.mktemp("chars")), target, draft, cond
+    return _char_tokenizer(tmp_path_factory.mktemp("chars")), *random_pair_and_conditionals()
 
 
 def _masked(z, allowed):

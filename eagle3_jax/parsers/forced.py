@@ -6,8 +6,10 @@ starts when the model reasons first (after its end-of-thinking token: the reason
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Mapping, Sequence
 
+from ..sampling import SamplingParams
 from ..structured.constraints import Constraint
 from ..tokenizer import Tokenizer
 from .markup import ParserError, tool_schemas
@@ -55,3 +57,12 @@ def answer_start(reasoning: ReasoningParser | None, tokenizer: Tokenizer) -> int
                           "vocabulary, so a constraint cannot start after it: turn thinking off for this request "
                           "(chat_template_kwargs) or serve without a reasoning parser")
     return token
+
+
+def constrain_answer(sampling: SamplingParams, reasoning: ReasoningParser | None,
+                     tokenizer: Tokenizer) -> SamplingParams:
+    """`sampling` with its constraint starting where the answer does (after the reasoning, when a
+    reasoning parser is on); as it is otherwise. ParserError as `answer_start`."""
+    if sampling.constraint is None or reasoning is None:
+        return sampling
+    return dataclasses.replace(sampling, constraint=sampling.constraint.starting_after(answer_start(reasoning, tokenizer)))

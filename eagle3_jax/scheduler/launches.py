@@ -154,15 +154,16 @@ class Launcher:
         block_table, slots, prompt_lens, sp = args
         grammars = [r.grammar for r in rows]
         settings = self.logprob_settings if logprobs else None
-        if plan.program != "decode" and self.leader is None:  # one token: masks filled during the pass
+        if plan.program != "decode" and self.leader is not None:
+            return self.run(plan.program, plan.shape, *args, logprobs=logprobs,
+                            masks=batch_masks(grammars, len(slots), self.mask_words))
+        if plan.program != "decode":  # one token: the masks filled during the target's pass
             passed = self.executor.execute("one_forward", None, block_table, slots, prompt_lens)
             masks = batch_masks(grammars, len(slots), self.mask_words)
             sample = "store_sample" if plan.program == "store_decode" else "one_sample"
             return self.executor.execute(sample, None, *args, *passed, logprobs=settings, masks=masks)
-        masks = batch_masks(grammars, len(slots), self.mask_words)
-        if plan.program != "decode":
-            return self.run(plan.program, plan.shape, *args, logprobs=logprobs, masks=masks)
-        tree = self.run("propose", plan.shape, block_table, slots, prompt_lens, masks=masks)
+        tree = self.run("propose", plan.shape, block_table, slots, prompt_lens,
+                        masks=batch_masks(grammars, len(slots), self.mask_words))
         if self.leader is None:
             passed = self.executor.execute("forward", plan.shape, block_table, slots, prompt_lens, *tree)
         self.reading(1)

@@ -47,7 +47,7 @@ from ..sampling import PenaltyHistory, SamplingArrays, count_tokens
 from ..sharding import mesh_context, replicate, shard_pages, to_host
 from ..spec_decode.policy import SpeculationPolicy
 from ..spec_decode.propose import DraftRoot, DraftTree, draft_extend, propose
-from ..spec_decode.step import accept_step, spec_step, verify_step, verify_tree
+from ..spec_decode.step import accept_step, spec_step, verify_tree
 from .steps import plain_forward, plain_prefill, plain_sample, plain_step, spec_prefill
 from ..spec_decode.settings import SpecConfig
 from ..target import Target
@@ -287,19 +287,11 @@ def _propose_program(tcfg: ModelConfig, dcfg: DraftConfig, shape: SpecConfig, lo
 def _verify_program(tcfg: ModelConfig, dcfg: DraftConfig, shape: SpecConfig, logprobs: LogprobSettings | None,
                     tparams: dict, dparams: dict, state: DeviceState, block_table, slots, prompt_lens,
                     sp: SamplingArrays, tokens, parents, masks):
-    """The rest of a speculative step over the given tree (`tokens`, `parents` [B, N], from
-    "propose"), each node judged among the tokens its bitmask `masks` [B, N, words] allows ->
-    as "decode"."""
-    lengths, counter = slot_rows(state, slots, prompt_lens)
-    history = PenaltyHistory(state.output_counts, state.prompt_seen, slots)
-    out, count, tcache, dcache, root, _, lp = verify_step(tparams, tcfg, dparams, dcfg, shape.max_accept,
-                                                          state.target_cache(block_table, lengths),
-                                                          state.draft_cache(block_table, lengths),
-                                                          DraftTree(tokens=tokens, parents=parents), sp, counter,
-                                                          logprobs, history, masks)
-    with jax.named_scope("state"):
-        state = advance_state(state, slots, lengths, out, count, tcache, dcache, root)
-    return out, count, *_logprob_outputs(lp), state
+    """"forward" then "accept" as one program (a multi-host leader's form) -> as "decode"."""
+    logits, aux, state = _forward_program(tcfg, dcfg, shape, None, tparams, dparams, state, block_table, slots,
+                                          prompt_lens, tokens, parents)
+    return _accept_program(tcfg, dcfg, shape, logprobs, tparams, dparams, state, block_table, slots, prompt_lens, sp,
+                           tokens, parents, logits, aux, masks)
 
 
 def _forward_program(tcfg: ModelConfig, dcfg: DraftConfig, shape: SpecConfig, logprobs: None, tparams: dict,

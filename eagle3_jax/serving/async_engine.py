@@ -42,7 +42,6 @@ import uuid
 from typing import Any, AsyncIterator, Sequence
 
 from ..sampling import SamplingParams
-from ..structured import RequestGrammar
 from ..scheduler import CapacityError, RequestDelta, Scheduler, WarmUp  # noqa: F401 (CapacityError: the engine's face)
 from ..scheduler.metrics import stats_since
 from ..text_stream import ChoiceText
@@ -223,10 +222,10 @@ class AsyncEngine:
         self._check_accepting()
         rid = request_id if request_id is not None else f"req-{uuid.uuid4().hex}"
         loop = asyncio.get_running_loop()
-        if sampling is not None and sampling.constraint is not None:
+        if sampling is not None and sampling.constraint is not None and self.scheduler.grammars is not None:
             # Compiled here, off the engine thread (which then finds it compiled): a new schema
             # never stalls the other requests' steps.
-            await loop.run_in_executor(None, RequestGrammar.of, self.scheduler.grammars, sampling.constraint)
+            await loop.run_in_executor(None, self.scheduler.grammars.compile, sampling.constraint)
         deltas: asyncio.Queue = asyncio.Queue()
         added: concurrent.futures.Future = concurrent.futures.Future()
         self._commands.put(_Add([int(t) for t in prompt_ids], sampling, rid, loop, deltas, added, wait_for))

@@ -20,7 +20,7 @@ from typing import Any, Mapping, Sequence
 
 from ..chat_template import ChatTemplate, ChatTemplateError
 from ..parsers import OutputParsers, OutputParsing, ParserError
-from ..parsers.forced import answer_start, forced_calls
+from ..parsers.forced import constrain_answer, forced_calls
 from ..request import cap_message
 from ..sampling import SamplingParams
 from ..tokenizer import Tokenizer
@@ -140,13 +140,10 @@ class ChatRequest(GenerationRequest):
             constraint = forced_calls(parsing.tool_calls, tools, tool_choice, tokenizer)
             common.update(sampling=dataclasses.replace(common["sampling"], constraint=constraint),
                           constraint_field="tool_choice")
-        constraint = common["sampling"].constraint
-        if constraint is not None and parsers.reasoning is not None:  # the reasoning is free, the answer constrained
-            try:
-                start = answer_start(parsers.reasoning, tokenizer)
-            except ParserError as e:
-                raise ApiError(str(e), param=common["constraint_field"], code="unsupported_value") from e
-            common["sampling"] = dataclasses.replace(common["sampling"], constraint=constraint.starting_after(start))
+        try:  # the reasoning is free, the answer constrained
+            common["sampling"] = constrain_answer(common["sampling"], parsers.reasoning, tokenizer)
+        except ParserError as e:
+            raise ApiError(str(e), param=common["constraint_field"], code="unsupported_value") from e
         return cls(**common, messages=tuple(messages), tools=tools, tool_choice=tool_choice, template_kwargs=kwargs,
                    parsers=_active(parsers))
 

@@ -125,6 +125,11 @@ class GrammarCache:
     def matcher(self, constraint: Constraint) -> Matcher:
         """A fresh matcher at the start of `constraint`'s grammar; ConstraintError for one that
         cannot be compiled."""
+        return Matcher(self.compile(constraint).deep_copy(), self.vocab_size)
+
+    def compile(self, constraint: Constraint) -> llguidance.LLMatcher:
+        """`constraint`'s compiled grammar (compiled now unless cached); ConstraintError for one
+        that cannot be compiled."""
         key = constraint.key
         with self._lock:
             base = self._compiled.get(key)
@@ -136,7 +141,7 @@ class GrammarCache:
                 self._compiled[key] = base
                 while len(self._compiled) > self.max_entries:
                     self._compiled.popitem(last=False)
-        return Matcher(base.deep_copy(), self.vocab_size)
+        return base
 
     def __len__(self) -> int:
         return len(self._compiled)
