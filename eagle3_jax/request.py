@@ -21,7 +21,6 @@ import logging
 import time
 from typing import Sequence
 
-import numpy as np
 
 from .logprobs import Logprob
 from .sampling import SamplingParams
@@ -133,6 +132,7 @@ class Request:
             self.logprobs = []
         if self.sampling.prompt_logprobs is not None and self.prompt_logprobs is None:
             self.prompt_logprobs = [None]  # nothing predicts the first prompt token
+        self._stops = frozenset(self.sampling.stop_token_ids)
 
     @property
     def wants_prompt_logprobs(self) -> bool:
@@ -145,6 +145,20 @@ class Request:
         self.step_depths.append(depth)
         self.draft_passes += draft_passes
 
+    def take(self, tokens: list[int], now: float) -> bool:
+        """A step's tokens taken whole and marked handed out, when none of them can end the request
+        and nothing reads them one by one (no stop strings, grammar or logprobs) and earlier ones
+        were handed out: most steps of most requests, at a few attribute updates each. False, with
+        nothing taken, otherwise: `emit` them then."""
+        if (self.grammar is not None or self.text is not None or self.logprobs is not None or not self.sent
+                or self.sent != len(self.output) or len(self.output) + len(tokens) >= self.budget
+                or not self._stops.isdisjoint(tokens)):
+            return False
+        self.output += tokens
+        self.token_times += [now] * len(tokens)
+        self.sent = len(self.output)
+        return True
+
     def emit(self, tokens: Sequence[int], now: float, logprobs: Sequence[Logprob] | None = None) -> str | None:
         """Append a step's tokens (and their `logprobs`, one each, where the request asks for
         them), up to and including a stop token, the one that ends its grammar or the budget's
@@ -152,7 +166,7 @@ class Request:
         finish are dropped. A grammar's end ends the output even below min_tokens (nothing else
         may follow it). A token the grammar forbids (a masking bug, logged) ends the request
         ("abort"), never the engine."""
-        stops = self.sampling.stop_token_ids
+        stops = self._stops
         for i, tok in enumerate(tokens):
             tok = int(tok)
             self.output.append(tok)
@@ -194,24 +208,24 @@ class Request:
     def metrics(self, now: float, max_depth: int) -> dict:
         """Per-request metrics: acceptance (per draft position up to `max_depth`, over the steps
         that proposed that deep), target and draft passes, and latencies from arrival."""
-        acc, drafted = np.asarray(self.accept_lengths, np.int64), np.asarray(self.step_depths, np.int64)
-        times = self.token_times
-        per_position = [float(np.mean(acc[drafted >= d] - 1 >= d)) if np.any(drafted >= d) else 0.0
-                        for d in range(1, max_depth + 1)]
-        speculative = drafted > 0
+        acc, drafted, times = self.accept_lengths, self.step_depths, self.token_times
+        per_position = []  # plain Python: a finishing request's metrics are on the serving loop's path
+        for d in range(1, max_depth + 1):
+            reached = [a - 1 >= d for a, n in zip(acc, drafted) if n >= d]
+            per_position.append(sum(reached) / len(reached) if reached else 0.0)
         return {
-            "mean_accept_length": float(acc.mean()) if acc.size else 1.0,
-            "num_draft_tokens": int(drafted.sum()),  # proposed to verify passes
-            "num_accepted_tokens": int(np.maximum(acc[speculative] - 1, 0).sum()),  # draft tokens accepted
-            "accept_lengths": [int(a) for a in acc],
+            "mean_accept_length": sum(acc) / len(acc) if acc else 1.0,
+            "num_draft_tokens": sum(drafted),  # proposed to verify passes
+            "num_accepted_tokens": sum(a - 1 for a, n in zip(acc, drafted) if n > 0 and a > 1),  # draft tokens accepted
+            "accept_lengths": list(acc),
             "per_position_acceptance": per_position,
-            "num_target_passes": int(acc.size) + (1 if times else 0),  # the prefill's pass gave the first token
+            "num_target_passes": len(acc) + (1 if times else 0),  # the prefill's pass gave the first token
             "num_draft_passes": self.draft_passes,
             "num_output_tokens": len(self.output),
             "num_preemptions": self.num_preemptions,
             "queue_s": (self.admitted if self.admitted is not None else now) - self.arrival,
             "ttft_s": times[0] - self.arrival if times else None,
-            "itl_s": [float(x) for x in np.diff(times)],
+            "itl_s": [b - a for a, b in zip(times, times[1:])],
             "e2e_latency_s": now - self.arrival,
         }
 

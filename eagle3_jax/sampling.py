@@ -171,27 +171,39 @@ def accept_profiles(params: Sequence[SamplingParams]) -> np.ndarray:
     return table
 
 
-class SamplingTable:
-    """SamplingParams by row of a fixed table (a scheduler's state slots), kept as host arrays so
-    a batch's SamplingArrays is one gather by its rows; rows never set are greedy."""
+# A batch's SamplingArrays packed as two host arrays (two leaves of a jitted call instead of ten):
+# int32 columns [top_k, seed's bits, min_tokens, stop ids held back (-1 padded)] and float32
+# columns [temperature, top_p, presence, frequency, repetition, accept profile (-1: none)].
+PACKED_INTS = 3 + MAX_SUPPRESSED_STOP_IDS
+PACKED_FLOATS = 5 + MAX_SYNTHETIC_POSITIONS
+GREEDY_INTS = np.concatenate([np.zeros(3, np.int32), np.full(MAX_SUPPRESSED_STOP_IDS, -1, np.int32)])
+GREEDY_FLOATS = np.concatenate([np.asarray([0.0, 1.0, 0.0, 0.0, 1.0], np.float32),
+                                np.full(MAX_SYNTHETIC_POSITIONS, -1.0, np.float32)])
 
-    def __init__(self, size: int):
-        self._arrays = SamplingArrays.from_params([], size)
-        self._arrays.accept_profile = accept_profiles([SamplingParams()] * size)
 
-    def set_row(self, row: int, params: SamplingParams) -> None:
-        a, one = self._arrays, SamplingArrays.from_params([params], 1)
-        one.accept_profile = accept_profiles([params])
-        for field in dataclasses.fields(SamplingArrays):
-            getattr(a, field.name)[row] = getattr(one, field.name)[0]
+def packed_settings(params: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
+    """One request's row of the packed columns (ints, floats); `unpack_settings` reads them back."""
+    ints, floats = GREEDY_INTS.copy(), GREEDY_FLOATS.copy()
+    ints[:3] = params.top_k, np.uint32(params.seed).view(np.int32), params.min_tokens
+    if params.min_tokens:
+        ints[3: 3 + len(params.stop_token_ids)] = params.stop_token_ids
+    floats[:5] = (params.temperature, params.top_p, params.presence_penalty, params.frequency_penalty,
+                  params.repetition_penalty)
+    if params.synthetic_acceptance is not None:
+        floats[5:] = 0.0
+        floats[5: 5 + len(params.synthetic_acceptance)] = params.synthetic_acceptance
+    return ints, floats
 
-    def rows(self, rows: np.ndarray) -> SamplingArrays:
-        """The rows' settings; `accept_profile` None unless one of them has a synthetic profile, so
-        only batches that ask for it run the programs that read it."""
-        out = jax.tree.map(lambda column: column[rows], self._arrays)
-        if not (out.accept_profile[:, 0] >= 0).any():
-            out.accept_profile = None
-        return out
+
+def unpack_settings(ints, floats, synthetic: bool) -> SamplingArrays:
+    """The SamplingArrays of packed columns [B, PACKED_INTS] / [B, PACKED_FLOATS] (host or traced);
+    `accept_profile` only when `synthetic` (a row of the batch has a profile)."""
+    seed = ints[:, 1].view(np.uint32) if isinstance(ints, np.ndarray) else jax.lax.bitcast_convert_type(
+        ints[:, 1], jnp.uint32)
+    return SamplingArrays(temperature=floats[:, 0], top_k=ints[:, 0], top_p=floats[:, 1], seed=seed,
+                          min_tokens=ints[:, 2], stop_ids=ints[:, 3:PACKED_INTS], presence_penalty=floats[:, 2],
+                          frequency_penalty=floats[:, 3], repetition_penalty=floats[:, 4],
+                          accept_profile=floats[:, 5:PACKED_FLOATS] if synthetic else None)
 
 
 def filtered_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:

@@ -6,6 +6,9 @@ serving), runs --warmup iterations (programs compile), then reports over --itera
 
 - host ms per iteration (median; also the mean): `step()` time not spent waiting for device
   outputs (the scheduler's own `host_seconds_total`), the figure to keep small as batches grow;
+  split into the time inside the jitted calls of compiled programs (`launch_seconds_total`: the
+  launches, which on XLA:CPU include the first operations of each program, run on the calling
+  thread) and the rest, the scheduler's own Python (the median of each, so they need not add up);
 - device-wait ms per iteration (median). Iterations that compiled a program are left out (their
   host time is compile time) and counted.
 
@@ -67,11 +70,13 @@ flags.DEFINE_integer("profile", 0, "Profile the measured iterations with cProfil
 # gives them: file suffix, function).
 PHASES = (("admission", "scheduler/batch.py", "admit"), ("prefill rows", "scheduler/batch.py", "prefill_rows"),
           ("page growth", "scheduler/batch.py", "grow_pages"), ("prefill launch", "scheduler/launches.py", "prefill"),
-          ("decode launch", "scheduler/launches.py", "decode"), ("  rows / block table", "scheduler/batch.py", "rows_batch"),
-          ("  sampling rows", "eagle3_jax/sampling.py", "rows"), ("  speculation plan", "spec_decode/policy.py", "plan"),
+          ("decode launch", "scheduler/launches.py", "decode"),
+          ("  rows of the slot tables", "scheduler/batch.py", "rows_batch"),
+          ("  speculation plan", "spec_decode/policy.py", "plan"),
           ("  jitted call (dispatch)", "scheduler/programs.py", "run"),
           ("outputs read (device wait)", "scheduler/programs.py", "read"),
           ("collect decode", "scheduler/core.py", "_collect_decode"), ("  token emission", "scheduler/core.py", "_emit"),
+          ("    finished requests", "scheduler/core.py", "_finish"),
           ("  policy observe", "spec_decode/policy.py", "observe"), ("metrics counters", "scheduler/metrics.py", "decode_step"))
 
 
@@ -94,7 +99,7 @@ def _measure(target, draft, spec, num_seqs: int, tokenizer=None) -> dict:
         per_iteration = []
         for _ in range(iterations):
             profiler = None if profiles is None else cProfile.Profile()
-            host, compiles, start = sched.stats()["host_seconds_total"], sched.programs.num_compiles, time.perf_counter()
+            before, compiles, start = sched.stats(), sched.programs.num_compiles, time.perf_counter()
             if profiler is not None:
                 profiler.enable()
             for delta in sched.step():
@@ -102,8 +107,10 @@ def _measure(target, draft, spec, num_seqs: int, tokenizer=None) -> dict:
                     submit()
             if profiler is not None:
                 profiler.disable()
-            per_iteration.append((sched.stats()["host_seconds_total"] - host, time.perf_counter() - start,
-                                  sched.programs.num_compiles - compiles))
+            wall, after = time.perf_counter() - start, sched.stats()
+            per_iteration.append((after["host_seconds_total"] - before["host_seconds_total"], wall,
+                                  sched.programs.num_compiles - compiles,
+                                  after["launch_seconds_total"] - before["launch_seconds_total"]))
             if profiler is not None and not per_iteration[-1][2]:
                 profiles.append(profiler)
         return per_iteration
@@ -118,10 +125,12 @@ def _measure(target, draft, spec, num_seqs: int, tokenizer=None) -> dict:
         _print_profile(profiles)
     tokens = sched.stats()["generation_tokens_total"] - tokens
     # An iteration that compiled a program spent its host time compiling: left out.
-    clean = np.asarray([(host, wall) for host, wall, compiled in measured if not compiled])
+    clean = np.asarray([(host, wall, launch) for host, wall, compiled, launch in measured if not compiled])
     return {"num_seqs": num_seqs, "iterations": len(clean),
             "host_ms_per_iteration": 1e3 * float(np.median(clean[:, 0])),
             "host_ms_mean": 1e3 * float(clean[:, 0].mean()),
+            "launch_ms_per_iteration": 1e3 * float(np.median(clean[:, 2])),
+            "scheduler_ms_per_iteration": 1e3 * float(np.median(clean[:, 0] - clean[:, 2])),
             "device_wait_ms_per_iteration": 1e3 * float(np.median(clean[:, 1] - clean[:, 0])),
             "tokens_per_iteration": tokens / len(measured),
             "iterations_that_compiled": len(measured) - len(clean)}
@@ -173,14 +182,15 @@ def main(argv) -> None:
         tokenizer = load_tokenizer(FLAGS.target)
     draft = e3.load_draft(FLAGS.draft, target=target) if any(s is not None for _, s in specs) else None
     rows = []
-    print("| spec | seqs | host ms / iteration (median) | host ms (mean) | device wait ms (median) | tokens / iteration | "
-          "iterations timed | left out (compiled) |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| spec | seqs | host ms / iteration (median) | host ms (mean) | of which launches (median) | the rest: "
+          "scheduler (median) | device wait ms (median) | tokens / iteration | iterations timed | left out (compiled) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for name, spec in specs:
         for n in sizes:
             row = dict(spec=name, **_measure(target, draft, spec, n, tokenizer))
             rows.append(row)
             print(f"| {name} | {n} | {row['host_ms_per_iteration']:.2f} | {row['host_ms_mean']:.2f} | "
+                  f"{row['launch_ms_per_iteration']:.2f} | {row['scheduler_ms_per_iteration']:.2f} | "
                   f"{row['device_wait_ms_per_iteration']:.2f} | {row['tokens_per_iteration']:.1f} | {row['iterations']} | "
                   f"{row['iterations_that_compiled']} |", flush=True)
     if FLAGS.json_out:

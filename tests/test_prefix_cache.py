@@ -141,14 +141,14 @@ def test_n_choices_share_the_prompt_and_are_seeded(pair):
 
 @pytest.mark.newest_jax  # CI's newest-JAX leg runs it (a long run of aborts and preemptions)
 def test_no_page_leaks_through_aborts_and_preemptions(pair):
-    """200 mixed requests (shared prefixes, aborts, preemption from too few pages) under
+    """120 mixed requests (shared prefixes, aborts, preemption from too few pages) under
     speculation with the cache: tokens equal an uncached run's, and every page comes back."""
     rng = random.Random(0)
     prefixes = [SYSTEM[:n] for n in (9, 17, 38)]
     prompts = [rng.choice(prefixes) + [rng.randrange(300, 450) for _ in range(rng.randrange(1, 9))]
-               for _ in range(200)]
+               for _ in range(120)]
     sps = [e3.SamplingParams(max_tokens=rng.randrange(4, 14)) for _ in prompts]
-    aborted = set(rng.sample(range(200), 30))
+    aborted = set(rng.sample(range(120), 18))
 
     def run(caching):
         sched = _scheduler(pair, True, caching, max_num_seqs=16, num_pages=50)
@@ -166,7 +166,7 @@ def test_no_page_leaks_through_aborts_and_preemptions(pair):
     want, _ = run(False)
     got, stats = run(True)
     assert stats["num_preemptions"] > 0 and stats["num_requests_aborted"] > 0
-    assert stats["prefix_cache_hit_requests_total"] > 50
-    finished = [i for i in range(200) if i not in aborted]
+    assert stats["prefix_cache_hit_requests_total"] > 40
+    finished = [i for i in range(120) if i not in aborted]
     assert [got[i] for i in finished] == [want[i] for i in finished]
     assert stats["num_free_pages"] == stats["num_pages"] and stats["num_running"] == 0

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 import eagle3_jax as e3
-from eagle3_jax.sampling import SamplingArrays, SamplingTable
+from eagle3_jax.sampling import SamplingArrays
+from eagle3_jax.scheduler.slot_table import SlotTable
 from eagle3_jax.scheduler import Scheduler
 from eagle3_jax.spec_decode.verify import synthetic_accept
 
@@ -56,13 +57,15 @@ def test_profiles_are_checked():
 
 
 def test_table_leaves_the_profile_out_unless_a_row_has_one():
-    table = SamplingTable(4)
-    table.set_row(1, e3.SamplingParams())
-    assert table.rows(np.arange(4)).accept_profile is None
-    table.set_row(2, e3.SamplingParams(synthetic_acceptance=(0.5,)))
-    assert table.rows(np.asarray([0, 1])).accept_profile is None
-    got = table.rows(np.asarray([1, 2])).accept_profile
+    table = SlotTable(4, max_pages_per_seq=4)
+    table.admit(1, 3, e3.SamplingParams())
+    assert table.rows(np.arange(4), 4).sampling.accept_profile is None
+    table.admit(2, 3, e3.SamplingParams(synthetic_acceptance=(0.5,)))
+    assert table.rows(np.asarray([0, 1]), 4).sampling.accept_profile is None
+    got = table.rows(np.asarray([1, 2]), 4).sampling.accept_profile
     assert got[0, 0] == -1 and got[1, 0] == 0.5 and got[1, 1] == 0
+    table.clear(2)
+    assert table.rows(np.asarray([1, 2]), 4).sampling.accept_profile is None
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,6 @@
 """Draft training end to end (tiny): loss falls, acceptance rises, resume continues the same curve."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 

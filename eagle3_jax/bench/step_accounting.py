@@ -38,11 +38,11 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from ..sampling import PenaltyHistory, SamplingParams, apply_penalties, sample
 from ..scheduler.batch import DECODE
 from ..scheduler.programs import DeviceState, advance_state, record_token, slot_rows
+from ..scheduler.slot_table import BatchRows
 from ..sharding import mesh_context
 from ..spec_decode.propose import DraftRoot, propose
 from ..spec_decode.step import extend_accepted, judge, verify_tree
@@ -59,7 +59,7 @@ class Launch:
 
     kind: str
     shape: object
-    block_table: np.ndarray
+    rows: BatchRows
     args: tuple
     logprobs: object
 
@@ -125,10 +125,10 @@ def capture_decode(sched):
     executor, last = sched._executor, {}
     run = executor.execute
 
-    def spy(kind, shape, block_table, *args, logprobs=None, masks=None):
+    def spy(kind, shape, rows, *args, logprobs=None, masks=None):
         if kind in ("decode", "plain_decode") and masks is None:
-            last["launch"] = Launch(kind, shape, block_table, args, logprobs)
-        return run(kind, shape, block_table, *args, logprobs=logprobs, masks=masks)
+            last["launch"] = Launch(kind, shape, rows, args, logprobs)
+        return run(kind, shape, rows, *args, logprobs=logprobs, masks=masks)
 
     executor.execute = spy
     try:
@@ -147,7 +147,7 @@ def time_program(sched, launch: Launch, snapshot: DeviceState, runs: int) -> flo
 
     def call():
         executor.state = executor.state.replace(length=jnp.array(snapshot.length, copy=True))  # donated below
-        return executor.execute(launch.kind, launch.shape, launch.block_table, *launch.args,
+        return executor.execute(launch.kind, launch.shape, launch.rows, *launch.args,
                                 logprobs=launch.logprobs), executor.state
 
     call()
@@ -182,8 +182,9 @@ def time_phases(sched, launch: Launch, snapshot: DeviceState, runs: int) -> dict
     are donated and carried from call to call, their lengths kept as the snapshot's."""
     target, draft = sched.target, sched.draft
     tcfg = target.config
-    slots, prompt_lens, sp = (jax.tree.map(jnp.asarray, a) for a in launch.args)
-    bt = jnp.asarray(launch.block_table)
+    rows = launch.rows
+    slots, prompt_lens, bt = jnp.asarray(rows.slots), jnp.asarray(rows.prompt_lens), jnp.asarray(rows.block_table)
+    sp = jax.tree.map(jnp.asarray, rows.sampling)
     spec = launch.shape if launch.kind == "decode" else None
     timings: dict[str, float] = {}
     timed = functools.partial(_timed, timings, runs)

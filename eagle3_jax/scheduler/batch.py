@@ -3,7 +3,7 @@
 Admission (first-come first-served while a slot is free and the prompt's pages fit), the next
 prefill chunks, page growth before each decode step, preemption of the newest request when pages
 run short, release, and a batch's state slots and block table. Block tables and sampling
-settings and prompt lengths are kept per state slot (numpy tables), so a batch's are one gather
+settings and prompt lengths are kept per state slot (slot_table.py), so a batch's are one gather
 by its slots.
 
 With prefix caching (page_allocator.PrefixCache), a request admitted takes the cached pages of
@@ -29,12 +29,11 @@ from typing import Sequence
 
 import numpy as np
 
-from .. import kv_cache
 from ..page_allocator import PageAllocator, PrefixCache, page_keys, pages_for
 from ..request import Request
-from ..sampling import SamplingTable
 from ..spec_decode.policy import SpeculationPolicy
 from .metrics import SchedulerCounters
+from .slot_table import BatchRows, SlotTable
 
 MIN_PAGES_BUCKET = 4
 MIN_CHUNK_BUCKET = 16
@@ -67,13 +66,6 @@ def prefill_fits(batch: int, chunk: int, prefill_chunk: int) -> bool:
     step's token budget in positions, padding included, so short prompts batched beside a long one
     do not multiply the work (and the prefill shapes stay few enough to compile ahead)."""
     return batch == 1 or batch * chunk <= 2 * chunk_cap(prefill_chunk)
-
-
-def prefill_arrays(batch: int, chunk: int) -> tuple[np.ndarray, ...]:
-    """A prefill's per-row arrays, as for padding rows of `chunk` tokens: (tokens, cache lengths,
-    valid tokens, the token following the chunk (-1: the prompt ends here), output counts)."""
-    return (np.zeros((batch, chunk), np.int32), np.zeros((batch,), np.int32), np.ones((batch,), np.int32),
-            np.full((batch,), -1, np.int32), np.zeros((batch,), np.int32))
 
 
 WAITING, PREFILL, DECODE, DONE = "waiting", "prefill", "decode", "done"
@@ -124,9 +116,7 @@ class RunningBatch:
             self.alloc.cache = PrefixCache()
         scratch = max_num_seqs  # the state slot of padding rows
         self.free_slots = list(range(scratch - 1, -1, -1))
-        self.tables = np.full((scratch + 1, max_pages_per_seq), kv_cache.SCRATCH_PAGE, np.int32)
-        self.sampling = SamplingTable(scratch + 1)
-        self.prompt_lens = np.zeros((scratch + 1,), np.int32)
+        self.table = SlotTable(scratch + 1, max_pages_per_seq)
         self.waiting: collections.deque[ScheduledRequest] = collections.deque()
         self.running: dict[str, ScheduledRequest] = {}  # admission order: prefilling and decoding
         self.last_decode_key: tuple[int, int] | None = None  # (batch, width) buckets of the last decode step
@@ -135,6 +125,8 @@ class RunningBatch:
         """Admit waiting requests first-come first-served while a slot is free and their prompt's
         pages fit beside a page of growth for each decoding request (cached pages of their prefix
         taken, not allocated). A request waiting for another's prefill is passed over meanwhile."""
+        if not self.waiting:
+            return
         reserve = sum(r.state == DECODE for r in self.running.values())  # a page of growth each
         passed_over = []
         while self.waiting and len(self.running) < self.max_num_seqs:
@@ -157,13 +149,12 @@ class RunningBatch:
             self.waiting.popleft()
             req.slot = self.free_slots.pop()
             self.alloc.hold(cached)
-            self.tables[req.slot, : len(cached)] = cached
+            self.table.admit(req.slot, len(req.prompt), req.sampling)
+            self.table.set_pages(req.slot, 0, cached)
             req.pages = list(cached)
             self._give_pages(req, need)
             req.state, req.computed, req.length = PREFILL, len(cached) * self.page_size, len(cached) * self.page_size
             req.with_draft = with_draft
-            self.sampling.set_row(req.slot, req.sampling)
-            self.prompt_lens[req.slot] = len(req.prompt)
             if req.admitted is None:
                 req.admitted = time.perf_counter()
             self.running[req.id] = req
@@ -234,7 +225,7 @@ class RunningBatch:
 
     def _give_pages(self, req: ScheduledRequest, n: int) -> None:
         pages = self.alloc.allocate(n)
-        self.tables[req.slot, len(req.pages): len(req.pages) + n] = pages
+        self.table.set_pages(req.slot, len(req.pages), pages)
         req.pages += pages
 
     def decoding(self) -> list[ScheduledRequest]:
@@ -243,13 +234,15 @@ class RunningBatch:
 
     def grow_pages(self) -> None:
         """Give every decoding request pages for its next step, preempting the newest when short."""
+        reserve = {True: self.policy.reserve(True), False: self.policy.reserve(False)}
         for req in list(self.running.values()):
             if req.state != DECODE:
                 continue
-            step_tokens, lookahead = self.policy.reserve(req.with_draft)
-            unread = req.pending * step_tokens  # committed by launched steps not read yet
-            need = min(pages_for(req.length + unread + lookahead, self.page_size),
-                       self.max_pages_per_seq) - len(req.pages)
+            step_tokens, lookahead = reserve[req.with_draft]
+            end = req.length + req.pending * step_tokens + lookahead  # pending: launched steps not read yet
+            if end <= len(req.pages) * self.page_size:
+                continue  # most steps: its pages cover it
+            need = min(pages_for(end, self.page_size), self.max_pages_per_seq) - len(req.pages)
             while need > self.alloc.num_free and req.state == DECODE:
                 self.preempt(next(reversed(self.running.values())))
             if req.state == DECODE and need > 0:
@@ -275,22 +268,21 @@ class RunningBatch:
             self.cache_pages(req, req.prompt + req.output, req.length, draft_valid)
         self.alloc.free(req.pages)
         if req.slot is not None:
-            self.tables[req.slot] = kv_cache.SCRATCH_PAGE
+            self.table.clear(req.slot)
             self.free_slots.append(req.slot)
         req.pages, req.computed, req.length, req.slot, req.pending, req.gap = [], 0, 0, None, 0, 0
         req.epoch += 1
 
-    def rows_batch(self, rows: Sequence[ScheduledRequest], min_width: int = MIN_PAGES_BUCKET,
-                   ) -> tuple[np.ndarray, np.ndarray]:
-        """(state slots [batch], block table [batch, width]) of `rows`, padded to the batch bucket
-        with the scratch slot (whose table is all scratch page); the width is at least `min_width`."""
+    def rows_batch(self, rows: Sequence[ScheduledRequest], min_width: int = MIN_PAGES_BUCKET) -> BatchRows:
+        """The slot-table rows of `rows` (slots, prompt lengths, sampling settings, block tables),
+        padded to the batch bucket with the scratch slot's (all scratch page); the block tables'
+        width is at least `min_width`."""
         batch = bucket(len(rows), 1, self.max_num_seqs)
         slots = np.full((batch,), self.max_num_seqs, np.int32)
         slots[: len(rows)] = [r.slot for r in rows]
         width = bucket(max(max(len(r.pages) for r in rows), min_width), MIN_PAGES_BUCKET, self.max_pages_per_seq)
-        return slots, self.tables[slots, :width]
+        return self.table.rows(slots, width)
 
-    def padding_batch(self, batch: int, width: int) -> tuple[np.ndarray, np.ndarray]:
-        """(slots, block table) of `batch` padding rows only (programs compiled ahead, warm-up)."""
-        slots = np.full((batch,), self.max_num_seqs, np.int32)
-        return slots, self.tables[slots, :width]
+    def padding_batch(self, batch: int, width: int) -> BatchRows:
+        """`batch` padding rows only (programs compiled ahead, warm-up)."""
+        return self.table.rows(np.full((batch,), self.max_num_seqs, np.int32), width)

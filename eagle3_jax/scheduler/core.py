@@ -30,8 +30,10 @@ Target and draft K/V live in page pools shared by all requests; a request owns a
 size, chunk length and block-table width are bucketed to powers of two, so a few compiled
 programs serve every mix of requests. A request's chunk boundaries depend only on its own length,
 and prefill always uses the same attention form, so a request's greedy tokens do not depend on
-what runs beside it. Host bookkeeping per step is per-slot numpy tables (block tables, sampling
-settings) indexed by the batch's slots, so it grows with the rows that change, not the batch.
+what runs beside it. A step's host arguments are the batch's rows of per-slot tables (slots,
+prompt lengths, sampling settings, block tables: slot_table.py), written when a request joins or
+gains pages and gathered by slots in one go: two arrays per program, whatever the batch. A step's
+outputs are copied to the host behind it (`Executor.prefetch`) and read after the next launch.
 
 Multi-host: every process must launch the same programs. Either every process drives an
 identical request stream (the steps depend only on the requests), or process 0 alone takes
@@ -61,7 +63,7 @@ from ..target import Target
 from ..text_stream import TextStream, output_text
 from ..tokenizer import Tokenizer
 from . import lockstep
-from .batch import DECODE, DONE, MIN_PAGES_BUCKET, WAITING, RunningBatch, ScheduledRequest, bucket
+from .batch import DONE, MIN_PAGES_BUCKET, WAITING, RunningBatch, ScheduledRequest, bucket
 from .launches import Launch, Launcher, time_steady_steps_only
 from .metrics import SchedulerCounters
 from .programs import Executor
@@ -281,7 +283,7 @@ class Scheduler:
                 "num_cached_pages": b.alloc.cache.num_cached if b.alloc.cache is not None else 0,
                 "page_size": self.page_size, "num_compiled_grammars": len(self.grammars or ()),
                 "num_constrained_requests": sum(r.grammar is not None for r in self._requests.values()),
-                **self.counters.stats(), **self.policy.stats()}
+                **self.counters.stats(), "launch_seconds_total": self.programs.launch_seconds, **self.policy.stats()}
 
     # ---- one iteration -------------------------------------------------------------------------
     def step(self) -> list[RequestDelta]:
@@ -289,13 +291,10 @@ class Scheduler:
 
         With `overlap` (the default) the news is that of the previous iteration's programs, read
         while this iteration's run on the device, so host work (admission, page growth, block
-        tables, sampling arrays, detokenising callers) overlaps device work; without it, of this
-        iteration's.
+        tables, sampling arrays, detokenising callers) overlaps device work; without it, of this iteration's.
         """
-        deltas, self._aborted = self._aborted, []
-        start = time.perf_counter()
+        (deltas, self._aborted), start, launches = (self._aborted, []), time.perf_counter(), []
         self._batch.admit()
-        launches = []
         prefill_rows = self._batch.prefill_rows(self.prefill_chunk)
         if prefill_rows:
             launches.append(self._launcher.prefill(prefill_rows))
@@ -309,8 +308,7 @@ class Scheduler:
         if decode_rows:
             launches.append(self._launcher.decode(decode_rows))
         ready, self._inflight = (self._inflight, launches) if self.overlap else (launches, [])
-        if self.overlap:
-            time_steady_steps_only(ready, launches)
+        time_steady_steps_only(ready, launches if self.overlap else [])
         news, waited = self._collect(ready)
         self.counters.totals["host_seconds_total"] += time.perf_counter() - start - waited
         self.counters.totals["num_iterations_total"] += 1
@@ -393,33 +391,35 @@ class Scheduler:
                                                     req.sampling.prompt_logprobs)
             if final:
                 lps = None if req.logprobs is None else Logprob.rows(logprobs, i, [n - 1], req.sampling.logprobs)
-                deltas.append(self._emit(req, first[i: i + 1], now, lps))
+                deltas.append(self._emit(req, [int(first[i])], now, lps))
         return deltas
 
     def _collect_decode(self, launch: Launch, rows: list[tuple[int, ScheduledRequest]], outputs: list[np.ndarray],
                         now: float) -> list[RequestDelta]:
-        (out, count), logprobs = outputs[:2], outputs[2:] or None
-        plan = launch.plan
-        index = np.fromiter((i for i, _ in rows), np.int64, len(rows))
-        counts = count[index]
-        self.policy.observe(plan, launch.key, self._step_seconds(launch, now),
-                            {req.id: int(k) - 1 for (_, req), k in zip(rows, counts) if req.with_draft})
+        (out, count), logprobs, plan = outputs[:2], outputs[2:] or None, launch.plan
+        counts = count[[i for i, _ in rows]]
+        self.policy.observe(plan, launch.key, self._step_seconds(launch, now), rows, counts)
         self.counters.decode_step(counts, plan.depth)
-        deltas = []
+        tokens, depth, passes = out.tolist(), plan.depth, plan.draft_passes
+        deltas, taken = [], 0
         for (i, req), k in zip(rows, counts.tolist()):
-            req.pending -= 1
-            req.length += k
-            req.record_step(k, plan.depth, plan.draft_passes)
+            req.pending, req.length = req.pending - 1, req.length + k
+            req.record_step(k, depth, passes)
+            new = tokens[i][:k]
+            if req.take(new, now):  # nothing ends it or reads the tokens one by one (most rows)
+                taken += k
+                deltas.append(RequestDelta(req.id, new, now, False, None, None))
+                continue
             lps = None if req.logprobs is None else Logprob.rows(logprobs, i, range(k), req.sampling.logprobs)
-            deltas.append(self._emit(req, out[i, :k], now, lps))
+            deltas.append(self._emit(req, new, now, lps))
+        self.counters.totals["generation_tokens_total"] += taken
         return deltas
 
-    def _emit(self, req: ScheduledRequest, tokens: np.ndarray, now: float,
+    def _emit(self, req: ScheduledRequest, tokens: list[int], now: float,
               logprobs: list[Logprob] | None = None) -> RequestDelta:
         """Hand out a step's tokens (up to a stop token or the budget) and their logprobs; finish the
         request if done."""
-        before = len(req.output)
-        reason = req.emit(tokens.tolist(), now, logprobs)
+        before, reason = len(req.output), req.emit(tokens, now, logprobs)  # (in this order)
         self.counters.totals["generation_tokens_total"] += len(req.output) - before
         if reason is None:
             prompt_lps = req.prompt_logprobs if req.sent == 0 else None

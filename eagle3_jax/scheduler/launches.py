@@ -16,9 +16,10 @@ from ..logprobs import LogprobSettings
 from ..spec_decode.policy import SpeculationPolicy, StepPlan
 from ..structured import batch_masks, batch_tree_masks, mask_words
 from . import lockstep
-from .batch import DECODE, MIN_CHUNK_BUCKET, RunningBatch, ScheduledRequest, bucket, chunk_cap, prefill_arrays
+from .batch import DECODE, MIN_CHUNK_BUCKET, RunningBatch, ScheduledRequest, bucket, chunk_cap
 from .metrics import SchedulerCounters
 from .programs import Executor
+from .slot_table import BatchRows, chunk_columns, prefill_chunks
 
 
 @dataclasses.dataclass
@@ -65,14 +66,14 @@ class Launcher:
         self.max_num_seqs, self.prefill_chunk, self.prefill_width = max_num_seqs, prefill_chunk, prefill_width
         self.leader: lockstep.Leader | None = None  # multi-host: process 0 announces every launch
 
-    def run(self, kind: str, plan_shape, block_table: np.ndarray, *args, logprobs: bool = False,
+    def run(self, kind: str, plan_shape, rows: BatchRows, *args, logprobs: bool = False,
             masks: np.ndarray | None = None):
         """Launch a program, the variant returning logprobs when asked, with token bitmasks when
         given (first telling the followers of a multi-host leader)."""
         settings = self.logprob_settings if logprobs else None
         if self.leader is not None:
-            self.leader.launched(kind, plan_shape, block_table, args, settings, masks)
-        return self.executor.execute(kind, plan_shape, block_table, *args, logprobs=settings, masks=masks)
+            self.leader.launched(kind, plan_shape, rows, args, settings, masks)
+        return self.executor.execute(kind, plan_shape, rows, *args, logprobs=settings, masks=masks)
 
     @property
     def mask_words(self) -> int:
@@ -86,19 +87,17 @@ class Launcher:
 
     def prefill(self, rows: list[tuple[ScheduledRequest, int]]) -> Launch:
         """Launch the next prompt chunks; a request whose prompt ends here decodes from now on."""
-        slots, block_table = self.batch.rows_batch([r for r, _ in rows], self.prefill_width)
-        batch = len(slots)
+        owners = self.batch.rows_batch([r for r, _ in rows], self.prefill_width)  # the rows' own slots
+        batch = len(owners.ints)
         t = bucket(max(n for _, n in rows), MIN_CHUNK_BUCKET, chunk_cap(self.prefill_chunk))
-        tokens, lengths, n_valid, following, counter = prefill_arrays(batch, t)
-        sp = self.batch.sampling.rows(slots)
-        owners = slots.copy()  # each row's own slot, whose penalty history the chunk enters
+        packed = prefill_chunks(batch, t)
+        tokens, lengths, n_valid, following, counter = chunk_columns(packed)  # views: written through
         for i, (req, n) in enumerate(rows):
             c = req.computed
             tokens[i, :n] = req.prefill_ids[c: c + n]
             n_valid[i], lengths[i], counter[i] = n, c, len(req.output)
             if c + n < len(req.prefill_ids):  # not the prompt's last chunk: its first token is not kept
                 following[i] = req.prefill_ids[c + n]
-                slots[i] = self.max_num_seqs
         launched_rows = [(req, req.epoch, following[i] < 0) for i, (req, _) in enumerate(rows)]
         # With the draft when any row has it (a row without it then has a draft cache it never uses).
         with_draft = any(r.with_draft for r, _ in rows)
@@ -108,9 +107,9 @@ class Launcher:
         grammars = [req.grammar if following[i] < 0 else None for i, (req, _) in enumerate(rows)]
         masks = batch_masks(grammars, batch, self.mask_words) if any(g is not None for g in grammars) else None
         compiles, launched = self.executor.programs.num_compiles, time.perf_counter()
-        outputs = self.run("prefill" if with_draft else "plain_prefill", None, block_table, tokens, lengths,
-                               n_valid, following, slots, sp, counter, owners, self.batch.prompt_lens[owners],
-                               logprobs=logprobs, masks=masks)
+        outputs = self.run("prefill" if with_draft else "plain_prefill", None, owners, packed, logprobs=logprobs,
+                           masks=masks)
+        self.executor.prefetch(outputs)
         for req, n in rows:
             req.computed += n
             req.length = req.computed
@@ -123,27 +122,27 @@ class Launcher:
 
     def decode(self, rows: list[ScheduledRequest]) -> Launch:
         """Launch one decode step over `rows`, as the speculation policy plans it (a catch-up first when planned)."""
-        slots, block_table = self.batch.rows_batch(rows)
-        self.batch.last_decode_key = block_table.shape
-        plan = self.policy.plan(rows, block_table.shape)
+        batch_rows = self.batch.rows_batch(rows)
+        key = self.batch.last_decode_key = batch_rows.block_table.shape
+        plan = self.policy.plan(rows, key)
         if plan.catch_up:
-            self.run("catch_up", None, block_table, slots)
+            self.run("catch_up", None, batch_rows)
         for req in rows:
             req.pending += 1
         compiles, launched = self.executor.programs.num_compiles, time.perf_counter()
-        args = (block_table, slots, self.batch.prompt_lens[slots], self.batch.sampling.rows(slots))
         logprobs = any(r.logprobs is not None for r in rows)
         if any(r.grammar is not None for r in rows):
-            outputs = self._constrained(rows, plan, args, logprobs)
+            outputs = self._constrained(rows, plan, batch_rows, logprobs)
         else:
-            outputs = self.run(plan.program, plan.shape, *args, logprobs=logprobs)
+            outputs = self.run(plan.program, plan.shape, batch_rows, logprobs=logprobs)
+        self.executor.prefetch(outputs)
         # A step after a catch-up starts when the catch-up ends, which the host does not see. A
         # constrained step's time holds the host's mask work beside its programs: its true cost,
         # which the adaptive policy weighs.
-        return Launch("decode", [(r, r.epoch, True) for r in rows], outputs, plan, block_table.shape, launched,
-                       plan.catch_up, compiles)
+        return Launch("decode", [(r, r.epoch, True) for r in rows], outputs, plan, key, launched, plan.catch_up,
+                      compiles)
 
-    def _constrained(self, rows: list[ScheduledRequest], plan: StepPlan, args: tuple, logprobs: bool) -> list:
+    def _constrained(self, rows: list[ScheduledRequest], plan: StepPlan, batch_rows: BatchRows, logprobs: bool) -> list:
         """A decode step under the rows' grammars (each row's every earlier token read): one token
         ("one_forward", the target's pass, during which the host fills each row's next mask, then
         "one_sample" / "store_sample" with them), or a speculative step: "propose" (the tree, its
@@ -151,24 +150,23 @@ class Launcher:
         reads the tree and computes each node's mask, then "accept" with those masks. A
         multi-host leader runs each step's single-program form (its followers hold their own
         device arrays)."""
-        block_table, slots, prompt_lens, sp = args
-        grammars = [r.grammar for r in rows]
+        grammars, batch = [r.grammar for r in rows], len(batch_rows.ints)
         settings = self.logprob_settings if logprobs else None
         if plan.program != "decode" and self.leader is not None:
-            return self.run(plan.program, plan.shape, *args, logprobs=logprobs,
-                            masks=batch_masks(grammars, len(slots), self.mask_words))
+            return self.run(plan.program, plan.shape, batch_rows, logprobs=logprobs,
+                            masks=batch_masks(grammars, batch, self.mask_words))
         if plan.program != "decode":  # one token: the masks filled during the target's pass
-            passed = self.executor.execute("one_forward", None, block_table, slots, prompt_lens)
-            masks = batch_masks(grammars, len(slots), self.mask_words)
+            passed = self.executor.execute("one_forward", None, batch_rows)
+            masks = batch_masks(grammars, batch, self.mask_words)
             sample = "store_sample" if plan.program == "store_decode" else "one_sample"
-            return self.executor.execute(sample, None, *args, *passed, logprobs=settings, masks=masks)
-        tree = self.run("propose", plan.shape, block_table, slots, prompt_lens,
-                        masks=batch_masks(grammars, len(slots), self.mask_words))
+            return self.executor.execute(sample, None, batch_rows, *passed, logprobs=settings, masks=masks)
+        tree = self.run("propose", plan.shape, batch_rows, masks=batch_masks(grammars, batch, self.mask_words))
         if self.leader is None:
-            passed = self.executor.execute("forward", plan.shape, block_table, slots, prompt_lens, *tree)
+            passed = self.executor.execute("forward", plan.shape, batch_rows, *tree)
         self.reading(1)
         tokens, parents = self.executor.read(tree)  # waits for the proposal only
         node_masks = batch_tree_masks(grammars, tokens, parents, self.mask_words)
         if self.leader is not None:  # followers cannot take this process's device arrays: one program
-            return self.run("verify", plan.shape, *args, tokens, parents, logprobs=logprobs, masks=node_masks)
-        return self.executor.execute("accept", plan.shape, *args, *tree, *passed, logprobs=settings, masks=node_masks)
+            return self.run("verify", plan.shape, batch_rows, tokens, parents, logprobs=logprobs, masks=node_masks)
+        return self.executor.execute("accept", plan.shape, batch_rows, *tree, *passed, logprobs=settings,
+                                     masks=node_masks)

@@ -3,8 +3,8 @@
 In a multi-host JAX job every process must launch the same sharded program with the same inputs
 (each feeds its own devices). Only process 0 receives requests, so only it can decide what the
 next step is. `StepChannel` carries that decision: before each step program the leader sends the
-program's host inputs (a small pickled message: the program kind, the page table, tokens, sampling
-arrays), and each follower, blocked in `follow` (`Scheduler.follow`), receives them and runs the
+program's host inputs (a small pickled message: the program kind, the batch's rows of the slot
+tables, tokens), and each follower, blocked in `follow` (`Scheduler.follow`), receives them and runs the
 same program on its shards (`Leader` is the sending side, `Scheduler.lead`). The transport is `multihost_utils.broadcast_one_to_all`, a collective over every
 process's devices, so messages arrive in order and nothing else is needed. Payloads are padded to a
 power of two so the broadcast compiles for a handful of sizes only.
@@ -68,8 +68,8 @@ class Leader:
         if not self.channel.is_leader:
             raise RuntimeError("lead() is for process 0; the other processes call follow()")
 
-    def launched(self, kind: str, shape, block_table: np.ndarray, args: tuple, logprobs=None, masks=None) -> None:
-        self.channel.send((kind, shape, block_table, jax.tree.map(np.asarray, args), logprobs, masks))
+    def launched(self, kind: str, shape, rows, args: tuple, logprobs=None, masks=None) -> None:
+        self.channel.send((kind, shape, rows, jax.tree.map(np.asarray, args), logprobs, masks))
 
     def reading(self, launches: int) -> None:
         """The leader now reads the outputs of its `launches` oldest unread programs."""
@@ -93,8 +93,8 @@ def follow(executor) -> int:
             for _ in range(message[1]):
                 executor.read(unread.popleft())
             continue
-        kind, shape, block_table, args, logprobs, masks = message
-        outputs = executor.execute(kind, shape, block_table, *args, logprobs=logprobs, masks=masks)
+        kind, shape, rows, args, logprobs, masks = message
+        outputs = executor.execute(kind, shape, rows, *args, logprobs=logprobs, masks=masks)
         if outputs:  # a catch-up returns nothing to read
             unread.append(outputs)
         steps += 1

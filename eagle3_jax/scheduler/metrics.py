@@ -60,8 +60,8 @@ class SchedulerCounters:
 # Cumulative counters of Scheduler.stats(), which stats_since counts from an earlier snapshot.
 COUNTER_KEYS = ("num_preemptions", "num_requests_finished", "num_requests_aborted", "prompt_tokens_total",
                 "generation_tokens_total", "num_decode_steps_total", "accepted_tokens_total", "num_iterations_total",
-                "host_seconds_total", "num_drafts_total", "num_draft_tokens_total", "num_accepted_draft_tokens_total",
-                "prefix_cache_queries_total", "prefix_cache_hits_total", "prefix_cache_requests_total",
+                "host_seconds_total", "launch_seconds_total", "num_drafts_total", "num_draft_tokens_total",
+                "num_accepted_draft_tokens_total", "prefix_cache_queries_total", "prefix_cache_hits_total", "prefix_cache_requests_total",
                 "prefix_cache_hit_requests_total")
 ADAPTIVE_COUNTER_KEYS = ("steps_without_draft", "requests_with_draft", "requests_without_draft")
 

@@ -1,7 +1,8 @@
 """The scheduler's device side: the state its programs carry, the programs, and their cache.
 
-Every program takes (target params, draft params, `DeviceState`, block table, host arrays...),
-donates the state and returns (outputs..., new state). Kinds:
+Every program takes (target params, draft params, `DeviceState`, the batch's `BatchRows` (slots,
+prompt lengths, sampling settings, block tables: slot_table.py), host arrays...), donates the state
+and returns (outputs..., new state). Kinds:
 
 - "prefill" / "plain_prefill": one prompt chunk per row, with / without the draft;
 - "decode": one speculative step of a chain or tree (spec_decode/step.py);
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import time
 
 import jax
 import jax.numpy as jnp
@@ -43,11 +45,12 @@ from .. import kv_cache
 from ..config import ModelConfig
 from ..draft import Draft, DraftConfig
 from ..logprobs import LogprobSettings, TokenLogprobs
-from ..sampling import PenaltyHistory, SamplingArrays, count_tokens
+from ..sampling import PenaltyHistory, count_tokens
 from ..sharding import mesh_context, replicate, shard_pages, to_host
 from ..spec_decode.policy import SpeculationPolicy
 from ..spec_decode.propose import DraftRoot, DraftTree, draft_extend, propose
 from ..spec_decode.step import accept_step, spec_step, verify_tree
+from .slot_table import BatchRows, chunk_columns
 from .steps import plain_forward, plain_prefill, plain_sample, plain_step, spec_prefill
 from ..spec_decode.settings import SpecConfig
 from ..target import Target
@@ -139,18 +142,21 @@ def _history_with_chunk(state: DeviceState, owners, prompt_lens, tokens, lengths
 
 
 def _prefill_program(tcfg: ModelConfig, dcfg: DraftConfig | None, shape: None, logprobs: LogprobSettings | None,
-                     tparams: dict, dparams: dict | None, state: DeviceState, block_table, tokens, lengths, n_valid,
-                     following, slots, sp: SamplingArrays, counter, owners, prompt_lens, masks=None):
-    """One prompt chunk per row after its cached prefix (`lengths`) -> (first token, [logprobs of
-    each position's next token,] state). `masks` [B, words]: the tokens each row's first token may
-    be (structured output).
+                     tparams: dict, dparams: dict | None, state: DeviceState, rows: BatchRows, chunks, masks=None):
+    """One prompt chunk per row after its cached prefix -> (first token, [logprobs of each
+    position's next token,] state). `chunks`: the rows' packed prefill arrays (slot_table.py:
+    tokens, cache lengths, valid tokens, following token, output counts). `masks` [B, words]: the
+    tokens each row's first token may be (structured output).
 
-    Rows whose chunk ends the prompt store their length, first token (and draft root) in state
-    slot `slots[i]`; the others pass the scratch slot. Every row's chunk enters the penalty history
-    of its request's slot `owners[i]` (`prompt_lens`: its prompt's length), and a first token its
-    output counts. Prefill always uses the expanded MLA form, whatever the chunk length, so
-    numerics do not depend on the batch's bucket.
+    Rows whose chunk ends the prompt store their length, first token (and draft root) in their
+    state slot; the others write the scratch slot. Every row's chunk enters the penalty history
+    of its request's slot (`rows.prompt_lens`: its prompt's length), and a first token its output
+    counts. Prefill always uses the expanded MLA form, whatever the chunk length, so numerics do
+    not depend on the batch's bucket.
     """
+    tokens, lengths, n_valid, following, counter = chunk_columns(chunks)
+    block_table, owners, prompt_lens, sp = rows.block_table, rows.slots, rows.prompt_lens, rows.sampling
+    slots = jnp.where(following < 0, owners, state.length.shape[0] - 1)
     tcache = state.target_cache(block_table, lengths)
     length = state.length.at[slots].set(lengths + n_valid)
     state = _history_with_chunk(state, owners, prompt_lens, tokens, lengths, n_valid)
@@ -183,13 +189,14 @@ def slot_rows(state: DeviceState, slots, prompt_lens):
 
 
 def _one_token_step(tcfg: ModelConfig, logprobs: LogprobSettings | None, tparams: dict, state: DeviceState,
-                    block_table, slots, prompt_lens, sp: SamplingArrays, masks=None):
+                    rows: BatchRows, masks=None):
     """One target token per row (`masks` [B, words]: among those allowed): (tokens [B, 1], counts
     [B], aux features [B, F], logprob outputs, state)."""
-    lengths, counter = slot_rows(state, slots, prompt_lens)
-    nxt, aux, tcache, lp = plain_step(tparams, tcfg, state.target_cache(block_table, lengths), state.last_token[slots],
-                                      sp, counter, logprobs, PenaltyHistory(state.output_counts, state.prompt_seen, slots),
-                                      masks)
+    slots = rows.slots
+    lengths, counter = slot_rows(state, slots, rows.prompt_lens)
+    nxt, aux, tcache, lp = plain_step(tparams, tcfg, state.target_cache(rows.block_table, lengths),
+                                      state.last_token[slots], rows.sampling, counter, logprobs,
+                                      PenaltyHistory(state.output_counts, state.prompt_seen, slots), masks)
     with jax.named_scope("state"):
         state = record_token(state.replace(tk=tcache.k, tv=tcache.v), slots, lengths, nxt)
     return nxt[:, None], jnp.ones_like(nxt), aux, _logprob_outputs(lp), state
@@ -205,22 +212,18 @@ def record_token(state: DeviceState, slots, lengths, nxt) -> DeviceState:
 
 
 def _plain_decode_program(tcfg: ModelConfig, dcfg: None, shape: None, logprobs: LogprobSettings | None,
-                          tparams: dict, dparams: None, state: DeviceState, block_table, slots, prompt_lens,
-                          sp: SamplingArrays, masks=None):
+                          tparams: dict, dparams: None, state: DeviceState, rows: BatchRows, masks=None):
     """One target token per row from its state slot -> (tokens [B, 1], counts [B], [logprobs,] state)."""
-    out, count, _, lp, state = _one_token_step(tcfg, logprobs, tparams, state, block_table, slots, prompt_lens, sp,
-                                               masks)
+    out, count, _, lp, state = _one_token_step(tcfg, logprobs, tparams, state, rows, masks)
     return out, count, *lp, state
 
 
 def _store_decode_program(tcfg: ModelConfig, dcfg: DraftConfig, shape: None, logprobs: LogprobSettings | None,
-                          tparams: dict, dparams: dict, state: DeviceState, block_table, slots, prompt_lens,
-                          sp: SamplingArrays, masks=None):
+                          tparams: dict, dparams: dict, state: DeviceState, rows: BatchRows, masks=None):
     """A step without speculation or draft work: one target token per row; the pair (its target
     feature, the sampled next token) waits in the row's gap buffer for the catch-up program."""
-    out, count, aux, lp, state = _one_token_step(tcfg, logprobs, tparams, state, block_table, slots, prompt_lens, sp,
-                                                 masks)
-    return out, count, *lp, store_pair(state, slots, aux, out[:, 0])
+    out, count, aux, lp, state = _one_token_step(tcfg, logprobs, tparams, state, rows, masks)
+    return out, count, *lp, store_pair(state, rows.slots, aux, out[:, 0])
 
 
 def store_pair(state: DeviceState, slots, aux, token) -> DeviceState:
@@ -233,23 +236,24 @@ def store_pair(state: DeviceState, slots, aux, token) -> DeviceState:
 
 
 def _one_forward_program(tcfg: ModelConfig, dcfg: None, shape: None, logprobs: None, tparams: dict, dparams: None,
-                         state: DeviceState, block_table, slots, prompt_lens):
+                         state: DeviceState, rows: BatchRows):
     """The target's pass of a one-token step -> (logits [B, 1, V], features [B, F], state: the
     rows' last tokens' K/V written)."""
-    lengths, _ = slot_rows(state, slots, prompt_lens)
-    logits, aux, tcache = plain_forward(tparams, tcfg, state.target_cache(block_table, lengths), state.last_token[slots])
+    lengths, _ = slot_rows(state, rows.slots, rows.prompt_lens)
+    logits, aux, tcache = plain_forward(tparams, tcfg, state.target_cache(rows.block_table, lengths),
+                                        state.last_token[rows.slots])
     return logits, aux, state.replace(tk=tcache.k, tv=tcache.v)
 
 
 def _one_sample_program(tcfg: ModelConfig, dcfg: DraftConfig | None, shape: None, logprobs: LogprobSettings | None,
-                        tparams: dict, dparams: dict | None, state: DeviceState, block_table, slots, prompt_lens,
-                        sp: SamplingArrays, logits, aux, masks):
+                        tparams: dict, dparams: dict | None, state: DeviceState, rows: BatchRows, logits, aux, masks):
     """The rest of a one-token step after "one_forward", each row's token among those its bitmask
     `masks` [B, words] allows -> as "plain_decode"; with the draft's state ("store_sample"), the
     pair kept for the catch-up as "store_decode" does."""
-    lengths, counter = slot_rows(state, slots, prompt_lens)
-    nxt, lp = plain_sample(logits, sp, counter, logprobs, PenaltyHistory(state.output_counts, state.prompt_seen, slots),
-                           masks)
+    slots = rows.slots
+    lengths, counter = slot_rows(state, slots, rows.prompt_lens)
+    nxt, lp = plain_sample(logits, rows.sampling, counter, logprobs,
+                           PenaltyHistory(state.output_counts, state.prompt_seen, slots), masks)
     state = record_token(state, slots, lengths, nxt)
     if state.gap_tokens is not None:
         state = store_pair(state, slots, aux, nxt)
@@ -257,15 +261,16 @@ def _one_sample_program(tcfg: ModelConfig, dcfg: DraftConfig | None, shape: None
 
 
 def _decode_program(tcfg: ModelConfig, dcfg: DraftConfig, shape: SpecConfig, logprobs: LogprobSettings | None,
-                    tparams: dict, dparams: dict, state: DeviceState, block_table, slots, prompt_lens,
-                    sp: SamplingArrays):
+                    tparams: dict, dparams: dict, state: DeviceState, rows: BatchRows):
     """One speculative step (`shape`) per row from its state slot -> (tokens [B, D+1] (-1
     padded), counts [B], [logprobs,] state)."""
-    lengths, counter = slot_rows(state, slots, prompt_lens)
+    block_table, slots = rows.block_table, rows.slots
+    lengths, counter = slot_rows(state, slots, rows.prompt_lens)
     root = DraftRoot(token=state.last_token[slots], hidden=state.draft_hidden[slots])
     out, count, tcache, dcache, root, _, lp = spec_step(tparams, tcfg, dparams, dcfg, shape,
                                                         state.target_cache(block_table, lengths),
-                                                        state.draft_cache(block_table, lengths), root, sp, counter,
+                                                        state.draft_cache(block_table, lengths), root, rows.sampling,
+                                                        counter,
                                                         logprobs, PenaltyHistory(state.output_counts, state.prompt_seen,
                                                                                  slots))
     with jax.named_scope("state"):
@@ -274,42 +279,42 @@ def _decode_program(tcfg: ModelConfig, dcfg: DraftConfig, shape: SpecConfig, log
 
 
 def _propose_program(tcfg: ModelConfig, dcfg: DraftConfig, shape: SpecConfig, logprobs: None, tparams: dict,
-                     dparams: dict, state: DeviceState, block_table, slots, prompt_lens, masks):
+                     dparams: dict, state: DeviceState, rows: BatchRows, masks):
     """The draft tree (`shape`) of each row from its state slot, its first level among the tokens
     the row's bitmask `masks` [B, words] allows -> (tree tokens [B, N], parents [B, N], state: the
     draft pages hold the frontier's scratch K/V, which "verify" overwrites)."""
-    lengths, _ = slot_rows(state, slots, prompt_lens)
+    slots = rows.slots
+    lengths, _ = slot_rows(state, slots, rows.prompt_lens)
     root = DraftRoot(token=state.last_token[slots], hidden=state.draft_hidden[slots])
-    tree, dcache = propose(dparams, dcfg, state.draft_cache(block_table, lengths), root, shape, masks)
+    tree, dcache = propose(dparams, dcfg, state.draft_cache(rows.block_table, lengths), root, shape, masks)
     return tree.tokens, tree.parents, state.replace(dk=dcache.k, dv=dcache.v)
 
 
 def _verify_program(tcfg: ModelConfig, dcfg: DraftConfig, shape: SpecConfig, logprobs: LogprobSettings | None,
-                    tparams: dict, dparams: dict, state: DeviceState, block_table, slots, prompt_lens,
-                    sp: SamplingArrays, tokens, parents, masks):
+                    tparams: dict, dparams: dict, state: DeviceState, rows: BatchRows, tokens, parents, masks):
     """"forward" then "accept" as one program (a multi-host leader's form) -> as "decode"."""
-    logits, aux, state = _forward_program(tcfg, dcfg, shape, None, tparams, dparams, state, block_table, slots,
-                                          prompt_lens, tokens, parents)
-    return _accept_program(tcfg, dcfg, shape, logprobs, tparams, dparams, state, block_table, slots, prompt_lens, sp,
-                           tokens, parents, logits, aux, masks)
+    logits, aux, state = _forward_program(tcfg, dcfg, shape, None, tparams, dparams, state, rows, tokens, parents)
+    return _accept_program(tcfg, dcfg, shape, logprobs, tparams, dparams, state, rows, tokens, parents, logits, aux,
+                           masks)
 
 
 def _forward_program(tcfg: ModelConfig, dcfg: DraftConfig, shape: SpecConfig, logprobs: None, tparams: dict,
-                     dparams: dict, state: DeviceState, block_table, slots, prompt_lens, tokens, parents):
+                     dparams: dict, state: DeviceState, rows: BatchRows, tokens, parents):
     """The target's pass over each row's tree (from "propose") -> (logits [B, N, V], features
     [B, N, F], state: the nodes' K/V written past each row's committed length)."""
-    lengths, _ = slot_rows(state, slots, prompt_lens)
-    logits, aux, tcache, _, _ = verify_tree(tparams, tcfg, state.target_cache(block_table, lengths),
+    lengths, _ = slot_rows(state, rows.slots, rows.prompt_lens)
+    logits, aux, tcache, _, _ = verify_tree(tparams, tcfg, state.target_cache(rows.block_table, lengths),
                                             DraftTree(tokens=tokens, parents=parents))
     return logits, aux, state.replace(tk=tcache.k, tv=tcache.v)
 
 
 def _accept_program(tcfg: ModelConfig, dcfg: DraftConfig, shape: SpecConfig, logprobs: LogprobSettings | None,
-                    tparams: dict, dparams: dict, state: DeviceState, block_table, slots, prompt_lens,
-                    sp: SamplingArrays, tokens, parents, logits, aux, masks):
+                    tparams: dict, dparams: dict, state: DeviceState, rows: BatchRows, tokens, parents, logits, aux,
+                    masks):
     """The rest of a speculative step after "forward" (its `logits`, `aux`), each node judged among
     the tokens its bitmask `masks` [B, N, words] allows -> as "decode"."""
-    lengths, counter = slot_rows(state, slots, prompt_lens)
+    block_table, slots, sp = rows.block_table, rows.slots, rows.sampling
+    lengths, counter = slot_rows(state, slots, rows.prompt_lens)
     history = PenaltyHistory(state.output_counts, state.prompt_seen, slots)
     out, count, tcache, dcache, root, _, lp = accept_step(dparams, dcfg, shape.max_accept,
                                                           state.target_cache(block_table, lengths),
@@ -332,15 +337,16 @@ def advance_state(state: DeviceState, slots, lengths, out, count, tcache, dcache
 
 
 def _catch_up_program(tcfg: ModelConfig, dcfg: DraftConfig, shape: None, logprobs: None, tparams: dict,
-                      dparams: dict, state: DeviceState, block_table, slots) -> tuple[DeviceState]:
+                      dparams: dict, state: DeviceState, rows: BatchRows) -> tuple[DeviceState]:
     """Extend the draft over each row's stored (feature, token) pairs: from its cache at length -
     gap, in one draft pass; rows without pairs keep their draft hidden. Slots written past a row's
     pairs lie beyond its committed length (in its own pages, the scratch page, or past the table,
     where writes are dropped), so they need no room reserved."""
+    slots = rows.slots
     live = slots < state.length.shape[0] - 1
     lengths = jnp.where(live, state.length[slots], 0)
     gap = jnp.where(live, state.gap[slots], 0)
-    _, hidden, dcache = draft_extend(dparams, dcfg, state.draft_cache(block_table, lengths - gap),
+    _, hidden, dcache = draft_extend(dparams, dcfg, state.draft_cache(rows.block_table, lengths - gap),
                                      state.gap_features[slots], state.gap_tokens[slots], gap)
     hidden = jnp.where((gap > 0)[:, None], hidden, state.draft_hidden[slots])
     return (state.replace(dk=dcache.k, dv=dcache.v, draft_hidden=state.draft_hidden.at[slots].set(hidden),
@@ -372,6 +378,10 @@ class ProgramCache:
         self.capacity = capacity
         self._programs: collections.OrderedDict = collections.OrderedDict()
         self.num_compiles = 0
+        # Host time inside the jitted calls of compiled programs: launching them (argument
+        # transfers, the runtime's launch work; XLA:CPU also runs a program's first operations on
+        # the calling thread before it goes asynchronous).
+        self.launch_seconds = 0.0
 
     def __len__(self) -> int:
         return len(self._programs)
@@ -388,9 +398,12 @@ class ProgramCache:
             self._programs[key] = program
             while len(self._programs) > self.capacity:
                 self._programs.popitem(last=False)
-        else:
-            self._programs.move_to_end(key)
-        return program(*args)
+            return program(*args)
+        self._programs.move_to_end(key)
+        start = time.perf_counter()
+        outputs = program(*args)
+        self.launch_seconds += time.perf_counter() - start
+        return outputs
 
 
 class Executor:
@@ -401,18 +414,18 @@ class Executor:
         self.target, self.draft = target, draft
         self.state = init_state(target, draft, policy, num_pages, page_size, num_slots)
         self.programs = ProgramCache(max_compiled_programs)
+        self._host_is_device = jax.tree.leaves(target.params)[0].devices().pop().platform == "cpu"
 
-    def execute(self, kind: str, shape: SpecConfig | None, block_table: np.ndarray, *args,
+    def execute(self, kind: str, shape: SpecConfig | None, rows: BatchRows, *args,
                 logprobs: LogprobSettings | None = None, masks: np.ndarray | None = None) -> list[jax.Array]:
         """Launch the `kind` program (for "decode", of speculation `shape`; with `logprobs`, the
-        variant that returns them; with `masks`, the token bitmasks of structured output) on the
-        state; returns its outputs as device arrays, not waited for. The cache key is the kind,
-        the shape, the logprob settings, whether a row has a synthetic acceptance profile, whether
-        there are masks and the bucketed array shapes."""
+        variant that returns them; with `masks`, the token bitmasks of structured output) over
+        `rows` and the state; returns its outputs as device arrays, not waited for. The cache key
+        is the kind, the shape, the logprob settings, the rows' key (their shape, whether one has a
+        synthetic acceptance profile), whether there are masks and the other arrays' shapes."""
         with_draft = self.draft is not None and kind not in _PLAIN
         dcfg, dparams = (self.draft.config, self.draft.params) if with_draft else (None, None)
-        synthetic = any(isinstance(a, SamplingArrays) and a.accept_profile is not None for a in args)
-        key = (kind, shape, logprobs, synthetic, block_table.shape, np.shape(args[0]), np.shape(masks))
+        key = (kind, shape, logprobs, rows.key, np.shape(args[0]) if args else None, np.shape(masks))
         if masks is not None:
             args = (*args, masks)
         state, held = self.state, {}
@@ -422,9 +435,19 @@ class Executor:
         with mesh_context(self.target.mesh):
             *outs, state = self.programs.run(PROGRAMS[kind], (self.target.config, dcfg, shape, logprobs), key,
                                              self.target.params,
-                                             dparams, state, block_table, *args)
+                                             dparams, state, rows, *args)
         self.state = state.replace(**held)
         return outs
+
+    def prefetch(self, outputs: list[jax.Array]) -> None:
+        """Start copying `outputs`, which the host reads later, to the host now: queued behind the
+        program that computes them, the copy is done by the time the host reads them (after its
+        next launch), instead of starting then. A CPU device's arrays are host memory already."""
+        if self._host_is_device:
+            return
+        for output in outputs:
+            if output.is_fully_addressable:  # a multi-host batch is gathered by the read itself
+                output.copy_to_host_async()
 
     def read(self, outputs: list[jax.Array]) -> list[np.ndarray]:
         """The outputs' values. Every output is read, in order, on every process: reading a batch

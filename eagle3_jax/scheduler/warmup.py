@@ -13,7 +13,8 @@ import dataclasses
 from typing import Callable, Sequence
 
 from ..spec_decode.policy import SpeculationPolicy, StepPlan
-from .batch import MIN_CHUNK_BUCKET, MIN_PAGES_BUCKET, RunningBatch, buckets, chunk_cap, prefill_arrays, prefill_fits
+from .batch import MIN_CHUNK_BUCKET, MIN_PAGES_BUCKET, RunningBatch, buckets, chunk_cap, prefill_fits
+from .slot_table import prefill_chunks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,17 +42,14 @@ def warmup_programs(policy: SpeculationPolicy, *, max_num_seqs: int, prefill_chu
 
 
 def run_on_padding(program: WarmProgram, batch: RunningBatch, launch: Callable[..., list]) -> list:
-    """Launch `program` on padding rows only, through `launch(kind, shape, block_table, *args)` (the
+    """Launch `program` on padding rows only, through `launch(kind, shape, rows, *args)` (the
     scheduler's); returns its outputs."""
-    slots, block_table = batch.padding_batch(program.batch, program.width)
-    sp = batch.sampling.rows(slots)
+    rows = batch.padding_batch(program.batch, program.width)
     if program.plan is None:
-        tokens, lengths, n_valid, following, counter = prefill_arrays(program.batch, program.chunk)
-        return launch(program.kind, None, block_table, tokens, lengths, n_valid, following, slots, sp, counter, slots,
-                      batch.prompt_lens[slots])
+        return launch(program.kind, None, rows, prefill_chunks(program.batch, program.chunk))
     if program.plan.catch_up:
-        launch("catch_up", None, block_table, slots)
-    return launch(program.plan.program, program.plan.shape, block_table, slots, batch.prompt_lens[slots], sp)
+        launch("catch_up", None, rows)
+    return launch(program.plan.program, program.plan.shape, rows)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -45,6 +45,8 @@ COUNTERS: tuple[tuple[str, str, str], ...] = (
      "num_iterations_total"),
     ("eagle3_scheduler_host_seconds", "Host time of scheduler iterations not spent waiting for the device.",
      "host_seconds_total"),
+    ("eagle3_scheduler_launch_seconds", "Host time inside the step programs' launches (part of the host time).",
+     "launch_seconds_total"),
     ("eagle3_spec_decode_num_drafts", "Verify passes that checked draft tokens, summed over requests.",
      "num_drafts_total"),
     ("eagle3_spec_decode_num_draft_tokens", "Draft tokens proposed to verify passes.", "num_draft_tokens_total"),

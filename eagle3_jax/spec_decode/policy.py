@@ -19,6 +19,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Protocol, Sequence
 
+import numpy as np
+
 from ..draft import Draft
 from ..draft_config import check_fits_target
 from .adaptive import AdaptiveSpeculation, Key
@@ -96,8 +98,10 @@ class SpeculationPolicy:
     def observe_prefill(self, with_draft: bool, key: Key, tokens: int, seconds: float | None) -> None:
         """A prefill batch finished (seconds None: not timed)."""
 
-    def observe(self, plan: StepPlan, key: Key, seconds: float | None, accepted: dict[str, int]) -> None:
-        """A decode step finished: its time (None: not timed) and draft tokens accepted per request."""
+    def observe(self, plan: StepPlan, key: Key, seconds: float | None, rows: Sequence[tuple[int, Row]],
+                counts: np.ndarray) -> None:
+        """A decode step finished: its time (None: not timed) and the tokens each of its `rows`
+        ((batch row, request), read) committed, `counts` (accepted draft tokens + 1)."""
 
     def finished(self, request_id: str, num_output_tokens: int) -> None:
         """A request left the scheduler."""
@@ -173,9 +177,11 @@ class AdaptivePolicy(SpeculationPolicy):
     def observe_prefill(self, with_draft: bool, key: Key, tokens: int, seconds: float | None) -> None:
         self.adaptive.observe_prefill(with_draft, key, tokens, seconds)
 
-    def observe(self, plan: StepPlan, key: Key, seconds: float | None, accepted: dict[str, int]) -> None:
+    def observe(self, plan: StepPlan, key: Key, seconds: float | None, rows: Sequence[tuple[int, Row]],
+                counts: np.ndarray) -> None:
         plain = plan.program == PLAIN_DECODE
-        self.adaptive.observe(plan.shape, key, seconds, {} if plain else accepted, plain=plain)
+        accepted = {} if plain else {req.id: k - 1 for (_, req), k in zip(rows, counts.tolist()) if req.with_draft}
+        self.adaptive.observe(plan.shape, key, seconds, accepted, plain=plain)
 
     def finished(self, request_id: str, num_output_tokens: int) -> None:
         self.adaptive.finished(request_id, num_output_tokens)

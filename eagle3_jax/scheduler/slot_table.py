@@ -1,0 +1,123 @@
+"""Per state slot host tables, and a batch's rows of them: what a step program takes from the host.
+
+Each state slot (one per running request, the last one scratch for padding rows) has a row of
+int32 columns (the slot's own index, its prompt's length, its sampling settings' integers, its
+block table) and a row of float32 columns (the settings' floats); sampling.py's packed layout.
+A request's row is written when it is admitted and when it gains pages, and reset when it leaves,
+so a batch's arguments are one gather by its slots: `BatchRows`, two arrays whatever the batch or
+its settings. A jitted call pays per argument leaf (each host array is its own transfer), so two
+beat the dozen a step had as separate arrays (block table, slots, prompt lengths, ten sampling
+columns); the bytes are a few hundred per row.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import numpy as np
+
+from .. import kv_cache
+from ..sampling import GREEDY_FLOATS, GREEDY_INTS, PACKED_INTS, SamplingArrays, SamplingParams, packed_settings, \
+    unpack_settings
+
+SLOT, PROMPT_LEN = 0, 1
+SETTINGS = slice(2, 2 + PACKED_INTS)  # the sampling settings' integer columns
+PAGES = 2 + PACKED_INTS  # the block table's first column
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["ints", "floats"], meta_fields=["synthetic"])
+@dataclasses.dataclass
+class BatchRows:
+    """A batch's rows of the slot tables: `ints` [B, PAGES + width] int32 and `floats` [B, F]
+    float32, host arrays on the way in, traced inside a program. `synthetic`: some row has a
+    synthetic acceptance profile (static: only such batches compile the programs that read it)."""
+
+    ints: jax.Array
+    floats: jax.Array
+    synthetic: bool = False
+
+    @property
+    def slots(self) -> jax.Array:
+        """[B] each row's state slot (padding rows: the scratch slot)."""
+        return self.ints[:, SLOT]
+
+    @property
+    def prompt_lens(self) -> jax.Array:
+        return self.ints[:, PROMPT_LEN]
+
+    @property
+    def block_table(self) -> jax.Array:
+        """[B, width] each row's KV pages."""
+        return self.ints[:, PAGES:]
+
+    @property
+    def sampling(self) -> SamplingArrays:
+        return unpack_settings(self.ints[:, SETTINGS], self.floats, self.synthetic)
+
+    @property
+    def key(self) -> tuple:
+        """What pins a program compiled for these rows: their shape and `synthetic`."""
+        return self.ints.shape, self.synthetic
+
+
+class SlotTable:
+    """The host tables of `num_slots` state slots (the last one scratch: greedy, no prompt, every
+    page the scratch page)."""
+
+    def __init__(self, num_slots: int, max_pages_per_seq: int):
+        self.ints = np.empty((num_slots, PAGES + max_pages_per_seq), np.int32)
+        self.ints[:, SLOT] = np.arange(num_slots)
+        self.ints[:, PROMPT_LEN] = 0
+        self.ints[:, SETTINGS] = GREEDY_INTS
+        self.ints[:, PAGES:] = kv_cache.SCRATCH_PAGE
+        self.floats = np.tile(GREEDY_FLOATS, (num_slots, 1))
+        self.profiled = np.zeros((num_slots,), bool)  # rows with a synthetic acceptance profile
+
+    def admit(self, slot: int, prompt_len: int, params: SamplingParams) -> None:
+        """A request takes `slot`: its prompt's length and sampling settings (its pages follow)."""
+        ints, floats = packed_settings(params)
+        self.ints[slot, PROMPT_LEN] = prompt_len
+        self.ints[slot, SETTINGS] = ints
+        self.floats[slot] = floats
+        self.profiled[slot] = params.synthetic_acceptance is not None
+
+    def set_pages(self, slot: int, start: int, pages: list[int]) -> None:
+        """The slot's block table from column `start` on."""
+        self.ints[slot, PAGES + start: PAGES + start + len(pages)] = pages
+
+    def clear(self, slot: int) -> None:
+        """Back to the scratch row's contents (its request left)."""
+        self.ints[slot, PROMPT_LEN] = 0
+        self.ints[slot, SETTINGS] = GREEDY_INTS
+        self.ints[slot, PAGES:] = kv_cache.SCRATCH_PAGE
+        self.floats[slot] = GREEDY_FLOATS
+        self.profiled[slot] = False
+
+    def rows(self, slots: np.ndarray, width: int) -> BatchRows:
+        """`slots`' rows with block tables `width` pages wide."""
+        return BatchRows(self.ints[slots, : PAGES + width], self.floats[slots], bool(self.profiled[slots].any()))
+
+
+# A prefill's per-row arrays as one int32 array [B, T + CHUNK_FIELDS]: the chunk's T tokens
+# (right-padded), then the cache length it starts at, its valid tokens, the prompt token after it
+# (-1: the prompt ends here) and the tokens the row generated before (a recomputed output's
+# sampling counter).
+CHUNK_FIELDS = 4
+
+
+def prefill_chunks(batch: int, chunk: int) -> np.ndarray:
+    """The packed prefill arrays of `batch` padding rows of `chunk` tokens (one valid token each,
+    ending their prompt)."""
+    packed = np.zeros((batch, chunk + CHUNK_FIELDS), np.int32)
+    packed[:, chunk + 1] = 1
+    packed[:, chunk + 2] = -1
+    return packed
+
+
+def chunk_columns(packed) -> tuple:
+    """(tokens [B, T], cache lengths, valid tokens, following token, output counts) of packed
+    prefill arrays (host or traced)."""
+    t = packed.shape[1] - CHUNK_FIELDS
+    return packed[:, :t], packed[:, t], packed[:, t + 1], packed[:, t + 2], packed[:, t + 3]

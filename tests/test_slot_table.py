@@ -1,0 +1,65 @@
+"""The scheduler's per-slot host tables and the packed arguments a step program takes."""
+
+import jax
+import numpy as np
+import pytest
+
+import eagle3_jax as e3
+from eagle3_jax import kv_cache
+from eagle3_jax.sampling import SamplingArrays, packed_settings, unpack_settings
+from eagle3_jax.scheduler.slot_table import SlotTable, chunk_columns, prefill_chunks
+
+SETTINGS = [e3.SamplingParams(), e3.SamplingParams(temperature=0.7, top_p=0.9, top_k=5, seed=2**32 - 1),
+            e3.SamplingParams(min_tokens=3, stop_token_ids=(2, 7), presence_penalty=-1.5, frequency_penalty=0.25,
+                              repetition_penalty=1.3, seed=12345),
+            e3.SamplingParams(stop_token_ids=(9,), synthetic_acceptance=(0.9, 0.5))]
+
+
+def _fields(arrays: SamplingArrays) -> dict:
+    return {name: None if value is None else np.asarray(value) for name, value in vars(arrays).items()}
+
+
+@pytest.mark.parametrize("traced", [False, True])
+def test_packed_settings_read_back_as_the_batch_arrays(traced):
+    ints, floats = (np.stack(column) for column in zip(*(packed_settings(p) for p in SETTINGS)))
+    unpack = jax.jit(unpack_settings, static_argnums=2) if traced else unpack_settings
+    got, want = _fields(unpack(ints, floats, True)), _fields(SamplingArrays.from_params(SETTINGS, len(SETTINGS)))
+    assert got.keys() == want.keys()
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+        assert got[name].dtype == want[name].dtype, name
+    assert unpack(ints, floats, False).accept_profile is None
+
+
+def test_rows_gather_slots_settings_and_pages_and_leave_the_scratch_slot_alone():
+    table = SlotTable(5, max_pages_per_seq=8)
+    scratch = table.ints[4].copy(), table.floats[4].copy()
+    table.admit(1, 11, SETTINGS[1])
+    table.set_pages(1, 0, [3, 4])
+    table.set_pages(1, 2, [9])
+    table.admit(3, 2, SETTINGS[2])
+    rows = table.rows(np.asarray([3, 1, 4, 4]), 4)
+    assert rows.ints.shape == (4, rows.ints.shape[1]) and rows.block_table.shape == (4, 4)
+    np.testing.assert_array_equal(rows.slots, [3, 1, 4, 4])
+    np.testing.assert_array_equal(rows.prompt_lens, [2, 11, 0, 0])
+    np.testing.assert_array_equal(rows.block_table[1], [3, 4, 9, kv_cache.SCRATCH_PAGE])
+    assert (rows.block_table[[0, 2, 3]] == kv_cache.SCRATCH_PAGE).all()
+    sp = _fields(rows.sampling)
+    want = _fields(SamplingArrays.from_params([SETTINGS[2], SETTINGS[1], e3.SamplingParams(), e3.SamplingParams()], 4))
+    for name in ("temperature", "top_k", "top_p", "seed", "min_tokens", "stop_ids", "repetition_penalty"):
+        np.testing.assert_array_equal(sp[name], want[name], err_msg=name)
+    assert not rows.synthetic and rows.key == (rows.ints.shape, False)
+    table.clear(1)
+    np.testing.assert_array_equal(table.ints[1, 1:], scratch[0][1:])  # all but the slot's own index
+    np.testing.assert_array_equal(table.floats[1], scratch[1])
+    np.testing.assert_array_equal(table.ints[4], scratch[0])
+
+
+def test_prefill_chunks_are_padding_rows_until_written_through_their_columns():
+    packed = prefill_chunks(2, 16)
+    tokens, lengths, n_valid, following, counter = chunk_columns(packed)
+    assert tokens.shape == (2, 16) and list(n_valid) == [1, 1] and list(following) == [-1, -1]
+    tokens[0, :3] = [5, 6, 7]
+    lengths[0], n_valid[0], following[0], counter[0] = 32, 3, 8, 2
+    again = chunk_columns(packed)
+    assert list(again[0][0, :4]) == [5, 6, 7, 0] and (again[1][0], again[2][0], again[3][0], again[4][0]) == (32, 3, 8, 2)
