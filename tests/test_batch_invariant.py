@@ -114,16 +114,18 @@ def _greedy_runs(target, draft, prompts, max_seq_len: int, layouts=("dense", "pa
     plain run is kept in `plain` (when given) for the next call over the same prompts."""
     tokens = lambda outs: [o.token_ids for o in outs]  # noqa: E731
     plain = {} if plain is None else plain
+    batch = len(prompts)  # one Engine batch: one set of programs to compile
     if "tokens" not in plain:
-        plain["tokens"] = tokens(e3.Engine(target, max_batch_size=8, max_seq_len=max_seq_len).generate(prompts, GREEDY))
+        engine = e3.Engine(target, max_batch_size=batch, max_seq_len=max_seq_len)
+        plain["tokens"] = tokens(engine.generate(prompts, GREEDY))
     runs = {"plain": plain["tokens"]}
     for spec in (CHAIN, TREE):
         if "dense" in layouts:
-            engine = e3.Engine(target, draft=draft, spec=spec, max_batch_size=8, max_seq_len=max_seq_len)
+            engine = e3.Engine(target, draft=draft, spec=spec, max_batch_size=batch, max_seq_len=max_seq_len)
             runs[f"{spec.name} dense"] = tokens(engine.generate(prompts, GREEDY))
         if "paged" in layouts:
             scheduler = e3.Scheduler(target, draft=draft, spec=spec, max_num_seqs=6, max_seq_len=max_seq_len,
-                                     page_size=8)
+                                     page_size=32)  # several pages a sequence, one block-table width
             runs[f"{spec.name} paged"] = tokens(scheduler.generate(prompts, GREEDY))
     return runs
 
