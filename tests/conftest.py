@@ -52,7 +52,7 @@ def pytest_configure(config):
 
 
 # With the slow and newest_jax tests (CI's second leg, `-m ""`), these files are the longest by far
-# (batch-invariant speculation over bfloat16 models, about 13 minutes of one worker; Triton compiles
+# (batch-invariant speculation over bfloat16 models, about 6 minutes of one worker on JAX 0.12; Triton compiles
 # to three GPU architectures; two processes of a multi-host run): they start first, or the worker
 # that draws one late runs it alone at the end.
 LONGEST_FIRST_ALL = ("test_batch_invariant.py", "test_compile_gate.py", "test_multihost.py", "test_scheduler.py",

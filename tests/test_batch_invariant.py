@@ -130,7 +130,7 @@ def _greedy_runs(target, draft, prompts, max_seq_len: int, layouts=("dense", "pa
     return runs
 
 
-@pytest.mark.slow  # about 1.5 minutes each on JAX 0.12, most of it compiling the scheduler's programs
+@pytest.mark.slow  # 1.3-1.7 minutes each on JAX 0.12, most of it compiling the programs
 @pytest.mark.parametrize("raw", [DEEPSEEK, MINIMAX], ids=["mla_moe", "gqa_moe"])
 def test_greedy_speculation_equals_plain_decoding_on_random_models(raw):
     target = invariant_random_target(raw)
