@@ -138,37 +138,11 @@ class SamplingArrays:
 
     @staticmethod
     def from_params(params: Sequence[SamplingParams], batch: int) -> "SamplingArrays":
-        pad = batch - len(params)
-        params = list(params) + [SamplingParams()] * pad
-        stop_ids = np.full((batch, MAX_SUPPRESSED_STOP_IDS), -1, np.int32)
-        for i, p in enumerate(params):
-            if p.min_tokens:
-                stop_ids[i, : len(p.stop_token_ids)] = p.stop_token_ids
-        # Host arrays: the jitted step takes them as they are (no per-array device dispatch).
-        return SamplingArrays(
-            temperature=np.asarray([p.temperature for p in params], np.float32),
-            top_k=np.asarray([p.top_k for p in params], np.int32),
-            top_p=np.asarray([p.top_p for p in params], np.float32),
-            seed=np.asarray([p.seed for p in params], np.uint32),
-            min_tokens=np.asarray([p.min_tokens for p in params], np.int32),
-            stop_ids=stop_ids,
-            presence_penalty=np.asarray([p.presence_penalty for p in params], np.float32),
-            frequency_penalty=np.asarray([p.frequency_penalty for p in params], np.float32),
-            repetition_penalty=np.asarray([p.repetition_penalty for p in params], np.float32),
-            accept_profile=(accept_profiles(params) if any(p.synthetic_acceptance is not None for p in params)
-                            else None),
-        )
-
-
-def accept_profiles(params: Sequence[SamplingParams]) -> np.ndarray:
-    """SamplingArrays.accept_profile of `params` (a full table, whether or not any row has one)."""
-    table = np.zeros((len(params), MAX_SYNTHETIC_POSITIONS), np.float32)
-    for i, p in enumerate(params):
-        if p.synthetic_acceptance is None:
-            table[i] = -1.0
-        else:
-            table[i, : len(p.synthetic_acceptance)] = p.synthetic_acceptance
-    return table
+        """`params` padded with greedy rows to `batch`, as host arrays (the jitted step takes them as
+        they are); `accept_profile` only when a row has one. The packed rows' encoding, read back."""
+        params = list(params) + [SamplingParams()] * (batch - len(params))
+        ints, floats = (np.stack(column) for column in zip(*map(packed_settings, params)))
+        return unpack_settings(ints, floats, any(p.synthetic_acceptance is not None for p in params))
 
 
 # A batch's SamplingArrays packed as two host arrays (two leaves of a jitted call instead of ten):

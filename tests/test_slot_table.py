@@ -19,16 +19,37 @@ def _fields(arrays: SamplingArrays) -> dict:
     return {name: None if value is None else np.asarray(value) for name, value in vars(arrays).items()}
 
 
+def _reference(params: list) -> dict:
+    """Each field of a batch's SamplingArrays, written out from the SamplingParams."""
+    stop_ids = np.full((len(params), 16), -1, np.int32)
+    profile = np.full((len(params), 16), -1.0, np.float32)
+    for i, p in enumerate(params):
+        if p.min_tokens:
+            stop_ids[i, : len(p.stop_token_ids)] = p.stop_token_ids
+        if p.synthetic_acceptance is not None:
+            profile[i] = 0.0
+            profile[i, : len(p.synthetic_acceptance)] = p.synthetic_acceptance
+    column = lambda name, dtype: np.asarray([getattr(p, name) for p in params], dtype)  # noqa: E731
+    return {"temperature": column("temperature", np.float32), "top_k": column("top_k", np.int32),
+            "top_p": column("top_p", np.float32), "seed": column("seed", np.uint32),
+            "min_tokens": column("min_tokens", np.int32), "stop_ids": stop_ids,
+            "presence_penalty": column("presence_penalty", np.float32),
+            "frequency_penalty": column("frequency_penalty", np.float32),
+            "repetition_penalty": column("repetition_penalty", np.float32), "accept_profile": profile}
+
+
 @pytest.mark.parametrize("traced", [False, True])
 def test_packed_settings_read_back_as_the_batch_arrays(traced):
     ints, floats = (np.stack(column) for column in zip(*(packed_settings(p) for p in SETTINGS)))
     unpack = jax.jit(unpack_settings, static_argnums=2) if traced else unpack_settings
-    got, want = _fields(unpack(ints, floats, True)), _fields(SamplingArrays.from_params(SETTINGS, len(SETTINGS)))
+    got, want = _fields(unpack(ints, floats, True)), _reference(SETTINGS)
     assert got.keys() == want.keys()
     for name in want:
         np.testing.assert_array_equal(got[name], want[name], err_msg=name)
         assert got[name].dtype == want[name].dtype, name
     assert unpack(ints, floats, False).accept_profile is None
+    assert SamplingArrays.from_params(SETTINGS[:2], 3).accept_profile is None  # no row with a profile
+    np.testing.assert_array_equal(SamplingArrays.from_params(SETTINGS, 5).top_p, [*want["top_p"], 1.0])
 
 
 def test_rows_gather_slots_settings_and_pages_and_leave_the_scratch_slot_alone():
@@ -45,7 +66,7 @@ def test_rows_gather_slots_settings_and_pages_and_leave_the_scratch_slot_alone()
     np.testing.assert_array_equal(rows.block_table[1], [3, 4, 9, kv_cache.SCRATCH_PAGE])
     assert (rows.block_table[[0, 2, 3]] == kv_cache.SCRATCH_PAGE).all()
     sp = _fields(rows.sampling)
-    want = _fields(SamplingArrays.from_params([SETTINGS[2], SETTINGS[1], e3.SamplingParams(), e3.SamplingParams()], 4))
+    want = _reference([SETTINGS[2], SETTINGS[1], e3.SamplingParams(), e3.SamplingParams()])
     for name in ("temperature", "top_k", "top_p", "seed", "min_tokens", "stop_ids", "repetition_penalty"):
         np.testing.assert_array_equal(sp[name], want[name], err_msg=name)
     assert not rows.synthetic and rows.key == (rows.ints.shape, False)

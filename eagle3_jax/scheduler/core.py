@@ -178,8 +178,7 @@ class Scheduler:
                                   int(max_compiled_programs))
         self.programs = self._executor.programs
         self._launcher = Launcher(self._executor, self._batch, self.policy, self.counters, self._logprob_settings,
-                                  max_num_seqs=self.max_num_seqs, prefill_chunk=self.prefill_chunk,
-                                  prefill_width=self._prefill_width)
+                                  prefill_chunk=self.prefill_chunk, prefill_width=self._prefill_width)
         self._inflight: list[Launch] = []  # launched last iteration, read in the next (overlap)
         self._last_read = 0.0  # when the host last had a program's outputs
         self._requests: dict[str, ScheduledRequest] = {}

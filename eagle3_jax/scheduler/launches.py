@@ -60,10 +60,10 @@ class Launcher:
     """Launches a running batch's programs on the executor's devices."""
 
     def __init__(self, executor: Executor, batch: RunningBatch, policy: SpeculationPolicy, counters: SchedulerCounters,
-                 logprob_settings: LogprobSettings, *, max_num_seqs: int, prefill_chunk: int, prefill_width: int):
+                 logprob_settings: LogprobSettings, *, prefill_chunk: int, prefill_width: int):
         self.executor, self.batch, self.policy, self.counters = executor, batch, policy, counters
         self.logprob_settings = logprob_settings
-        self.max_num_seqs, self.prefill_chunk, self.prefill_width = max_num_seqs, prefill_chunk, prefill_width
+        self.prefill_chunk, self.prefill_width = prefill_chunk, prefill_width
         self.leader: lockstep.Leader | None = None  # multi-host: process 0 announces every launch
 
     def run(self, kind: str, plan_shape, rows: BatchRows, *args, logprobs: bool = False,
