@@ -102,9 +102,10 @@ def normalize_sampling(sampling: SamplingParams | Sequence[SamplingParams] | Non
     return sampling
 
 
-@dataclasses.dataclass(eq=False)
+@dataclasses.dataclass(eq=False, slots=True)
 class Request:
-    """One request as its front ends see it: what it asked for and what it got so far."""
+    """One request as its front ends see it: what it asked for and what it got so far. (Slotted:
+    the serving loop reads and updates every running request's fields each step.)"""
 
     id: str
     prompt: list[int]
@@ -126,6 +127,7 @@ class Request:
     logprobs: list[Logprob] | None = None  # per output token, when the sampling asks for them
     prompt_logprobs: list[Logprob | None] | None = None  # per prompt token so far, when asked for
     grammar: RequestGrammar | None = None  # structured output: where its grammar stands (None: unconstrained)
+    _stops: frozenset = dataclasses.field(init=False, repr=False, default=frozenset())  # sampling.stop_token_ids
 
     def __post_init__(self) -> None:
         if self.sampling.logprobs is not None and self.logprobs is None:

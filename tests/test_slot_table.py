@@ -70,7 +70,11 @@ def test_rows_gather_slots_settings_and_pages_and_leave_the_scratch_slot_alone()
     for name in ("temperature", "top_k", "top_p", "seed", "min_tokens", "stop_ids", "repetition_penalty"):
         np.testing.assert_array_equal(sp[name], want[name], err_msg=name)
     assert not rows.synthetic and rows.key == (rows.ints.shape, False)
+    np.testing.assert_array_equal(table.num_pages, [0, 3, 0, 0, 0])
+    generations = table.generation.copy()
     table.clear(1)
+    np.testing.assert_array_equal(table.num_pages, [0, 0, 0, 0, 0])
+    np.testing.assert_array_equal(table.generation - generations, [0, 1, 0, 0, 0])  # launched rows of slot 1: void
     np.testing.assert_array_equal(table.ints[1, 1:], scratch[0][1:])  # all but the slot's own index
     np.testing.assert_array_equal(table.floats[1], scratch[1])
     np.testing.assert_array_equal(table.ints[4], scratch[0])

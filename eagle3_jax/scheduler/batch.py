@@ -71,7 +71,7 @@ def prefill_fits(batch: int, chunk: int, prefill_chunk: int) -> bool:
 WAITING, PREFILL, DECODE, DONE = "waiting", "prefill", "decode", "done"
 
 
-@dataclasses.dataclass(eq=False)
+@dataclasses.dataclass(eq=False, slots=True)
 class ScheduledRequest(Request):
     """A request and where it stands in the scheduler."""
 
@@ -84,7 +84,6 @@ class ScheduledRequest(Request):
     pending: int = 0  # decode steps launched but not read yet
     gap: int = 0  # steps since the draft last saw this request's tokens (adaptive speculation)
     with_draft: bool = True  # the draft follows it (adaptive speculation may admit a request without)
-    epoch: int = 0  # bumped when the request leaves the running batch: results launched before are void
     wait_for: "ScheduledRequest | None" = None  # admitted once this one's prompt is prefilled (n > 1 choices)
     page_keys: list = dataclasses.field(default_factory=list)  # prefix-cache keys of its full pages so far
 
@@ -259,10 +258,11 @@ class RunningBatch:
         self.waiting.appendleft(req)
 
     def release(self, req: ScheduledRequest) -> None:
-        """Free a request's pages and slot, leaving its final full pages to the prefix cache.
-        Programs launched before still write them (beyond the committed length only, so never a
-        cached page), but every later program runs after those on the device, so the next owner
-        sees its own data."""
+        """Free a request's pages and slot, leaving its final full pages to the prefix cache. The
+        slot's generation moves on: what programs launched before computed for the request is void.
+        Those programs still write its pages (beyond the committed length only, so never a cached
+        page), but every later program runs after them on the device, so the next owner sees its
+        own data."""
         if req.state == DECODE:  # committed: req.length slots, draft pairs up to length - gap
             draft_valid = req.length - req.gap if req.with_draft and self.policy.uses_draft else 0
             self.cache_pages(req, req.prompt + req.output, req.length, draft_valid)
@@ -271,7 +271,6 @@ class RunningBatch:
             self.table.clear(req.slot)
             self.free_slots.append(req.slot)
         req.pages, req.computed, req.length, req.slot, req.pending, req.gap = [], 0, 0, None, 0, 0
-        req.epoch += 1
 
     def rows_batch(self, rows: Sequence[ScheduledRequest], min_width: int = MIN_PAGES_BUCKET) -> BatchRows:
         """The slot-table rows of `rows` (slots, prompt lengths, sampling settings, block tables),
@@ -280,7 +279,7 @@ class RunningBatch:
         batch = bucket(len(rows), 1, self.max_num_seqs)
         slots = np.full((batch,), self.max_num_seqs, np.int32)
         slots[: len(rows)] = [r.slot for r in rows]
-        width = bucket(max(max(len(r.pages) for r in rows), min_width), MIN_PAGES_BUCKET, self.max_pages_per_seq)
+        width = bucket(max(int(self.table.num_pages[slots].max()), min_width), MIN_PAGES_BUCKET, self.max_pages_per_seq)
         return self.table.rows(slots, width)
 
     def padding_batch(self, batch: int, width: int) -> BatchRows:

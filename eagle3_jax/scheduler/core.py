@@ -79,7 +79,7 @@ class CapacityError(ValueError):
     """A request that can never fit in the KV cache, however long it waits."""
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class RequestDelta:
     """What one step produced for one request."""
 
@@ -357,13 +357,12 @@ class Scheduler:
             outputs = self._executor.read(launch.outputs)
             now = time.perf_counter()
             waited += now - start
-            # Results of requests preempted, aborted or finished since the launch are void.
-            rows = [(i, req) for i, (req, epoch, final) in enumerate(launch.rows) if final and req.epoch == epoch]
+            live = launch.live(self._batch.table)  # requests preempted, aborted or finished since: void
             if launch.kind == "prefill":
                 self.policy.observe_prefill(launch.with_draft, launch.key, launch.tokens, self._step_seconds(launch, now))
-                deltas += self._collect_prefill(launch, outputs, now)
+                deltas += self._collect_prefill(launch, live, outputs, now)
             else:
-                deltas += self._collect_decode(launch, rows, outputs, now)
+                deltas += self._collect_decode(launch, live, outputs, now)
             self._last_read = now
         return deltas, waited
 
@@ -376,32 +375,35 @@ class Scheduler:
             return None
         return now - max(launch.launched, self._last_read)
 
-    def _collect_prefill(self, launch: Launch, outputs: list[np.ndarray], now: float) -> list[RequestDelta]:
-        """A prefill's first tokens for rows whose prompt ended, and prompt logprobs of every row
-        still in the batch that asks for them."""
+    def _collect_prefill(self, launch: Launch, live: np.ndarray, outputs: list[np.ndarray],
+                         now: float) -> list[RequestDelta]:
+        """A prefill's first tokens for `live` rows whose prompt ended, and prompt logprobs of every
+        live row that asks for them."""
         first, logprobs = outputs[0], outputs[1:] or None
         deltas = []
-        for i, ((req, epoch, final), (start, n)) in enumerate(zip(launch.rows, launch.chunks)):
-            if req.epoch != epoch:
-                continue  # preempted, aborted or finished since the launch
+        for i in live.tolist():
+            req, (start, n) = launch.requests[i], launch.chunks[i]
             if logprobs is not None and req.prompt_logprobs is not None:  # position j predicts token start + j + 1
                 wanted = req.missing_prompt_logprobs(start + 1, n)
                 req.prompt_logprobs += Logprob.rows(logprobs, i, [p - start - 1 for p in wanted],
                                                     req.sampling.prompt_logprobs)
-            if final:
+            if launch.final[i]:
                 lps = None if req.logprobs is None else Logprob.rows(logprobs, i, [n - 1], req.sampling.logprobs)
                 deltas.append(self._emit(req, [int(first[i])], now, lps))
         return deltas
 
-    def _collect_decode(self, launch: Launch, rows: list[tuple[int, ScheduledRequest]], outputs: list[np.ndarray],
+    def _collect_decode(self, launch: Launch, live: np.ndarray, outputs: list[np.ndarray],
                         now: float) -> list[RequestDelta]:
+        """A decode step's tokens of its `live` rows: handed out, and their requests finished when done."""
         (out, count), logprobs, plan = outputs[:2], outputs[2:] or None, launch.plan
-        counts = count[[i for i, _ in rows]]
-        self.policy.observe(plan, launch.key, self._step_seconds(launch, now), rows, counts)
+        rows = live.tolist()
+        requests = launch.requests if len(rows) == len(launch.requests) else [launch.requests[i] for i in rows]
+        counts = count[live]
+        self.policy.observe(plan, launch.key, self._step_seconds(launch, now), requests, counts)
         self.counters.decode_step(counts, plan.depth)
         tokens, depth, passes = out.tolist(), plan.depth, plan.draft_passes
         deltas, taken = [], 0
-        for (i, req), k in zip(rows, counts.tolist()):
+        for i, req, k in zip(rows, requests, counts.tolist()):
             req.pending, req.length = req.pending - 1, req.length + k
             req.record_step(k, depth, passes)
             new = tokens[i][:k]

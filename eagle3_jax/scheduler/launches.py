@@ -19,7 +19,7 @@ from . import lockstep
 from .batch import DECODE, MIN_CHUNK_BUCKET, RunningBatch, ScheduledRequest, bucket, chunk_cap
 from .metrics import SchedulerCounters
 from .programs import Executor
-from .slot_table import BatchRows, chunk_columns, prefill_chunks
+from .slot_table import BatchRows, SlotTable, chunk_columns, prefill_chunks
 
 
 @dataclasses.dataclass
@@ -27,7 +27,7 @@ class Launch:
     """A step program launched on the device, its outputs not read yet."""
 
     kind: str  # "prefill" | "decode"
-    rows: list  # (sequence, its epoch at launch, prefill: whether the chunk ends its prompt)
+    requests: list  # the batch's requests, one per row (padding rows not included)
     outputs: list  # device arrays
     plan: StepPlan | None = None  # decode: what ran
     key: tuple = ()
@@ -37,6 +37,14 @@ class Launch:
     with_draft: bool = False  # prefill: the draft's program
     tokens: int = 0  # prefill: prompt tokens computed
     chunks: list = dataclasses.field(default_factory=list)  # prefill: each row's (chunk start, chunk length)
+    final: list = dataclasses.field(default_factory=list)  # prefill: each row's chunk ends its prompt
+    slots: np.ndarray | None = None  # the requests' state slots
+    generations: np.ndarray | None = None  # those slots' generations at launch (SlotTable.generation)
+
+    def live(self, table: SlotTable) -> np.ndarray:
+        """The rows whose request is still where it was at launch (not preempted, aborted or
+        finished since): its slot's generation unchanged, for the whole batch in one compare."""
+        return np.flatnonzero(table.generation[self.slots] == self.generations)
 
 
 def time_steady_steps_only(ready: list[Launch], launched: list[Launch]) -> None:
@@ -98,13 +106,14 @@ class Launcher:
             n_valid[i], lengths[i], counter[i] = n, c, len(req.output)
             if c + n < len(req.prefill_ids):  # not the prompt's last chunk: its first token is not kept
                 following[i] = req.prefill_ids[c + n]
-        launched_rows = [(req, req.epoch, following[i] < 0) for i, (req, _) in enumerate(rows)]
+        requests, slots = [req for req, _ in rows], owners.slots[: len(rows)].copy()
+        final = (following[: len(rows)] < 0).tolist()
         # With the draft when any row has it (a row without it then has a draft cache it never uses).
         with_draft = any(r.with_draft for r, _ in rows)
         logprobs = any(r.logprobs is not None or r.wants_prompt_logprobs for r, _ in rows)
         chunks = [(req.computed, n) for req, n in rows]
         # Structured output: the first token of a row whose prompt ends here follows its grammar.
-        grammars = [req.grammar if following[i] < 0 else None for i, (req, _) in enumerate(rows)]
+        grammars = [req.grammar if last else None for req, last in zip(requests, final)]
         masks = batch_masks(grammars, batch, self.mask_words) if any(g is not None for g in grammars) else None
         compiles, launched = self.executor.programs.num_compiles, time.perf_counter()
         outputs = self.run("prefill" if with_draft else "plain_prefill", None, owners, packed, logprobs=logprobs,
@@ -117,8 +126,9 @@ class Launcher:
             if req.computed == len(req.prefill_ids):
                 req.state = DECODE
         self.counters.totals["prompt_tokens_total"] += int(n_valid[: len(rows)].sum())
-        return Launch("prefill", launched_rows, outputs, key=(batch, t), launched=launched, compiles=compiles,
-                       with_draft=with_draft, tokens=int(n_valid[: len(rows)].sum()), chunks=chunks)
+        return Launch("prefill", requests, outputs, key=(batch, t), launched=launched, compiles=compiles,
+                      with_draft=with_draft, tokens=int(n_valid[: len(rows)].sum()), chunks=chunks, final=final,
+                      slots=slots, generations=self.batch.table.generation[slots])
 
     def decode(self, rows: list[ScheduledRequest]) -> Launch:
         """Launch one decode step over `rows`, as the speculation policy plans it (a catch-up first when planned)."""
@@ -139,8 +149,9 @@ class Launcher:
         # A step after a catch-up starts when the catch-up ends, which the host does not see. A
         # constrained step's time holds the host's mask work beside its programs: its true cost,
         # which the adaptive policy weighs.
-        return Launch("decode", [(r, r.epoch, True) for r in rows], outputs, plan, key, launched, plan.catch_up,
-                      compiles)
+        slots = batch_rows.slots[: len(rows)].copy()
+        return Launch("decode", rows, outputs, plan, key, launched, plan.catch_up, compiles, slots=slots,
+                      generations=self.batch.table.generation[slots])
 
     def _constrained(self, rows: list[ScheduledRequest], plan: StepPlan, batch_rows: BatchRows, logprobs: bool) -> list:
         """A decode step under the rows' grammars (each row's every earlier token read): one token

@@ -18,17 +18,19 @@ class SchedulerCounters:
 
     def decode_step(self, counts: np.ndarray, depth: int) -> None:
         """A decode step's rows committed `counts` tokens each, after proposing `depth` draft tokens."""
-        rows = len(counts)
+        # One histogram of the counts, and every total from it (a few numpy calls a step, whatever the batch).
+        rows, max_accept = len(counts), len(self.per_position)
+        per_count = np.bincount(counts, minlength=max_accept + 2)[: max_accept + 2]  # rows that committed c tokens
+        committed = int(per_count @ np.arange(max_accept + 2))
         self.totals["num_decode_steps_total"] += rows
-        self.totals["accepted_tokens_total"] += int(counts.sum())
-        if depth:  # speculation's counts, named as vLLM names them (spec_decode_num_*)
+        self.totals["accepted_tokens_total"] += committed
+        if depth:  # speculation's counts, named as vLLM names them (spec_decode_num_*); a step that drafted
+            # nothing accepted nothing: no per-position counts to add
             self.totals["num_drafts_total"] += rows
             self.totals["num_draft_tokens_total"] += rows * depth
-            self.totals["num_accepted_draft_tokens_total"] += int(np.maximum(counts - 1, 0).sum())
-        if depth:  # a step that drafted nothing accepted nothing: no per-position counts to add
-            accepted = np.clip(counts - 1, 0, len(self.per_position))
-            # rows that accepted at least d draft tokens, d = 1..max: a reversed cumulative count
-            self.per_position += np.cumsum(np.bincount(accepted, minlength=len(self.per_position) + 1)[::-1])[::-1][1:]
+            self.totals["num_accepted_draft_tokens_total"] += committed - rows + int(per_count[0])
+            # rows that accepted at least d draft tokens (committed d + 1 or more), d = 1..max_accept
+            self.per_position += np.cumsum(per_count[::-1])[::-1][2:]
             self.per_position_drafted[:depth] += rows
 
     def stats(self) -> dict:

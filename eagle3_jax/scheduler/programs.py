@@ -436,7 +436,7 @@ class Executor:
             *outs, state = self.programs.run(PROGRAMS[kind], (self.target.config, dcfg, shape, logprobs), key,
                                              self.target.params,
                                              dparams, state, rows, *args)
-        self.state = state.replace(**held)
+        self.state = state.replace(**held) if held else state
         return outs
 
     def prefetch(self, outputs: list[jax.Array]) -> None:

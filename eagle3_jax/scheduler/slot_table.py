@@ -74,6 +74,11 @@ class SlotTable:
         self.ints[:, PAGES:] = kv_cache.SCRATCH_PAGE
         self.floats = np.tile(GREEDY_FLOATS, (num_slots, 1))
         self.profiled = np.zeros((num_slots,), bool)  # rows with a synthetic acceptance profile
+        self.num_pages = np.zeros((num_slots,), np.int32)  # pages in each slot's block table
+        # Bumped when a slot's request leaves: a launch's row whose slot's generation moved on
+        # since is void (its request was preempted, aborted or finished), checked for a whole
+        # batch at once.
+        self.generation = np.zeros((num_slots,), np.int64)
 
     def admit(self, slot: int, prompt_len: int, params: SamplingParams) -> None:
         """A request takes `slot`: its prompt's length and sampling settings (its pages follow)."""
@@ -86,6 +91,7 @@ class SlotTable:
     def set_pages(self, slot: int, start: int, pages: list[int]) -> None:
         """The slot's block table from column `start` on."""
         self.ints[slot, PAGES + start: PAGES + start + len(pages)] = pages
+        self.num_pages[slot] = max(self.num_pages[slot], start + len(pages))
 
     def clear(self, slot: int) -> None:
         """Back to the scratch row's contents (its request left)."""
@@ -94,6 +100,8 @@ class SlotTable:
         self.ints[slot, PAGES:] = kv_cache.SCRATCH_PAGE
         self.floats[slot] = GREEDY_FLOATS
         self.profiled[slot] = False
+        self.num_pages[slot] = 0
+        self.generation[slot] += 1
 
     def rows(self, slots: np.ndarray, width: int) -> BatchRows:
         """`slots`' rows with block tables `width` pages wide."""

@@ -98,10 +98,10 @@ class SpeculationPolicy:
     def observe_prefill(self, with_draft: bool, key: Key, tokens: int, seconds: float | None) -> None:
         """A prefill batch finished (seconds None: not timed)."""
 
-    def observe(self, plan: StepPlan, key: Key, seconds: float | None, rows: Sequence[tuple[int, Row]],
+    def observe(self, plan: StepPlan, key: Key, seconds: float | None, rows: Sequence[Row],
                 counts: np.ndarray) -> None:
         """A decode step finished: its time (None: not timed) and the tokens each of its `rows`
-        ((batch row, request), read) committed, `counts` (accepted draft tokens + 1)."""
+        (requests read from it) committed, `counts` (accepted draft tokens + 1)."""
 
     def finished(self, request_id: str, num_output_tokens: int) -> None:
         """A request left the scheduler."""
@@ -177,10 +177,10 @@ class AdaptivePolicy(SpeculationPolicy):
     def observe_prefill(self, with_draft: bool, key: Key, tokens: int, seconds: float | None) -> None:
         self.adaptive.observe_prefill(with_draft, key, tokens, seconds)
 
-    def observe(self, plan: StepPlan, key: Key, seconds: float | None, rows: Sequence[tuple[int, Row]],
+    def observe(self, plan: StepPlan, key: Key, seconds: float | None, rows: Sequence[Row],
                 counts: np.ndarray) -> None:
         plain = plan.program == PLAIN_DECODE
-        accepted = {} if plain else {req.id: k - 1 for (_, req), k in zip(rows, counts.tolist()) if req.with_draft}
+        accepted = {} if plain else {req.id: k - 1 for req, k in zip(rows, counts.tolist()) if req.with_draft}
         self.adaptive.observe(plan.shape, key, seconds, accepted, plain=plain)
 
     def finished(self, request_id: str, num_output_tokens: int) -> None:
