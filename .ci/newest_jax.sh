@@ -2,10 +2,11 @@
 # CI's second leg: the whole test suite that needs no torch, on the newest JAX the project supports
 # (0.12.x, which needs Python >= 3.12) and the newest Python, 3.13: every test `make test` runs,
 # plus those marked `newest_jax` (the Triton compile-to-ISA tests of every kernel form on gfx942 /
-# gfx950 / sm_90, spill detection, the GPU check script, multi-host, the longest
-# speculative-equality, preemption and sharding cases) and those marked `slow` (long cases whose
-# paths shorter default cases also take). The local CPU torch build is for Python 3.11 only, so
-# torch / transformers are left out and the tests that compare against them skip.
+# gfx950 / sm_90, spill detection, the GPU check script, multi-host, batch-invariant speculation,
+# the longest speculative-equality, preemption and sharding cases). Those marked `slow` (longer
+# variants of cases that default or newest_jax tests run, whose paths those take too) are left to
+# `python -m pytest -m slow`: CI has 45 minutes. The local CPU torch build is for Python 3.11 only,
+# so torch / transformers are left out and the tests that compare against them skip.
 #
 # Python: a working python3.13 (else 3.12) on PATH or under pyenv, else CPython 3.13 built from
 # Debian's trixie source package (the same Debian registry as the system's, a deb-src line for
@@ -86,6 +87,6 @@ fi
 "$venv/bin/python" -c 'import sys, jax; print(f"newest-JAX leg: Python {sys.version.split()[0]}, jax {jax.__version__}")'
 
 export XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
-# -m "" lifts pyproject's default deselection of `slow` and `newest_jax`: every test runs
-"$venv/bin/python" -m pytest -q -n 2 --dist loadfile -p no:cacheprovider -m "" tests/
+# -m "not slow" lifts pyproject's default deselection of `newest_jax`
+"$venv/bin/python" -m pytest -q -n 2 --dist loadfile -p no:cacheprovider -m "not slow" tests/
 echo "newest-JAX leg: $(( $(date +%s) - start )) s"

@@ -51,7 +51,7 @@ def pytest_configure(config):
         config.option.loadscopereorder = False
 
 
-# With the slow and newest_jax tests (CI's second leg, `-m ""`), these files are the longest by far
+# With the newest_jax tests (CI's second leg, `-m "not slow"`), these files are the longest by far
 # (batch-invariant speculation over bfloat16 models, about 6 minutes of one worker on JAX 0.12; Triton compiles
 # to three GPU architectures; two processes of a multi-host run): they start first, or the worker
 # that draws one late runs it alone at the end.
@@ -60,7 +60,7 @@ LONGEST_FIRST_ALL = ("test_batch_invariant.py", "test_compile_gate.py", "test_mu
 
 
 def pytest_collection_modifyitems(config, items):
-    """Files in LONGEST_FIRST order first (LONGEST_FIRST_ALL ahead of it when slow tests run), each
+    """Files in LONGEST_FIRST order first (LONGEST_FIRST_ALL ahead of it when slow or newest_jax tests run), each
     file's tests kept together and in their order."""
     longest = LONGEST_FIRST
     if any(item.get_closest_marker("slow") or item.get_closest_marker("newest_jax") for item in items):

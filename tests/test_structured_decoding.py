@@ -323,7 +323,7 @@ def test_served_outputs_are_valid_streamed_and_whole(demo):
         engine.shutdown(timeout=10)
 
 
-@pytest.mark.slow
+@pytest.mark.newest_jax  # CI's newest-JAX leg runs it
 def test_a_multihost_leader_runs_the_single_program_forms(demo):
     """A leader (here alone: its broadcasts reach no follower) runs a constrained step's parts as
     one program each ("verify", masked "plain_decode" / "store_decode"): the same tokens."""
