@@ -12,6 +12,12 @@ serving), runs --warmup iterations (programs compile), then reports over --itera
 - device-wait ms per iteration (median). Iterations that compiled a program are left out (their
   host time is compile time) and counted.
 
+With --phases, timers around the scheduler's methods (admission, the prefill and decode launches and
+their jitted calls, page growth, the outputs' read, the collection of prefill and decode results,
+per-token emission and finishing requests) give each phase's host ms per iteration (median), a
+table after the main one and `phases_ms_per_iteration` in the JSON; their overhead is a few
+microseconds an iteration.
+
 With --profile=N, cProfile runs over the measured iterations and the script prints where the host
 time goes: each phase's cumulative ms per iteration (admission, page growth, the launches and
 their jitted calls, the outputs' read, which holds the device wait, token emission, counters)
@@ -62,6 +68,8 @@ flags.DEFINE_bool("detokenize", False, "Give the scheduler the target folder's t
 flags.DEFINE_string("stop_string", None, "With --detokenize: every request carries this stop string (one that never "
                     "occurs measures the decoding a stop string costs the scheduler's thread).")
 flags.DEFINE_string("json_out", None, "Write the figures here as JSON.")
+flags.DEFINE_bool("phases", False, "Also time the scheduler's phases with timers around its methods (no profiler: "
+                  "a few microseconds of overhead per iteration) and print each one's host ms per iteration (median).")
 flags.DEFINE_integer("profile", 0, "Profile the measured iterations with cProfile and print where the host time goes: "
                      "the scheduler's phases (cumulative ms per iteration) and the top N functions by own time.",
                      lower_bound=0)
@@ -80,6 +88,35 @@ PHASES = (("admission", "scheduler/batch.py", "admit"), ("prefill rows", "schedu
           ("  policy observe", "spec_decode/policy.py", "observe"), ("metrics counters", "scheduler/metrics.py", "decode_step"))
 
 
+# The phases --phases times: (label, the scheduler's attribute holding the method, or "" for the
+# scheduler itself, method). Nested phases (indented) are inside the one above them.
+PHASE_TIMERS = (("admission", "_batch", "admit"), ("prefill rows", "_batch", "prefill_rows"),
+                ("prefill launch", "_launcher", "prefill"), ("page growth", "_batch", "grow_pages"),
+                ("decode launch", "_launcher", "decode"), ("  rows of the slot tables", "_batch", "rows_batch"),
+                ("  jitted calls (launches)", "programs", "run"), ("outputs read (device wait)", "_executor", "read"),
+                ("collect prefill", "", "_collect_prefill"), ("collect decode", "", "_collect_decode"),
+                ("  per-token emission", "", "_emit"), ("    finishing requests", "", "_finish"))
+
+
+def _install_phase_timers(sched) -> dict:
+    """Wrap the scheduler's PHASE_TIMERS methods (on the instances) with timers; returns the dict
+    of seconds per label they add to (the caller clears it)."""
+    seconds = dict.fromkeys((label for label, _, _ in PHASE_TIMERS), 0.0)
+    for label, owner, name in PHASE_TIMERS:
+        obj = getattr(sched, owner) if owner else sched
+        method = getattr(obj, name)
+
+        def timed(*args, _method=method, _label=label, **kwargs):
+            start = time.perf_counter()
+            try:
+                return _method(*args, **kwargs)
+            finally:
+                seconds[_label] += time.perf_counter() - start
+
+        setattr(obj, name, timed)
+    return seconds
+
+
 def _measure(target, draft, spec, num_seqs: int, tokenizer=None) -> dict:
     import eagle3_jax as e3
 
@@ -93,11 +130,14 @@ def _measure(target, draft, spec, num_seqs: int, tokenizer=None) -> dict:
         prompt = [rng.randrange(3, vocab) for _ in range(FLAGS.prompt_len)]
         sched.add_request(prompt, e3.SamplingParams(max_tokens=rng.randint(FLAGS.min_tokens, FLAGS.max_tokens), stop=stop))
 
-    def run(iterations: int, profiles: list | None = None) -> list[tuple[float, float, int]]:
-        """(host seconds, wall seconds, programs compiled) of each iteration; with `profiles`, each
-        iteration that compiled nothing adds its cProfile there."""
+    def run(iterations: int, profiles: list | None = None, phases: list | None = None) -> list[tuple]:
+        """(host seconds, wall seconds, programs compiled, launch seconds) of each iteration; with
+        `profiles`, each iteration that compiled nothing adds its cProfile there, with `phases`
+        its phase timers' seconds."""
         per_iteration = []
         for _ in range(iterations):
+            if phases is not None:
+                phase_seconds.update(dict.fromkeys(phase_seconds, 0.0))
             profiler = None if profiles is None else cProfile.Profile()
             before, compiles, start = sched.stats(), sched.programs.num_compiles, time.perf_counter()
             if profiler is not None:
@@ -113,6 +153,8 @@ def _measure(target, draft, spec, num_seqs: int, tokenizer=None) -> dict:
                                   after["launch_seconds_total"] - before["launch_seconds_total"]))
             if profiler is not None and not per_iteration[-1][2]:
                 profiles.append(profiler)
+            if phases is not None and not per_iteration[-1][2]:
+                phases.append(dict(phase_seconds))
         return per_iteration
 
     for _ in range(num_seqs):
@@ -120,7 +162,9 @@ def _measure(target, draft, spec, num_seqs: int, tokenizer=None) -> dict:
     run(FLAGS.warmup)
     tokens = sched.stats()["generation_tokens_total"]
     profiles = [] if FLAGS.profile else None
-    measured = run(FLAGS.iterations, profiles)
+    phases = [] if FLAGS.phases else None
+    phase_seconds = _install_phase_timers(sched) if FLAGS.phases else {}
+    measured = run(FLAGS.iterations, profiles, phases)
     if profiles:
         _print_profile(profiles)
     tokens = sched.stats()["generation_tokens_total"] - tokens
@@ -133,7 +177,9 @@ def _measure(target, draft, spec, num_seqs: int, tokenizer=None) -> dict:
             "scheduler_ms_per_iteration": 1e3 * float(np.median(clean[:, 0] - clean[:, 2])),
             "device_wait_ms_per_iteration": 1e3 * float(np.median(clean[:, 1] - clean[:, 0])),
             "tokens_per_iteration": tokens / len(measured),
-            "iterations_that_compiled": len(measured) - len(clean)}
+            "iterations_that_compiled": len(measured) - len(clean),
+            **({"phases_ms_per_iteration": {label: 1e3 * float(np.median([p[label] for p in phases]))
+                                            for label in phase_seconds}} if phases else {})}
 
 
 def _print_profile(profiles: list) -> None:
@@ -155,6 +201,14 @@ def _print_profile(profiles: list) -> None:
         where = f"{'/'.join(file.split('/')[-2:])}:{line}({name})"
         print(f"| {where} | {calls / iterations:.1f} | {1e3 * own / iterations:.3f} | {1e3 * cumulative / iterations:.3f} |")
     print()
+
+
+def _print_phases(rows: list[dict]) -> None:
+    """The --phases table: a phase per line, a column per measured (spec, seqs)."""
+    print("\n| phase (host ms / iteration, median) | " + " | ".join(f"{r['spec']} x{r['num_seqs']}" for r in rows) + " |")
+    print("|---|" + "---|" * len(rows))
+    for label, _, _ in PHASE_TIMERS:
+        print(f"| {label} | " + " | ".join(f"{r['phases_ms_per_iteration'][label]:.3f}" for r in rows) + " |")
 
 
 def main(argv) -> None:
@@ -193,6 +247,8 @@ def main(argv) -> None:
                   f"{row['launch_ms_per_iteration']:.2f} | {row['scheduler_ms_per_iteration']:.2f} | "
                   f"{row['device_wait_ms_per_iteration']:.2f} | {row['tokens_per_iteration']:.1f} | {row['iterations']} | "
                   f"{row['iterations_that_compiled']} |", flush=True)
+    if FLAGS.phases:
+        _print_phases(rows)
     if FLAGS.json_out:
         record = {"command": " ".join(["python"] + sys.argv), "date": datetime.date.today().isoformat(),
                   "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, {platform.platform()}",

@@ -565,3 +565,21 @@ def test_library_and_entry_points_without_the_extras(tmp_path):
         script = os.path.basename(args[0])
         assert r.returncode == 2 and r.stderr.strip() == (f"{script}: error: {words}, which is not installed: "
                                                           f"pip install 'eagle3-jax[{extra}]'"), r.stderr[-3000:]
+
+
+def test_host_time_script_reports_its_phases(tmp_path):
+    """scripts/bench_host.py on the demo target: host ms per iteration, the launches' share and,
+    with --phases, each phase's host ms, all recorded in its JSON."""
+    out = tmp_path / "host.json"
+    env = dict(os.environ, PYTHONPATH=ROOT, XLA_FLAGS="")
+    r = subprocess.run([sys.executable, "scripts/bench_host.py", f"--target={KIMI}", "--spec=none", "--num_seqs=2",
+                        "--warmup=4", "--iterations=6", "--min_tokens=3", "--max_tokens=6", "--phases",
+                        f"--json_out={out}"], capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["spec"] == "none" and row["num_seqs"] == 2 and row["iterations"] >= 1
+    assert row["host_ms_per_iteration"] > 0 and 0 < row["launch_ms_per_iteration"] <= row["host_ms_mean"] * 6
+    phases = row["phases_ms_per_iteration"]
+    assert phases["decode launch"] > 0 and phases["collect decode"] > 0 and phases["  jitted calls (launches)"] > 0
+    assert phases["outputs read (device wait)"] > 0
+    assert "| phase (host ms / iteration, median) | none x2 |" in r.stdout and "| admission |" in r.stdout
