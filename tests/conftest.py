@@ -115,30 +115,16 @@ def jax_target(hf_model):
 
 @pytest.fixture(scope="session", autouse=True)
 def _compilation_cache(tmp_path_factory):
-    """A persistent compilation cache for the run, shared by its pytest-xdist workers.
+    """A session-wide persistent compilation cache.
 
     Many tests build their own Scheduler or Engine for the same model and shapes; each Scheduler
-    traces its programs afresh, so identical programs would otherwise be compiled again and again,
-    in one worker and in the other. With `filelock` installed the cache's reads and writes take
-    its file lock (JAX enables the lock with a size bound, here far above a run's entries), so one
-    worker never reads an entry the other is writing; without it each worker keeps its own cache.
+    traces its programs afresh, so identical programs would otherwise be compiled again and again.
     """
     import jax
 
-    try:
-        import filelock  # noqa: F401
-    except ImportError:
-        shared = False
-    else:
-        shared = "PYTEST_XDIST_WORKER" in os.environ
-    root = tmp_path_factory.getbasetemp()
-    path = (root.parent if shared else root) / "xla_cache"  # the run's folder holds each worker's basetemp
-    path.mkdir(exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", str(path))
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path_factory.mktemp("xla_cache")))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    if shared:
-        jax.config.update("jax_compilation_cache_max_size", 64 << 30)
     yield
     jax.config.update("jax_compilation_cache_dir", None)
 
