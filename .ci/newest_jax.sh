@@ -3,7 +3,7 @@
 # (0.12.x, which needs Python >= 3.12) and the newest Python, 3.13: every test `make test` runs,
 # plus those marked `newest_jax` (the Triton compile-to-ISA tests of every kernel form on gfx942 /
 # gfx950 / sm_90, spill detection, the GPU check script, multi-host, batch-invariant speculation,
-# the longest speculative-equality, preemption and sharding cases). Those marked `slow` (longer
+# the longest speculative-equality and preemption cases). Those marked `slow` (longer
 # variants of cases that default or newest_jax tests run, whose paths those take too) are left to
 # `python -m pytest -m slow`: CI has 45 minutes. The local CPU torch build is for Python 3.11 only,
 # so torch / transformers are left out and the tests that compare against them skip.

@@ -10,7 +10,7 @@ import pytest
 
 import eagle3_jax as e3
 
-pytestmark = pytest.mark.newest_jax  # CI's newest-JAX leg (test_lossless_sampling checks penalties by default)
+pytestmark = pytest.mark.slow  # test_lossless_sampling checks penalties under speculation (default run and CI)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPTS = [[1, 403, 407, 286, 261], [1, 291, 276, 286, 261, 370, 298], [1, 90]]
 

@@ -12,8 +12,10 @@ from eagle3_jax.spec_decode import propose
 from eagle3_jax.spec_decode import step as step_lib
 from random_models import FAMILIES, draft_config_dict, random_draft, random_target
 
-# CI's newest-JAX leg runs this file (`make test` deselects it); the default run covers greedy
-# losslessness through test_scheduler, test_logprobs, test_penalties and test_stop_strings.
+# CI's newest-JAX leg runs this file's checks that need no model pair (`make test` deselects it);
+# the pair's equality cases are slow: the default run covers greedy losslessness through
+# test_scheduler, test_logprobs, test_lossless_sampling and test_stop_strings, the newest-JAX leg
+# through test_batch_invariant, test_demo_pair and test_pallas_engine too.
 pytestmark = pytest.mark.newest_jax
 
 SPECS = [e3.SpecConfig(3, 1, 4), e3.SpecConfig(3, 2, 6), e3.SpecConfig(4, 4, 12)]
@@ -21,9 +23,7 @@ PROMPTS = [[1, 2, 3], [7] * 11, [5, 9, 11, 13, 17]]
 MAX_TOKENS = 24
 
 
-# Llama (dense) is covered by the scheduler's tree tests in the default run; its cases here are slow-marked.
-@pytest.fixture(scope="module", params=[pytest.param(f, marks=pytest.mark.slow) if f == "llama" else f
-                                        for f in sorted(FAMILIES)])
+@pytest.fixture(scope="module", params=[pytest.param(f, marks=pytest.mark.slow) for f in sorted(FAMILIES)])
 def pair(request):
     target = random_target(FAMILIES[request.param])
     draft = random_draft(target)
