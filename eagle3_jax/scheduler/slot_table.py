@@ -7,7 +7,9 @@ A request's row is written when it is admitted and when it gains pages, and rese
 so a batch's arguments are one gather by its slots: `BatchRows`, two arrays whatever the batch or
 its settings. A jitted call pays per argument leaf (each host array is its own transfer), so two
 beat the dozen a step had as separate arrays (block table, slots, prompt lengths, ten sampling
-columns); the bytes are a few hundred per row.
+columns); the bytes are a few hundred per row. Each slot also keeps its page count (a batch's
+block-table width) and a generation, bumped when its request leaves: a launched row whose slot's
+generation has moved on since is void, checked for a whole batch in one compare.
 """
 
 from __future__ import annotations
