@@ -13,8 +13,9 @@ serving), runs --warmup iterations (programs compile), then reports over --itera
   host time is compile time) and counted.
 
 With --phases, timers around the scheduler's methods (admission, the prefill and decode launches and
-their jitted calls, page growth, the outputs' read, the collection of prefill and decode results,
-per-token emission and finishing requests) give each phase's host ms per iteration (median), a
+their jitted calls, page growth, the speculation plan, the outputs' read, the collection of prefill
+and decode results, per-token emission, finishing requests, the policy's and the counters' updates;
+PHASES) give each phase's host ms per iteration (median), a
 table after the main one and `phases_ms_per_iteration` in the JSON; their overhead is a few
 microseconds an iteration.
 
@@ -74,35 +75,32 @@ flags.DEFINE_integer("profile", 0, "Profile the measured iterations with cProfil
                      "the scheduler's phases (cumulative ms per iteration) and the top N functions by own time.",
                      lower_bound=0)
 
-# The phases of one iteration whose cumulative time the profile reports (function names as cProfile
-# gives them: file suffix, function).
-PHASES = (("admission", "scheduler/batch.py", "admit"), ("prefill rows", "scheduler/batch.py", "prefill_rows"),
-          ("page growth", "scheduler/batch.py", "grow_pages"), ("prefill launch", "scheduler/launches.py", "prefill"),
-          ("decode launch", "scheduler/launches.py", "decode"),
-          ("  rows of the slot tables", "scheduler/batch.py", "rows_batch"),
-          ("  speculation plan", "spec_decode/policy.py", "plan"),
-          ("  jitted call (dispatch)", "scheduler/programs.py", "run"),
-          ("outputs read (device wait)", "scheduler/programs.py", "read"),
-          ("collect decode", "scheduler/core.py", "_collect_decode"), ("  token emission", "scheduler/core.py", "_emit"),
-          ("    finished requests", "scheduler/core.py", "_finish"),
-          ("  policy observe", "spec_decode/policy.py", "observe"), ("metrics counters", "scheduler/metrics.py", "decode_step"))
-
-
-# The phases --phases times: (label, the scheduler's attribute holding the method, or "" for the
-# scheduler itself, method). Nested phases (indented) are inside the one above them.
-PHASE_TIMERS = (("admission", "_batch", "admit"), ("prefill rows", "_batch", "prefill_rows"),
-                ("prefill launch", "_launcher", "prefill"), ("page growth", "_batch", "grow_pages"),
-                ("decode launch", "_launcher", "decode"), ("  rows of the slot tables", "_batch", "rows_batch"),
-                ("  jitted calls (launches)", "programs", "run"), ("outputs read (device wait)", "_executor", "read"),
-                ("collect prefill", "", "_collect_prefill"), ("collect decode", "", "_collect_decode"),
-                ("  per-token emission", "", "_emit"), ("    finishing requests", "", "_finish"))
+# The phases of one iteration: (label, the scheduler's attribute holding the method, "" for the
+# scheduler itself; the method's file, as cProfile names it; the method). --phases wraps each
+# method with a timer, --profile sums each one's cumulative time. Nested phases (indented) are
+# inside the one above them.
+PHASES = (("admission", "_batch", "scheduler/batch.py", "admit"),
+          ("prefill rows", "_batch", "scheduler/batch.py", "prefill_rows"),
+          ("prefill launch", "_launcher", "scheduler/launches.py", "prefill"),
+          ("page growth", "_batch", "scheduler/batch.py", "grow_pages"),
+          ("decode launch", "_launcher", "scheduler/launches.py", "decode"),
+          ("  rows of the slot tables", "_batch", "scheduler/batch.py", "rows_batch"),
+          ("  speculation plan", "policy", "spec_decode/policy.py", "plan"),
+          ("  jitted calls (launches)", "programs", "scheduler/programs.py", "run"),
+          ("outputs read (device wait)", "_executor", "scheduler/programs.py", "read"),
+          ("collect prefill", "", "scheduler/core.py", "_collect_prefill"),
+          ("collect decode", "", "scheduler/core.py", "_collect_decode"),
+          ("  per-token emission", "", "scheduler/core.py", "_emit"),
+          ("    finishing requests", "", "scheduler/core.py", "_finish"),
+          ("  policy observe", "policy", "spec_decode/policy.py", "observe"),
+          ("  metrics counters", "counters", "scheduler/metrics.py", "decode_step"))
 
 
 def _install_phase_timers(sched) -> dict:
-    """Wrap the scheduler's PHASE_TIMERS methods (on the instances) with timers; returns the dict
-    of seconds per label they add to (the caller clears it)."""
-    seconds = dict.fromkeys((label for label, _, _ in PHASE_TIMERS), 0.0)
-    for label, owner, name in PHASE_TIMERS:
+    """Wrap the scheduler's PHASES methods (on the instances) with timers; returns the dict of
+    seconds per label they add to (the caller clears it)."""
+    seconds = dict.fromkeys((label for label, *_ in PHASES), 0.0)
+    for label, owner, _, name in PHASES:
         obj = getattr(sched, owner) if owner else sched
         method = getattr(obj, name)
 
@@ -129,6 +127,8 @@ def _measure(target, draft, spec, num_seqs: int, tokenizer=None) -> dict:
     def submit() -> None:
         prompt = [rng.randrange(3, vocab) for _ in range(FLAGS.prompt_len)]
         sched.add_request(prompt, e3.SamplingParams(max_tokens=rng.randint(FLAGS.min_tokens, FLAGS.max_tokens), stop=stop))
+
+    phase_seconds = _install_phase_timers(sched) if FLAGS.phases else None
 
     def run(iterations: int, profiles: list | None = None, phases: list | None = None) -> list[tuple]:
         """(host seconds, wall seconds, programs compiled, launch seconds) of each iteration; with
@@ -163,7 +163,6 @@ def _measure(target, draft, spec, num_seqs: int, tokenizer=None) -> dict:
     tokens = sched.stats()["generation_tokens_total"]
     profiles = [] if FLAGS.profile else None
     phases = [] if FLAGS.phases else None
-    phase_seconds = _install_phase_timers(sched) if FLAGS.phases else {}
     measured = run(FLAGS.iterations, profiles, phases)
     if profiles:
         _print_profile(profiles)
@@ -179,7 +178,7 @@ def _measure(target, draft, spec, num_seqs: int, tokenizer=None) -> dict:
             "tokens_per_iteration": tokens / len(measured),
             "iterations_that_compiled": len(measured) - len(clean),
             **({"phases_ms_per_iteration": {label: 1e3 * float(np.median([p[label] for p in phases]))
-                                            for label in phase_seconds}} if phases else {})}
+                                            for label, *_ in PHASES}} if phases else {})}
 
 
 def _print_profile(profiles: list) -> None:
@@ -191,7 +190,7 @@ def _print_profile(profiles: list) -> None:
         merged.add(profile)
     stats = merged.stats  # (file, line, name) -> (calls, primitive, own, cumulative, callers)
     print("\n| phase | ms / iteration (cumulative) |\n|---|---|")
-    for label, suffix, name in PHASES:
+    for label, _, suffix, name in PHASES:
         total = sum(v[3] for (file, _, fn), v in stats.items() if fn == name and file.endswith(suffix))
         print(f"| {label} | {1e3 * total / iterations:.3f} |")
     print(f"\n| function (top {FLAGS.profile} by own time) | calls / iteration | own ms / iteration | cumulative ms |"
@@ -207,7 +206,7 @@ def _print_phases(rows: list[dict]) -> None:
     """The --phases table: a phase per line, a column per measured (spec, seqs)."""
     print("\n| phase (host ms / iteration, median) | " + " | ".join(f"{r['spec']} x{r['num_seqs']}" for r in rows) + " |")
     print("|---|" + "---|" * len(rows))
-    for label, _, _ in PHASE_TIMERS:
+    for label, *_ in PHASES:
         print(f"| {label} | " + " | ".join(f"{r['phases_ms_per_iteration'][label]:.3f}" for r in rows) + " |")
 
 

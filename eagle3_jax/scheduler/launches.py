@@ -93,6 +93,11 @@ class Launcher:
         if self.leader is not None and count:
             self.leader.reading(count)
 
+    def _slots_at_launch(self, batch_rows: BatchRows, count: int) -> dict:
+        """A launch's `slots` and their `generations` now, of its first `count` (non-padding) rows."""
+        slots = batch_rows.slots[:count]
+        return {"slots": slots, "generations": self.batch.table.generation[slots]}
+
     def prefill(self, rows: list[tuple[ScheduledRequest, int]]) -> Launch:
         """Launch the next prompt chunks; a request whose prompt ends here decodes from now on."""
         owners = self.batch.rows_batch([r for r, _ in rows], self.prefill_width)  # the rows' own slots
@@ -106,8 +111,7 @@ class Launcher:
             n_valid[i], lengths[i], counter[i] = n, c, len(req.output)
             if c + n < len(req.prefill_ids):  # not the prompt's last chunk: its first token is not kept
                 following[i] = req.prefill_ids[c + n]
-        requests, slots = [req for req, _ in rows], owners.slots[: len(rows)].copy()
-        final = (following[: len(rows)] < 0).tolist()
+        requests, final = [req for req, _ in rows], (following[: len(rows)] < 0).tolist()
         # With the draft when any row has it (a row without it then has a draft cache it never uses).
         with_draft = any(r.with_draft for r, _ in rows)
         logprobs = any(r.logprobs is not None or r.wants_prompt_logprobs for r, _ in rows)
@@ -128,7 +132,7 @@ class Launcher:
         self.counters.totals["prompt_tokens_total"] += int(n_valid[: len(rows)].sum())
         return Launch("prefill", requests, outputs, key=(batch, t), launched=launched, compiles=compiles,
                       with_draft=with_draft, tokens=int(n_valid[: len(rows)].sum()), chunks=chunks, final=final,
-                      slots=slots, generations=self.batch.table.generation[slots])
+                      **self._slots_at_launch(owners, len(rows)))
 
     def decode(self, rows: list[ScheduledRequest]) -> Launch:
         """Launch one decode step over `rows`, as the speculation policy plans it (a catch-up first when planned)."""
@@ -149,9 +153,8 @@ class Launcher:
         # A step after a catch-up starts when the catch-up ends, which the host does not see. A
         # constrained step's time holds the host's mask work beside its programs: its true cost,
         # which the adaptive policy weighs.
-        slots = batch_rows.slots[: len(rows)].copy()
-        return Launch("decode", rows, outputs, plan, key, launched, plan.catch_up, compiles, slots=slots,
-                      generations=self.batch.table.generation[slots])
+        return Launch("decode", rows, outputs, plan, key, launched, plan.catch_up, compiles,
+                      **self._slots_at_launch(batch_rows, len(rows)))
 
     def _constrained(self, rows: list[ScheduledRequest], plan: StepPlan, batch_rows: BatchRows, logprobs: bool) -> list:
         """A decode step under the rows' grammars (each row's every earlier token read): one token
