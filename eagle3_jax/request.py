@@ -17,9 +17,10 @@ written once:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 
 from .logprobs import Logprob
@@ -35,11 +36,19 @@ logger = logging.getLogger(__name__)
 class RequestOutput:
     token_ids: list[int]
     finish_reason: str  # "stop" (a stop token or string) | "length" (max_tokens or max_seq_len) | "abort"
-    metrics: dict
+    _metrics: dict | Callable[[], dict] = dataclasses.field(repr=False, compare=False)  # see `metrics`
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it (vLLM's field)
     text: str | None = None  # the decoded output, cut at a stop string (filled by the front ends, see text_stream.py)
     logprobs: list[Logprob] | None = None  # one per output token (SamplingParams.logprobs), else None
     prompt_logprobs: list[Logprob | None] | None = None  # one per prompt token, None for the first one
+
+    @property
+    def metrics(self) -> dict:
+        """Acceptance, passes and latencies (`Request.metrics`), computed when first read: the
+        serving loop that finishes a request does not compute what its front end may never read."""
+        if callable(self._metrics):
+            self._metrics = self._metrics()
+        return self._metrics
 
 
 def check_request(vocab_size: int, max_seq_len: int, prompt: Sequence[int], sampling: SamplingParams,
@@ -141,38 +150,45 @@ class Request:
         """Prompt logprobs asked for and not all computed yet."""
         return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt)
 
-    def record_step(self, emitted: int, depth: int, draft_passes: int) -> None:
-        """A decode step that committed `emitted` tokens after proposing `depth` draft tokens."""
-        self.accept_lengths.append(emitted)
-        self.step_depths.append(depth)
+    def record_steps(self, emitted: list[int], depths: list[int], times: list[float], draft_passes: int) -> None:
+        """Decode steps that committed `emitted` tokens each after proposing `depths` draft tokens,
+        their tokens on the host at `times`, in `draft_passes` draft passes in all (a scheduler's
+        step log: their tokens were or are being emitted untimed, see `emit`)."""
+        self.accept_lengths += emitted
+        self.step_depths += depths
+        for when, count in zip(times, emitted):
+            self.token_times += [when] * count
         self.draft_passes += draft_passes
 
     def take(self, tokens: list[int], now: float) -> bool:
         """A step's tokens taken whole and marked handed out, when none of them can end the request
         and nothing reads them one by one (no stop strings, grammar or logprobs) and earlier ones
-        were handed out: most steps of most requests, at a few attribute updates each. False, with
-        nothing taken, otherwise: `emit` them then."""
+        were handed out: most steps of most requests, at a few attribute updates each (their time
+        is the caller's to record: `record_steps`). False, with nothing taken, otherwise: `emit`
+        them then."""
         if (self.grammar is not None or self.text is not None or self.logprobs is not None or not self.sent
                 or self.sent != len(self.output) or len(self.output) + len(tokens) >= self.budget
                 or not self._stops.isdisjoint(tokens)):
             return False
         self.output += tokens
-        self.token_times += [now] * len(tokens)
         self.sent = len(self.output)
         return True
 
-    def emit(self, tokens: Sequence[int], now: float, logprobs: Sequence[Logprob] | None = None) -> str | None:
+    def emit(self, tokens: Sequence[int], now: float, logprobs: Sequence[Logprob] | None = None,
+             timed: bool = True) -> str | None:
         """Append a step's tokens (and their `logprobs`, one each, where the request asks for
         them), up to and including a stop token, the one that ends its grammar or the budget's
         last; returns the finish reason then ("stop" / "length"), else None. Tokens past the
-        finish are dropped. A grammar's end ends the output even below min_tokens (nothing else
+        finish are dropped. `timed`: record `now` as their time (False: a step log records the
+        step's time, `record_steps`). A grammar's end ends the output even below min_tokens (nothing else
         may follow it). A token the grammar forbids (a masking bug, logged) ends the request
         ("abort"), never the engine."""
         stops = self._stops
         for i, tok in enumerate(tokens):
             tok = int(tok)
             self.output.append(tok)
-            self.token_times.append(now)
+            if timed:
+                self.token_times.append(now)
             if self.logprobs is not None:
                 self.logprobs.append(logprobs[i])
             try:
@@ -210,7 +226,8 @@ class Request:
     def metrics(self, now: float, max_depth: int) -> dict:
         """Per-request metrics: acceptance (per draft position up to `max_depth`, over the steps
         that proposed that deep), target and draft passes, and latencies from arrival."""
-        acc, drafted, times = self.accept_lengths, self.step_depths, self.token_times
+        # (a step log records a step's time for all the tokens it committed: those a stop dropped have none)
+        acc, drafted, times = self.accept_lengths, self.step_depths, self.token_times[: len(self.output)]
         per_position = []  # plain Python: a finishing request's metrics are on the serving loop's path
         for d in range(1, max_depth + 1):
             reached = [a - 1 >= d for a, n in zip(acc, drafted) if n >= d]
@@ -242,5 +259,6 @@ class Request:
         return self.text.take(final=True)
 
     def output_record(self, now: float, max_depth: int, text: str | None = None) -> RequestOutput:
-        return RequestOutput(self.output, self.finish_reason, self.metrics(now, max_depth), self.stop_reason, text,
+        return RequestOutput(self.output, self.finish_reason, functools.partial(self.metrics, now, max_depth),
+                             self.stop_reason, text,
                              self.logprobs, self.prompt_logprobs)

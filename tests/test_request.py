@@ -37,6 +37,7 @@ def test_emission_keeps_tokens_up_to_a_stop_token_or_the_budget_whatever_the_ste
             want += kept
             if req.sent and rng.random() < 0.5 and req.take(list(step), 1.0):
                 reason = None  # taken whole: only when nothing in it ends the request
+                req.record_steps([len(step)], [0], [1.0], 0)  # its time, as the scheduler's step log gives it
             else:
                 reason = req.emit(step if rng.random() < 0.5 else np.asarray(step), 1.0)
                 req.unsent()
@@ -51,8 +52,9 @@ def test_metrics_match_their_definitions():
         req = Request("r", [1], e3.SamplingParams(), 64, arrival=0.0)
         depths = [rng.choice([0, 3, 4]) for _ in range(rng.randint(0, 20))]
         for depth in depths:
-            req.record_step(rng.randint(1, depth + 1), depth, 3 if depth else 0)
+            req.record_steps([rng.randint(1, depth + 1)], [depth], [0.0], 3 if depth else 0)
         req.token_times = sorted(rng.random() for _ in range(len(depths) + 1))
+        req.output = [7] * len(req.token_times)
         got = req.metrics(2.0, max_depth=4)
         acc, drafted = np.asarray(req.accept_lengths, np.int64), np.asarray(depths, np.int64)
         per_position = [float(np.mean(acc[drafted >= d] - 1 >= d)) if np.any(drafted >= d) else 0.0
@@ -62,3 +64,38 @@ def test_metrics_match_their_definitions():
         assert got["num_accepted_tokens"] == int(np.maximum(acc[drafted > 0] - 1, 0).sum())
         assert got["num_draft_tokens"] == int(drafted.sum()) and got["num_target_passes"] == len(depths) + 1
         assert got["itl_s"] == [float(x) for x in np.diff(req.token_times)]
+
+
+def test_scheduler_counters_match_their_definitions():
+    from eagle3_jax.scheduler.metrics import SchedulerCounters
+
+    rng = np.random.default_rng(0)
+    for max_accept in (0, 1, 3, 7):
+        counters, steps = SchedulerCounters(max_accept), []
+        for _ in range(40):
+            depth = int(rng.integers(0, max_accept + 1))
+            counts = rng.integers(1, depth + 2, int(rng.integers(1, 9))).astype(np.int32)
+            counters.decode_step(counts, depth)
+            steps.append((counts, depth))
+        drafted = [(c, d) for c, d in steps if d]
+        got = counters.stats()
+        assert got["accepted_tokens_total"] == sum(int(c.sum()) for c, _ in steps)
+        assert got["num_decode_steps_total"] == sum(len(c) for c, _ in steps)
+        assert got["num_drafts_total"] == sum(len(c) for c, _ in drafted)
+        assert got["num_draft_tokens_total"] == sum(len(c) * d for c, d in drafted)
+        assert got["num_accepted_draft_tokens_total"] == sum(int((c - 1).sum()) for c, _ in drafted)
+        assert got["per_position_accepted_total"] == [sum(int((c - 1 >= d).sum()) for c, _ in drafted)
+                                                      for d in range(1, max_accept + 1)]
+        assert got["per_position_drafted_total"] == [sum(len(c) for c, dd in drafted if dd >= d)
+                                                     for d in range(1, max_accept + 1)]
+
+
+def test_an_outputs_metrics_are_computed_once_when_read():
+    req = Request("r", [1], e3.SamplingParams(), 8, arrival=0.0)
+    req.emit([5], 1.0)
+    req.emit([6], 1.5, timed=False)
+    req.record_steps([1], [0], [1.5], 0)
+    req.finish_reason = "length"
+    out = req.output_record(2.0, max_depth=2)
+    first = out.metrics
+    assert first == req.metrics(2.0, max_depth=2) and out.metrics is first and first["e2e_latency_s"] == 2.0

@@ -7,7 +7,7 @@ import pytest
 import eagle3_jax as e3
 from eagle3_jax import kv_cache
 from eagle3_jax.sampling import SamplingArrays, packed_settings, unpack_settings
-from eagle3_jax.scheduler.slot_table import SlotTable, chunk_columns, prefill_chunks
+from eagle3_jax.scheduler.slot_table import LOGGED_STEPS, SlotTable, chunk_columns, prefill_chunks
 
 SETTINGS = [e3.SamplingParams(), e3.SamplingParams(temperature=0.7, top_p=0.9, top_k=5, seed=2**32 - 1),
             e3.SamplingParams(min_tokens=3, stop_token_ids=(2, 7), presence_penalty=-1.5, frequency_penalty=0.25,
@@ -55,10 +55,10 @@ def test_packed_settings_read_back_as_the_batch_arrays(traced):
 def test_rows_gather_slots_settings_and_pages_and_leave_the_scratch_slot_alone():
     table = SlotTable(5, max_pages_per_seq=8)
     scratch = table.ints[4].copy(), table.floats[4].copy()
-    table.admit(1, 11, SETTINGS[1])
+    table.admit(1, 11, SETTINGS[1], 0, (4, 5))
     table.set_pages(1, 0, [3, 4])
     table.set_pages(1, 2, [9])
-    table.admit(3, 2, SETTINGS[2])
+    table.admit(3, 2, SETTINGS[2], 0, (1, 1))
     rows = table.rows(np.asarray([3, 1, 4, 4]), 4)
     assert rows.ints.shape == (4, rows.ints.shape[1]) and rows.block_table.shape == (4, 4)
     np.testing.assert_array_equal(rows.slots, [3, 1, 4, 4])
@@ -78,6 +78,40 @@ def test_rows_gather_slots_settings_and_pages_and_leave_the_scratch_slot_alone()
     np.testing.assert_array_equal(table.ints[1, 1:], scratch[0][1:])  # all but the slot's own index
     np.testing.assert_array_equal(table.floats[1], scratch[1])
     np.testing.assert_array_equal(table.ints[4], scratch[0])
+
+
+def test_step_logs_advance_lengths_fill_up_and_start_afresh_when_taken():
+    table = SlotTable(4, max_pages_per_seq=8)
+    table.admit(0, 5, SETTINGS[0], 16, (4, 5))
+    table.admit(2, 7, SETTINGS[1], 0, (1, 1))
+    table.length[2] = 7  # its prefill ran
+    rng = np.random.default_rng(0)
+    want = {0: ([], [], []), 2: ([], [], [])}  # (tokens committed, drafted, times) of each step
+    taken = {0: ([], [], []), 2: ([], [], [])}
+    for step in range(2 * LOGGED_STEPS + 3):
+        slots = np.asarray([2, 0] if step % 3 else [0])  # slot 2 skips every third step
+        counts = rng.integers(1, 5, len(slots))
+        table.pending[slots] += 1  # launched, then read
+        depth = step % 4
+        full = table.log_steps(slots, counts, depth, 2 * depth, float(step))
+        for slot, count in zip(slots.tolist(), counts.tolist()):
+            want[slot][0].append(count)
+            want[slot][1].append(depth)
+            want[slot][2].append(float(step))
+        for i in full.tolist():  # as the scheduler does: a full log is taken before the next step
+            accepted, drafted, times, _ = table.take_steps(int(slots[i]))
+            assert len(accepted) == LOGGED_STEPS
+            for got, log in zip((accepted, drafted, times), taken[int(slots[i])]):
+                log.extend(got)
+    for slot, start in ((0, 16), (2, 7)):
+        *rest, passes = table.take_steps(slot)
+        assert [t + r for t, r in zip(taken[slot], rest)] == list(want[slot])
+        assert table.length[slot] == start + sum(want[slot][0]) and table.pending[slot] == 0
+        assert table.take_steps(slot) == ([], [], [], 0)  # afresh
+    assert passes == 2 * sum(want[2][1]) - 2 * sum(taken[2][1])  # since the last take
+    table.log_steps(np.asarray([0]), np.asarray([3]), 2, 1, 9.0)
+    table.clear(0)
+    assert table.take_steps(0) == ([], [], [], 0) and table.length[0] == 0 and table.pending[0] == 0
 
 
 def test_prefill_chunks_are_padding_rows_until_written_through_their_columns():

@@ -78,10 +78,10 @@ class ScheduledRequest(Request):
     state: str = WAITING
     prefill_ids: list[int] = dataclasses.field(default_factory=list)  # what the next prefill computes
     computed: int = 0  # tokens of prefill_ids already in the cache
-    length: int = 0  # committed cache slots
     pages: list[int] = dataclasses.field(default_factory=list)
-    slot: int | None = None  # state slot: last token and draft root, on device
-    pending: int = 0  # decode steps launched but not read yet
+    # State slot: last token and draft root on device; committed length, steps launched and not
+    # read, step log on the host (slot_table.SlotTable).
+    slot: int | None = None
     gap: int = 0  # steps since the draft last saw this request's tokens (adaptive speculation)
     with_draft: bool = True  # the draft follows it (adaptive speculation may admit a request without)
     wait_for: "ScheduledRequest | None" = None  # admitted once this one's prompt is prefilled (n > 1 choices)
@@ -148,11 +148,11 @@ class RunningBatch:
             self.waiting.popleft()
             req.slot = self.free_slots.pop()
             self.alloc.hold(cached)
-            self.table.admit(req.slot, len(req.prompt), req.sampling)
+            req.state, req.computed = PREFILL, len(cached) * self.page_size
+            self.table.admit(req.slot, len(req.prompt), req.sampling, req.computed, self.policy.reserve(with_draft))
             self.table.set_pages(req.slot, 0, cached)
             req.pages = list(cached)
             self._give_pages(req, need)
-            req.state, req.computed, req.length = PREFILL, len(cached) * self.page_size, len(cached) * self.page_size
             req.with_draft = with_draft
             if req.admitted is None:
                 req.admitted = time.perf_counter()
@@ -231,21 +231,26 @@ class RunningBatch:
         """The running requests past their prefill, in admission order."""
         return [r for r in self.running.values() if r.state == DECODE]
 
-    def grow_pages(self) -> None:
-        """Give every decoding request pages for its next step, preempting the newest when short."""
-        reserve = {True: self.policy.reserve(True), False: self.policy.reserve(False)}
-        for req in list(self.running.values()):
-            if req.state != DECODE:
-                continue
-            step_tokens, lookahead = reserve[req.with_draft]
-            end = req.length + req.pending * step_tokens + lookahead  # pending: launched steps not read yet
-            if end <= len(req.pages) * self.page_size:
-                continue  # most steps: its pages cover it
-            need = min(pages_for(end, self.page_size), self.max_pages_per_seq) - len(req.pages)
+    def grow_pages(self) -> list[ScheduledRequest]:
+        """Give every decoding request pages for its next step, preempting the newest when short;
+        returns the decoding requests then, in admission order. Who needs pages is found for the
+        whole batch at once from the slot table (most steps: nobody)."""
+        rows = self.decoding()
+        if not rows:
+            return rows
+        t = self.table
+        slots = np.fromiter((r.slot for r in rows), np.int64, len(rows))
+        # pending: launched steps not read yet, each of which may commit step_tokens
+        end = t.length[slots] + t.pending[slots] * t.step_tokens[slots] + t.step_lookahead[slots]
+        short = np.flatnonzero(end > t.num_pages[slots] * self.page_size)
+        for i in short.tolist():
+            req = rows[i]
+            need = min(pages_for(int(end[i]), self.page_size), self.max_pages_per_seq) - len(req.pages)
             while need > self.alloc.num_free and req.state == DECODE:
                 self.preempt(next(reversed(self.running.values())))
             if req.state == DECODE and need > 0:
                 self._give_pages(req, need)
+        return rows if short.size == 0 else self.decoding()
 
     def preempt(self, req: ScheduledRequest) -> None:
         """Back to the front of the queue, to be recomputed from prompt + output when readmitted."""
@@ -263,14 +268,16 @@ class RunningBatch:
         Those programs still write its pages (beyond the committed length only, so never a cached
         page), but every later program runs after them on the device, so the next owner sees its
         own data."""
-        if req.state == DECODE:  # committed: req.length slots, draft pairs up to length - gap
-            draft_valid = req.length - req.gap if req.with_draft and self.policy.uses_draft else 0
-            self.cache_pages(req, req.prompt + req.output, req.length, draft_valid)
+        if req.state == DECODE and self.alloc.cache is not None:
+            length = int(self.table.length[req.slot])  # committed slots; draft pairs up to length - gap
+            draft_valid = length - req.gap if req.with_draft and self.policy.uses_draft else 0
+            self.cache_pages(req, req.prompt + req.output, length, draft_valid)
         self.alloc.free(req.pages)
         if req.slot is not None:
+            req.record_steps(*self.table.take_steps(req.slot))
             self.table.clear(req.slot)
             self.free_slots.append(req.slot)
-        req.pages, req.computed, req.length, req.slot, req.pending, req.gap = [], 0, 0, None, 0, 0
+        req.pages, req.computed, req.slot, req.gap = [], 0, None, 0
 
     def rows_batch(self, rows: Sequence[ScheduledRequest], min_width: int = MIN_PAGES_BUCKET) -> BatchRows:
         """The slot-table rows of `rows` (slots, prompt lengths, sampling settings, block tables),

@@ -297,8 +297,7 @@ class Scheduler:
         prefill_rows = self._batch.prefill_rows(self.prefill_chunk)
         if prefill_rows:
             launches.append(self._launcher.prefill(prefill_rows))
-        self._batch.grow_pages()
-        decode_rows = self._batch.decoding()
+        decode_rows = self._batch.grow_pages()
         if any(r.grammar is not None for r in decode_rows):  # its masks follow from every token: read all first
             early, waited = self._collect(self._inflight + launches)
             deltas += early
@@ -401,26 +400,26 @@ class Scheduler:
         counts = count[live]
         self.policy.observe(plan, launch.key, self._step_seconds(launch, now), requests, counts)
         self.counters.decode_step(counts, plan.depth)
-        tokens, depth, passes = out.tolist(), plan.depth, plan.draft_passes
-        deltas, taken = [], 0
+        table = self._batch.table
+        for i in table.log_steps(launch.slots[live], counts, plan.depth, plan.draft_passes, now).tolist():
+            requests[i].record_steps(*table.take_steps(requests[i].slot))  # its step log is full
+        tokens, deltas, taken = out.tolist(), [], 0
         for i, req, k in zip(rows, requests, counts.tolist()):
-            req.pending, req.length = req.pending - 1, req.length + k
-            req.record_step(k, depth, passes)
             new = tokens[i][:k]
             if req.take(new, now):  # nothing ends it or reads the tokens one by one (most rows)
                 taken += k
                 deltas.append(RequestDelta(req.id, new, now, False, None, None))
                 continue
             lps = None if req.logprobs is None else Logprob.rows(logprobs, i, range(k), req.sampling.logprobs)
-            deltas.append(self._emit(req, new, now, lps))
+            deltas.append(self._emit(req, new, now, lps, timed=False))
         self.counters.totals["generation_tokens_total"] += taken
         return deltas
 
     def _emit(self, req: ScheduledRequest, tokens: list[int], now: float,
-              logprobs: list[Logprob] | None = None) -> RequestDelta:
+              logprobs: list[Logprob] | None = None, timed: bool = True) -> RequestDelta:
         """Hand out a step's tokens (up to a stop token or the budget) and their logprobs; finish the
-        request if done."""
-        before, reason = len(req.output), req.emit(tokens, now, logprobs)  # (in this order)
+        request if done. `timed`: as `Request.emit` (a decode step's times are in the step log)."""
+        before, reason = len(req.output), req.emit(tokens, now, logprobs, timed)  # (in this order)
         self.counters.totals["generation_tokens_total"] += len(req.output) - before
         if reason is None:
             prompt_lps = req.prompt_logprobs if req.sent == 0 else None

@@ -125,7 +125,7 @@ class Launcher:
         self.executor.prefetch(outputs)
         for req, n in rows:
             req.computed += n
-            req.length = req.computed
+            self.batch.table.length[req.slot] = req.computed
             self.batch.cache_prefilled(req, with_draft)
             if req.computed == len(req.prefill_ids):
                 req.state = DECODE
@@ -141,8 +141,7 @@ class Launcher:
         plan = self.policy.plan(rows, key)
         if plan.catch_up:
             self.run("catch_up", None, batch_rows)
-        for req in rows:
-            req.pending += 1
+        self.batch.table.pending[batch_rows.slots[: len(rows)]] += 1
         compiles, launched = self.executor.programs.num_compiles, time.perf_counter()
         logprobs = any(r.logprobs is not None for r in rows)
         if any(r.grammar is not None for r in rows):

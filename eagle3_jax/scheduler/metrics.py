@@ -13,25 +13,32 @@ class SchedulerCounters:
 
     def __init__(self, max_accept: int):
         self.totals = collections.Counter()
-        self.per_position = np.zeros((max_accept,), np.int64)  # decode-step rows that accepted >= d draft tokens
-        self.per_position_drafted = np.zeros((max_accept,), np.int64)  # ... whose step drafted >= d tokens
+        self.per_position = [0] * max_accept  # decode-step rows that accepted >= d draft tokens
+        self.per_position_drafted = [0] * max_accept  # ... whose step drafted >= d tokens
 
     def decode_step(self, counts: np.ndarray, depth: int) -> None:
         """A decode step's rows committed `counts` tokens each, after proposing `depth` draft tokens."""
-        # One histogram of the counts, and every total from it (a few numpy calls a step, whatever the batch).
+        # One histogram of the counts (one numpy call, whatever the batch), every total from its
+        # few bins in plain Python.
         rows, max_accept = len(counts), len(self.per_position)
-        per_count = np.bincount(counts, minlength=max_accept + 2)[: max_accept + 2]  # rows that committed c tokens
-        committed = int(per_count @ np.arange(max_accept + 2))
-        self.totals["num_decode_steps_total"] += rows
-        self.totals["accepted_tokens_total"] += committed
+        per_count = np.bincount(counts, minlength=max_accept + 2).tolist()  # rows that committed c tokens
+        committed = sum(c * n for c, n in enumerate(per_count))
+        totals = self.totals
+        totals["num_decode_steps_total"] += rows
+        totals["accepted_tokens_total"] += committed
         if depth:  # speculation's counts, named as vLLM names them (spec_decode_num_*); a step that drafted
             # nothing accepted nothing: no per-position counts to add
-            self.totals["num_drafts_total"] += rows
-            self.totals["num_draft_tokens_total"] += rows * depth
-            self.totals["num_accepted_draft_tokens_total"] += committed - rows + int(per_count[0])
+            totals["num_drafts_total"] += rows
+            totals["num_draft_tokens_total"] += rows * depth
+            totals["num_accepted_draft_tokens_total"] += committed - rows + per_count[0]
             # rows that accepted at least d draft tokens (committed d + 1 or more), d = 1..max_accept
-            self.per_position += np.cumsum(per_count[::-1])[::-1][2:]
-            self.per_position_drafted[:depth] += rows
+            at_least = 0
+            for d in range(len(per_count) - 2, 0, -1):
+                at_least += per_count[d + 1]
+                if d <= max_accept:
+                    self.per_position[d - 1] += at_least
+            for d in range(depth):
+                self.per_position_drafted[d] += rows
 
     def stats(self) -> dict:
         c = self.totals

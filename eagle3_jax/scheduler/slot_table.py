@@ -10,6 +10,13 @@ beat the dozen a step had as separate arrays (block table, slots, prompt lengths
 columns); the bytes are a few hundred per row. Each slot also keeps its page count (a batch's
 block-table width) and a generation, bumped when its request leaves: a launched row whose slot's
 generation has moved on since is void, checked for a whole batch in one compare.
+
+The host's per-step bookkeeping of a request is kept per slot too, so a step updates a whole
+batch in a few numpy calls instead of a few attribute updates per row: its committed cache length,
+its decode steps launched and not read yet, what a step may write (the pages it needs next), and
+its step log (tokens each decode step committed, draft tokens it proposed, when the tokens reached
+the host, draft passes), which the request takes over when it leaves the slot or the log fills
+(`take_steps`, for its metrics).
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from ..sampling import GREEDY_FLOATS, GREEDY_INTS, PACKED_INTS, SamplingArrays, 
 SLOT, PROMPT_LEN = 0, 1
 SETTINGS = slice(2, 2 + PACKED_INTS)  # the sampling settings' integer columns
 PAGES = 2 + PACKED_INTS  # the block table's first column
+LOGGED_STEPS = 64  # decode steps a slot's step log holds before its request takes them
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["ints", "floats"], meta_fields=["synthetic"])
@@ -81,14 +89,31 @@ class SlotTable:
         # since is void (its request was preempted, aborted or finished), checked for a whole
         # batch at once.
         self.generation = np.zeros((num_slots,), np.int64)
+        self.length = np.zeros((num_slots,), np.int64)  # committed cache slots of the slot's request
+        self.pending = np.zeros((num_slots,), np.int64)  # its decode steps launched, not read yet
+        # What one of its decode steps may write: slots committed, slots past them (its pages' need).
+        self.step_tokens = np.zeros((num_slots,), np.int64)
+        self.step_lookahead = np.zeros((num_slots,), np.int64)
+        # The step log: per slot, its decode steps' committed tokens, proposed draft tokens and times
+        # (the first `steps` of LOGGED_STEPS columns, taken by the request when full) and its draft
+        # passes.
+        self.steps = np.zeros((num_slots,), np.int64)
+        self.accepted = np.zeros((num_slots, LOGGED_STEPS), np.int32)
+        self.drafted = np.zeros((num_slots, LOGGED_STEPS), np.int32)
+        self.times = np.zeros((num_slots, LOGGED_STEPS), np.float64)
+        self.draft_passes = np.zeros((num_slots,), np.int64)
 
-    def admit(self, slot: int, prompt_len: int, params: SamplingParams) -> None:
-        """A request takes `slot`: its prompt's length and sampling settings (its pages follow)."""
+    def admit(self, slot: int, prompt_len: int, params: SamplingParams, length: int, reserve: tuple[int, int]) -> None:
+        """A request takes `slot`: its prompt's length, sampling settings, committed length (cached
+        pages it starts from) and `reserve`, what one of its decode steps may write (slots committed,
+        slots past them); its pages follow."""
         ints, floats = packed_settings(params)
         self.ints[slot, PROMPT_LEN] = prompt_len
         self.ints[slot, SETTINGS] = ints
         self.floats[slot] = floats
         self.profiled[slot] = params.synthetic_acceptance is not None
+        self.length[slot] = length
+        self.step_tokens[slot], self.step_lookahead[slot] = reserve
 
     def set_pages(self, slot: int, start: int, pages: list[int]) -> None:
         """The slot's block table from column `start` on."""
@@ -96,14 +121,37 @@ class SlotTable:
         self.num_pages[slot] = max(self.num_pages[slot], start + len(pages))
 
     def clear(self, slot: int) -> None:
-        """Back to the scratch row's contents (its request left)."""
-        self.ints[slot, PROMPT_LEN] = 0
-        self.ints[slot, SETTINGS] = GREEDY_INTS
-        self.ints[slot, PAGES:] = kv_cache.SCRATCH_PAGE
+        """Back to the scratch row's contents (its request left; its step log taken first)."""
+        self.ints[slot, PROMPT_LEN:] = self.ints[-1, PROMPT_LEN:]  # the scratch slot's: never written
         self.floats[slot] = GREEDY_FLOATS
         self.profiled[slot] = False
-        self.num_pages[slot] = 0
+        self.num_pages[slot] = self.length[slot] = self.pending[slot] = self.steps[slot] = self.draft_passes[slot] = 0
         self.generation[slot] += 1
+
+    def log_steps(self, slots: np.ndarray, counts: np.ndarray, depth: int, draft_passes: int, now: float) -> np.ndarray:
+        """A decode step of `slots` (each once) committed `counts` tokens each, after proposing
+        `depth` draft tokens in `draft_passes` draft passes; they reached the host at `now`: their
+        lengths and step logs advance. Returns the positions in `slots` whose log is now full: take
+        theirs (`take_steps`) before their next step."""
+        self.pending[slots] -= 1
+        self.length[slots] += counts
+        column = self.steps[slots]
+        self.accepted[slots, column] = counts
+        self.drafted[slots, column] = depth
+        self.times[slots, column] = now
+        self.steps[slots] = column + 1
+        self.draft_passes[slots] += draft_passes
+        return np.flatnonzero(column + 1 == self.accepted.shape[1])
+
+    def take_steps(self, slot: int) -> tuple[list[int], list[int], list[float], int]:
+        """The slot's step log since its request took the slot or last took the log: (tokens each
+        step committed, draft tokens each proposed, when each step's tokens reached the host, draft
+        passes); the log starts afresh."""
+        n = self.steps[slot]
+        log = (self.accepted[slot, :n].tolist(), self.drafted[slot, :n].tolist(), self.times[slot, :n].tolist(),
+               int(self.draft_passes[slot]))
+        self.steps[slot] = self.draft_passes[slot] = 0
+        return log
 
     def rows(self, slots: np.ndarray, width: int) -> BatchRows:
         """`slots`' rows with block tables `width` pages wide."""
