@@ -150,14 +150,22 @@ class Request:
         """Prompt logprobs asked for and not all computed yet."""
         return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt)
 
+    def record_step(self, emitted: int, depth: int, draft_passes: int) -> None:
+        """A decode step that committed `emitted` tokens after proposing `depth` draft tokens."""
+        self.accept_lengths.append(emitted)
+        self.step_depths.append(depth)
+        self.draft_passes += draft_passes
+
     def record_steps(self, emitted: list[int], depths: list[int], times: list[float], draft_passes: int) -> None:
-        """Decode steps that committed `emitted` tokens each after proposing `depths` draft tokens,
-        their tokens on the host at `times`, in `draft_passes` draft passes in all (a scheduler's
-        step log: their tokens were or are being emitted untimed, see `emit`)."""
+        """Decode steps whose tokens were emitted untimed (`emit(timed=False)`, `take`), from a
+        scheduler's step log: each committed `emitted` tokens after proposing `depths` draft
+        tokens, and its tokens reached the host at `times`; `draft_passes` in all. Tokens a stop
+        dropped get no time."""
         self.accept_lengths += emitted
         self.step_depths += depths
         for when, count in zip(times, emitted):
             self.token_times += [when] * count
+        del self.token_times[len(self.output):]
         self.draft_passes += draft_passes
 
     def take(self, tokens: list[int], now: float) -> bool:
@@ -226,8 +234,7 @@ class Request:
     def metrics(self, now: float, max_depth: int) -> dict:
         """Per-request metrics: acceptance (per draft position up to `max_depth`, over the steps
         that proposed that deep), target and draft passes, and latencies from arrival."""
-        # (a step log records a step's time for all the tokens it committed: those a stop dropped have none)
-        acc, drafted, times = self.accept_lengths, self.step_depths, self.token_times[: len(self.output)]
+        acc, drafted, times = self.accept_lengths, self.step_depths, self.token_times
         per_position = []  # plain Python: a finishing request's metrics are on the serving loop's path
         for d in range(1, max_depth + 1):
             reached = [a - 1 >= d for a, n in zip(acc, drafted) if n >= d]

@@ -452,10 +452,10 @@ def draft_kv(sched: Scheduler, prompt, steps: int):
     for _ in range(steps + 1):
         sched.step()
     req = sched._requests[rid]
-    table, length = np.asarray([req.pages], np.int32), int(sched._batch.table.length[req.slot])
-    cache = sched._executor.state.draft_cache(table, np.asarray([length]))
+    table = np.asarray([req.pages], np.int32)
+    cache = sched._executor.state.draft_cache(table, np.asarray([req.length]))
     k, v = kv_cache.read(cache, 0)
-    return np.asarray(k)[0, : length], np.asarray(v)[0, : length], length
+    return np.asarray(k)[0, : req.length], np.asarray(v)[0, : req.length], req.length
 
 
 @pytest.mark.parametrize("gap", [pytest.param(10, marks=pytest.mark.slow), 20], ids=["resumed", "gap-full"])

@@ -52,9 +52,8 @@ def test_metrics_match_their_definitions():
         req = Request("r", [1], e3.SamplingParams(), 64, arrival=0.0)
         depths = [rng.choice([0, 3, 4]) for _ in range(rng.randint(0, 20))]
         for depth in depths:
-            req.record_steps([rng.randint(1, depth + 1)], [depth], [0.0], 3 if depth else 0)
+            req.record_step(rng.randint(1, depth + 1), depth, 3 if depth else 0)
         req.token_times = sorted(rng.random() for _ in range(len(depths) + 1))
-        req.output = [7] * len(req.token_times)
         got = req.metrics(2.0, max_depth=4)
         acc, drafted = np.asarray(req.accept_lengths, np.int64), np.asarray(depths, np.int64)
         per_position = [float(np.mean(acc[drafted >= d] - 1 >= d)) if np.any(drafted >= d) else 0.0
@@ -99,3 +98,15 @@ def test_an_outputs_metrics_are_computed_once_when_read():
     out = req.output_record(2.0, max_depth=2)
     first = out.metrics
     assert first == req.metrics(2.0, max_depth=2) and out.metrics is first and first["e2e_latency_s"] == 2.0
+    assert first["itl_s"] == [0.5]
+
+
+def test_a_step_logs_times_cover_the_emitted_tokens_only():
+    req = Request("r", [1], e3.SamplingParams(stop_token_ids=(2,)), 8)
+    req.emit([5], 1.0)  # a prefill's first token, timed as it is emitted
+    req.unsent()  # handed out
+    assert req.take([6, 7], 1.5)  # a decode step's, timed by the step log
+    assert req.emit([8, 2, 9], 2.0, timed=False) == "stop"  # the 9 is dropped
+    req.record_steps([2, 3], [3, 3], [1.5, 2.0], 4)
+    assert req.output == [5, 6, 7, 8, 2] and req.token_times == [1.0, 1.5, 1.5, 2.0, 2.0]
+    assert req.accept_lengths == [2, 3] and req.draft_passes == 4

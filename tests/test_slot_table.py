@@ -55,10 +55,10 @@ def test_packed_settings_read_back_as_the_batch_arrays(traced):
 def test_rows_gather_slots_settings_and_pages_and_leave_the_scratch_slot_alone():
     table = SlotTable(5, max_pages_per_seq=8)
     scratch = table.ints[4].copy(), table.floats[4].copy()
-    table.admit(1, 11, SETTINGS[1], 0, (4, 5))
+    table.admit(1, 11, SETTINGS[1])
     table.set_pages(1, 0, [3, 4])
     table.set_pages(1, 2, [9])
-    table.admit(3, 2, SETTINGS[2], 0, (1, 1))
+    table.admit(3, 2, SETTINGS[2])
     rows = table.rows(np.asarray([3, 1, 4, 4]), 4)
     assert rows.ints.shape == (4, rows.ints.shape[1]) and rows.block_table.shape == (4, 4)
     np.testing.assert_array_equal(rows.slots, [3, 1, 4, 4])
@@ -82,8 +82,8 @@ def test_rows_gather_slots_settings_and_pages_and_leave_the_scratch_slot_alone()
 
 def test_step_logs_advance_lengths_fill_up_and_start_afresh_when_taken():
     table = SlotTable(4, max_pages_per_seq=8)
-    table.admit(0, 5, SETTINGS[0], 16, (4, 5))
-    table.admit(2, 7, SETTINGS[1], 0, (1, 1))
+    table.admit(0, 5, SETTINGS[0], length=16, reserve=(4, 5))
+    table.admit(2, 7, SETTINGS[1])
     table.length[2] = 7  # its prefill ran
     rng = np.random.default_rng(0)
     want = {0: ([], [], []), 2: ([], [], [])}  # (tokens committed, drafted, times) of each step

@@ -80,8 +80,9 @@ class ScheduledRequest(Request):
     computed: int = 0  # tokens of prefill_ids already in the cache
     pages: list[int] = dataclasses.field(default_factory=list)
     # State slot: last token and draft root on device; committed length, steps launched and not
-    # read, step log on the host (slot_table.SlotTable).
+    # read, step log on the host, in `table` (the running batch's slot table, set at admission).
     slot: int | None = None
+    table: SlotTable | None = None
     gap: int = 0  # steps since the draft last saw this request's tokens (adaptive speculation)
     with_draft: bool = True  # the draft follows it (adaptive speculation may admit a request without)
     wait_for: "ScheduledRequest | None" = None  # admitted once this one's prompt is prefilled (n > 1 choices)
@@ -93,6 +94,11 @@ class ScheduledRequest(Request):
         if len(self.page_keys) < num_pages:
             self.page_keys = page_keys(tokens, page_size, num_pages, self.page_keys)
         return self.page_keys[:num_pages]
+
+    @property
+    def length(self) -> int:
+        """Committed cache slots (0 without a state slot)."""
+        return 0 if self.slot is None else int(self.table.length[self.slot])
 
     @property
     def reads_whole_prompt(self) -> bool:
@@ -146,10 +152,11 @@ class RunningBatch:
             self._count_hits(req, cached)
             need = pages_for(len(req.prefill_ids) + self.lookahead, self.page_size) - len(cached)
             self.waiting.popleft()
-            req.slot = self.free_slots.pop()
+            req.slot, req.table = self.free_slots.pop(), self.table
             self.alloc.hold(cached)
             req.state, req.computed = PREFILL, len(cached) * self.page_size
-            self.table.admit(req.slot, len(req.prompt), req.sampling, req.computed, self.policy.reserve(with_draft))
+            self.table.admit(req.slot, len(req.prompt), req.sampling, length=req.computed,
+                             reserve=self.policy.reserve(with_draft))
             self.table.set_pages(req.slot, 0, cached)
             req.pages = list(cached)
             self._give_pages(req, need)
@@ -268,10 +275,10 @@ class RunningBatch:
         Those programs still write its pages (beyond the committed length only, so never a cached
         page), but every later program runs after them on the device, so the next owner sees its
         own data."""
-        if req.state == DECODE and self.alloc.cache is not None:
-            length = int(self.table.length[req.slot])  # committed slots; draft pairs up to length - gap
-            draft_valid = length - req.gap if req.with_draft and self.policy.uses_draft else 0
-            self.cache_pages(req, req.prompt + req.output, length, draft_valid)
+        if req.state == DECODE and self.alloc.cache is not None:  # committed: req.length slots,
+            # draft pairs up to length - gap
+            draft_valid = req.length - req.gap if req.with_draft and self.policy.uses_draft else 0
+            self.cache_pages(req, req.prompt + req.output, req.length, draft_valid)
         self.alloc.free(req.pages)
         if req.slot is not None:
             req.record_steps(*self.table.take_steps(req.slot))

@@ -401,8 +401,7 @@ class Scheduler:
         self.policy.observe(plan, launch.key, self._step_seconds(launch, now), requests, counts)
         self.counters.decode_step(counts, plan.depth)
         table = self._batch.table
-        for i in table.log_steps(launch.slots[live], counts, plan.depth, plan.draft_passes, now).tolist():
-            requests[i].record_steps(*table.take_steps(requests[i].slot))  # its step log is full
+        full = table.log_steps(launch.slots[live], counts, plan.depth, plan.draft_passes, now)
         tokens, deltas, taken = out.tolist(), [], 0
         for i, req, k in zip(rows, requests, counts.tolist()):
             new = tokens[i][:k]
@@ -412,6 +411,9 @@ class Scheduler:
                 continue
             lps = None if req.logprobs is None else Logprob.rows(logprobs, i, range(k), req.sampling.logprobs)
             deltas.append(self._emit(req, new, now, lps, timed=False))
+        for i in full.tolist():  # a full step log, taken by its request (one that finished took it leaving)
+            if requests[i].slot is not None:
+                requests[i].record_steps(*table.take_steps(requests[i].slot))
         self.counters.totals["generation_tokens_total"] += taken
         return deltas
 

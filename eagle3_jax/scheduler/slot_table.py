@@ -103,10 +103,11 @@ class SlotTable:
         self.times = np.zeros((num_slots, LOGGED_STEPS), np.float64)
         self.draft_passes = np.zeros((num_slots,), np.int64)
 
-    def admit(self, slot: int, prompt_len: int, params: SamplingParams, length: int, reserve: tuple[int, int]) -> None:
-        """A request takes `slot`: its prompt's length, sampling settings, committed length (cached
-        pages it starts from) and `reserve`, what one of its decode steps may write (slots committed,
-        slots past them); its pages follow."""
+    def admit(self, slot: int, prompt_len: int, params: SamplingParams, *, length: int = 0,
+              reserve: tuple[int, int] = (1, 1)) -> None:
+        """A request takes `slot`: its prompt's length, sampling settings, committed length (the
+        cached pages it starts from) and `reserve`, what one of its decode steps may write (slots
+        committed, slots past them; the default: a step without speculation's); its pages follow."""
         ints, floats = packed_settings(params)
         self.ints[slot, PROMPT_LEN] = prompt_len
         self.ints[slot, SETTINGS] = ints
