@@ -3,9 +3,10 @@
 # (0.12.x, which needs Python >= 3.12) and the newest Python, 3.13: every test `make test` runs,
 # plus those marked `newest_jax` (the Triton compile-to-ISA tests of every kernel form on gfx942 /
 # gfx950 / sm_90, spill detection, the GPU check script, multi-host, batch-invariant speculation,
-# the longest speculative-equality and preemption cases). Those marked `slow` (longer
-# variants of cases that default or newest_jax tests run, whose paths those take too) are left to
-# `python -m pytest -m slow`: CI has 45 minutes. The local CPU torch build is for Python 3.11 only,
+# the longest speculative-equality and preemption cases), less those marked `default_only`
+# (variants whose siblings run here, or checks JAX's version cannot change). Those marked `slow`
+# (longer variants of cases that default or newest_jax tests run, whose paths those take too) are
+# left to `python -m pytest -m slow`: CI has 45 minutes. The local CPU torch build is for Python 3.11 only,
 # so torch / transformers are left out and the tests that compare against them skip.
 #
 # Python: a working python3.13 (else 3.12) on PATH or under pyenv, else CPython 3.13 built from
@@ -87,6 +88,6 @@ fi
 "$venv/bin/python" -c 'import sys, jax; print(f"newest-JAX leg: Python {sys.version.split()[0]}, jax {jax.__version__}")'
 
 export XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
-# -m "not slow" lifts pyproject's default deselection of `newest_jax`
-"$venv/bin/python" -m pytest -q -n 2 --dist loadfile -p no:cacheprovider -m "not slow" tests/
+# -m "not slow ..." lifts pyproject's default deselection of `newest_jax`; `default_only` variants ran in the first leg
+"$venv/bin/python" -m pytest -q -n 2 --dist loadfile -p no:cacheprovider -m "not slow and not default_only" tests/
 echo "newest-JAX leg: $(( $(date +%s) - start )) s"

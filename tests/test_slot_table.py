@@ -80,16 +80,18 @@ def test_rows_gather_slots_settings_and_pages_and_leave_the_scratch_slot_alone()
     np.testing.assert_array_equal(table.ints[4], scratch[0])
 
 
-def test_step_logs_advance_lengths_fill_up_and_start_afresh_when_taken():
-    table = SlotTable(4, max_pages_per_seq=8)
+@pytest.mark.parametrize("others", [0, 10], ids=["few rows", "many rows"])  # FEW_ROWS: scalar or numpy updates
+def test_step_logs_advance_lengths_fill_up_and_start_afresh_when_taken(others):
+    table = SlotTable(16, max_pages_per_seq=8)
     table.admit(0, 5, SETTINGS[0], length=16, reserve=(4, 5))
     table.admit(2, 7, SETTINGS[1])
     table.length[2] = 7  # its prefill ran
+    extra = list(range(4, 4 + others))  # slots that step every time
     rng = np.random.default_rng(0)
-    want = {0: ([], [], []), 2: ([], [], [])}  # (tokens committed, drafted, times) of each step
-    taken = {0: ([], [], []), 2: ([], [], [])}
+    want = {s: ([], [], []) for s in [0, 2, *extra]}  # (tokens committed, drafted, times) of each step
+    taken = {s: ([], [], []) for s in want}
     for step in range(2 * LOGGED_STEPS + 3):
-        slots = np.asarray([2, 0] if step % 3 else [0])  # slot 2 skips every third step
+        slots = np.asarray(([2, 0] if step % 3 else [0]) + extra)  # slot 2 skips every third step
         counts = rng.integers(1, 5, len(slots))
         table.pending[slots] += 1  # launched, then read
         depth = step % 4
@@ -98,20 +100,35 @@ def test_step_logs_advance_lengths_fill_up_and_start_afresh_when_taken():
             want[slot][0].append(count)
             want[slot][1].append(depth)
             want[slot][2].append(float(step))
-        for i in full.tolist():  # as the scheduler does: a full log is taken before the next step
+        for i in full.tolist():  # as the scheduler does: a full log is taken after the step
             accepted, drafted, times, _ = table.take_steps(int(slots[i]))
             assert len(accepted) == LOGGED_STEPS
             for got, log in zip((accepted, drafted, times), taken[int(slots[i])]):
                 log.extend(got)
-    for slot, start in ((0, 16), (2, 7)):
+    for slot in want:
         *rest, passes = table.take_steps(slot)
         assert [t + r for t, r in zip(taken[slot], rest)] == list(want[slot])
-        assert table.length[slot] == start + sum(want[slot][0]) and table.pending[slot] == 0
+        assert table.length[slot] == {0: 16, 2: 7}.get(slot, 0) + sum(want[slot][0]) and table.pending[slot] == 0
+        assert passes == 2 * sum(want[slot][1]) - 2 * sum(taken[slot][1])  # since the last take
         assert table.take_steps(slot) == ([], [], [], 0)  # afresh
-    assert passes == 2 * sum(want[2][1]) - 2 * sum(taken[2][1])  # since the last take
     table.log_steps(np.asarray([0]), np.asarray([3]), 2, 1, 9.0)
     table.clear(0)
     assert table.take_steps(0) == ([], [], [], 0) and table.length[0] == 0 and table.pending[0] == 0
+
+
+@pytest.mark.parametrize("rows", [3, 12], ids=["few rows", "many rows"])
+def test_short_of_pages_finds_the_rows_whose_next_step_outgrows_their_pages(rows):
+    table, rng = SlotTable(16, max_pages_per_seq=8), np.random.default_rng(rows)
+    slots = rng.permutation(15)[:rows].tolist()
+    for slot in slots:
+        table.admit(slot, 3, SETTINGS[0], length=int(rng.integers(0, 60)), reserve=(4, 5))
+        table.set_pages(slot, 0, list(range(1, 1 + int(rng.integers(1, 6)))))
+        table.pending[slot] = rng.integers(0, 3)
+    table.length[slots[-1]] = 16 * table.num_pages[slots[-1]]  # one at least is short
+    ends = [int(table.length[s] + 4 * table.pending[s] + 5) for s in slots]
+    short, needed = table.short_of_pages(slots, page_size=16)
+    assert short == [i for i, s in enumerate(slots) if ends[i] > 16 * table.num_pages[s]] and short
+    assert needed == [ends[i] for i in short]
 
 
 def test_prefill_chunks_are_padding_rows_until_written_through_their_columns():

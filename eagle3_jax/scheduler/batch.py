@@ -243,21 +243,15 @@ class RunningBatch:
         returns the decoding requests then, in admission order. Who needs pages is found for the
         whole batch at once from the slot table (most steps: nobody)."""
         rows = self.decoding()
-        if not rows:
-            return rows
-        t = self.table
-        slots = np.fromiter((r.slot for r in rows), np.int64, len(rows))
-        # pending: launched steps not read yet, each of which may commit step_tokens
-        end = t.length[slots] + t.pending[slots] * t.step_tokens[slots] + t.step_lookahead[slots]
-        short = np.flatnonzero(end > t.num_pages[slots] * self.page_size)
-        for i in short.tolist():
+        short, ends = self.table.short_of_pages([r.slot for r in rows], self.page_size)
+        for i, end in zip(short, ends):
             req = rows[i]
-            need = min(pages_for(int(end[i]), self.page_size), self.max_pages_per_seq) - len(req.pages)
+            need = min(pages_for(end, self.page_size), self.max_pages_per_seq) - len(req.pages)
             while need > self.alloc.num_free and req.state == DECODE:
                 self.preempt(next(reversed(self.running.values())))
             if req.state == DECODE and need > 0:
                 self._give_pages(req, need)
-        return rows if short.size == 0 else self.decoding()
+        return self.decoding() if short else rows
 
     def preempt(self, req: ScheduledRequest) -> None:
         """Back to the front of the queue, to be recomputed from prompt + output when readmitted."""

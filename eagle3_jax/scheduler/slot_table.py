@@ -35,6 +35,9 @@ SLOT, PROMPT_LEN = 0, 1
 SETTINGS = slice(2, 2 + PACKED_INTS)  # the sampling settings' integer columns
 PAGES = 2 + PACKED_INTS  # the block table's first column
 LOGGED_STEPS = 64  # decode steps a slot's step log holds before its request takes them
+# Up to this many rows, a batch's bookkeeping is scalar updates row by row: each numpy call on an
+# index array costs a few microseconds whatever its size, a scalar update a tenth of one.
+FEW_ROWS = 8
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["ints", "floats"], meta_fields=["synthetic"])
@@ -134,6 +137,18 @@ class SlotTable:
         `depth` draft tokens in `draft_passes` draft passes; they reached the host at `now`: their
         lengths and step logs advance. Returns the positions in `slots` whose log is now full: take
         theirs (`take_steps`) before their next step."""
+        if len(slots) <= FEW_ROWS:
+            full = []
+            for i, (slot, count) in enumerate(zip(slots.tolist(), counts.tolist())):
+                self.pending[slot] -= 1
+                self.length[slot] += count
+                column = int(self.steps[slot])
+                self.accepted[slot, column], self.drafted[slot, column], self.times[slot, column] = count, depth, now
+                self.steps[slot] = column + 1
+                self.draft_passes[slot] += draft_passes
+                if column + 1 == LOGGED_STEPS:
+                    full.append(i)
+            return np.asarray(full, np.int64)
         self.pending[slots] -= 1
         self.length[slots] += counts
         column = self.steps[slots]
@@ -142,7 +157,20 @@ class SlotTable:
         self.times[slots, column] = now
         self.steps[slots] = column + 1
         self.draft_passes[slots] += draft_passes
-        return np.flatnonzero(column + 1 == self.accepted.shape[1])
+        return np.flatnonzero(column + 1 == LOGGED_STEPS)
+
+    def short_of_pages(self, slots: list[int], page_size: int) -> tuple[list[int], list[int]]:
+        """Of `slots`' requests, those whose pages do not cover their next step (its launched and
+        unread steps each committing up to `step_tokens`, then `step_lookahead` slots past them):
+        (their positions in `slots`, the cache slots each needs covered)."""
+        if len(slots) <= FEW_ROWS:
+            ends = [int(self.length[s] + self.pending[s] * self.step_tokens[s] + self.step_lookahead[s]) for s in slots]
+            short = [i for i, (s, end) in enumerate(zip(slots, ends)) if end > self.num_pages[s] * page_size]
+            return short, [ends[i] for i in short]
+        index = np.asarray(slots, np.int64)
+        ends = self.length[index] + self.pending[index] * self.step_tokens[index] + self.step_lookahead[index]
+        short = np.flatnonzero(ends > self.num_pages[index] * page_size)
+        return short.tolist(), ends[short].tolist()
 
     def take_steps(self, slot: int) -> tuple[list[int], list[int], list[float], int]:
         """The slot's step log since its request took the slot or last took the log: (tokens each
