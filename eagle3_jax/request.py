@@ -188,8 +188,8 @@ class Request:
         them), up to and including a stop token, the one that ends its grammar or the budget's
         last; returns the finish reason then ("stop" / "length"), else None. Tokens past the
         finish are dropped. `timed`: record `now` as their time (False: a step log records the
-        step's time, `record_steps`). A grammar's end ends the output even below min_tokens (nothing else
-        may follow it). A token the grammar forbids (a masking bug, logged) ends the request
+        step's time, `record_steps`). A grammar's end ends the output even below min_tokens
+        (nothing else may follow it). A token the grammar forbids (a masking bug, logged) ends the request
         ("abort"), never the engine."""
         stops = self._stops
         for i, tok in enumerate(tokens):
@@ -267,5 +267,4 @@ class Request:
 
     def output_record(self, now: float, max_depth: int, text: str | None = None) -> RequestOutput:
         return RequestOutput(self.output, self.finish_reason, functools.partial(self.metrics, now, max_depth),
-                             self.stop_reason, text,
-                             self.logprobs, self.prompt_logprobs)
+                             self.stop_reason, text, self.logprobs, self.prompt_logprobs)

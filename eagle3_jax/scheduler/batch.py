@@ -269,8 +269,9 @@ class RunningBatch:
         Those programs still write its pages (beyond the committed length only, so never a cached
         page), but every later program runs after them on the device, so the next owner sees its
         own data."""
-        if req.state == DECODE and self.alloc.cache is not None:  # committed: req.length slots,
-            # draft pairs up to length - gap
+        # Committed: req.length slots, draft pairs up to length - gap. (The cache is checked here
+        # too, so that leaving without one builds no list of the whole sequence.)
+        if req.state == DECODE and self.alloc.cache is not None:
             draft_valid = req.length - req.gap if req.with_draft and self.policy.uses_draft else 0
             self.cache_pages(req, req.prompt + req.output, req.length, draft_valid)
         self.alloc.free(req.pages)

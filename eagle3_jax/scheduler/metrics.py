@@ -21,7 +21,7 @@ class SchedulerCounters:
         # One histogram of the counts (one numpy call, whatever the batch), every total from its
         # few bins in plain Python.
         rows, max_accept = len(counts), len(self.per_position)
-        per_count = np.bincount(counts, minlength=max_accept + 2).tolist()  # rows that committed c tokens
+        per_count = np.bincount(counts, minlength=max_accept + 2)[: max_accept + 2].tolist()  # rows committing c
         committed = sum(c * n for c, n in enumerate(per_count))
         totals = self.totals
         totals["num_decode_steps_total"] += rows
@@ -33,10 +33,9 @@ class SchedulerCounters:
             totals["num_accepted_draft_tokens_total"] += committed - rows + per_count[0]
             # rows that accepted at least d draft tokens (committed d + 1 or more), d = 1..max_accept
             at_least = 0
-            for d in range(len(per_count) - 2, 0, -1):
+            for d in range(max_accept, 0, -1):
                 at_least += per_count[d + 1]
-                if d <= max_accept:
-                    self.per_position[d - 1] += at_least
+                self.per_position[d - 1] += at_least
             for d in range(depth):
                 self.per_position_drafted[d] += rows
 
