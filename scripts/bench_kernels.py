@@ -22,6 +22,17 @@ SiLU, then down) and through XLA (gathered matmuls at decode sizes, ragged_dot a
 random bytes in --moe_format. The bytes are those of the distinct local experts the tokens hit
 (a lower bound on what either path must read).
 
+Timing: on a GPU each timed program runs the op over several input sets (block tables over
+distinct pages of one pool; distinct routings), enough that together they read ~256 MB, so the
+L2 (50-60 MB on an H100 / H200) does not hold what one call reads and the launch overhead is
+spread over them; the median of --repeats programs, divided by the sets, is the op's time. Each
+row also counts the op's floating-point work and its share of --device's peak bf16 rate (the
+bound that matters where the op is compute-bound: large MoE token counts).
+
+A row where kernel and reference disagree beyond the tolerance (attention: 5e-2 absolute, MoE:
+5e-2 relative to the largest output) is printed and recorded with `equal: false`; the script
+then exits 1 after measuring every row.
+
 On a CPU host the kernels run in Pallas interpret mode: the figures then only show that the
 script works.
 """
@@ -82,6 +93,27 @@ def _ints(values: Sequence[str], name: str) -> list[int]:
     return out
 
 
+ROTATE_BYTES = 256 * 2**20  # what one timed program reads over its input sets: several times a GPU's L2
+MAX_SETS = 16
+ATTENTION_TOLERANCE = 5e-2  # absolute, on outputs of O(1)
+MOE_TOLERANCE = 5e-2  # relative to the largest output
+
+
+def input_sets(read_bytes: float, interpret: bool) -> int:
+    """Input sets per timed program: enough to read ROTATE_BYTES (one in interpret mode)."""
+    if interpret:
+        return 1
+    return int(max(1, min(MAX_SETS, -(-ROTATE_BYTES // max(int(read_bytes), 1)))))
+
+
+def per_set_ms(fn, sets: list, repeats: int) -> float:
+    """Median ms per input set of one program running `fn(**set)` over every set (see the module doc)."""
+    import jax
+
+    program = jax.jit(lambda all_sets: [fn(**one) for one in all_sets])
+    return _median_ms(program, (sets,), repeats) / len(sets)
+
+
 def _median_ms(fn, args, repeats: int) -> float:
     import jax
 
@@ -94,17 +126,36 @@ def _median_ms(fn, args, repeats: int) -> float:
     return 1e3 * statistics.median(times)
 
 
-def case(batch: int, t: int, context: int, rng):
-    """Arguments (q, k_pool, v_pool, table, lengths, q2, k2_pool), the rows per head and the bytes to read."""
+def attention_bytes(batch: int, context: int) -> int:
+    """The prefix's K/V bytes one attention call must read."""
+    import jax.numpy as jnp
+
+    itemsize = jnp.dtype(FLAGS.dtype).itemsize
+    if FLAGS.kind == "mla":
+        return batch * context * (FLAGS.latent + FLAGS.rope) * itemsize
+    return 2 * batch * context * FLAGS.kv_heads * FLAGS.head_dim * itemsize
+
+
+def attention_flops(batch: int, t: int, context: int) -> int:
+    """Multiply-adds x 2 of scores and values over the prefix (MLA: latent + rope scores, latent values)."""
+    if FLAGS.kind == "mla":
+        return 2 * batch * FLAGS.heads * t * context * (2 * FLAGS.latent + FLAGS.rope)
+    return 2 * batch * FLAGS.heads * t * context * 2 * FLAGS.head_dim
+
+
+def case(batch: int, t: int, context: int, rng, sets: int = 1):
+    """Arguments (q, k_pool, v_pool, tables, lengths, q2, k2_pool) and the bytes one call reads: one
+    pool holding `sets` disjoint copies' worth of pages, and `sets` block tables over them."""
     import jax.numpy as jnp
     import numpy as np
 
     dt = jnp.dtype(FLAGS.dtype)
     ps = FLAGS.page_size
     pages_per_row = -(-context // ps)
-    num_pages = batch * pages_per_row + 1
-    table = (1 + rng.permutation(batch * pages_per_row)).reshape(batch, pages_per_row).astype(np.int32)
+    num_pages = sets * batch * pages_per_row + 1
+    tables = (1 + rng.permutation(sets * batch * pages_per_row)).reshape(sets, batch, pages_per_row).astype(np.int32)
     lengths = np.full((batch,), context, np.int32)
+    read = attention_bytes(batch, context)
 
     def normal(*shape):
         return jnp.asarray(rng.standard_normal(shape, dtype=np.float32), dt)
@@ -113,16 +164,14 @@ def case(batch: int, t: int, context: int, rng):
         rows = FLAGS.heads * t
         q, q2 = normal(batch, 1, rows, FLAGS.latent), normal(batch, 1, rows, FLAGS.rope)
         k, k2 = normal(1, num_pages, ps, 1, FLAGS.latent), normal(1, num_pages, ps, 1, FLAGS.rope)
-        read = batch * context * (FLAGS.latent + FLAGS.rope) * dt.itemsize
-        return (q, k, None, table, lengths, q2, k2), read
+        return (q, k, None, tables, lengths, q2, k2), read
     g = FLAGS.heads // FLAGS.kv_heads
     q = normal(batch, FLAGS.kv_heads, g * t, FLAGS.head_dim)
     k, v = (normal(1, num_pages, ps, FLAGS.kv_heads, FLAGS.head_dim) for _ in range(2))
-    read = 2 * batch * context * FLAGS.kv_heads * FLAGS.head_dim * dt.itemsize
-    return (q, k, v, table, lengths, None, None), read
+    return (q, k, v, tables, lengths, None, None), read
 
 
-def attention_rows(peak: float, interpret: bool) -> list[dict]:
+def attention_rows(peak: float, interpret: bool, peak_tflops: float = 0.0) -> list[dict]:
     import functools
 
     import jax
@@ -134,30 +183,36 @@ def attention_rows(peak: float, interpret: bool) -> list[dict]:
     scale = 0.1
     print(f"\n{FLAGS.kind} paged prefix attention, {FLAGS.dtype}, page {FLAGS.page_size}, {jax.devices()[0].device_kind}"
           + (" (Pallas interpret mode: timings are not meaningful)" if interpret else ""))
-    print("| batch | T | context | splits | kernel ms | XLA ms | speedup | MB read | kernel GB/s | % of "
-          f"{FLAGS.device} peak |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| batch | T | context | splits | sets | kernel ms | XLA ms | speedup | MB read | kernel GB/s | % of "
+          f"{FLAGS.device} peak | max err |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     rows, rng = [], np.random.default_rng(0)
     for batch in batches:
         for t in tokens:
             for context in contexts:
-                (q, k, v, table, lengths, q2, k2), read = case(batch, t, context, rng)
-                splits = FLAGS.num_splits or max(1, min(table.shape[1], 8 // max(1, batch) or 1))
-                kernel = jax.jit(functools.partial(paged_prefix_attention, layer=0, scale=scale, num_splits=splits,
-                                                   interpret=interpret))
-                ref = jax.jit(functools.partial(paged_prefix_attention_reference, layer=0, scale=scale))
-                args = dict(q=q, k_pool=k, v_pool=v, block_table=table, lengths=lengths, q2=q2, k2_pool=k2)
-                got, want = kernel(**args), ref(**args)
-                err = float(np.max(np.abs(np.asarray(got[0]) - np.asarray(want[0]))))
-                if err > 5e-2:
-                    sys.exit(f"kernel and reference disagree by {err:.3g} at batch {batch}, T {t}, context {context}")
-                k_ms = _median_ms(lambda: kernel(**args), (), FLAGS.repeats)
-                x_ms = _median_ms(lambda: ref(**args), (), FLAGS.repeats)
-                gbps = read / (k_ms * 1e6)
-                rows.append(dict(op="attention", batch=batch, tokens=t, context=context, splits=splits, kernel_ms=k_ms, xla_ms=x_ms,
-                                 bytes_read=read, kernel_gbps=gbps, peak_fraction=gbps / peak, max_abs_err=err))
-                print(f"| {batch} | {t} | {context} | {splits} | {k_ms:.3f} | {x_ms:.3f} | {x_ms / k_ms:.2f}x | "
-                      f"{read / 1e6:.1f} | {gbps:.1f} | {100 * gbps / peak:.1f} |")
+                sets = input_sets(attention_bytes(batch, context), interpret)
+                (q, k, v, tables, lengths, q2, k2), read = case(batch, t, context, rng, sets)
+                splits = FLAGS.num_splits or max(1, min(tables.shape[2], 8 // max(1, batch) or 1))
+                kernel = functools.partial(paged_prefix_attention, layer=0, scale=scale, num_splits=splits,
+                                           interpret=interpret)
+                ref = functools.partial(paged_prefix_attention_reference, layer=0, scale=scale)
+                arg_sets = [dict(q=q, k_pool=k, v_pool=v, block_table=table, lengths=lengths, q2=q2, k2_pool=k2)
+                            for table in tables]
+                got, want = jax.jit(kernel)(**arg_sets[0]), jax.jit(ref)(**arg_sets[0])
+                err = float(np.max(np.abs(np.asarray(got[0], np.float32) - np.asarray(want[0], np.float32))))
+                equal = bool(err <= ATTENTION_TOLERANCE)  # NaN fails
+                k_ms = per_set_ms(kernel, arg_sets, FLAGS.repeats)
+                x_ms = per_set_ms(ref, arg_sets, FLAGS.repeats)
+                gbps, flops = read / (k_ms * 1e6), attention_flops(batch, t, context)
+                rows.append(dict(op="attention", kind=FLAGS.kind, batch=batch, tokens=t, context=context, splits=splits,
+                                 input_sets=sets, kernel_ms=k_ms, xla_ms=x_ms, bytes_read=read, flops=flops,
+                                 kernel_gbps=gbps, xla_gbps=read / (x_ms * 1e6), peak_fraction=gbps / peak,
+                                 xla_peak_fraction=read / (x_ms * 1e6) / peak,
+                                 flops_fraction=flops / (k_ms * 1e9) / peak_tflops if peak_tflops else None,
+                                 max_abs_err=err, equal=equal))
+                print(f"| {batch} | {t} | {context} | {splits} | {sets} | {k_ms:.4f} | {x_ms:.4f} | {x_ms / k_ms:.2f}x | "
+                      f"{read / 1e6:.1f} | {gbps:.1f} | {100 * gbps / peak:.1f} | {err:.2g}"
+                      + ("" if equal else " DIFFERS") + " |", flush=True)
     return rows
 
 
@@ -185,7 +240,7 @@ def expert_weight(rng, fmt: str, e: int, k: int, n: int):
     return QArray(values, jnp.asarray(np.full((e, 1, n), 0.01 / np.sqrt(k), np.float32)), QFormat("fp8_channel", (0, 1)))
 
 
-def moe_rows(peak: float, interpret: bool) -> list[dict]:
+def moe_rows(peak: float, interpret: bool, peak_tflops: float = 0.0) -> list[dict]:
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -206,29 +261,51 @@ def moe_rows(peak: float, interpret: bool) -> list[dict]:
     print(f"\nrouted experts: {e} of {FLAGS.experts} on the device, top-{FLAGS.topk}, {h} -> {inter} -> {h}, "
           f"{FLAGS.moe_format} weights, {FLAGS.dtype} activations"
           + (" (Pallas interpret mode: timings are not meaningful)" if interpret else ""))
-    print(f"| tokens | local assignments | experts hit | kernel ms | XLA ms | speedup | MB read | kernel GB/s | % of "
-          f"{FLAGS.device} peak |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    kernel = jax.jit(lambda *a: local_experts(*a, use_kernels=True))
-    ref = jax.jit(lambda *a: local_experts(*a, use_kernels=False))
+    print(f"| tokens | local assignments | experts hit | sets | kernel ms | XLA ms | speedup | MB read | kernel GB/s | "
+          f"% of {FLAGS.device} peak | max rel err |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+
+    def kernel(x, weights, ids, ws):  # the weights are arguments: a closure would bake them into the program
+        return local_experts(x, weights, ids, *ws, use_kernels=True)
+
+    def ref(x, weights, ids, ws):
+        return local_experts(x, weights, ids, *ws, use_kernels=False)
+
+    def routing(n: int) -> dict:
+        ids = np.stack([rng.choice(FLAGS.experts, FLAGS.topk, replace=False) for _ in range(n)]).astype(np.int32)
+        weights = jnp.asarray(rng.uniform(0.1, 1.0, ids.shape), jnp.float32)
+        return dict(weights=weights, ids=jnp.asarray(ids), ws=ws)
+
+    def bytes_read(one: dict) -> float:  # the distinct local experts hit, and the activations
+        ids = np.asarray(one["ids"])
+        return len(set(ids[ids < e].tolist())) * expert_bytes + one["x"].nbytes
+
     rows = []
     for n in token_counts:
         x = jnp.asarray(rng.standard_normal((n, h), np.float32), FLAGS.dtype)
-        ids = np.stack([rng.choice(FLAGS.experts, FLAGS.topk, replace=False) for _ in range(n)]).astype(np.int32)
-        weights = jnp.asarray(rng.uniform(0.1, 1.0, ids.shape), jnp.float32)
-        args = (x, weights, jnp.asarray(ids)) + ws
-        got, want = kernel(*args), ref(*args)
-        err = float(jnp.max(jnp.abs(got - want)) / (jnp.max(jnp.abs(want)) + 1e-30))
-        if err > 5e-2:
-            sys.exit(f"MoE kernels and reference disagree by {err:.3g} (relative) at {n} tokens")
+        first = dict(x=x, **routing(n))
+        sets = input_sets(bytes_read(first), interpret)
+        arg_sets = [first] + [dict(x=x, **routing(n)) for _ in range(sets - 1)]
+        got, want = jax.jit(kernel)(**first), jax.jit(ref)(**first)
+        err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32)))
+                    / (jnp.max(jnp.abs(want.astype(jnp.float32))) + 1e-30))
+        equal = bool(err <= MOE_TOLERANCE)  # NaN fails
+        ids = np.asarray(first["ids"])
         hit = len(set(ids[ids < e].tolist()))
-        read = hit * expert_bytes + x.nbytes
-        k_ms, x_ms = _median_ms(kernel, args, FLAGS.repeats), _median_ms(ref, args, FLAGS.repeats)
+        read = sum(bytes_read(one) for one in arg_sets) / sets
+        assignments = sum(int((np.asarray(one["ids"]) < e).sum()) for one in arg_sets) / sets
+        flops = 6 * h * inter * assignments  # gate, up and down: 2 flops per multiply-add
+        k_ms, x_ms = per_set_ms(kernel, arg_sets, FLAGS.repeats), per_set_ms(ref, arg_sets, FLAGS.repeats)
         gbps = read / (k_ms * 1e6)
-        rows.append(dict(op="moe", tokens=n, local_assignments=int((ids < e).sum()), experts_hit=hit, kernel_ms=k_ms,
-                         xla_ms=x_ms, bytes_read=read, kernel_gbps=gbps, peak_fraction=gbps / peak, max_rel_err=err))
-        print(f"| {n} | {int((ids < e).sum())} | {hit} | {k_ms:.3f} | {x_ms:.3f} | {x_ms / k_ms:.2f}x | "
-              f"{read / 1e6:.1f} | {gbps:.1f} | {100 * gbps / peak:.1f} |")
+        rows.append(dict(op="moe", format=FLAGS.moe_format, tokens=n, local_assignments=int((ids < e).sum()),
+                         experts_hit=hit, input_sets=sets, kernel_ms=k_ms, xla_ms=x_ms, bytes_read=read, flops=flops,
+                         kernel_gbps=gbps, xla_gbps=read / (x_ms * 1e6), peak_fraction=gbps / peak,
+                         xla_peak_fraction=read / (x_ms * 1e6) / peak,
+                         flops_fraction=flops / (k_ms * 1e9) / peak_tflops if peak_tflops else None,
+                         max_rel_err=err, equal=equal))
+        print(f"| {n} | {int((ids < e).sum())} | {hit} | {sets} | {k_ms:.4f} | {x_ms:.4f} | {x_ms / k_ms:.2f}x | "
+              f"{read / 1e6:.1f} | {gbps:.1f} | {100 * gbps / peak:.1f} | {err:.2g}"
+              + ("" if equal else " DIFFERS") + " |", flush=True)
     return rows
 
 
@@ -244,17 +321,22 @@ def main(argv: Sequence[str]) -> None:
     unknown = set(FLAGS.ops) - {"attention", "moe"}
     if unknown or not FLAGS.ops:
         raise app.UsageError(f"--ops takes attention and/or moe; got {','.join(FLAGS.ops)!r}")
-    peak = DEVICES[FLAGS.device].hbm_gbps
+    peak, peak_tflops = DEVICES[FLAGS.device].hbm_gbps, DEVICES[FLAGS.device].bf16_tflops
     interpret = jax.default_backend() == "cpu"
     rows = []
     if "attention" in FLAGS.ops:
-        rows += attention_rows(peak, interpret)
+        rows += attention_rows(peak, interpret, peak_tflops)
     if "moe" in FLAGS.ops:
-        rows += moe_rows(peak, interpret)
+        rows += moe_rows(peak, interpret, peak_tflops)
     if FLAGS.json_out:
         _cli.write_output("--json_out", FLAGS.json_out, json.dumps(
             {"argv": sys.argv, "date": time.strftime("%Y-%m-%d"), "device": jax.devices()[0].device_kind,
              "interpret": interpret, "machine": f"{platform.machine()} x{os.cpu_count()}", "rows": rows}, indent=1))
+    differ = [r for r in rows if not r["equal"]]
+    if differ:
+        print(f"bench_kernels.py: {len(differ)} kernel row(s) differ from the XLA reference beyond the tolerance "
+              "(marked DIFFERS above)", file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -48,9 +48,26 @@ flags.DEFINE_integer("runs", 30, "Timed calls per phase and per program (the med
 flags.DEFINE_integer("max_tokens", 128, "Tokens per request with --engine.", lower_bound=1)
 flags.DEFINE_bool("engine", True, "Also time Engine.generate at batch 1 over the prompts (the demo's figure).")
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Compute dtype.")
+flags.DEFINE_string("kernels", "xla", "Which ops run Pallas kernels: xla, pallas, auto (Pallas on a GPU), or per op "
+                    "like attention=pallas,moe=xla.")
+flags.DEFINE_bool("phases", True, "Also time each phase of the step compiled alone (a program each to compile).")
 flags.DEFINE_string("json_out", None, "Write every figure here as JSON.")
 flags.DEFINE_string("plot", None, "Write the stacked-bar picture here (PNG).")
 _cli.define_overwrite_flag("--json_out and --plot")
+
+
+def _valid_kernels(value: str) -> bool:
+    from eagle3_jax.kernels import parse
+
+    try:
+        parse(value)
+    except ValueError:
+        return False
+    return True
+
+
+flags.register_validator("kernels", _valid_kernels, message="--kernels must be xla, pallas, auto, or per op like "
+                         "attention=pallas,moe=xla (ops: attention, moe)")
 
 
 def _ints(values, flag: str) -> list[int]:
@@ -132,6 +149,7 @@ def main(argv) -> None:
     import eagle3_jax as e3
     from eagle3_jax.bench.report import machine_info, pyplot
     from eagle3_jax.bench.step_accounting import account
+    from eagle3_jax.checkpoint.atomic import write_text_output
     from eagle3_jax.tokenizer import load_tokenizer
 
     if FLAGS.plot:
@@ -146,7 +164,7 @@ def main(argv) -> None:
             texts = [line.strip() for line in f if line.strip()]
     if not texts:
         raise app.UsageError(f"--prompts: {FLAGS.prompts} holds no prompt")
-    target = e3.load_target(FLAGS.target, dtype=FLAGS.dtype)
+    target = e3.load_target(FLAGS.target, dtype=FLAGS.dtype, kernels=FLAGS.kernels)
     draft = None
     if any(s is not None for _, s in specs):
         check_draft_path("--draft", FLAGS.draft)
@@ -158,6 +176,18 @@ def main(argv) -> None:
     scheds = {name: e3.Scheduler(target, draft if spec is not None else None, spec, max_num_seqs=max(batches),
                                  max_seq_len=max_len) for name, spec in specs}
     rows = []
+    record = {"command": " ".join(["python"] + sys.argv), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+              "machine": machine_info(), "dtype": FLAGS.dtype, "kernels": target.config.kernels, "steps": FLAGS.steps,
+              "runs": FLAGS.runs, "rows": rows, "engine_batch_1": {}}
+    written = False
+
+    def write() -> None:  # after every row: a run cut short keeps the rows it measured
+        nonlocal written
+        if FLAGS.json_out:
+            write_text_output(FLAGS.json_out, json.dumps(record, indent=1), name="--json_out",
+                              overwrite=written or bool(FLAGS.overwrite))
+            written = True
+
     head = ("| setting | batch | step ms | host ms | program ms | phases ms | program / phases | " +
             " | ".join(f"{p} ms" for p in ("propose", "verify", "judge", "commit", "extend", "state")) +
             " | tokens / step | step ms / token |")
@@ -167,15 +197,17 @@ def main(argv) -> None:
         for name, spec in specs:
             gc.collect()
             a = account(scheds[name], name, prompts, batch=batch, steps=FLAGS.steps, runs=FLAGS.runs,
-                        max_tokens=max_len - longest - 1)
+                        max_tokens=max_len - longest - 1, phases=FLAGS.phases)
             row = a.as_dict()
             rows.append(row)
+            write()
             cells = [f"{a.phases[p]:.3f}" if p in a.phases else "-" for p in
                      ("propose", "verify", "judge", "commit", "extend", "state")]
+            over = f"{a.program_ms / a.phases_ms:.2f}" if a.phases else "-"
             print(f"| {name} | {batch} | {a.step_ms:.3f} | {a.host_ms:.3f} | {a.program_ms:.3f} | {a.phases_ms:.3f} | "
-                  f"{a.program_ms / a.phases_ms:.2f} | " + " | ".join(cells) +
+                  f"{over} | " + " | ".join(cells) +
                   f" | {a.tokens_per_step:.2f} | {a.step_ms / a.tokens_per_step:.3f} |", flush=True)
-    engine = {}
+    engine = record["engine_batch_1"]
     if FLAGS.engine:
         print("\nEngine.generate at batch 1, each prompt alone, prefill included:")
         for name, spec in specs:
@@ -183,11 +215,8 @@ def main(argv) -> None:
             e = engine[name]
             print(f"  {name}: {e['ms_per_step']:.3f} ms per step, {e['tokens_per_step']:.2f} tokens per step, "
                   f"{e['ms_per_token']:.3f} ms per token", flush=True)
-    record = {"command": " ".join(["python"] + sys.argv), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-              "machine": machine_info(), "dtype": FLAGS.dtype, "steps": FLAGS.steps, "runs": FLAGS.runs,
-              "rows": rows, "engine_batch_1": engine}
-    if FLAGS.json_out:
-        _cli.write_output("--json_out", FLAGS.json_out, json.dumps(record, indent=1))
+            write()
+    write()
     if FLAGS.plot:
         plot(rows, FLAGS.plot)
         print(f"wrote {FLAGS.plot}")

@@ -2,21 +2,32 @@
 
     python scripts/gpu_check.py --json_out=gpu_check.json          # on a GPU: Kimi-K2.5 per-device shapes
     python scripts/gpu_check.py --small --json_out=/tmp/check.json   # anywhere (a CPU runs it interpreted)
+    python scripts/gpu_check.py --parts=kernels --json_out=k.json   # one part (scripts/gpu_proof.sh runs each
+                                                                    # part in its own process and time limit)
 
-Three parts, one JSON:
-1. kernels: each kernel against its XLA path (scripts/bench_kernels.py's measurements): Kimi-K2.5's
-   MLA prefix attention (64 heads, latent 512 + rope 64) at batch 1 and 64, T = 1 and 4, 8K
-   context; its routed experts in int4 (48 of 384 on the device, top-8, 7168 -> 2048 -> 7168).
+Parts (--parts), one JSON, rewritten as each part finishes so a part cut short loses only itself:
+1. kernels: on a GPU first the two ceilings measured (a device-to-device copy's GB/s counting bytes
+   read and written; a bf16 8192^3 matrix product's TFLOP/s), then each kernel against its XLA
+   path (scripts/bench_kernels.py's measurements): Kimi-K2.5's MLA prefix attention (64 heads,
+   latent 512 + rope 64) at batch 1 and 64, T = 1 and 4, 8K context; its routed experts in int4
+   (48 of 384 on the device, top-8, 7168 -> 2048 -> 7168). Each row has the kernel's and XLA's
+   fraction of the data-sheet HBM peak and of the measured copy bandwidth.
 2. steps: a plain decode step (T = 1) and a chain verify step (T = 4) of the target forward with
    the kernels and with XLA, at batch 1 and 64 over an 8K cache. Kimi-K2.5 does not fit one GPU,
    so the model is cut to its dense layers plus one MoE layer (all 384 int4 experts), with random
-   weights made on the device (timings only; the numbers it computes mean nothing).
-3. greedy: the bundled kimi-mini pair loaded with kernels="pallas": greedy speculation (chain
-   3/1/4) emits exactly the plain greedy tokens.
+   weights made on the device (timings only; the numbers it computes mean nothing). Each row has
+   the bytes a step must read (weights but the embedding table, the routed experts a batch is
+   expected to hit, the K/V prefix) and the steps' fractions of the peaks.
+3. demo: the bundled kimi-mini pair with kernels="pallas" and "xla", in float32 and bfloat16:
+   greedy outputs of plain decoding, chain 3/1/4 and tree 5/4/16 (Engine.generate over the demo
+   prompts), and their ms per token (a second, timed pass). In float32 every output must equal
+   plain greedy decoding on the XLA path; bfloat16 pairs are reported (kernels and XLA round
+   differently, so a near-tie can flip a token there).
 
 On a CPU host (or with --small) the same code runs at small shapes (kimi-mini's own config for the
-steps) with the kernels in Pallas interpret mode: it shows the script works, not how fast anything
-is. It exits 1 if a kernel disagrees with XLA or greedy speculation differs from plain decoding.
+steps; float32 plain and chain only in the demo) with the kernels in Pallas interpret mode: it
+shows the script works, not how fast anything is. It exits 1 if a kernel disagrees with XLA or a
+float32 demo output differs from plain greedy decoding.
 """
 
 from __future__ import annotations
@@ -41,12 +52,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 flags.DEFINE_bool("small", None, "Small shapes (default: on a CPU host). The kernels run interpreted on a CPU.")
 FLAGS.set_default("json_out", "gpu_check.json")  # bench_kernels' flag: where the results go
 flags.DEFINE_integer("step_repeats", None, "Timed runs per step (default 20 on a GPU, 2 small).", lower_bound=1)
-flags.DEFINE_integer("greedy_tokens", None, "Tokens per prompt in the greedy check (default 64 on a GPU, 6 small).",
+flags.DEFINE_integer("greedy_tokens", None, "Tokens per prompt in the demo check (default 64 on a GPU, 6 small).",
                      lower_bound=1)
+flags.DEFINE_list("parts", ["kernels", "steps", "demo"], "Parts to run, in this order: kernels, steps, demo.")
+PARTS = ("kernels", "steps", "demo")
 
 KIMI = os.path.join(ROOT, "tests", "data", "kimi-k2.5.config.json")
 PAIR = os.path.join(ROOT, "checkpoints", "kimi-mini"), os.path.join(ROOT, "checkpoints", "kimi-mini-eagle3")
 GREEDY_PROMPTS = ("Once upon a time", "The little dog")
+DEMO_SPECS = ("none", "chain:3:1:4", "tree:5:4:16")
 
 
 def _kernel_flags(small: bool) -> None:
@@ -95,7 +109,53 @@ def _random_params(cfg, dtype):
     return jax.tree.unflatten(tree, made)
 
 
-def step_rows(small: bool, repeats: int) -> list[dict]:
+def ceilings(copy_bytes: int = 2**30, n: int = 8192) -> dict:
+    """The two ceilings measured on this device: copy GB/s (read + written) and bf16 matmul TFLOP/s."""
+    import jax
+    import jax.numpy as jnp
+
+    x = jax.random.normal(jax.random.key(1), (copy_bytes // 2,), jnp.bfloat16)
+    copy_ms = bench_kernels._median_ms(jax.jit(lambda v: v + 1), (x,), 10)
+    a, b = (jax.random.normal(jax.random.key(k), (n, n), jnp.bfloat16) for k in (2, 3))
+    matmul_ms = bench_kernels._median_ms(jax.jit(jnp.matmul), (a, b), 10)
+    out = {"copy_gbps": 2 * x.nbytes / (copy_ms * 1e6), "matmul_tflops": 2 * n**3 / (matmul_ms * 1e9)}
+    print(f"ceilings measured: copy {out['copy_gbps']:.0f} GB/s (read + written), bf16 matmul "
+          f"{out['matmul_tflops']:.0f} TFLOP/s")
+    return out
+
+
+def kernel_rows(peak: float, peak_tflops: float, interpret: bool, measured: dict | None) -> list[dict]:
+    """bench_kernels' attention and MoE rows, with fractions of the measured ceilings added."""
+    rows = bench_kernels.attention_rows(peak, interpret, peak_tflops) + bench_kernels.moe_rows(peak, interpret, peak_tflops)
+    for row in rows if measured else ():
+        row["measured_copy_fraction"] = row["kernel_gbps"] / measured["copy_gbps"]
+        row["xla_measured_copy_fraction"] = row["xla_gbps"] / measured["copy_gbps"]
+        row["measured_flops_fraction"] = row["flops"] / (row["kernel_ms"] * 1e9) / measured["matmul_tflops"]
+    return rows
+
+
+def step_bytes(params, cfg, batch: int, t: int, context: int) -> float:
+    """Bytes a step must read: every weight but the embedding table (a gather of `batch` x `t` rows),
+    the routed experts as a share of those `batch` x `t` tokens are expected to hit, the K/V prefix."""
+    import jax
+
+    total = 0.0
+    tokens = batch * t
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        name = jax.tree_util.keystr(path)
+        if "['embed']" in name:
+            continue
+        share = 1.0
+        if "experts_" in name:
+            e, k = cfg.num_experts, cfg.num_experts_per_tok
+            share = 1.0 - (1.0 - k / e) ** tokens  # expected share of experts hit at least once
+        total += share * leaf.nbytes
+    per_slot = (cfg.kv_lora_rank + cfg.qk_rope_head_dim if cfg.attention == "mla"
+                else 2 * cfg.num_kv_heads * cfg.head_dim)
+    return total + cfg.num_layers * batch * context * per_slot * 2  # bf16 K/V
+
+
+def step_rows(small: bool, repeats: int, peak: float) -> list[dict]:
     """Decode (T = 1) and chain-verify (T = 4) steps of the target forward, kernels against XLA."""
     import dataclasses
 
@@ -103,6 +163,7 @@ def step_rows(small: bool, repeats: int) -> list[dict]:
     import jax.numpy as jnp
 
     from eagle3_jax import kv_cache
+    from eagle3_jax.bench.step_accounting import median_ms
     from eagle3_jax.config import load_model_config, parse_model_config
     from eagle3_jax.target import forward, resolve_dtype
 
@@ -116,7 +177,8 @@ def step_rows(small: bool, repeats: int) -> list[dict]:
     step = jax.jit(forward, static_argnames=("cfg",), donate_argnames=("cache",))
     print(f"\ntarget steps: {cfg.num_layers} layers of {os.path.basename(KIMI) if not small else 'kimi-mini'}, "
           f"{'interpret mode: timings are not meaningful' if jax.default_backend() == 'cpu' else jax.devices()[0].device_kind}")
-    print("| batch | T | kernels ms | XLA ms | speedup |\n|---|---|---|---|---|")
+    print("| batch | T | kernels ms | XLA ms | speedup | MB read | kernels % of peak | XLA % of peak |\n"
+          "|---|---|---|---|---|---|---|---|")
     rows = []
     for batch in batches:
         for t in (1, 4):
@@ -134,60 +196,120 @@ def step_rows(small: bool, repeats: int) -> list[dict]:
                     logits, _, state["cache"] = step(params, run_cfg, tokens, positions, state["cache"], chain)
                     return logits
 
-                times[impl] = bench_kernels._median_ms(one, (), repeats)
+                times[impl] = median_ms(one, repeats)  # back to back: the step, not the launch's round trip
+                del state
+            read = step_bytes(params, cfg, batch, t, context)
+            fraction = {impl: read / (ms * 1e6) / peak for impl, ms in times.items()}
             rows.append(dict(op="step", batch=batch, tokens=t, context=context, kernel_ms=times["pallas"],
-                             xla_ms=times["xla"]))
-            print(f"| {batch} | {t} | {times['pallas']:.3f} | {times['xla']:.3f} | {times['xla'] / times['pallas']:.2f}x |")
+                             xla_ms=times["xla"], bytes_read=read, peak_fraction=fraction["pallas"],
+                             xla_peak_fraction=fraction["xla"]))
+            print(f"| {batch} | {t} | {times['pallas']:.3f} | {times['xla']:.3f} | {times['xla'] / times['pallas']:.2f}x | "
+                  f"{read / 1e6:.0f} | {100 * fraction['pallas']:.1f} | {100 * fraction['xla']:.1f} |", flush=True)
     return rows
 
 
-def greedy_check(max_tokens: int) -> dict:
-    """The bundled kimi-mini pair with kernels="pallas": chain speculation == plain greedy."""
+def demo_rows(max_tokens: int, small: bool, record=lambda part: None) -> dict:
+    """The kimi-mini pair under kernels="pallas" and "xla": greedy outputs and ms per token of plain,
+    chain and tree decoding, per dtype (see the module doc); `record(part)` after every row."""
     import eagle3_jax as e3
     from eagle3_jax.tokenizer import load_tokenizer
 
-    target = e3.load_target(PAIR[0], dtype="float32", kernels="pallas")
-    draft = e3.load_draft(PAIR[1], target=target, dtype="float32")
+    dtypes, specs = (("float32",), DEMO_SPECS[:2]) if small else (("float32", "bfloat16"), DEMO_SPECS)
     tokenizer = load_tokenizer(PAIR[0])
     prompts = [tokenizer.encode(p) for p in GREEDY_PROMPTS]
     sp = e3.SamplingParams(temperature=0.0, max_tokens=max_tokens)
-    plain = [o.token_ids for o in e3.Engine(target, max_batch_size=2, max_seq_len=256).generate(prompts, sp)]
-    outs = e3.Engine(target, draft, e3.SpecConfig(3, 1, 4), max_batch_size=2, max_seq_len=256).generate(prompts, sp)
-    spec = [o.token_ids for o in outs]
-    tau = sum(o.metrics["mean_accept_length"] for o in outs) / len(outs)
-    print(f"\ngreedy chain 3/1/4 with kernels=pallas == plain: {spec == plain} ({max_tokens} tokens x {len(prompts)} "
-          f"prompts, tau {tau:.2f})")
-    return {"equal": spec == plain, "tokens": max_tokens, "prompts": len(prompts), "mean_accept_length": tau,
-            "plain": plain, "speculative": spec}
+    rows = []
+    part = {"tokens": max_tokens, "prompts": len(prompts), "rows": rows, "equal": True}
+    print(f"\ndemo pair, greedy, {max_tokens} tokens x {len(prompts)} prompts (Engine.generate, one batch)")
+    print("| dtype | kernels | setting | ms / token | tokens / step | == plain on XLA |\n|---|---|---|---|---|---|")
+    for dtype in dtypes:
+        reference = None
+        for kernels in ("xla", "pallas"):
+            target = e3.load_target(PAIR[0], dtype=dtype, kernels=kernels)
+            draft = e3.load_draft(PAIR[1], target=target, dtype=dtype)
+            for name in specs:
+                spec = e3.SpecConfig.parse(name)
+                engine = e3.Engine(target, draft if spec is not None else None, spec, max_batch_size=len(prompts),
+                                   max_seq_len=256)
+                engine.generate(prompts, sp)  # compile
+                start = time.perf_counter()
+                outs = engine.generate(prompts, sp)
+                wall = time.perf_counter() - start
+                tokens = [o.token_ids for o in outs]
+                reference = tokens if reference is None else reference
+                steps = sum(len(o.metrics["accept_lengths"]) for o in outs)
+                row = dict(dtype=dtype, kernels=kernels, spec=name, tokens=tokens, equal_plain_xla=tokens == reference,
+                           ms_per_token=1e3 * wall / sum(len(t) for t in tokens),
+                           tokens_per_step=(sum(len(t) for t in tokens) - len(tokens)) / max(steps, 1))
+                rows.append(row)
+                part["equal"] = all(r["equal_plain_xla"] for r in rows if r["dtype"] == "float32")
+                record(part)
+                print(f"| {dtype} | {kernels} | {name} | {row['ms_per_token']:.3f} | {row['tokens_per_step']:.2f} | "
+                      f"{row['equal_plain_xla']} |", flush=True)
+    return part
+
+
+def _device_name(kind: str, default: str) -> str:
+    """The plan.DEVICES entry a JAX device kind names ("NVIDIA H200" -> "H200"), else `default`."""
+    from eagle3_jax.plan import DEVICES
+
+    return next((name for name in DEVICES if name.lower() in kind.lower()), default)
 
 
 def main(argv) -> None:
     _cli.reject_positional(argv)
     _cli.check_output("--json_out", FLAGS.json_out, is_file=True)
+    unknown = [p for p in FLAGS.parts if p not in PARTS]
+    if unknown or not FLAGS.parts:
+        raise app.UsageError(f"--parts takes {', '.join(PARTS)}; got {','.join(FLAGS.parts)!r}")
     import jax
 
     on_cpu = jax.default_backend() == "cpu"
     small = on_cpu if FLAGS.small is None else FLAGS.small
     repeats = FLAGS.step_repeats or (2 if small else 20)
     _kernel_flags(small)
+    from eagle3_jax.checkpoint.atomic import write_text_output
     from eagle3_jax.plan import DEVICES
     from pallas_kernels import launch
 
-    peak = DEVICES[FLAGS.device].hbm_gbps
+    kind = jax.devices()[0].device_kind
+    if not FLAGS["device"].present:
+        FLAGS.device = _device_name(kind, FLAGS.device)
+    peak, peak_tflops = DEVICES[FLAGS.device].hbm_gbps, DEVICES[FLAGS.device].bf16_tflops
     started = time.perf_counter()
-    kernel_rows = bench_kernels.attention_rows(peak, on_cpu) + bench_kernels.moe_rows(peak, on_cpu)
-    steps = step_rows(small, repeats)
-    greedy = greedy_check(FLAGS.greedy_tokens or (6 if small else 64))
     result = {
-        "date": datetime.date.today().isoformat(), "command": "python scripts/gpu_check.py " + " ".join(sys.argv[1:]),
-        "device": jax.devices()[0].device_kind, "backend": jax.default_backend(), "arch": launch.current_arch(),
-        "interpret": on_cpu, "small": small, "jax": jax.__version__, "machine": f"{platform.machine()} x{os.cpu_count()}",
-        "seconds": round(time.perf_counter() - started, 1), "kernels": kernel_rows, "steps": steps, "greedy": greedy,
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "command": "python scripts/gpu_check.py " + " ".join(sys.argv[1:]), "device": kind,
+        "peaks_from": FLAGS.device, "hbm_peak_gbps": peak, "bf16_peak_tflops": peak_tflops,
+        "backend": jax.default_backend(), "arch": launch.current_arch(), "interpret": on_cpu, "small": small,
+        "jax": jax.__version__, "machine": f"{platform.machine()} x{os.cpu_count()}", "parts": list(FLAGS.parts),
     }
-    _cli.write_output("--json_out", FLAGS.json_out, json.dumps(result, indent=1))
+    written = False
+
+    def record(part: str, value) -> None:  # the JSON after each part: a later part cut short loses only itself
+        nonlocal written
+        result[part] = value
+        result["seconds"] = round(time.perf_counter() - started, 1)
+        write_text_output(FLAGS.json_out, json.dumps(result, indent=1), name="--json_out",
+                          overwrite=written or bool(FLAGS.overwrite))
+        written = True
+
+    failed = []
+    if "kernels" in FLAGS.parts:
+        measured = None if on_cpu else ceilings()
+        rows = kernel_rows(peak, peak_tflops, on_cpu, measured)
+        result["ceilings"] = measured
+        record("kernels", rows)
+        failed += [f"{r['op']} kernel differs from XLA" for r in rows if not r["equal"]]
+    if "steps" in FLAGS.parts:
+        record("steps", step_rows(small, repeats, peak))
+    if "demo" in FLAGS.parts:
+        demo = demo_rows(FLAGS.greedy_tokens or (6 if small else 64), small, lambda part: record("demo", part))
+        if not demo["equal"]:
+            failed.append("a float32 demo output differs from plain greedy decoding on XLA")
     print(f"\nwrote {FLAGS.json_out}")
-    if not greedy["equal"]:
-        print("gpu_check.py: greedy speculation with the kernels differs from plain greedy decoding", file=sys.stderr)
+    if failed:
+        print(f"gpu_check.py: {'; '.join(sorted(set(failed)))}", file=sys.stderr)
         sys.exit(1)
 
 

@@ -27,6 +27,10 @@ def test_gpu_check_runs_small_on_cpu(tmp_path):
     assert all(row["max_abs_err"] < 5e-2 for row in result["kernels"] if row["op"] == "attention")
     assert [(s["batch"], s["tokens"]) for s in result["steps"]] == [(2, 1), (2, 4)]
     assert all(s["kernel_ms"] > 0 and s["xla_ms"] > 0 for s in result["steps"])
-    greedy = result["greedy"]
-    assert greedy["equal"] and greedy["plain"] == greedy["speculative"] and len(greedy["plain"][0]) == greedy["tokens"]
-    assert greedy["mean_accept_length"] > 1.0
+    demo = result["demo"]
+    assert demo["equal"] and [(r["kernels"], r["spec"]) for r in demo["rows"]] == [
+        ("xla", "none"), ("xla", "chain:3:1:4"), ("pallas", "none"), ("pallas", "chain:3:1:4")]
+    plain = demo["rows"][0]["tokens"]
+    assert all(r["tokens"] == plain and r["equal_plain_xla"] for r in demo["rows"])
+    assert len(plain[0]) == demo["tokens"]
+    assert demo["rows"][1]["tokens_per_step"] > 1.0 and demo["rows"][0]["tokens_per_step"] == 1.0

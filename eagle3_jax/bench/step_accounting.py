@@ -90,14 +90,16 @@ class StepAccount:
         return self.step_ms - self.program_ms
 
     @property
-    def unexplained_share(self) -> float:
-        """The step's time its phases alone do not account for, as a share of the step."""
-        return 1.0 - self.phases_ms / self.step_ms
+    def unexplained_share(self) -> float | None:
+        """The step's time its phases alone do not account for, as a share of the step (None: phases not timed)."""
+        return 1.0 - self.phases_ms / self.step_ms if self.phases else None
 
     def as_dict(self) -> dict:
         return {**dataclasses.asdict(self), "phases_ms": self.phases_ms, "in_program_extra_ms": self.in_program_extra_ms,
                 "around_program_ms": self.around_program_ms, "unexplained_share": self.unexplained_share,
-                "program_over_phases": self.program_ms / self.phases_ms}
+                "program_over_phases": self.program_ms / self.phases_ms if self.phases else None,
+                "host_share": self.host_ms / self.step_ms,
+                "step_over_max_host_program": self.step_ms / max(self.host_ms, self.program_ms)}
 
 
 def _copy(tree):
@@ -249,9 +251,10 @@ def steady_steps(sched, steps: int) -> tuple[float, float, int]:
 
 
 def account(sched, mode: str, prompts: list[list[int]], *, batch: int, steps: int, runs: int,
-            max_tokens: int) -> StepAccount:
+            max_tokens: int, phases: bool = True) -> StepAccount:
     """Admit `batch` requests (cycling through `prompts`, long enough to decode throughout), let
-    them reach steady decoding, then take the step's accounting (see the module doc)."""
+    them reach steady decoding, then take the step's accounting (see the module doc; `phases`
+    False leaves the phases alone untimed: each is a program of its own to compile)."""
     with capture_decode(sched) as last_launch:
         ids = [sched.add_request(prompts[i % len(prompts)], SamplingParams(max_tokens=max_tokens))
                for i in range(batch)]
@@ -269,7 +272,7 @@ def account(sched, mode: str, prompts: list[list[int]], *, batch: int, steps: in
     snapshot = _copy(sched._executor.state)
     jax.block_until_ready(snapshot)
     program_ms = time_program(sched, launch, snapshot, runs)
-    phases = time_phases(sched, launch, snapshot, runs)
+    phases = time_phases(sched, launch, snapshot, runs) if phases else {}
     sched._executor.state = _copy(snapshot)
     for i in ids:
         sched.abort(i)

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# The GPU proof in one call: scripts/gpu_check.py's parts and the step accounting with the kernels,
+# each in its own process under its own time limit, each writing its JSON as it finishes, so a
+# part cut short loses only itself. Everything lands in OUT_DIR (at most 7 files: run.log and one
+# JSON per part).
+#
+#   scripts/gpu_proof.sh OUT_DIR [PART ...]     # on a GPU; PART: kernels demo step-pallas steps step-xla
+#   SMALL=1 scripts/gpu_proof.sh /tmp/proof     # the rehearsal on a CPU host (small shapes, interpreted)
+#
+# Time limits per part, in seconds, from the environment: KERNELS_S, DEMO_S, STEP_S, STEPS_S
+# (defaults below: about 8 minutes in all). STEP_BATCHES sets the step accounting's batches
+# (default 1,8). Run from the repository root.
+set -u
+out=${1:?usage: scripts/gpu_proof.sh OUT_DIR [kernels demo step-pallas steps step-xla]}
+shift
+parts=${*:-kernels demo step-pallas steps step-xla}
+mkdir -p "$out"
+log=$out/run.log
+export PYTHONUNBUFFERED=1 PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
+small=()
+step_flags=(--batches="${STEP_BATCHES:-1,8}" --nophases --noengine --steps=20 --runs=10)
+if [ -n "${SMALL:-}" ]; then
+  small=(--small)
+  step_flags=(--batches="${STEP_BATCHES:-1}" --nophases --noengine --steps=3 --runs=2 --spec=none,chain:3:1:4)
+fi
+
+part() {  # name, limit in seconds, command...
+  local name=$1 limit=$2 start=$SECONDS rc
+  shift 2
+  echo "== $name: limit ${limit}s, $(date -u +%H:%M:%S) UTC" | tee -a "$log"
+  timeout -k 10 "$limit" "$@" 2>&1 | tee -a "$log" | grep --line-buffered -E '^(\||[a-z].*(ceilings|wrote|error|differ))'
+  rc=${PIPESTATUS[0]}
+  echo "== $name: exit $rc after $((SECONDS - start)) s$([ "$rc" = 124 ] && echo ' (time limit)')" | tee -a "$log"
+}
+
+{ nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,driver_version --format=csv 2>/dev/null
+  python3 -c 'import jax; print("jax", jax.__version__, jax.devices())'; } 2>&1 | tee -a "$log"
+for p in $parts; do
+  case $p in
+    kernels) part kernels "${KERNELS_S:-110}" python3 scripts/gpu_check.py "${small[@]}" --parts=kernels \
+               --json_out="$out/kernels.json" --overwrite ;;
+    demo) part demo "${DEMO_S:-130}" python3 scripts/gpu_check.py "${small[@]}" --parts=demo \
+            --json_out="$out/demo.json" --overwrite ;;
+    steps) part steps "${STEPS_S:-90}" python3 scripts/gpu_check.py "${small[@]}" --parts=steps \
+             --json_out="$out/steps.json" --overwrite ;;
+    step-pallas|step-xla) part "$p" "${STEP_S:-80}" python3 scripts/bench_step.py --kernels="${p#step-}" \
+                            "${step_flags[@]}" --json_out="$out/$p.json" --overwrite ;;
+    *) echo "gpu_proof.sh: unknown part $p (kernels demo step-pallas steps step-xla)" | tee -a "$log" ;;
+  esac
+done
