@@ -53,9 +53,24 @@ def gqa_project(p: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Array
 KERNEL_MAX_TOKENS = 64  # new tokens per row up to which the Pallas path is used (decode, verify)
 
 
-def _uses_kernel(cfg: ModelConfig, t: int, tree_mask: jax.Array | None) -> bool:
+def _uses_kernel(cfg: ModelConfig, t: int, tree_mask: jax.Array | None, cache: kv_cache.KVCache) -> bool:
     return (kernels.uses(cfg.kernels, "attention") and tree_mask is not None and t <= KERNEL_MAX_TOKENS
-            and not kernels.splits_attention(jax.sharding.get_abstract_mesh()))  # no sharded form yet
+            and not kernels.splits_attention(jax.sharding.get_abstract_mesh())  # no sharded form yet
+            and _kernel_walks(cache))
+
+
+def _kernel_walks(cache: kv_cache.KVCache) -> bool:
+    """Whether the prefix kernel can walk this cache's pages (a dense cache is viewed as pages of
+    16 slots when its length allows, else as one page per row, which the kernel cannot tile)."""
+    from pallas_kernels.attention import pages_fit
+
+    page_size = kv_cache.as_pages(cache)[0].shape[2]
+    if pages_fit(page_size, interpret=kernels.interpret()):
+        return True
+    kernels.warn_once(f"attention keeps its XLA path for a cache of {page_size}-slot pages: the Pallas kernel walks "
+                      "pages of a multiple of 16 slots or one power-of-two page of at least 16 (a dense cache's length "
+                      "must be one)")
+    return False
 
 
 def _mla_kernel_takes(cache_dtype) -> bool:
@@ -123,7 +138,7 @@ def gqa_block(p: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Array, cac
     nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     q, k, v = gqa_project(p, cfg, x, positions)
 
-    if _uses_kernel(cfg, t, tree_mask):
+    if _uses_kernel(cfg, t, tree_mask, cache):
         if prefix_lengths is None:  # the window is the new tokens: use them as computed
             out = _gqa_kernel_attention(cfg, q, k, v, cache, layer, tree_mask)
             return linear(out, p["o_proj"]), kv_cache.write(cache, layer, k, v)
@@ -202,7 +217,7 @@ def mla_block(p: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Array, cac
     nh, dv = cfg.num_heads, cfg.v_head_dim
     q_nope, q_pe, c_kv, k_pe = mla_project(p, cfg, x, positions)
     w_uk, w_uv = mla_up_projections(p, cfg, x.dtype)  # [r, nh, dn], [r, nh, dv]
-    if absorb and _uses_kernel(cfg, t, tree_mask) and _mla_kernel_takes(cache.k.dtype):
+    if absorb and _uses_kernel(cfg, t, tree_mask, cache) and _mla_kernel_takes(cache.k.dtype):
         q_lat = jnp.einsum("bthd,rhd->bthr", q_nope, w_uk, precision=PRECISION)
         if prefix_lengths is None:  # the window is the new tokens: use them as computed
             out_lat = _mla_kernel_attention(cfg, q_lat, q_pe, c_kv, k_pe, cache, layer, tree_mask)

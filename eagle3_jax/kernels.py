@@ -13,8 +13,10 @@ prefill / decode / verify, the scheduler's, and the draft's. The ops ask `uses(c
   expert parallelism. Weights whose shapes the kernel cannot tile keep the XLA path, with a
   warning naming the weight.
 
-"auto" = Pallas on GPUs for every op that can run there, XLA on CPU (where kernels only run
-interpreted, far slower than XLA).
+"auto" = per op, the path measured fastest on the GPU it runs on (`AUTO_PALLAS`): Pallas where a
+run on that architecture showed the kernel equal to XLA and not slower at the shapes the engine
+runs, XLA elsewhere, and XLA on CPU (where kernels only run interpreted, far slower than XLA) and
+on GPUs no run has measured (AMD's are proven by ISA compile only).
 """
 
 from __future__ import annotations
@@ -28,6 +30,12 @@ from pallas_kernels import launch
 OPS = ("attention", "moe")
 IMPLEMENTATIONS = ("xla", "pallas")
 CHOICES = IMPLEMENTATIONS + ("auto",)
+# The ops "auto" runs as Pallas kernels, per architecture (pallas_kernels.launch.ARCHS), from the
+# runs recorded in benchmarks/ (benchmarks/notes/2026-11-27-gpu-proof-h200.md, one H200): the
+# routed experts' kernels ran 1.5-13x faster than XLA at Kimi-K2.5's per-device shapes;
+# attention's kernel was slower than XLA's path at batch 1 (0.5x) and verify at batch 64, so
+# attention stays on XLA.
+AUTO_PALLAS: dict[str, tuple[str, ...]] = {"sm_90": ("moe",)}
 
 log = logging.getLogger("eagle3_jax")
 
@@ -56,12 +64,19 @@ def splits_attention(mesh) -> bool:
     return mesh is not None and not mesh.empty and any(mesh.shape.get(a, 1) > 1 for a in ("data", "tensor"))
 
 
-def resolve(kernels: str, mesh: jax.sharding.Mesh | None, on_gpu: bool | None = None) -> str:
+def auto_choice(op: str, arch: str) -> str:
+    """What "auto" runs for `op` on architecture `arch` ("default": a CPU host or an unknown GPU)."""
+    return "pallas" if op in AUTO_PALLAS.get(arch, ()) else "xla"
+
+
+def resolve(kernels: str, mesh: jax.sharding.Mesh | None, on_gpu: bool | None = None, arch: str | None = None) -> str:
     """The canonical per-op form ("attention=xla,moe=pallas") of a `kernels` choice on this host
-    (`on_gpu` True: as on a GPU, for programs planned for one on a host without it)."""
+    (`on_gpu` True and `arch`: as on that GPU, for programs planned for one on a host without it)."""
     requested = parse(kernels)
     gpu = _on_gpu() if on_gpu is None else on_gpu
-    choice = {op: ("pallas" if gpu else "xla") if impl == "auto" else impl for op, impl in requested.items()}
+    arch = launch.current_arch() if arch is None else arch
+    choice = {op: (auto_choice(op, arch) if gpu else "xla") if impl == "auto" else impl
+              for op, impl in requested.items()}
     if splits_attention(mesh) and choice["attention"] == "pallas":
         if requested["attention"] == "pallas":  # asked for by name: say why it is not used
             log.warning("attention keeps its XLA path on mesh %s (the Pallas attention kernel does not split the "

@@ -39,6 +39,13 @@ from pallas_kernels.launch import AttentionLaunch
 
 _NEG = -1e30
 _MIN_ROWS = 16
+# Programs a launch aims for when it picks its own KV splits: about two per multiprocessor of an
+# H100 / H200 (132) or an MI300X-class GPU (304 CUs: one and a bit). A program walks its share of
+# the prefix one tile after another, so with few programs the walk is latency-bound: measured on an
+# H200 (benchmarks/notes/2026-11-27-gpu-proof-h200.md), Kimi-K2.5's batch-1 decode with 16 programs
+# read its 8K prefix at 30 GB/s.
+TARGET_PROGRAMS = 256
+MAX_SPLITS = 32
 
 
 def _rows_bucket(m: int) -> int:
@@ -96,6 +103,32 @@ def _kernel(layer_ref, lengths_ref, table_ref, q_ref, k_ref, *refs, page_size: i
     lse_ref[...] = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
 
 
+def pages_fit(page_size: int, launch: AttentionLaunch | None = None, form: str = "mla_attention",
+              interpret: bool = False) -> bool:
+    """Whether the kernel can walk pages of `page_size` slots on a GPU: a whole number of its
+    tiles, or one power-of-two tile of at least 16 slots (Triton's shapes are powers of two, and
+    its smallest dot is 16 wide). A dense cache whose length is neither keeps the XLA path.
+    Interpreted (a CPU host), any page size runs."""
+    launch = launch_table.launch(form) if launch is None else launch
+    power_of_two = page_size >= _MIN_ROWS and page_size & (page_size - 1) == 0
+    return interpret or page_size % launch.block_slots == 0 or power_of_two
+
+
+def _tile(page_size: int, launch: AttentionLaunch) -> int:
+    """Slots per step of the walk: the launch's tile where pages are a whole number of them, else the page."""
+    return launch.block_slots if page_size % launch.block_slots == 0 else page_size
+
+
+def default_splits(batch: int, heads: int, rows: int, table_pages: int, dv: int, itemsize: int,
+                   launch: AttentionLaunch | None = None, form: str = "mla_attention") -> int:
+    """KV splits per (row, head x row block) so a launch has about TARGET_PROGRAMS programs, at most
+    MAX_SPLITS and one page of the table per split."""
+    launch = launch_table.launch(form) if launch is None else launch
+    block = block_rows_for(rows, dv, itemsize, launch, 512 if form == "mla_attention" else 128)
+    programs = batch * heads * pl.cdiv(rows, block)
+    return int(max(1, min(MAX_SPLITS, table_pages, TARGET_PROGRAMS // programs)))
+
+
 def block_rows_for(rows: int, dv: int, itemsize: int, launch: AttentionLaunch, reference_dv: int) -> int:
     """Query rows per program: the launch table's block, which is set for 2-byte operands and
     values `reference_dv` wide (512 for MLA's latent, 128 for GQA); wider values or wider operands
@@ -107,14 +140,15 @@ def block_rows_for(rows: int, dv: int, itemsize: int, launch: AttentionLaunch, r
 
 def paged_prefix_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array | None, layer, block_table: jax.Array,
                            lengths: jax.Array, *, scale: float, q2: jax.Array | None = None,
-                           k2_pool: jax.Array | None = None, num_splits: int = 1, interpret: bool = False,
+                           k2_pool: jax.Array | None = None, num_splits: int = 0, interpret: bool = False,
                            launch: AttentionLaunch | None = None) -> tuple[jax.Array, jax.Array]:
     """Attention of query rows over each row's committed prefix of paged K/V.
 
     q: [B, H, M, D] (H KV heads, M query rows each); q2 [B, H, M, D2] with k2_pool: a second
     score term (MLA's rope part). Pools [L, pages, page_size, H, D]; `v_pool` None = the values are
     `k_pool` (MLA's latent). block_table [B, P] int32, lengths [B] int32 (slots visible per row),
-    `layer` the pool layer. `launch` (block rows, num_warps, num_stages) defaults to the launch
+    `layer` the pool layer. `num_splits` 0 picks them (`default_splits`); on a GPU the pages must
+    be ones the kernel can tile (`pages_fit`). `launch` (block rows, num_warps, num_stages) defaults to the launch
     table's entry for this form ("mla_attention" when the values are the keys, else
     "gqa_attention") on the architecture traced for. Returns out [B, H, M, Dv] float32
     (softmax-normalised over the prefix) and lse [B, H, M] float32 (-inf where a row's prefix is
@@ -133,6 +167,11 @@ def paged_prefix_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array | 
     pad = ((0, 0), (0, 0), (0, rows - m), (0, 0))
     q = jnp.pad(q, pad)
     has_rope = q2 is not None
+    if not pages_fit(page_size, launch, interpret=interpret):
+        raise ValueError(f"pages of {page_size} slots are neither a whole number of the kernel's {launch.block_slots}"
+                         "-slot tiles nor one power-of-two tile; use the XLA path for this cache")
+    if num_splits <= 0:
+        num_splits = default_splits(b, h, m, block_table.shape[1], dv, jnp.dtype(k_pool.dtype).itemsize, launch, form)
     pages_per_split = pl.cdiv(block_table.shape[1], num_splits)
 
     def row_spec(dim: int) -> pl.BlockSpec:  # axis 1 of the grid walks (head, row block) pairs
@@ -147,8 +186,7 @@ def paged_prefix_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array | 
     if v_pool is not None:
         inputs.append(v_pool)
         in_specs.append(whole)
-    tile = launch.block_slots if page_size % launch.block_slots == 0 else page_size
-    kernel = functools.partial(_kernel, page_size=page_size, tile=tile, pages_per_split=pages_per_split,
+    kernel = functools.partial(_kernel, page_size=page_size, tile=_tile(page_size, launch), pages_per_split=pages_per_split,
                                row_blocks=row_blocks, scale=scale, has_rope=has_rope, shared_value=v_pool is None)
     out_shape = [jax.ShapeDtypeStruct((b, h, num_splits, rows, dv), jnp.float32),
                  jax.ShapeDtypeStruct((b, h, num_splits, rows), jnp.float32)]

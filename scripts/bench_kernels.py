@@ -65,7 +65,7 @@ flags.DEFINE_integer("head_dim", 128, "GQA: head dimension.", lower_bound=1)
 flags.DEFINE_integer("latent", 512, "MLA: kv_lora_rank.", lower_bound=1)
 flags.DEFINE_integer("rope", 64, "MLA: qk_rope_head_dim.", lower_bound=1)
 flags.DEFINE_integer("page_size", 16, "Slots per KV page.", lower_bound=1)
-flags.DEFINE_integer("num_splits", 0, "KV splits per row and head (0: enough to give every row ~ 8 programs).",
+flags.DEFINE_integer("num_splits", 0, "KV splits per row and head (0: the kernel's own choice, as the engine runs it).",
                      lower_bound=0)
 flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "Activation, pool and query dtype.")
 flags.DEFINE_list("moe_tokens", ["1", "16", "64", "256", "1024", "4096"], "MoE: tokens per step (decode batch x T, "
@@ -177,7 +177,7 @@ def attention_rows(peak: float, interpret: bool, peak_tflops: float = 0.0) -> li
     import jax
     import numpy as np
 
-    from pallas_kernels.attention import paged_prefix_attention, paged_prefix_attention_reference
+    from pallas_kernels.attention import default_splits, paged_prefix_attention, paged_prefix_attention_reference
 
     batches, tokens, contexts = _ints(FLAGS.batches, "batches"), _ints(FLAGS.tokens, "tokens"), _ints(FLAGS.contexts, "contexts")
     scale = 0.1
@@ -192,7 +192,11 @@ def attention_rows(peak: float, interpret: bool, peak_tflops: float = 0.0) -> li
             for context in contexts:
                 sets = input_sets(attention_bytes(batch, context), interpret)
                 (q, k, v, tables, lengths, q2, k2), read = case(batch, t, context, rng, sets)
-                splits = FLAGS.num_splits or max(1, min(tables.shape[2], 8 // max(1, batch) or 1))
+                form = "mla_attention" if FLAGS.kind == "mla" else "gqa_attention"
+                heads, rows_per_head = (1, q.shape[2]) if FLAGS.kind == "mla" else (FLAGS.kv_heads, q.shape[2])
+                dv = FLAGS.latent if FLAGS.kind == "mla" else FLAGS.head_dim
+                splits = FLAGS.num_splits or default_splits(batch, heads, rows_per_head, tables.shape[2], dv,
+                                                            q.dtype.itemsize, form=form)
                 kernel = functools.partial(paged_prefix_attention, layer=0, scale=scale, num_splits=splits,
                                            interpret=interpret)
                 ref = functools.partial(paged_prefix_attention_reference, layer=0, scale=scale)

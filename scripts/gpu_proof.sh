@@ -5,11 +5,13 @@
 # JSON per part).
 #
 #   scripts/gpu_proof.sh OUT_DIR [PART ...]     # on a GPU; PART: kernels demo step-pallas steps step-xla
+#                                               # (or attention: the attention rows alone, STEP-auto too)
 #   SMALL=1 scripts/gpu_proof.sh /tmp/proof     # the rehearsal on a CPU host (small shapes, interpreted)
 #
 # Time limits per part, in seconds, from the environment: KERNELS_S, DEMO_S, STEP_S, STEPS_S
 # (defaults below: about 8 minutes in all). STEP_BATCHES sets the step accounting's batches
-# (default 1,8). Run from the repository root.
+# (default 1,8); DEMO_FLAGS adds flags to the demo part (e.g. --demo_kernels=pallas). Run from the
+# repository root.
 set -u
 out=${1:?usage: scripts/gpu_proof.sh OUT_DIR [kernels demo step-pallas steps step-xla]}
 shift
@@ -39,12 +41,14 @@ for p in $parts; do
   case $p in
     kernels) part kernels "${KERNELS_S:-110}" python3 scripts/gpu_check.py "${small[@]}" --parts=kernels \
                --json_out="$out/kernels.json" --overwrite ;;
-    demo) part demo "${DEMO_S:-130}" python3 scripts/gpu_check.py "${small[@]}" --parts=demo \
+    attention) part attention "${KERNELS_S:-110}" python3 scripts/bench_kernels.py --ops=attention --batches=1,64 \
+                 --tokens=1,4 --contexts=8192 --device=H200 --json_out="$out/attention.json" --overwrite ;;
+    demo) part demo "${DEMO_S:-130}" python3 scripts/gpu_check.py "${small[@]}" --parts=demo ${DEMO_FLAGS:-} \
             --json_out="$out/demo.json" --overwrite ;;
     steps) part steps "${STEPS_S:-90}" python3 scripts/gpu_check.py "${small[@]}" --parts=steps \
              --json_out="$out/steps.json" --overwrite ;;
-    step-pallas|step-xla) part "$p" "${STEP_S:-80}" python3 scripts/bench_step.py --kernels="${p#step-}" \
+    step-pallas|step-xla|step-auto) part "$p" "${STEP_S:-80}" python3 scripts/bench_step.py --kernels="${p#step-}" \
                             "${step_flags[@]}" --json_out="$out/$p.json" --overwrite ;;
-    *) echo "gpu_proof.sh: unknown part $p (kernels demo step-pallas steps step-xla)" | tee -a "$log" ;;
+    *) echo "gpu_proof.sh: unknown part $p (kernels attention demo step-pallas step-auto steps step-xla)" | tee -a "$log" ;;
   esac
 done

@@ -31,6 +31,6 @@ def test_gpu_check_runs_small_on_cpu(tmp_path):
     assert demo["equal"] and [(r["kernels"], r["spec"]) for r in demo["rows"]] == [
         ("xla", "none"), ("xla", "chain:3:1:4"), ("pallas", "none"), ("pallas", "chain:3:1:4")]
     plain = demo["rows"][0]["tokens"]
-    assert all(r["tokens"] == plain and r["equal_plain_xla"] for r in demo["rows"])
+    assert all(r["tokens"] == plain and r["equal_first"] for r in demo["rows"])
     assert len(plain[0]) == demo["tokens"]
     assert demo["rows"][1]["tokens_per_step"] > 1.0 and demo["rows"][0]["tokens_per_step"] == 1.0
