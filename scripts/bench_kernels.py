@@ -171,7 +171,8 @@ def case(batch: int, t: int, context: int, rng, sets: int = 1):
     return (q, k, v, tables, lengths, None, None), read
 
 
-def attention_rows(peak: float, interpret: bool, peak_tflops: float = 0.0) -> list[dict]:
+def attention_rows(peak: float, interpret: bool, peak_tflops: float = 0.0, on_row=lambda row: None) -> list[dict]:
+    """One row per (batch, T, context), each passed to `on_row` as it is measured."""
     import functools
 
     import jax
@@ -214,6 +215,7 @@ def attention_rows(peak: float, interpret: bool, peak_tflops: float = 0.0) -> li
                                  xla_peak_fraction=read / (x_ms * 1e6) / peak,
                                  flops_fraction=flops / (k_ms * 1e9) / peak_tflops if peak_tflops else None,
                                  max_abs_err=err, equal=equal))
+                on_row(rows[-1])
                 print(f"| {batch} | {t} | {context} | {splits} | {sets} | {k_ms:.4f} | {x_ms:.4f} | {x_ms / k_ms:.2f}x | "
                       f"{read / 1e6:.1f} | {gbps:.1f} | {100 * gbps / peak:.1f} | {err:.2g}"
                       + ("" if equal else " DIFFERS") + " |", flush=True)
@@ -244,7 +246,8 @@ def expert_weight(rng, fmt: str, e: int, k: int, n: int):
     return QArray(values, jnp.asarray(np.full((e, 1, n), 0.01 / np.sqrt(k), np.float32)), QFormat("fp8_channel", (0, 1)))
 
 
-def moe_rows(peak: float, interpret: bool, peak_tflops: float = 0.0) -> list[dict]:
+def moe_rows(peak: float, interpret: bool, peak_tflops: float = 0.0, on_row=lambda row: None) -> list[dict]:
+    """One row per token count, each passed to `on_row` as it is measured."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -307,6 +310,7 @@ def moe_rows(peak: float, interpret: bool, peak_tflops: float = 0.0) -> list[dic
                          xla_peak_fraction=read / (x_ms * 1e6) / peak,
                          flops_fraction=flops / (k_ms * 1e9) / peak_tflops if peak_tflops else None,
                          max_rel_err=err, equal=equal))
+        on_row(rows[-1])
         print(f"| {n} | {int((ids < e).sum())} | {hit} | {sets} | {k_ms:.4f} | {x_ms:.4f} | {x_ms / k_ms:.2f}x | "
               f"{read / 1e6:.1f} | {gbps:.1f} | {100 * gbps / peak:.1f} | {err:.2g}"
               + ("" if equal else " DIFFERS") + " |", flush=True)
@@ -327,15 +331,24 @@ def main(argv: Sequence[str]) -> None:
         raise app.UsageError(f"--ops takes attention and/or moe; got {','.join(FLAGS.ops)!r}")
     peak, peak_tflops = DEVICES[FLAGS.device].hbm_gbps, DEVICES[FLAGS.device].bf16_tflops
     interpret = jax.default_backend() == "cpu"
-    rows = []
+    from eagle3_jax.checkpoint.atomic import write_text_output
+
+    rows, written = [], False
+
+    def write(row: dict) -> None:  # after every row: a run cut short keeps what it measured
+        nonlocal written
+        rows.append(row)
+        if FLAGS.json_out:
+            write_text_output(FLAGS.json_out, json.dumps(
+                {"argv": sys.argv, "date": time.strftime("%Y-%m-%d"), "device": jax.devices()[0].device_kind,
+                 "interpret": interpret, "machine": f"{platform.machine()} x{os.cpu_count()}", "rows": rows}, indent=1),
+                name="--json_out", overwrite=written or bool(FLAGS.overwrite))
+            written = True
+
     if "attention" in FLAGS.ops:
-        rows += attention_rows(peak, interpret, peak_tflops)
+        attention_rows(peak, interpret, peak_tflops, write)
     if "moe" in FLAGS.ops:
-        rows += moe_rows(peak, interpret, peak_tflops)
-    if FLAGS.json_out:
-        _cli.write_output("--json_out", FLAGS.json_out, json.dumps(
-            {"argv": sys.argv, "date": time.strftime("%Y-%m-%d"), "device": jax.devices()[0].device_kind,
-             "interpret": interpret, "machine": f"{platform.machine()} x{os.cpu_count()}", "rows": rows}, indent=1))
+        moe_rows(peak, interpret, peak_tflops, write)
     differ = [r for r in rows if not r["equal"]]
     if differ:
         print(f"bench_kernels.py: {len(differ)} kernel row(s) differ from the XLA reference beyond the tolerance "

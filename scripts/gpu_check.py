@@ -128,13 +128,22 @@ def ceilings(copy_bytes: int = 2**30, n: int = 8192) -> dict:
     return out
 
 
-def kernel_rows(peak: float, peak_tflops: float, interpret: bool, measured: dict | None) -> list[dict]:
-    """bench_kernels' attention and MoE rows, with fractions of the measured ceilings added."""
-    rows = bench_kernels.attention_rows(peak, interpret, peak_tflops) + bench_kernels.moe_rows(peak, interpret, peak_tflops)
-    for row in rows if measured else ():
-        row["measured_copy_fraction"] = row["kernel_gbps"] / measured["copy_gbps"]
-        row["xla_measured_copy_fraction"] = row["xla_gbps"] / measured["copy_gbps"]
-        row["measured_flops_fraction"] = row["flops"] / (row["kernel_ms"] * 1e9) / measured["matmul_tflops"]
+def kernel_rows(peak: float, peak_tflops: float, interpret: bool, measured: dict | None,
+                record=lambda rows: None) -> list[dict]:
+    """bench_kernels' attention and MoE rows, with fractions of the measured ceilings added;
+    `record(rows so far)` after each."""
+    rows = []
+
+    def add(row: dict) -> None:
+        if measured:
+            row["measured_copy_fraction"] = row["kernel_gbps"] / measured["copy_gbps"]
+            row["xla_measured_copy_fraction"] = row["xla_gbps"] / measured["copy_gbps"]
+            row["measured_flops_fraction"] = row["flops"] / (row["kernel_ms"] * 1e9) / measured["matmul_tflops"]
+        rows.append(row)
+        record(rows)
+
+    bench_kernels.attention_rows(peak, interpret, peak_tflops, add)
+    bench_kernels.moe_rows(peak, interpret, peak_tflops, add)
     return rows
 
 
@@ -159,8 +168,9 @@ def step_bytes(params, cfg, batch: int, t: int, context: int) -> float:
     return total + cfg.num_layers * batch * context * per_slot * 2  # bf16 K/V
 
 
-def step_rows(small: bool, repeats: int, peak: float) -> list[dict]:
-    """Decode (T = 1) and chain-verify (T = 4) steps of the target forward, kernels against XLA."""
+def step_rows(small: bool, repeats: int, peak: float, record=lambda rows: None) -> list[dict]:
+    """Decode (T = 1) and chain-verify (T = 4) steps of the target forward, kernels against XLA;
+    `record(rows so far)` after each."""
     import dataclasses
 
     import jax
@@ -208,6 +218,7 @@ def step_rows(small: bool, repeats: int, peak: float) -> list[dict]:
             rows.append(dict(op="step", batch=batch, tokens=t, context=context, kernel_ms=times["pallas"],
                              xla_ms=times["xla"], bytes_read=read, peak_fraction=fraction["pallas"],
                              xla_peak_fraction=fraction["xla"]))
+            record(rows)
             print(f"| {batch} | {t} | {times['pallas']:.3f} | {times['xla']:.3f} | {times['xla'] / times['pallas']:.2f}x | "
                   f"{read / 1e6:.0f} | {100 * fraction['pallas']:.1f} | {100 * fraction['xla']:.1f} |", flush=True)
     return rows
@@ -302,13 +313,11 @@ def main(argv) -> None:
 
     failed = []
     if "kernels" in FLAGS.parts:
-        measured = None if on_cpu else ceilings()
-        rows = kernel_rows(peak, peak_tflops, on_cpu, measured)
-        result["ceilings"] = measured
-        record("kernels", rows)
+        result["ceilings"] = measured = None if on_cpu else ceilings()
+        rows = kernel_rows(peak, peak_tflops, on_cpu, measured, lambda so_far: record("kernels", so_far))
         failed += [f"{r['op']} kernel differs from XLA" for r in rows if not r["equal"]]
     if "steps" in FLAGS.parts:
-        record("steps", step_rows(small, repeats, peak))
+        step_rows(small, repeats, peak, lambda so_far: record("steps", so_far))
     if "demo" in FLAGS.parts:
         demo = demo_rows(FLAGS.greedy_tokens or (6 if small else 64), small, lambda part: record("demo", part))
         if not demo["equal"]:

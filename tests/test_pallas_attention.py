@@ -159,3 +159,18 @@ def test_kernel_benchmark_runs_on_cpu(tmp_path):
     assert all(x["max_abs_err"] < 5e-2 for x in attention)
     moe = [x for x in rows if x["op"] == "moe"]
     assert [x["tokens"] for x in moe] == [1, 32] and all(x["max_rel_err"] < 5e-2 for x in moe)
+
+
+def test_splits_and_pages_the_kernel_takes():
+    """KV splits give a launch about TARGET_PROGRAMS programs (an H200 walked Kimi-K2.5's 8K prefix
+    at batch 1 latency-bound with 16), within one page per split and MAX_SPLITS; on a GPU pages
+    are a whole number of 16-slot tiles or one power-of-two tile, interpreted any size runs."""
+    from pallas_kernels.attention import MAX_SPLITS, TARGET_PROGRAMS, default_splits, pages_fit
+
+    with launch.for_arch("sm_90"):
+        assert default_splits(1, 1, 64, 512, 512, 2) == MAX_SPLITS  # MLA decode, batch 1: 2 row blocks
+        assert default_splits(64, 1, 64, 512, 512, 2) == TARGET_PROGRAMS // (64 * 2)
+        assert default_splits(64, 1, 256, 512, 512, 2) == 1  # verify at batch 64: programs enough
+        assert default_splits(1, 1, 64, 3, 512, 2) == 3  # a short table: one page per split
+        assert [pages_fit(p) for p in (16, 32, 48, 64, 8, 72, 8200)] == [True] * 4 + [False] * 3
+    assert pages_fit(8, interpret=True) and pages_fit(8200, interpret=True)

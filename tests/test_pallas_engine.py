@@ -71,6 +71,12 @@ def test_kernel_choice_is_checked(caplog):
     from eagle3_jax.sharding import make_mesh
 
     assert resolve("auto", None) == "attention=xla,moe=xla"  # CPU
+    # on a GPU, per op as measured there (kernels.AUTO_PALLAS): sm_90 runs the MoE kernels; GPUs no
+    # run has measured keep XLA
+    assert resolve("auto", None, on_gpu=True, arch="sm_90") == "attention=xla,moe=pallas"
+    for arch in ("gfx942", "gfx950", "default"):
+        assert resolve("auto", None, on_gpu=True, arch=arch) == "attention=xla,moe=xla"
+    assert resolve("attention=pallas,moe=auto", None, on_gpu=True, arch="sm_90") == "attention=pallas,moe=pallas"
     assert resolve("pallas", None) == "attention=pallas,moe=pallas"
     assert resolve("moe=pallas", None) == "attention=xla,moe=pallas"
     assert uses("attention=xla,moe=pallas", "moe") and not uses("attention=xla,moe=pallas", "attention")
@@ -106,6 +112,27 @@ def test_speculative_step_lowers_with_triton_attention(platform, monkeypatch):
     text = lowered.as_text()
     for kernel in ("eagle3_paged_prefix_attention", "eagle3_grouped_swiglu", "eagle3_grouped_matmul"):
         assert kernel in text, kernel
+
+
+@pytest.mark.parametrize("slots, kernel", [(64, True), (72, False)])
+def test_a_cache_the_kernel_cannot_tile_keeps_xla_attention(slots, kernel, monkeypatch, caplog):
+    """Compiled for a GPU, the attention kernel walks pages of a multiple of 16 slots (Triton's
+    shapes are powers of two): a dense cache of 72 slots keeps XLA's attention and says so, one
+    of 64 runs the kernel."""
+    from eagle3_jax import kernels as kernels_lib
+    from eagle3_jax.target import forward
+
+    monkeypatch.setattr(kernels_lib, "interpret", lambda: False)
+    kernels_lib.warn_once.cache_clear()
+    target = pallas(random_target(FAMILIES["deepseek_v3"]))
+    cache = kv_cache.advance(target.init_cache(2, slots), jnp.full((2,), 10, jnp.int32))
+    tokens, positions = jnp.zeros((2, 1), jnp.int32), jnp.full((2, 1), 10, jnp.int32)
+    with launch.abstract_gpu("sm_90"), caplog.at_level("WARNING", logger="eagle3_jax"):
+        text = jax.jit(forward, static_argnames=("cfg",)).trace(
+            target.params, target.config, tokens, positions, cache, jnp.ones((2, 1, 1), bool)).lower(
+            lowering_platforms=("cuda",)).as_text()
+    assert ("eagle3_paged_prefix_attention" in text) == kernel
+    assert ("keeps its XLA path for a cache of 72-slot pages" in caplog.text) == (not kernel)
 
 
 def test_draft_propose_with_pallas_attention_equals_xla(monkeypatch, kernel_calls):
