@@ -73,6 +73,7 @@ INPUT_CASES = [
     ("bench_kernels", ("--device=XYZ",), "--device must be one of"),
     ("compile_gate", ("--archs=gfx1",), "--archs: unknown gfx1"),
     ("gpu_check", ("--batches=8",), "gpu_check.py runs fixed shapes"),
+    ("gpu_check", ("--parts=kernels,greedy",), "--parts takes kernels, steps, demo"),
     ("plan", ("--target=tests/data/llama-3.1-8b-instruct.config.json", "--kernels=pallas"), "name the GPU with --arch"),
     ("compile_gate", ("--configs=llama-9",), "--configs: unknown llama-9"),
     ("demo", ("--chain=chain:3:2:4",), "a chain has topk=1"),
@@ -87,6 +88,7 @@ INPUT_CASES = [
     ("plan", (f"--target={KIMI}", f"--draft={KIMI_DRAFT}", "--concurrency=4", "--acceptance=0.5,0.9"), "--acceptance"),
     ("bench_step", ("--batches=0",), "--batches must be"),
     ("bench_step", ("--spec=auto",), "fixed settings"),
+    ("bench_step", ("--kernels=triton",), "--kernels must be xla, pallas, auto"),
 ]
 # More of the same kind, in the slow run.
 MORE_INPUT_CASES = [
