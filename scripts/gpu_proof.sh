@@ -9,9 +9,11 @@
 #   SMALL=1 scripts/gpu_proof.sh /tmp/proof     # the rehearsal on a CPU host (small shapes, interpreted)
 #
 # Time limits per part, in seconds, from the environment: KERNELS_S, DEMO_S, STEP_S, STEPS_S
-# (defaults below: about 8 minutes in all). STEP_BATCHES sets the step accounting's batches
-# (default 1,8); DEMO_FLAGS adds flags to the demo part (e.g. --demo_kernels=pallas). Run from the
-# repository root.
+# (defaults below: about 8 minutes in all). STEP_BATCHES and STEP_SPECS set the step accounting's
+# batches and settings (default 1,8 and none,chain:3:1:4,tree:5:4:16); DEMO_FLAGS adds flags to the
+# demo part (e.g. --demo_kernels=pallas). Each Pallas program compiles for 30-60 s on an H200:
+# budget the limits by the programs a part compiles. Run from the repository root, with the
+# project's dependencies importable (a machine without llguidance needs its wheel installed first).
 set -u
 out=${1:?usage: scripts/gpu_proof.sh OUT_DIR [kernels demo step-pallas steps step-xla]}
 shift
@@ -20,7 +22,8 @@ mkdir -p "$out"
 log=$out/run.log
 export PYTHONUNBUFFERED=1 PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
 small=()
-step_flags=(--batches="${STEP_BATCHES:-1,8}" --nophases --noengine --steps=20 --runs=10)
+step_flags=(--batches="${STEP_BATCHES:-1,8}" --spec="${STEP_SPECS:-none,chain:3:1:4,tree:5:4:16}" --nophases
+            --noengine --steps=20 --runs=10)
 if [ -n "${SMALL:-}" ]; then
   small=(--small)
   step_flags=(--batches="${STEP_BATCHES:-1}" --nophases --noengine --steps=3 --runs=2 --spec=none,chain:3:1:4)
