@@ -20,16 +20,22 @@ def define_quant_flags() -> None:
                       "behaviour).")
     flags.DEFINE_enum("fp8_format", "auto", ["auto", "e4m3fn", "e4m3fnuz"], "On-device float8 flavour of FP8 weights "
                       "(auto: e4m3fnuz on MI300X / MI325X, e4m3fn elsewhere).")
-    flags.DEFINE_string("kernels", "xla", "Which ops run Pallas kernels: xla, pallas, auto (Pallas on a GPU), or per "
-                        "op like attention=pallas,moe=xla. On CPU Pallas kernels run interpreted (slow).")
-    flags.register_validator("kernels", _valid_kernels, message="--kernels must be xla, pallas, auto, or per op like "
-                             "attention=pallas,moe=xla (ops: attention, moe)")
+    define_kernels_flag()
     flags.DEFINE_bool("batch_invariant", False, "Batch-invariant numerics: the target computes every token the same "
                       "way whatever shares its pass, so greedy speculation emits exactly greedy plain decoding's "
                       "tokens in bfloat16 too. Slower; one device, XLA ops only.")
     flags.register_multi_flags_validator(
         ["batch_invariant", "kernels"], _invariant_runs_xla,
         message="--batch_invariant runs its own XLA ops, not Pallas kernels: use --kernels=xla or drop --batch_invariant")
+
+
+def define_kernels_flag() -> None:
+    """--kernels, checked as load_target takes it."""
+    flags.DEFINE_string("kernels", "xla", "Which ops run Pallas kernels: xla, pallas, auto (per op, what was measured "
+                        "faster on this GPU; XLA on CPU), or per op like attention=pallas,moe=xla. On CPU Pallas "
+                        "kernels run interpreted (slow).")
+    flags.register_validator("kernels", _valid_kernels, message="--kernels must be xla, pallas, auto, or per op like "
+                             "attention=pallas,moe=xla (ops: attention, moe)")
 
 
 def _valid_kernels(value: str) -> bool:

@@ -114,6 +114,22 @@ def per_set_ms(fn, sets: list, repeats: int) -> float:
     return _median_ms(program, (sets,), repeats) / len(sets)
 
 
+def timing(k_ms: float, x_ms: float, read: float, flops: float, peak: float, peak_tflops: float) -> dict:
+    """A row's timing fields: both paths' ms and GB/s, their fractions of the HBM peak, the
+    kernel's of the bf16 peak (None without one)."""
+    return dict(kernel_ms=k_ms, xla_ms=x_ms, bytes_read=read, flops=flops, kernel_gbps=read / (k_ms * 1e6),
+                xla_gbps=read / (x_ms * 1e6), peak_fraction=read / (k_ms * 1e6) / peak,
+                xla_peak_fraction=read / (x_ms * 1e6) / peak,
+                flops_fraction=flops / (k_ms * 1e9) / peak_tflops if peak_tflops else None)
+
+
+def _row_line(cells: list, row: dict, err: float) -> str:
+    """The printed table row: the leading `cells`, then times, speed, MB, GB/s, % of peak, error."""
+    return ("| " + " | ".join(str(c) for c in cells) + f" | {row['kernel_ms']:.4f} | {row['xla_ms']:.4f} | "
+            f"{row['xla_ms'] / row['kernel_ms']:.2f}x | {row['bytes_read'] / 1e6:.1f} | {row['kernel_gbps']:.1f} | "
+            f"{100 * row['peak_fraction']:.1f} | {err:.2g}" + ("" if row["equal"] else " DIFFERS") + " |")
+
+
 def _median_ms(fn, args, repeats: int) -> float:
     import jax
 
@@ -208,17 +224,11 @@ def attention_rows(peak: float, interpret: bool, peak_tflops: float = 0.0, on_ro
                 equal = bool(err <= ATTENTION_TOLERANCE)  # NaN fails
                 k_ms = per_set_ms(kernel, arg_sets, FLAGS.repeats)
                 x_ms = per_set_ms(ref, arg_sets, FLAGS.repeats)
-                gbps, flops = read / (k_ms * 1e6), attention_flops(batch, t, context)
                 rows.append(dict(op="attention", kind=FLAGS.kind, batch=batch, tokens=t, context=context, splits=splits,
-                                 input_sets=sets, kernel_ms=k_ms, xla_ms=x_ms, bytes_read=read, flops=flops,
-                                 kernel_gbps=gbps, xla_gbps=read / (x_ms * 1e6), peak_fraction=gbps / peak,
-                                 xla_peak_fraction=read / (x_ms * 1e6) / peak,
-                                 flops_fraction=flops / (k_ms * 1e9) / peak_tflops if peak_tflops else None,
-                                 max_abs_err=err, equal=equal))
+                                 input_sets=sets, **timing(k_ms, x_ms, read, attention_flops(batch, t, context), peak,
+                                                           peak_tflops), max_abs_err=err, equal=equal))
                 on_row(rows[-1])
-                print(f"| {batch} | {t} | {context} | {splits} | {sets} | {k_ms:.4f} | {x_ms:.4f} | {x_ms / k_ms:.2f}x | "
-                      f"{read / 1e6:.1f} | {gbps:.1f} | {100 * gbps / peak:.1f} | {err:.2g}"
-                      + ("" if equal else " DIFFERS") + " |", flush=True)
+                print(_row_line([batch, t, context, splits, sets], rows[-1], err), flush=True)
     return rows
 
 
@@ -303,17 +313,11 @@ def moe_rows(peak: float, interpret: bool, peak_tflops: float = 0.0, on_row=lamb
         assignments = sum(int((np.asarray(one["ids"]) < e).sum()) for one in arg_sets) / sets
         flops = 6 * h * inter * assignments  # gate, up and down: 2 flops per multiply-add
         k_ms, x_ms = per_set_ms(kernel, arg_sets, FLAGS.repeats), per_set_ms(ref, arg_sets, FLAGS.repeats)
-        gbps = read / (k_ms * 1e6)
         rows.append(dict(op="moe", format=FLAGS.moe_format, tokens=n, local_assignments=int((ids < e).sum()),
-                         experts_hit=hit, input_sets=sets, kernel_ms=k_ms, xla_ms=x_ms, bytes_read=read, flops=flops,
-                         kernel_gbps=gbps, xla_gbps=read / (x_ms * 1e6), peak_fraction=gbps / peak,
-                         xla_peak_fraction=read / (x_ms * 1e6) / peak,
-                         flops_fraction=flops / (k_ms * 1e9) / peak_tflops if peak_tflops else None,
+                         experts_hit=hit, input_sets=sets, **timing(k_ms, x_ms, read, flops, peak, peak_tflops),
                          max_rel_err=err, equal=equal))
         on_row(rows[-1])
-        print(f"| {n} | {int((ids < e).sum())} | {hit} | {sets} | {k_ms:.4f} | {x_ms:.4f} | {x_ms / k_ms:.2f}x | "
-              f"{read / 1e6:.1f} | {gbps:.1f} | {100 * gbps / peak:.1f} | {err:.2g}"
-              + ("" if equal else " DIFFERS") + " |", flush=True)
+        print(_row_line([n, int((ids < e).sum()), hit, sets], rows[-1], err), flush=True)
     return rows
 
 

@@ -35,7 +35,7 @@ from absl import app, flags
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import _cli  # noqa: E402
-from _shared_flags import check_draft_path, check_target_path  # noqa: E402
+from _shared_flags import check_draft_path, check_target_path, define_kernels_flag  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("target", "checkpoints/kimi-mini", "Target model folder (HF or Orbax).")
@@ -48,26 +48,12 @@ flags.DEFINE_integer("runs", 30, "Timed calls per phase and per program (the med
 flags.DEFINE_integer("max_tokens", 128, "Tokens per request with --engine.", lower_bound=1)
 flags.DEFINE_bool("engine", True, "Also time Engine.generate at batch 1 over the prompts (the demo's figure).")
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Compute dtype.")
-flags.DEFINE_string("kernels", "xla", "Which ops run Pallas kernels: xla, pallas, auto (Pallas on a GPU), or per op "
-                    "like attention=pallas,moe=xla.")
 flags.DEFINE_bool("phases", True, "Also time each phase of the step compiled alone (a program each to compile).")
 flags.DEFINE_string("json_out", None, "Write every figure here as JSON.")
 flags.DEFINE_string("plot", None, "Write the stacked-bar picture here (PNG).")
 _cli.define_overwrite_flag("--json_out and --plot")
 
-
-def _valid_kernels(value: str) -> bool:
-    from eagle3_jax.kernels import parse
-
-    try:
-        parse(value)
-    except ValueError:
-        return False
-    return True
-
-
-flags.register_validator("kernels", _valid_kernels, message="--kernels must be xla, pallas, auto, or per op like "
-                         "attention=pallas,moe=xla (ops: attention, moe)")
+define_kernels_flag()
 
 
 def _ints(values, flag: str) -> list[int]:
