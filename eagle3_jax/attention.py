@@ -56,16 +56,14 @@ KERNEL_MAX_TOKENS = 64  # new tokens per row up to which the Pallas path is used
 def _uses_kernel(cfg: ModelConfig, t: int, tree_mask: jax.Array | None, cache: kv_cache.KVCache) -> bool:
     return (kernels.uses(cfg.kernels, "attention") and tree_mask is not None and t <= KERNEL_MAX_TOKENS
             and not kernels.splits_attention(jax.sharding.get_abstract_mesh())  # no sharded form yet
-            and _kernel_walks(cache))
+            and _kernel_walks(cfg, cache))
 
 
-def _kernel_walks(cache: kv_cache.KVCache) -> bool:
+def _kernel_walks(cfg: ModelConfig, cache: kv_cache.KVCache) -> bool:
     """Whether the prefix kernel can walk this cache's pages (a dense cache is viewed as pages of
-    16 slots when its length allows, else as one page per row, which the kernel cannot tile)."""
-    from pallas_kernels.attention import pages_fit
-
+    16 slots when its length allows, else as one page per row, which a GPU kernel cannot tile)."""
     page_size = kv_cache.as_pages(cache)[0].shape[2]
-    if pages_fit(page_size, interpret=kernels.interpret()):
+    if kernels.interpret() or launch.launch(f"{cfg.attention}_attention").walks(page_size):
         return True
     kernels.warn_once(f"attention keeps its XLA path for a cache of {page_size}-slot pages: the Pallas kernel walks "
                       "pages of a multiple of 16 slots or one power-of-two page of at least 16 (a dense cache's length "

@@ -105,13 +105,10 @@ def _kernel(layer_ref, lengths_ref, table_ref, q_ref, k_ref, *refs, page_size: i
 
 def pages_fit(page_size: int, launch: AttentionLaunch | None = None, form: str = "mla_attention",
               interpret: bool = False) -> bool:
-    """Whether the kernel can walk pages of `page_size` slots on a GPU: a whole number of its
-    tiles, or one power-of-two tile of at least 16 slots (Triton's shapes are powers of two, and
-    its smallest dot is 16 wide). A dense cache whose length is neither keeps the XLA path.
-    Interpreted (a CPU host), any page size runs."""
+    """Whether the kernel can walk pages of `page_size` slots (`AttentionLaunch.walks`; a dense
+    cache whose length it cannot tile keeps the XLA path). Interpreted (a CPU host), any size runs."""
     launch = launch_table.launch(form) if launch is None else launch
-    power_of_two = page_size >= _MIN_ROWS and page_size & (page_size - 1) == 0
-    return interpret or page_size % launch.block_slots == 0 or power_of_two
+    return interpret or launch.walks(page_size)
 
 
 def _tile(page_size: int, launch: AttentionLaunch) -> int:

@@ -80,6 +80,12 @@ class AttentionLaunch:
     num_stages: int
     block_slots: int = 16
 
+    def walks(self, page_size: int) -> bool:
+        """Whether the compiled kernel can walk pages of `page_size` slots: a whole number of its
+        tiles, or one power-of-two tile of at least 16 slots (Triton's shapes are powers of two and
+        its smallest dot is 16 wide)."""
+        return page_size % self.block_slots == 0 or (page_size >= 16 and page_size & (page_size - 1) == 0)
+
 
 @dataclasses.dataclass(frozen=True)
 class MoeLaunch:
