@@ -31,7 +31,10 @@ bound that matters where the op is compute-bound: large MoE token counts).
 
 A row where kernel and reference disagree beyond the tolerance (attention: 5e-2 absolute, MoE:
 5e-2 relative to the largest output) is printed and recorded with `equal: false`; the script
-then exits 1 after measuring every row.
+then exits 1 after measuring every row. --attention_launches times other attention launches
+beside the launch table's (a sweep: a launch Triton refuses is a row with its error and
+`equal: null`); blocks of more slots than a page are walked a page at a time, so sweep those
+with a larger --page_size.
 
 On a CPU host the kernels run in Pallas interpret mode: the figures then only show that the
 script works.
@@ -68,6 +71,9 @@ flags.DEFINE_integer("page_size", 16, "Slots per KV page.", lower_bound=1)
 flags.DEFINE_integer("num_splits", 0, "KV splits per row and head (0: the kernel's own choice, as the engine runs it).",
                      lower_bound=0)
 flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "Activation, pool and query dtype.")
+flags.DEFINE_list("attention_launches", [], "Attention launches to time besides the launch table's, each "
+                  "block_rows:num_warps:num_stages:block_slots (e.g. 32:8:2:32), one row each (a launch that fails "
+                  "to compile is a row with its error).")
 flags.DEFINE_list("moe_tokens", ["1", "16", "64", "256", "1024", "4096"], "MoE: tokens per step (decode batch x T, "
                   "or a prefill chunk).")
 flags.DEFINE_integer("hidden", 7168, "MoE: hidden size.", lower_bound=16)
@@ -142,6 +148,21 @@ def _median_ms(fn, args, repeats: int) -> float:
     return 1e3 * statistics.median(times)
 
 
+def _attention_launch(text: str):
+    """An AttentionLaunch from block_rows:num_warps:num_stages:block_slots."""
+    from pallas_kernels.launch import AttentionLaunch
+
+    try:
+        rows, warps, stages, slots = (int(part) for part in text.split(":"))
+    except ValueError:
+        raise app.UsageError(f"--attention_launches: {text!r} is not block_rows:num_warps:num_stages:block_slots "
+                             "(four integers, e.g. 32:8:2:32)") from None
+    if min(rows, warps, stages, slots) < 1 or rows < 16 or rows & (rows - 1) or slots & (slots - 1):
+        raise app.UsageError(f"--attention_launches: {text!r} needs block_rows a power of two >= 16, block_slots a "
+                             "power of two and positive warps and stages")
+    return AttentionLaunch(block_rows=rows, num_warps=warps, num_stages=stages, block_slots=slots)
+
+
 def attention_bytes(batch: int, context: int) -> int:
     """The prefix's K/V bytes one attention call must read."""
     import jax.numpy as jnp
@@ -197,12 +218,14 @@ def attention_rows(peak: float, interpret: bool, peak_tflops: float = 0.0, on_ro
     from pallas_kernels.attention import default_splits, paged_prefix_attention, paged_prefix_attention_reference
 
     batches, tokens, contexts = _ints(FLAGS.batches, "batches"), _ints(FLAGS.tokens, "tokens"), _ints(FLAGS.contexts, "contexts")
+    launches = [("table", None)] + [(text, _attention_launch(text)) for text in FLAGS.attention_launches]
     scale = 0.1
     print(f"\n{FLAGS.kind} paged prefix attention, {FLAGS.dtype}, page {FLAGS.page_size}, {jax.devices()[0].device_kind}"
           + (" (Pallas interpret mode: timings are not meaningful)" if interpret else ""))
-    print("| batch | T | context | splits | sets | kernel ms | XLA ms | speedup | MB read | kernel GB/s | % of "
+    swept = " launch |" if launches[1:] else ""
+    print(f"| batch | T | context | splits | sets |{swept} kernel ms | XLA ms | speedup | MB read | kernel GB/s | % of "
           f"{FLAGS.device} peak | max err |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---" * (12 + bool(swept)) + "|")
     rows, rng = [], np.random.default_rng(0)
     for batch in batches:
         for t in tokens:
@@ -212,23 +235,34 @@ def attention_rows(peak: float, interpret: bool, peak_tflops: float = 0.0, on_ro
                 form = "mla_attention" if FLAGS.kind == "mla" else "gqa_attention"
                 heads, rows_per_head = (1, q.shape[2]) if FLAGS.kind == "mla" else (FLAGS.kv_heads, q.shape[2])
                 dv = FLAGS.latent if FLAGS.kind == "mla" else FLAGS.head_dim
-                splits = FLAGS.num_splits or default_splits(batch, heads, rows_per_head, tables.shape[2], dv,
-                                                            q.dtype.itemsize, form=form)
-                kernel = functools.partial(paged_prefix_attention, layer=0, scale=scale, num_splits=splits,
-                                           interpret=interpret)
                 ref = functools.partial(paged_prefix_attention_reference, layer=0, scale=scale)
                 arg_sets = [dict(q=q, k_pool=k, v_pool=v, block_table=table, lengths=lengths, q2=q2, k2_pool=k2)
                             for table in tables]
-                got, want = jax.jit(kernel)(**arg_sets[0]), jax.jit(ref)(**arg_sets[0])
-                err = float(np.max(np.abs(np.asarray(got[0], np.float32) - np.asarray(want[0], np.float32))))
-                equal = bool(err <= ATTENTION_TOLERANCE)  # NaN fails
-                k_ms = per_set_ms(kernel, arg_sets, FLAGS.repeats)
+                want = jax.jit(ref)(**arg_sets[0])
                 x_ms = per_set_ms(ref, arg_sets, FLAGS.repeats)
-                rows.append(dict(op="attention", kind=FLAGS.kind, batch=batch, tokens=t, context=context, splits=splits,
-                                 input_sets=sets, **timing(k_ms, x_ms, read, attention_flops(batch, t, context), peak,
-                                                           peak_tflops), max_abs_err=err, equal=equal))
-                on_row(rows[-1])
-                print(_row_line([batch, t, context, splits, sets], rows[-1], err), flush=True)
+                for name, launch in launches:
+                    splits = FLAGS.num_splits or default_splits(batch, heads, rows_per_head, tables.shape[2], dv,
+                                                                q.dtype.itemsize, launch, form)
+                    kernel = functools.partial(paged_prefix_attention, layer=0, scale=scale, num_splits=splits,
+                                               interpret=interpret, launch=launch)
+                    row = dict(op="attention", kind=FLAGS.kind, launch=name, batch=batch, tokens=t, context=context,
+                               splits=splits, input_sets=sets)
+                    try:
+                        got = jax.jit(kernel)(**arg_sets[0])
+                    except Exception as error:  # a candidate launch Triton refuses: recorded, the sweep goes on
+                        if launch is None:
+                            raise
+                        rows.append(dict(row, error=_cli.one_line(str(error)), equal=None))
+                        on_row(rows[-1])
+                        print(f"| {batch} | {t} | {context} | {name}: does not compile ({rows[-1]['error'][:80]}) |")
+                        continue
+                    err = float(np.max(np.abs(np.asarray(got[0], np.float32) - np.asarray(want[0], np.float32))))
+                    k_ms = per_set_ms(kernel, arg_sets, FLAGS.repeats)
+                    rows.append(dict(row, **timing(k_ms, x_ms, read, attention_flops(batch, t, context), peak, peak_tflops),
+                                     max_abs_err=err, equal=bool(err <= ATTENTION_TOLERANCE)))  # NaN fails
+                    on_row(rows[-1])
+                    cells = [batch, t, context, splits, sets] + ([name] if launches[1:] else [])
+                    print(_row_line(cells, rows[-1], err), flush=True)
     return rows
 
 
@@ -353,7 +387,7 @@ def main(argv: Sequence[str]) -> None:
         attention_rows(peak, interpret, peak_tflops, write)
     if "moe" in FLAGS.ops:
         moe_rows(peak, interpret, peak_tflops, write)
-    differ = [r for r in rows if not r["equal"]]
+    differ = [r for r in rows if r["equal"] is False]  # None: a swept launch that does not compile
     if differ:
         print(f"bench_kernels.py: {len(differ)} kernel row(s) differ from the XLA reference beyond the tolerance "
               "(marked DIFFERS above)", file=sys.stderr)

@@ -135,7 +135,7 @@ def kernel_rows(peak: float, peak_tflops: float, interpret: bool, measured: dict
     rows = []
 
     def add(row: dict) -> None:
-        if measured:
+        if measured and "kernel_ms" in row:  # (a swept launch that did not compile has no times)
             row["measured_copy_fraction"] = row["kernel_gbps"] / measured["copy_gbps"]
             row["xla_measured_copy_fraction"] = row["xla_gbps"] / measured["copy_gbps"]
             row["measured_flops_fraction"] = row["flops"] / (row["kernel_ms"] * 1e9) / measured["matmul_tflops"]
@@ -315,7 +315,7 @@ def main(argv) -> None:
     if "kernels" in FLAGS.parts:
         result["ceilings"] = measured = None if on_cpu else ceilings()
         rows = kernel_rows(peak, peak_tflops, on_cpu, measured, lambda so_far: record("kernels", so_far))
-        failed += [f"{r['op']} kernel differs from XLA" for r in rows if not r["equal"]]
+        failed += [f"{r['op']} kernel differs from XLA" for r in rows if r["equal"] is False]
     if "steps" in FLAGS.parts:
         step_rows(small, repeats, peak, lambda so_far: record("steps", so_far))
     if "demo" in FLAGS.parts:

@@ -149,14 +149,15 @@ def test_kernel_benchmark_runs_on_cpu(tmp_path):
     r = subprocess.run([sys.executable, os.path.join(root, "scripts", "bench_kernels.py"), "--batches=2", "--tokens=1,4",
                         "--contexts=40", "--heads=4", "--latent=32", "--rope=16", "--repeats=1", "--hidden=64",
                         "--moe_inter=64", "--experts=16", "--local_experts=4", "--topk=2", "--moe_tokens=1,32",
-                        "--moe_format=mxfp4", f"--json_out={out}"],
+                        "--moe_format=mxfp4", "--attention_launches=32:8:1:16", f"--json_out={out}"],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "interpret mode" in r.stdout
     rows = json.loads(out.read_text())["rows"]
     attention = [x for x in rows if x["op"] == "attention"]
-    assert [(x["tokens"], x["context"]) for x in attention] == [(1, 40), (4, 40)]
-    assert all(x["max_abs_err"] < 5e-2 for x in attention)
+    assert [(x["tokens"], x["context"], x["launch"]) for x in attention] == [
+        (1, 40, "table"), (1, 40, "32:8:1:16"), (4, 40, "table"), (4, 40, "32:8:1:16")]  # the table's, then the swept
+    assert all(x["max_abs_err"] < 5e-2 and x["equal"] for x in attention)
     moe = [x for x in rows if x["op"] == "moe"]
     assert [x["tokens"] for x in moe] == [1, 32] and all(x["max_rel_err"] < 5e-2 for x in moe)
 

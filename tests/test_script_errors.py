@@ -71,6 +71,7 @@ INPUT_CASES = [
     ("bench", ("--spec=chain:3:2",), "--spec: speculation setting 'chain:3:2'"),
     ("bench", ("--base_url=http://127.0.0.1:9", "--spec=none", "--concurrency=1"), "no server answers"),
     ("bench_kernels", ("--device=XYZ",), "--device must be one of"),
+    ("bench_kernels", ("--attention_launches=32:8:2",), "is not block_rows:num_warps:num_stages:block_slots"),
     ("compile_gate", ("--archs=gfx1",), "--archs: unknown gfx1"),
     ("gpu_check", ("--batches=8",), "gpu_check.py runs fixed shapes"),
     ("gpu_check", ("--parts=kernels,greedy",), "--parts takes kernels, steps, demo"),
