@@ -5,7 +5,8 @@
 # JSON per part).
 #
 #   scripts/gpu_proof.sh OUT_DIR [PART ...]     # on a GPU; PART: kernels demo step-pallas steps step-xla
-#                                               # (or attention: the attention rows alone, STEP-auto too)
+#                                               # (or attention: the attention rows alone; sweep: those
+#                                               # rows over SWEEP_LAUNCHES at 64-slot pages; step-auto)
 #   SMALL=1 scripts/gpu_proof.sh /tmp/proof     # the rehearsal on a CPU host (small shapes, interpreted)
 #
 # Time limits per part, in seconds, from the environment: KERNELS_S, DEMO_S, STEP_S, STEPS_S
@@ -46,12 +47,16 @@ for p in $parts; do
                --json_out="$out/kernels.json" --overwrite ;;
     attention) part attention "${KERNELS_S:-110}" python3 scripts/bench_kernels.py --ops=attention --batches=1,64 \
                  --tokens=1,4 --contexts=8192 --device=H200 --json_out="$out/attention.json" --overwrite ;;
+    sweep) part sweep "${KERNELS_S:-110}" python3 scripts/bench_kernels.py --ops=attention --batches=1,64 \
+             --tokens=1,4 --contexts=8192 --page_size=64 --device=H200 \
+             --attention_launches="${SWEEP_LAUNCHES:-32:8:2:32,32:8:2:64,16:4:2:64,32:8:3:32}" \
+             --json_out="$out/sweep.json" --overwrite ;;
     demo) part demo "${DEMO_S:-130}" python3 scripts/gpu_check.py "${small[@]}" --parts=demo ${DEMO_FLAGS:-} \
             --json_out="$out/demo.json" --overwrite ;;
     steps) part steps "${STEPS_S:-90}" python3 scripts/gpu_check.py "${small[@]}" --parts=steps \
              --json_out="$out/steps.json" --overwrite ;;
     step-pallas|step-xla|step-auto) part "$p" "${STEP_S:-80}" python3 scripts/bench_step.py --kernels="${p#step-}" \
                             "${step_flags[@]}" --json_out="$out/$p.json" --overwrite ;;
-    *) echo "gpu_proof.sh: unknown part $p (kernels attention demo step-pallas step-auto steps step-xla)" | tee -a "$log" ;;
+    *) echo "gpu_proof.sh: unknown part $p (kernels attention sweep demo step-pallas step-auto steps step-xla)" | tee -a "$log" ;;
   esac
 done
