@@ -62,7 +62,7 @@ def _uses_kernel(cfg: ModelConfig, t: int, tree_mask: jax.Array | None, cache: k
 def _kernel_walks(cfg: ModelConfig, cache: kv_cache.KVCache) -> bool:
     """Whether the prefix kernel can walk this cache's pages (a dense cache is viewed as pages of
     16 slots when its length allows, else as one page per row, which a GPU kernel cannot tile)."""
-    page_size = kv_cache.as_pages(cache)[0].shape[2]
+    page_size = kv_cache.viewed_page_size(cache)
     if kernels.interpret() or launch.launch(f"{cfg.attention}_attention").walks(page_size):
         return True
     kernels.warn_once(f"attention keeps its XLA path for a cache of {page_size}-slot pages: the Pallas kernel walks "

@@ -96,13 +96,22 @@ def paged_view(k: jax.Array, v: jax.Array, block_table: jax.Array, lengths: jax.
     return KVCache(k=k, v=v, lengths=jnp.asarray(lengths, jnp.int32), block_table=jnp.asarray(block_table, jnp.int32))
 
 
+def viewed_page_size(cache: KVCache, page_size: int = 16) -> int:
+    """Slots per page of `as_pages`' view: a paged cache's own, `page_size` where a dense cache's
+    length is a multiple of it, else the whole row."""
+    if cache.paged:
+        return cache.page_size
+    s = cache.k.shape[2]
+    return page_size if s % page_size == 0 else s
+
+
 def as_pages(cache: KVCache, page_size: int = 16) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(k pool, v pool, block table) of any cache: a paged one as it is; a dense one [L, B, S, ...]
     viewed (no copy) as B * S / page_size pages of `page_size` slots, row b owning its own run."""
     if cache.paged:
         return cache.k, cache.v, cache.block_table
     layers, b, s = cache.k.shape[:3]
-    ps = page_size if s % page_size == 0 else s
+    ps = viewed_page_size(cache, page_size)
     table = jnp.arange(b * (s // ps), dtype=jnp.int32).reshape(b, s // ps)
 
     def view(pool):

@@ -220,6 +220,27 @@ def write_output(flag: str, path: str, text: str) -> None:
     write_text_output(path, text, name=flag, overwrite=overwrite)
 
 
+def rewritten_output(flag: str, path: str | None) -> Callable[[str], None]:
+    """A writer for a file a run rewrites as it goes (after every row, so a run cut short keeps what
+    it measured): its first write is `write_output`'s, the later ones replace its own file. With no
+    path, writing does nothing."""
+    written = False
+
+    def write(text: str) -> None:
+        nonlocal written
+        if path is None:
+            return
+        if written:
+            from eagle3_jax.checkpoint.atomic import write_text_output
+
+            write_text_output(path, text, name=flag, overwrite=True)
+        else:
+            write_output(flag, path, text)
+            written = True
+
+    return write
+
+
 def check_not_input(flag: str, path: str | None, inputs: Mapping[str, str | None]) -> None:
     """A usage error when the folder a flag names for outputs is, holds or lies in an input."""
     if path is None:

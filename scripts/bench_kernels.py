@@ -369,19 +369,13 @@ def main(argv: Sequence[str]) -> None:
         raise app.UsageError(f"--ops takes attention and/or moe; got {','.join(FLAGS.ops)!r}")
     peak, peak_tflops = DEVICES[FLAGS.device].hbm_gbps, DEVICES[FLAGS.device].bf16_tflops
     interpret = jax.default_backend() == "cpu"
-    from eagle3_jax.checkpoint.atomic import write_text_output
-
-    rows, written = [], False
+    rows, write_json = [], _cli.rewritten_output("--json_out", FLAGS.json_out)
 
     def write(row: dict) -> None:  # after every row: a run cut short keeps what it measured
-        nonlocal written
         rows.append(row)
-        if FLAGS.json_out:
-            write_text_output(FLAGS.json_out, json.dumps(
-                {"argv": sys.argv, "date": time.strftime("%Y-%m-%d"), "device": jax.devices()[0].device_kind,
-                 "interpret": interpret, "machine": f"{platform.machine()} x{os.cpu_count()}", "rows": rows}, indent=1),
-                name="--json_out", overwrite=written or bool(FLAGS.overwrite))
-            written = True
+        write_json(json.dumps({"argv": sys.argv, "date": time.strftime("%Y-%m-%d"), "device": jax.devices()[0].device_kind,
+                               "interpret": interpret, "machine": f"{platform.machine()} x{os.cpu_count()}",
+                               "rows": rows}, indent=1))
 
     if "attention" in FLAGS.ops:
         attention_rows(peak, interpret, peak_tflops, write)

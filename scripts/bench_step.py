@@ -135,7 +135,6 @@ def main(argv) -> None:
     import eagle3_jax as e3
     from eagle3_jax.bench.report import machine_info, pyplot
     from eagle3_jax.bench.step_accounting import account
-    from eagle3_jax.checkpoint.atomic import write_text_output
     from eagle3_jax.tokenizer import load_tokenizer
 
     if FLAGS.plot:
@@ -165,14 +164,10 @@ def main(argv) -> None:
     record = {"command": " ".join(["python"] + sys.argv), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
               "machine": machine_info(), "dtype": FLAGS.dtype, "kernels": target.config.kernels, "steps": FLAGS.steps,
               "runs": FLAGS.runs, "rows": rows, "engine_batch_1": {}}
-    written = False
+    write_json = _cli.rewritten_output("--json_out", FLAGS.json_out)
 
     def write() -> None:  # after every row: a run cut short keeps the rows it measured
-        nonlocal written
-        if FLAGS.json_out:
-            write_text_output(FLAGS.json_out, json.dumps(record, indent=1), name="--json_out",
-                              overwrite=written or bool(FLAGS.overwrite))
-            written = True
+        write_json(json.dumps(record, indent=1))
 
     head = ("| setting | batch | step ms | host ms | program ms | phases ms | program / phases | " +
             " | ".join(f"{p} ms" for p in ("propose", "verify", "judge", "commit", "extend", "state")) +
@@ -202,7 +197,6 @@ def main(argv) -> None:
             print(f"  {name}: {e['ms_per_step']:.3f} ms per step, {e['tokens_per_step']:.2f} tokens per step, "
                   f"{e['ms_per_token']:.3f} ms per token", flush=True)
             write()
-    write()
     if FLAGS.plot:
         plot(rows, FLAGS.plot)
         print(f"wrote {FLAGS.plot}")

@@ -285,7 +285,6 @@ def main(argv) -> None:
     small = on_cpu if FLAGS.small is None else FLAGS.small
     repeats = FLAGS.step_repeats or (2 if small else 20)
     _kernel_flags(small)
-    from eagle3_jax.checkpoint.atomic import write_text_output
     from eagle3_jax.plan import DEVICES
     from pallas_kernels import launch
 
@@ -301,15 +300,12 @@ def main(argv) -> None:
         "backend": jax.default_backend(), "arch": launch.current_arch(), "interpret": on_cpu, "small": small,
         "jax": jax.__version__, "machine": f"{platform.machine()} x{os.cpu_count()}", "parts": list(FLAGS.parts),
     }
-    written = False
+    write_json = _cli.rewritten_output("--json_out", FLAGS.json_out)
 
     def record(part: str, value) -> None:  # the JSON after each part: a later part cut short loses only itself
-        nonlocal written
         result[part] = value
         result["seconds"] = round(time.perf_counter() - started, 1)
-        write_text_output(FLAGS.json_out, json.dumps(result, indent=1), name="--json_out",
-                          overwrite=written or bool(FLAGS.overwrite))
-        written = True
+        write_json(json.dumps(result, indent=1))
 
     failed = []
     if "kernels" in FLAGS.parts:
