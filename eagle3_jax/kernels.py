@@ -2,8 +2,9 @@
 
 `load_target(..., kernels=...)` takes one choice for every op ("xla", "pallas", "auto") or one per
 op ("attention=pallas,moe=xla"). It is resolved once, on load, into the canonical per-op form
-("attention=pallas,moe=pallas") that `ModelConfig.kernels` carries into every program: target
-prefill / decode / verify, the scheduler's, and the draft's. The ops ask `uses(cfg.kernels, op)`.
+("attention=pallas,moe=auto") that `ModelConfig.kernels` carries into every program: target
+prefill / decode / verify, the scheduler's, and the draft's. The ops ask `uses(cfg.kernels, op)`;
+an op left at "auto" there (the MoE on sm_90) decides per traced step from its shapes.
 
 - attention: decode and verify over the committed prefix (pallas_kernels/attention.py), target
   and draft. On a mesh that splits the batch or the heads (data or tensor > 1) it keeps the XLA
@@ -13,9 +14,9 @@ prefill / decode / verify, the scheduler's, and the draft's. The ops ask `uses(c
   expert parallelism. Weights whose shapes the kernel cannot tile keep the XLA path, with a
   warning naming the weight.
 
-"auto" = per op, the path measured fastest on the GPU it runs on (`AUTO_PALLAS`): Pallas where a
-run on that architecture showed the kernel equal to XLA and not slower at the shapes the engine
-runs, XLA elsewhere, and XLA on CPU (where kernels only run interpreted, far slower than XLA) and
+"auto" = per op, the path measured fastest on the GPU it runs on (`AUTO_PALLAS`, `AUTO_BY_SHAPE`):
+Pallas where a run on that architecture showed the kernel equal to XLA and not slower at the
+shapes the engine runs (for the MoE, at the shapes where it was: `moe_kernel_pays`), XLA elsewhere, and XLA on CPU (where kernels only run interpreted, far slower than XLA) and
 on GPUs no run has measured (AMD's are proven by ISA compile only).
 """
 
@@ -30,12 +31,21 @@ from pallas_kernels import launch
 OPS = ("attention", "moe")
 IMPLEMENTATIONS = ("xla", "pallas")
 CHOICES = IMPLEMENTATIONS + ("auto",)
-# The ops "auto" runs as Pallas kernels, per architecture (pallas_kernels.launch.ARCHS), from the
-# runs recorded in benchmarks/ (benchmarks/notes/2026-11-27-gpu-proof-h200.md, one H200): the
-# routed experts' kernels ran 1.5-13x faster than XLA at Kimi-K2.5's per-device shapes;
-# attention's kernel ran at 0.93-0.95x XLA's speed at batch 1 (after its KV-split fix; 1.15x at
-# batch 64 decode, 0.80x verify at batch 64 before the fix), so attention stays on XLA.
-AUTO_PALLAS: dict[str, tuple[str, ...]] = {"sm_90": ("moe",)}
+# What "auto" runs, per architecture (pallas_kernels.launch.ARCHS), from the runs recorded in
+# benchmarks/ (benchmarks/notes/2026-11-27-gpu-proof-h200.md, one H200). An op in AUTO_PALLAS runs
+# its kernel at every shape; an op in AUTO_BY_SHAPE decides per traced step (`moe_kernel_pays`);
+# anything else, and every op on an architecture not listed, runs XLA.
+# - attention (MLA, 64 heads, 8K context, the sm_90 launch 16:4:2:64 picked by the sweep): 1.08-1.70x
+#   XLA at batch 1 / 64 and T 1 / 4 over 16-slot pages, 1.16-2.50x over 64-slot pages; only batch 1
+#   decode over 16-slot pages sat at 0.92-1.06x (within the run-to-run spread at 0.14 ms).
+# - the routed experts: faster by 1.5-13x on int4 at Kimi-K2.5's per-device shapes, but slower on
+#   small bfloat16 experts (0.2-0.4x at kimi-mini's 128 x 96) and on few assignments (0.6-0.7x at
+#   2048 x 768 with 8-64 assignments over 128 experts, 1.4-4.9x with 512-2048).
+AUTO_PALLAS: dict[str, tuple[str, ...]] = {"sm_90": ("attention",)}
+AUTO_BY_SHAPE: dict[str, tuple[str, ...]] = {"sm_90": ("moe",)}
+# Experts smaller than this (all three matrices, as stored) run XLA under "auto": the kernels' sort
+# and launches cost more than such a step's few microseconds of XLA work.
+KERNEL_MIN_EXPERT_BYTES = 1 << 20
 
 log = logging.getLogger("eagle3_jax")
 
@@ -65,8 +75,22 @@ def splits_attention(mesh) -> bool:
 
 
 def auto_choice(op: str, arch: str) -> str:
-    """What "auto" runs for `op` on architecture `arch` ("default": a CPU host or an unknown GPU)."""
-    return "pallas" if op in AUTO_PALLAS.get(arch, ()) else "xla"
+    """What "auto" runs for `op` on architecture `arch` ("default": a CPU host or an unknown GPU):
+    "pallas", "xla", or "auto" (decided per traced step from its shapes, as `moe_kernel_pays`)."""
+    if op in AUTO_PALLAS.get(arch, ()):
+        return "pallas"
+    return "auto" if op in AUTO_BY_SHAPE.get(arch, ()) else "xla"
+
+
+def moe_kernel_pays(assignments: int, experts: int, expert_bytes: int, int4: bool) -> bool:
+    """Whether the routed experts' kernels beat XLA's path for one step, as measured (AUTO_BY_SHAPE):
+    never for experts under KERNEL_MIN_EXPERT_BYTES each; always for int4 experts, which XLA's path
+    reads through a dequantization; otherwise once the step routes at least one assignment per
+    expert of the model (`assignments` = tokens x top-k, `experts` the model's routed experts, so
+    the rule reads the same in every shard of expert parallelism)."""
+    if expert_bytes < KERNEL_MIN_EXPERT_BYTES:
+        return False
+    return int4 or assignments >= experts
 
 
 def resolve(kernels: str, mesh: jax.sharding.Mesh | None, on_gpu: bool | None = None, arch: str | None = None) -> str:
@@ -86,7 +110,8 @@ def resolve(kernels: str, mesh: jax.sharding.Mesh | None, on_gpu: bool | None = 
 
 
 def uses(kernels: str, op: str) -> bool:
-    """Whether `op` runs its Pallas kernel under a config's `kernels` (canonical or plain)."""
+    """Whether `op` runs its Pallas kernel at every shape under a config's `kernels` (canonical or
+    plain); an op resolved to "auto" asks its own rule per step (`moe_kernel_pays`)."""
     return parse(kernels)[op] == "pallas"
 
 

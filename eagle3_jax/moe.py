@@ -23,7 +23,8 @@ Local expert compute has three forms, chosen from the static shapes (`expert_for
   token through every local expert with plain batched matmuls, each output weighted by the
   token's combine weight for that expert (0 where it did not choose it): nothing is gathered,
   sorted or scattered.
-When `cfg.kernels` picks Pallas for the MoE (kernels.py), both sizes instead sort the assignments
+When `cfg.kernels` picks Pallas for the MoE (kernels.py; under "auto", per step by its shapes:
+`runs_kernels`), both sizes instead sort the assignments
 and run the grouped kernels of pallas_kernels/moe.py: gate and up fused with SiLU, then down, the
 weights dequantized in registers; the kernels launch row tiles per assignment, not per expert, so
 a small decode step still reads only its routed experts.
@@ -241,6 +242,19 @@ def _expert_mesh():
     return mesh
 
 
+def runs_kernels(choice: str, assignments: int, w_gate, w_up, w_down) -> bool:
+    """Whether a step of `assignments` (tokens x top-k) runs the Pallas expert kernels under the
+    config's `kernels`: as chosen, or under "auto" by `kernels.moe_kernel_pays` (the full weights:
+    each expert's bytes as stored, int4 or not)."""
+    impl = kernels.parse(choice)["moe"]
+    if impl != "auto":
+        return impl == "pallas"
+    experts = w_gate.shape[0]
+    stored = sum(leaf.size * leaf.dtype.itemsize for w in (w_gate, w_up, w_down) for leaf in jax.tree.leaves(w))
+    int4 = isinstance(w_gate, QArray) and w_gate.qformat.fmt == "int4"
+    return kernels.moe_kernel_pays(assignments, experts, stored // experts, int4)
+
+
 def moe_block(p: dict, cfg: ModelConfig, x: jax.Array) -> jax.Array:
     """Routed experts (+ shared experts when the model has them) for x [B, T, H]."""
     shape = x.shape
@@ -249,7 +263,7 @@ def moe_block(p: dict, cfg: ModelConfig, x: jax.Array) -> jax.Array:
     weights, ids = route(logits, p.get("router_bias"), cfg)
     mesh = _expert_mesh()
     experts = (p["experts_gate"], p["experts_up"], p["experts_down"])
-    use_kernels = kernels.uses(cfg.kernels, "moe")
+    use_kernels = runs_kernels(cfg.kernels, ids.size, *experts)
     if mesh is None:
         out = local_experts(flat, weights, ids, *experts, use_kernels)
     else:

@@ -111,9 +111,10 @@ def pages_fit(page_size: int, launch: AttentionLaunch | None = None, form: str =
     return interpret or launch.walks(page_size)
 
 
-def _tile(page_size: int, launch: AttentionLaunch) -> int:
-    """Slots per step of the walk: the launch's tile where pages are a whole number of them, else the page."""
-    return launch.block_slots if page_size % launch.block_slots == 0 else page_size
+def _tile(page_size: int, launch: AttentionLaunch, itemsize: int) -> int:
+    """Slots per step of the walk (`AttentionLaunch.tile`); interpreted, a page it cannot tile is
+    walked whole."""
+    return launch.tile(page_size, itemsize) or page_size
 
 
 def default_splits(batch: int, heads: int, rows: int, table_pages: int, dv: int, itemsize: int,
@@ -165,8 +166,9 @@ def paged_prefix_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array | 
     q = jnp.pad(q, pad)
     has_rope = q2 is not None
     if not pages_fit(page_size, launch, interpret=interpret):
-        raise ValueError(f"pages of {page_size} slots are neither a whole number of the kernel's {launch.block_slots}"
-                         "-slot tiles nor one power-of-two tile; use the XLA path for this cache")
+        raise ValueError(f"pages of {page_size} slots are neither a multiple of "
+                         f"{min(launch.block_slots, 16)} slots nor one power-of-two page of at least 16; use the XLA "
+                         "path for this cache")
     if num_splits <= 0:
         num_splits = default_splits(b, h, m, block_table.shape[1], dv, jnp.dtype(k_pool.dtype).itemsize, launch, form)
     pages_per_split = pl.cdiv(block_table.shape[1], num_splits)
@@ -183,7 +185,8 @@ def paged_prefix_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array | 
     if v_pool is not None:
         inputs.append(v_pool)
         in_specs.append(whole)
-    kernel = functools.partial(_kernel, page_size=page_size, tile=_tile(page_size, launch), pages_per_split=pages_per_split,
+    tile = _tile(page_size, launch, jnp.dtype(k_pool.dtype).itemsize)
+    kernel = functools.partial(_kernel, page_size=page_size, tile=tile, pages_per_split=pages_per_split,
                                row_blocks=row_blocks, scale=scale, has_rope=has_rope, shared_value=v_pool is None)
     out_shape = [jax.ShapeDtypeStruct((b, h, num_splits, rows, dv), jnp.float32),
                  jax.ShapeDtypeStruct((b, h, num_splits, rows), jnp.float32)]

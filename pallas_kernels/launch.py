@@ -19,15 +19,20 @@ spills and fitting shared memory at every shape the engine launches):
   or float32 operands get proportionally fewer rows (pallas_kernels/attention.py). Measured
   (scripts/compile_gate.py, triton 3.9.0): MLA at 64 rows spills or lands in AGPRs on every
   architecture at 4 warps; at 32 rows gfx950 needs one stage (two put 98 values in AGPRs).
-  Pages are walked 16 slots per step: MLA with a whole 32- or 64-slot page per step spills on
-  gfx942 and gfx950 (and a 64-slot page needs 72 KB of LDS on gfx942).
+  On AMD pages are walked 16 slots per step: MLA with a whole 32- or 64-slot page per step spills
+  on gfx942 and gfx950 (and a 64-slot page needs 72 KB of LDS on gfx942).
+- MLA on sm_90 runs 16 rows at 4 warps and walks 64 slots per step (where pages are a multiple of
+  64): the fastest of the launches a sweep timed on one H200 (scripts/gpu_proof.sh's sweep part,
+  benchmarks/notes/2026-11-27-gpu-proof-h200.md): at batch 64 verify 2.5x XLA over 64-slot pages
+  where the 32-row, 8-warp entry it replaced ran 1.0x; over 16-slot pages 1.55x where that one
+  ran 0.82x.
 - MoE on sm_90 runs 8 warps and three stages: at 4 warps ptxas gives the bfloat16 down
   projection an 8-byte stack frame (spill stores and loads) at 40-48 registers, at two stages for
   DeepSeek-V3's shapes and at three for MiniMax-M2.5's.
 
-The sm_90 entries ran on one H200 (benchmarks/notes/2026-11-27-gpu-proof-h200.md): equal to XLA,
-the MoE kernels 1.5-13x faster than XLA's path, MLA attention 0.93-0.95x at batch 1. They were
-set by the compile gate, not tuned on the device; the AMD entries have only been compiled.
+The sm_90 entries ran on one H200 (benchmarks/notes/2026-11-27-gpu-proof-h200.md), equal to XLA:
+MLA attention's entry was picked there by timing (above), the MoE and GQA entries are the compile
+gate's and ran as set; the AMD entries have only been compiled.
 """
 
 from __future__ import annotations
@@ -72,19 +77,29 @@ PLATFORM_ARCH = {"rocm": "gfx942", "cuda": "sm_90"}
 @dataclasses.dataclass(frozen=True)
 class AttentionLaunch:
     """Paged prefix attention: query rows per program (power of two >= 16), KV slots per step of
-    the walk (a page of a multiple of them is walked in that many steps; another page size is
-    walked a page per step) and Triton's knobs."""
+    the walk (`tile`) and Triton's knobs."""
 
     block_rows: int
     num_warps: int
     num_stages: int
     block_slots: int = 16
 
-    def walks(self, page_size: int) -> bool:
-        """Whether the compiled kernel can walk pages of `page_size` slots: a whole number of its
-        tiles, or one power-of-two tile of at least 16 slots (Triton's shapes are powers of two and
-        its smallest dot is 16 wide)."""
-        return page_size % self.block_slots == 0 or (page_size >= 16 and page_size & (page_size - 1) == 0)
+    def tile(self, page_size: int, itemsize: int = 2) -> int | None:
+        """KV slots per step of the walk over pages of `page_size` slots, or None where the compiled
+        kernel cannot walk them: the largest power-of-two tile from `block_slots` (set for 2-byte
+        pools; 4-byte ones take at most 16, as a 32-slot float32 MLA tile spills on sm_90) down to
+        16 that divides the page, else one power-of-two page of at least 16 a step (Triton's shapes
+        are powers of two and its smallest dot is 16 wide)."""
+        slots = self.block_slots if itemsize <= 2 else min(self.block_slots, 16)
+        while slots >= min(self.block_slots, 16):
+            if page_size % slots == 0:
+                return slots
+            slots //= 2
+        return page_size if page_size >= 16 and page_size & (page_size - 1) == 0 else None
+
+    def walks(self, page_size: int, itemsize: int = 2) -> bool:
+        """Whether the compiled kernel can walk pages of `page_size` slots (`tile`)."""
+        return self.tile(page_size, itemsize) is not None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,7 +124,7 @@ TABLE: dict[tuple[str, str], Launch] = {
     ("mla_attention", DEFAULT): AttentionLaunch(block_rows=16, num_warps=4, num_stages=2),
     ("mla_attention", "gfx942"): AttentionLaunch(block_rows=32, num_warps=8, num_stages=2),
     ("mla_attention", "gfx950"): AttentionLaunch(block_rows=32, num_warps=8, num_stages=1),
-    ("mla_attention", "sm_90"): AttentionLaunch(block_rows=32, num_warps=8, num_stages=2),
+    ("mla_attention", "sm_90"): AttentionLaunch(block_rows=16, num_warps=4, num_stages=2, block_slots=64),
     ("mla_attention", "sm_100"): AttentionLaunch(block_rows=32, num_warps=8, num_stages=2),
     ("gqa_attention", DEFAULT): AttentionLaunch(block_rows=32, num_warps=4, num_stages=2),
     ("gqa_attention", "gfx942"): AttentionLaunch(block_rows=64, num_warps=4, num_stages=2),

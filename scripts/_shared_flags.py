@@ -31,8 +31,8 @@ def define_quant_flags() -> None:
 
 def define_kernels_flag() -> None:
     """--kernels, checked as load_target takes it."""
-    flags.DEFINE_string("kernels", "xla", "Which ops run Pallas kernels: xla, pallas, auto (per op, what was measured "
-                        "faster on this GPU; XLA on CPU), or per op like attention=pallas,moe=xla. On CPU Pallas "
+    flags.DEFINE_string("kernels", "xla", "Which ops run Pallas kernels: xla, pallas, auto (per op, and for the MoE per "
+                        "step, what was measured faster on this GPU; XLA on CPU), or per op like attention=pallas,moe=xla. On CPU Pallas "
                         "kernels run interpreted (slow).")
     flags.register_validator("kernels", _valid_kernels, message="--kernels must be xla, pallas, auto, or per op like "
                              "attention=pallas,moe=xla (ops: attention, moe)")

@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
 # The GPU proof in one call: scripts/gpu_check.py's parts and the step accounting with the kernels,
 # each in its own process under its own time limit, each writing its JSON as it finishes, so a
-# part cut short loses only itself. Everything lands in OUT_DIR (at most 7 files: run.log and one
-# JSON per part).
+# part cut short loses only itself. Everything lands in OUT_DIR: run.log and one JSON per part.
 #
 #   scripts/gpu_proof.sh OUT_DIR [PART ...]     # on a GPU; PART: kernels demo step-pallas steps step-xla
 #                                               # (or attention: the attention rows alone; sweep: those
-#                                               # rows over SWEEP_LAUNCHES at 64-slot pages; step-auto)
+#                                               # rows over SWEEP_LAUNCHES at SWEEP_PAGE-slot pages, default
+#                                               # 64; step-auto; moe-mini / moe-mid: the MoE rows on
+#                                               # kimi-mini's bfloat16 experts / 2048 x 768 ones, 128 of them)
 #   SMALL=1 scripts/gpu_proof.sh /tmp/proof     # the rehearsal on a CPU host (small shapes, interpreted)
 #
-# Time limits per part, in seconds, from the environment: KERNELS_S, DEMO_S, STEP_S, STEPS_S
-# (defaults below: about 8 minutes in all). STEP_BATCHES and STEP_SPECS set the step accounting's
+# Time limits per part, in seconds, from the environment: KERNELS_S (also attention and sweep),
+# DEMO_S, STEP_S, STEPS_S, MOE_S (defaults below: about 8 minutes for the five default parts). STEP_BATCHES and STEP_SPECS set the step accounting's
 # batches and settings (default 1,8 and none,chain:3:1:4,tree:5:4:16); DEMO_FLAGS adds flags to the
 # demo part (e.g. --demo_kernels=pallas). Each Pallas program compiles for 30-60 s on an H200:
 # budget the limits by the programs a part compiles. Run from the repository root, with the
@@ -48,15 +49,21 @@ for p in $parts; do
     attention) part attention "${KERNELS_S:-110}" python3 scripts/bench_kernels.py --ops=attention --batches=1,64 \
                  --tokens=1,4 --contexts=8192 --device=H200 --json_out="$out/attention.json" --overwrite ;;
     sweep) part sweep "${KERNELS_S:-110}" python3 scripts/bench_kernels.py --ops=attention --batches=1,64 \
-             --tokens=1,4 --contexts=8192 --page_size=64 --device=H200 \
+             --tokens=1,4 --contexts=8192 --page_size="${SWEEP_PAGE:-64}" --device=H200 \
              --attention_launches="${SWEEP_LAUNCHES:-32:8:2:32,32:8:2:64,16:4:2:64,32:8:3:32}" \
              --json_out="$out/sweep.json" --overwrite ;;
+    moe-mini) part moe-mini "${MOE_S:-60}" python3 scripts/bench_kernels.py --ops=moe --hidden=128 --moe_inter=96 \
+                --experts=8 --local_experts=8 --topk=2 --moe_format=bfloat16 --moe_tokens=1,8,32,192 --device=H200 \
+                --json_out="$out/moe-mini.json" --overwrite ;;
+    moe-mid) part moe-mid "${MOE_S:-60}" python3 scripts/bench_kernels.py --ops=moe --hidden=2048 --moe_inter=768 \
+               --experts=128 --local_experts=128 --topk=8 --moe_format=bfloat16 --moe_tokens=1,8,64,256 --device=H200 \
+               --json_out="$out/moe-mid.json" --overwrite ;;
     demo) part demo "${DEMO_S:-130}" python3 scripts/gpu_check.py "${small[@]}" --parts=demo ${DEMO_FLAGS:-} \
             --json_out="$out/demo.json" --overwrite ;;
     steps) part steps "${STEPS_S:-90}" python3 scripts/gpu_check.py "${small[@]}" --parts=steps \
              --json_out="$out/steps.json" --overwrite ;;
     step-pallas|step-xla|step-auto) part "$p" "${STEP_S:-80}" python3 scripts/bench_step.py --kernels="${p#step-}" \
                             "${step_flags[@]}" --json_out="$out/$p.json" --overwrite ;;
-    *) echo "gpu_proof.sh: unknown part $p (kernels attention sweep demo step-pallas step-auto steps step-xla)" | tee -a "$log" ;;
+    *) echo "gpu_proof.sh: unknown part $p (kernels attention sweep moe-mini moe-mid demo step-pallas step-auto steps step-xla)" | tee -a "$log" ;;
   esac
 done

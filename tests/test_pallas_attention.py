@@ -102,6 +102,20 @@ def test_pages_walked_in_tiles_of_slots(num_splits):
         close(got, want, jnp.float32)
 
 
+def test_wide_pools_walk_fewer_slots_per_step():
+    """The launch's slots per step are set for 2-byte pools: a float32 pool walks at most 16 (a
+    32-slot float32 MLA tile spills on sm_90); pages that are no multiple of them are walked a
+    page per step."""
+    from pallas_kernels.attention import _tile
+    from pallas_kernels.launch import AttentionLaunch
+
+    wide, narrow = (AttentionLaunch(block_rows=16, num_warps=4, num_stages=2, block_slots=s) for s in (64, 16))
+    assert [_tile(64, wide, 2), _tile(64, wide, 4), _tile(128, wide, 4), _tile(16, wide, 2), _tile(32, wide, 2),
+            _tile(48, wide, 2), _tile(96, wide, 2)] == [64, 16, 16, 16, 32, 16, 32]
+    assert [_tile(64, narrow, 2), _tile(64, narrow, 4), _tile(32, narrow, 4)] == [16, 16, 16]
+    assert [wide.walks(p) for p in (16, 48, 128, 256, 8, 24, 72)] == [True] * 4 + [False] * 3
+
+
 def test_merging_with_the_new_tokens_equals_one_softmax():
     """Prefix partial + the new tokens' partial = softmax over both key sets at once."""
     rng = np.random.default_rng(0)
@@ -170,7 +184,7 @@ def test_splits_and_pages_the_kernel_takes():
 
     with launch.for_arch("sm_90"):
         assert default_splits(1, 1, 64, 512, 512, 2) == MAX_SPLITS  # MLA decode, batch 1: 2 row blocks
-        assert default_splits(64, 1, 64, 512, 512, 2) == TARGET_PROGRAMS // (64 * 2)
+        assert default_splits(16, 1, 64, 512, 512, 2) == TARGET_PROGRAMS // (16 * 4)  # 16-row blocks on sm_90
         assert default_splits(64, 1, 256, 512, 512, 2) == 1  # verify at batch 64: programs enough
         assert default_splits(1, 1, 64, 3, 512, 2) == 3  # a short table: one page per split
         assert [pages_fit(p) for p in (16, 32, 48, 64, 8, 72, 8200)] == [True] * 4 + [False] * 3

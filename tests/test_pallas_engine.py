@@ -71,12 +71,13 @@ def test_kernel_choice_is_checked(caplog):
     from eagle3_jax.sharding import make_mesh
 
     assert resolve("auto", None) == "attention=xla,moe=xla"  # CPU
-    # on a GPU, per op as measured there (kernels.AUTO_PALLAS): sm_90 runs the MoE kernels; GPUs no
-    # run has measured keep XLA
-    assert resolve("auto", None, on_gpu=True, arch="sm_90") == "attention=xla,moe=pallas"
+    # on a GPU, per op as measured there (kernels.AUTO_PALLAS / AUTO_BY_SHAPE): sm_90 runs the
+    # attention kernel and decides the MoE per step; GPUs no run has measured keep XLA
+    assert resolve("auto", None, on_gpu=True, arch="sm_90") == "attention=pallas,moe=auto"
     for arch in ("gfx942", "gfx950", "default"):
         assert resolve("auto", None, on_gpu=True, arch=arch) == "attention=xla,moe=xla"
-    assert resolve("attention=pallas,moe=auto", None, on_gpu=True, arch="sm_90") == "attention=pallas,moe=pallas"
+    assert resolve("attention=xla,moe=auto", None, on_gpu=True, arch="sm_90") == "attention=xla,moe=auto"
+    assert resolve("auto", make_mesh(1, 2, 4), on_gpu=True, arch="sm_90") == "attention=xla,moe=auto"
     assert resolve("pallas", None) == "attention=pallas,moe=pallas"
     assert resolve("moe=pallas", None) == "attention=xla,moe=pallas"
     assert uses("attention=xla,moe=pallas", "moe") and not uses("attention=xla,moe=pallas", "attention")
@@ -87,6 +88,48 @@ def test_kernel_choice_is_checked(caplog):
     for bad in ("triton", "attention=cuda", "mlp=pallas", "attention"):
         with pytest.raises(ValueError, match="one of xla, pallas, auto"):
             resolve(bad, None)
+
+
+def test_auto_runs_the_expert_kernels_where_they_were_measured_faster():
+    """kernels.moe_kernel_pays, the H200's crossovers: small experts never (kimi-mini's 74 KB ran
+    0.2-0.4x), int4 always (1.5x at one token), other experts once a step routes one assignment
+    per expert of the model (2048 x 768 bfloat16: 0.6-0.7x below, 1.4-4.9x above)."""
+    from eagle3_jax.kernels import moe_kernel_pays
+    from eagle3_jax.moe import runs_kernels
+
+    mini = 3 * 128 * 96 * 2
+    mid = 3 * 2048 * 768 * 2
+    assert not any(moe_kernel_pays(n, 8, mini, False) for n in (2, 16, 64, 384))
+    assert not moe_kernel_pays(8, 128, mid, False) and not moe_kernel_pays(64, 128, mid, False)
+    assert moe_kernel_pays(512, 128, mid, False) and moe_kernel_pays(128, 128, mid, False)
+    assert moe_kernel_pays(8, 384, 3 * 7168 * 2048 // 2, True)
+    # the rule reads each expert's stored bytes from the weights, whatever the path asked for
+    small, large = jnp.zeros((4, 64, 32), jnp.bfloat16), jnp.zeros((4, 512, 512), jnp.bfloat16)
+    assert runs_kernels("attention=xla,moe=auto", 4, large, large, large)
+    assert not runs_kernels("attention=xla,moe=auto", 3, large, large, large)
+    assert not runs_kernels("attention=xla,moe=auto", 64, small, small, small)
+    assert runs_kernels("attention=xla,moe=pallas", 1, small, small, small)
+    assert not runs_kernels("xla", 64, large, large, large)
+
+
+@pytest.mark.parametrize("min_bytes, kernel", [(1 << 20, False), (0, True)])
+def test_auto_experts_are_decided_in_the_traced_step(min_bytes, kernel, monkeypatch):
+    """A config resolved to moe=auto (sm_90) runs the expert kernels in a step as its shapes
+    decide: the test family's tiny experts keep XLA's path, unless the size floor is lowered."""
+    from eagle3_jax import kernels as kernels_lib
+
+    monkeypatch.setattr(kernels_lib, "interpret", lambda: False)
+    monkeypatch.setattr(kernels_lib, "KERNEL_MIN_EXPERT_BYTES", min_bytes)
+    jax.clear_caches()  # the traces are cached by config, which the size floor is not part of
+    target = random_target(FAMILIES["deepseek_v3"])
+    target = dataclasses.replace(target, config=dataclasses.replace(target.config, kernels="attention=xla,moe=auto"))
+    tokens = jnp.zeros((4, 16), jnp.int32)  # 64 tokens: more assignments than the family has experts
+    positions = jnp.broadcast_to(jnp.arange(16, dtype=jnp.int32), (4, 16))
+    with launch.abstract_gpu("sm_90"):
+        text = jax.jit(forward, static_argnames=("cfg",)).trace(
+            target.params, target.config, tokens, positions, target.init_cache(4, 32)).lower(
+            lowering_platforms=("cuda",)).as_text()
+    assert ("eagle3_grouped_swiglu" in text) == kernel
 
 
 @pytest.mark.parametrize("platform", ["rocm", "cuda"])
