@@ -2,9 +2,10 @@
 
 `load_target(..., kernels=...)` takes one choice for every op ("xla", "pallas", "auto") or one per
 op ("attention=pallas,moe=xla"). It is resolved once, on load, into the canonical per-op form
-("attention=pallas,moe=auto") that `ModelConfig.kernels` carries into every program: target
-prefill / decode / verify, the scheduler's, and the draft's. The ops ask `uses(cfg.kernels, op)`;
-an op left at "auto" there (the MoE on sm_90) decides per traced step from its shapes.
+("attention=pallas,moe=xla") that `ModelConfig.kernels` carries into every program: target
+prefill / decode / verify, the scheduler's, and the draft's. An op left at "auto" there (on a GPU
+a run has measured) decides per traced layer: attention by its form (MLA or GQA, `runs_kernel`),
+the MoE by the step's shapes (`moe_kernel_pays`).
 
 - attention: decode and verify over the committed prefix (pallas_kernels/attention.py), target
   and draft. On a mesh that splits the batch or the heads (data or tensor > 1) it keeps the XLA
@@ -31,17 +32,18 @@ from pallas_kernels import launch
 OPS = ("attention", "moe")
 IMPLEMENTATIONS = ("xla", "pallas")
 CHOICES = IMPLEMENTATIONS + ("auto",)
-# What "auto" runs, per architecture (pallas_kernels.launch.ARCHS), from the runs recorded in
-# benchmarks/ (benchmarks/notes/2026-11-27-gpu-proof-h200.md, one H200). An op in AUTO_PALLAS runs
-# its kernel at every shape; an op in AUTO_BY_SHAPE decides per traced step (`moe_kernel_pays`);
-# anything else, and every op on an architecture not listed, runs XLA.
-# - attention (MLA, 64 heads, 8K context, the sm_90 launch 16:4:2:64 picked by the sweep): 1.08-1.70x
+# What "auto" runs, per architecture (pallas_kernels.launch.ARCHS) and kernel form (launch.FORMS),
+# from the runs recorded in benchmarks/ (benchmarks/notes/2026-11-27-gpu-proof-h200.md, one H200).
+# A form in AUTO_PALLAS runs its kernel at every shape; a form in AUTO_BY_SHAPE decides per traced
+# step (`moe_kernel_pays`); any other form, and every form on an architecture not listed, runs XLA.
+# - MLA attention (64 heads, 8K context, the sm_90 launch 16:4:2:64 picked by the sweep): 1.08-1.70x
 #   XLA at batch 1 / 64 and T 1 / 4 over 16-slot pages, 1.16-2.50x over 64-slot pages; only batch 1
-#   decode over 16-slot pages sat at 0.92-1.06x (within the run-to-run spread at 0.14 ms).
+#   decode over 16-slot pages sat at 0.92-1.06x (within the run-to-run spread at 0.14 ms). GQA
+#   attention (MiniMax, Llama, every draft) has not run on a GPU, so it keeps XLA.
 # - the routed experts: faster by 1.5-13x on int4 at Kimi-K2.5's per-device shapes, but slower on
 #   small bfloat16 experts (0.2-0.4x at kimi-mini's 128 x 96) and on few assignments (0.6-0.7x at
 #   2048 x 768 with 8-64 assignments over 128 experts, 1.4-4.9x with 512-2048).
-AUTO_PALLAS: dict[str, tuple[str, ...]] = {"sm_90": ("attention",)}
+AUTO_PALLAS: dict[str, tuple[str, ...]] = {"sm_90": ("mla_attention",)}
 AUTO_BY_SHAPE: dict[str, tuple[str, ...]] = {"sm_90": ("moe",)}
 # Experts smaller than this (all three matrices, as stored) run XLA under "auto": the kernels' sort
 # and launches cost more than such a step's few microseconds of XLA work.
@@ -74,12 +76,29 @@ def splits_attention(mesh) -> bool:
     return mesh is not None and not mesh.empty and any(mesh.shape.get(a, 1) > 1 for a in ("data", "tensor"))
 
 
+def _forms(op: str) -> tuple[str, ...]:
+    return ("mla_attention", "gqa_attention") if op == "attention" else (op,)
+
+
 def auto_choice(op: str, arch: str) -> str:
-    """What "auto" runs for `op` on architecture `arch` ("default": a CPU host or an unknown GPU):
-    "pallas", "xla", or "auto" (decided per traced step from its shapes, as `moe_kernel_pays`)."""
-    if op in AUTO_PALLAS.get(arch, ()):
-        return "pallas"
-    return "auto" if op in AUTO_BY_SHAPE.get(arch, ()) else "xla"
+    """What "auto" resolves to for `op` on architecture `arch` ("default": a CPU host or an unknown
+    GPU): "auto" (each traced layer asks `runs_kernel`) where a run there measured one of the op's
+    kernel forms, else "xla"."""
+    measured = AUTO_PALLAS.get(arch, ()) + AUTO_BY_SHAPE.get(arch, ())
+    return "auto" if any(form in measured for form in _forms(op)) else "xla"
+
+
+def runs_kernel(kernels: str, form: str) -> bool:
+    """Whether a layer of kernel `form` ("mla_attention", "gqa_attention") runs its Pallas kernel
+    under a config's `kernels`: as chosen, or under "auto" where AUTO_PALLAS lists the form for
+    the architecture traced for (the MoE's shape rule is `moe_kernel_pays`)."""
+    impl = parse(kernels)["moe" if form == "moe" else "attention"]
+    return impl == "pallas" or (impl == "auto" and form in AUTO_PALLAS.get(launch.current_arch(), ()))
+
+
+def decided_by_shape(form: str) -> bool:
+    """Whether "auto" decides kernel `form` per step on the architecture traced for (AUTO_BY_SHAPE)."""
+    return form in AUTO_BY_SHAPE.get(launch.current_arch(), ())
 
 
 def moe_kernel_pays(assignments: int, experts: int, expert_bytes: int, int4: bool) -> bool:
@@ -101,18 +120,12 @@ def resolve(kernels: str, mesh: jax.sharding.Mesh | None, on_gpu: bool | None = 
     arch = launch.current_arch() if arch is None else arch
     choice = {op: (auto_choice(op, arch) if gpu else "xla") if impl == "auto" else impl
               for op, impl in requested.items()}
-    if splits_attention(mesh) and choice["attention"] == "pallas":
+    if splits_attention(mesh) and choice["attention"] != "xla":
         if requested["attention"] == "pallas":  # asked for by name: say why it is not used
             log.warning("attention keeps its XLA path on mesh %s (the Pallas attention kernel does not split the "
                         "batch or the heads yet); the MoE kernels still run in every shard", dict(mesh.shape))
         choice["attention"] = "xla"
     return ",".join(f"{op}={choice[op]}" for op in OPS)
-
-
-def uses(kernels: str, op: str) -> bool:
-    """Whether `op` runs its Pallas kernel at every shape under a config's `kernels` (canonical or
-    plain); an op resolved to "auto" asks its own rule per step (`moe_kernel_pays`)."""
-    return parse(kernels)[op] == "pallas"
 
 
 def interpret() -> bool:

@@ -244,10 +244,10 @@ def _expert_mesh():
 
 def runs_kernels(choice: str, assignments: int, w_gate, w_up, w_down) -> bool:
     """Whether a step of `assignments` (tokens x top-k) runs the Pallas expert kernels under the
-    config's `kernels`: as chosen, or under "auto" by `kernels.moe_kernel_pays` (the full weights:
-    each expert's bytes as stored, int4 or not)."""
+    config's `kernels`: as chosen, or under "auto", on a GPU that measured them, by
+    `kernels.moe_kernel_pays` (the full weights: each expert's bytes as stored, int4 or not)."""
     impl = kernels.parse(choice)["moe"]
-    if impl != "auto":
+    if impl != "auto" or not kernels.decided_by_shape("moe"):
         return impl == "pallas"
     experts = w_gate.shape[0]
     stored = sum(leaf.size * leaf.dtype.itemsize for w in (w_gate, w_up, w_down) for leaf in jax.tree.leaves(w))
