@@ -56,6 +56,8 @@ flags.DEFINE_integer("step_repeats", None, "Timed runs per step (default 20 on a
 flags.DEFINE_integer("greedy_tokens", None, "Tokens per prompt in the demo check (default 64 on a GPU, 6 small).",
                      lower_bound=1)
 flags.DEFINE_list("parts", ["kernels", "steps", "demo"], "Parts to run, in this order: kernels, steps, demo.")
+flags.DEFINE_list("step_shapes", None, "Steps part: batch:T pairs, in order (default 1:1,1:4,64:1,64:4 on a GPU; "
+                  "2:1,2:4 small).")
 flags.DEFINE_list("demo_dtypes", None, "Demo part: dtypes (default float32,bfloat16 on a GPU, float32 small).")
 flags.DEFINE_list("demo_kernels", ["xla", "pallas"], "Demo part: kernels choices, each as load_target takes it.")
 flags.DEFINE_list("demo_specs", None, "Demo part: settings (default none,chain:3:1:4,tree:5:4:16; small: the first two).")
@@ -168,9 +170,24 @@ def step_bytes(params, cfg, batch: int, t: int, context: int) -> float:
     return total + cfg.num_layers * batch * context * per_slot * 2  # bf16 K/V
 
 
-def step_rows(small: bool, repeats: int, peak: float, record=lambda rows: None) -> list[dict]:
-    """Decode (T = 1) and chain-verify (T = 4) steps of the target forward, kernels against XLA;
-    `record(rows so far)` after each."""
+def step_shapes(texts: list[str] | None, small: bool) -> list[tuple[int, int]]:
+    """(batch, T) pairs from --step_shapes' batch:T texts, or the defaults."""
+    if texts is None:
+        return [(2, 1), (2, 4)] if small else [(1, 1), (1, 4), (64, 1), (64, 4)]
+    shapes = []
+    for text in texts:
+        batch, sep, t = text.partition(":")
+        if not (sep and batch.isdigit() and t.isdigit() and int(batch) > 0 and 0 < int(t) <= 64):
+            raise app.UsageError(f"--step_shapes: {text!r} is not batch:T (positive integers, T at most 64), "
+                                 "e.g. 64:4")
+        shapes.append((int(batch), int(t)))
+    return shapes
+
+
+def step_rows(small: bool, repeats: int, peak: float, shapes: list[tuple[int, int]],
+              record=lambda rows: None) -> list[dict]:
+    """Decode (T = 1) and verify (T > 1) steps of the target forward at `shapes` (batch, T),
+    kernels against XLA; `record(rows so far)` after each."""
     import dataclasses
 
     import jax
@@ -182,10 +199,10 @@ def step_rows(small: bool, repeats: int, peak: float, record=lambda rows: None) 
     from eagle3_jax.target import forward, resolve_dtype
 
     if small:
-        cfg, batches, context = load_model_config(os.path.join(PAIR[0], "config.json")), (2,), 64
+        cfg, context = load_model_config(os.path.join(PAIR[0], "config.json")), 64
     else:
         with open(KIMI) as f:
-            cfg, batches, context = parse_model_config(_one_moe_layer(json.load(f))), (1, 64), 8192
+            cfg, context = parse_model_config(_one_moe_layer(json.load(f))), 8192
     dtype = resolve_dtype("bfloat16")
     params = _random_params(cfg, dtype)
     step = jax.jit(forward, static_argnames=("cfg",), donate_argnames=("cache",))
@@ -194,33 +211,32 @@ def step_rows(small: bool, repeats: int, peak: float, record=lambda rows: None) 
     print("| batch | T | kernels ms | XLA ms | speedup | MB read | kernels % of peak | XLA % of peak |\n"
           "|---|---|---|---|---|---|---|---|")
     rows = []
-    for batch in batches:
-        for t in (1, 4):
-            times = {}
-            for impl in ("pallas", "xla"):
-                run_cfg = dataclasses.replace(cfg, kernels=f"attention={impl},moe={impl}")
-                # context + 16: a dense cache whose length is a whole number of the kernel's 16-slot tiles
-                cache = kv_cache.advance(kv_cache.init_cache(run_cfg, batch, context + 16, dtype),
-                                         jnp.full((batch,), context - t, jnp.int32))
-                tokens = jnp.zeros((batch, t), jnp.int32)
-                positions = (context - t) + jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (batch, t))
-                chain = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (batch, t, t))
-                state = {"cache": cache}
+    for batch, t in shapes:
+        times = {}
+        for impl in ("pallas", "xla"):
+            run_cfg = dataclasses.replace(cfg, kernels=f"attention={impl},moe={impl}")
+            # context + 16: a dense cache whose length is a whole number of the kernel's 16-slot tiles
+            cache = kv_cache.advance(kv_cache.init_cache(run_cfg, batch, context + 16, dtype),
+                                     jnp.full((batch,), context - t, jnp.int32))
+            tokens = jnp.zeros((batch, t), jnp.int32)
+            positions = (context - t) + jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (batch, t))
+            chain = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (batch, t, t))
+            state = {"cache": cache}
 
-                def one():
-                    logits, _, state["cache"] = step(params, run_cfg, tokens, positions, state["cache"], chain)
-                    return logits
+            def one():
+                logits, _, state["cache"] = step(params, run_cfg, tokens, positions, state["cache"], chain)
+                return logits
 
-                times[impl] = median_ms(one, repeats)  # back to back: the step, not the launch's round trip
-                del state
-            read = step_bytes(params, cfg, batch, t, context)
-            fraction = {impl: read / (ms * 1e6) / peak for impl, ms in times.items()}
-            rows.append(dict(op="step", batch=batch, tokens=t, context=context, kernel_ms=times["pallas"],
-                             xla_ms=times["xla"], bytes_read=read, peak_fraction=fraction["pallas"],
-                             xla_peak_fraction=fraction["xla"]))
-            record(rows)
-            print(f"| {batch} | {t} | {times['pallas']:.3f} | {times['xla']:.3f} | {times['xla'] / times['pallas']:.2f}x | "
-                  f"{read / 1e6:.0f} | {100 * fraction['pallas']:.1f} | {100 * fraction['xla']:.1f} |", flush=True)
+            times[impl] = median_ms(one, repeats)  # back to back: the step, not the launch's round trip
+            del state
+        read = step_bytes(params, cfg, batch, t, context)
+        fraction = {impl: read / (ms * 1e6) / peak for impl, ms in times.items()}
+        rows.append(dict(op="step", batch=batch, tokens=t, context=context, kernel_ms=times["pallas"],
+                         xla_ms=times["xla"], bytes_read=read, peak_fraction=fraction["pallas"],
+                         xla_peak_fraction=fraction["xla"]))
+        record(rows)
+        print(f"| {batch} | {t} | {times['pallas']:.3f} | {times['xla']:.3f} | {times['xla'] / times['pallas']:.2f}x | "
+              f"{read / 1e6:.0f} | {100 * fraction['pallas']:.1f} | {100 * fraction['xla']:.1f} |", flush=True)
     return rows
 
 
@@ -285,6 +301,7 @@ def main(argv) -> None:
     small = on_cpu if FLAGS.small is None else FLAGS.small
     repeats = FLAGS.step_repeats or (2 if small else 20)
     _kernel_flags(small)
+    shapes = step_shapes(FLAGS.step_shapes, small)
     from eagle3_jax.plan import DEVICES
     from pallas_kernels import launch
 
@@ -313,7 +330,7 @@ def main(argv) -> None:
         rows = kernel_rows(peak, peak_tflops, on_cpu, measured, lambda so_far: record("kernels", so_far))
         failed += [f"{r['op']} kernel differs from XLA" for r in rows if r["equal"] is False]
     if "steps" in FLAGS.parts:
-        step_rows(small, repeats, peak, lambda so_far: record("steps", so_far))
+        step_rows(small, repeats, peak, shapes, lambda so_far: record("steps", so_far))
     if "demo" in FLAGS.parts:
         demo = demo_rows(FLAGS.greedy_tokens or (6 if small else 64), small, lambda part: record("demo", part))
         if not demo["equal"]:

@@ -11,11 +11,12 @@
 #   SMALL=1 scripts/gpu_proof.sh /tmp/proof     # the rehearsal on a CPU host (small shapes, interpreted)
 #
 # Time limits per part, in seconds, from the environment: KERNELS_S (also attention and sweep),
-# DEMO_S, STEP_S, STEPS_S, MOE_S (defaults below: about 8 minutes for the five default parts). STEP_BATCHES and STEP_SPECS set the step accounting's
-# batches and settings (default 1,8 and none,chain:3:1:4,tree:5:4:16); DEMO_FLAGS adds flags to the
-# demo part (e.g. --demo_kernels=pallas). Each Pallas program compiles for 30-60 s on an H200:
-# budget the limits by the programs a part compiles. Run from the repository root, with the
-# project's dependencies importable (a machine without llguidance needs its wheel installed first).
+# DEMO_S, STEP_S, STEPS_S, MOE_S (defaults below: about 8 minutes for the five default parts).
+# STEP_BATCHES and STEP_SPECS set the step accounting's batches and settings (default 1,8 and
+# none,chain:3:1:4,tree:5:4:16); STEP_SHAPES the steps part's batch:T pairs (e.g. 64:4); DEMO_FLAGS
+# adds flags to the demo part (e.g. --demo_kernels=pallas). Each Pallas program compiles for 30-60 s
+# on an H200: budget the limits by the programs a part compiles. Run from the repository root, with
+# the project's dependencies importable (a machine without llguidance needs its wheel installed first).
 set -u
 out=${1:?usage: scripts/gpu_proof.sh OUT_DIR [kernels demo step-pallas steps step-xla]}
 shift
@@ -61,6 +62,7 @@ for p in $parts; do
     demo) part demo "${DEMO_S:-130}" python3 scripts/gpu_check.py "${small[@]}" --parts=demo ${DEMO_FLAGS:-} \
             --json_out="$out/demo.json" --overwrite ;;
     steps) part steps "${STEPS_S:-90}" python3 scripts/gpu_check.py "${small[@]}" --parts=steps \
+             ${STEP_SHAPES:+--step_shapes=$STEP_SHAPES} \
              --json_out="$out/steps.json" --overwrite ;;
     step-pallas|step-xla|step-auto) part "$p" "${STEP_S:-80}" python3 scripts/bench_step.py --kernels="${p#step-}" \
                             "${step_flags[@]}" --json_out="$out/$p.json" --overwrite ;;

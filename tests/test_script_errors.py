@@ -75,6 +75,7 @@ INPUT_CASES = [
     ("compile_gate", ("--archs=gfx1",), "--archs: unknown gfx1"),
     ("gpu_check", ("--batches=8",), "gpu_check.py runs fixed shapes"),
     ("gpu_check", ("--parts=kernels,greedy",), "--parts takes kernels, steps, demo"),
+    ("gpu_check", ("--parts=steps", "--step_shapes=64x4"), "--step_shapes: '64x4' is not batch:T"),
     ("plan", ("--target=tests/data/llama-3.1-8b-instruct.config.json", "--kernels=pallas"), "name the GPU with --arch"),
     ("compile_gate", ("--configs=llama-9",), "--configs: unknown llama-9"),
     ("demo", ("--chain=chain:3:2:4",), "a chain has topk=1"),
