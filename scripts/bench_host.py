@@ -9,6 +9,8 @@ serving), runs --warmup iterations (programs compile), then reports over --itera
   split into the time inside the jitted calls of compiled programs (`launch_seconds_total`: the
   launches, which on XLA:CPU include the first operations of each program, run on the calling
   thread) and the rest, the scheduler's own Python (the median of each, so they need not add up);
+- the launch floor: one jitted call with the same params and donated state and no work
+  (`_launch_floor_ms`), so a launch's time above it is its program's own launch work;
 - device-wait ms per iteration (median). Iterations that compiled a program are left out (their
   host time is compile time) and counted.
 
@@ -115,6 +117,27 @@ def _install_phase_timers(sched) -> dict:
     return seconds
 
 
+def _launch_floor_ms(sched, repeats: int = 50) -> float:
+    """What a jitted call costs with the step programs' arguments and no work: a program that hands
+    back a copy of the scheduler's device state (donated, as the steps donate it) over the target's
+    and draft's params, launched on an idle device (median ms). A step launch's time above it is
+    the program's own launch work (XLA:CPU runs a program's first operations on the calling thread)."""
+    import jax
+
+    executor = sched._executor
+    params = (executor.target.params, None if executor.draft is None else executor.draft.params)
+    state = jax.tree.map(lambda leaf: leaf.copy(), executor.state)
+    program = jax.jit(lambda params, state, step: (state, step + 1), donate_argnums=(1,))
+    step, seconds = np.zeros((), np.int32), []
+    for i in range(repeats + 3):
+        start = time.perf_counter()
+        state, step = program(params, state, step)
+        if i >= 3:  # the first calls compile
+            seconds.append(time.perf_counter() - start)
+        jax.block_until_ready(step)
+    return 1e3 * float(np.median(seconds))
+
+
 def _measure(target, draft, spec, num_seqs: int, tokenizer=None) -> dict:
     import eagle3_jax as e3
 
@@ -173,6 +196,7 @@ def _measure(target, draft, spec, num_seqs: int, tokenizer=None) -> dict:
             "host_ms_per_iteration": 1e3 * float(np.median(clean[:, 0])),
             "host_ms_mean": 1e3 * float(clean[:, 0].mean()),
             "launch_ms_per_iteration": 1e3 * float(np.median(clean[:, 2])),
+            "launch_floor_ms": _launch_floor_ms(sched),
             "scheduler_ms_per_iteration": 1e3 * float(np.median(clean[:, 0] - clean[:, 2])),
             "device_wait_ms_per_iteration": 1e3 * float(np.median(clean[:, 1] - clean[:, 0])),
             "tokens_per_iteration": tokens / len(measured),
@@ -236,14 +260,16 @@ def main(argv) -> None:
     draft = e3.load_draft(FLAGS.draft, target=target) if any(s is not None for _, s in specs) else None
     rows = []
     print("| spec | seqs | host ms / iteration (median) | host ms (mean) | of which launches (median) | the rest: "
-          "scheduler (median) | device wait ms (median) | tokens / iteration | iterations timed | left out (compiled) |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "scheduler (median) | launch floor ms | device wait ms (median) | tokens / iteration | iterations timed | "
+          "left out (compiled) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for name, spec in specs:
         for n in sizes:
             row = dict(spec=name, **_measure(target, draft, spec, n, tokenizer))
             rows.append(row)
             print(f"| {name} | {n} | {row['host_ms_per_iteration']:.2f} | {row['host_ms_mean']:.2f} | "
                   f"{row['launch_ms_per_iteration']:.2f} | {row['scheduler_ms_per_iteration']:.2f} | "
+                  f"{row['launch_floor_ms']:.3f} | "
                   f"{row['device_wait_ms_per_iteration']:.2f} | {row['tokens_per_iteration']:.1f} | {row['iterations']} | "
                   f"{row['iterations_that_compiled']} |", flush=True)
     if FLAGS.phases:
