@@ -4,13 +4,14 @@
 # part cut short loses only itself. Everything lands in OUT_DIR: run.log and one JSON per part.
 #
 #   scripts/gpu_proof.sh OUT_DIR [PART ...]     # on a GPU; PART: kernels demo step-pallas steps step-xla
-#                                               # (or attention: the attention rows alone; sweep: those
+#                                               # (or attention: the MLA attention rows alone; gqa: GQA's,
+#                                               # 64 query heads over 8 KV heads of 128; sweep: the MLA
 #                                               # rows over SWEEP_LAUNCHES at SWEEP_PAGE-slot pages, default
 #                                               # 64; step-auto; moe-mini / moe-mid: the MoE rows on
 #                                               # kimi-mini's bfloat16 experts / 2048 x 768 ones, 128 of them)
 #   SMALL=1 scripts/gpu_proof.sh /tmp/proof     # the rehearsal on a CPU host (small shapes, interpreted)
 #
-# Time limits per part, in seconds, from the environment: KERNELS_S (also attention and sweep),
+# Time limits per part, in seconds, from the environment: KERNELS_S (also attention, gqa, sweep),
 # DEMO_S, STEP_S, STEPS_S, MOE_S (defaults below: about 8 minutes for the five default parts).
 # STEP_BATCHES and STEP_SPECS set the step accounting's batches and settings (default 1,8 and
 # none,chain:3:1:4,tree:5:4:16); STEP_SHAPES the steps part's batch:T pairs (e.g. 64:4); DEMO_FLAGS
@@ -49,6 +50,8 @@ for p in $parts; do
                --json_out="$out/kernels.json" --overwrite ;;
     attention) part attention "${KERNELS_S:-110}" python3 scripts/bench_kernels.py --ops=attention --batches=1,64 \
                  --tokens=1,4 --contexts=8192 --device=H200 --json_out="$out/attention.json" --overwrite ;;
+    gqa) part gqa "${KERNELS_S:-110}" python3 scripts/bench_kernels.py --ops=attention --kind=gqa --batches=1,64 \
+           --tokens=1,4 --contexts=8192 --device=H200 --json_out="$out/gqa.json" --overwrite ;;
     sweep) part sweep "${KERNELS_S:-110}" python3 scripts/bench_kernels.py --ops=attention --batches=1,64 \
              --tokens=1,4 --contexts=8192 --page_size="${SWEEP_PAGE:-64}" --device=H200 \
              --attention_launches="${SWEEP_LAUNCHES:-32:8:2:32,32:8:2:64,16:4:2:64,32:8:3:32}" \
@@ -66,6 +69,6 @@ for p in $parts; do
              --json_out="$out/steps.json" --overwrite ;;
     step-pallas|step-xla|step-auto) part "$p" "${STEP_S:-80}" python3 scripts/bench_step.py --kernels="${p#step-}" \
                             "${step_flags[@]}" --json_out="$out/$p.json" --overwrite ;;
-    *) echo "gpu_proof.sh: unknown part $p (kernels attention sweep moe-mini moe-mid demo step-pallas step-auto steps step-xla)" | tee -a "$log" ;;
+    *) echo "gpu_proof.sh: unknown part $p (kernels attention gqa sweep moe-mini moe-mid demo step-pallas step-auto steps step-xla)" | tee -a "$log" ;;
   esac
 done
