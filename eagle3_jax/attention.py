@@ -54,7 +54,8 @@ KERNEL_MAX_TOKENS = 64  # new tokens per row up to which the Pallas path is used
 
 
 def _uses_kernel(cfg: ModelConfig, t: int, tree_mask: jax.Array | None, cache: kv_cache.KVCache) -> bool:
-    return (kernels.runs_kernel(cfg.kernels, f"{cfg.attention}_attention") and tree_mask is not None and t <= KERNEL_MAX_TOKENS
+    return (kernels.runs_kernel(cfg.kernels, f"{cfg.attention}_attention") and tree_mask is not None
+            and t <= KERNEL_MAX_TOKENS
             and not kernels.splits_attention(jax.sharding.get_abstract_mesh())  # no sharded form yet
             and _kernel_walks(cfg, cache))
 

@@ -17,8 +17,9 @@ the MoE by the step's shapes (`moe_kernel_pays`).
 
 "auto" = per op, the path measured fastest on the GPU it runs on (`AUTO_PALLAS`, `AUTO_BY_SHAPE`):
 Pallas where a run on that architecture showed the kernel equal to XLA and not slower at the
-shapes the engine runs (for the MoE, at the shapes where it was: `moe_kernel_pays`), XLA elsewhere, and XLA on CPU (where kernels only run interpreted, far slower than XLA) and
-on GPUs no run has measured (AMD's are proven by ISA compile only).
+shapes the engine runs (for the MoE, at the shapes where it was: `moe_kernel_pays`), XLA
+elsewhere, and XLA on CPU (where kernels only run interpreted, far slower than XLA) and on GPUs
+no run has measured (AMD's are proven by ISA compile only).
 """
 
 from __future__ import annotations
@@ -89,10 +90,10 @@ def auto_choice(op: str, arch: str) -> str:
 
 
 def runs_kernel(kernels: str, form: str) -> bool:
-    """Whether a layer of kernel `form` ("mla_attention", "gqa_attention") runs its Pallas kernel
-    under a config's `kernels`: as chosen, or under "auto" where AUTO_PALLAS lists the form for
-    the architecture traced for (the MoE's shape rule is `moe_kernel_pays`)."""
-    impl = parse(kernels)["moe" if form == "moe" else "attention"]
+    """Whether an attention layer of kernel `form` ("mla_attention", "gqa_attention") runs its
+    Pallas kernel under a config's `kernels`: as chosen, or under "auto" where AUTO_PALLAS lists
+    the form for the architecture traced for (the MoE's rule: moe.runs_kernels)."""
+    impl = parse(kernels)["attention"]
     return impl == "pallas" or (impl == "auto" and form in AUTO_PALLAS.get(launch.current_arch(), ()))
 
 
