@@ -129,6 +129,12 @@ def resolve(kernels: str, mesh: jax.sharding.Mesh | None, on_gpu: bool | None = 
     return ",".join(f"{op}={choice[op]}" for op in OPS)
 
 
+def uses(kernels: str, op: str) -> bool:
+    """Whether `op` runs its Pallas kernel at every shape under a config's `kernels` (canonical or
+    plain); an op resolved to "auto" decides per traced layer (`runs_kernel`, moe.runs_kernels)."""
+    return parse(kernels)[op] == "pallas"
+
+
 def interpret() -> bool:
     """Pallas kernels run interpreted on a CPU host, unless the trace is for a named GPU
     architecture (`pallas_kernels.launch.for_arch`: deviceless lowering, the compile gate)."""

@@ -67,7 +67,7 @@ def test_greedy_speculation_with_pallas_kernels_equals_plain(family, engine_spec
 
 
 def test_kernel_choice_is_checked(caplog):
-    from eagle3_jax.kernels import resolve, runs_kernel
+    from eagle3_jax.kernels import resolve, runs_kernel, uses
     from eagle3_jax.sharding import make_mesh
 
     assert resolve("auto", None) == "attention=xla,moe=xla"  # CPU
@@ -86,6 +86,7 @@ def test_kernel_choice_is_checked(caplog):
         assert not runs_kernel("attention=auto,moe=auto", "mla_attention")
     assert resolve("pallas", None) == "attention=pallas,moe=pallas"
     assert resolve("moe=pallas", None) == "attention=xla,moe=pallas"
+    assert uses("attention=xla,moe=pallas", "moe") and not uses("attention=auto,moe=auto", "moe")
     with caplog.at_level("WARNING"):
         assert resolve("pallas", make_mesh(1, 2, 4)) == "attention=xla,moe=pallas"
     assert "attention keeps its XLA path" in caplog.text
