@@ -25,7 +25,8 @@ random bytes in --moe_format. The bytes are those of the distinct local experts 
 Timing: on a GPU each timed program runs the op over several input sets (block tables over
 distinct pages of one pool; distinct routings), enough that together they read ~256 MB, so the
 L2 (50-60 MB on an H100 / H200) does not hold what one call reads and the launch overhead is
-spread over them; the median of --repeats programs, divided by the sets, is the op's time. Each
+spread over them; the median of --repeats programs, divided by the sets, is the op's time (after
+untimed calls for WARM_SECONDS, so the GPU's clocks are up). Each
 row also counts the op's floating-point work and its share of --device's peak bf16 rate (the
 bound that matters where the op is compute-bound: large MoE token counts).
 
@@ -99,6 +100,9 @@ def _ints(values: Sequence[str], name: str) -> list[int]:
     return out
 
 
+# Untimed calls before timing a program on a GPU, for this long: on the H200 each run's first row,
+# timed right after its compile, read ~10 % slow (benchmarks/notes/2026-11-27-gpu-proof-h200.md).
+WARM_SECONDS = 0.1
 ROTATE_BYTES = 256 * 2**20  # what one timed program reads over its input sets: several times a GPU's L2
 MAX_SETS = 16
 ATTENTION_TOLERANCE = 5e-2  # absolute, on outputs of O(1)
@@ -140,6 +144,10 @@ def _median_ms(fn, args, repeats: int) -> float:
     import jax
 
     jax.block_until_ready(fn(*args))  # compile
+    if jax.default_backend() != "cpu":  # a GPU idle while compiling runs its first calls at idle clocks
+        warm_until = time.perf_counter() + WARM_SECONDS
+        while time.perf_counter() < warm_until:
+            jax.block_until_ready(fn(*args))
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
