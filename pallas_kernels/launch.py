@@ -97,9 +97,10 @@ class AttentionLaunch:
             slots //= 2
         return page_size if page_size >= 16 and page_size & (page_size - 1) == 0 else None
 
-    def walks(self, page_size: int, itemsize: int = 2) -> bool:
-        """Whether the compiled kernel can walk pages of `page_size` slots (`tile`)."""
-        return self.tile(page_size, itemsize) is not None
+    def walks(self, page_size: int) -> bool:
+        """Whether the compiled kernel can walk pages of `page_size` slots (`tile`; the same for
+        every itemsize, as 16 slots is every pool's smallest tile)."""
+        return self.tile(page_size) is not None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -218,7 +218,8 @@ def step_rows(small: bool, repeats: int, peak: float, shapes: list[tuple[int, in
         row = dict(op="step", batch=batch, tokens=t, context=context, bytes_read=read, kernel_ms=None, xla_ms=None,
                    peak_fraction=None, xla_peak_fraction=None)
         rows.append(row)
-        for impl, field in (("pallas", "kernel"), ("xla", "xla")):
+        for impl, ms_key, fraction_key in (("pallas", "kernel_ms", "peak_fraction"),
+                                           ("xla", "xla_ms", "xla_peak_fraction")):
             run_cfg = dataclasses.replace(cfg, kernels=f"attention={impl},moe={impl}")
             # context + 16: a dense cache whose length is a whole number of the kernel's 16-slot tiles
             cache = kv_cache.advance(kv_cache.init_cache(run_cfg, batch, context + 16, dtype),
@@ -234,8 +235,7 @@ def step_rows(small: bool, repeats: int, peak: float, shapes: list[tuple[int, in
 
             ms = median_ms(one, repeats)  # back to back: the step, not the launch's round trip
             del state
-            prefix = "" if field == "kernel" else "xla_"
-            row.update({f"{field}_ms": ms, f"{prefix}peak_fraction": read / (ms * 1e6) / peak})
+            row.update({ms_key: ms, fraction_key: read / (ms * 1e6) / peak})
             record(rows)  # the kernels' half first: a time limit during XLA's compile keeps it
         print(f"| {batch} | {t} | {row['kernel_ms']:.3f} | {row['xla_ms']:.3f} | {row['xla_ms'] / row['kernel_ms']:.2f}x | "
               f"{read / 1e6:.0f} | {100 * row['peak_fraction']:.1f} | {100 * row['xla_peak_fraction']:.1f} |",
