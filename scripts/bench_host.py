@@ -7,10 +7,12 @@ serving), runs --warmup iterations (programs compile), then reports over --itera
 - host ms per iteration (median; also the mean): `step()` time not spent waiting for device
   outputs (the scheduler's own `host_seconds_total`), the figure to keep small as batches grow;
   split into the time inside the jitted calls of compiled programs (`launch_seconds_total`: the
-  launches, which on XLA:CPU include the first operations of each program, run on the calling
-  thread) and the rest, the scheduler's own Python (the median of each, so they need not add up);
+  launches) and the rest, the scheduler's own Python (the median of each, so they need not add up);
 - the launch floor: one jitted call with the same params and donated state and no work
-  (`_launch_floor_ms`), so a launch's time above it is its program's own launch work;
+  (`_launch_floor_ms`), warm (calls back to back) and cold (each after writing twice the
+  last-level cache). On a CPU host the device's programs go through the host's caches, so every
+  launch and all the scheduler's Python after a program run cache-cold: the cold floor is the
+  least one launch costs here, and a launch's time above it is its program's own launch work;
 - device-wait ms per iteration (median). Iterations that compiled a program are left out (their
   host time is compile time) and counted.
 
@@ -39,6 +41,7 @@ from __future__ import annotations
 
 import cProfile
 import datetime
+import glob
 import json
 import os
 import platform
@@ -117,19 +120,37 @@ def _install_phase_timers(sched) -> dict:
     return seconds
 
 
-def _launch_floor_ms(sched, repeats: int = 50) -> float:
+def _last_level_cache_bytes() -> int:
+    """The largest CPU cache's size (Linux sysfs), else 64 MiB."""
+    sizes = []
+    for path in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):
+        with open(path) as f:
+            text = f.read().strip().upper()
+        scale = {"K": 1 << 10, "M": 1 << 20}.get(text[-1:], 1)
+        sizes.append(int(text.rstrip("KM")) * scale)
+    return max(sizes, default=64 << 20)
+
+
+def _launch_floor_ms(sched, repeats: int = 50, cold: bool = False) -> float:
     """What a jitted call costs with the step programs' arguments and no work: a program that hands
     back a copy of the scheduler's device state (donated, as the steps donate it) over the target's
     and draft's params, launched on an idle device (median ms). A step launch's time above it is
-    the program's own launch work (XLA:CPU runs a program's first operations on the calling thread)."""
+    the program's own launch work.
+
+    `cold`: each call after writing a buffer twice the size of the last-level cache, as a CPU
+    device's own programs do between two launches (their weights, pages and activations go through
+    the host's caches): the call's code and objects are then fetched from memory again."""
     import jax
 
     executor = sched._executor
     params = (executor.target.params, None if executor.draft is None else executor.draft.params)
     state = jax.tree.map(lambda leaf: leaf.copy(), executor.state)
     program = jax.jit(lambda params, state, step: (state, step + 1), donate_argnums=(1,))
+    evict = np.zeros(2 * _last_level_cache_bytes() // 8) if cold else None
     step, seconds = np.zeros((), np.int32), []
     for i in range(repeats + 3):
+        if evict is not None:
+            evict += 1.0
         start = time.perf_counter()
         state, step = program(params, state, step)
         if i >= 3:  # the first calls compile
@@ -197,6 +218,7 @@ def _measure(target, draft, spec, num_seqs: int, tokenizer=None) -> dict:
             "host_ms_mean": 1e3 * float(clean[:, 0].mean()),
             "launch_ms_per_iteration": 1e3 * float(np.median(clean[:, 2])),
             "launch_floor_ms": _launch_floor_ms(sched),
+            "launch_floor_cold_ms": _launch_floor_ms(sched, cold=True),
             "scheduler_ms_per_iteration": 1e3 * float(np.median(clean[:, 0] - clean[:, 2])),
             "device_wait_ms_per_iteration": 1e3 * float(np.median(clean[:, 1] - clean[:, 0])),
             "tokens_per_iteration": tokens / len(measured),
@@ -260,16 +282,16 @@ def main(argv) -> None:
     draft = e3.load_draft(FLAGS.draft, target=target) if any(s is not None for _, s in specs) else None
     rows = []
     print("| spec | seqs | host ms / iteration (median) | host ms (mean) | of which launches (median) | the rest: "
-          "scheduler (median) | launch floor ms | device wait ms (median) | tokens / iteration | iterations timed | "
+          "scheduler (median) | launch floor ms | cold floor ms | device wait ms (median) | tokens / iteration | iterations timed | "
           "left out (compiled) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name, spec in specs:
         for n in sizes:
             row = dict(spec=name, **_measure(target, draft, spec, n, tokenizer))
             rows.append(row)
             print(f"| {name} | {n} | {row['host_ms_per_iteration']:.2f} | {row['host_ms_mean']:.2f} | "
                   f"{row['launch_ms_per_iteration']:.2f} | {row['scheduler_ms_per_iteration']:.2f} | "
-                  f"{row['launch_floor_ms']:.3f} | "
+                  f"{row['launch_floor_ms']:.3f} | {row['launch_floor_cold_ms']:.3f} | "
                   f"{row['device_wait_ms_per_iteration']:.2f} | {row['tokens_per_iteration']:.1f} | {row['iterations']} | "
                   f"{row['iterations_that_compiled']} |", flush=True)
     if FLAGS.phases:

@@ -379,8 +379,8 @@ class ProgramCache:
         self._programs: collections.OrderedDict = collections.OrderedDict()
         self.num_compiles = 0
         # Host time inside the jitted calls of compiled programs: launching them (argument
-        # transfers, the runtime's launch work; XLA:CPU also runs a program's first operations on
-        # the calling thread before it goes asynchronous).
+        # transfers, the runtime's launch work; on a CPU device done with the caches its programs
+        # evicted).
         self.launch_seconds = 0.0
 
     def __len__(self) -> int:
