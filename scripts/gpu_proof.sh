@@ -8,11 +8,13 @@
 #                                               # 64 query heads over 8 KV heads of 128; sweep: the MLA
 #                                               # rows over SWEEP_LAUNCHES at SWEEP_PAGE-slot pages, default
 #                                               # 64; step-auto; moe-mini / moe-mid: the MoE rows on
-#                                               # kimi-mini's bfloat16 experts / 2048 x 768 ones, 128 of them)
+#                                               # kimi-mini's bfloat16 experts / 2048 x 768 ones, 128 of them;
+#                                               # host: the scheduler's host ms per iteration and its phases,
+#                                               # scripts/bench_host.py at HOST_SEQS sequences, default 1,8,48)
 #   SMALL=1 scripts/gpu_proof.sh /tmp/proof     # the rehearsal on a CPU host (small shapes, interpreted)
 #
 # Time limits per part, in seconds, from the environment: KERNELS_S (also attention, gqa, sweep),
-# DEMO_S, STEP_S, STEPS_S, MOE_S (defaults below: about 8 minutes for the five default parts).
+# DEMO_S, STEP_S, STEPS_S, MOE_S, HOST_S (defaults below: about 8 minutes for the five default parts).
 # STEP_BATCHES and STEP_SPECS set the step accounting's batches and settings (default 1,8 and
 # none,chain:3:1:4,tree:5:4:16); STEP_SHAPES the steps part's batch:T pairs (e.g. 64:4); DEMO_FLAGS
 # adds flags to the demo part (e.g. --demo_kernels=pallas). Each Pallas program compiles for 30-60 s
@@ -26,10 +28,12 @@ mkdir -p "$out"
 log=$out/run.log
 export PYTHONUNBUFFERED=1 PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
 small=()
+host_flags=(--num_seqs="${HOST_SEQS:-1,8,48}")
 step_flags=(--batches="${STEP_BATCHES:-1,8}" --spec="${STEP_SPECS:-none,chain:3:1:4,tree:5:4:16}" --nophases
             --noengine --steps=20 --runs=10)
 if [ -n "${SMALL:-}" ]; then
   small=(--small)
+  host_flags=(--num_seqs="${HOST_SEQS:-2}" --warmup=4 --iterations=6 --min_tokens=3 --max_tokens=6)
   step_flags=(--batches="${STEP_BATCHES:-1}" --nophases --noengine --steps=3 --runs=2 --spec=none,chain:3:1:4)
 fi
 
@@ -69,6 +73,8 @@ for p in $parts; do
              --json_out="$out/steps.json" --overwrite ;;
     step-pallas|step-xla|step-auto) part "$p" "${STEP_S:-80}" python3 scripts/bench_step.py --kernels="${p#step-}" \
                             "${step_flags[@]}" --json_out="$out/$p.json" --overwrite ;;
-    *) echo "gpu_proof.sh: unknown part $p (kernels attention gqa sweep moe-mini moe-mid demo step-pallas step-auto steps step-xla)" | tee -a "$log" ;;
+    host) part host "${HOST_S:-150}" python3 scripts/bench_host.py --spec=none,chain:3:1:4 "${host_flags[@]}" --phases \
+            --json_out="$out/host.json" ;;
+    *) echo "gpu_proof.sh: unknown part $p (kernels attention gqa sweep moe-mini moe-mid host demo step-pallas step-auto steps step-xla)" | tee -a "$log" ;;
   esac
 done

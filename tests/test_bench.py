@@ -581,6 +581,7 @@ def test_host_time_script_reports_its_phases(tmp_path):
     assert row["host_ms_per_iteration"] > 0 and 0 < row["launch_ms_per_iteration"] <= row["host_ms_mean"] * 6
     assert 0 < row["launch_floor_ms"] < row["launch_ms_per_iteration"] * 10
     assert row["launch_floor_cold_ms"] > 0 and "| cold floor ms |" in r.stdout
+    assert 0 < row["host_cpu_ms_per_iteration"] < 2 * (row["host_ms_per_iteration"] + row["device_wait_ms_per_iteration"])
     phases = row["phases_ms_per_iteration"]
     assert phases["decode launch"] > 0 and phases["collect decode"] > 0 and phases["  jitted calls (launches)"] > 0
     assert phases["outputs read (device wait)"] > 0
