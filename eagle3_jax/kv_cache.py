@@ -145,6 +145,19 @@ def _slot_index(cache: KVCache, slots: jax.Array) -> tuple[jax.Array, jax.Array]
     return _physical(cache, slots) if cache.paged else (_rows(slots), slots)
 
 
+def _on_bits(update, buf: jax.Array, *values: jax.Array) -> jax.Array:
+    """`update(buf, *values)`, a scatter that only moves elements, run on their bits when they are
+    floats narrower than 32 bits (bfloat16, float16, float8): XLA:CPU cannot scatter those, so it
+    widens the whole buffer (every layer's pages) to float32 and back at every write, where a
+    scatter of unsigned integers of the same width is done in place. The bitcasts are free, and the
+    same on every backend (a zero fill is +0.0)."""
+    if not jnp.issubdtype(buf.dtype, jnp.floating) or buf.dtype.itemsize >= 4:
+        return update(buf, *values)
+    bits = jnp.dtype(f"uint{8 * buf.dtype.itemsize}")
+    out = update(jax.lax.bitcast_convert_type(buf, bits), *(jax.lax.bitcast_convert_type(v, bits) for v in values))
+    return jax.lax.bitcast_convert_type(out, buf.dtype)
+
+
 def write(cache: KVCache, layer: jax.Array, k_new: jax.Array, v_new: jax.Array) -> KVCache:
     """Scatter the new tokens' k_new, v_new [B, T, ...] into `layer` at slots lengths[b] + t.
 
@@ -155,7 +168,7 @@ def write(cache: KVCache, layer: jax.Array, k_new: jax.Array, v_new: jax.Array) 
     idx = (jnp.asarray(layer),) + _slot_index(cache, slots)
 
     def put(buf, new, idx):
-        return buf.at[idx].set(new.astype(buf.dtype), mode="drop")
+        return _on_bits(lambda bits, new: bits.at[idx].set(new, mode="drop"), buf, new.astype(buf.dtype))
 
     return cache.replace(k=scatter_in_place(put, cache.k, k_new, idx), v=scatter_in_place(put, cache.v, v_new, idx))
 
@@ -184,8 +197,8 @@ def move(cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
 
     def copy(buf, src_idx, dst_idx):
         every_layer = (slice(None),)
-        return buf.at[every_layer + dst_idx].set(buf.at[every_layer + src_idx].get(mode="fill", fill_value=0),
-                                                 mode="drop")
+        return _on_bits(lambda bits: bits.at[every_layer + dst_idx].set(
+            bits.at[every_layer + src_idx].get(mode="fill", fill_value=0), mode="drop"), buf)
 
     return cache.replace(k=scatter_in_place(copy, cache.k, src_idx, dst_idx),
                          v=scatter_in_place(copy, cache.v, src_idx, dst_idx))

@@ -363,8 +363,8 @@ def plan_memory(target, draft=None, mesh: Mesh | None = None, batch: int = 1, ma
     weight copies. `MemoryPlan.path` says which path a plan is for.
 
     Either way the programs are compiled as a GPU holds them, where XLA:CPU would hold more: KV
-    cache writes count as in place (`launch.scatters_in_place`; XLA:CPU widens a bfloat16 cache
-    to float32 and back at each write) and FP8 weights are declared as their bytes
+    cache writes count as in place (`launch.scatters_in_place`; XLA:CPU copies a bfloat16 cache
+    through the bitcasts of its bit-level writes, `kv_cache._on_bits`) and FP8 weights are declared as their bytes
     (`_float8_as_bytes`; XLA:CPU widens whole float8 stacks ahead of the layer loop).
     """
     wants_kernels = any(impl != "xla" for impl in parse(kernels).values())

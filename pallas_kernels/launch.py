@@ -234,9 +234,9 @@ def scatters_in_place():
 def scatter_in_place(scatter, buffer, *operands):
     """`scatter(buffer, *operands)`: an update of `buffer` that a GPU's XLA emits in place into
     the donated buffer. Under `scatters_in_place()`, `buffer` itself passed through an
-    optimization barrier with the operands: XLA:CPU cannot scatter 16-bit floats, so it would
-    widen the whole buffer (a stacked KV cache) to float32 and back at every write, two
-    cache-sized temps per write that the GPU program never holds."""
+    optimization barrier with the operands: XLA:CPU cannot scatter 16-bit floats, and even a
+    scatter of their bits (the KV cache's writes) copies the whole buffer (a stacked KV cache)
+    through the bitcasts around it, a cache-sized temp per write that the GPU program never holds."""
     if not _scatters_in_place.get():
         return scatter(buffer, *operands)
     buffer, _ = jax.lax.optimization_barrier((buffer, list(operands)))
