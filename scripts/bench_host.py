@@ -13,7 +13,7 @@ serving), runs --warmup iterations (programs compile), then reports over --itera
   launched early in an iteration (the prefill) runs beside the rest of its host work: the wall
   figure above also holds the time the host's thread waited for a core, this one does not;
 - the launch floor: one jitted call with the same params and donated state and no work
-  (`_launch_floor_ms`), warm (calls back to back) and cold (each after writing twice the
+  (`_launch_floors_ms`), warm (calls back to back) and cold (each after writing twice the
   last-level cache). On a CPU host the device's programs go through the host's caches, so every
   launch and all the scheduler's Python after a program run cache-cold: the cold floor is the
   least one launch costs here, and a launch's time above it is its program's own launch work;
@@ -153,32 +153,39 @@ def _last_level_cache_bytes() -> int:
     return max(sizes, default=64 << 20)
 
 
-def _launch_floor_ms(sched, repeats: int = 50, cold: bool = False) -> float:
+def _launch_floors_ms(sched, repeats: int = 50) -> tuple[float, float]:
     """What a jitted call costs with the step programs' arguments and no work: a program that hands
     back a copy of the scheduler's device state (donated, as the steps donate it) over the target's
     and draft's params, launched on an idle device (median ms). A step launch's time above it is
     the program's own launch work.
 
-    `cold`: each call after writing a buffer twice the size of the last-level cache, as a CPU
-    device's own programs do between two launches (their weights, pages and activations go through
-    the host's caches): the call's code and objects are then fetched from memory again."""
+    (warm, cold): calls back to back, then each call after writing a buffer twice the size of the
+    last-level cache, as a CPU device's own programs do between two launches (their weights, pages
+    and activations go through the host's caches): the call's code and objects are then fetched
+    from memory again."""
     import jax
 
     executor = sched._executor
     params = (executor.target.params, None if executor.draft is None else executor.draft.params)
     state = jax.tree.map(lambda leaf: leaf.copy(), executor.state)
     program = jax.jit(lambda params, state, step: (state, step + 1), donate_argnums=(1,))
-    evict = np.zeros(2 * _last_level_cache_bytes() // 8) if cold else None
-    step, seconds = np.zeros((), np.int32), []
-    for i in range(repeats + 3):
-        if evict is not None:
-            evict += 1.0
-        start = time.perf_counter()
+    step = np.zeros((), np.int32)
+    for _ in range(3):  # the first calls compile
         state, step = program(params, state, step)
-        if i >= 3:  # the first calls compile
+    jax.block_until_ready(step)
+    evict = np.zeros(2 * _last_level_cache_bytes() // 8)
+    floors = []
+    for cold in (False, True):
+        seconds = []
+        for _ in range(repeats):
+            if cold:
+                evict += 1.0
+            start = time.perf_counter()
+            state, step = program(params, state, step)
             seconds.append(time.perf_counter() - start)
-        jax.block_until_ready(step)
-    return 1e3 * float(np.median(seconds))
+            jax.block_until_ready(step)
+        floors.append(1e3 * float(np.median(seconds)))
+    return floors[0], floors[1]
 
 
 def _measure(target, draft, spec, num_seqs: int, tokenizer=None) -> dict:
@@ -199,9 +206,8 @@ def _measure(target, draft, spec, num_seqs: int, tokenizer=None) -> dict:
 
     def run(iterations: int, profiles: list | None = None, phases: list | None = None) -> list[tuple]:
         """(host seconds, wall seconds, programs compiled, launch seconds, the thread's CPU seconds)
-        of each iteration; with
-        `profiles`, each iteration that compiled nothing adds its cProfile there, with `phases`
-        its phase timers' seconds."""
+        of each iteration; with `profiles`, each iteration that compiled nothing adds its cProfile
+        there, with `phases` its phase timers' seconds."""
         per_iteration = []
         for _ in range(iterations):
             if phases is not None:
@@ -245,8 +251,7 @@ def _measure(target, draft, spec, num_seqs: int, tokenizer=None) -> dict:
             "host_ms_mean": 1e3 * float(clean[:, 0].mean()),
             "host_cpu_ms_per_iteration": 1e3 * float(np.median(clean[:, 3])),
             "launch_ms_per_iteration": 1e3 * float(np.median(clean[:, 2])),
-            "launch_floor_ms": _launch_floor_ms(sched),
-            "launch_floor_cold_ms": _launch_floor_ms(sched, cold=True),
+            **dict(zip(("launch_floor_ms", "launch_floor_cold_ms"), _launch_floors_ms(sched))),
             "scheduler_ms_per_iteration": 1e3 * float(np.median(clean[:, 0] - clean[:, 2])),
             "device_wait_ms_per_iteration": 1e3 * float(np.median(clean[:, 1] - clean[:, 0])),
             "tokens_per_iteration": tokens / len(measured),
