@@ -39,12 +39,14 @@ CHOICES = IMPLEMENTATIONS + ("auto",)
 # step (`moe_kernel_pays`); any other form, and every form on an architecture not listed, runs XLA.
 # - MLA attention (64 heads, 8K context, the sm_90 launch 16:4:2:64 picked by the sweep): 1.08-1.70x
 #   XLA at batch 1 / 64 and T 1 / 4 over 16-slot pages, 1.16-2.50x over 64-slot pages; only batch 1
-#   decode over 16-slot pages sat at 0.92-1.06x (within the run-to-run spread at 0.14 ms). GQA
-#   attention (MiniMax, Llama, every draft) has not run on a GPU, so it keeps XLA.
+#   decode over 16-slot pages sat at 0.92-1.06x (within the run-to-run spread at 0.14 ms).
+# - GQA attention (MiniMax, Llama, every draft; 64 query heads over 8 KV heads of 128, 8K context,
+#   16-slot pages, the table's sm_90 launch): 1.29x / 1.40x XLA at batch 1 (T 1 / 4), 2.32x / 3.18x
+#   at batch 64, max abs error 1.8e-4.
 # - the routed experts: faster by 1.5-13x on int4 at Kimi-K2.5's per-device shapes, but slower on
 #   small bfloat16 experts (0.2-0.4x at kimi-mini's 128 x 96) and on few assignments (0.6-0.7x at
 #   2048 x 768 with 8-64 assignments over 128 experts, 1.4-4.9x with 512-2048).
-AUTO_PALLAS: dict[str, tuple[str, ...]] = {"sm_90": ("mla_attention",)}
+AUTO_PALLAS: dict[str, tuple[str, ...]] = {"sm_90": ("mla_attention", "gqa_attention")}
 AUTO_BY_SHAPE: dict[str, tuple[str, ...]] = {"sm_90": ("moe",)}
 # Experts smaller than this (all three matrices, as stored) run XLA under "auto": the kernels' sort
 # and launches cost more than such a step's few microseconds of XLA work.

@@ -230,9 +230,9 @@ def load_target(path: str | os.PathLike, dtype="bfloat16", mesh: jax.sharding.Me
     expert-parallel. `aux_layer_ids` overrides which hidden states are captured for a draft
     (default 2, L//2, L-3). `kernels`: "xla" (default), "pallas" (decode / verify attention through
     the paged Pallas kernel, routed experts through the grouped-matmul kernels; interpreted on CPU),
-    "auto" (per op, the path measured faster on this GPU: on sm_90 the MLA attention kernel and,
-    per step, the MoE kernels where `kernels.moe_kernel_pays`; XLA for GQA attention, on CPU and
-    on GPUs not yet measured) or one choice per op, e.g.
+    "auto" (per op, the path measured faster on this GPU: on sm_90 the attention kernel, MLA and
+    GQA, and, per step, the MoE kernels where `kernels.moe_kernel_pays`; XLA on CPU and on GPUs
+    not yet measured) or one choice per op, e.g.
     "attention=pallas,moe=xla" (see kernels.py; attention keeps XLA on a mesh).
     `batch_invariant=True` computes every token the same way whatever shares its pass
     (invariant.py): greedy speculative output then equals greedy plain

@@ -78,9 +78,10 @@ def test_kernel_choice_is_checked(caplog):
         assert resolve("auto", None, on_gpu=True, arch=arch) == "attention=xla,moe=xla"
     assert resolve("attention=xla,moe=auto", None, on_gpu=True, arch="sm_90") == "attention=xla,moe=auto"
     assert resolve("auto", make_mesh(1, 2, 4), on_gpu=True, arch="sm_90") == "attention=xla,moe=auto"
-    with launch.for_arch("sm_90"):  # MLA's kernel was measured there; GQA's (and every draft's) not
+    with launch.for_arch("sm_90"):  # both attention kernels were measured faster there
         assert runs_kernel("attention=auto,moe=auto", "mla_attention")
-        assert not runs_kernel("attention=auto,moe=auto", "gqa_attention")
+        assert runs_kernel("attention=auto,moe=auto", "gqa_attention")
+        assert not runs_kernel("attention=xla,moe=auto", "gqa_attention")
         assert runs_kernel("attention=pallas,moe=xla", "gqa_attention")
     with launch.for_arch("gfx942"):
         assert not runs_kernel("attention=auto,moe=auto", "mla_attention")
