@@ -90,14 +90,11 @@ else
 fi
 "$venv/bin/python" -c 'import sys, jax; print(f"newest-JAX leg: Python {sys.version.split()[0]}, jax {jax.__version__}")'
 
-COMPAT_FILES=(test_pallas_attention test_pallas_moe test_lowering test_spec_lowering test_kv_cache test_checkpoint
-              test_sharding test_trainer test_plan test_engine test_acceptance test_propose test_draft test_mla_draft
-              test_moe test_quant test_config)
+COMPAT_FILES=(tests/test_{pallas_attention,pallas_moe,lowering,spec_lowering,kv_cache,checkpoint,sharding,trainer,plan}.py
+              tests/test_{engine,acceptance,propose,draft,mla_draft,moe,quant,config}.py)
 export XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
 pytest=("$venv/bin/python" -m pytest -q -n 2 --dist loadfile -p no:cacheprovider)
 # -m lifts pyproject's default deselection of `newest_jax`
 "${pytest[@]}" -m "newest_jax and not slow" tests/
-compat=()
-for name in "${COMPAT_FILES[@]}"; do compat+=("tests/$name.py"); done
-"${pytest[@]}" -m "not slow and not newest_jax and not default_only" "${compat[@]}"
+"${pytest[@]}" -m "not slow and not newest_jax and not default_only" "${COMPAT_FILES[@]}"
 echo "newest-JAX leg: $(( $(date +%s) - start )) s"

@@ -382,8 +382,8 @@ def main(argv: Sequence[str]) -> None:
     def write(row: dict) -> None:  # after every row: a run cut short keeps what it measured
         rows.append(row)
         write_json(json.dumps({"argv": sys.argv, "date": time.strftime("%Y-%m-%d"), "device": jax.devices()[0].device_kind,
-                               "jax": jax.__version__, "interpret": interpret, "machine": f"{platform.machine()} x{os.cpu_count()}",
-                               "rows": rows}, indent=1))
+                               "jax": jax.__version__, "interpret": interpret,
+                               "machine": f"{platform.machine()} x{os.cpu_count()}", "rows": rows}, indent=1))
 
     if "attention" in FLAGS.ops:
         attention_rows(peak, interpret, peak_tflops, write)
