@@ -13,6 +13,7 @@ and top-k / top-p; `PenaltyHistory` is what they read.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Sequence
 
 import jax
@@ -114,13 +115,50 @@ def check_acceptance_profile(profile) -> tuple[float, ...]:
     return values
 
 
+@dataclasses.dataclass(frozen=True)
+class BatchFeatures:
+    """Which sampling settings some row of a batch uses, as the host knows them. A program branches
+    on these in Python, each combination compiling its own program, never on device values: on a
+    GPU, XLA runs a device-side branch (`lax.cond`) by copying its predicate to the host and
+    blocking the launching thread until the device gets there, so the launch of a step would wait
+    for the step's own work up to the branch, and the host could not prepare the next step
+    meanwhile. Settings a batch does not use cost its program nothing."""
+
+    sampled: bool = True  # some row samples (temperature > 0); else argmax alone
+    holds_back: bool = True  # some row holds its stop ids back (min_tokens > 0)
+    penalized: bool = True  # some row has a repetition, frequency or presence penalty
+    synthetic: bool = False  # some row has a synthetic acceptance profile
+
+    @staticmethod
+    def of(ints: np.ndarray, floats: np.ndarray) -> "BatchFeatures":
+        """The features of packed host rows (`packed_settings`' columns)."""
+        return BatchFeatures(sampled=bool((floats[:, 0] > 0).any()), holds_back=bool((ints[:, 2] > 0).any()),
+                             penalized=bool(((floats[:, 2:4] != 0).any(axis=1) | (floats[:, 4] != 1)).any()),
+                             synthetic=bool((floats[:, 5] >= 0).any()))
+
+    @property
+    def bits(self) -> int:
+        """As bits (a batch's: the OR of its rows'), for `from_bits`."""
+        return self.sampled | self.holds_back << 1 | self.penalized << 2 | self.synthetic << 3
+
+    @staticmethod
+    @functools.cache
+    def from_bits(bits: int) -> "BatchFeatures":
+        return BatchFeatures(bool(bits & 1), bool(bits & 2), bool(bits & 4), bool(bits & 8))
+
+
+GREEDY_BATCH = BatchFeatures(sampled=False, holds_back=False, penalized=False)  # padding rows'
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class SamplingArrays:
     """SamplingParams of a batch as device arrays (rows of padding are greedy).
 
     `min_tokens` and `stop_ids` (None: no request holds stop tokens back) keep a row's stop token
-    ids out of its distribution while it has generated fewer than min_tokens tokens.
+    ids out of its distribution while it has generated fewer than min_tokens tokens; the penalties
+    are None when no row has one, and `sampled` (static) is False when every row is greedy (the
+    program then only takes the argmax): see `BatchFeatures`.
     """
 
     temperature: jax.Array  # [B] float32
@@ -135,14 +173,16 @@ class SamplingArrays:
     # [B, MAX_SYNTHETIC_POSITIONS] float32: synthetic acceptance profiles, 0 past a profile's end
     # and -1 on rows without one; None when no row of the batch has one.
     accept_profile: jax.Array | None = None
+    sampled: bool = dataclasses.field(default=True, metadata=dict(static=True))  # some row samples
 
     @staticmethod
     def from_params(params: Sequence[SamplingParams], batch: int) -> "SamplingArrays":
         """`params` padded with greedy rows to `batch`, as host arrays (the jitted step takes them as
-        they are); `accept_profile` only when a row has one. The packed rows' encoding, read back."""
+        they are); only the settings some row uses (`BatchFeatures`). The packed rows' encoding,
+        read back."""
         params = list(params) + [SamplingParams()] * (batch - len(params))
         ints, floats = (np.stack(column) for column in zip(*map(packed_settings, params)))
-        return unpack_settings(ints, floats, any(p.synthetic_acceptance is not None for p in params))
+        return unpack_settings(ints, floats, BatchFeatures.of(ints, floats))
 
 
 # A batch's SamplingArrays packed as two host arrays (two leaves of a jitted call instead of ten):
@@ -169,15 +209,21 @@ def packed_settings(params: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
     return ints, floats
 
 
-def unpack_settings(ints, floats, synthetic: bool) -> SamplingArrays:
-    """The SamplingArrays of packed columns [B, PACKED_INTS] / [B, PACKED_FLOATS] (host or traced);
-    `accept_profile` only when `synthetic` (a row of the batch has a profile)."""
+def unpack_settings(ints, floats, features: BatchFeatures = BatchFeatures()) -> SamplingArrays:
+    """The SamplingArrays of packed columns [B, PACKED_INTS] / [B, PACKED_FLOATS] (host or traced),
+    with the settings `features` says some row uses (the others None, `sampled` False when no row
+    samples; the default: all but synthetic profiles)."""
     seed = ints[:, 1].view(np.uint32) if isinstance(ints, np.ndarray) else jax.lax.bitcast_convert_type(
         ints[:, 1], jnp.uint32)
+    holds_back, penalized = features.holds_back, features.penalized
     return SamplingArrays(temperature=floats[:, 0], top_k=ints[:, 0], top_p=floats[:, 1], seed=seed,
-                          min_tokens=ints[:, 2], stop_ids=ints[:, 3:PACKED_INTS], presence_penalty=floats[:, 2],
-                          frequency_penalty=floats[:, 3], repetition_penalty=floats[:, 4],
-                          accept_profile=floats[:, 5:PACKED_FLOATS] if synthetic else None)
+                          min_tokens=ints[:, 2] if holds_back else None,
+                          stop_ids=ints[:, 3:PACKED_INTS] if holds_back else None,
+                          presence_penalty=floats[:, 2] if penalized else None,
+                          frequency_penalty=floats[:, 3] if penalized else None,
+                          repetition_penalty=floats[:, 4] if penalized else None,
+                          accept_profile=floats[:, 5:PACKED_FLOATS] if features.synthetic else None,
+                          sampled=features.sampled)
 
 
 def filtered_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
@@ -214,26 +260,22 @@ class PenaltyHistory:
 def apply_penalties(logits: jax.Array, sp: SamplingArrays, history: PenaltyHistory | None,
                     extra_counts=None) -> jax.Array:
     """`logits` [B, ..., V] with each row's penalties applied (vLLM's order: repetition, then
-    frequency, then presence), where any row has one. `extra_counts()` [B, ..., V] (computed only
-    then) adds tokens to the output's counts per position: a draft tree's ancestors, which the
-    output holds at that node if it is accepted."""
+    frequency, then presence) when the batch has them (`sp`'s penalties not None; a row without one
+    keeps its logits bit for bit). `extra_counts()` [B, ..., V] (computed only then) adds tokens to
+    the output's counts per position: a draft tree's ancestors, which the output holds at that node
+    if it is accepted."""
     if history is None or sp.repetition_penalty is None:
         return logits
     b, v = logits.shape[0], logits.shape[-1]
     per_row = (b,) + (1,) * (logits.ndim - 1)
-
-    def penalise():
-        counts = history.output_counts[history.rows].reshape((b,) + (1,) * (logits.ndim - 2) + (v,))
-        if extra_counts is not None:
-            counts = counts + extra_counts()
-        seen = history.prompt_seen[history.rows].reshape((b,) + (1,) * (logits.ndim - 2) + (v,)) | (counts > 0)
-        rep = sp.repetition_penalty.reshape(per_row)
-        z = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
-        z = z - sp.frequency_penalty.reshape(per_row) * counts - sp.presence_penalty.reshape(per_row) * (counts > 0)
-        return z.astype(logits.dtype)
-
-    active = jnp.any((sp.repetition_penalty != 1) | (sp.frequency_penalty != 0) | (sp.presence_penalty != 0))
-    return jax.lax.cond(active, penalise, lambda: logits)
+    counts = history.output_counts[history.rows].reshape((b,) + (1,) * (logits.ndim - 2) + (v,))
+    if extra_counts is not None:
+        counts = counts + extra_counts()
+    seen = history.prompt_seen[history.rows].reshape((b,) + (1,) * (logits.ndim - 2) + (v,)) | (counts > 0)
+    rep = sp.repetition_penalty.reshape(per_row)
+    z = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
+    z = z - sp.frequency_penalty.reshape(per_row) * counts - sp.presence_penalty.reshape(per_row) * (counts > 0)
+    return z.astype(logits.dtype)
 
 
 def count_tokens(counts: jax.Array, rows: jax.Array, tokens: jax.Array, valid: jax.Array) -> jax.Array:
@@ -244,20 +286,17 @@ def count_tokens(counts: jax.Array, rows: jax.Array, tokens: jax.Array, valid: j
 
 def hold_back_stops(logits: jax.Array, sp: SamplingArrays, generated: jax.Array) -> jax.Array:
     """`logits` [B, ..., V] with each row's stop token ids at -inf where `generated` [B, ...] (the
-    tokens a row generated before the one these logits predict) is below its min_tokens."""
+    tokens a row generated before the one these logits predict) is below its min_tokens, when the
+    batch holds stop ids back (`sp.min_tokens` not None; a row with min_tokens 0 is unchanged)."""
     if sp.min_tokens is None:
         return logits
     b, v = logits.shape[0], logits.shape[-1]
-
-    def hold_back():
-        rows = jnp.arange(b)[:, None]
-        real = (sp.stop_ids >= 0).astype(jnp.int32)  # padding (-1) adds nothing at token 0
-        stop = jnp.zeros((b, v), jnp.int32).at[rows, jnp.clip(sp.stop_ids, 0, v - 1)].max(real) > 0
-        early = (generated < sp.min_tokens.reshape((b,) + (1,) * (generated.ndim - 1)))[..., None]
-        stop = stop.reshape((b,) + (1,) * (logits.ndim - 2) + (v,))
-        return jnp.where(early & stop, -jnp.inf, logits)
-
-    return jax.lax.cond(jnp.any(sp.min_tokens > 0), hold_back, lambda: logits)
+    rows = jnp.arange(b)[:, None]
+    real = (sp.stop_ids >= 0).astype(jnp.int32)  # padding (-1) adds nothing at token 0
+    stop = jnp.zeros((b, v), jnp.int32).at[rows, jnp.clip(sp.stop_ids, 0, v - 1)].max(real) > 0
+    early = (generated < sp.min_tokens.reshape((b,) + (1,) * (generated.ndim - 1)))[..., None]
+    stop = stop.reshape((b,) + (1,) * (logits.ndim - 2) + (v,))
+    return jnp.where(early & stop, -jnp.inf, logits)
 
 
 def allowed_tokens(masks: jax.Array, token_ids: jax.Array) -> jax.Array:
@@ -301,11 +340,8 @@ def sample(logits: jax.Array, sp: SamplingArrays, counter: jax.Array) -> jax.Arr
     held back below min_tokens)."""
     logits = hold_back_stops(logits, sp, counter)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-
-    def draw():  # the vocabulary sort only runs when some row samples
-        filtered = filtered_logits(logits, sp.temperature, sp.top_k, sp.top_p)
-        keys = request_keys(sp.seed, counter)
-        return jax.vmap(jax.random.categorical)(keys, filtered).astype(jnp.int32)
-
-    drawn = jax.lax.cond(jnp.any(sp.temperature > 0), draw, lambda: greedy)
+    if not sp.sampled:  # the vocabulary sort only where some row samples
+        return greedy
+    filtered = filtered_logits(logits, sp.temperature, sp.top_k, sp.top_p)
+    drawn = jax.vmap(jax.random.categorical)(request_keys(sp.seed, counter), filtered).astype(jnp.int32)
     return jnp.where(sp.temperature > 0, drawn, greedy)

@@ -1,6 +1,9 @@
 """Continuous batching over the paged KV cache: outputs independent of concurrency, preemption,
 chunked prefill, streaming, abort, capacity errors, and no page leaks."""
 
+import functools
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -252,7 +255,7 @@ def test_warm_up_compiles_what_a_burst_of_short_requests_runs(llama_pair):
     cold = scheduler()
     ref = [o.token_ids for o in cold.generate(prompts, sps)]
     warm = scheduler()
-    report = warm.warm_up()
+    report = warm.warm_up(sampled=False)  # greedy requests: the programs of greedy batches
     assert report.programs == report.wanted == warm.programs.num_compiles and report.max_batch == 2
     assert report.max_tokens >= 16 and "compiled" in str(report)
     assert [o.token_ids for o in warm.generate(prompts, sps)] == ref
@@ -264,11 +267,41 @@ def test_warm_up_compiles_what_a_burst_of_short_requests_runs(llama_pair):
         warm.warm_up()
 
 
+def test_step_programs_branch_on_nothing_the_device_computes(llama_pair, monkeypatch):
+    """On a GPU, XLA runs a device-side branch (`lax.cond`, stablehlo.case) by reading its predicate
+    back and blocking the launching thread until the device gets there, so a step's launch would
+    wait for its own work. No program the scheduler runs has one, whatever its batch's sampling
+    settings: they pick the program (sampling.BatchFeatures). (A tree step samples its prefill's
+    first token as plain decoding samples each token, and accepts its drafts under every rule.)"""
+    from eagle3_jax.scheduler import programs
+    lowered, run = [], programs.ProgramCache.run
+
+    def lowering(cache, fn, static, key, *args):
+        if key not in cache._programs:
+            lowered.append((key[0], key[3][1], jax.jit(functools.partial(fn, *static)).lower(*args).as_text()))
+        return run(cache, fn, static, key, *args)
+
+    monkeypatch.setattr(programs.ProgramCache, "run", lowering)
+    target, draft = llama_pair
+    sched = Scheduler(target, draft, TREE, max_num_seqs=4, max_seq_len=64)
+    greedy, sampled = e3.SamplingParams(max_tokens=4), e3.SamplingParams(temperature=0.8, top_p=0.9, seed=1,
+                                                                         max_tokens=4)
+    held_back = e3.SamplingParams(temperature=0.7, min_tokens=2, stop_token_ids=(3,), presence_penalty=0.5,
+                                  max_tokens=4, logprobs=2)
+    sched.generate(PROMPTS[:2], greedy)
+    sched.generate(PROMPTS[:3], [greedy, sampled, held_back])
+    features = {f for _, f, _ in lowered}
+    assert {f.sampled for f in features} == {False, True} and any(f.holds_back and f.penalized for f in features)
+    assert not [(kind, f) for kind, f, text in lowered if "stablehlo.case" in text]
+
+
 def test_warm_up_stays_within_the_program_cache(llama_pair):
     target, _ = llama_pair
     sched = Scheduler(target, max_num_seqs=8, max_seq_len=64, max_compiled_programs=3)
     report = sched.warm_up()
     assert report.programs == len(sched.programs) == 3 < report.wanted
+    greedy_only = Scheduler(target, max_num_seqs=8, max_seq_len=64, max_compiled_programs=3).warm_up(sampled=False)
+    assert report.wanted == 2 * greedy_only.wanted  # each program for greedy batches and for sampled ones
     assert report.max_batch == 0 and "not all of a lone request's" in str(report)
     assert "compile on first use" in str(report)
 

@@ -6,7 +6,7 @@ import pytest
 
 import eagle3_jax as e3
 from eagle3_jax import kv_cache
-from eagle3_jax.sampling import SamplingArrays, packed_settings, unpack_settings
+from eagle3_jax.sampling import GREEDY_BATCH, BatchFeatures, SamplingArrays, packed_settings, unpack_settings
 from eagle3_jax.scheduler.slot_table import LOGGED_STEPS, SlotTable, chunk_columns, prefill_chunks
 
 SETTINGS = [e3.SamplingParams(), e3.SamplingParams(temperature=0.7, top_p=0.9, top_k=5, seed=2**32 - 1),
@@ -35,19 +35,22 @@ def _reference(params: list) -> dict:
             "min_tokens": column("min_tokens", np.int32), "stop_ids": stop_ids,
             "presence_penalty": column("presence_penalty", np.float32),
             "frequency_penalty": column("frequency_penalty", np.float32),
-            "repetition_penalty": column("repetition_penalty", np.float32), "accept_profile": profile}
+            "repetition_penalty": column("repetition_penalty", np.float32), "accept_profile": profile,
+            "sampled": np.asarray(any(p.temperature > 0 for p in params))}
 
 
 @pytest.mark.parametrize("traced", [False, True])
 def test_packed_settings_read_back_as_the_batch_arrays(traced):
     ints, floats = (np.stack(column) for column in zip(*(packed_settings(p) for p in SETTINGS)))
     unpack = jax.jit(unpack_settings, static_argnums=2) if traced else unpack_settings
-    got, want = _fields(unpack(ints, floats, True)), _reference(SETTINGS)
+    got, want = _fields(unpack(ints, floats, BatchFeatures(synthetic=True))), _reference(SETTINGS)
     assert got.keys() == want.keys()
     for name in want:
         np.testing.assert_array_equal(got[name], want[name], err_msg=name)
         assert got[name].dtype == want[name].dtype, name
-    assert unpack(ints, floats, False).accept_profile is None
+    assert unpack(ints, floats, BatchFeatures()).accept_profile is None
+    greedy = unpack(ints, floats, GREEDY_BATCH)  # the settings a batch does not use are left out
+    assert not greedy.sampled and greedy.min_tokens is greedy.stop_ids is greedy.repetition_penalty is None
     assert SamplingArrays.from_params(SETTINGS[:2], 3).accept_profile is None  # no row with a profile
     np.testing.assert_array_equal(SamplingArrays.from_params(SETTINGS, 5).top_p, [*want["top_p"], 1.0])
 
@@ -69,7 +72,14 @@ def test_rows_gather_slots_settings_and_pages_and_leave_the_scratch_slot_alone()
     want = _reference([SETTINGS[2], SETTINGS[1], e3.SamplingParams(), e3.SamplingParams()])
     for name in ("temperature", "top_k", "top_p", "seed", "min_tokens", "stop_ids", "repetition_penalty"):
         np.testing.assert_array_equal(sp[name], want[name], err_msg=name)
-    assert not rows.synthetic and rows.key == (rows.ints.shape, False)
+    # The features its rows use (sampled, min_tokens, penalties; no synthetic profile), and only those.
+    assert rows.features == BatchFeatures(synthetic=False) and rows.key == (rows.ints.shape, rows.features)
+    assert table.rows(np.asarray([1, 4]), 4).features == BatchFeatures(holds_back=False, penalized=False)
+    assert table.rows(np.asarray([4, 4]), 4).features == GREEDY_BATCH
+    table.admit(0, 3, SETTINGS[3])
+    assert table.rows(np.asarray([0, 4]), 4).features == BatchFeatures(sampled=False, holds_back=False,
+                                                                       penalized=False, synthetic=True)
+    table.clear(0)
     np.testing.assert_array_equal(table.num_pages, [0, 3, 0, 0, 0])
     generations = table.generation.copy()
     table.clear(1)

@@ -31,6 +31,7 @@ import numpy as np
 
 from ..page_allocator import PageAllocator, PrefixCache, page_keys, pages_for
 from ..request import Request
+from ..sampling import GREEDY_BATCH, BatchFeatures
 from ..spec_decode.policy import SpeculationPolicy
 from .metrics import SchedulerCounters
 from .slot_table import BatchRows, SlotTable
@@ -291,6 +292,6 @@ class RunningBatch:
         width = bucket(max(int(self.table.num_pages[slots].max()), min_width), MIN_PAGES_BUCKET, self.max_pages_per_seq)
         return self.table.rows(slots, width)
 
-    def padding_batch(self, batch: int, width: int) -> BatchRows:
-        """`batch` padding rows only (programs compiled ahead, warm-up)."""
-        return self.table.rows(np.full((batch,), self.max_num_seqs, np.int32), width)
+    def padding_batch(self, batch: int, width: int, features: BatchFeatures = GREEDY_BATCH) -> BatchRows:
+        """`batch` padding rows only (programs compiled ahead, warm-up), for batches of `features`."""
+        return self.table.rows(np.full((batch,), self.max_num_seqs, np.int32), width, features)

@@ -421,8 +421,8 @@ class Executor:
         """Launch the `kind` program (for "decode", of speculation `shape`; with `logprobs`, the
         variant that returns them; with `masks`, the token bitmasks of structured output) over
         `rows` and the state; returns its outputs as device arrays, not waited for. The cache key
-        is the kind, the shape, the logprob settings, the rows' key (their shape, whether one has a
-        synthetic acceptance profile), whether there are masks and the other arrays' shapes."""
+        is the kind, the shape, the logprob settings, the rows' key (their shape, the sampling settings
+        some row uses: sampling.BatchFeatures), whether there are masks and the other arrays' shapes."""
         with_draft = self.draft is not None and kind not in _PLAIN
         dcfg, dparams = (self.draft.config, self.draft.params) if with_draft else (None, None)
         key = (kind, shape, logprobs, rows.key, np.shape(args[0]) if args else None, np.shape(masks))

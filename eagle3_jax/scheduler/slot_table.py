@@ -28,8 +28,8 @@ import jax
 import numpy as np
 
 from .. import kv_cache
-from ..sampling import GREEDY_FLOATS, GREEDY_INTS, PACKED_INTS, SamplingArrays, SamplingParams, packed_settings, \
-    unpack_settings
+from ..sampling import GREEDY_BATCH, GREEDY_FLOATS, GREEDY_INTS, PACKED_INTS, BatchFeatures, SamplingArrays, \
+    SamplingParams, packed_settings, unpack_settings
 
 SLOT, PROMPT_LEN = 0, 1
 SETTINGS = slice(2, 2 + PACKED_INTS)  # the sampling settings' integer columns
@@ -40,16 +40,17 @@ LOGGED_STEPS = 64  # decode steps a slot's step log holds before its request tak
 FEW_ROWS = 8
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["ints", "floats"], meta_fields=["synthetic"])
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["ints", "floats"], meta_fields=["features"])
 @dataclasses.dataclass
 class BatchRows:
     """A batch's rows of the slot tables: `ints` [B, PAGES + width] int32 and `floats` [B, F]
-    float32, host arrays on the way in, traced inside a program. `synthetic`: some row has a
-    synthetic acceptance profile (static: only such batches compile the programs that read it)."""
+    float32, host arrays on the way in, traced inside a program. `features`: the sampling settings
+    some row uses (static: a program computes only those, and branches on nothing the device
+    computes; see sampling.BatchFeatures)."""
 
     ints: jax.Array
     floats: jax.Array
-    synthetic: bool = False
+    features: BatchFeatures = GREEDY_BATCH
 
     @property
     def slots(self) -> jax.Array:
@@ -67,12 +68,12 @@ class BatchRows:
 
     @property
     def sampling(self) -> SamplingArrays:
-        return unpack_settings(self.ints[:, SETTINGS], self.floats, self.synthetic)
+        return unpack_settings(self.ints[:, SETTINGS], self.floats, self.features)
 
     @property
     def key(self) -> tuple:
-        """What pins a program compiled for these rows: their shape and `synthetic`."""
-        return self.ints.shape, self.synthetic
+        """What pins a program compiled for these rows: their shape and `features`."""
+        return self.ints.shape, self.features
 
 
 class SlotTable:
@@ -86,7 +87,7 @@ class SlotTable:
         self.ints[:, SETTINGS] = GREEDY_INTS
         self.ints[:, PAGES:] = kv_cache.SCRATCH_PAGE
         self.floats = np.tile(GREEDY_FLOATS, (num_slots, 1))
-        self.profiled = np.zeros((num_slots,), bool)  # rows with a synthetic acceptance profile
+        self.features = np.zeros((num_slots,), np.int64)  # the settings' BatchFeatures bits: a batch's, their OR
         self.num_pages = np.zeros((num_slots,), np.int32)  # pages in each slot's block table
         # Bumped when a slot's request leaves: a launch's row whose slot's generation moved on
         # since is void (its request was preempted, aborted or finished), checked for a whole
@@ -115,7 +116,7 @@ class SlotTable:
         self.ints[slot, PROMPT_LEN] = prompt_len
         self.ints[slot, SETTINGS] = ints
         self.floats[slot] = floats
-        self.profiled[slot] = params.synthetic_acceptance is not None
+        self.features[slot] = BatchFeatures.of(ints[None], floats[None]).bits
         self.length[slot] = length
         self.step_tokens[slot], self.step_lookahead[slot] = reserve
 
@@ -128,7 +129,7 @@ class SlotTable:
         """Back to the scratch row's contents (its request left; its step log taken first)."""
         self.ints[slot, PROMPT_LEN:] = self.ints[-1, PROMPT_LEN:]  # the scratch slot's: never written
         self.floats[slot] = GREEDY_FLOATS
-        self.profiled[slot] = False
+        self.features[slot] = 0
         self.num_pages[slot] = self.length[slot] = self.pending[slot] = self.steps[slot] = self.draft_passes[slot] = 0
         self.generation[slot] += 1
 
@@ -182,9 +183,12 @@ class SlotTable:
         self.steps[slot] = self.draft_passes[slot] = 0
         return log
 
-    def rows(self, slots: np.ndarray, width: int) -> BatchRows:
-        """`slots`' rows with block tables `width` pages wide."""
-        return BatchRows(self.ints[slots, : PAGES + width], self.floats[slots], bool(self.profiled[slots].any()))
+    def rows(self, slots: np.ndarray, width: int, features: BatchFeatures | None = None) -> BatchRows:
+        """`slots`' rows with block tables `width` pages wide, and the features their settings use
+        (`features`: these instead, a superset of theirs)."""
+        if features is None:
+            features = BatchFeatures.from_bits(int(np.bitwise_or.reduce(self.features[slots])))
+        return BatchRows(self.ints[slots, : PAGES + width], self.floats[slots], features)
 
 
 # A prefill's per-row arrays as one int32 array [B, T + CHUNK_FIELDS]: the chunk's T tokens

@@ -2,9 +2,12 @@
 
 A burst of short requests (prompts of up to one prefill chunk) runs prefill batches of every
 (rows, tokens per row) bucket the batch rule allows (`batch.prefill_fits`) and decode steps of
-every batch bucket, at block-table widths up to that of one chunk. `warmup_programs` lists them,
-smallest batches first, so that a program cache too small for all of them keeps what the first
-(smaller) bursts need; `Scheduler.warm_up` compiles them by running each once on padding rows.
+every batch bucket, at block-table widths up to that of one chunk. Each in two forms: for batches
+whose rows are all greedy, and for batches with a sampled row (a program computes only the
+sampling settings its batch uses: sampling.BatchFeatures; penalties and min_tokens compile their
+forms on first use). `warmup_programs` lists them, smallest batches first, so that a program cache
+too small for all of them keeps what the first (smaller) bursts need; `Scheduler.warm_up` compiles
+them by running each once on padding rows.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Sequence
 
+from ..sampling import GREEDY_BATCH, BatchFeatures
 from ..spec_decode.policy import SpeculationPolicy, StepPlan
 from .batch import MIN_CHUNK_BUCKET, MIN_PAGES_BUCKET, RunningBatch, buckets, chunk_cap, prefill_fits
 from .slot_table import prefill_chunks
@@ -26,25 +30,33 @@ class WarmProgram:
     width: int  # block-table width in pages
     chunk: int = 0  # prefill: tokens per row
     plan: StepPlan | None = None  # decode: what the step runs
+    features: BatchFeatures = GREEDY_BATCH  # the sampling settings its batches use
+
+
+SAMPLED_BATCH = BatchFeatures(sampled=True, holds_back=False, penalized=False)  # a batch with a sampled row
 
 
 def warmup_programs(policy: SpeculationPolicy, *, max_num_seqs: int, prefill_chunk: int, prefill_width: int,
-                    max_pages_per_seq: int) -> list[WarmProgram]:
-    """The prefill and decode programs of bursts of requests that fit one chunk, by batch bucket."""
+                    max_pages_per_seq: int, sampled: bool = True) -> list[WarmProgram]:
+    """The prefill and decode programs of bursts of requests that fit one chunk, by batch bucket;
+    each for greedy batches and, when `sampled`, for batches with a sampled row."""
     programs = []
     widths = [w for w in buckets(MIN_PAGES_BUCKET, max_pages_per_seq) if w <= prefill_width]
     for batch in buckets(1, max_num_seqs):
-        for chunk in buckets(MIN_CHUNK_BUCKET, chunk_cap(prefill_chunk)):
-            if prefill_fits(batch, chunk, prefill_chunk):
-                programs += [WarmProgram(kind, batch, prefill_width, chunk) for kind in policy.prefill_programs]
-        programs += [WarmProgram("decode", batch, w, plan=plan) for w in widths for plan in policy.decode_plans()]
+        for features in (GREEDY_BATCH, SAMPLED_BATCH) if sampled else (GREEDY_BATCH,):
+            for chunk in buckets(MIN_CHUNK_BUCKET, chunk_cap(prefill_chunk)):
+                if prefill_fits(batch, chunk, prefill_chunk):
+                    programs += [WarmProgram(kind, batch, prefill_width, chunk, features=features)
+                                 for kind in policy.prefill_programs]
+            programs += [WarmProgram("decode", batch, w, plan=plan, features=features)
+                         for w in widths for plan in policy.decode_plans()]
     return programs
 
 
 def run_on_padding(program: WarmProgram, batch: RunningBatch, launch: Callable[..., list]) -> list:
-    """Launch `program` on padding rows only, through `launch(kind, shape, rows, *args)` (the
-    scheduler's); returns its outputs."""
-    rows = batch.padding_batch(program.batch, program.width)
+    """Launch `program` on padding rows only (greedy, whatever the features it compiles for),
+    through `launch(kind, shape, rows, *args)` (the scheduler's); returns its outputs."""
+    rows = batch.padding_batch(program.batch, program.width, program.features)
     if program.plan is None:
         return launch(program.kind, None, rows, prefill_chunks(program.batch, program.chunk))
     if program.plan.catch_up:

@@ -108,19 +108,16 @@ def accept(logits, tokens, parents, anc, depth, sp: SamplingArrays, counter):
     """Greedy rows (temperature 0) and sampled rows, each by its own rule; rows with a synthetic
     acceptance profile by `synthetic_accept` (only compiled in when the batch has one).
 
-    The sampled rule (a sort over the vocabulary per node) only runs when some row samples. Both
-    judge the target's distribution with stop tokens held back below min_tokens (the logits at a
-    node of depth d predict the row's token number counter + d).
+    The sampled rule (a sort over the vocabulary per node) is only compiled in when some row
+    samples (`sp.sampled`, static). Both judge the target's distribution with stop tokens held back
+    below min_tokens (the logits at a node of depth d predict the row's token number counter + d).
     """
     logits = hold_back_stops(logits, sp, counter[:, None] + depth)
-    g_node, g_bonus = greedy_accept(logits, tokens, parents, anc, depth)
-    sampled = sp.temperature > 0
-    s_node, s_bonus = jax.lax.cond(
-        jnp.any(sampled),
-        lambda: sampled_accept(logits, tokens, parents, sp, counter),
-        lambda: (g_node, g_bonus),
-    )
-    node, bonus = jnp.where(sampled, s_node, g_node), jnp.where(sampled, s_bonus, g_bonus)
+    node, bonus = greedy_accept(logits, tokens, parents, anc, depth)
+    if sp.sampled:
+        sampled = sp.temperature > 0
+        s_node, s_bonus = sampled_accept(logits, tokens, parents, sp, counter)
+        node, bonus = jnp.where(sampled, s_node, node), jnp.where(sampled, s_bonus, bonus)
     if sp.accept_profile is not None:
         f_node, f_bonus = synthetic_accept(logits, tokens, parents, sp, counter)
         forced = sp.accept_profile[:, 0] >= 0
