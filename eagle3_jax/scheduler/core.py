@@ -331,15 +331,13 @@ class Scheduler:
 
     # ---- warm-up -------------------------------------------------------------------------------
     def warm_up(self, sampled: bool = True) -> WarmUp:
-        """Compile the programs that bursts of requests of up to one prefill chunk run (warmup.py),
-        smallest batches first, for greedy batches and, when `sampled`, for batches with a sampled
-        row, within the program cache's bound, by running each once on padding rows: no request, no
-        counter and no step-time measurement sees them. Call it idle."""
+        """Compile the programs that bursts of requests of up to one prefill chunk run (warmup.py), for greedy
+        batches and (`sampled`) batches with a sampled row, smallest first, within the program cache's bound,
+        by running each once on padding rows: no request, counter or step time sees them. Call it idle."""
         if self.has_unfinished():
             raise RuntimeError("warm_up() runs before any request: this scheduler has unfinished requests")
-        wanted = warmup_programs(self.policy, max_num_seqs=self.max_num_seqs, prefill_chunk=self.prefill_chunk,
-                                 prefill_width=self._prefill_width, max_pages_per_seq=self.max_pages_per_seq,
-                                 sampled=sampled)
+        wanted = warmup_programs(self.policy, sampled, max_num_seqs=self.max_num_seqs, prefill_chunk=self.prefill_chunk,
+                                 prefill_width=self._prefill_width, max_pages_per_seq=self.max_pages_per_seq)
         chosen, start = wanted[: self.programs.capacity], time.perf_counter()
         for program in chosen:
             outputs = run_on_padding(program, self._batch, self._launcher.run)

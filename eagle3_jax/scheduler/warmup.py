@@ -36,8 +36,8 @@ class WarmProgram:
 SAMPLED_BATCH = BatchFeatures(sampled=True, holds_back=False, penalized=False)  # a batch with a sampled row
 
 
-def warmup_programs(policy: SpeculationPolicy, *, max_num_seqs: int, prefill_chunk: int, prefill_width: int,
-                    max_pages_per_seq: int, sampled: bool = True) -> list[WarmProgram]:
+def warmup_programs(policy: SpeculationPolicy, sampled: bool = True, *, max_num_seqs: int, prefill_chunk: int,
+                    prefill_width: int, max_pages_per_seq: int) -> list[WarmProgram]:
     """The prefill and decode programs of bursts of requests that fit one chunk, by batch bucket;
     each for greedy batches and, when `sampled`, for batches with a sampled row."""
     programs = []
