@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 from typing import Sequence
 
 import jax
@@ -130,16 +131,11 @@ class BatchFeatures:
     synthetic: bool = False  # some row has a synthetic acceptance profile
 
     @staticmethod
-    def of(ints: np.ndarray, floats: np.ndarray) -> "BatchFeatures":
-        """The features of packed host rows (`packed_settings`' columns)."""
-        return BatchFeatures(sampled=bool((floats[:, 0] > 0).any()), holds_back=bool((ints[:, 2] > 0).any()),
-                             penalized=bool(((floats[:, 2:4] != 0).any(axis=1) | (floats[:, 4] != 1)).any()),
-                             synthetic=bool((floats[:, 5] >= 0).any()))
-
-    @property
-    def bits(self) -> int:
-        """As bits (a batch's: the OR of its rows'), for `from_bits`."""
-        return self.sampled | self.holds_back << 1 | self.penalized << 2 | self.synthetic << 3
+    def bits_of(params: SamplingParams) -> int:
+        """One request's features as bits (a batch's: the OR of its rows'; `from_bits` reads them)."""
+        penalized = params.presence_penalty != 0 or params.frequency_penalty != 0 or params.repetition_penalty != 1
+        return ((params.temperature > 0) | (params.min_tokens > 0) << 1 | penalized << 2
+                | (params.synthetic_acceptance is not None) << 3)
 
     @staticmethod
     @functools.cache
@@ -182,7 +178,8 @@ class SamplingArrays:
         read back."""
         params = list(params) + [SamplingParams()] * (batch - len(params))
         ints, floats = (np.stack(column) for column in zip(*map(packed_settings, params)))
-        return unpack_settings(ints, floats, BatchFeatures.of(ints, floats))
+        return unpack_settings(ints, floats, BatchFeatures.from_bits(functools.reduce(
+            operator.or_, map(BatchFeatures.bits_of, params))))
 
 
 # A batch's SamplingArrays packed as two host arrays (two leaves of a jitted call instead of ten):

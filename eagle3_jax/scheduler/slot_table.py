@@ -116,7 +116,7 @@ class SlotTable:
         self.ints[slot, PROMPT_LEN] = prompt_len
         self.ints[slot, SETTINGS] = ints
         self.floats[slot] = floats
-        self.features[slot] = BatchFeatures.of(ints[None], floats[None]).bits
+        self.features[slot] = BatchFeatures.bits_of(params)
         self.length[slot] = length
         self.step_tokens[slot], self.step_lookahead[slot] = reserve
 
