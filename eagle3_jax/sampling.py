@@ -142,8 +142,14 @@ class BatchFeatures:
     def from_bits(bits: int) -> "BatchFeatures":
         return BatchFeatures(bool(bits & 1), bool(bits & 2), bool(bits & 4), bool(bits & 8))
 
+    @staticmethod
+    def of(params: Sequence[SamplingParams]) -> "BatchFeatures":
+        """The features of a batch of requests' settings."""
+        return BatchFeatures.from_bits(functools.reduce(operator.or_, map(BatchFeatures.bits_of, params), 0))
+
 
 GREEDY_BATCH = BatchFeatures(sampled=False, holds_back=False, penalized=False)  # padding rows'
+SAMPLED_BATCH = BatchFeatures(sampled=True, holds_back=False, penalized=False)  # a batch with a sampled row
 
 
 @jax.tree_util.register_dataclass
@@ -178,8 +184,7 @@ class SamplingArrays:
         read back."""
         params = list(params) + [SamplingParams()] * (batch - len(params))
         ints, floats = (np.stack(column) for column in zip(*map(packed_settings, params)))
-        return unpack_settings(ints, floats, BatchFeatures.from_bits(functools.reduce(
-            operator.or_, map(BatchFeatures.bits_of, params))))
+        return unpack_settings(ints, floats, BatchFeatures.of(params))
 
 
 # A batch's SamplingArrays packed as two host arrays (two leaves of a jitted call instead of ten):

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Sequence
 
-from ..sampling import GREEDY_BATCH, BatchFeatures
+from ..sampling import GREEDY_BATCH, SAMPLED_BATCH, BatchFeatures
 from ..spec_decode.policy import SpeculationPolicy, StepPlan
 from .batch import MIN_CHUNK_BUCKET, MIN_PAGES_BUCKET, RunningBatch, buckets, chunk_cap, prefill_fits
 from .slot_table import prefill_chunks
@@ -31,9 +31,6 @@ class WarmProgram:
     chunk: int = 0  # prefill: tokens per row
     plan: StepPlan | None = None  # decode: what the step runs
     features: BatchFeatures = GREEDY_BATCH  # the sampling settings its batches use
-
-
-SAMPLED_BATCH = BatchFeatures(sampled=True, holds_back=False, penalized=False)  # a batch with a sampled row
 
 
 def warmup_programs(policy: SpeculationPolicy, sampled: bool = True, *, max_num_seqs: int, prefill_chunk: int,
