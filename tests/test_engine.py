@@ -101,6 +101,8 @@ def test_bad_requests_are_rejected_before_any_work():
         engine.generate([[1]], [dict(temperature=0.0)])
     with pytest.raises(ValueError, match="token_ids"):
         target.logits(np.zeros((3,), np.int32))
+    with pytest.raises(ValueError, match="prefill_chunk must be an integer >= 1"):
+        e3.Engine(target, max_batch_size=2, max_seq_len=16, prefill_chunk=0)
 
 
 def _reference_filter(logits, temperature, top_k, top_p):
