@@ -19,7 +19,7 @@ from .parsers import OutputParsing, parse_output
 from .parsers.forced import constrain_answer
 from .request import RequestOutput
 from .sampling import SamplingParams
-from .scheduler import Scheduler
+from .scheduler import PREFILL_CHUNK, Scheduler
 from .spec_decode.settings import AutoSpec, SpecConfig
 from .target import Target
 from .tokenizer import Tokenizer
@@ -46,14 +46,14 @@ class Engine:
     spec: a SpecConfig (default chain 3/1/4 with a draft) or `SpecConfig.auto(...)`.
     max_batch_size: sequences decoded together; max_seq_len: prompt + generated tokens per sequence.
     prefill_chunk: prompt tokens prefilled per step, the scheduler's token budget for a prefill
-    batch (default 256; a larger one prefills more short prompts at once, see `Scheduler`).
+    batch (default PREFILL_CHUNK, 256; a larger one prefills more short prompts at once, see `Scheduler`).
     tokenizer: lets requests stop at stop strings (`SamplingParams.stop`), outputs carry their
     text (`RequestOutput.text`), and `chat` render conversations.
     """
 
     def __init__(self, target: Target, draft: Draft | None = None, spec: SpecConfig | AutoSpec | None = None,
                  max_batch_size: int = 8, max_seq_len: int = 2048, tokenizer: Tokenizer | None = None,
-                 prefill_chunk: int = 256):
+                 prefill_chunk: int = PREFILL_CHUNK):
         if not isinstance(max_batch_size, int) or not isinstance(max_seq_len, int) or max_batch_size < 1 \
                 or max_seq_len < 2:
             raise ValueError(f"max_batch_size must be >= 1 and max_seq_len >= 2; got {max_batch_size}, {max_seq_len}")

@@ -29,6 +29,7 @@ import numpy as np
 import pytest
 
 import eagle3_jax as e3
+from eagle3_jax.scheduler import MIN_CHUNK_BUCKET
 from eagle3_jax.sampling import SamplingArrays
 from eagle3_jax.spec_decode import verify
 from random_models import LLAMA, draft_config_dict, random_draft, random_target
@@ -38,9 +39,9 @@ PROMPT = [1, 2, 3]
 GEN = 3
 N_SAMPLES = 20480
 BATCH = 2048  # 10 waves of one batch bucket; measured fastest of 1024 / 2048 / 4096 on 2 CPU cores
-# A wave's prompts (3 tokens each, in the 16-token chunk bucket) prefill in one step: the prefill's
-# token budget, and its padded rows x tokens (twice the budget at most), hold all BATCH rows.
-PREFILL_CHUNK = BATCH * 16 // 2
+# A wave's prompts (3 tokens each, in the smallest chunk bucket) prefill in one step: the prefill's
+# token budget holds all BATCH rows, padding included (batch.prefill_fits).
+PREFILL_CHUNK = BATCH * MIN_CHUNK_BUCKET
 P_OK = 1e-3
 P_BROKEN = 1e-6
 

@@ -38,6 +38,7 @@ from .slot_table import BatchRows, SlotTable
 
 MIN_PAGES_BUCKET = 4
 MIN_CHUNK_BUCKET = 16
+PREFILL_CHUNK = 256  # prompt tokens a step prefills by default (Scheduler, Engine)
 
 
 def bucket(n: int, lo: int, hi: int) -> int:

@@ -63,7 +63,7 @@ from ..target import Target
 from ..text_stream import TextStream, output_text
 from ..tokenizer import Tokenizer
 from . import lockstep
-from .batch import DONE, MIN_PAGES_BUCKET, WAITING, RunningBatch, ScheduledRequest, bucket
+from .batch import DONE, MIN_PAGES_BUCKET, PREFILL_CHUNK, WAITING, RunningBatch, ScheduledRequest, bucket
 from .launches import Launch, Launcher, time_steady_steps_only
 from .metrics import SchedulerCounters
 from .programs import Executor
@@ -136,7 +136,7 @@ class Scheduler:
 
     def __init__(self, target: Target, draft: Draft | None = None, spec: SpecConfig | AutoSpec | None = None, *,
                  max_num_seqs: int = 64, max_seq_len: int = 2048, page_size: int = 16,
-                 num_pages: int | None = None, prefill_chunk: int = 256, max_compiled_programs: int = 48,
+                 num_pages: int | None = None, prefill_chunk: int = PREFILL_CHUNK, max_compiled_programs: int = 48,
                  overlap: bool = True, tokenizer: Tokenizer | None = None, max_logprobs: int = 20,
                  logprobs_mode: str = "raw", prefix_caching: bool = False):
         for name, value, low in (("max_num_seqs", max_num_seqs, 1), ("max_seq_len", max_seq_len, 2),
