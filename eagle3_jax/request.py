@@ -168,19 +168,19 @@ class Request:
         del self.token_times[len(self.output):]
         self.draft_passes += draft_passes
 
-    def take(self, tokens: list[int], now: float) -> bool:
-        """A step's tokens taken whole and marked handed out, when none of them can end the request
-        and nothing reads them one by one (no stop strings, grammar or logprobs) and earlier ones
-        were handed out: most steps of most requests, at a few attribute updates each (their time
-        is the caller's to record: `record_steps`). False, with nothing taken, otherwise: `emit`
-        them then."""
-        if (self.grammar is not None or self.text is not None or self.logprobs is not None or not self.sent
-                or self.sent != len(self.output) or len(self.output) + len(tokens) >= self.budget
-                or not self._stops.isdisjoint(tokens)):
-            return False
+    @property
+    def reads_tokens(self) -> bool:
+        """Whether something reads its tokens one by one as they come (stop strings, a grammar,
+        logprobs): then every step's tokens go through `emit`, never out in bulk."""
+        return self.text is not None or self.grammar is not None or self.logprobs is not None
+
+    def take(self, tokens: list[int]) -> None:
+        """A step's tokens taken whole and marked handed out: tokens that cannot end the request
+        (none a stop id, its budget not reached) of a request that does not `reads_tokens`, all
+        earlier ones handed out (the scheduler checks that for a whole batch at once); their
+        time is the caller's to record (`record_steps`)."""
         self.output += tokens
         self.sent = len(self.output)
-        return True
 
     def emit(self, tokens: Sequence[int], now: float, logprobs: Sequence[Logprob] | None = None,
              timed: bool = True) -> str | None:

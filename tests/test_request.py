@@ -23,7 +23,8 @@ def _reference_emit(tokens, stops, min_tokens, budget, emitted_before):
 
 
 def test_emission_keeps_tokens_up_to_a_stop_token_or_the_budget_whatever_the_step_sizes():
-    """`emit` token by token, or `take` whole where it may, give the rule's tokens and reason."""
+    """`emit` token by token, or `take` whole where the scheduler would (nothing in the step ends the
+    request: SlotTable.bulk_rows), give the rule's tokens and reason."""
     rng = random.Random(0)
     for _ in range(400):
         stops = tuple(rng.sample(range(8), rng.randint(0, 2)))
@@ -35,8 +36,9 @@ def test_emission_keeps_tokens_up_to_a_stop_token_or_the_budget_whatever_the_ste
             step = [rng.randrange(8) for _ in range(rng.randint(1, 4))]
             kept, want_reason = _reference_emit(step, set(stops), sampling.min_tokens, budget, len(want))
             want += kept
-            if req.sent and rng.random() < 0.5 and req.take(list(step), 1.0):
-                reason = None  # taken whole: only when nothing in it ends the request
+            if req.sent and rng.random() < 0.5 and not set(step) & set(stops) and len(req.output) + len(step) < budget:
+                req.take(list(step))  # taken whole: only when nothing in it ends the request
+                reason = None
                 req.record_steps([len(step)], [0], [1.0], 0)  # its time, as the scheduler's step log gives it
             else:
                 reason = req.emit(step if rng.random() < 0.5 else np.asarray(step), 1.0)
@@ -105,7 +107,7 @@ def test_a_step_logs_times_cover_the_emitted_tokens_only():
     req = Request("r", [1], e3.SamplingParams(stop_token_ids=(2,)), 8)
     req.emit([5], 1.0)  # a prefill's first token, timed as it is emitted
     req.unsent()  # handed out
-    assert req.take([6, 7], 1.5)  # a decode step's, timed by the step log
+    req.take([6, 7])  # a decode step's, timed by the step log
     assert req.emit([8, 2, 9], 2.0, timed=False) == "stop"  # the 9 is dropped
     req.record_steps([2, 3], [3, 3], [1.5, 2.0], 4)
     assert req.output == [5, 6, 7, 8, 2] and req.token_times == [1.0, 1.5, 1.5, 2.0, 2.0]

@@ -2,6 +2,7 @@
 chunked prefill, streaming, abort, capacity errors, and no page leaks."""
 
 import functools
+import random
 
 import jax
 import jax.numpy as jnp
@@ -322,3 +323,33 @@ def test_prefill_batch_padding_is_bounded():
                                               prefill_ids=list(p)))
     batch.admit()
     assert [n for _, n in batch.prefill_rows(32)] == [1] * 3  # 4 rows x 32 would be 128 > 2 x 32
+
+
+def test_decoding_rows_keep_admission_order_as_requests_join_and_leave():
+    """The decoding set is kept as requests finish their prefill and leave, not found by a scan:
+    it stays in admission order when an older request ends a long prompt after newer short ones,
+    and its slots follow it."""
+    from eagle3_jax.scheduler.batch import DECODE, PREFILL, RunningBatch, ScheduledRequest
+    from eagle3_jax.scheduler.metrics import SchedulerCounters
+    from eagle3_jax.spec_decode.policy import PlainDecoding
+
+    batch = RunningBatch(PlainDecoding(), SchedulerCounters(0), max_num_seqs=8, page_size=16, num_pages=64,
+                         max_pages_per_seq=4, lookahead=1)
+    for i in range(6):
+        batch.waiting.append(ScheduledRequest(id=str(i), prompt=[1], sampling=e3.SamplingParams(), budget=4,
+                                              prefill_ids=[1]))
+    batch.admit()
+    rng = random.Random(0)
+    for _ in range(40):
+        prefilling = [r for r in batch.running.values() if r.state == PREFILL]
+        if prefilling and rng.random() < 0.6:
+            batch.start_decoding(rng.choice(prefilling))
+        elif batch.running and rng.random() < 0.5:
+            batch.leave(rng.choice(list(batch.running.values())))
+        else:
+            batch.waiting.append(ScheduledRequest(id=str(rng.random()), prompt=[1], sampling=e3.SamplingParams(),
+                                                  budget=4, prefill_ids=[1]))
+            batch.admit()
+        want = [r for r in batch.running.values() if r.state == DECODE]
+        assert batch.decoding() == want and batch.decoding_slots().tolist() == [r.slot for r in want]
+        assert list(batch.prefilling.values()) == [r for r in batch.running.values() if r.state == PREFILL]

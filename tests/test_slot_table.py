@@ -7,7 +7,7 @@ import pytest
 import eagle3_jax as e3
 from eagle3_jax import kv_cache
 from eagle3_jax.sampling import GREEDY_BATCH, BatchFeatures, SamplingArrays, packed_settings, unpack_settings
-from eagle3_jax.scheduler.slot_table import LOGGED_STEPS, SlotTable, chunk_columns, prefill_chunks
+from eagle3_jax.scheduler.slot_table import BULK_STOP_IDS, LOGGED_STEPS, SlotTable, chunk_columns, prefill_chunks
 
 SETTINGS = [e3.SamplingParams(), e3.SamplingParams(temperature=0.7, top_p=0.9, top_k=5, seed=2**32 - 1),
             e3.SamplingParams(min_tokens=3, stop_token_ids=(2, 7), presence_penalty=-1.5, frequency_penalty=0.25,
@@ -139,6 +139,36 @@ def test_short_of_pages_finds_the_rows_whose_next_step_outgrows_their_pages(rows
     short, needed = table.short_of_pages(slots, page_size=16)
     assert short == [i for i, s in enumerate(slots) if ends[i] > 16 * table.num_pages[s]] and short
     assert needed == [ends[i] for i in short]
+
+
+@pytest.mark.parametrize("rows", [3, 40], ids=["few rows", "many rows"])
+def test_bulk_rows_are_those_whose_tokens_end_nothing_and_nothing_reads_one_by_one(rows):
+    """A step's tokens go out whole exactly when the request reads no token one by one, none of
+    them is one of its stop ids and they leave room in its budget; a request with more stop ids
+    than the table holds never goes out whole. Its output is committed length - prompt + 1 long."""
+    table, rng = SlotTable(64, max_pages_per_seq=8), np.random.default_rng(rows)
+    decided = []
+    for _ in range(12):
+        slots = rng.permutation(63)[:rows]
+        room, stops, reads = {}, {}, {}
+        for slot in slots.tolist():
+            stops[slot] = tuple(rng.choice(12, int(rng.integers(0, 3)), replace=False).tolist())
+            if rng.random() < 0.1:
+                stops[slot] = tuple(range(100, 100 + BULK_STOP_IDS + 1))  # too many to hold
+            prompt, output, budget = int(rng.integers(1, 9)), int(rng.integers(1, 6)), int(rng.integers(6, 12))
+            reads[slot] = bool(rng.random() < 0.2)
+            table.admit(slot, prompt, e3.SamplingParams(stop_token_ids=stops[slot]), budget=budget,
+                        reads_tokens=reads[slot], length=prompt + output - 1)
+            room[slot] = budget - output
+        counts, tokens = rng.integers(1, 5, rows), rng.integers(0, 12, (rows, 5))
+        got = table.bulk_rows(slots, tokens, counts)
+        want = [not reads[s] and len(stops[s]) <= BULK_STOP_IDS and k < room[s] and not set(t[:k]) & set(stops[s])
+                for s, t, k in zip(slots.tolist(), tokens.tolist(), counts.tolist())]
+        assert got == want and all(type(b) is bool for b in got)
+        decided += got
+    assert any(decided) and not all(decided)
+    table.clear(int(slots[0]))
+    assert table.bulk_rows(slots[:1], tokens[:1], counts[:1]) == [False]
 
 
 def test_prefill_chunks_are_padding_rows_until_written_through_their_columns():

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import time
 from typing import Sequence
 
@@ -88,6 +89,7 @@ class ScheduledRequest(Request):
     gap: int = 0  # steps since the draft last saw this request's tokens (adaptive speculation)
     with_draft: bool = True  # the draft follows it (adaptive speculation may admit a request without)
     wait_for: "ScheduledRequest | None" = None  # admitted once this one's prompt is prefilled (n > 1 choices)
+    seat: int = 0  # its place in admission order (the running batch's, from its latest admission)
     page_keys: list = dataclasses.field(default_factory=list)  # prefix-cache keys of its full pages so far
 
     def keys(self, tokens: Sequence[int], page_size: int, num_pages: int) -> list:
@@ -125,7 +127,13 @@ class RunningBatch:
         self.free_slots = list(range(scratch - 1, -1, -1))
         self.table = SlotTable(scratch + 1, max_pages_per_seq)
         self.waiting: collections.deque[ScheduledRequest] = collections.deque()
-        self.running: dict[str, ScheduledRequest] = {}  # admission order: prefilling and decoding
+        # Admission order: prefilling and decoding; and each of those apart, kept as requests
+        # join, change state and leave, so that no step scans the batch to find them.
+        self.running: dict[str, ScheduledRequest] = {}
+        self.prefilling: dict[str, ScheduledRequest] = {}
+        self.decoders: dict[str, ScheduledRequest] = {}
+        self._decoder_slots: dict[str, int] = {}  # the decoders' state slots, in the same order
+        self._seats = itertools.count()
         self.last_decode_key: tuple[int, int] | None = None  # (batch, width) buckets of the last decode step
 
     def admit(self) -> None:
@@ -134,7 +142,7 @@ class RunningBatch:
         taken, not allocated). A request waiting for another's prefill is passed over meanwhile."""
         if not self.waiting:
             return
-        reserve = sum(r.state == DECODE for r in self.running.values())  # a page of growth each
+        reserve = len(self.decoders)  # a page of growth each
         passed_over = []
         while self.waiting and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
@@ -158,14 +166,16 @@ class RunningBatch:
             self.alloc.hold(cached)
             req.state, req.computed = PREFILL, len(cached) * self.page_size
             self.table.admit(req.slot, len(req.prompt), req.sampling, length=req.computed,
-                             reserve=self.policy.reserve(with_draft))
+                             reserve=self.policy.reserve(with_draft), budget=req.budget,
+                             reads_tokens=req.reads_tokens, constrained=req.grammar is not None)
             self.table.set_pages(req.slot, 0, cached)
             req.pages = list(cached)
             self._give_pages(req, need)
             req.with_draft = with_draft
             if req.admitted is None:
                 req.admitted = time.perf_counter()
-            self.running[req.id] = req
+            req.seat = next(self._seats)
+            self.running[req.id] = self.prefilling[req.id] = req
         self.waiting.extendleft(reversed(passed_over))
 
     def _cached_prefix(self, req: ScheduledRequest, with_draft: bool) -> list[int]:
@@ -216,9 +226,7 @@ class RunningBatch:
         tokens, in admission order, while the batch's budget of `prefill_chunk` tokens lasts and its
         padded shape fits (`prefill_fits`)."""
         rows, budget, longest = [], prefill_chunk, 0
-        for req in self.running.values():
-            if req.state != PREFILL:
-                continue
+        for req in self.prefilling.values():
             n = min(len(req.prefill_ids) - req.computed, prefill_chunk)
             longest = max(longest, n)
             if rows and (n > budget or not prefill_fits(bucket(len(rows) + 1, 1, self.max_num_seqs),
@@ -238,14 +246,43 @@ class RunningBatch:
 
     def decoding(self) -> list[ScheduledRequest]:
         """The running requests past their prefill, in admission order."""
-        return [r for r in self.running.values() if r.state == DECODE]
+        return list(self.decoders.values())
+
+    def decoding_slots(self) -> np.ndarray:
+        """The state slots of `decoding()`'s requests, in its order."""
+        return np.fromiter(self._decoder_slots.values(), np.int32, len(self._decoder_slots))
+
+    def start_decoding(self, req: ScheduledRequest) -> None:
+        """A prefilling request's last prompt chunk was launched: it decodes from the next step on,
+        in its place in admission order (mostly the last: a request admitted before the newest
+        decoder that is still prefilling has a long prompt)."""
+        req.state = DECODE
+        del self.prefilling[req.id]
+        newest = next(reversed(self.decoders.values()), None)
+        self.decoders[req.id], self._decoder_slots[req.id] = req, req.slot
+        if newest is not None and newest.seat > req.seat:
+            self.decoders = {k: r for k, r in self.running.items() if r.state == DECODE}
+            self._decoder_slots = {k: r.slot for k, r in self.decoders.items()}
+
+    def leave(self, req: ScheduledRequest) -> None:
+        """A request leaves the queue or the batch (finished, aborted or preempted); a running one's
+        pages and slot are released."""
+        if req.state == WAITING:
+            self.waiting.remove(req)
+            return
+        del self.running[req.id]
+        if req.state == DECODE:
+            del self.decoders[req.id], self._decoder_slots[req.id]
+        else:
+            del self.prefilling[req.id]
+        self.release(req)
 
     def grow_pages(self) -> list[ScheduledRequest]:
         """Give every decoding request pages for its next step, preempting the newest when short;
         returns the decoding requests then, in admission order. Who needs pages is found for the
         whole batch at once from the slot table (most steps: nobody)."""
-        rows = self.decoding()
-        short, ends = self.table.short_of_pages([r.slot for r in rows], self.page_size)
+        short, ends = self.table.short_of_pages(self.decoding_slots(), self.page_size)
+        rows = self.decoding() if short else None
         for i, end in zip(short, ends):
             req = rows[i]
             need = min(pages_for(end, self.page_size), self.max_pages_per_seq) - len(req.pages)
@@ -253,12 +290,11 @@ class RunningBatch:
                 self.preempt(next(reversed(self.running.values())))
             if req.state == DECODE and need > 0:
                 self._give_pages(req, need)
-        return self.decoding() if short else rows
+        return self.decoding()
 
     def preempt(self, req: ScheduledRequest) -> None:
         """Back to the front of the queue, to be recomputed from prompt + output when readmitted."""
-        del self.running[req.id]
-        self.release(req)
+        self.leave(req)
         req.state = WAITING
         req.prefill_ids = req.prompt + req.output
         req.num_preemptions += 1
@@ -283,13 +319,13 @@ class RunningBatch:
             self.free_slots.append(req.slot)
         req.pages, req.computed, req.slot, req.gap = [], 0, None, 0
 
-    def rows_batch(self, rows: Sequence[ScheduledRequest], min_width: int = MIN_PAGES_BUCKET) -> BatchRows:
-        """The slot-table rows of `rows` (slots, prompt lengths, sampling settings, block tables),
-        padded to the batch bucket with the scratch slot's (all scratch page); the block tables'
-        width is at least `min_width`."""
-        batch = bucket(len(rows), 1, self.max_num_seqs)
+    def rows_batch(self, row_slots: Sequence[int] | np.ndarray, min_width: int = MIN_PAGES_BUCKET) -> BatchRows:
+        """The slot-table rows of the requests in `row_slots` (slots, prompt lengths, sampling
+        settings, block tables), padded to the batch bucket with the scratch slot's (all scratch
+        page); the block tables' width is at least `min_width`."""
+        batch = bucket(len(row_slots), 1, self.max_num_seqs)
         slots = np.full((batch,), self.max_num_seqs, np.int32)
-        slots[: len(rows)] = [r.slot for r in rows]
+        slots[: len(row_slots)] = row_slots
         width = bucket(max(int(self.table.num_pages[slots].max()), min_width), MIN_PAGES_BUCKET, self.max_pages_per_seq)
         return self.table.rows(slots, width)
 

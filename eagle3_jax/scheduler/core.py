@@ -63,7 +63,7 @@ from ..target import Target
 from ..text_stream import TextStream, output_text
 from ..tokenizer import Tokenizer
 from . import lockstep
-from .batch import DONE, MIN_PAGES_BUCKET, PREFILL_CHUNK, WAITING, RunningBatch, ScheduledRequest, bucket
+from .batch import DONE, MIN_PAGES_BUCKET, PREFILL_CHUNK, RunningBatch, ScheduledRequest, bucket
 from .launches import Launch, Launcher, time_steady_steps_only
 from .metrics import SchedulerCounters
 from .programs import Executor
@@ -238,11 +238,7 @@ class Scheduler:
         req = self._requests.get(str(request_id))
         if req is None or req.state == DONE:
             return False
-        if req.state == WAITING:
-            self._batch.waiting.remove(req)
-        else:
-            del self._batch.running[req.id]
-        self._batch.release(req)
+        self._batch.leave(req)
         self.counters.totals["num_requests_aborted"] += 1
         self._aborted.append(self._finish(req, "abort", time.perf_counter()))
         return True
@@ -298,7 +294,8 @@ class Scheduler:
         if prefill_rows:
             launches.append(self._launcher.prefill(prefill_rows))
         decode_rows = self._batch.grow_pages()
-        if any(r.grammar is not None for r in decode_rows):  # its masks follow from every token: read all first
+        if decode_rows and self._batch.table.constrained[self._batch.decoding_slots()].any():
+            # A constrained row's masks follow from every token so far: read every launch first.
             early, waited = self._collect(self._inflight + launches)
             deltas += early
             self.counters.totals["host_seconds_total"] -= waited
@@ -400,12 +397,14 @@ class Scheduler:
         counts = count[live]
         self.policy.observe(plan, launch.key, self._step_seconds(launch, now), requests, counts)
         self.counters.decode_step(counts, plan.depth)
-        table = self._batch.table
-        full = table.log_steps(launch.slots[live], counts, plan.depth, plan.draft_passes, now)
+        table, slots = self._batch.table, launch.slots[live]
+        bulk = table.bulk_rows(slots, out[live], counts)  # (before the step log advances their lengths)
+        full = table.log_steps(slots, counts, plan.depth, plan.draft_passes, now)
         tokens, deltas, taken = out.tolist(), [], 0
-        for i, req, k in zip(rows, requests, counts.tolist()):
+        for i, req, k, whole in zip(rows, requests, counts.tolist(), bulk):
             new = tokens[i][:k]
-            if req.take(new, now):  # nothing ends it or reads the tokens one by one (most rows)
+            if whole:  # nothing ends the request or reads its tokens one by one (most rows)
+                req.take(new)
                 taken += k
                 deltas.append(RequestDelta(req.id, new, now, False, None, None))
                 continue
@@ -427,8 +426,7 @@ class Scheduler:
             prompt_lps = req.prompt_logprobs if req.sent == 0 else None
             new, lps, text = req.unsent()
             return RequestDelta(req.id, new, now, False, None, None, lps, prompt_lps, text)
-        del self._batch.running[req.id]
-        self._batch.release(req)
+        self._batch.leave(req)
         self.counters.totals["num_requests_finished"] += 1
         return self._finish(req, reason, now)
 

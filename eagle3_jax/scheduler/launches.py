@@ -16,7 +16,7 @@ from ..logprobs import LogprobSettings
 from ..spec_decode.policy import SpeculationPolicy, StepPlan
 from ..structured import batch_masks, batch_tree_masks, mask_words
 from . import lockstep
-from .batch import DECODE, MIN_CHUNK_BUCKET, RunningBatch, ScheduledRequest, bucket, chunk_cap
+from .batch import MIN_CHUNK_BUCKET, RunningBatch, ScheduledRequest, bucket, chunk_cap
 from .metrics import SchedulerCounters
 from .programs import Executor
 from .slot_table import BatchRows, SlotTable, chunk_columns, prefill_chunks
@@ -100,7 +100,7 @@ class Launcher:
 
     def prefill(self, rows: list[tuple[ScheduledRequest, int]]) -> Launch:
         """Launch the next prompt chunks; a request whose prompt ends here decodes from now on."""
-        owners = self.batch.rows_batch([r for r, _ in rows], self.prefill_width)  # the rows' own slots
+        owners = self.batch.rows_batch([r.slot for r, _ in rows], self.prefill_width)  # the rows' own slots
         batch = len(owners.ints)
         t = bucket(max(n for _, n in rows), MIN_CHUNK_BUCKET, chunk_cap(self.prefill_chunk))
         packed = prefill_chunks(batch, t)
@@ -128,23 +128,25 @@ class Launcher:
             self.batch.table.length[req.slot] = req.computed
             self.batch.cache_prefilled(req, with_draft)
             if req.computed == len(req.prefill_ids):
-                req.state = DECODE
+                self.batch.start_decoding(req)
         self.counters.totals["prompt_tokens_total"] += int(n_valid[: len(rows)].sum())
         return Launch("prefill", requests, outputs, key=(batch, t), launched=launched, compiles=compiles,
                       with_draft=with_draft, tokens=int(n_valid[: len(rows)].sum()), chunks=chunks, final=final,
                       **self._slots_at_launch(owners, len(rows)))
 
     def decode(self, rows: list[ScheduledRequest]) -> Launch:
-        """Launch one decode step over `rows`, as the speculation policy plans it (a catch-up first when planned)."""
-        batch_rows = self.batch.rows_batch(rows)
+        """Launch one decode step over `rows`, the batch's decoding requests (`RunningBatch.decoding()`),
+        as the speculation policy plans it (a catch-up first when planned)."""
+        table, slots = self.batch.table, self.batch.decoding_slots()
+        batch_rows = self.batch.rows_batch(slots)
         key = self.batch.last_decode_key = batch_rows.block_table.shape
         plan = self.policy.plan(rows, key)
         if plan.catch_up:
             self.run("catch_up", None, batch_rows)
-        self.batch.table.pending[batch_rows.slots[: len(rows)]] += 1
+        table.pending[slots] += 1
         compiles, launched = self.executor.programs.num_compiles, time.perf_counter()
-        logprobs = any(r.logprobs is not None for r in rows)
-        if any(r.grammar is not None for r in rows):
+        logprobs = bool(table.wants_logprobs[slots].any())
+        if table.constrained[slots].any():
             outputs = self._constrained(rows, plan, batch_rows, logprobs)
         else:
             outputs = self.run(plan.program, plan.shape, batch_rows, logprobs=logprobs)

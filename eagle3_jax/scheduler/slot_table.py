@@ -16,7 +16,11 @@ batch in a few numpy calls instead of a few attribute updates per row: its commi
 its decode steps launched and not read yet, what a step may write (the pages it needs next), and
 its step log (tokens each decode step committed, draft tokens it proposed, when the tokens reached
 the host, draft passes), which the request takes over when it leaves the slot or the log fills
-(`take_steps`, for its metrics).
+(`take_steps`, for its metrics). So is what a step's hand-out asks of each row: whether its request
+reads its tokens one by one (stop strings, a grammar, logprobs), its stop ids and where its budget
+ends, from which `bulk_rows` finds the rows whose tokens are handed out whole (most rows of most
+steps) for a whole batch at once, and whether it is constrained or wants logprobs (which
+programs a batch of it runs).
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ SLOT, PROMPT_LEN = 0, 1
 SETTINGS = slice(2, 2 + PACKED_INTS)  # the sampling settings' integer columns
 PAGES = 2 + PACKED_INTS  # the block table's first column
 LOGGED_STEPS = 64  # decode steps a slot's step log holds before its request takes them
+BULK_STOP_IDS = 8  # stop ids a request may have and still be handed out in bulk
 # Up to this many rows, a batch's bookkeeping is scalar updates row by row: each numpy call on an
 # index array costs a few microseconds whatever its size, a scalar update a tenth of one.
 FEW_ROWS = 8
@@ -106,12 +111,24 @@ class SlotTable:
         self.drafted = np.zeros((num_slots, LOGGED_STEPS), np.int32)
         self.times = np.zeros((num_slots, LOGGED_STEPS), np.float64)
         self.draft_passes = np.zeros((num_slots,), np.int64)
+        # The hand-out: whether the request's tokens may go out whole (nothing reads them one by
+        # one), its stop ids (-1 padded), the committed length at which its budget runs out; and
+        # whether it is constrained (structured output) or wants logprobs.
+        self.bulk = np.zeros((num_slots,), bool)
+        self.stop_ids = np.full((num_slots, BULK_STOP_IDS), -1, np.int32)
+        self.budget_end = np.zeros((num_slots,), np.int64)
+        self.constrained = np.zeros((num_slots,), bool)
+        self.wants_logprobs = np.zeros((num_slots,), bool)
 
     def admit(self, slot: int, prompt_len: int, params: SamplingParams, *, length: int = 0,
-              reserve: tuple[int, int] = (1, 1)) -> None:
+              reserve: tuple[int, int] = (1, 1), budget: int = 0, reads_tokens: bool = True,
+              constrained: bool = False) -> None:
         """A request takes `slot`: its prompt's length, sampling settings, committed length (the
         cached pages it starts from) and `reserve`, what one of its decode steps may write (slots
-        committed, slots past them; the default: a step without speculation's); its pages follow."""
+        committed, slots past them; the default: a step without speculation's); its pages follow.
+        `budget`: the most tokens it may generate; `reads_tokens`: something reads its tokens one
+        by one (stop strings, a grammar, logprobs), so none go out in bulk; `constrained`: it has
+        a grammar."""
         ints, floats = packed_settings(params)
         self.ints[slot, PROMPT_LEN] = prompt_len
         self.ints[slot, SETTINGS] = ints
@@ -119,6 +136,15 @@ class SlotTable:
         self.features[slot] = BatchFeatures.bits_of(params)
         self.length[slot] = length
         self.step_tokens[slot], self.step_lookahead[slot] = reserve
+        stops = params.stop_token_ids
+        self.bulk[slot] = not reads_tokens and len(stops) <= BULK_STOP_IDS
+        self.stop_ids[slot] = -1
+        if self.bulk[slot]:
+            self.stop_ids[slot, : len(stops)] = stops
+        # Its output holds (committed length - prompt length + 1) tokens once its first is out
+        # (every token but the last is in the cache), so its budget runs out at this length.
+        self.budget_end[slot] = prompt_len + budget - 1
+        self.constrained[slot], self.wants_logprobs[slot] = constrained, params.logprobs is not None
 
     def set_pages(self, slot: int, start: int, pages: list[int]) -> None:
         """The slot's block table from column `start` on."""
@@ -131,7 +157,24 @@ class SlotTable:
         self.floats[slot] = GREEDY_FLOATS
         self.features[slot] = 0
         self.num_pages[slot] = self.length[slot] = self.pending[slot] = self.steps[slot] = self.draft_passes[slot] = 0
+        self.bulk[slot] = self.constrained[slot] = self.wants_logprobs[slot] = False
         self.generation[slot] += 1
+
+    def bulk_rows(self, slots: np.ndarray, tokens: np.ndarray, counts: np.ndarray) -> list[bool]:
+        """Of a decode step's rows (`slots`; each row's first `counts` of `tokens` [B, K] are new,
+        its committed length not advanced yet), those whose new tokens go out whole: their request
+        reads no token one by one, none of them is a stop id, and they leave room in its budget
+        (most rows of most steps). The other rows' tokens are emitted one by one."""
+        if len(slots) <= FEW_ROWS:
+            rows = []
+            for slot, row, count in zip(slots.tolist(), tokens.tolist(), counts.tolist()):
+                stops = self.stop_ids[slot].tolist() if self.bulk[slot] else None
+                rows.append(stops is not None and bool(self.length[slot] + count < self.budget_end[slot])
+                            and not any(t in stops for t in row[:count]))
+            return rows
+        new = np.arange(tokens.shape[1])[None, :] < counts[:, None]
+        stopped = ((tokens[:, :, None] == self.stop_ids[slots][:, None, :]).any(axis=2) & new).any(axis=1)
+        return (self.bulk[slots] & (self.length[slots] + counts < self.budget_end[slots]) & ~stopped).tolist()
 
     def log_steps(self, slots: np.ndarray, counts: np.ndarray, depth: int, draft_passes: int, now: float) -> np.ndarray:
         """A decode step of `slots` (each once) committed `counts` tokens each, after proposing
@@ -160,11 +203,12 @@ class SlotTable:
         self.draft_passes[slots] += draft_passes
         return np.flatnonzero(column + 1 == LOGGED_STEPS)
 
-    def short_of_pages(self, slots: list[int], page_size: int) -> tuple[list[int], list[int]]:
+    def short_of_pages(self, slots: np.ndarray, page_size: int) -> tuple[list[int], list[int]]:
         """Of `slots`' requests, those whose pages do not cover their next step (its launched and
         unread steps each committing up to `step_tokens`, then `step_lookahead` slots past them):
         (their positions in `slots`, the cache slots each needs covered)."""
         if len(slots) <= FEW_ROWS:
+            slots = np.asarray(slots).tolist()
             ends = [int(self.length[s] + self.pending[s] * self.step_tokens[s] + self.step_lookahead[s]) for s in slots]
             short = [i for i, (s, end) in enumerate(zip(slots, ends)) if end > self.num_pages[s] * page_size]
             return short, [ends[i] for i in short]
