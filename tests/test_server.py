@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import threading
 import time
 
 import pytest
@@ -739,3 +740,57 @@ def test_consumer_leaving_early_aborts():
         assert set(stub.aborted) == {"r1", "r2"}
     finally:
         engine.shutdown(timeout=10)
+
+
+def test_a_steps_deltas_reach_their_consumers_in_one_call_per_event_loop():
+    """Every running request's delta of a step goes to its consumer's event loop in one
+    cross-thread call (not one per request), each stream's deltas in order."""
+    from eagle3_jax.scheduler import RequestDelta
+    from eagle3_jax.serving import AsyncEngine
+
+    class Counting(_StubScheduler):
+        """Each request gets tokens 1 .. 5, one a step, the fifth finishing it."""
+
+        steps = 0
+
+        def step(self):
+            self.steps += 1
+            live = [r for r in self.added if r not in self.aborted and self.sent.get(r, 0) < 5]
+            for r in live:
+                self.sent[r] = self.sent.get(r, 0) + 1
+            return [RequestDelta(r, [self.sent[r]], time.perf_counter(), self.sent[r] == 5, None, None) for r in live]
+
+        def has_unfinished(self):
+            return any(self.sent.get(r, 0) < 5 for r in self.added if r not in self.aborted)
+
+    stub = Counting()
+    stub.sent = {}
+    engine = AsyncEngine(stub)
+    requests = [f"r{i}" for i in range(8)]
+
+    async def main():
+        loop, calls = asyncio.get_running_loop(), []
+        original = loop.call_soon_threadsafe
+
+        def counted(*args, **kwargs):
+            calls.append(threading.current_thread().name)
+            return original(*args, **kwargs)
+
+        loop.call_soon_threadsafe = counted
+        engine.start()  # all eight are queued before its first step
+
+        async def consume(rid):
+            return [d.token_ids[0] async for d in engine.generate([1, 2], None, request_id=rid)]
+
+        tasks = [asyncio.ensure_future(consume(r)) for r in requests]
+        streams = await asyncio.gather(*tasks)
+        return streams, calls, stub.steps
+
+    try:
+        streams, calls, steps = asyncio.run(main())
+    finally:
+        engine.shutdown(timeout=10)
+    assert streams == [[1, 2, 3, 4, 5]] * len(requests)
+    engine_calls = [name for name in calls if name == engine._thread_name]
+    # per step (and one per request's admission, its add's answer), not per request and step
+    assert steps >= 5 and len(engine_calls) <= steps + len(requests) < 5 * len(requests)
