@@ -33,6 +33,16 @@ their jitted calls, the outputs' read, which holds the device wait, token emissi
 and the N functions of most own time. The profiler's own overhead inflates every figure of
 that run (roughly 1.5-2x); compare profiles with profiles.
 
+With --through_engine the requests run as the server runs them: the scheduler on an AsyncEngine's
+thread, each request's deltas streamed to its own consumer on an event loop (the engine's
+tokenizer decoding them there with --detokenize). It reports the scheduler's host ms per iteration
+as above and the engine thread's time per iteration outside `step()` (median): handing the step's
+deltas to the consumers and the stats snapshot, in CPU ms (the thread's own work) and wall ms
+(which holds its waits for the GIL while the consumers' loop runs); and the engine thread's host
+ms per iteration, the two together (all of its iteration but the device wait), which bounds the
+steps of a server whose host is the bottleneck. --phases and --profile time
+the scheduler driven directly, not in this mode.
+
 By default host and device work do not overlap (`--nooverlap`): on a CPU host the device's
 threads would otherwise run beside the host's Python and inflate it. Prints a table and writes
 --json_out (command, machine, date, figures).
@@ -80,6 +90,9 @@ flags.DEFINE_string("stop_string", None, "With --detokenize: every request carri
 flags.DEFINE_string("json_out", None, "Write the figures here as JSON.")
 flags.DEFINE_bool("phases", False, "Also time the scheduler's phases with timers around its methods (no profiler: "
                   "a few microseconds of overhead per iteration) and print each one's host ms per iteration (median).")
+flags.DEFINE_bool("through_engine", False, "Run the requests through an AsyncEngine, each streamed to its own "
+                  "consumer on an event loop, as the server does, and report the engine thread's time outside step() "
+                  "(see the module doc); --phases and --profile do not apply.")
 flags.DEFINE_integer("profile", 0, "Profile the measured iterations with cProfile and print where the host time goes: "
                      "the scheduler's phases (cumulative ms per iteration) and the top N functions by own time.",
                      lower_bound=0)
@@ -188,7 +201,8 @@ def _launch_floors_ms(sched, repeats: int = 50) -> tuple[float, float]:
     return floors[0], floors[1]
 
 
-def _measure(target, draft, spec, num_seqs: int, tokenizer=None) -> dict:
+def _scheduler(target, draft, spec, num_seqs: int, tokenizer=None):
+    """The measured scheduler, and a function drawing one request's (prompt, SamplingParams)."""
     import eagle3_jax as e3
 
     rng = random.Random(0)
@@ -197,9 +211,71 @@ def _measure(target, draft, spec, num_seqs: int, tokenizer=None) -> dict:
                          max_seq_len=FLAGS.prompt_len + FLAGS.max_tokens + 1, overlap=FLAGS.overlap, tokenizer=tokenizer)
     stop = () if FLAGS.stop_string is None else (FLAGS.stop_string,)
 
-    def submit() -> None:
+    def draw() -> tuple:
         prompt = [rng.randrange(3, vocab) for _ in range(FLAGS.prompt_len)]
-        sched.add_request(prompt, e3.SamplingParams(max_tokens=rng.randint(FLAGS.min_tokens, FLAGS.max_tokens), stop=stop))
+        return prompt, e3.SamplingParams(max_tokens=rng.randint(FLAGS.min_tokens, FLAGS.max_tokens), stop=stop)
+
+    return sched, draw
+
+
+def _measure_through_engine(target, draft, spec, num_seqs: int, tokenizer=None) -> dict:
+    """--through_engine: --num_seqs consumers on one event loop, each streaming one request after
+    another through an AsyncEngine, until --warmup + --iterations steps ran."""
+    import asyncio
+
+    from eagle3_jax.serving import AsyncEngine
+
+    sched, draw = _scheduler(target, draft, spec, num_seqs, tokenizer)
+    engine = AsyncEngine(sched, tokenizer=tokenizer)
+    steps, outer = [], []  # per step: (wall, CPU, host seconds, programs compiled); the engine's (wall, CPU)
+    step, engine_step = sched.step, engine._step
+
+    def timed_step():
+        wall, cpu, host, compiles = time.perf_counter(), time.thread_time(), sched.stats()["host_seconds_total"], \
+            sched.programs.num_compiles
+        try:
+            return step()
+        finally:
+            steps.append((time.perf_counter() - wall, time.thread_time() - cpu,
+                          sched.stats()["host_seconds_total"] - host, sched.programs.num_compiles - compiles))
+
+    def timed_engine_step():
+        wall, cpu = time.perf_counter(), time.thread_time()
+        engine_step()
+        outer.append((time.perf_counter() - wall, time.thread_time() - cpu))
+
+    sched.step, engine._step = timed_step, timed_engine_step
+    wanted = FLAGS.warmup + FLAGS.iterations
+
+    async def consumer() -> None:
+        while len(steps) < wanted:
+            async for _ in engine.generate(*draw()):
+                pass
+
+    async def run() -> None:
+        engine.start()
+        await asyncio.gather(*(consumer() for _ in range(num_seqs)))
+
+    try:
+        asyncio.run(run())
+    finally:
+        engine.shutdown(timeout=60)
+    measured = [(s, o) for s, o in zip(steps[FLAGS.warmup: wanted], outer[FLAGS.warmup: wanted]) if not s[3]]
+    median_ms = lambda values: 1e3 * float(np.median(values))  # noqa: E731
+    return {"num_seqs": num_seqs, "iterations": len(measured),
+            "host_ms_per_iteration": median_ms([s[2] for s, _ in measured]),
+            "engine_cpu_ms_outside_step": median_ms([o[1] - s[1] for s, o in measured]),
+            "engine_wall_ms_outside_step": median_ms([o[0] - s[0] for s, o in measured]),
+            # the engine thread's whole iteration but the device wait: what bounds a host-bound server's steps
+            "engine_host_ms_per_iteration": median_ms([s[2] + o[0] - s[0] for s, o in measured]),
+            "iterations_that_compiled": min(len(steps), wanted) - FLAGS.warmup - len(measured)}
+
+
+def _measure(target, draft, spec, num_seqs: int, tokenizer=None) -> dict:
+    sched, draw = _scheduler(target, draft, spec, num_seqs, tokenizer)
+
+    def submit() -> None:
+        sched.add_request(*draw())
 
     phase_seconds = _install_phase_timers(sched) if FLAGS.phases else None
     read_cpu = _count_read_cpu(sched)
@@ -304,6 +380,8 @@ def main(argv) -> None:
 
     with _cli.usage_errors("--spec"):
         specs = [(name, e3.SpecConfig.parse(name)) for name in FLAGS.spec]
+    if FLAGS.through_engine and (FLAGS.phases or FLAGS.profile):
+        raise app.UsageError("--phases and --profile time the scheduler's own loop: leave them out with --through_engine")
     if FLAGS.stop_string is not None and not FLAGS.detokenize:
         raise app.UsageError("--stop_string needs --detokenize (stop strings are matched on the decoded text)")
     target = e3.load_target(FLAGS.target)
@@ -313,6 +391,37 @@ def main(argv) -> None:
 
         tokenizer = load_tokenizer(FLAGS.target)
     draft = e3.load_draft(FLAGS.draft, target=target) if any(s is not None for _, s in specs) else None
+    rows = _through_engine(target, draft, specs, sizes, tokenizer) if FLAGS.through_engine else \
+        _on_the_scheduler(target, draft, specs, sizes, tokenizer)
+    if FLAGS.json_out:
+        record = {"command": " ".join(["python"] + sys.argv), "date": datetime.date.today().isoformat(),
+                  "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, {platform.platform()}",
+                  "overlap": FLAGS.overlap, "detokenize": FLAGS.detokenize, "stop_string": FLAGS.stop_string,
+                  "through_engine": FLAGS.through_engine, "rows": rows}
+        with open(FLAGS.json_out, "w") as f:
+            json.dump(record, f, indent=1)
+
+
+def _through_engine(target, draft, specs: list, sizes: list[int], tokenizer) -> list[dict]:
+    """--through_engine's rows, printed as a table as they come."""
+    rows = []
+    print("| spec | seqs | scheduler host ms / iteration (median) | engine thread outside step(): CPU ms (median) | "
+          "wall ms (median) | engine thread host ms / iteration (median) | iterations timed | left out (compiled) |\n"
+          "|---|---|---|---|---|---|---|---|")
+    for name, spec in specs:
+        for n in sizes:
+            row = dict(spec=name, **_measure_through_engine(target, draft, spec, n, tokenizer))
+            rows.append(row)
+            print(f"| {name} | {n} | {row['host_ms_per_iteration']:.2f} | {row['engine_cpu_ms_outside_step']:.3f} | "
+                  f"{row['engine_wall_ms_outside_step']:.3f} | {row['engine_host_ms_per_iteration']:.2f} | "
+                  f"{row['iterations']} | {row['iterations_that_compiled']} |",
+                  flush=True)
+    return rows
+
+
+def _on_the_scheduler(target, draft, specs: list, sizes: list[int], tokenizer) -> list[dict]:
+    """The default rows (the scheduler driven directly), printed as a table as they come, then the
+    --phases table."""
     rows = []
     print("| spec | seqs | host ms / iteration (median) | host ms (mean) | of which launches (median) | the rest: "
           "scheduler (median) | host CPU ms (median) | launch floor ms | cold floor ms | device wait ms (median) | tokens / iteration | iterations timed | "
@@ -330,13 +439,7 @@ def main(argv) -> None:
                   f"{row['iterations_that_compiled']} |", flush=True)
     if FLAGS.phases:
         _print_phases(rows)
-    if FLAGS.json_out:
-        record = {"command": " ".join(["python"] + sys.argv), "date": datetime.date.today().isoformat(),
-                  "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, {platform.platform()}",
-                  "overlap": FLAGS.overlap, "detokenize": FLAGS.detokenize, "stop_string": FLAGS.stop_string,
-                  "rows": rows}
-        with open(FLAGS.json_out, "w") as f:
-            json.dump(record, f, indent=1)
+    return rows
 
 
 if __name__ == "__main__":
