@@ -586,3 +586,23 @@ def test_host_time_script_reports_its_phases(tmp_path):
     assert phases["decode launch"] > 0 and phases["collect decode"] > 0 and phases["  jitted calls (launches)"] > 0
     assert phases["outputs read (device wait)"] > 0
     assert "| phase (host ms / iteration, median) | none x2 |" in r.stdout and "| admission |" in r.stdout
+
+
+def test_host_time_script_through_the_engine(tmp_path):
+    """scripts/bench_host.py --through_engine: the requests streamed through an AsyncEngine; the
+    engine thread's time outside step() and its whole host time per iteration, recorded."""
+    out = tmp_path / "engine.json"
+    env = dict(os.environ, PYTHONPATH=ROOT, XLA_FLAGS="")
+    r = subprocess.run([sys.executable, "scripts/bench_host.py", f"--target={KIMI}", "--spec=none", "--num_seqs=3",
+                        "--warmup=4", "--iterations=8", "--min_tokens=3", "--max_tokens=6", "--through_engine",
+                        f"--json_out={out}"], capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    record = json.loads(out.read_text())
+    (row,) = record["rows"]
+    assert record["through_engine"] and row["num_seqs"] == 3 and 1 <= row["iterations"] <= 8
+    assert 0 < row["engine_cpu_ms_outside_step"] and 0 < row["engine_wall_ms_outside_step"]
+    assert row["host_ms_per_iteration"] > 0 and row["engine_host_ms_per_iteration"] > row["host_ms_per_iteration"] / 2
+    assert "| engine thread host ms / iteration (median) |" in r.stdout
+    r = subprocess.run([sys.executable, "scripts/bench_host.py", "--through_engine", "--phases"], capture_output=True,
+                       text=True, cwd=ROOT, env=env, timeout=300)
+    assert r.returncode == 2 and "leave them out with --through_engine" in r.stderr.strip().splitlines()[-1]
