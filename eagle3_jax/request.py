@@ -175,11 +175,10 @@ class Request:
         return self.text is not None or self.grammar is not None or self.logprobs is not None
 
     def take(self, tokens: list[int]) -> None:
-        """Tokens already handed out in bulk, taken into the output (and counted as handed out):
-        decode steps' tokens that could not end the request (none a stop id, its budget not
-        reached) of a request that does not `reads_tokens`, all earlier ones handed out (the
-        scheduler checks that for a whole batch at once and logs them per slot until the request
-        takes them); their time is the caller's to record (`record_steps`)."""
+        """A step's tokens taken whole and marked handed out: tokens that cannot end the request
+        (none a stop id, its budget not reached) of a request that does not `reads_tokens`, all
+        earlier ones handed out (the scheduler checks that for a whole batch at once); their
+        time is the caller's to record (`record_steps`)."""
         self.output += tokens
         self.sent = len(self.output)
 

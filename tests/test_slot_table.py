@@ -179,33 +179,3 @@ def test_prefill_chunks_are_padding_rows_until_written_through_their_columns():
     lengths[0], n_valid[0], following[0], counter[0] = 32, 3, 8, 2
     again = chunk_columns(packed)
     assert list(again[0][0, :4]) == [5, 6, 7, 0] and (again[1][0], again[2][0], again[3][0], again[4][0]) == (32, 3, 8, 2)
-
-
-@pytest.mark.parametrize("rows", [3, 20], ids=["few rows", "many rows"])
-def test_token_logs_hold_the_bulk_rows_tokens_until_their_request_takes_them(rows):
-    """Each step's bulk rows append their new tokens to their slots' logs (other rows nothing);
-    `take_tokens` gives a slot's tokens in order once and starts its log afresh; a step log's worth
-    of the longest steps fits."""
-    step_tokens = 4
-    table, rng = SlotTable(32, max_pages_per_seq=4, step_tokens=step_tokens), np.random.default_rng(rows)
-    slots = rng.permutation(31)[:rows]
-    for slot in slots.tolist():
-        table.admit(slot, 2, SETTINGS[0], request_id=f"r{slot}")
-    want = {slot: [] for slot in slots.tolist()}
-    for step in range(LOGGED_STEPS):
-        counts = rng.integers(1, step_tokens + 1, rows)
-        counts[0] = step_tokens  # one row commits the most every step
-        tokens, bulk = rng.integers(0, 1000, (rows, step_tokens)), (rng.random(rows) < 0.8).tolist()
-        bulk[0] = True
-        table.log_tokens(slots, tokens, counts, bulk)
-        for slot, row, count, whole in zip(slots.tolist(), tokens.tolist(), counts.tolist(), bulk):
-            want[slot] += row[:count] if whole else []
-        if step % 7 == 3:  # a request takes its tokens early (a step that reads it token by token)
-            slot = int(slots[-1])
-            assert table.take_tokens(slot) == want[slot]
-            want[slot] = []
-    for slot in slots.tolist():
-        assert table.request_ids[slot] == f"r{slot}" and table.take_tokens(slot) == want[slot]
-        assert table.take_tokens(slot) == []
-    table.clear(int(slots[0]))
-    assert table.request_ids[int(slots[0])] is None

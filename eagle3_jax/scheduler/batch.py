@@ -125,7 +125,7 @@ class RunningBatch:
             self.alloc.cache = PrefixCache()
         scratch = max_num_seqs  # the state slot of padding rows
         self.free_slots = list(range(scratch - 1, -1, -1))
-        self.table = SlotTable(scratch + 1, max_pages_per_seq, step_tokens=policy.max_accept + 1)
+        self.table = SlotTable(scratch + 1, max_pages_per_seq)
         self.waiting: collections.deque[ScheduledRequest] = collections.deque()
         # Admission order: prefilling and decoding; and each of those apart, kept as requests
         # join, change state and leave, so that no step scans the batch to find them.
@@ -167,7 +167,7 @@ class RunningBatch:
             req.state, req.computed = PREFILL, len(cached) * self.page_size
             self.table.admit(req.slot, len(req.prompt), req.sampling, length=req.computed,
                              reserve=self.policy.reserve(with_draft), budget=req.budget,
-                             reads_tokens=req.reads_tokens, constrained=req.grammar is not None, request_id=req.id)
+                             reads_tokens=req.reads_tokens, constrained=req.grammar is not None)
             self.table.set_pages(req.slot, 0, cached)
             req.pages = list(cached)
             self._give_pages(req, need)
@@ -307,7 +307,6 @@ class RunningBatch:
         Those programs still write its pages (beyond the committed length only, so never a cached
         page), but every later program runs after them on the device, so the next owner sees its
         own data."""
-        self.take_tokens(req)
         # Committed: req.length slots, draft pairs up to length - gap. (The cache is checked here
         # too, so that leaving without one builds no list of the whole sequence.)
         if req.state == DECODE and self.alloc.cache is not None:
@@ -319,12 +318,6 @@ class RunningBatch:
             self.table.clear(req.slot)
             self.free_slots.append(req.slot)
         req.pages, req.computed, req.slot, req.gap = [], 0, None, 0
-
-    def take_tokens(self, req: ScheduledRequest) -> None:
-        """`req` takes the tokens its slot's token log holds into its output (before anything reads
-        its output or adds to it)."""
-        if req.slot is not None and self.table.logged_tokens[req.slot]:
-            req.take(self.table.take_tokens(req.slot))
 
     def rows_batch(self, row_slots: Sequence[int] | np.ndarray, min_width: int = MIN_PAGES_BUCKET) -> BatchRows:
         """The slot-table rows of the requests in `row_slots` (slots, prompt lengths, sampling

@@ -390,32 +390,30 @@ class Scheduler:
 
     def _collect_decode(self, launch: Launch, live: np.ndarray, outputs: list[np.ndarray],
                         now: float) -> list[RequestDelta]:
-        """A decode step's tokens of its `live` rows, handed out; requests finished when done. Rows that
-        merely continue (most) go out in bulk: logged per slot, requests untouched (`take_tokens`)."""
+        """A decode step's tokens of its `live` rows: handed out, and their requests finished when done."""
         (out, count), logprobs, plan = outputs[:2], outputs[2:] or None, launch.plan
         rows = live.tolist()
         requests = launch.requests if len(rows) == len(launch.requests) else [launch.requests[i] for i in rows]
         counts = count[live]
         self.policy.observe(plan, launch.key, self._step_seconds(launch, now), requests, counts)
         self.counters.decode_step(counts, plan.depth)
-        batch, table, slots = self._batch, self._batch.table, launch.slots[live]
+        table, slots = self._batch.table, launch.slots[live]
         bulk = table.bulk_rows(slots, out[live], counts)  # (before the step log advances their lengths)
         full = table.log_steps(slots, counts, plan.depth, plan.draft_passes, now)
-        table.log_tokens(slots, out[live], counts, bulk)  # nothing ends those rows: their requests are not touched
-        tokens, deltas, ids, counts = out.tolist(), [], table.request_ids, counts.tolist()
-        for n, (i, slot, k, whole) in enumerate(zip(rows, slots.tolist(), counts, bulk)):
+        tokens, deltas, taken = out.tolist(), [], 0
+        for i, req, k, whole in zip(rows, requests, counts.tolist(), bulk):
+            new = tokens[i][:k]
             if whole:  # nothing ends the request or reads its tokens one by one (most rows)
-                deltas.append(RequestDelta(ids[slot], tokens[i][:k], now, False, None, None))
+                req.take(new)
+                taken += k
+                deltas.append(RequestDelta(req.id, new, now, False, None, None))
                 continue
-            req = requests[n]
-            batch.take_tokens(req)
             lps = None if req.logprobs is None else Logprob.rows(logprobs, i, range(k), req.sampling.logprobs)
-            deltas.append(self._emit(req, tokens[i][:k], now, lps, timed=False))
-        for n in full.tolist():  # a full step log, taken by its request (one that finished took it leaving)
-            if requests[n].slot is not None:
-                batch.take_tokens(requests[n])
-                requests[n].record_steps(*table.take_steps(requests[n].slot))
-        self.counters.totals["generation_tokens_total"] += sum(k for k, whole in zip(counts, bulk) if whole)
+            deltas.append(self._emit(req, new, now, lps, timed=False))
+        for i in full.tolist():  # a full step log, taken by its request (one that finished took it leaving)
+            if requests[i].slot is not None:
+                requests[i].record_steps(*table.take_steps(requests[i].slot))
+        self.counters.totals["generation_tokens_total"] += taken
         return deltas
 
     def _emit(self, req: ScheduledRequest, tokens: list[int], now: float,

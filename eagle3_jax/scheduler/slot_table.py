@@ -16,10 +16,7 @@ batch in a few numpy calls instead of a few attribute updates per row: its commi
 its decode steps launched and not read yet, what a step may write (the pages it needs next), and
 its step log (tokens each decode step committed, draft tokens it proposed, when the tokens reached
 the host, draft passes), which the request takes over when it leaves the slot or the log fills
-(`take_steps`, for its metrics), and its token log: the tokens its decode steps handed out in bulk,
-which the request takes into its output when it leaves the slot, when its step log fills or
-before a step's tokens go to it one by one (`take_tokens`), so that a step's bulk rows touch no
-request object. So is what a step's hand-out asks of each row: whether its request
+(`take_steps`, for its metrics). So is what a step's hand-out asks of each row: whether its request
 reads its tokens one by one (stop strings, a grammar, logprobs), its stop ids and where its budget
 ends, from which `bulk_rows` finds the rows whose tokens are handed out whole (most rows of most
 steps) for a whole batch at once, and whether it is constrained or wants logprobs (which
@@ -86,9 +83,9 @@ class BatchRows:
 
 class SlotTable:
     """The host tables of `num_slots` state slots (the last one scratch: greedy, no prompt, every
-    page the scratch page); a decode step commits up to `step_tokens` tokens a row."""
+    page the scratch page)."""
 
-    def __init__(self, num_slots: int, max_pages_per_seq: int, step_tokens: int = 1):
+    def __init__(self, num_slots: int, max_pages_per_seq: int):
         self.ints = np.empty((num_slots, PAGES + max_pages_per_seq), np.int32)
         self.ints[:, SLOT] = np.arange(num_slots)
         self.ints[:, PROMPT_LEN] = 0
@@ -122,21 +119,16 @@ class SlotTable:
         self.budget_end = np.zeros((num_slots,), np.int64)
         self.constrained = np.zeros((num_slots,), bool)
         self.wants_logprobs = np.zeros((num_slots,), bool)
-        # The token log (its first `logged_tokens` columns; taken with the step log at the latest,
-        # so LOGGED_STEPS steps' worth holds it) and each slot's request id, for its deltas.
-        self.token_log = np.zeros((num_slots, LOGGED_STEPS * step_tokens), np.int32)
-        self.logged_tokens = np.zeros((num_slots,), np.int64)
-        self.request_ids: list[str | None] = [None] * num_slots
 
     def admit(self, slot: int, prompt_len: int, params: SamplingParams, *, length: int = 0,
               reserve: tuple[int, int] = (1, 1), budget: int = 0, reads_tokens: bool = True,
-              constrained: bool = False, request_id: str | None = None) -> None:
+              constrained: bool = False) -> None:
         """A request takes `slot`: its prompt's length, sampling settings, committed length (the
         cached pages it starts from) and `reserve`, what one of its decode steps may write (slots
         committed, slots past them; the default: a step without speculation's); its pages follow.
         `budget`: the most tokens it may generate; `reads_tokens`: something reads its tokens one
         by one (stop strings, a grammar, logprobs), so none go out in bulk; `constrained`: it has
-        a grammar; `request_id`: its id, which its bulk deltas carry."""
+        a grammar."""
         ints, floats = packed_settings(params)
         self.ints[slot, PROMPT_LEN] = prompt_len
         self.ints[slot, SETTINGS] = ints
@@ -153,7 +145,6 @@ class SlotTable:
         # (every token but the last is in the cache), so its budget runs out at this length.
         self.budget_end[slot] = prompt_len + budget - 1
         self.constrained[slot], self.wants_logprobs[slot] = constrained, params.logprobs is not None
-        self.request_ids[slot], self.logged_tokens[slot] = request_id, 0
 
     def set_pages(self, slot: int, start: int, pages: list[int]) -> None:
         """The slot's block table from column `start` on."""
@@ -167,31 +158,7 @@ class SlotTable:
         self.features[slot] = 0
         self.num_pages[slot] = self.length[slot] = self.pending[slot] = self.steps[slot] = self.draft_passes[slot] = 0
         self.bulk[slot] = self.constrained[slot] = self.wants_logprobs[slot] = False
-        self.logged_tokens[slot], self.request_ids[slot] = 0, None
         self.generation[slot] += 1
-
-    def log_tokens(self, slots: np.ndarray, tokens: np.ndarray, counts: np.ndarray, bulk: list[bool]) -> None:
-        """A decode step's `bulk` rows (`bulk_rows`) hand out their first `counts` of `tokens`
-        [B, K]: into their slots' token logs, for their requests to take (`take_tokens`)."""
-        if len(slots) <= FEW_ROWS:
-            for slot, row, count, whole in zip(slots.tolist(), tokens.tolist(), counts.tolist(), bulk):
-                if whole:
-                    start = int(self.logged_tokens[slot])
-                    self.token_log[slot, start: start + count] = row[:count]
-                    self.logged_tokens[slot] = start + count
-            return
-        keep = np.asarray(bulk, bool)
-        slots, tokens, counts = slots[keep], tokens[keep], counts[keep]
-        rows, columns = np.nonzero(np.arange(tokens.shape[1])[None, :] < counts[:, None])
-        self.token_log[slots[rows], self.logged_tokens[slots][rows] + columns] = tokens[rows, columns]
-        self.logged_tokens[slots] += counts
-
-    def take_tokens(self, slot: int) -> list[int]:
-        """The tokens the slot's decode steps handed out in bulk since its request last took them;
-        the log starts afresh."""
-        n = int(self.logged_tokens[slot])
-        self.logged_tokens[slot] = 0
-        return self.token_log[slot, :n].tolist() if n else []
 
     def bulk_rows(self, slots: np.ndarray, tokens: np.ndarray, counts: np.ndarray) -> list[bool]:
         """Of a decode step's rows (`slots`; each row's first `counts` of `tokens` [B, K] are new,
