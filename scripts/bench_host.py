@@ -118,6 +118,23 @@ PHASES = (("admission", "_batch", "scheduler/batch.py", "admit"),
           ("  metrics counters", "counters", "scheduler/metrics.py", "decode_step"))
 
 
+# The printed tables' columns after spec and seqs: (header, format of the row's figures).
+SCHEDULER_COLUMNS = (("host ms / iteration (median)", "{host_ms_per_iteration:.2f}"),
+                     ("host ms (mean)", "{host_ms_mean:.2f}"),
+                     ("of which launches (median)", "{launch_ms_per_iteration:.2f}"),
+                     ("the rest: scheduler (median)", "{scheduler_ms_per_iteration:.2f}"),
+                     ("host CPU ms (median)", "{host_cpu_ms_per_iteration:.2f}"),
+                     ("launch floor ms", "{launch_floor_ms:.3f}"), ("cold floor ms", "{launch_floor_cold_ms:.3f}"),
+                     ("device wait ms (median)", "{device_wait_ms_per_iteration:.2f}"),
+                     ("tokens / iteration", "{tokens_per_iteration:.1f}"), ("iterations timed", "{iterations}"),
+                     ("left out (compiled)", "{iterations_that_compiled}"))
+ENGINE_COLUMNS = (("scheduler host ms / iteration (median)", "{host_ms_per_iteration:.2f}"),
+                  ("engine thread outside step(): CPU ms (median)", "{engine_cpu_ms_outside_step:.3f}"),
+                  ("wall ms (median)", "{engine_wall_ms_outside_step:.3f}"),
+                  ("engine thread host ms / iteration (median)", "{engine_host_ms_per_iteration:.2f}"),
+                  ("iterations timed", "{iterations}"), ("left out (compiled)", "{iterations_that_compiled}"))
+
+
 def _install_phase_timers(sched) -> dict:
     """Wrap the scheduler's PHASES methods (on the instances) with timers; returns the dict of
     seconds per label they add to (the caller clears it)."""
@@ -391,8 +408,10 @@ def main(argv) -> None:
 
         tokenizer = load_tokenizer(FLAGS.target)
     draft = e3.load_draft(FLAGS.draft, target=target) if any(s is not None for _, s in specs) else None
-    rows = _through_engine(target, draft, specs, sizes, tokenizer) if FLAGS.through_engine else \
-        _on_the_scheduler(target, draft, specs, sizes, tokenizer)
+    if FLAGS.through_engine:
+        rows = _measured_rows(_measure_through_engine, ENGINE_COLUMNS, target, draft, specs, sizes, tokenizer)
+    else:
+        rows = _on_the_scheduler(target, draft, specs, sizes, tokenizer)
     if FLAGS.json_out:
         record = {"command": " ".join(["python"] + sys.argv), "date": datetime.date.today().isoformat(),
                   "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, {platform.platform()}",
@@ -402,41 +421,21 @@ def main(argv) -> None:
             json.dump(record, f, indent=1)
 
 
-def _through_engine(target, draft, specs: list, sizes: list[int], tokenizer) -> list[dict]:
-    """--through_engine's rows, printed as a table as they come."""
+def _measured_rows(measure, columns: tuple, target, draft, specs: list, sizes: list[int], tokenizer) -> list[dict]:
+    """`measure`'s figures for each (spec, seqs), printed as a table of `columns` as they come."""
+    print("| spec | seqs | " + " | ".join(header for header, _ in columns) + " |\n|---|---|" + "---|" * len(columns))
     rows = []
-    print("| spec | seqs | scheduler host ms / iteration (median) | engine thread outside step(): CPU ms (median) | "
-          "wall ms (median) | engine thread host ms / iteration (median) | iterations timed | left out (compiled) |\n"
-          "|---|---|---|---|---|---|---|---|")
     for name, spec in specs:
         for n in sizes:
-            row = dict(spec=name, **_measure_through_engine(target, draft, spec, n, tokenizer))
+            row = dict(spec=name, **measure(target, draft, spec, n, tokenizer))
             rows.append(row)
-            print(f"| {name} | {n} | {row['host_ms_per_iteration']:.2f} | {row['engine_cpu_ms_outside_step']:.3f} | "
-                  f"{row['engine_wall_ms_outside_step']:.3f} | {row['engine_host_ms_per_iteration']:.2f} | "
-                  f"{row['iterations']} | {row['iterations_that_compiled']} |",
-                  flush=True)
+            print(f"| {name} | {n} | " + " | ".join(cell.format(**row) for _, cell in columns) + " |", flush=True)
     return rows
 
 
 def _on_the_scheduler(target, draft, specs: list, sizes: list[int], tokenizer) -> list[dict]:
-    """The default rows (the scheduler driven directly), printed as a table as they come, then the
-    --phases table."""
-    rows = []
-    print("| spec | seqs | host ms / iteration (median) | host ms (mean) | of which launches (median) | the rest: "
-          "scheduler (median) | host CPU ms (median) | launch floor ms | cold floor ms | device wait ms (median) | tokens / iteration | iterations timed | "
-          "left out (compiled) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for name, spec in specs:
-        for n in sizes:
-            row = dict(spec=name, **_measure(target, draft, spec, n, tokenizer))
-            rows.append(row)
-            print(f"| {name} | {n} | {row['host_ms_per_iteration']:.2f} | {row['host_ms_mean']:.2f} | "
-                  f"{row['launch_ms_per_iteration']:.2f} | {row['scheduler_ms_per_iteration']:.2f} | "
-                  f"{row['host_cpu_ms_per_iteration']:.2f} | "
-                  f"{row['launch_floor_ms']:.3f} | {row['launch_floor_cold_ms']:.3f} | "
-                  f"{row['device_wait_ms_per_iteration']:.2f} | {row['tokens_per_iteration']:.1f} | {row['iterations']} | "
-                  f"{row['iterations_that_compiled']} |", flush=True)
+    """The default rows (the scheduler driven directly), printed as they come, then the --phases table."""
+    rows = _measured_rows(_measure, SCHEDULER_COLUMNS, target, draft, specs, sizes, tokenizer)
     if FLAGS.phases:
         _print_phases(rows)
     return rows

@@ -567,16 +567,22 @@ def test_library_and_entry_points_without_the_extras(tmp_path):
                                                           f"pip install 'eagle3-jax[{extra}]'"), r.stderr[-3000:]
 
 
+def _bench_host(tmp_path, *flags: str) -> tuple:
+    """scripts/bench_host.py on the demo target, plain decoding, a few short requests -> (the
+    finished process, its JSON record)."""
+    out = tmp_path / "host.json"
+    r = subprocess.run([sys.executable, "scripts/bench_host.py", f"--target={KIMI}", "--spec=none", "--warmup=4",
+                        "--min_tokens=3", "--max_tokens=6", *flags, f"--json_out={out}"], capture_output=True, text=True,
+                       cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT, XLA_FLAGS=""), timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r, json.loads(out.read_text())
+
+
 def test_host_time_script_reports_its_phases(tmp_path):
     """scripts/bench_host.py on the demo target: host ms per iteration, the launches' share and,
     with --phases, each phase's host ms, all recorded in its JSON."""
-    out = tmp_path / "host.json"
-    env = dict(os.environ, PYTHONPATH=ROOT, XLA_FLAGS="")
-    r = subprocess.run([sys.executable, "scripts/bench_host.py", f"--target={KIMI}", "--spec=none", "--num_seqs=2",
-                        "--warmup=4", "--iterations=6", "--min_tokens=3", "--max_tokens=6", "--phases",
-                        f"--json_out={out}"], capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    (row,) = json.loads(out.read_text())["rows"]
+    r, record = _bench_host(tmp_path, "--num_seqs=2", "--iterations=6", "--phases")
+    (row,) = record["rows"]
     assert row["spec"] == "none" and row["num_seqs"] == 2 and row["iterations"] >= 1
     assert row["host_ms_per_iteration"] > 0 and 0 < row["launch_ms_per_iteration"] <= row["host_ms_mean"] * 6
     assert 0 < row["launch_floor_ms"] < row["launch_ms_per_iteration"] * 10
@@ -591,18 +597,12 @@ def test_host_time_script_reports_its_phases(tmp_path):
 def test_host_time_script_through_the_engine(tmp_path):
     """scripts/bench_host.py --through_engine: the requests streamed through an AsyncEngine; the
     engine thread's time outside step() and its whole host time per iteration, recorded."""
-    out = tmp_path / "engine.json"
-    env = dict(os.environ, PYTHONPATH=ROOT, XLA_FLAGS="")
-    r = subprocess.run([sys.executable, "scripts/bench_host.py", f"--target={KIMI}", "--spec=none", "--num_seqs=3",
-                        "--warmup=4", "--iterations=8", "--min_tokens=3", "--max_tokens=6", "--through_engine",
-                        f"--json_out={out}"], capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    record = json.loads(out.read_text())
+    r, record = _bench_host(tmp_path, "--num_seqs=3", "--iterations=8", "--through_engine")
     (row,) = record["rows"]
     assert record["through_engine"] and row["num_seqs"] == 3 and 1 <= row["iterations"] <= 8
     assert 0 < row["engine_cpu_ms_outside_step"] and 0 < row["engine_wall_ms_outside_step"]
     assert row["host_ms_per_iteration"] > 0 and row["engine_host_ms_per_iteration"] > row["host_ms_per_iteration"] / 2
     assert "| engine thread host ms / iteration (median) |" in r.stdout
     r = subprocess.run([sys.executable, "scripts/bench_host.py", "--through_engine", "--phases"], capture_output=True,
-                       text=True, cwd=ROOT, env=env, timeout=300)
+                       text=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT, XLA_FLAGS=""), timeout=300)
     assert r.returncode == 2 and "leave them out with --through_engine" in r.stderr.strip().splitlines()[-1]
