@@ -132,7 +132,7 @@ class RunningBatch:
         self.running: dict[str, ScheduledRequest] = {}
         self.prefilling: dict[str, ScheduledRequest] = {}
         self.decoders: dict[str, ScheduledRequest] = {}
-        self._decoder_slots: dict[str, int] = {}  # the decoders' state slots, in the same order
+        self._decoding_slots: np.ndarray | None = None  # the decoders' state slots, until they change
         self._seats = itertools.count()
         self.last_decode_key: tuple[int, int] | None = None  # (batch, width) buckets of the last decode step
 
@@ -249,8 +249,10 @@ class RunningBatch:
         return list(self.decoders.values())
 
     def decoding_slots(self) -> np.ndarray:
-        """The state slots of `decoding()`'s requests, in its order."""
-        return np.fromiter(self._decoder_slots.values(), np.int32, len(self._decoder_slots))
+        """The state slots of `decoding()`'s requests, in its order (read only: kept until they change)."""
+        if self._decoding_slots is None:
+            self._decoding_slots = np.fromiter((r.slot for r in self.decoders.values()), np.int32, len(self.decoders))
+        return self._decoding_slots
 
     def start_decoding(self, req: ScheduledRequest) -> None:
         """A prefilling request's last prompt chunk was launched: it decodes from the next step on,
@@ -259,10 +261,9 @@ class RunningBatch:
         req.state = DECODE
         del self.prefilling[req.id]
         newest = next(reversed(self.decoders.values()), None)
-        self.decoders[req.id], self._decoder_slots[req.id] = req, req.slot
+        self.decoders[req.id], self._decoding_slots = req, None
         if newest is not None and newest.seat > req.seat:
             self.decoders = {k: r for k, r in self.running.items() if r.state == DECODE}
-            self._decoder_slots = {k: r.slot for k, r in self.decoders.items()}
 
     def leave(self, req: ScheduledRequest) -> None:
         """A request leaves the queue or the batch (finished, aborted or preempted); a running one's
@@ -272,7 +273,8 @@ class RunningBatch:
             return
         del self.running[req.id]
         if req.state == DECODE:
-            del self.decoders[req.id], self._decoder_slots[req.id]
+            del self.decoders[req.id]
+            self._decoding_slots = None
         else:
             del self.prefilling[req.id]
         self.release(req)
