@@ -43,6 +43,18 @@ ms per iteration, the two together (all of its iteration but the device wait), w
 steps of a server whose host is the bottleneck. --phases and --profile time
 the scheduler driven directly, not in this mode.
 
+With --stand_in_device the step programs are answered at once with random tokens
+(eagle3_jax/bench/stand_in.py): the figures are then the scheduler's own host work, without what a
+device on this host's CPU adds to it (XLA:CPU's launch work on the calling thread, the programs'
+threads on the host's cores, the host's caches evicted by each program). That is the host work
+of a server whose device is an accelerator, its launches' own cost left out; the outputs mean
+nothing.
+
+After the warm-up iterations the script collects garbage once and freezes what is left, as
+`scripts/serve.py` does after its warm-up: the model's and the compiled programs' objects are then
+not walked by the collections of the measured iterations (an unfrozen full collection adds
+milliseconds to one iteration in tens).
+
 By default host and device work do not overlap (`--nooverlap`): on a CPU host the device's
 threads would otherwise run beside the host's Python and inflate it. Prints a table and writes
 --json_out (command, machine, date, figures).
@@ -55,6 +67,7 @@ from __future__ import annotations
 
 import cProfile
 import datetime
+import gc
 import glob
 import json
 import os
@@ -90,6 +103,9 @@ flags.DEFINE_string("stop_string", None, "With --detokenize: every request carri
 flags.DEFINE_string("json_out", None, "Write the figures here as JSON.")
 flags.DEFINE_bool("phases", False, "Also time the scheduler's phases with timers around its methods (no profiler: "
                   "a few microseconds of overhead per iteration) and print each one's host ms per iteration (median).")
+flags.DEFINE_bool("stand_in_device", False, "Answer the step programs at once with random tokens instead of running "
+                  "them, to measure the scheduler's own host work without the CPU device's (see the module doc); "
+                  "no logprob or structured-output requests.")
 flags.DEFINE_bool("through_engine", False, "Run the requests through an AsyncEngine, each streamed to its own "
                   "consumer on an event loop, as the server does, and report the engine thread's time outside step() "
                   "(see the module doc); --phases and --profile do not apply.")
@@ -218,6 +234,13 @@ def _launch_floors_ms(sched, repeats: int = 50) -> tuple[float, float]:
     return floors[0], floors[1]
 
 
+def _freeze_heap() -> None:
+    """Collect garbage once and keep what is left out of later collections, as scripts/serve.py
+    does after its warm-up (`_measured_rows` unfreezes it after each measurement)."""
+    gc.collect()
+    gc.freeze()
+
+
 def _scheduler(target, draft, spec, num_seqs: int, tokenizer=None):
     """The measured scheduler, and a function drawing one request's (prompt, SamplingParams)."""
     import eagle3_jax as e3
@@ -226,6 +249,10 @@ def _scheduler(target, draft, spec, num_seqs: int, tokenizer=None):
     vocab = target.config.vocab_size
     sched = e3.Scheduler(target, draft if spec is not None else None, spec, max_num_seqs=num_seqs,
                          max_seq_len=FLAGS.prompt_len + FLAGS.max_tokens + 1, overlap=FLAGS.overlap, tokenizer=tokenizer)
+    if FLAGS.stand_in_device:
+        from eagle3_jax.bench.stand_in import stand_in_device
+
+        stand_in_device(sched)
     stop = () if FLAGS.stop_string is None else (FLAGS.stop_string,)
 
     def draw() -> tuple:
@@ -257,6 +284,8 @@ def _measure_through_engine(target, draft, spec, num_seqs: int, tokenizer=None) 
         finally:
             wall, cpu = time.perf_counter() - wall, time.thread_time() - cpu
             steps.append((wall, cpu, totals["host_seconds_total"] - host, sched.programs.num_compiles - compiles))
+            if len(steps) == FLAGS.warmup:
+                _freeze_heap()
 
     def timed_engine_step():
         wall, cpu = time.perf_counter(), time.thread_time()
@@ -313,13 +342,14 @@ def _measure(target, draft, spec, num_seqs: int, tokenizer=None) -> dict:
                 profiler.enable()
             cpu = time.thread_time() - read_cpu[0]
             deltas = sched.step()
+            wall = time.perf_counter() - start  # (the next requests' submission left out)
             cpu = time.thread_time() - read_cpu[0] - cpu
             for delta in deltas:
                 if delta.finished:
                     submit()
             if profiler is not None:
                 profiler.disable()
-            wall, after = time.perf_counter() - start, sched.stats()
+            after = sched.stats()
             per_iteration.append((after["host_seconds_total"] - before["host_seconds_total"], wall,
                                   sched.programs.num_compiles - compiles,
                                   after["launch_seconds_total"] - before["launch_seconds_total"], cpu))
@@ -332,6 +362,7 @@ def _measure(target, draft, spec, num_seqs: int, tokenizer=None) -> dict:
     for _ in range(num_seqs):
         submit()
     run(FLAGS.warmup)
+    _freeze_heap()
     tokens = sched.stats()["generation_tokens_total"]
     profiles = [] if FLAGS.profile else None
     phases = [] if FLAGS.phases else None
@@ -418,7 +449,8 @@ def main(argv) -> None:
         record = {"command": " ".join(["python"] + sys.argv), "date": datetime.date.today().isoformat(),
                   "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, {platform.platform()}",
                   "overlap": FLAGS.overlap, "detokenize": FLAGS.detokenize, "stop_string": FLAGS.stop_string,
-                  "through_engine": FLAGS.through_engine, "rows": rows}
+                  "through_engine": FLAGS.through_engine,
+                  "stand_in_device": FLAGS.stand_in_device, "rows": rows}
         with open(FLAGS.json_out, "w") as f:
             json.dump(record, f, indent=1)
 
@@ -429,7 +461,10 @@ def _measured_rows(measure, columns: tuple, target, draft, specs: list, sizes: l
     rows = []
     for name, spec in specs:
         for n in sizes:
-            row = dict(spec=name, **measure(target, draft, spec, n, tokenizer))
+            try:
+                row = dict(spec=name, **measure(target, draft, spec, n, tokenizer))
+            finally:
+                gc.unfreeze()  # the next measurement's collections may free this one's scheduler
             rows.append(row)
             print(f"| {name} | {n} | " + " | ".join(cell.format(**row) for _, cell in columns) + " |", flush=True)
     return rows

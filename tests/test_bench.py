@@ -594,6 +594,18 @@ def test_host_time_script_reports_its_phases(tmp_path):
     assert "| phase (host ms / iteration, median) | none x2 |" in r.stdout and "| admission |" in r.stdout
 
 
+def test_host_time_script_with_a_stand_in_device(tmp_path):
+    """scripts/bench_host.py --stand_in_device: the speculative steps answered at once with random
+    tokens; the requests still run to their budgets and no program is launched."""
+    r, record = _bench_host(tmp_path, "--num_seqs=3", "--iterations=8", "--stand_in_device", "--spec=chain:3:1:4",
+                            f"--draft={KIMI_DRAFT}")
+    (row,) = record["rows"]
+    assert record["stand_in_device"] and row["spec"] == "chain:3:1:4" and row["iterations"] == 8
+    assert row["launch_ms_per_iteration"] == 0 and row["host_ms_per_iteration"] > 0
+    assert 1 < row["tokens_per_iteration"] <= 3 * 4  # 1 to 4 tokens a row, some rows prefilling
+    assert row["device_wait_ms_per_iteration"] < row["host_ms_per_iteration"] * 10
+
+
 def test_host_time_script_through_the_engine(tmp_path):
     """scripts/bench_host.py --through_engine: the requests streamed through an AsyncEngine; the
     engine thread's time outside step() and its whole host time per iteration, recorded."""
