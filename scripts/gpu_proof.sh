@@ -10,7 +10,9 @@
 #                                               # 64; step-auto; moe-mini / moe-mid: the MoE rows on
 #                                               # kimi-mini's bfloat16 experts / 2048 x 768 ones, 128 of them;
 #                                               # host: the scheduler's host ms per iteration and its phases,
-#                                               # scripts/bench_host.py at HOST_SEQS sequences, default 1,8,48)
+#                                               # scripts/bench_host.py at HOST_SEQS sequences, default 1,8,48;
+#                                               # host-standin: the same with the programs stood in, the
+#                                               # scheduler's own host work, at STANDIN_SEQS, default 1,64,256)
 #   SMALL=1 scripts/gpu_proof.sh /tmp/proof     # the rehearsal on a CPU host (small shapes, interpreted)
 #
 # Time limits per part, in seconds, from the environment: KERNELS_S (also attention, gqa, sweep),
@@ -29,11 +31,13 @@ log=$out/run.log
 export PYTHONUNBUFFERED=1 PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
 small=()
 host_flags=(--num_seqs="${HOST_SEQS:-1,8,48}")
+standin_flags=(--num_seqs="${STANDIN_SEQS:-1,64,256}")
 step_flags=(--batches="${STEP_BATCHES:-1,8}" --spec="${STEP_SPECS:-none,chain:3:1:4,tree:5:4:16}" --nophases
             --noengine --steps=20 --runs=10)
 if [ -n "${SMALL:-}" ]; then
   small=(--small)
   host_flags=(--num_seqs="${HOST_SEQS:-2}" --warmup=4 --iterations=6 --min_tokens=3 --max_tokens=6)
+  standin_flags=(--num_seqs="${STANDIN_SEQS:-2}" --warmup=4 --iterations=6 --min_tokens=3 --max_tokens=6)
   step_flags=(--batches="${STEP_BATCHES:-1}" --nophases --noengine --steps=3 --runs=2 --spec=none,chain:3:1:4)
 fi
 
@@ -75,6 +79,9 @@ for p in $parts; do
                             "${step_flags[@]}" --json_out="$out/$p.json" --overwrite ;;
     host) part host "${HOST_S:-150}" python3 scripts/bench_host.py --spec=none,chain:3:1:4 "${host_flags[@]}" --phases \
             --json_out="$out/host.json" ;;
-    *) echo "gpu_proof.sh: unknown part $p (kernels attention gqa sweep moe-mini moe-mid host demo step-pallas step-auto steps step-xla)" | tee -a "$log" ;;
+    host-standin) part host-standin "${HOST_S:-150}" python3 scripts/bench_host.py --stand_in_device \
+                    --spec=none,chain:3:1:4 "${standin_flags[@]}" --phases --json_out="$out/host-standin.json" ;;
+    *) echo "gpu_proof.sh: unknown part $p (kernels attention gqa sweep moe-mini moe-mid host host-standin demo" \
+            "step-pallas step-auto steps step-xla)" | tee -a "$log" ;;
   esac
 done
