@@ -397,23 +397,24 @@ class Scheduler:
         counts = count[live]
         self.policy.observe(plan, launch.key, self._step_seconds(launch, now), requests, counts)
         self.counters.decode_step(counts, plan.depth)
-        table, slots = self._batch.table, launch.slots[live]
-        bulk = table.bulk_rows(slots, out[live], counts)  # (before the step log advances their lengths)
+        table, slots, out = self._batch.table, launch.slots[live], out[live]
+        bulk = table.bulk_rows(slots, out, counts)  # (before the step log advances their lengths)
         full = table.log_steps(slots, counts, plan.depth, plan.draft_passes, now)
-        tokens, deltas, taken = out.tolist(), [], 0
-        for i, req, k, whole in zip(rows, requests, counts.tolist(), bulk):
-            new = tokens[i][:k]
-            if whole:  # nothing ends the request or reads its tokens one by one (most rows)
-                req.take(new)
-                taken += k
-                deltas.append(RequestDelta(req.id, new, now, False, None, None))
-                continue
-            lps = None if req.logprobs is None else Logprob.rows(logprobs, i, range(k), req.sampling.logprobs)
-            deltas.append(self._emit(req, new, now, lps, timed=False))
+        # Most rows' tokens go out whole (`bulk`): their deltas and outputs in comprehensions; the
+        # other rows' through `_emit`, one by one.
+        news = [row[:k] for row, k in zip(out.tolist(), counts.tolist())]
+        deltas = [RequestDelta(req.id, new, now, False, None, None) if whole else None
+                  for req, new, whole in zip(requests, news, bulk)]
+        for req, new in itertools.compress(zip(requests, news), bulk):
+            req.take(new)
+        self.counters.totals["generation_tokens_total"] += int(counts[bulk].sum())
+        for j in [j for j, whole in enumerate(bulk) if not whole]:
+            req, i = requests[j], rows[j]
+            lps = None if req.logprobs is None else Logprob.rows(logprobs, i, range(len(news[j])), req.sampling.logprobs)
+            deltas[j] = self._emit(req, news[j], now, lps, timed=False)
         for i in full.tolist():  # a full step log, taken by its request (one that finished took it leaving)
             if requests[i].slot is not None:
                 requests[i].record_steps(*table.take_steps(requests[i].slot))
-        self.counters.totals["generation_tokens_total"] += taken
         return deltas
 
     def _emit(self, req: ScheduledRequest, tokens: list[int], now: float,
