@@ -45,8 +45,8 @@ the scheduler driven directly, not in this mode.
 
 With --stand_in_device the step programs are answered at once with random tokens
 (eagle3_jax/bench/stand_in.py): the figures are then the scheduler's own host work, without what a
-device on this host's CPU adds to it (XLA:CPU's launch work on the calling thread, the programs'
-threads on the host's cores, the host's caches evicted by each program). That is the host work
+device on this host's CPU adds to it (the launches, the programs' threads on the host's cores,
+the host's caches evicted by each program, which the Python and the next launch then run without). That is the host work
 of a server whose device is an accelerator, its launches' own cost left out; the outputs mean
 nothing.
 

@@ -2,11 +2,12 @@
 
 What it is for: the scheduler's own host work per iteration (`scripts/bench_host.py
 --stand_in_device`), apart from what a device on the host's own CPU adds to it. On a CPU device
-XLA runs part of a program on the launching thread, the programs' threads share the host's cores,
-and they evict the host's caches between steps, so the Python after them runs cold. With the
-stand-in in place of the compiled programs, a launch costs nothing, nothing runs beside the host
-and its caches stay warm, as on a host whose device is an accelerator (the launches' own cost
-there, the runtime's dispatch, is not in the figure; the host's work around them is).
+the programs' threads share the host's cores and evict the host's caches between steps, so the
+Python and the launches after them run cold (4-5x the warm time for the Python, about 20x for a
+launch: benchmarks/notes/2026-11-28-host-time-r9.md). With the stand-in in place of the
+compiled programs, a launch costs nothing, nothing runs beside the host and its caches stay warm,
+as on a host whose device is an accelerator (the launches' own cost there, the runtime's
+dispatch, is not in the figure; the host's work around them is).
 
 The stand-in answers a prefill with a first token per row, and a decode step with 1 to D + 1
 tokens per row (uniformly drawn; D the step's depth, 0 without speculation), all valid token ids.
