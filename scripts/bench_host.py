@@ -17,6 +17,9 @@ serving), runs --warmup iterations (programs compile), then reports over --itera
   last-level cache). On a CPU host the device's programs go through the host's caches, so every
   launch and all the scheduler's Python after a program run cache-cold: the cold floor is the
   least one launch costs here, and a launch's time above it is its program's own launch work;
+- a step's launch after its program: the measured run's next decode program launched again and
+  again, each launch right after that program ran on an otherwise idle device (`_relaunch_ms`):
+  on a CPU device the least a step's launch costs, each step following some program's run;
 - device-wait ms per iteration (median). Iterations that compiled a program are left out (their
   host time is compile time) and counted.
 
@@ -74,6 +77,7 @@ import os
 import platform
 import pstats
 import random
+import string
 import sys
 import time
 
@@ -141,6 +145,7 @@ SCHEDULER_COLUMNS = (("host ms / iteration (median)", "{host_ms_per_iteration:.2
                      ("the rest: scheduler (median)", "{scheduler_ms_per_iteration:.2f}"),
                      ("host CPU ms (median)", "{host_cpu_ms_per_iteration:.2f}"),
                      ("launch floor ms", "{launch_floor_ms:.3f}"), ("cold floor ms", "{launch_floor_cold_ms:.3f}"),
+                     ("a step's launch after its program ms", "{step_relaunch_ms:.3f}"),
                      ("device wait ms (median)", "{device_wait_ms_per_iteration:.2f}"),
                      ("tokens / iteration", "{tokens_per_iteration:.1f}"), ("iterations timed", "{iterations}"),
                      ("left out (compiled)", "{iterations_that_compiled}"))
@@ -232,6 +237,42 @@ def _launch_floors_ms(sched, repeats: int = 50) -> tuple[float, float]:
             jax.block_until_ready(step)
         floors.append(1e3 * float(np.median(seconds)))
     return floors[0], floors[1]
+
+
+def _relaunch_ms(sched, next_step, repeats: int = 20) -> float | None:
+    """What the launch of a step's own program costs right after that program ran (median ms):
+    the last program `next_step()` launches (its decode step) is captured, then launched `repeats`
+    times over a copy of the device state, each after the previous one finished, with nothing
+    else running. On a CPU device every launch of a step follows some program's run: this is the
+    least a step's launch costs there, and against the launch floors it shows what that program
+    leaves cold. None when the step launched nothing."""
+    import jax
+
+    from eagle3_jax.scheduler.programs import DONATED
+
+    programs, captured = sched.programs, []
+    run, launch = programs.run, type(programs).run  # (the class's: no phase timer around the relaunches)
+
+    def capturing(fn, static: tuple, key: tuple, *args):
+        captured[:] = [(fn, static, key, args)]
+        return run(fn, static, key, *args)
+
+    programs.run = capturing
+    try:
+        next_step()
+    finally:
+        programs.run = run
+    if not captured:
+        return None
+    fn, static, key, args = captured[0]
+    state, seconds = jax.tree.map(lambda leaf: leaf.copy(), sched._executor.state), []
+    jax.block_until_ready(state)
+    for _ in range(repeats):
+        start = time.perf_counter()
+        *outputs, state = launch(programs, fn, static, key, *args[:DONATED], state, *args[DONATED + 1:])
+        seconds.append(time.perf_counter() - start)
+        jax.block_until_ready((outputs, state))
+    return 1e3 * float(np.median(seconds))
 
 
 def _freeze_heap() -> None:
@@ -370,6 +411,7 @@ def _measure(target, draft, spec, num_seqs: int, tokenizer=None) -> dict:
     if profiles:
         _print_profile(profiles)
     tokens = sched.stats()["generation_tokens_total"] - tokens
+    relaunch = None if FLAGS.stand_in_device else _relaunch_ms(sched, lambda: run(1))
     # An iteration that compiled a program spent its host time compiling: left out.
     clean = np.asarray([(host, wall, launch, cpu) for host, wall, compiled, launch, cpu in measured if not compiled])
     return {"num_seqs": num_seqs, "iterations": len(clean),
@@ -378,6 +420,7 @@ def _measure(target, draft, spec, num_seqs: int, tokenizer=None) -> dict:
             "host_cpu_ms_per_iteration": 1e3 * float(np.median(clean[:, 3])),
             "launch_ms_per_iteration": 1e3 * float(np.median(clean[:, 2])),
             **dict(zip(("launch_floor_ms", "launch_floor_cold_ms"), _launch_floors_ms(sched))),
+            "step_relaunch_ms": relaunch,
             "scheduler_ms_per_iteration": 1e3 * float(np.median(clean[:, 0] - clean[:, 2])),
             "device_wait_ms_per_iteration": 1e3 * float(np.median(clean[:, 1] - clean[:, 0])),
             "tokens_per_iteration": tokens / len(measured),
@@ -466,8 +509,14 @@ def _measured_rows(measure, columns: tuple, target, draft, specs: list, sizes: l
             finally:
                 gc.unfreeze()  # the next measurement's collections may free this one's scheduler
             rows.append(row)
-            print(f"| {name} | {n} | " + " | ".join(cell.format(**row) for _, cell in columns) + " |", flush=True)
+            print(f"| {name} | {n} | " + " | ".join(_cell(cell, row) for _, cell in columns) + " |", flush=True)
     return rows
+
+
+def _cell(template: str, row: dict) -> str:
+    """A table cell of `row`'s figures, "-" where one is missing (None)."""
+    names = [name for _, name, _, _ in string.Formatter().parse(template) if name]
+    return "-" if any(row[name] is None for name in names) else template.format(**row)
 
 
 def _on_the_scheduler(target, draft, specs: list, sizes: list[int], tokenizer) -> list[dict]:

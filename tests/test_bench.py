@@ -587,6 +587,7 @@ def test_host_time_script_reports_its_phases(tmp_path):
     assert row["host_ms_per_iteration"] > 0 and 0 < row["launch_ms_per_iteration"] <= row["host_ms_mean"] * 6
     assert 0 < row["launch_floor_ms"] < row["launch_ms_per_iteration"] * 10
     assert row["launch_floor_cold_ms"] > 0 and "| cold floor ms |" in r.stdout
+    assert row["step_relaunch_ms"] > 0 and "| a step's launch after its program ms |" in r.stdout
     assert 0 < row["host_cpu_ms_per_iteration"] < 2 * (row["host_ms_per_iteration"] + row["device_wait_ms_per_iteration"])
     phases = row["phases_ms_per_iteration"]
     assert phases["decode launch"] > 0 and phases["collect decode"] > 0 and phases["  jitted calls (launches)"] > 0
@@ -601,7 +602,7 @@ def test_host_time_script_with_a_stand_in_device(tmp_path):
                             f"--draft={KIMI_DRAFT}")
     (row,) = record["rows"]
     assert record["stand_in_device"] and row["spec"] == "chain:3:1:4" and row["iterations"] == 8
-    assert row["launch_ms_per_iteration"] == 0 and row["host_ms_per_iteration"] > 0
+    assert row["launch_ms_per_iteration"] == 0 and row["host_ms_per_iteration"] > 0 and row["step_relaunch_ms"] is None
     assert 1 < row["tokens_per_iteration"] <= 3 * 4  # 1 to 4 tokens a row, some rows prefilling
     assert row["device_wait_ms_per_iteration"] < row["host_ms_per_iteration"] * 10
 
