@@ -7,6 +7,8 @@
 - `runner`: the in-process driver over `eagle3_jax.scheduler.Scheduler`.
 - `http_client`: the same driver against an OpenAI-compatible server (`/v1/completions`, SSE).
 - `report`: JSON, a markdown table in the AMD blog's shape, and throughput / TPOT plots.
+- `stand_in`: a stand-in for a scheduler's device (its programs answered at once with random
+  tokens), for `scripts/bench_host.py --stand_in_device`: the scheduler's own host work.
 - `gsm8k`: GSM8K accuracy scored as lm-evaluation-harness's `gsm8k` task, in-process or against a
   server, with the agreement between runs with and without speculation.
 
