@@ -218,25 +218,48 @@ def _launch_floors_ms(sched, repeats: int = 50) -> tuple[float, float]:
 
     executor = sched._executor
     params = (executor.target.params, None if executor.draft is None else executor.draft.params)
-    state = jax.tree.map(lambda leaf: leaf.copy(), executor.state)
     program = jax.jit(lambda params, state, step: (state, step + 1), donate_argnums=(1,))
-    step = np.zeros((), np.int32)
+    step = [np.zeros((), np.int32)]
+
+    def launch(state):
+        state, step[0] = program(params, state, step[0])
+        return step[0], state
+
+    state = _copied_state(sched)
     for _ in range(3):  # the first calls compile
-        state, step = program(params, state, step)
-    jax.block_until_ready(step)
+        _, state = launch(state)
+    jax.block_until_ready(step[0])
     evict = np.zeros(2 * _last_level_cache_bytes() // 8)
-    floors = []
-    for cold in (False, True):
-        seconds = []
-        for _ in range(repeats):
-            if cold:
-                evict += 1.0
-            start = time.perf_counter()
-            state, step = program(params, state, step)
-            seconds.append(time.perf_counter() - start)
-            jax.block_until_ready(step)
-        floors.append(1e3 * float(np.median(seconds)))
-    return floors[0], floors[1]
+
+    def evicting() -> None:
+        evict[...] += 1.0
+
+    warm, state = _median_launch_ms(launch, state, repeats)
+    cold, _ = _median_launch_ms(launch, state, repeats, before_each=evicting)
+    return warm, cold
+
+
+def _copied_state(sched):
+    """A copy of the scheduler's device state, to donate to launches of the measurements' own."""
+    import jax
+
+    return jax.block_until_ready(jax.tree.map(lambda leaf: leaf.copy(), sched._executor.state))
+
+
+def _median_launch_ms(launch, state, repeats: int, before_each=None) -> tuple[float, object]:
+    """(median ms of `repeats` calls of `launch(state) -> (outputs, state)`, each after the previous
+    one's outputs are ready and after `before_each()`, the state they leave)."""
+    import jax
+
+    seconds = []
+    for _ in range(repeats):
+        if before_each is not None:
+            before_each()
+        start = time.perf_counter()
+        outputs, state = launch(state)
+        seconds.append(time.perf_counter() - start)
+        jax.block_until_ready(outputs)
+    return 1e3 * float(np.median(seconds)), state
 
 
 def _relaunch_ms(sched, next_step, repeats: int = 20) -> float | None:
@@ -246,8 +269,6 @@ def _relaunch_ms(sched, next_step, repeats: int = 20) -> float | None:
     else running. On a CPU device every launch of a step follows some program's run: this is the
     least a step's launch costs there, and against the launch floors it shows what that program
     leaves cold. None when the step launched nothing."""
-    import jax
-
     from eagle3_jax.scheduler.programs import DONATED
 
     programs, captured = sched.programs, []
@@ -265,14 +286,12 @@ def _relaunch_ms(sched, next_step, repeats: int = 20) -> float | None:
     if not captured:
         return None
     fn, static, key, args = captured[0]
-    state, seconds = jax.tree.map(lambda leaf: leaf.copy(), sched._executor.state), []
-    jax.block_until_ready(state)
-    for _ in range(repeats):
-        start = time.perf_counter()
+
+    def relaunch(state):
         *outputs, state = launch(programs, fn, static, key, *args[:DONATED], state, *args[DONATED + 1:])
-        seconds.append(time.perf_counter() - start)
-        jax.block_until_ready((outputs, state))
-    return 1e3 * float(np.median(seconds))
+        return (outputs, state), state
+
+    return _median_launch_ms(relaunch, _copied_state(sched), repeats)[0]
 
 
 def _freeze_heap() -> None:
