@@ -7,8 +7,9 @@ distribution they are read from is one setting of the scheduler (`LogprobSetting
 - raw (the default, as vLLM's `raw_logprobs`): `log_softmax` of the target's logits, before
   anything a request's sampling settings change;
 - processed (vLLM's `processed_logprobs`): of the distribution the token was drawn or judged
-  from, after min_tokens' hold-back, penalties, temperature and top-k / top-p (tokens filtered
-  out are -inf).
+  from, after min_tokens' hold-back, penalties, temperature and, for a sampled request, top-k /
+  top-p (tokens filtered out are -inf; a greedy request's token is judged from the whole
+  distribution).
 
 Under speculation each emitted token's logprob is read at the tree node that predicted it (the
 accepted path's node before it, or the deepest accepted node for the bonus token): the same

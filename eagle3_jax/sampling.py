@@ -129,18 +129,23 @@ class BatchFeatures:
     holds_back: bool = True  # some row holds its stop ids back (min_tokens > 0)
     penalized: bool = True  # some row has a repetition, frequency or presence penalty
     synthetic: bool = False  # some row has a synthetic acceptance profile
+    # Some sampled row keeps only its top-k or top-p tokens; else no vocabulary sort (the costly
+    # part of sampling: a sort per row and position, where temperature alone is one division).
+    truncated: bool = True
 
     @staticmethod
     def bits_of(params: SamplingParams) -> int:
         """One request's features as bits (a batch's: the OR of its rows'; `from_bits` reads them)."""
         penalized = params.presence_penalty != 0 or params.frequency_penalty != 0 or params.repetition_penalty != 1
-        return ((params.temperature > 0) | (params.min_tokens > 0) << 1 | penalized << 2
-                | (params.synthetic_acceptance is not None) << 3)
+        sampled = params.temperature > 0
+        truncated = sampled and (params.top_k > 0 or params.top_p < 1)
+        return (sampled | (params.min_tokens > 0) << 1 | penalized << 2
+                | (params.synthetic_acceptance is not None) << 3 | truncated << 4)
 
     @staticmethod
     @functools.cache
     def from_bits(bits: int) -> "BatchFeatures":
-        return BatchFeatures(bool(bits & 1), bool(bits & 2), bool(bits & 4), bool(bits & 8))
+        return BatchFeatures(bool(bits & 1), bool(bits & 2), bool(bits & 4), bool(bits & 8), bool(bits & 16))
 
     @staticmethod
     def of(params: Sequence[SamplingParams]) -> "BatchFeatures":
@@ -148,8 +153,9 @@ class BatchFeatures:
         return BatchFeatures.from_bits(functools.reduce(operator.or_, map(BatchFeatures.bits_of, params), 0))
 
 
-GREEDY_BATCH = BatchFeatures(sampled=False, holds_back=False, penalized=False)  # padding rows'
-SAMPLED_BATCH = BatchFeatures(sampled=True, holds_back=False, penalized=False)  # a batch with a sampled row
+GREEDY_BATCH = BatchFeatures(sampled=False, holds_back=False, penalized=False, truncated=False)  # padding rows'
+SAMPLED_BATCH = BatchFeatures(sampled=True, holds_back=False, penalized=False, truncated=False)  # temperature alone
+TRUNCATED_BATCH = BatchFeatures(sampled=True, holds_back=False, penalized=False)  # a sampled row with top-k / top-p
 
 
 @jax.tree_util.register_dataclass
@@ -159,13 +165,14 @@ class SamplingArrays:
 
     `min_tokens` and `stop_ids` (None: no request holds stop tokens back) keep a row's stop token
     ids out of its distribution while it has generated fewer than min_tokens tokens; the penalties
-    are None when no row has one, and `sampled` (static) is False when every row is greedy (the
-    program then only takes the argmax): see `BatchFeatures`.
+    are None when no row has one, `top_k` and `top_p` when no sampled row truncates its
+    distribution, and `sampled` (static) is False when every row is greedy (the program then only
+    takes the argmax): see `BatchFeatures`.
     """
 
     temperature: jax.Array  # [B] float32
-    top_k: jax.Array  # [B] int32
-    top_p: jax.Array  # [B] float32
+    top_k: jax.Array | None  # [B] int32; None (with top_p) when no sampled row keeps a top-k or top-p
+    top_p: jax.Array | None  # [B] float32
     seed: jax.Array  # [B] uint32
     min_tokens: jax.Array | None = None  # [B] int32
     stop_ids: jax.Array | None = None  # [B, MAX_SUPPRESSED_STOP_IDS] int32, -1 padded
@@ -218,7 +225,9 @@ def unpack_settings(ints, floats, features: BatchFeatures = BatchFeatures()) -> 
     seed = ints[:, 1].view(np.uint32) if isinstance(ints, np.ndarray) else jax.lax.bitcast_convert_type(
         ints[:, 1], jnp.uint32)
     holds_back, penalized = features.holds_back, features.penalized
-    return SamplingArrays(temperature=floats[:, 0], top_k=ints[:, 0], top_p=floats[:, 1], seed=seed,
+    truncated = features.truncated
+    return SamplingArrays(temperature=floats[:, 0], top_k=ints[:, 0] if truncated else None,
+                          top_p=floats[:, 1] if truncated else None, seed=seed,
                           min_tokens=ints[:, 2] if holds_back else None,
                           stop_ids=ints[:, 3:PACKED_INTS] if holds_back else None,
                           presence_penalty=floats[:, 2] if penalized else None,
@@ -228,22 +237,30 @@ def unpack_settings(ints, floats, features: BatchFeatures = BatchFeatures()) -> 
                           sampled=features.sampled)
 
 
-def filtered_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
-    """Temperature-scaled logits [B, V] with tokens outside top-k / top-p set to -inf.
+def filtered_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array | None,
+                    top_p: jax.Array | None) -> jax.Array:
+    """Temperature-scaled logits [B, V] with tokens outside a sampled row's top-k / top-p set to -inf.
 
     softmax of the result is the distribution a request samples from. Rows with temperature 0
-    are returned unscaled (callers take their argmax).
+    are returned unscaled and whole (callers take their argmax). `top_k` and `top_p` None: no row
+    truncates, and no vocabulary is sorted. A row that keeps every token (top-k 0, top-p 1) gets
+    the same bits either way, so its draws do not depend on its batch.
     """
-    v = logits.shape[-1]
-    t = jnp.where(temperature > 0, temperature, 1.0)[:, None]
+    sampled = temperature > 0
+    t = jnp.where(sampled, temperature, 1.0)[:, None]
     scaled = logits.astype(jnp.float32) / t
+    if top_k is None and top_p is None:
+        return scaled
+    v = logits.shape[-1]
     order = jnp.argsort(-scaled, axis=-1, stable=True)  # ties broken by token id
     sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
     rank = jnp.arange(v)[None, :]
     keep = jnp.where(top_k[:, None] > 0, rank < top_k[:, None], True)
     probs = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf), axis=-1)
     mass_before = jnp.cumsum(probs, axis=-1) - probs
-    keep &= mass_before < top_p[:, None]
+    # top-p 1 keeps every token, even where rounding brings the mass before the tail to 1.
+    keep &= (mass_before < top_p[:, None]) | (top_p[:, None] >= 1)
+    keep |= ~sampled[:, None]
     keep_orig = jnp.zeros_like(keep).at[jnp.arange(logits.shape[0])[:, None], order].set(keep)
     return jnp.where(keep_orig, scaled, -jnp.inf)
 
@@ -326,7 +343,7 @@ def processed_logits(logits: jax.Array, sp: SamplingArrays, generated: jax.Array
 def filtered_per_position(logits: jax.Array, sp: SamplingArrays) -> jax.Array:
     """`filtered_logits` of logits [B, P, V], each row's settings applied at all its P positions."""
     b, p, v = logits.shape
-    per_position = lambda a: jnp.repeat(a, p)  # noqa: E731
+    per_position = lambda a: None if a is None else jnp.repeat(a, p)  # noqa: E731
     return filtered_logits(logits.reshape(b * p, v), per_position(sp.temperature), per_position(sp.top_k),
                            per_position(sp.top_p)).reshape(b, p, v)
 
@@ -342,7 +359,7 @@ def sample(logits: jax.Array, sp: SamplingArrays, counter: jax.Array) -> jax.Arr
     held back below min_tokens)."""
     logits = hold_back_stops(logits, sp, counter)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    if not sp.sampled:  # the vocabulary sort only where some row samples
+    if not sp.sampled:  # no draw where no row samples
         return greedy
     filtered = filtered_logits(logits, sp.temperature, sp.top_k, sp.top_p)
     drawn = jax.vmap(jax.random.categorical)(request_keys(sp.seed, counter), filtered).astype(jnp.int32)

@@ -81,13 +81,13 @@ flags.DEFINE_integer("prefill_chunk", 256, "Prompt tokens prefilled per schedule
                      "prompt, and the budget shared by the requests prefilling in that step.", lower_bound=1)
 define_mesh_flags("Process 0 serves HTTP and schedules; the other processes run its steps on their devices.")
 flags.DEFINE_bool("warmup", True, "Before listening, compile the programs of bursts of up to --max_num_seqs "
-                  "requests of up to one --prefill_chunk, for greedy and for sampled batches (within the program "
+                  "requests of up to one --prefill_chunk, for greedy and sampled batches (within the program "
                   "cache's bound), so the first clients do not wait for compilation (--nowarmup to skip).")
 flags.DEFINE_integer("max_logprobs", 20, "Most top alternatives a request may ask for per token (completions "
                      "`logprobs`, chat `top_logprobs`).", lower_bound=0)
 flags.DEFINE_enum("logprobs_mode", "raw", ["raw", "processed"], "Which distribution logprobs are read from: raw (the "
                   "target's, before any sampling setting; vLLM's default) or processed (what each token was sampled "
-                  "or judged from: after min_tokens, temperature and top-k / top-p).")
+                  "or judged from: after min_tokens, temperature and, when sampled, top-k / top-p).")
 flags.DEFINE_bool("prefix_caching", True, "Keep full KV pages after their request ends, keyed by their tokens, so "
                   "requests that share a prefix (a system prompt, earlier turns, the n choices of one request) "
                   "compute it once; least recently used pages are evicted when pages run short "

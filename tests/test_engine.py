@@ -56,6 +56,11 @@ def test_seeded_sampling_is_reproducible_and_batch_independent():
     assert [o.token_ids for o in a] == [o.token_ids for o in c]
     other = engine.generate([[3, 4, 5]], e3.SamplingParams(temperature=1.0, max_tokens=10, seed=99))
     assert other[0].token_ids != a[1].token_ids
+    # Temperature alone: alone its batch sorts no vocabulary; beside top-k / top-p rows it is
+    # filtered with them, keeping every token. The same draws either way.
+    plain = e3.SamplingParams(temperature=1.0, max_tokens=10, seed=7)
+    beside = engine.generate([[1, 2], [3, 4, 5], [6]], [sp[0], plain, sp[2]])
+    assert beside[1].token_ids == engine.generate([[3, 4, 5]], plain)[0].token_ids
 
 
 def test_stop_tokens_and_length_limits():
@@ -124,6 +129,20 @@ def test_filtered_logits_match_numpy_reference(top_k, top_p):
     got = filtered_logits(jnp.asarray(logits), jnp.full((2,), 0.8), jnp.full((2,), top_k), jnp.full((2,), top_p))
     for row in range(2):
         np.testing.assert_allclose(np.asarray(got[row]), _reference_filter(logits[row], 0.8, top_k, top_p), rtol=1e-6)
+
+
+def test_rows_that_keep_every_token_are_filtered_to_the_same_bits_without_a_sort():
+    """A batch where no sampled row truncates skips the vocabulary sort (top_k / top_p None); a row
+    with top-k 0 and top-p 1 in a truncating batch must get the same logits, even where the
+    rounded mass before its tail tokens reaches 1, and a greedy row its logits whole."""
+    logits = np.random.default_rng(2).standard_normal((3, 64)).astype(np.float32)
+    logits[1, 5] = 60.0  # one token holds all the float32 mass: the mass before every other is 1.0
+    temperature = jnp.asarray([0.7, 1.0, 0.0])
+    whole = filtered_logits(jnp.asarray(logits), temperature, None, None)
+    np.testing.assert_allclose(np.asarray(whole), logits / np.asarray([0.7, 1.0, 1.0], np.float32)[:, None], rtol=1e-6)
+    truncating = filtered_logits(jnp.asarray(logits), temperature, jnp.asarray([0, 0, 3]), jnp.asarray([1.0, 1.0, 0.5]))
+    np.testing.assert_array_equal(np.asarray(truncating), np.asarray(whole))  # row 2 is greedy: whole too
+    assert np.isfinite(np.asarray(truncating)).all()
 
 
 def test_sampling_follows_the_filtered_distribution():

@@ -268,6 +268,20 @@ def test_warm_up_compiles_what_a_burst_of_short_requests_runs(llama_pair):
         warm.warm_up()
 
 
+def test_warm_up_covers_sampled_requests_with_and_without_top_k_top_p(llama_pair):
+    """Sampled batches compile two forms (temperature alone sorts no vocabulary): after warm_up,
+    requests of either kind, alone or together, compile nothing."""
+    target, _ = llama_pair
+    sched = Scheduler(target, max_num_seqs=2, max_seq_len=32, prefill_chunk=16)
+    report = sched.warm_up()
+    plain = e3.SamplingParams(temperature=0.8, seed=1, max_tokens=4)
+    nucleus = e3.SamplingParams(temperature=0.8, top_p=0.9, top_k=5, seed=2, max_tokens=4)
+    sched.generate([PROMPTS[0]], plain)
+    sched.generate([PROMPTS[0]], nucleus)
+    sched.generate(PROMPTS[:2], [plain, nucleus])
+    assert sched.programs.num_compiles == report.programs
+
+
 def test_step_programs_branch_on_nothing_the_device_computes(llama_pair, monkeypatch):
     """On a GPU, XLA runs a device-side branch (`lax.cond`, stablehlo.case) by reading its predicate
     back and blocking the launching thread until the device gets there, so a step's launch would
@@ -302,7 +316,8 @@ def test_warm_up_stays_within_the_program_cache(llama_pair):
     report = sched.warm_up()
     assert report.programs == len(sched.programs) == 3 < report.wanted
     greedy_only = Scheduler(target, max_num_seqs=8, max_seq_len=64, max_compiled_programs=3).warm_up(sampled=False)
-    assert report.wanted == 2 * greedy_only.wanted  # each program for greedy batches and for sampled ones
+    # each program for greedy batches and for sampled ones, with temperature alone and with top-k / top-p
+    assert report.wanted == 3 * greedy_only.wanted
     assert report.max_batch == 0 and "not all of a lone request's" in str(report)
     assert "compile on first use" in str(report)
 

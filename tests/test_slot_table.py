@@ -51,6 +51,7 @@ def test_packed_settings_read_back_as_the_batch_arrays(traced):
     assert unpack(ints, floats, BatchFeatures()).accept_profile is None
     greedy = unpack(ints, floats, GREEDY_BATCH)  # the settings a batch does not use are left out
     assert not greedy.sampled and greedy.min_tokens is greedy.stop_ids is greedy.repetition_penalty is None
+    assert greedy.top_k is greedy.top_p is None  # no sampled row keeps a top-k or top-p
     assert SamplingArrays.from_params(SETTINGS[:2], 3).accept_profile is None  # no row with a profile
     np.testing.assert_array_equal(SamplingArrays.from_params(SETTINGS, 5).top_p, [*want["top_p"], 1.0])
 
@@ -78,7 +79,7 @@ def test_rows_gather_slots_settings_and_pages_and_leave_the_scratch_slot_alone()
     assert table.rows(np.asarray([4, 4]), 4).features == GREEDY_BATCH
     table.admit(0, 3, SETTINGS[3])
     assert table.rows(np.asarray([0, 4]), 4).features == BatchFeatures(sampled=False, holds_back=False,
-                                                                       penalized=False, synthetic=True)
+                                                                       penalized=False, synthetic=True, truncated=False)
     table.clear(0)
     np.testing.assert_array_equal(table.num_pages, [0, 3, 0, 0, 0])
     generations = table.generation.copy()

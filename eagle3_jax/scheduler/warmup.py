@@ -2,10 +2,11 @@
 
 A burst of short requests (prompts of up to one prefill chunk) runs prefill batches of every
 (rows, tokens per row) bucket the batch rule allows (`batch.prefill_fits`) and decode steps of
-every batch bucket, at block-table widths up to that of one chunk. Each in two forms: for batches
-whose rows are all greedy, and for batches with a sampled row (a program computes only the
-sampling settings its batch uses: sampling.BatchFeatures; penalties and min_tokens compile their
-forms on first use). `warmup_programs` lists them, smallest batches first, so that a program cache
+every batch bucket, at block-table widths up to that of one chunk. Each in three forms: for batches
+whose rows are all greedy, for batches with a sampled row (temperature alone), and for batches with
+a sampled row that keeps only its top-k or top-p tokens (a program computes only the sampling
+settings its batch uses: sampling.BatchFeatures; penalties and min_tokens compile their forms on
+first use). `warmup_programs` lists them, smallest batches first, so that a program cache
 too small for all of them keeps what the first (smaller) bursts need; `Scheduler.warm_up` compiles
 them by running each once on padding rows.
 """
@@ -15,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Sequence
 
-from ..sampling import GREEDY_BATCH, SAMPLED_BATCH, BatchFeatures
+from ..sampling import GREEDY_BATCH, SAMPLED_BATCH, TRUNCATED_BATCH, BatchFeatures
 from ..spec_decode.policy import SpeculationPolicy, StepPlan
 from .batch import MIN_CHUNK_BUCKET, MIN_PAGES_BUCKET, RunningBatch, buckets, chunk_cap, prefill_fits
 from .slot_table import prefill_chunks
@@ -36,11 +37,12 @@ class WarmProgram:
 def warmup_programs(policy: SpeculationPolicy, sampled: bool = True, *, max_num_seqs: int, prefill_chunk: int,
                     prefill_width: int, max_pages_per_seq: int) -> list[WarmProgram]:
     """The prefill and decode programs of bursts of requests that fit one chunk, by batch bucket;
-    each for greedy batches and, when `sampled`, for batches with a sampled row."""
+    each for greedy batches and, when `sampled`, for batches with a sampled row, with and without
+    top-k / top-p."""
     programs = []
     widths = [w for w in buckets(MIN_PAGES_BUCKET, max_pages_per_seq) if w <= prefill_width]
     for batch in buckets(1, max_num_seqs):
-        for features in (GREEDY_BATCH, SAMPLED_BATCH) if sampled else (GREEDY_BATCH,):
+        for features in (GREEDY_BATCH, SAMPLED_BATCH, TRUNCATED_BATCH) if sampled else (GREEDY_BATCH,):
             for chunk in buckets(MIN_CHUNK_BUCKET, chunk_cap(prefill_chunk)):
                 if prefill_fits(batch, chunk, prefill_chunk):
                     programs += [WarmProgram(kind, batch, prefill_width, chunk, features=features)
