@@ -518,6 +518,31 @@ def test_metrics_report_the_shapes_chosen():
     assert rates == {"1": 4 / 4, "2": 2 / 2}
 
 
+def test_greedy_and_sampled_steps_are_timed_apart(mla_pair):
+    """A sampled batch's program also draws (and with top-k / top-p sorts) every row's vocabulary at
+    every node, so it costs more than a greedy one of the same batch and width: the two are timed at
+    keys of their own, one octave apart, and the choice at each follows its own costs."""
+    from eagle3_jax.sampling import GREEDY_BATCH, TRUNCATED_BATCH
+    from eagle3_jax.spec_decode.adaptive import key_distance
+
+    greedy, sampled = (*KEY, GREEDY_BATCH), (*KEY, TRUNCATED_BATCH)
+    assert key_distance(greedy, sampled) == 1 == key_distance(greedy, (16, 4, GREEDY_BATCH))
+    assert key_distance(greedy, (16, 4, TRUNCATED_BATCH)) == 2
+    ctl = AdaptiveSpeculation(e3.SpecConfig.auto(3))
+    teach(ctl, {"none": 1.0, "chain:1:1:2": 1.1, "chain:2:1:3": 1.2, "chain:3:1:4": 2.0}, accepted=3, key=greedy)
+    teach(ctl, {"none": 1.0, "chain:1:1:2": 2.9, "chain:2:1:3": 3.5, "chain:3:1:4": 4.5}, accepted=3, key=sampled)
+    assert ctl.costs.measured(C2, greedy) == 1.2 and ctl.costs.measured(C2, sampled) == 3.5
+    assert ctl.choose(["a", "b"], greedy) == C2 and ctl.choose(["a", "b"], sampled) is None
+    # In the scheduler: a greedy wave, then a sampled one, each step timed at its own key.
+    target, draft = mla_pair
+    sched = Scheduler(target, draft=draft, spec=e3.SpecConfig.auto(2), max_num_seqs=4, max_seq_len=64)
+    keys = []
+    for sp in (e3.SamplingParams(max_tokens=12), e3.SamplingParams(temperature=0.8, top_p=0.9, seed=1, max_tokens=12)):
+        sched.generate(PROMPTS[:3], sp)
+        keys.append(sched._batch.last_decode_key)
+    assert [k[2] for k in keys] == [GREEDY_BATCH, TRUNCATED_BATCH]
+
+
 def test_only_steps_before_the_same_step_are_timed():
     """The host launches the next step before reading this one, so a step's read-to-read time holds
     the next launch's host work when the device finishes first: a step read after a different one

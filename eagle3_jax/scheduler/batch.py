@@ -134,7 +134,7 @@ class RunningBatch:
         self.decoders: dict[str, ScheduledRequest] = {}
         self._decoding_slots: np.ndarray | None = None  # the decoders' state slots, until they change
         self._seats = itertools.count()
-        self.last_decode_key: tuple[int, int] | None = None  # (batch, width) buckets of the last decode step
+        self.last_decode_key: tuple | None = None  # (batch, width, features) of the last decode step's program
 
     def admit(self) -> None:
         """Admit waiting requests first-come first-served while a slot is free and their prompt's
@@ -155,7 +155,7 @@ class RunningBatch:
                 break
             req.wait_for = None
             rows = len(self.running) + 1  # judged at the batch it joins, at the last decode width
-            key = None if self.last_decode_key is None else (bucket(rows, 1, self.max_num_seqs), self.last_decode_key[1])
+            key = None if self.last_decode_key is None else (bucket(rows, 1, self.max_num_seqs), *self.last_decode_key[1:])
             with_draft = self.policy.admit(key, rows, len(req.prefill_ids), req.budget - len(req.output))
             if self.policy.uses_draft and not with_draft:
                 cached = self._cached_prefix(req, False)  # target-only pages serve it too

@@ -139,7 +139,7 @@ class Launcher:
         as the speculation policy plans it (a catch-up first when planned)."""
         table, slots = self.batch.table, self.batch.decoding_slots()
         batch_rows = self.batch.rows_batch(slots)
-        key = self.batch.last_decode_key = batch_rows.block_table.shape
+        key = self.batch.last_decode_key = (*batch_rows.block_table.shape, batch_rows.features)
         plan = self.policy.plan(rows, key)
         if plan.catch_up:
             self.run("catch_up", None, batch_rows)

@@ -16,8 +16,10 @@ one of them. The choice maximises
   do not stop it for good, and a request whose acceptance collapses soon contributes little more
   than its one token: with no gain left in the batch, the scheduler stops speculating.
 - cost(shape, batch, context) is the measured wall time of a step of that compiled program: the
-  key is the program's own (batch bucket, block-table width), so the context length is in the
-  model (long KV makes verifying many tokens dearer). A step's time runs from the host's read of
+  key is the program's own (batch bucket, block-table width, the batch's sampling features), so
+  the context length is in the model (long KV makes verifying many tokens dearer), and a batch
+  that samples, whose program draws and may sort every row's vocabulary at every node, is timed
+  apart from a greedy one. A step's time runs from the host's read of
   the program before it to the read of its own tokens, so host work the device did not hide counts
   too: the median of its last samples. Steps during which a program compiled, its first two
   runs at a key after that (cold), steps right after a draft catch-up and steps read after a
@@ -251,11 +253,16 @@ class Acceptance:
 
 # ---- step cost -----------------------------------------------------------------------------------------
 
-Key = tuple[int, int]  # (batch bucket, block-table width bucket) of a decode program
+# (batch bucket, block-table width bucket) of a program, then for a decode program what else
+# picks it (the batch's sampling.BatchFeatures): programs that differ there are timed apart.
+Key = tuple
+
 
 def key_distance(a: Key, b: Key) -> float:
-    """How far apart two program keys are: octaves of batch plus octaves of block-table width."""
-    return abs(math.log2(a[0] / b[0])) + abs(math.log2(a[1] / b[1]))
+    """How far apart two program keys are: octaves of batch plus octaves of block-table width, plus
+    one where the rest differs (another program form: the nearest key of the same form is
+    nearer than the same shape of another form, up to an octave)."""
+    return abs(math.log2(a[0] / b[0])) + abs(math.log2(a[1] / b[1])) + (a[2:] != b[2:])
 
 
 # StepCosts also times this program, which is not a menu shape: a step without speculation in which
