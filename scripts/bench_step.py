@@ -10,6 +10,9 @@ of --runs calls each, eagle3_jax/bench/step_accounting.py):
 - the scheduler's step, wall time per iteration in steady decoding over --steps iterations, and its
   host share.
 
+--sampling adds rows per sampling setting (greedy by default; a sampled batch's program also
+draws its tokens, and with top-k / top-p sorts each row's vocabulary).
+
 With --engine it also times `Engine.generate` at batch 1 over the prompts (each alone, --max_tokens
 new tokens, prefill included): the demo's figure, per decode step.
 
@@ -25,6 +28,7 @@ are interleaved per batch so that slow spells of a shared machine hit them alike
 from __future__ import annotations
 
 import gc
+import itertools
 import json
 import os
 import sys
@@ -42,6 +46,8 @@ flags.DEFINE_string("target", "checkpoints/kimi-mini", "Target model folder (HF 
 flags.DEFINE_string("draft", "checkpoints/kimi-mini-eagle3", "EAGLE-3 draft folder, for the speculative settings.")
 flags.DEFINE_list("spec", ["none", "chain:3:1:4", "tree:5:4:16"], "Settings: none, chain:S:1:N, tree:S:K:N.")
 flags.DEFINE_list("batches", ["1", "8", "48"], "Requests decoding together, one row per setting each.")
+flags.DEFINE_list("sampling", ["greedy"], "Sampling of every request, a row each per setting and batch: greedy, or "
+                  "temperature[:top_p[:top_k]] (e.g. 0.8, or 0.8:0.95:40); each request seeded with its index.")
 flags.DEFINE_string("prompts", "checkpoints/demo_prompts.txt", "Prompts, one per line (cycled to fill a batch).")
 flags.DEFINE_integer("steps", 40, "Scheduler iterations timed per row.", lower_bound=1)
 flags.DEFINE_integer("runs", 30, "Timed calls per phase and per program (the median is kept).", lower_bound=1)
@@ -63,6 +69,28 @@ def _ints(values, flag: str) -> list[int]:
         out = []
     if not out or min(out) < 1:
         raise app.UsageError(f"--{flag} must be comma-separated integers >= 1; got {','.join(values)!r}")
+    return out
+
+
+def _sampling(values) -> list[tuple[str, dict]]:
+    """--sampling's entries as (label, SamplingParams fields)."""
+    import eagle3_jax as e3
+
+    out = []
+    for value in values:
+        if value == "greedy":
+            out.append((value, {}))
+            continue
+        parts = value.split(":")
+        try:
+            if len(parts) > 3:
+                raise ValueError("at most three fields")
+            fields = {name: kind(v) for name, kind, v in zip(("temperature", "top_p", "top_k"), (float, float, int), parts)}
+            e3.SamplingParams(**fields)
+        except ValueError as e:
+            raise app.UsageError(f"--sampling: {value!r} is not greedy or temperature[:top_p[:top_k]] with values "
+                                 f"in range ({e})") from None
+        out.append((value, fields))
     return out
 
 
@@ -130,6 +158,7 @@ def main(argv) -> None:
     _cli.reject_positional(argv)
     check_target_path("--target", FLAGS.target)
     batches = _ints(FLAGS.batches, "batches")
+    samplings = _sampling(FLAGS.sampling)
     for flag, path in (("--json_out", FLAGS.json_out), ("--plot", FLAGS.plot)):
         _cli.check_output(flag, path, {"--target": FLAGS.target, "--draft": FLAGS.draft}, is_file=True)
     import eagle3_jax as e3
@@ -175,17 +204,17 @@ def main(argv) -> None:
     print(head)
     print("|" + "---|" * (head.count("|") - 1), flush=True)
     for batch in batches:
-        for name, spec in specs:
+        for (name, spec), (how, sampling) in itertools.product(specs, samplings):
             gc.collect()
-            a = account(scheds[name], name, prompts, batch=batch, steps=FLAGS.steps, runs=FLAGS.runs,
-                        max_tokens=max_len - longest - 1, phases=FLAGS.phases)
-            row = a.as_dict()
-            rows.append(row)
+            label = name if how == "greedy" and len(samplings) == 1 else f"{name} {how}"
+            a = account(scheds[name], label, prompts, batch=batch, steps=FLAGS.steps, runs=FLAGS.runs,
+                        max_tokens=max_len - longest - 1, phases=FLAGS.phases, sampling=sampling)
+            rows.append({**a.as_dict(), "sampling": how})
             write()
             cells = [f"{a.phases[p]:.3f}" if p in a.phases else "-" for p in
                      ("propose", "verify", "judge", "commit", "extend", "state")]
             over = f"{a.program_ms / a.phases_ms:.2f}" if a.phases else "-"
-            print(f"| {name} | {batch} | {a.step_ms:.3f} | {a.host_ms:.3f} | {a.program_ms:.3f} | {a.phases_ms:.3f} | "
+            print(f"| {label} | {batch} | {a.step_ms:.3f} | {a.host_ms:.3f} | {a.program_ms:.3f} | {a.phases_ms:.3f} | "
                   f"{over} | " + " | ".join(cells) +
                   f" | {a.tokens_per_step:.2f} | {a.step_ms / a.tokens_per_step:.3f} |", flush=True)
     engine = record["engine_batch_1"]

@@ -251,12 +251,14 @@ def steady_steps(sched, steps: int) -> tuple[float, float, int]:
 
 
 def account(sched, mode: str, prompts: list[list[int]], *, batch: int, steps: int, runs: int,
-            max_tokens: int, phases: bool = True) -> StepAccount:
-    """Admit `batch` requests (cycling through `prompts`, long enough to decode throughout), let
-    them reach steady decoding, then take the step's accounting (see the module doc; `phases`
-    False leaves the phases alone untimed: each is a program of its own to compile)."""
+            max_tokens: int, phases: bool = True, sampling: dict | None = None) -> StepAccount:
+    """Admit `batch` requests (cycling through `prompts`, long enough to decode throughout, each
+    with the SamplingParams fields `sampling` and its own seed; default greedy), let them reach
+    steady decoding, then take the step's accounting (see the module doc; `phases` False leaves
+    the phases alone untimed: each is a program of its own to compile)."""
     with capture_decode(sched) as last_launch:
-        ids = [sched.add_request(prompts[i % len(prompts)], SamplingParams(max_tokens=max_tokens))
+        ids = [sched.add_request(prompts[i % len(prompts)], SamplingParams(max_tokens=max_tokens, seed=i,
+                                                                           **(sampling or {})))
                for i in range(batch)]
         requests = [sched._requests[str(i)] for i in ids]
         while any(r.state != DECODE for r in requests):
