@@ -112,6 +112,17 @@ def test_help_exits_zero():
         assert r.returncode == 0 and f"{script}.py" in r.stdout and not r.stderr.strip(), (script, r.stderr[-2000:])
     generate_help = results[0].stdout
     assert "--draft=checkpoints/kimi-mini-eagle3 \\\n" in generate_help  # the example's line break survives
+    # serve.py states the scheduler's defaults without importing it (--help stays fast): they must agree.
+    import inspect
+    import re
+
+    from eagle3_jax.scheduler import Scheduler
+
+    blocks = (re.match(r"(\w+):.*\(default: '(.*?)'\)", b, re.S) for b in re.split(r"\n\s+--", results[1].stdout))
+    defaults = {m[1]: m[2] for m in blocks if m}
+    wanted = inspect.signature(Scheduler).parameters
+    for name in ("max_num_seqs", "page_size", "prefill_chunk", "max_logprobs"):
+        assert defaults[name] == str(wanted[name].default), name
 
 
 def test_flag_mistakes_are_one_line():
