@@ -79,6 +79,9 @@ flags.DEFINE_integer("num_pages", None, "KV cache pages in the pool (default: en
                      "sequences of max_seq_len tokens).", lower_bound=1)
 flags.DEFINE_integer("prefill_chunk", 256, "Prompt tokens prefilled per scheduler step: the longest chunk of one "
                      "prompt, and the budget shared by the requests prefilling in that step.", lower_bound=1)
+flags.DEFINE_integer("max_compiled_programs", 48, "Compiled step programs kept, the least recently used dropped "
+                     "past it (--warmup compiles at most this many). On a CPU each holds hundreds of memory "
+                     "mappings; on an accelerator raise it so that the warm-up covers larger batches.", lower_bound=2)
 define_mesh_flags("Process 0 serves HTTP and schedules; the other processes run its steps on their devices.")
 flags.DEFINE_bool("warmup", True, "Before listening, compile the programs of bursts of up to --max_num_seqs "
                   "requests of up to one --prefill_chunk, for greedy and sampled batches (within the program "
@@ -210,7 +213,8 @@ def main(argv: Sequence[str]) -> None:
     with _cli.usage_errors():  # what the flags ask of the scheduler (pages, chunk, a spec the draft cannot run)
         scheduler = Scheduler(target, draft=draft, spec=spec, max_num_seqs=FLAGS.max_num_seqs,
                               max_seq_len=max_seq_len, page_size=FLAGS.page_size, num_pages=FLAGS.num_pages,
-                              prefill_chunk=FLAGS.prefill_chunk, tokenizer=tok, max_logprobs=FLAGS.max_logprobs,
+                              prefill_chunk=FLAGS.prefill_chunk, max_compiled_programs=FLAGS.max_compiled_programs,
+                              tokenizer=tok, max_logprobs=FLAGS.max_logprobs,
                               logprobs_mode=FLAGS.logprobs_mode, prefix_caching=FLAGS.prefix_caching)
     model_name = FLAGS.served_model_name or os.path.basename(os.path.normpath(FLAGS.target))
     if not leader:  # multi-host follower: mirror process 0's steps until it stops

@@ -121,7 +121,7 @@ def test_help_exits_zero():
     blocks = (re.match(r"(\w+):.*\(default: '(.*?)'\)", b, re.S) for b in re.split(r"\n\s+--", results[1].stdout))
     defaults = {m[1]: m[2] for m in blocks if m}
     wanted = inspect.signature(Scheduler).parameters
-    for name in ("max_num_seqs", "page_size", "prefill_chunk", "max_logprobs"):
+    for name in ("max_num_seqs", "page_size", "prefill_chunk", "max_logprobs", "max_compiled_programs"):
         assert defaults[name] == str(wanted[name].default), name
 
 

@@ -85,8 +85,9 @@ class WarmUp:
         return WarmUp(len(ran), len(wanted), capacity, max_batch, max(0, covered - reserved), seconds)
 
     def __str__(self) -> str:
-        covered = (f"batches of up to {self.max_batch} requests, sequences of up to {self.max_tokens} tokens"
-                   if self.max_batch else "not all of a lone request's")
+        batches = "a lone request" if self.max_batch == 1 else f"batches of up to {self.max_batch} requests"
+        covered = (f"{batches}, sequences of up to {self.max_tokens} tokens" if self.max_batch
+                   else "not all of a lone request's")
         text = f"compiled {self.programs} programs ({covered}) in {self.seconds:.1f} s"
         if self.programs < self.wanted:
             text += (f"; {self.wanted - self.programs} more, for larger batches, compile on first use (the program "
