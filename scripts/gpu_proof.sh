@@ -12,11 +12,13 @@
 #                                               # host: the scheduler's host ms per iteration and its phases,
 #                                               # scripts/bench_host.py at HOST_SEQS sequences, default 1,8,48;
 #                                               # host-standin: the same with the programs stood in, the
-#                                               # scheduler's own host work, at STANDIN_SEQS, default 1,64,256)
+#                                               # scheduler's own host work, at STANDIN_SEQS, default 1,64,256;
+#                                               # sampling: a sampled draw with temperature alone against
+#                                               # top-p, benchmarks/harness/sampling-sort-ab.py)
 #   SMALL=1 scripts/gpu_proof.sh /tmp/proof     # the rehearsal on a CPU host (small shapes, interpreted)
 #
 # Time limits per part, in seconds, from the environment: KERNELS_S (also attention, gqa, sweep),
-# DEMO_S, STEP_S, STEPS_S, MOE_S, HOST_S (defaults below: about 8 minutes for the five default parts).
+# DEMO_S, STEP_S, STEPS_S, MOE_S, HOST_S, SAMPLING_S (defaults below: about 8 minutes for the five default parts).
 # STEP_BATCHES and STEP_SPECS set the step accounting's batches and settings (default 1,8 and
 # none,chain:3:1:4,tree:5:4:16); STEP_SHAPES the steps part's batch:T pairs (e.g. 64:4); DEMO_FLAGS
 # adds flags to the demo part (e.g. --demo_kernels=pallas). Each Pallas program compiles for 30-60 s
@@ -32,6 +34,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
 small=()
 host_flags=(--num_seqs="${HOST_SEQS:-1,8,48}")
 standin_flags=(--num_seqs="${STANDIN_SEQS:-1,64,256}")
+sampling_flags=()
 step_flags=(--batches="${STEP_BATCHES:-1,8}" --spec="${STEP_SPECS:-none,chain:3:1:4,tree:5:4:16}" --nophases
             --noengine --steps=20 --runs=10)
 if [ -n "${SMALL:-}" ]; then
@@ -39,6 +42,7 @@ if [ -n "${SMALL:-}" ]; then
   host_flags=(--num_seqs="${HOST_SEQS:-2}" --warmup=4 --iterations=6 --min_tokens=3 --max_tokens=6)
   standin_flags=(--num_seqs="${STANDIN_SEQS:-2}" --warmup=4 --iterations=6 --min_tokens=3 --max_tokens=6)
   step_flags=(--batches="${STEP_BATCHES:-1}" --nophases --noengine --steps=3 --runs=2 --spec=none,chain:3:1:4)
+  sampling_flags=(--rows=4 --vocab=64 --repeats=1)
 fi
 
 part() {  # name, limit in seconds, command...
@@ -81,7 +85,9 @@ for p in $parts; do
             --json_out="$out/host.json" ;;
     host-standin) part host-standin "${HOST_S:-150}" python3 scripts/bench_host.py --stand_in_device \
                     --spec=none,chain:3:1:4 "${standin_flags[@]}" --phases --json_out="$out/host-standin.json" ;;
-    *) echo "gpu_proof.sh: unknown part $p (kernels attention gqa sweep moe-mini moe-mid host host-standin demo" \
-            "step-pallas step-auto steps step-xla)" | tee -a "$log" ;;
+    sampling) part sampling "${SAMPLING_S:-90}" python3 benchmarks/harness/sampling-sort-ab.py "${sampling_flags[@]}" \
+                --json_out="$out/sampling.json" --overwrite ;;
+    *) echo "gpu_proof.sh: unknown part $p (kernels attention gqa sweep moe-mini moe-mid host host-standin sampling" \
+            "demo step-pallas step-auto steps step-xla)" | tee -a "$log" ;;
   esac
 done

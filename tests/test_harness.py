@@ -18,7 +18,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HARNESS = os.path.join(ROOT, "benchmarks", "harness")
 SCRIPTS = ("aa-noise-floor", "aa-ratios", "auto-host-ab", "auto-steps-costed", "layers-unrolled-ab", "moe-dense-ab",
-           "moe-small-dense-ab")
+           "moe-small-dense-ab", "sampling-sort-ab")
 
 
 def run_harness(script: str, *args: str, cwd: str = ROOT, timeout: int = 600) -> subprocess.CompletedProcess:
@@ -54,7 +54,7 @@ def test_outputs_are_not_written_over(tmp_path):
     existing = tmp_path / "rows.json"
     existing.write_text("[]")
     env = dict(os.environ, PYTHONPATH=ROOT, XLA_FLAGS="")
-    for script in ("layers-unrolled-ab", "moe-dense-ab", "moe-small-dense-ab"):
+    for script in ("layers-unrolled-ab", "moe-dense-ab", "moe-small-dense-ab", "sampling-sort-ab"):
         r = subprocess.run([sys.executable, os.path.join(HARNESS, f"{script}.py"), f"--json_out={existing}"],
                            capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
         assert r.returncode != 0 and "already exists" in r.stderr and "Traceback" not in r.stderr, r.stderr
@@ -100,6 +100,13 @@ def test_layers_unrolled_ab(tmp_path):
     rows = json.loads(out.read_text())
     assert {(r["experts"], r["layers"]) for r in rows} == {(e, l) for e in ("gathered", "dense")
                                                            for l in ("stacked", "unrolled")}
+
+
+def test_sampling_sort_ab(tmp_path):
+    out = tmp_path / "rows.json"
+    run_harness("sampling-sort-ab", "--rows=4", "--vocab=64", "--repeats=1", f"--json_out={out}")
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["rows"], r["vocab"]) for r in rows] == [(4, 64)] and rows[0]["temperature alone ms"] > 0
 
 
 @pytest.mark.slow
