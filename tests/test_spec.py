@@ -135,16 +135,18 @@ def test_stop_tokens_and_budgets_cut_accepted_chunks(pair, monkeypatch):
 
 
 def test_no_recompilation_between_steps_or_calls():
-    """Greedy and sampled batches compile their own programs (a program branches on nothing the device
-    computes), once: second calls of the same shapes (other prompts, other sampling values) compile
-    nothing, and each program is traced once."""
+    """Greedy batches, sampled ones and sampled ones with top-k / top-p compile their own programs (a
+    program branches on nothing the device computes), once: second calls of the same shapes (other
+    prompts, other sampling values) compile nothing, and each program is traced once."""
     target = random_target(FAMILIES["llama"])
     eng = e3.Engine(target, draft=random_draft(target), spec=e3.SpecConfig(3, 2, 6), max_batch_size=2, max_seq_len=64)
     eng.generate([[1, 2, 3]], e3.SamplingParams(max_tokens=10))
     eng.generate([[1, 2, 3]], e3.SamplingParams(max_tokens=10, temperature=0.8, seed=3))
+    eng.generate([[1, 2, 3]], e3.SamplingParams(max_tokens=10, temperature=0.8, top_k=5, seed=3))
     programs = eng.scheduler.programs
     before = programs.num_compiles
     eng.generate([[4, 5, 6, 7]], e3.SamplingParams(max_tokens=10))
+    eng.generate([[4, 5, 6, 7]], e3.SamplingParams(max_tokens=10, temperature=0.5, seed=7))
     eng.generate([[4, 5, 6, 7]], e3.SamplingParams(max_tokens=10, temperature=0.5, top_p=0.9, seed=7))
     assert programs.num_compiles == before
     assert all(p._cache_size() == 1 for p in programs._programs.values())
