@@ -97,6 +97,8 @@ flags.DEFINE_integer("num_warmups", None, "Unmeasured warm-up requests per cell 
 flags.DEFINE_list("seeds", ["0"], "Seeds (prompts, per-request sampling); every cell runs once per seed and the "
                   "table shows the mean over seeds.")
 flags.DEFINE_float("temperature", 0.0, "Sampling temperature of every request; 0 = greedy.", lower_bound=0.0)
+flags.DEFINE_float("top_p", 1.0, "Top-p of every request (with --temperature > 0); 1 = the whole distribution.")
+flags.DEFINE_integer("top_k", 0, "Top-k of every request (with --temperature > 0); 0 = no top-k.", lower_bound=0)
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16", "float16"], "Compute dtype of the weights.")
 define_quant_flags()
 define_max_seq_len_flags("Prompt + output tokens per sequence. Workloads must fit it; default: the model's "
@@ -221,7 +223,8 @@ def main(argv: Sequence[str]) -> None:
         cfg = RunConfig(concurrencies=_ints(FLAGS.concurrency, "concurrency", 1), seeds=_ints(FLAGS.seeds, "seeds", 0),
                         num_prompts=FLAGS.num_prompts, num_warmups=FLAGS.num_warmups, min_prompts=FLAGS.min_prompts,
                         min_warmups=FLAGS.min_warmups,
-                        temperature=FLAGS.temperature, interleave=FLAGS.interleave, progress=FLAGS.progress,
+                        temperature=FLAGS.temperature, top_p=FLAGS.top_p, top_k=FLAGS.top_k,
+                        interleave=FLAGS.interleave, progress=FLAGS.progress,
                         max_measure_attempts=FLAGS.max_measure_attempts, repeats=FLAGS.repeats,
                         synthetic_acceptance=_rates(FLAGS.synthetic_acceptance))
     except ValueError as e:

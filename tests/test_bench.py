@@ -342,6 +342,14 @@ def test_run_config_defaults_and_errors():
         RunConfig(concurrencies=(0,))
     with pytest.raises(ValueError, match="min_warmups"):
         RunConfig(concurrencies=(1,), min_warmups=-1)
+    with pytest.raises(ValueError, match="apply to sampled requests"):  # top-p / top-k of greedy requests: no effect
+        RunConfig(concurrencies=(1,), top_p=0.9)
+    with pytest.raises(ValueError, match="top_p"):
+        RunConfig(concurrencies=(1,), temperature=0.8, top_p=1.5)
+    from eagle3_jax.bench.runner import sampling_for
+
+    sp = sampling_for(RunConfig(concurrencies=(1,), temperature=0.8, top_p=0.95, top_k=40), 16, 0, 3)
+    assert (sp.temperature, sp.top_p, sp.top_k, sp.max_tokens) == (0.8, 0.95, 40, 16)
 
 
 def test_repeated_passes_report_the_median_pass(monkeypatch):
@@ -406,6 +414,9 @@ def test_sse_parsing_and_payload():
     body = completion_payload([1, 2], output_len=5, temperature=0.0, seed=3, model=None)
     assert body == {"prompt": [1, 2], "max_tokens": 5, "temperature": 0.0, "ignore_eos": True, "stream": True,
                     "stream_options": {"include_usage": True}}
+    body = completion_payload([1, 2], output_len=5, temperature=0.8, seed=3, model=None, top_p=0.95, top_k=40)
+    assert (body["seed"], body["top_p"], body["top_k"]) == (3, 0.95, 40)
+    assert "top_p" not in completion_payload([1], output_len=1, temperature=0.8, seed=0, model=None)
 
 
 def test_acceptance_from_server_metrics():

@@ -37,7 +37,8 @@ def client() -> types.ModuleType:
 
 
 def completion_payload(prompt: Sequence[int], *, output_len: int, temperature: float, seed: int,
-                       model: str | None, synthetic_acceptance: Sequence[float] | None = None) -> dict:
+                       model: str | None, synthetic_acceptance: Sequence[float] | None = None, top_p: float = 1.0,
+                       top_k: int = 0) -> dict:
     """Body of one streaming /v1/completions request with a token-id prompt and ignore-EOS (and a
     synthetic acceptance profile, which the server takes only when started to allow it)."""
     body = {"prompt": [int(t) for t in prompt], "max_tokens": int(output_len), "temperature": float(temperature),
@@ -46,6 +47,10 @@ def completion_payload(prompt: Sequence[int], *, output_len: int, temperature: f
         body["synthetic_acceptance"] = [float(x) for x in synthetic_acceptance]
     if temperature > 0:
         body["seed"] = int(seed)  # per-request seed (vLLM / OpenAI extension) for reproducible sampling
+        if top_p != 1.0:
+            body["top_p"] = float(top_p)
+        if top_k:
+            body["top_k"] = int(top_k)  # vLLM's extension
     if model is not None:
         body["model"] = model
     return body
@@ -248,7 +253,8 @@ def run_http_benchmark(base_url: str, setting: SpecSetting, workload: Workload, 
             def bodies(prompts: list[list[int]], s: int) -> list[dict]:
                 return [completion_payload(p, output_len=out_len, temperature=cfg.temperature,
                                            seed=(s * 1_000_003 + i) % 2**32, model=model,
-                                           synthetic_acceptance=cfg.synthetic_acceptance)
+                                           synthetic_acceptance=cfg.synthetic_acceptance, top_p=cfg.top_p,
+                                           top_k=cfg.top_k)
                         for i, p in enumerate(prompts)]
 
             if n_warm:

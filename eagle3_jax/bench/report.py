@@ -172,6 +172,13 @@ def _count(n: int | None, per_c: int, least: int | None = None) -> str:
     return f"{per_c} x concurrency" + (f" (at least {least})" if least else "")
 
 
+def _truncation(cfg: dict) -> str:
+    """', top-p P, top-k K' for the settings a run's sampled requests kept (older records: none)."""
+    parts = [f"top-p {cfg['top_p']}" if cfg.get("top_p", 1.0) != 1.0 else "",
+             f"top-k {cfg['top_k']}" if cfg.get("top_k") else ""]
+    return "".join(f", {p}" for p in parts if p)
+
+
 def _compile_note(cells: Sequence[dict]) -> list[str]:
     """A line on cells re-measured because XLA compiled mid-measurement (none: no line)."""
     repeated = sum(c.get("measure_attempts", 1) > 1 for c in cells)
@@ -202,7 +209,7 @@ def markdown(report: dict) -> str:
         *([synthetic_note(cfg["synthetic_acceptance"])] if cfg.get("synthetic_acceptance") else []),
         f"Workload: {_describe_workload(report['workload'])}, ignore-EOS.",
         f"Requests per cell: {_count(cfg.get('num_prompts'), 10, cfg.get('min_prompts'))}, "
-        f"after {_count(cfg.get('num_warmups'), 2, cfg.get('min_warmups'))} warm-ups; seeds {', '.join(map(str, cfg.get('seeds') or []))}; temperature {cfg.get('temperature')}; "
+        f"after {_count(cfg.get('num_warmups'), 2, cfg.get('min_warmups'))} warm-ups; seeds {', '.join(map(str, cfg.get('seeds') or []))}; temperature {cfg.get('temperature')}{_truncation(cfg)}; "
         f"{dtype}{report['mode']}.",
         f"{where}: {m['jax_backend']} x{len(m['jax_devices'])} ({m['device_kind']}), {m['machine']}, "
         f"{m['cpu_count']} CPUs, JAX {m['jax']}. Date: {report['date']}.",

@@ -54,6 +54,8 @@ class RunConfig:
     min_prompts: int = 0
     min_warmups: int = 0
     temperature: float = 0.0
+    top_p: float = 1.0  # of every sampled request (1: no nucleus)
+    top_k: int = 0  # of every sampled request (0: no top-k)
     interleave: bool = True
     progress: bool = True
     max_measure_attempts: int = 3  # measured passes per cell until one runs without compiling
@@ -79,7 +81,11 @@ class RunConfig:
             raise ValueError(f"repeats must be an integer >= 1; got {self.repeats!r}")
         if self.num_warmups is not None and self.num_warmups < 0:
             raise ValueError(f"num_warmups must be >= 0; got {self.num_warmups}")
-        SamplingParams(temperature=self.temperature, synthetic_acceptance=self.synthetic_acceptance)  # validates
+        SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                       synthetic_acceptance=self.synthetic_acceptance)  # validates
+        if self.greedy and (self.top_p != 1.0 or self.top_k != 0):
+            raise ValueError(f"top_p ({self.top_p}) and top_k ({self.top_k}) apply to sampled requests, and temperature "
+                             "is 0 (greedy): set a temperature > 0, or leave them at 1.0 and 0")
 
     @property
     def compares_outputs(self) -> bool:
@@ -99,7 +105,7 @@ class RunConfig:
 
 def sampling_for(cfg: RunConfig, output_len: int, seed: int, index: int) -> SamplingParams:
     """Request `index`'s sampling: fixed length, no stop tokens (ignore-EOS), a per-request seed."""
-    return SamplingParams(temperature=cfg.temperature, max_tokens=output_len,
+    return SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, max_tokens=output_len,
                           seed=(seed * 1_000_003 + index) % 2**32, stop_token_ids=(),
                           synthetic_acceptance=cfg.synthetic_acceptance)
 
