@@ -219,23 +219,22 @@ def _launch_floors_ms(sched, repeats: int = 50) -> tuple[float, float]:
     executor = sched._executor
     params = (executor.target.params, None if executor.draft is None else executor.draft.params)
     program = jax.jit(lambda params, state, step: (state, step + 1), donate_argnums=(1,))
-    step = [np.zeros((), np.int32)]
 
-    def launch(state):
-        state, step[0] = program(params, state, step[0])
-        return step[0], state
+    def launch(carry):  # carry: (device state, step counter)
+        carry = program(params, *carry)
+        return carry[1], carry
 
-    state = _copied_state(sched)
+    carry = (_copied_state(sched), np.zeros((), np.int32))
     for _ in range(3):  # the first calls compile
-        _, state = launch(state)
-    jax.block_until_ready(step[0])
+        _, carry = launch(carry)
+    jax.block_until_ready(carry)
     evict = np.zeros(2 * _last_level_cache_bytes() // 8)
 
     def evicting() -> None:
         evict[...] += 1.0
 
-    warm, state = _median_launch_ms(launch, state, repeats)
-    cold, _ = _median_launch_ms(launch, state, repeats, before_each=evicting)
+    warm, carry = _median_launch_ms(launch, carry, repeats)
+    cold, _ = _median_launch_ms(launch, carry, repeats, before_each=evicting)
     return warm, cold
 
 

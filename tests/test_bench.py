@@ -17,7 +17,7 @@ from eagle3_jax.bench import metrics as M
 from eagle3_jax.bench import report as R
 from eagle3_jax.bench import workloads as W
 from eagle3_jax.bench.http_client import completion_payload, parse_sse_line, run_requests
-from eagle3_jax.bench.runner import RunConfig, check_lengths, drive, make_cell, mark_identical, outputs_digest
+from eagle3_jax.bench.runner import RunConfig, check_lengths, drive, make_cell, mark_identical, outputs_digest, sampling_for
 from eagle3_jax.bench.settings import parse_spec, parse_specs
 from eagle3_jax.chat_template import render_prompt
 from eagle3_jax.extras import MissingExtraError, require
@@ -346,8 +346,6 @@ def test_run_config_defaults_and_errors():
         RunConfig(concurrencies=(1,), top_p=0.9)
     with pytest.raises(ValueError, match="top_p"):
         RunConfig(concurrencies=(1,), temperature=0.8, top_p=1.5)
-    from eagle3_jax.bench.runner import sampling_for
-
     sp = sampling_for(RunConfig(concurrencies=(1,), temperature=0.8, top_p=0.95, top_k=40), 16, 0, 3)
     assert (sp.temperature, sp.top_p, sp.top_k, sp.max_tokens) == (0.8, 0.95, 40, 16)
 

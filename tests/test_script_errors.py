@@ -8,8 +8,10 @@ adds more cases of the same kinds.
 
 from __future__ import annotations
 
+import inspect
 import io
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -113,9 +115,6 @@ def test_help_exits_zero():
     generate_help = results[0].stdout
     assert "--draft=checkpoints/kimi-mini-eagle3 \\\n" in generate_help  # the example's line break survives
     # serve.py states the scheduler's defaults without importing it (--help stays fast): they must agree.
-    import inspect
-    import re
-
     from eagle3_jax.scheduler import Scheduler
 
     blocks = (re.match(r"(\w+):.*\(default: '(.*?)'\)", b, re.S) for b in re.split(r"\n\s+--", results[1].stdout))

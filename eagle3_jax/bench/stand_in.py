@@ -35,8 +35,9 @@ def stand_in_device(scheduler, seed: int = 0) -> None:
     vocab, rng = scheduler.target.config.vocab_size, np.random.default_rng(seed)
 
     def run(fn, static: tuple, key: tuple, *args) -> tuple:
-        # the key Executor.execute builds: (kind, shape, logprob settings, rows' key, first array's shape, masks' shape)
-        (kind, shape, logprobs, _, _, masks), rows, state = key, args[3], args[DONATED]
+        # Executor.execute's key: (kind, shape, logprob settings, rows' key, first array's shape, masks' shape);
+        # its arguments: the parameters, the state, then the rows.
+        (kind, shape, logprobs, _, _, masks), state, rows = key, args[DONATED], args[DONATED + 1]
         if logprobs is not None or masks != ():
             raise ValueError("the stand-in device runs no logprob or structured-output program; leave those requests "
                              "out of a stand-in run")
