@@ -9,19 +9,19 @@ Public API (kept stable):
     output: SamplingParams.constraint)
 """
 
-from .config import ConfigError, ModelConfig, load_model_config
-from .draft import Draft, load_draft
+from .config.model import ConfigError, ModelConfig, load_model_config
 from .engine import ChatOutput, Engine
+from .models.draft import Draft, load_draft
+from .models.target import Target, load_target
 from .parsers import ParserError, parse_reasoning, parse_tool_calls
-from .plan import plan_memory
+from .planning.memory import plan_memory
 from .request import RequestOutput
-from .sampling import SamplingParams
+from .runtime.sharding import initialize_distributed, make_mesh
+from .sampling.sampler import SamplingParams
 from .scheduler import CapacityError, Scheduler
-from .sharding import initialize_distributed, make_mesh
 from .spec_decode import AutoSpec, SpecConfig
 from .structured import Constraint, ConstraintError
-from .target import Target, load_target
-from .tokenizer import Tokenizer, TokenizerError, load_tokenizer
+from .text.tokenizer import Tokenizer, TokenizerError, load_tokenizer
 
 __all__ = [
     "AutoSpec",

@@ -14,15 +14,15 @@ import dataclasses
 import uuid
 from typing import Any, Mapping, Sequence
 
-from .draft import Draft
+from .models.draft import Draft
+from .models.target import Target
 from .parsers import OutputParsing, parse_output
 from .parsers.forced import constrain_answer
 from .request import RequestOutput
-from .sampling import SamplingParams
+from .sampling.sampler import SamplingParams
 from .scheduler import PREFILL_CHUNK, Scheduler
 from .spec_decode.settings import AutoSpec, SpecConfig
-from .target import Target
-from .tokenizer import Tokenizer
+from .text.tokenizer import Tokenizer
 
 Message = Mapping[str, Any]
 

@@ -22,11 +22,10 @@ import logging
 import time
 from typing import Callable, Sequence
 
-
-from .logprobs import Logprob
-from .sampling import SamplingParams
+from .sampling.logprobs import Logprob
+from .sampling.sampler import SamplingParams
 from .structured import GrammarViolation, RequestGrammar
-from .text_stream import TextStream
+from .text.stream import TextStream
 
 FINISH_STOP, FINISH_LENGTH, FINISH_ABORT = "stop", "length", "abort"
 logger = logging.getLogger(__name__)

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from eagle3_jax.quant import PRECISION  # every dot states it: float32 stays IEEE float32 on GPUs
+from eagle3_jax.weights.quant import PRECISION  # every dot states it: float32 stays IEEE float32 on GPUs
 from pallas_kernels import launch as launch_table
 from pallas_kernels.launch import AttentionLaunch
 

@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from eagle3_jax.quant import PRECISION, QArray, quantize_rows_int8, ragged_linear
+from eagle3_jax.weights.quant import PRECISION, QArray, quantize_rows_int8, ragged_linear
 from pallas_kernels import launch as launch_table
 from pallas_kernels.launch import MoeLaunch
 

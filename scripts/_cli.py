@@ -39,13 +39,13 @@ _FILE_ERRORS = (FileNotFoundError, NotADirectoryError, IsADirectoryError, Permis
 # Library errors that mean "the input is wrong", by module and class name, so that this module
 # need not import the library (and JAX) before the script does.
 _LIBRARY_USER_ERRORS = (
-    ("eagle3_jax.config", "ConfigError"),
+    ("eagle3_jax.config.model", "ConfigError"),
     ("eagle3_jax.checkpoint.errors", "CheckpointError"),
-    ("eagle3_jax.tokenizer", "TokenizerError"),
+    ("eagle3_jax.text.tokenizer", "TokenizerError"),
     ("eagle3_jax.scheduler", "CapacityError"),
     ("eagle3_jax.bench.gsm8k", "DataError"),
-    ("eagle3_jax.chat_template", "ChatTemplateError"),
-    ("eagle3_jax.extras", "MissingExtraError"),  # an optional dependency not installed: the line names the extra
+    ("eagle3_jax.text.chat_template", "ChatTemplateError"),
+    ("eagle3_jax.runtime.extras", "MissingExtraError"),  # an optional dependency not installed: the line names the extra
 )
 
 

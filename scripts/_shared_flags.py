@@ -39,7 +39,7 @@ def define_kernels_flag() -> None:
 
 
 def _valid_kernels(value: str) -> bool:
-    from eagle3_jax.kernels import parse
+    from eagle3_jax.runtime.kernels import parse
 
     try:
         parse(value)
@@ -49,8 +49,8 @@ def _valid_kernels(value: str) -> bool:
 
 
 def _invariant_runs_xla(values: dict) -> bool:
-    from eagle3_jax.kernels import parse
-    from eagle3_jax.target import check_batch_invariant
+    from eagle3_jax.runtime.kernels import parse
+    from eagle3_jax.models.target import check_batch_invariant
 
     try:
         parse(values["kernels"])
@@ -82,7 +82,7 @@ def mesh_from_flags():
     """Join the multi-host job if --distributed, then the --mesh over every device (None without
     --mesh); a bad --mesh is a usage error naming the problem."""
     import eagle3_jax as e3
-    from eagle3_jax.sharding import parse_mesh
+    from eagle3_jax.runtime.sharding import parse_mesh
 
     try:
         dims = parse_mesh(FLAGS.mesh)
@@ -240,7 +240,7 @@ def define_chat_template_flag() -> None:
 def chat_template_from_flags(tokenizer_dir: str, required: bool):
     """The ChatTemplate --chat_template asks for (default: the tokenizer folder's); a usage error for a
     value that is not a template, and, when `required`, for a model without one."""
-    from eagle3_jax.chat_template import JOIN, ChatTemplate, ChatTemplateError
+    from eagle3_jax.text.chat_template import JOIN, ChatTemplate, ChatTemplateError
 
     value = FLAGS.chat_template
     try:
@@ -260,7 +260,7 @@ def chat_template_from_flags(tokenizer_dir: str, required: bool):
 def warn_without_chat_template(tokenizer_dir: str, what: str) -> None:
     """Say that `what` (prompts meant as a user's chat turn) goes to the model as plain text, because
     its tokenizer folder has no chat template (right for a base model, not for a chat model)."""
-    from eagle3_jax.chat_template import ChatTemplate
+    from eagle3_jax.text.chat_template import ChatTemplate
 
     template = ChatTemplate.from_dir(tokenizer_dir)  # a broken one: ChatTemplateError, a user error for _cli
     if os.path.isdir(tokenizer_dir) and template.source is None and not template.named:

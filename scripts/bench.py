@@ -199,7 +199,7 @@ def main(argv: Sequence[str]) -> None:
     from eagle3_jax.bench.runner import RunConfig, ordered, run_benchmark
     from eagle3_jax.bench.settings import parse_specs
     from eagle3_jax.bench.workloads import DATASETS, MULTITURN, dataset_workload, multiturn_workload, random_workload_for
-    from eagle3_jax.tokenizer import load_tokenizer
+    from eagle3_jax.text.tokenizer import load_tokenizer
 
     report_lib.pyplot()  # the plots' matplotlib (the bench extra): missing, say so before the run, not after it
 

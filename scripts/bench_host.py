@@ -498,7 +498,7 @@ def main(argv) -> None:
     target = e3.load_target(FLAGS.target)
     tokenizer = None
     if FLAGS.detokenize:
-        from eagle3_jax.tokenizer import load_tokenizer
+        from eagle3_jax.text.tokenizer import load_tokenizer
 
         tokenizer = load_tokenizer(FLAGS.target)
     draft = e3.load_draft(FLAGS.draft, target=target) if any(s is not None for _, s in specs) else None

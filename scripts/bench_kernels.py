@@ -85,7 +85,7 @@ flags.DEFINE_integer("topk", 8, "MoE: experts per token.", lower_bound=1)
 flags.DEFINE_enum("moe_format", "int4", ["bfloat16", "int4", "w4a8", "mxfp4", "fp8_block", "fp8_channel"],
                   "MoE: expert weight format (int4 in groups of 32, as Kimi-K2.5).")
 flags.DEFINE_integer("repeats", 20, "Timed runs per configuration (median reported).", lower_bound=1)
-flags.DEFINE_string("device", "MI325X", "Device whose HBM peak the GB/s is compared with (see eagle3_jax.plan.DEVICES).")
+flags.DEFINE_string("device", "MI325X", "Device whose HBM peak the GB/s is compared with (see eagle3_jax.planning.memory.DEVICES).")
 flags.DEFINE_string("json_out", None, "Also write the rows as JSON here.")
 _cli.define_overwrite_flag("--json_out")
 
@@ -280,7 +280,7 @@ def expert_weight(rng, fmt: str, e: int, k: int, n: int):
     import ml_dtypes
     import numpy as np
 
-    from eagle3_jax.quant import QArray, QFormat
+    from eagle3_jax.weights.quant import QArray, QFormat
 
     if fmt == "bfloat16":
         return jnp.asarray(rng.standard_normal((e, k, n), np.float32) / np.sqrt(k), jnp.bfloat16)
@@ -304,7 +304,7 @@ def moe_rows(peak: float, interpret: bool, peak_tflops: float = 0.0, on_row=lamb
     import jax.numpy as jnp
     import numpy as np
 
-    from eagle3_jax.moe import kernel_unfit, local_experts
+    from eagle3_jax.models.moe import kernel_unfit, local_experts
 
     token_counts = _ints(FLAGS.moe_tokens, "moe_tokens")
     if FLAGS.local_experts > FLAGS.experts or FLAGS.topk > FLAGS.experts:
@@ -368,7 +368,7 @@ def main(argv: Sequence[str]) -> None:
     _cli.check_output("--json_out", FLAGS.json_out, is_file=True)
     import jax
 
-    from eagle3_jax.plan import DEVICES
+    from eagle3_jax.planning.memory import DEVICES
 
     if FLAGS.device not in DEVICES:
         raise app.UsageError(f"--device must be one of {', '.join(DEVICES)}; got {FLAGS.device!r}")

@@ -120,8 +120,8 @@ def main(argv) -> None:
     _cli.check_output("--json_out", FLAGS.json_out, is_file=True)
     import eagle3_jax as e3
     from eagle3_jax.scheduler import Scheduler
-    from eagle3_jax.chat_template import ChatTemplate
-    from eagle3_jax.tokenizer import load_tokenizer
+    from eagle3_jax.text.chat_template import ChatTemplate
+    from eagle3_jax.text.tokenizer import load_tokenizer
 
     target = e3.load_target(FLAGS.target, dtype="float32")
     draft = e3.load_draft(FLAGS.draft, target=target, dtype="float32")

@@ -164,7 +164,7 @@ def main(argv) -> None:
     import eagle3_jax as e3
     from eagle3_jax.bench.report import machine_info, pyplot
     from eagle3_jax.bench.step_accounting import account
-    from eagle3_jax.tokenizer import load_tokenizer
+    from eagle3_jax.text.tokenizer import load_tokenizer
 
     if FLAGS.plot:
         pyplot()  # the bench extra's matplotlib: missing, say so before the run rather than after it

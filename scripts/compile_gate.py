@@ -4,7 +4,7 @@
     python scripts/compile_gate.py --scope=full --json_out=benchmarks/results/compile-gate.json \\
         --markdown_out=benchmarks/results/compile-gate.md          # every configuration, mesh, format, T, batch
 
-For each bundled full-size configuration on its documented meshes (eagle3_jax/compile_gate.py
+For each bundled full-size configuration on its documented meshes (eagle3_jax/planning/compile_gate.py
 lists them) the engine's own programs are lowered for each architecture (gfx942 = MI300X / MI325X,
 gfx950 = MI355X, sm_90 = H100 / H200; sm_100 on request), every Triton module in them is compiled
 with the `triton` package, and one line per distinct kernel reports registers, AGPRs, spills,
@@ -93,7 +93,7 @@ def main(argv):
         raise app.UsageError(f"--archs: unknown {', '.join(unknown)}; known: {', '.join(launch.ARCHS)}")
     import jax
 
-    from eagle3_jax import compile_gate as gate
+    from eagle3_jax.planning import compile_gate as gate
 
     configs = gate.CONFIGS
     if FLAGS.configs:

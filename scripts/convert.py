@@ -46,8 +46,8 @@ def main(argv: list[str]) -> int:
     check_target_path("--hf_dir", FLAGS.hf_dir, draft_flag=None)
     _cli.check_output("--out_dir", FLAGS.out_dir, {"--hf_dir": FLAGS.hf_dir})
     from eagle3_jax.checkpoint import save_orbax  # imported here so that --help works without loading JAX
-    from eagle3_jax.config import load_model_config
-    from eagle3_jax.target import with_quant_options
+    from eagle3_jax.config.model import load_model_config
+    from eagle3_jax.models.target import with_quant_options
 
     start = time.time()
     cfg = with_quant_options(load_model_config(FLAGS.hf_dir), dequantize=FLAGS.dequantize, fp8_format="e4m3fn")

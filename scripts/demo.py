@@ -48,7 +48,7 @@ flags.DEFINE_string("chain", "chain:3:1:4", "The chain: chain:num_steps:1:num_dr
 flags.DEFINE_string("tree", "tree:5:4:16", "The tree: tree:num_steps:topk:num_draft_tokens (or the older "
                     "num_steps,topk,num_draft_tokens).")
 flags.DEFINE_enum("dtype", "bfloat16", ["float32", "bfloat16"], "Compute dtype (bfloat16: what a server runs).")
-flags.DEFINE_bool("batch_invariant", True, "Batch-invariant numerics for the target (eagle3_jax/invariant.py): "
+flags.DEFINE_bool("batch_invariant", True, "Batch-invariant numerics for the target (eagle3_jax/models/invariant.py): "
                   "every token is computed the same way whatever shares its pass, so the speculative modes emit "
                   "exactly plain decoding's greedy tokens in bfloat16 too. --nobatch_invariant runs the default "
                   "numerics (faster; in bfloat16 greedy outputs may then part at near-ties).")
@@ -144,7 +144,7 @@ def main(argv: Sequence[str]) -> None:
     import jax
 
     import eagle3_jax as e3
-    from eagle3_jax.tokenizer import load_tokenizer
+    from eagle3_jax.text.tokenizer import load_tokenizer
 
     start = time.perf_counter()
     progress(f"loading {FLAGS.target} and {FLAGS.draft} ...")

@@ -184,7 +184,7 @@ def run_in_process(problems, shots) -> tuple[list, dict]:
     from eagle3_jax.bench import gsm8k, parse_specs  # the one import of the --spec parser
     from eagle3_jax.bench.runner import CompileCounter, make_scheduler, ordered
     from eagle3_jax.checkpoint import CheckpointError
-    from eagle3_jax.tokenizer import TokenizerError, load_tokenizer
+    from eagle3_jax.text.tokenizer import TokenizerError, load_tokenizer
 
     try:
         settings = ordered(parse_specs(FLAGS.spec))

@@ -95,7 +95,7 @@ def main(argv: Sequence[str]) -> None:
     import jax
 
     import eagle3_jax as e3  # imported here so that --help works without loading JAX
-    from eagle3_jax.tokenizer import load_tokenizer
+    from eagle3_jax.text.tokenizer import load_tokenizer
 
     mesh = mesh_from_flags()
     # config, tokenizer and the checks of what the flags ask for first: their errors come before a

@@ -101,7 +101,7 @@ def _random_params(cfg, dtype):
     import jax
     import jax.numpy as jnp
 
-    from eagle3_jax.params import abstract_params
+    from eagle3_jax.weights.params import abstract_params
 
     leaves, tree = jax.tree.flatten(abstract_params(cfg, dtype))
 
@@ -195,10 +195,10 @@ def step_rows(small: bool, repeats: int, peak: float, shapes: list[tuple[int, in
     import jax
     import jax.numpy as jnp
 
-    from eagle3_jax import kv_cache
+    from eagle3_jax.cache import kv_cache
     from eagle3_jax.bench.step_accounting import median_ms
-    from eagle3_jax.config import load_model_config, parse_model_config
-    from eagle3_jax.target import forward, resolve_dtype
+    from eagle3_jax.config.model import load_model_config, parse_model_config
+    from eagle3_jax.models.target import forward, resolve_dtype
 
     if small:
         cfg, context = load_model_config(os.path.join(PAIR[0], "config.json")), 64
@@ -247,7 +247,7 @@ def demo_rows(max_tokens: int, small: bool, record=lambda part: None) -> dict:
     """The kimi-mini pair under kernels="pallas" and "xla": greedy outputs and ms per token of plain,
     chain and tree decoding, per dtype (see the module doc); `record(part)` after every row."""
     import eagle3_jax as e3
-    from eagle3_jax.tokenizer import load_tokenizer
+    from eagle3_jax.text.tokenizer import load_tokenizer
 
     dtypes = FLAGS.demo_dtypes or (["float32"] if small else ["float32", "bfloat16"])
     specs = FLAGS.demo_specs or list(DEMO_SPECS[:2] if small else DEMO_SPECS)
@@ -287,7 +287,7 @@ def demo_rows(max_tokens: int, small: bool, record=lambda part: None) -> dict:
 
 def _device_name(kind: str, default: str) -> str:
     """The plan.DEVICES entry a JAX device kind names ("NVIDIA H200" -> "H200"), else `default`."""
-    from eagle3_jax.plan import DEVICES
+    from eagle3_jax.planning.memory import DEVICES
 
     return next((name for name in DEVICES if name.lower() in kind.lower()), default)
 
@@ -305,7 +305,7 @@ def main(argv) -> None:
     repeats = FLAGS.step_repeats or (2 if small else 20)
     _kernel_flags(small)
     shapes = step_shapes(FLAGS.step_shapes, small)
-    from eagle3_jax.plan import DEVICES
+    from eagle3_jax.planning.memory import DEVICES
     from pallas_kernels import launch
 
     kind = jax.devices()[0].device_kind

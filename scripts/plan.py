@@ -19,7 +19,7 @@ dequantize in registers): each kernel stands in as an op of its exact output sha
 
 With --concurrency it also predicts, per mesh and device, plain and speculative decoding at each
 concurrency: step time, TPOT, output throughput and speedup from a roofline of what each step reads
-and computes (eagle3_jax/roofline.py), for the per-position acceptance of --acceptance and a mean
+and computes (eagle3_jax/planning/roofline.py), for the per-position acceptance of --acceptance and a mean
 context of --context tokens (apart from --max_len, the cache a sequence may fill):
 
     python scripts/plan.py --target=tests/data/kimi-k2.5.config.json --draft=tests/data/kimi-k2.5-eagle3.draft.json \\
@@ -98,7 +98,7 @@ def undivided(specs: dict, mesh_shape: tuple[int, int, int], dtype: str) -> dict
     """{(mesh axis, logical axis, dimension): [(tensor, bytes replicated per device), ...]} for every
     tensor dimension a mesh axis would split but does not divide (sharding.partition_spec then
     replicates it along that axis, as it does here)."""
-    from eagle3_jax.sharding import RULES
+    from eagle3_jax.runtime.sharding import RULES
 
     sizes = dict(zip(AXES, mesh_shape))
     out: dict[tuple[str, str, int], list] = {}
@@ -166,8 +166,8 @@ def main(argv: list[str]) -> int:
     import jax
 
     import eagle3_jax as e3
-    from eagle3_jax.params import flat_specs
-    from eagle3_jax.plan import DEVICES, plan_memory
+    from eagle3_jax.weights.params import flat_specs
+    from eagle3_jax.planning.memory import DEVICES, plan_memory
 
     meshes = _meshes(FLAGS.meshes)
     unknown = [d for d in FLAGS.devices if d not in DEVICES]
@@ -180,7 +180,7 @@ def main(argv: list[str]) -> int:
     spec = parse_spec_text(FLAGS.spec, "spec")
     if spec is None and FLAGS.draft:
         raise app.UsageError("--spec=none plans plain decoding: drop --draft, or pick a setting like chain:3:1:4")
-    from eagle3_jax.kernels import parse
+    from eagle3_jax.runtime.kernels import parse
     from pallas_kernels.launch import ARCHS
 
     with _cli.usage_errors("--kernels"):
@@ -264,7 +264,7 @@ def _concurrencies() -> list[int] | None:
 
 
 def _acceptance() -> tuple[float, ...]:
-    from eagle3_jax.sampling import check_acceptance_profile
+    from eagle3_jax.sampling.sampler import check_acceptance_profile
 
     try:
         return check_acceptance_profile([float(x) for x in FLAGS.acceptance])
@@ -279,8 +279,8 @@ def _ms(x: float) -> str:
 
 def print_prediction(shape, mesh, spec, devices, concurrencies, acceptance) -> list[dict]:
     """The per-concurrency prediction of one mesh on each device, printed; its rows as dicts."""
-    from eagle3_jax.plan import abstract_setup
-    from eagle3_jax.roofline import Hardware, mean_accept_length, predict, step_costs
+    from eagle3_jax.planning.memory import abstract_setup
+    from eagle3_jax.planning.roofline import Hardware, mean_accept_length, predict, step_costs
 
     context = FLAGS.context or FLAGS.max_len // 2
     with _cli.usage_errors():

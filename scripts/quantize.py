@@ -44,8 +44,8 @@ def main(argv: Sequence[str]) -> None:
     check_target_path("--src", FLAGS.src, draft_flag=None)
     _cli.check_output("--out", FLAGS.out, {"--src": FLAGS.src})
     from eagle3_jax.checkpoint.quantized_copy import quantize_checkpoint
-    from eagle3_jax.config import load_model_config
-    from eagle3_jax.params import flat_specs
+    from eagle3_jax.config.model import load_model_config
+    from eagle3_jax.weights.params import flat_specs
 
     # quantize_checkpoint's ValueErrors name what the flags asked for and the model cannot take
     # (a --group_size that does not divide a weight)

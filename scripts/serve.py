@@ -190,7 +190,7 @@ def main(argv: Sequence[str]) -> None:
 
     from eagle3_jax.scheduler import Scheduler
     from eagle3_jax.serving import AsyncEngine, make_app
-    from eagle3_jax.tokenizer import load_tokenizer
+    from eagle3_jax.text.tokenizer import load_tokenizer
 
     tok_path = FLAGS.tokenizer or FLAGS.target
     mesh = mesh_from_flags()

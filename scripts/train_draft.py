@@ -137,7 +137,7 @@ def check_enough_examples(num_prompts: int, num_temperatures: int) -> None:
 def check_mesh():
     """The --mesh over this machine's devices (None without one); its data axis must divide --batch_size."""
     import eagle3_jax as e3
-    from eagle3_jax.sharding import parse_mesh
+    from eagle3_jax.runtime.sharding import parse_mesh
 
     with _cli.usage_errors("--mesh"):
         dims = parse_mesh(FLAGS.mesh)
@@ -181,8 +181,8 @@ def main(argv: Sequence[str]) -> None:
               "(--overwrite trains again)")
         return
 
-    from eagle3_jax.chat_template import render_prompts
-    from eagle3_jax.tokenizer import load_tokenizer
+    from eagle3_jax.text.chat_template import render_prompts
+    from eagle3_jax.text.tokenizer import load_tokenizer
     from eagle3_jax.train import data as data_lib
     from eagle3_jax.train.draft_model import assembled_params, init_draft_params, make_ttt_loss, new_draft_config
     from eagle3_jax.train.export import export_hf_draft

@@ -87,7 +87,7 @@ def main(argv: Sequence[str]) -> None:
     import numpy as np
 
     from eagle3_jax.checkpoint.hf_writer import save_hf_target
-    from eagle3_jax.config import parse_model_config
+    from eagle3_jax.config.model import parse_model_config
     from eagle3_jax.train.lm import init_target_params, lm_loss, params_to_flat
     from eagle3_jax.train.trainer import Trainer, TrainConfig
 

@@ -30,7 +30,7 @@ import os
 
 import regex
 
-from eagle3_jax.tiktoken_tokenizer import KIMI_PAT_STR
+from eagle3_jax.text.tiktoken_tokenizer import KIMI_PAT_STR
 
 KIMI_NUM_BASE = 163_584  # len(tiktoken.model) of Kimi-K2 / K2.5
 DEFAULT_NUM_BASE = 1_024

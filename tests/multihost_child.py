@@ -87,7 +87,7 @@ def load_reads(target_path: str, orbax_path: str) -> dict:
     import numpy as np
 
     import eagle3_jax as e3
-    from eagle3_jax import lazy
+    from eagle3_jax.weights import lazy
 
     before = lazy.bytes_read()
     target = e3.load_target(target_path, dtype="float32", mesh=e3.make_mesh(1, 1, jax.device_count()))

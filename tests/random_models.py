@@ -8,9 +8,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eagle3_jax import params as params_lib
-from eagle3_jax.config import parse_model_config
-from eagle3_jax.target import Target, cast_flat
+from eagle3_jax.config.model import parse_model_config
+from eagle3_jax.models.target import Target, cast_flat
+from eagle3_jax.weights import params as params_lib
 
 LLAMA = dict(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
@@ -42,7 +42,7 @@ def random_flat(cfg, seed: int = 0) -> dict[str, np.ndarray]:
 
 
 def random_target(raw: dict, dtype=jnp.float32, seed: int = 0, mesh=None) -> Target:
-    from eagle3_jax.sharding import shard_params
+    from eagle3_jax.runtime.sharding import shard_params
 
     cfg = parse_model_config(raw)
     tree = params_lib.stack_flat(cast_flat(random_flat(cfg, seed), cfg, jnp.dtype(dtype)), cfg)
@@ -77,7 +77,7 @@ def mla_draft_config_dict(target_cfg, draft_vocab_size=None, num_layers=1, **ext
 
 def random_draft(target: Target, raw: dict | None = None, seed: int = 1, with_embed: bool = True, d2t=None):
     """A random EAGLE-3 draft bound to `target` (d2t: offsets when the draft vocab is reduced)."""
-    from eagle3_jax.draft import Draft, _assemble, draft_specs, parse_draft_config
+    from eagle3_jax.models.draft import Draft, _assemble, draft_specs, parse_draft_config
 
     cfg = parse_draft_config(raw or draft_config_dict(target.config))
     rng = np.random.default_rng(seed)
@@ -109,8 +109,8 @@ def causal_draft_pass(draft, hidden_in, tokens, pad_to: int = 16):
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
 def _jitted_causal_pass(params, cfg, hidden, ids):
-    from eagle3_jax import kv_cache
-    from eagle3_jax.draft import draft_forward
+    from eagle3_jax.cache import kv_cache
+    from eagle3_jax.models.draft import draft_forward
 
     t = ids.shape[1]
     cache = kv_cache.init_cache(cfg.layers, 1, t, jnp.float32)

@@ -335,8 +335,8 @@ def _pad_cols(a: np.ndarray, width: int) -> np.ndarray:
 def _target(family: str, L: _Layout, tab: _Tables, code: dict, delta: float, vocab_size: int, max_positions: int,
             bos, eos, seed: int) -> tuple[dict, dict]:
     """(config.json dict, flat params [in, out]) of the target."""
-    from eagle3_jax.config import parse_model_config
-    from eagle3_jax.layers import inv_freq
+    from eagle3_jax.config.model import parse_model_config
+    from eagle3_jax.models.layers import inv_freq
 
     u0, u1 = 1 + len(tab.flag_units), max(len(tab.lookup_units), 1)
     ones = np.ones((L.H,))
@@ -392,8 +392,8 @@ def _target(family: str, L: _Layout, tab: _Tables, code: dict, delta: float, voc
 
 def _draft(L: _Layout, tab: _Tables, code: dict, delta: float, vocab_size: int, max_positions: int, bos, eos):
     """(DraftConfig, params tree [in, out]) of the draft."""
-    from eagle3_jax.draft_config import parse_draft_config
-    from eagle3_jax.layers import inv_freq
+    from eagle3_jax.config.draft import parse_draft_config
+    from eagle3_jax.models.layers import inv_freq
 
     nh, d, theta = _gqa_sizes(L, L.k)
     width = max(1 + len(tab.flag_units), len(tab.lookup_units), 1)
@@ -465,7 +465,7 @@ def write_scripted_pair(out_dir: str | os.PathLike, vocab_size: int, prompt_ids,
     vocabulary, sequences over `max_positions` or too many distinct tokens for `embed_dim`.
     """
     from eagle3_jax.checkpoint.hf_writer import save_hf_target
-    from eagle3_jax.config import parse_model_config
+    from eagle3_jax.config.model import parse_model_config
     from eagle3_jax.train.export import export_hf_draft
 
     if family not in FAMILIES:

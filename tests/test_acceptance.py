@@ -27,13 +27,13 @@ Tree A (row 0), 9 nodes:                Tree B (row 1), 9 nodes:
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from random_models import LLAMA
 
-from eagle3_jax import kv_cache
-from eagle3_jax.config import parse_model_config
-from eagle3_jax.sampling import SamplingArrays
+from eagle3_jax.cache import kv_cache
+from eagle3_jax.config.model import parse_model_config
+from eagle3_jax.sampling.sampler import SamplingArrays
 from eagle3_jax.spec_decode.tree import ancestor_mask, depths, path_to
 from eagle3_jax.spec_decode.verify import accept, commit_path, emitted_tokens, greedy_accept, sampled_accept
-from random_models import LLAMA
 
 V = 8
 PARENTS = np.array([[0, 0, 0, 0, 1, 1, 2, 4, 5],

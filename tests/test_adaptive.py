@@ -6,12 +6,12 @@ import itertools
 
 import numpy as np
 import pytest
+from random_models import FAMILIES, random_draft, random_target
 
 import eagle3_jax as e3
-from eagle3_jax import kv_cache
+from eagle3_jax.cache import kv_cache
 from eagle3_jax.scheduler import Scheduler
 from eagle3_jax.spec_decode.adaptive import AdaptiveSpeculation, AutoSpec, shape_name
-from random_models import FAMILIES, random_draft, random_target
 
 C1, C2, C3 = (e3.SpecConfig(k, 1, k + 1) for k in (1, 2, 3))
 TREE = e3.SpecConfig(3, 2, 6)
@@ -489,8 +489,8 @@ def test_engine_runs_auto_through_the_scheduler(mla_pair):
 
 def test_metrics_report_the_shapes_chosen():
     """/metrics (serving.metrics) exposes the steps each shape ran and acceptance per drafted position."""
-    from prometheus_client.parser import text_string_to_metric_families
     from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
 
     from eagle3_jax.serving.async_engine import stats_since
     from eagle3_jax.serving.metrics import engine_metrics
@@ -522,7 +522,7 @@ def test_greedy_and_sampled_steps_are_timed_apart(mla_pair):
     """A sampled batch's program also draws (and with top-k / top-p sorts) every row's vocabulary at
     every node, so it costs more than a greedy one of the same batch and width: the two are timed at
     keys of their own, one octave apart, and the choice at each follows its own costs."""
-    from eagle3_jax.sampling import GREEDY_BATCH, TRUNCATED_BATCH
+    from eagle3_jax.sampling.sampler import GREEDY_BATCH, TRUNCATED_BATCH
     from eagle3_jax.spec_decode.adaptive import key_distance
 
     greedy, sampled = (*KEY, GREEDY_BATCH), (*KEY, TRUNCATED_BATCH)
@@ -547,7 +547,8 @@ def test_only_steps_before_the_same_step_are_timed():
     """The host launches the next step before reading this one, so a step's read-to-read time holds
     the next launch's host work when the device finishes first: a step read after a different one
     was launched (another shape or program, or a catch-up first) is left untimed."""
-    from eagle3_jax.scheduler.launches import Launch as _Launch, time_steady_steps_only as _time_steady_steps_only
+    from eagle3_jax.scheduler.launches import Launch as _Launch
+    from eagle3_jax.scheduler.launches import time_steady_steps_only as _time_steady_steps_only
     from eagle3_jax.spec_decode.policy import DECODE, STORE_DECODE, StepPlan
 
     def pair(before: StepPlan, after: StepPlan) -> bool:

@@ -10,12 +10,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from random_models import DEEPSEEK, LLAMA, MINIMAX, random_draft, random_target
 
 import eagle3_jax as e3
-from eagle3_jax import invariant, kv_cache
-from eagle3_jax.target import forward
-from eagle3_jax.tokenizer import load_tokenizer
-from random_models import DEEPSEEK, LLAMA, MINIMAX, random_draft, random_target
+from eagle3_jax.cache import kv_cache
+from eagle3_jax.models import invariant
+from eagle3_jax.models.target import forward
+from eagle3_jax.text.tokenizer import load_tokenizer
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "checkpoints")
 STORY_PROMPTS = [

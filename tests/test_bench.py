@@ -17,14 +17,22 @@ from eagle3_jax.bench import metrics as M
 from eagle3_jax.bench import report as R
 from eagle3_jax.bench import workloads as W
 from eagle3_jax.bench.http_client import completion_payload, parse_sse_line, run_requests
-from eagle3_jax.bench.runner import RunConfig, check_lengths, drive, make_cell, mark_identical, outputs_digest, sampling_for
+from eagle3_jax.bench.runner import (
+    RunConfig,
+    check_lengths,
+    drive,
+    make_cell,
+    mark_identical,
+    outputs_digest,
+    sampling_for,
+)
 from eagle3_jax.bench.settings import parse_spec, parse_specs
-from eagle3_jax.chat_template import render_prompt
-from eagle3_jax.extras import MissingExtraError, require
+from eagle3_jax.runtime.extras import MissingExtraError, require
+from eagle3_jax.sampling.sampler import SamplingParams
 from eagle3_jax.request import RequestOutput
-from eagle3_jax.sampling import SamplingParams
 from eagle3_jax.spec_decode import SpecConfig
-from eagle3_jax.tokenizer import load_tokenizer
+from eagle3_jax.text.chat_template import render_prompt
+from eagle3_jax.text.tokenizer import load_tokenizer
 from eagle3_jax.train.data import load_prompts
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -561,7 +569,7 @@ def run_without_extras(tmp_path, *args: str) -> subprocess.CompletedProcess:
 
 
 def test_library_and_entry_points_without_the_extras(tmp_path):
-    r = run_without_extras(tmp_path, "-c", "import sys, eagle3_jax, eagle3_jax.engine, eagle3_jax.chat_template, "
+    r = run_without_extras(tmp_path, "-c", "import sys, eagle3_jax, eagle3_jax.engine, eagle3_jax.text.chat_template, "
                            "eagle3_jax.bench, eagle3_jax.bench.gsm8k, eagle3_jax.bench.http_client, "
                            "eagle3_jax.bench.report, eagle3_jax.train; "
                            f"print([m for m in {EXTRAS_MODULES!r} if sys.modules.get(m) is not None])")

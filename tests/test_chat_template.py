@@ -12,7 +12,13 @@ import shutil
 
 import pytest
 
-from eagle3_jax.chat_template import ChatTemplate, ChatTemplateError, compile_template, render_prompt, render_prompts
+from eagle3_jax.text.chat_template import (
+    ChatTemplate,
+    ChatTemplateError,
+    compile_template,
+    render_prompt,
+    render_prompts,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KIMI = os.path.join(ROOT, "checkpoints", "kimi-mini")

@@ -20,12 +20,12 @@ from eagle3_jax.checkpoint import (
     CheckpointError,
     is_orbax_dir,
     iter_flat_layers,
+    orbax_io,
     read_flat_params,
     save_orbax,
 )
-from eagle3_jax.checkpoint import orbax_io
-from eagle3_jax.config import load_model_config
-from eagle3_jax.params import flat_specs
+from eagle3_jax.config.model import load_model_config
+from eagle3_jax.weights.params import flat_specs
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA = os.path.join(REPO, "tests", "data")
@@ -117,7 +117,7 @@ def mla_attention(rng, cfg, t: dict, want: dict, pre: str, i: int, dt=BF16) -> N
 
 def kimi_checkpoint(rng):
     raw = kimi_config()
-    from eagle3_jax.config import parse_model_config
+    from eagle3_jax.config.model import parse_model_config
 
     cfg = parse_model_config(raw)
     pre, h, v, e_n, mi = "language_model.", cfg.hidden_size, cfg.vocab_size, cfg.num_experts, cfg.moe_intermediate_size
@@ -209,7 +209,7 @@ def test_dtype_override_casts_all_but_float32_params(kimi):
 
 
 def deepseek_fp8_checkpoint(rng):
-    from eagle3_jax.config import parse_model_config
+    from eagle3_jax.config.model import parse_model_config
 
     with open(os.path.join(DATA, "deepseek-v3.config.json")) as f:
         raw = json.load(f)
@@ -520,7 +520,7 @@ def test_folder_without_marker_is_incomplete(deepseek_fp8, tmp_path):
 
 
 def llama_checkpoint(rng, tie: bool = False):
-    from eagle3_jax.config import parse_model_config
+    from eagle3_jax.config.model import parse_model_config
 
     with open(os.path.join(DATA, "llama-3.1-8b-instruct.config.json")) as f:
         raw = json.load(f)

@@ -16,7 +16,7 @@ import pytest
 
 pytest.importorskip("triton")
 
-from eagle3_jax import compile_gate as gate  # noqa: E402
+from eagle3_jax.planning import compile_gate as gate  # noqa: E402
 from pallas_kernels import isa, launch  # noqa: E402
 from pallas_kernels.attention import paged_prefix_attention  # noqa: E402
 from pallas_kernels.launch import AttentionLaunch  # noqa: E402
@@ -175,7 +175,7 @@ def test_default_launch_entries_compile_on_every_architecture(monkeypatch):
 def test_float32_mla_keeps_xla_attention_on_amd(caplog):
     """float32 MLA spills in the kernel on gfx942 / gfx950 at every launch tried: the engine keeps
     the XLA path there (and says so); bfloat16 and sm_90 run the kernel."""
-    from eagle3_jax.attention import _mla_kernel_takes
+    from eagle3_jax.models.attention import _mla_kernel_takes
 
     with launch.for_arch("gfx942"), caplog.at_level(logging.WARNING, logger="eagle3_jax"):
         assert not _mla_kernel_takes(jnp.float32)

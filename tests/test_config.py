@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from eagle3_jax.config import (
+from eagle3_jax.config.model import (
     ConfigError,
     ModelConfig,
     RopeConfig,
@@ -333,7 +333,7 @@ def test_missing_config_json(tmp_path):
 def test_malformed_config_files_give_config_errors(tmp_path):
     import json as _json
 
-    from eagle3_jax.config import ConfigError, load_model_config, parse_model_config
+    from eagle3_jax.config.model import ConfigError, load_model_config, parse_model_config
 
     (tmp_path / "config.json").write_bytes(b"\xff\xfe\x00\x01garbage")
     with pytest.raises(ConfigError, match="not valid JSON"):
@@ -351,15 +351,15 @@ def test_deepseek_v3_moe_fields_default_as_transformers_does(caplog, monkeypatch
     warning names the field; n_routed_experts: 0 is a dense model, without a warning."""
     import logging
 
-    from eagle3_jax import config as config_lib
-    from eagle3_jax.config import DEEPSEEK_V3_MOE_DEFAULTS, parse_model_config
+    from eagle3_jax.config import model as config_lib
+    from eagle3_jax.config.model import DEEPSEEK_V3_MOE_DEFAULTS, parse_model_config
 
     monkeypatch.setattr(config_lib, "_warned", set())  # warned once per process: start afresh
     with open(TARGETS["deepseek"]) as f:
         raw = json.load(f)
     for key in DEEPSEEK_V3_MOE_DEFAULTS:
         raw.pop(key, None)
-    with caplog.at_level(logging.WARNING, logger="eagle3_jax.config"):
+    with caplog.at_level(logging.WARNING, logger="eagle3_jax.config.model"):
         cfg = parse_model_config(raw)
     assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size) == (256, 8, 2048)
     assert (cfg.n_group, cfg.topk_group, cfg.routed_scaling_factor, cfg.first_k_dense_replace) == (8, 4, 2.5, 3)
@@ -367,6 +367,6 @@ def test_deepseek_v3_moe_fields_default_as_transformers_does(caplog, monkeypatch
     assert "n_routed_experts=256" in caplog.text
 
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="eagle3_jax.config"):
+    with caplog.at_level(logging.WARNING, logger="eagle3_jax.config.model"):
         dense = parse_model_config(dict(raw, n_routed_experts=0))
     assert dense.num_experts == 0 and dense.segments == (("dense", 0, dense.num_layers),) and not caplog.text

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import eagle3_jax as e3
-from eagle3_jax.tokenizer import load_tokenizer
+from eagle3_jax.text.tokenizer import load_tokenizer
 
 # CI's newest-JAX leg runs this file (`make test` deselects it); the default run covers the
 # bundled pairs through test_scheduler, test_logprobs and test_stop_strings.

@@ -27,12 +27,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from random_models import LLAMA, random_target
 
 import eagle3_jax as e3
-from eagle3_jax import draft as draft_lib, kv_cache
+from eagle3_jax.cache import kv_cache
 from eagle3_jax.checkpoint import CheckpointError
-from eagle3_jax.config import ConfigError, load_model_config
-from random_models import LLAMA, random_target
+from eagle3_jax.config.model import ConfigError, load_model_config
+from eagle3_jax.models import draft as draft_lib
 
 TEST_DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
 B, T = 2, 24  # T > max_position_embeddings (16) of the test drafts: RoPE must not be bounded by it
@@ -377,7 +378,7 @@ def test_draft_to_target_ids(reduced_pair):
 
 def test_expand_proposes_mapped_target_ids(reduced_pair):
     """Level-1 proposals are the top-k of the root's *draft* logits, mapped through d2t."""
-    from eagle3_jax import kv_cache
+    from eagle3_jax.cache import kv_cache
     from eagle3_jax.spec_decode import propose
 
     _, draft = reduced_pair

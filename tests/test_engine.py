@@ -4,10 +4,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from random_models import FAMILIES, random_target
 
 import eagle3_jax as e3
-from eagle3_jax.sampling import SamplingArrays, filtered_logits, sample
-from random_models import FAMILIES, random_target
+from eagle3_jax.sampling.sampler import SamplingArrays, filtered_logits, sample
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))

@@ -10,10 +10,10 @@ import subprocess
 import sys
 
 import pytest
+from server_fixtures import ServerThread
 
 from eagle3_jax.bench import gsm8k as G
-from eagle3_jax.chat_template import ChatTemplate
-from server_fixtures import ServerThread
+from eagle3_jax.text.chat_template import ChatTemplate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KIMI = os.path.join(ROOT, "checkpoints", "kimi-mini")
@@ -170,7 +170,7 @@ def demo():
     import eagle3_jax as e3
     from eagle3_jax.bench import parse_specs
     from eagle3_jax.bench.runner import make_scheduler
-    from eagle3_jax.tokenizer import load_tokenizer
+    from eagle3_jax.text.tokenizer import load_tokenizer
 
     tok = load_tokenizer(KIMI)
     problems = G.load_problems(G.DEFAULT_TEST_FILE, LIMIT)

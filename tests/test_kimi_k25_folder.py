@@ -7,15 +7,15 @@ import logging
 
 import numpy as np
 import pytest
+from random_models import DEEPSEEK, random_flat
 from safetensors.numpy import load_file, save_file
 
 import eagle3_jax as e3
 from eagle3_jax.checkpoint import safetensors_io
 from eagle3_jax.checkpoint.hf_writer import save_hf_target
-from eagle3_jax.config import parse_model_config
+from eagle3_jax.config.model import parse_model_config
 from eagle3_jax.serving.errors import ApiError
 from eagle3_jax.serving.messages import parse_messages
-from random_models import DEEPSEEK, random_flat
 
 VISION = {"vision_tower.patch_embed.proj.weight": np.ones((64, 48), np.float32),
           "vision_tower.encoder.blocks.0.wqkv.weight": np.ones((96, 32), np.float32),

@@ -1,4 +1,4 @@
-"""eagle3_jax.tokenizer on Kimi-K2.5's tokenizer layout (tiktoken.model + tokenizer_config.json, no
+"""eagle3_jax.text.tokenizer on Kimi-K2.5's tokenizer layout (tiktoken.model + tokenizer_config.json, no
 tokenizer.json), against a `tiktoken.Encoding` built directly from the same ranks, pattern and specials."""
 
 from __future__ import annotations
@@ -10,13 +10,13 @@ import time
 
 import pytest
 import tiktoken
-
-from eagle3_jax import text_stream
-from eagle3_jax.bench.workloads import special_token_ids
-from eagle3_jax.chat_template import ChatTemplateError
-from eagle3_jax.tiktoken_tokenizer import KIMI_PAT_STR, MAX_RUN_CHARS, split_long_runs
-from eagle3_jax.tokenizer import TokenizerError, load_tokenizer
 from model_folders import KIMI_ADDED_TOKENS, kimi_folder, kimi_ranks
+
+from eagle3_jax.bench.workloads import special_token_ids
+from eagle3_jax.text import stream as text_stream
+from eagle3_jax.text.chat_template import ChatTemplateError
+from eagle3_jax.text.tiktoken_tokenizer import KIMI_PAT_STR, MAX_RUN_CHARS, split_long_runs
+from eagle3_jax.text.tokenizer import TokenizerError, load_tokenizer
 
 # `pat_str` of Moonshot's tokenization_kimi.py (Kimi-K2 / K2.5), as published: "|".join of its eight arms
 PUBLISHED_PAT_STR = (

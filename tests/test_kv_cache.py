@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from eagle3_jax import kv_cache
+from eagle3_jax.cache import kv_cache
 
 LAYERS, PAGES, PAGE, DIM = 3, 6, 4, 8
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 
 import pytest
-
 from server_fixtures import ServerThread
 
 lm_eval = pytest.importorskip("lm_eval")
@@ -35,7 +34,7 @@ def served(speculate: bool) -> tuple[ServerThread, object]:
     import eagle3_jax as e3
     from eagle3_jax.scheduler import Scheduler
     from eagle3_jax.serving import AsyncEngine, make_app
-    from eagle3_jax.tokenizer import load_tokenizer
+    from eagle3_jax.text.tokenizer import load_tokenizer
 
     tok = load_tokenizer(TARGET)
     target = e3.load_target(TARGET, dtype="float32")

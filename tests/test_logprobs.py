@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 import eagle3_jax as e3
-from eagle3_jax.logprobs import Logprob
-from eagle3_jax.sampling import filtered_logits
+from eagle3_jax.sampling.logprobs import Logprob
+from eagle3_jax.sampling.sampler import filtered_logits
 from eagle3_jax.scheduler import Scheduler
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -27,12 +27,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from random_models import LLAMA, draft_config_dict, random_draft, random_target
 
 import eagle3_jax as e3
+from eagle3_jax.sampling.sampler import SamplingArrays
 from eagle3_jax.scheduler import MIN_CHUNK_BUCKET
-from eagle3_jax.sampling import SamplingArrays
 from eagle3_jax.spec_decode import verify
-from random_models import LLAMA, draft_config_dict, random_draft, random_target
 
 V = 8
 PROMPT = [1, 2, 3]

@@ -16,10 +16,10 @@ import jax.numpy as jnp
 import pytest
 
 e3 = pytest.importorskip("eagle3_jax")
-from eagle3_jax import kv_cache  # noqa: E402
-from eagle3_jax import params as params_lib  # noqa: E402
-from eagle3_jax import target as tgt  # noqa: E402
-from eagle3_jax.config import load_model_config, parse_model_config  # noqa: E402
+from eagle3_jax.cache import kv_cache  # noqa: E402
+from eagle3_jax.config.model import load_model_config, parse_model_config  # noqa: E402
+from eagle3_jax.models import target as tgt  # noqa: E402
+from eagle3_jax.weights import params as params_lib  # noqa: E402
 
 PLATFORMS = ("rocm", "cuda")
 TEST_DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")

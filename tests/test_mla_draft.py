@@ -14,11 +14,11 @@ import os
 import jax
 import numpy as np
 import pytest
+from random_models import FAMILIES, mla_draft_config_dict, random_draft, random_target
 
 import eagle3_jax as e3
-from eagle3_jax import kv_cache
+from eagle3_jax.cache import kv_cache
 from pallas_kernels import launch
-from random_models import FAMILIES, mla_draft_config_dict, random_draft, random_target
 
 PROMPTS = [[1, 5, 9, 2], [3, 4, 5, 6, 7, 8, 9]]
 SP = e3.SamplingParams(max_tokens=12)
@@ -78,7 +78,7 @@ def test_mla_draft_expansion_on_pallas_attention_equals_xla(pair, kernel_calls):
     through the attention kernel: the same logits and tree as the XLA path, on a paged cache."""
     import functools
 
-    from eagle3_jax.draft import with_target_kernels
+    from eagle3_jax.models.draft import with_target_kernels
     from eagle3_jax.spec_decode.propose import draft_extend, expand
 
     target, draft, _ = pair
@@ -109,11 +109,11 @@ def test_mla_draft_expansion_on_pallas_attention_equals_xla(pair, kernel_calls):
 def test_speculative_step_with_mla_draft_lowers_with_triton_attention(pair, platform, monkeypatch):
     """Deviceless lowering of the whole tree step with kernels="pallas" (compiled, not
     interpreted): the MLA draft's extend and both expansion levels call the Triton kernel too."""
-    from eagle3_jax import kernels as kernels_lib
-    from eagle3_jax.draft import with_target_kernels
-    from eagle3_jax.spec_decode.step import spec_step
-    from eagle3_jax.sampling import SamplingArrays
+    from eagle3_jax.models.draft import with_target_kernels
+    from eagle3_jax.runtime import kernels as kernels_lib
+    from eagle3_jax.sampling.sampler import SamplingArrays
     from eagle3_jax.spec_decode.propose import DraftRoot
+    from eagle3_jax.spec_decode.step import spec_step
 
     monkeypatch.setattr(kernels_lib, "interpret", lambda: False)
     target, draft, _ = pair
@@ -149,11 +149,11 @@ def test_trained_mla_draft_exports_in_the_hf_layout_and_loads_back(tmp_path):
     config.json / safetensors in the published Eagle3DeepseekV2ForCausalLM layout."""
     from safetensors import safe_open
 
-    from eagle3_jax.draft import Draft
+    from eagle3_jax.models.draft import Draft
     from eagle3_jax.train import data as data_lib
     from eagle3_jax.train.draft_model import assembled_params, init_draft_params, make_ttt_loss, new_draft_config
     from eagle3_jax.train.export import export_hf_draft
-    from eagle3_jax.train.trainer import Trainer, TrainConfig
+    from eagle3_jax.train.trainer import TrainConfig, Trainer
     from eagle3_jax.train.vocab import count_tokens, select_draft_vocab
 
     target = random_target(dict(FAMILIES["deepseek_v3"], num_hidden_layers=4))  # aux ids (2, 2, 1): all exportable

@@ -18,13 +18,13 @@ import os
 from typing import Any, Callable
 
 import pytest
+from model_folders import deepseek_folder, kimi_folder, llama_folder, minimax_folder, read_chat_template
 
-from eagle3_jax.chat_template import ChatTemplate
 from eagle3_jax.parsers import OutputParsers, StreamingParser, parse_output, reasoning_parser, tool_call_parser
 from eagle3_jax.parsers.defaults import default_reasoning_parser, default_tool_call_parser
-from eagle3_jax.text_stream import IncrementalDetokenizer
-from eagle3_jax.tokenizer import Tokenizer, load_tokenizer
-from model_folders import deepseek_folder, kimi_folder, llama_folder, minimax_folder, read_chat_template
+from eagle3_jax.text.chat_template import ChatTemplate
+from eagle3_jax.text.stream import IncrementalDetokenizer
+from eagle3_jax.text.tokenizer import Tokenizer, load_tokenizer
 
 TOOLS = [
     {"type": "function", "function": {

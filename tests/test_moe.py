@@ -3,11 +3,11 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-from eagle3_jax.config import parse_model_config
-from eagle3_jax import moe
-from eagle3_jax.moe import gathered_experts, gathers_experts, route, grouped_experts
 from random_models import DEEPSEEK
+
+from eagle3_jax.config.model import parse_model_config
+from eagle3_jax.models import moe
+from eagle3_jax.models.moe import gathered_experts, gathers_experts, grouped_experts, route
 
 
 def test_gathered_and_grouped_expert_forms_agree():

@@ -11,12 +11,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from random_models import FAMILIES, random_draft, random_target
 
 import eagle3_jax as e3
-from eagle3_jax import kv_cache
-from eagle3_jax.target import forward
+from eagle3_jax.cache import kv_cache
+from eagle3_jax.models.target import forward
 from pallas_kernels import launch
-from random_models import FAMILIES, random_draft, random_target
 
 # CI's newest-JAX leg runs this file (`make test` deselects it): the kernels through the engine.
 pytestmark = pytest.mark.newest_jax
@@ -67,8 +67,8 @@ def test_greedy_speculation_with_pallas_kernels_equals_plain(family, engine_spec
 
 
 def test_kernel_choice_is_checked(caplog):
-    from eagle3_jax.kernels import resolve, runs_kernel, uses
-    from eagle3_jax.sharding import make_mesh
+    from eagle3_jax.runtime.kernels import resolve, runs_kernel, uses
+    from eagle3_jax.runtime.sharding import make_mesh
 
     assert resolve("auto", None) == "attention=xla,moe=xla"  # CPU
     # on a GPU, per op as measured there (kernels.AUTO_PALLAS / AUTO_BY_SHAPE): sm_90 decides each
@@ -101,8 +101,8 @@ def test_auto_runs_the_expert_kernels_where_they_were_measured_faster():
     """kernels.moe_kernel_pays, the H200's crossovers: small experts never (kimi-mini's 74 KB ran
     0.2-0.4x), int4 always (1.5x at one token), other experts once a step routes one assignment
     per expert of the model (2048 x 768 bfloat16: 0.6-0.7x below, 1.4-4.9x above)."""
-    from eagle3_jax.kernels import moe_kernel_pays
-    from eagle3_jax.moe import runs_kernels
+    from eagle3_jax.models.moe import runs_kernels
+    from eagle3_jax.runtime.kernels import moe_kernel_pays
 
     mini = 3 * 128 * 96 * 2
     mid = 3 * 2048 * 768 * 2
@@ -126,7 +126,7 @@ def test_auto_runs_the_expert_kernels_where_they_were_measured_faster():
 def test_auto_experts_are_decided_in_the_traced_step(min_bytes, kernel, monkeypatch):
     """A config resolved to moe=auto (sm_90) runs the expert kernels in a step as its shapes
     decide: the test family's tiny experts keep XLA's path, unless the size floor is lowered."""
-    from eagle3_jax import kernels as kernels_lib
+    from eagle3_jax.runtime import kernels as kernels_lib
 
     monkeypatch.setattr(kernels_lib, "interpret", lambda: False)
     monkeypatch.setattr(kernels_lib, "KERNEL_MIN_EXPERT_BYTES", min_bytes)
@@ -146,10 +146,10 @@ def test_auto_experts_are_decided_in_the_traced_step(min_bytes, kernel, monkeypa
 def test_speculative_step_lowers_with_triton_attention(platform, monkeypatch):
     """Deviceless lowering of the whole speculative step with kernels="pallas" (compiled, not
     interpreted): the module holds the Triton attention kernel."""
-    from eagle3_jax import kernels as kernels_lib
-    from eagle3_jax.spec_decode.step import spec_step
-    from eagle3_jax.sampling import SamplingArrays
+    from eagle3_jax.runtime import kernels as kernels_lib
+    from eagle3_jax.sampling.sampler import SamplingArrays
     from eagle3_jax.spec_decode.propose import DraftRoot
+    from eagle3_jax.spec_decode.step import spec_step
 
     monkeypatch.setattr(kernels_lib, "interpret", lambda: False)
     target = pallas(random_target(FAMILIES["deepseek_v3"]))
@@ -172,8 +172,8 @@ def test_a_cache_the_kernel_cannot_tile_keeps_xla_attention(slots, kernel, monke
     """Compiled for a GPU, the attention kernel walks pages of a multiple of 16 slots (Triton's
     shapes are powers of two): a dense cache of 72 slots keeps XLA's attention and says so, one
     of 64 runs the kernel."""
-    from eagle3_jax import kernels as kernels_lib
-    from eagle3_jax.target import forward
+    from eagle3_jax.models.target import forward
+    from eagle3_jax.runtime import kernels as kernels_lib
 
     monkeypatch.setattr(kernels_lib, "interpret", lambda: False)
     kernels_lib.warn_once.cache_clear()
@@ -193,7 +193,7 @@ def test_draft_propose_with_pallas_attention_equals_xla(monkeypatch, kernel_call
     attention kernel on a paged cache: every pass's logits as the XLA path's, the same draft tree.
     (Dense draft caches run the same code through kv_cache.as_pages; the Engine test above covers
     them end to end.)"""
-    from eagle3_jax.draft import with_target_kernels
+    from eagle3_jax.models.draft import with_target_kernels
     from eagle3_jax.spec_decode import propose
     from eagle3_jax.spec_decode.propose import draft_extend, expand
 

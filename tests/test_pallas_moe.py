@@ -12,10 +12,18 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from eagle3_jax.quant import E2M1_VALUES, QArray, QFormat, decode_scales
+from eagle3_jax.weights.quant import E2M1_VALUES, QArray, QFormat, decode_scales
 from pallas_kernels import launch
-from pallas_kernels.moe import (decode_e2m1, decode_e4m3, decode_e8m0, grouped_matmul, grouped_matmul_reference,
-                                grouped_swiglu, grouped_swiglu_reference, tile_plan)
+from pallas_kernels.moe import (
+    decode_e2m1,
+    decode_e4m3,
+    decode_e8m0,
+    grouped_matmul,
+    grouped_matmul_reference,
+    grouped_swiglu,
+    grouped_swiglu_reference,
+    tile_plan,
+)
 
 SIZES = [5, 0, 17, 1, 0, 9]  # empty experts, a group longer than a tile, a lone row
 FORMATS = ["float", "int4", "mxfp4", "fp8_block", "fp8_channel", "fp8_block_fnuz", "w4a8"]

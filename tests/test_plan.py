@@ -10,8 +10,8 @@ import jax
 import pytest
 
 import eagle3_jax as e3
-from eagle3_jax.params import flat_specs
-from eagle3_jax.plan import DEVICES, plan_memory
+from eagle3_jax.planning.memory import DEVICES, plan_memory
+from eagle3_jax.weights.params import flat_specs
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
 needs_8 = pytest.mark.skipif(jax.device_count() < 8, reason="needs XLA_FLAGS=--xla_force_host_platform_device_count=8")
@@ -43,7 +43,7 @@ def test_kimi_int4_with_draft_fits_eight_mi325x_at_batch_64():
     target_kv = 61 * 64 * 2304 * (512 + 64) * 2  # latent + rotary key per token and layer, bf16, not split on this mesh
     import json
 
-    from eagle3_jax.draft import parse_draft_config
+    from eagle3_jax.models.draft import parse_draft_config
 
     with open(os.path.join(DATA, "kimi-k2.5-eagle3.draft.json")) as f:
         d = parse_draft_config(json.load(f)).layers
@@ -63,7 +63,7 @@ def test_kimi_with_mla_draft_plans_the_mla_draft_programs():
     per-head K/V), its weights are the 2H-input MLA layer, and the speculative step compiles."""
     import json
 
-    from eagle3_jax.draft import draft_specs, parse_draft_config
+    from eagle3_jax.models.draft import draft_specs, parse_draft_config
 
     mesh = e3.make_mesh(1, 1, 8)
     draft = os.path.join(DATA, "kimi-k2.5-eagle3-mla.draft.json")
@@ -96,7 +96,7 @@ def test_int4_reads_fewer_bytes_per_decode_step_than_bf16():
 
 def test_device_memory_is_in_decimal_gigabytes():
     """Vendors state HBM in GB (10^9): a step needing 287.8 GiB does not fit a 288 GB MI355X."""
-    from eagle3_jax.plan import MemoryPlan
+    from eagle3_jax.planning.memory import MemoryPlan
 
     assert DEVICES["MI325X"].hbm_bytes == 256 * 10**9 and DEVICES["H100"].hbm_bytes == 80 * 10**9
     plan = MemoryPlan(mesh_shape={}, batch=1, max_len=1, spec=None, argument_bytes=int(200 * 2**30),
@@ -134,7 +134,7 @@ def test_distinct_experts_match_a_sampled_simulation():
     without repeats, checked against sampled routings."""
     import numpy as np
 
-    from eagle3_jax.roofline import expected_distinct_experts
+    from eagle3_jax.planning.roofline import expected_distinct_experts
 
     rng = np.random.default_rng(0)
     for experts, k, tokens in ((384, 8, 1), (384, 8, 40), (384, 8, 160), (256, 8, 64), (8, 2, 3)):
@@ -150,8 +150,8 @@ def test_prediction_counts_what_a_step_reads_and_computes():
     """Kimi-K2.5 int4 on 8 MI325X: one token reads the dense weights and 8 of 384 experts per layer,
     a 4-token verify more experts; at high concurrency the verify turns compute-bound; tau and
     the speedup follow the acceptance profile."""
-    from eagle3_jax.plan import abstract_setup
-    from eagle3_jax.roofline import Hardware, StepCosts, predict, step_costs
+    from eagle3_jax.planning.memory import abstract_setup
+    from eagle3_jax.planning.roofline import Hardware, StepCosts, predict, step_costs
 
     setup = abstract_setup(os.path.join(DATA, "kimi-k2.5.config.json"), os.path.join(DATA, "kimi-k2.5-eagle3.draft.json"),
                            mesh=e3.make_mesh(1, 8, 1), batch=1, max_len=16)

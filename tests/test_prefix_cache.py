@@ -10,7 +10,7 @@ import random
 import pytest
 
 import eagle3_jax as e3
-from eagle3_jax.page_allocator import PageAllocator, PrefixCache, page_keys
+from eagle3_jax.cache.pages import PageAllocator, PrefixCache, page_keys
 from eagle3_jax.scheduler import Scheduler
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -9,12 +9,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from random_models import (
+    FAMILIES,
+    causal_draft_pass,
+    draft_config_dict,
+    mla_draft_config_dict,
+    random_draft,
+    random_target,
+)
 
 import eagle3_jax as e3
-from eagle3_jax import kv_cache
-from eagle3_jax.draft import draft_to_target_ids, project_features
+from eagle3_jax.cache import kv_cache
+from eagle3_jax.models.draft import draft_to_target_ids, project_features
 from eagle3_jax.spec_decode.propose import draft_extend, expand
-from random_models import FAMILIES, causal_draft_pass, draft_config_dict, mla_draft_config_dict, random_draft, random_target
 
 
 def causal_draft(draft, hidden_in, tokens):

@@ -10,10 +10,10 @@ import subprocess
 import sys
 
 import pytest
+from server_fixtures import ServerThread, request
 
 import eagle3_jax as e3
-from eagle3_jax.quant import QArray
-from server_fixtures import ServerThread, request
+from eagle3_jax.weights.quant import QArray
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TARGET = os.path.join(ROOT, "checkpoints", "kimi-mini")
@@ -60,7 +60,7 @@ def test_demo_script_runs_the_int4_copy(int4_copy, tmp_path):
 def test_server_serves_the_int4_copy(int4_copy):
     from eagle3_jax.scheduler import Scheduler
     from eagle3_jax.serving import AsyncEngine, make_app
-    from eagle3_jax.tokenizer import load_tokenizer
+    from eagle3_jax.text.tokenizer import load_tokenizer
 
     tok = load_tokenizer(int4_copy)
     target = e3.load_target(int4_copy, dtype="float32")

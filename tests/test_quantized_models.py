@@ -17,15 +17,16 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from random_models import DEEPSEEK, MINIMAX, random_draft, random_flat
 from safetensors.numpy import save_file
 
 import eagle3_jax as e3
 from eagle3_jax.checkpoint import CheckpointError, read_flat_params, save_orbax
 from eagle3_jax.checkpoint.hf_writer import save_hf_target
 from eagle3_jax.checkpoint.quantize import encode, quantization_config
-from eagle3_jax.config import ConfigError, parse_model_config
-from eagle3_jax.quant import QArray, dequantize, linear
-from random_models import DEEPSEEK, MINIMAX, random_draft, random_flat
+from eagle3_jax.config.model import ConfigError, QuantConfig, parse_model_config
+from eagle3_jax.weights.quant import QArray, dequantize, linear
+
 
 def load_file(path: str) -> dict[str, np.ndarray]:
     """All tensors of one safetensors file (float8 included, which safetensors.numpy cannot read)."""
@@ -121,13 +122,13 @@ def test_resident_weights_decode_like_an_independent_decoder(folders, name):
             continue
         if flat_name.endswith(("experts_gate", "experts_up", "experts_down")):
             layer, proj = int(flat_name.split(".")[1]), flat_name.split(".")[2]
-            from eagle3_jax import keymap
+            from eagle3_jax.weights import keymap
 
             e = 1  # one expert is enough for the loop decoder
             key = keymap.expert_hf_key(cfg, layer, proj, e)
             got = np.asarray(dequantize(q[e]))
         else:
-            from eagle3_jax import keymap
+            from eagle3_jax.weights import keymap
 
             key = keymap.canonical_hf_key(flat_name, cfg)
             got = np.asarray(dequantize(q))
@@ -149,9 +150,9 @@ def test_fp8_channel_and_fnuz_round_trip():
     t = encode(w, "fp8_channel")
     ref = independent_decode({"weight": t["weight"], "weight_scale": t["weight_scale"]}, "weight", "fp8_channel", 0)
     from eagle3_jax.checkpoint.quant import fp8_e4m3fn_to_fnuz
-    from eagle3_jax.params import qformat_for
+    from eagle3_jax.weights.params import qformat_for
 
-    fmt = qformat_for(e3.config.QuantConfig("fp8_channel"))
+    fmt = qformat_for(QuantConfig("fp8_channel"))
     q = QArray(jnp.asarray(t["weight"].T), jnp.asarray(t["weight_scale"][None]), fmt)
     np.testing.assert_array_equal(np.asarray(dequantize(q)), ref.T)
     # fnuz: same bits worth half, scales doubled -> the same values (0x80 -> 0)
@@ -189,7 +190,7 @@ def test_pallas_expert_kernels_equal_xla(name, tmp_path, caplog, kernel_calls):
     """kernels="moe=pallas" (interpret mode): the routed experts run the grouped kernels on the
     resident quantized weights, logits as the XLA path's; a layout the kernels cannot tile (int4
     groups of 16) keeps the XLA path and says so."""
-    from eagle3_jax import kernels
+    from eagle3_jax.runtime import kernels
 
     family, method, ignore, group, options = KERNEL_MODELS[name]
     raw = dict(family, quantization_config=quantization_config(method, ignore, group))
@@ -228,7 +229,7 @@ def test_w4a8_matmul_is_exact_int_arithmetic():
     w = rng.standard_normal((24, 64)).astype(np.float32)  # [out, in], 4 groups of 16
     t = encode(w, "int4_pack", 16)
     from eagle3_jax.checkpoint.quant import int4_words_to_bytes
-    from eagle3_jax.quant import QFormat
+    from eagle3_jax.weights.quant import QFormat
 
     q = QArray(jnp.asarray(int4_words_to_bytes(t["weight_packed"]).T), jnp.asarray(t["weight_scale"].T),
                QFormat("int4", (16, 1), "bfloat16", act="int8"))
@@ -367,8 +368,8 @@ def test_expert_width_stays_whole_when_down_scale_groups_cannot_split(tmp_path):
 @needs_8
 def test_expert_parallel_program_never_gathers_expert_weights(folders):
     """Under the mesh the MoE is a shard_map: no all-gather of the [E, ...] expert values."""
-    from eagle3_jax import target as tgt
-    from eagle3_jax.sharding import mesh_context
+    from eagle3_jax.models import target as tgt
+    from eagle3_jax.runtime.sharding import mesh_context
 
     mesh = e3.make_mesh(1, 1, 8)
     t = e3.load_target(folders["kimi_int4"], dtype="float32", mesh=mesh)

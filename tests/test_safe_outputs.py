@@ -300,7 +300,7 @@ def test_chat_needs_a_template(tmp_path):
 
 
 def test_chat_template_choices(tmp_path):
-    from eagle3_jax.chat_template import ChatTemplate, ChatTemplateError
+    from eagle3_jax.text.chat_template import ChatTemplate, ChatTemplateError
 
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
     for bundled in (KIMI, STORIES):  # base models: their template is the contents, one per line
@@ -365,7 +365,7 @@ def test_plan_says_what_is_over():
     sys.path.insert(0, SCRIPTS)
     import plan as plan_script
 
-    from eagle3_jax.plan import DEVICES, MemoryPlan
+    from eagle3_jax.planning.memory import DEVICES, MemoryPlan
 
     G = 2**30
     p = MemoryPlan(mesh_shape={"data": 1, "tensor": 1, "expert": 5}, batch=64, max_len=2304, spec=None,

@@ -8,13 +8,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from random_models import FAMILIES, random_draft, random_target
 
 import eagle3_jax as e3
-from eagle3_jax import kv_cache
-from eagle3_jax.page_allocator import PageAllocator
+from eagle3_jax.cache import kv_cache
+from eagle3_jax.cache.pages import PageAllocator
+from eagle3_jax.models.target import forward
 from eagle3_jax.scheduler import CapacityError, Scheduler
-from eagle3_jax.target import forward
-from random_models import FAMILIES, random_draft, random_target
 
 CHAIN = e3.SpecConfig(3, 1, 4)
 TREE = e3.SpecConfig(3, 2, 6)
@@ -97,7 +97,7 @@ def test_tree_outputs_equal_engine(family):
 
 def test_demo_pair_greedy_identical_at_concurrency_1_and_64_with_and_without_speculation():
     """The issue's criterion on the bundled kimi-mini pair (MLA + MoE target, EAGLE-3 draft)."""
-    from eagle3_jax.tokenizer import load_tokenizer
+    from eagle3_jax.text.tokenizer import load_tokenizer
 
     target = e3.load_target("checkpoints/kimi-mini", dtype="float32")
     draft = e3.load_draft("checkpoints/kimi-mini-eagle3", target=target, dtype="float32")

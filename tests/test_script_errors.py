@@ -164,7 +164,7 @@ def call(main, *args) -> tuple[int | None, str]:
 def test_user_errors_are_one_line_and_bugs_propagate():
     from absl import app
 
-    from eagle3_jax.config import ConfigError
+    from eagle3_jax.config.model import ConfigError
 
     def raises(error):
         def main(argv):

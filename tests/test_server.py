@@ -15,7 +15,6 @@ import threading
 import time
 
 import pytest
-
 from server_fixtures import ServerThread, parse_prometheus, request
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -42,7 +41,7 @@ def served():
     import eagle3_jax as e3
     from eagle3_jax.scheduler import Scheduler
     from eagle3_jax.serving import AsyncEngine, make_app
-    from eagle3_jax.tokenizer import load_tokenizer
+    from eagle3_jax.text.tokenizer import load_tokenizer
 
     tok = load_tokenizer(TARGET)
     target = e3.load_target(TARGET, dtype="float32")
@@ -568,7 +567,7 @@ def test_load_under_concurrency(served, num_requests, concurrency):
 
 def test_incremental_detokenizer_holds_back_partial_utf8():
     from eagle3_jax.serving import IncrementalDetokenizer
-    from eagle3_jax.tokenizer import load_tokenizer
+    from eagle3_jax.text.tokenizer import load_tokenizer
 
     tok = load_tokenizer(TARGET)
     prompt = tok.encode("Once upon")
@@ -586,7 +585,7 @@ def test_incremental_detokenizer_random_tokens():
     import random
 
     from eagle3_jax.serving import IncrementalDetokenizer
-    from eagle3_jax.tokenizer import load_tokenizer
+    from eagle3_jax.text.tokenizer import load_tokenizer
 
     tok = load_tokenizer(TARGET)
     rng = random.Random(0)
@@ -603,7 +602,7 @@ def test_incremental_detokenizer_random_tokens():
 
 def test_chat_template_rendering(tmp_path):
     from eagle3_jax.serving import ChatTemplate
-    from eagle3_jax.chat_template import ChatTemplateError
+    from eagle3_jax.text.chat_template import ChatTemplateError
 
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
     assert ChatTemplate.from_dir(TARGET).render(messages) == "Be brief.\nHi"  # a base model's template: plain lines
@@ -680,7 +679,7 @@ def test_each_server_has_its_own_metrics_registry():
 
 def test_capacity_error_and_step_failure_are_reported():
     from eagle3_jax.serving import AsyncEngine, make_app
-    from eagle3_jax.tokenizer import load_tokenizer
+    from eagle3_jax.text.tokenizer import load_tokenizer
 
     stub = _StubScheduler()
     engine = AsyncEngine(stub, tokenizer=load_tokenizer(TARGET), max_consecutive_failures=2).start()

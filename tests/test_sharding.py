@@ -3,10 +3,10 @@
 import jax
 import numpy as np
 import pytest
+from random_models import FAMILIES, random_target
 
 import eagle3_jax as e3
-from eagle3_jax.sharding import partition_spec
-from random_models import FAMILIES, random_target
+from eagle3_jax.runtime.sharding import partition_spec
 
 needs_8 = pytest.mark.skipif(jax.device_count() < 8, reason="needs XLA_FLAGS=--xla_force_host_platform_device_count=8 (make test sets it)")
 
@@ -112,8 +112,9 @@ def test_pallas_kernels_on_a_mesh(mesh_shape, kernels, kernel_calls):
     import dataclasses
 
     import jax.numpy as jnp
-    from eagle3_jax import kv_cache
-    from eagle3_jax.target import forward
+
+    from eagle3_jax.cache import kv_cache
+    from eagle3_jax.models.target import forward
 
     ref = random_target(FAMILIES["deepseek_v3"])
     mesh = e3.make_mesh(*mesh_shape)

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 import eagle3_jax as e3
-from eagle3_jax import kv_cache
-from eagle3_jax.sampling import GREEDY_BATCH, BatchFeatures, SamplingArrays, packed_settings, unpack_settings
+from eagle3_jax.cache import kv_cache
+from eagle3_jax.sampling.sampler import GREEDY_BATCH, BatchFeatures, SamplingArrays, packed_settings, unpack_settings
 from eagle3_jax.scheduler.slot_table import BULK_STOP_IDS, LOGGED_STEPS, SlotTable, chunk_columns, prefill_chunks
 
 SETTINGS = [e3.SamplingParams(), e3.SamplingParams(temperature=0.7, top_p=0.9, top_k=5, seed=2**32 - 1),

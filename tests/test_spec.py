@@ -5,12 +5,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from random_models import FAMILIES, draft_config_dict, random_draft, random_target
 
 import eagle3_jax as e3
-from eagle3_jax import draft as draft_lib
+from eagle3_jax.models import draft as draft_lib
 from eagle3_jax.spec_decode import propose
 from eagle3_jax.spec_decode import step as step_lib
-from random_models import FAMILIES, draft_config_dict, random_draft, random_target
 
 # CI's newest-JAX leg runs this file's checks that need no model pair (`make test` deselects it);
 # the pair's equality cases are slow: the default run covers greedy losslessness through

@@ -16,17 +16,17 @@ import time
 import jax
 import jax.numpy as jnp
 import pytest
+from random_models import FAMILIES, random_draft, random_target
 
 import eagle3_jax as e3
-from eagle3_jax import draft as draft_lib
-from eagle3_jax import kv_cache
-from eagle3_jax import params as params_lib
-from eagle3_jax.config import load_model_config
-from eagle3_jax.sampling import SamplingArrays
-from eagle3_jax.spec_decode import step as step_lib
+from eagle3_jax.cache import kv_cache
+from eagle3_jax.config.model import load_model_config
+from eagle3_jax.models import draft as draft_lib
+from eagle3_jax.sampling.sampler import SamplingArrays
 from eagle3_jax.scheduler.steps import spec_prefill
+from eagle3_jax.spec_decode import step as step_lib
 from eagle3_jax.spec_decode.propose import DraftRoot
-from random_models import FAMILIES, random_draft, random_target
+from eagle3_jax.weights import params as params_lib
 
 PLATFORMS = ("rocm", "cuda")
 TEST_DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 import eagle3_jax as e3
-from eagle3_jax.text_stream import TextStream, find_stop
-from eagle3_jax.tokenizer import load_tokenizer
+from eagle3_jax.text.stream import TextStream, find_stop
+from eagle3_jax.text.tokenizer import load_tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KIMI = os.path.join(ROOT, "checkpoints", "kimi-mini")
@@ -185,9 +185,9 @@ def test_each_choice_is_decoded_once(demo_engines, monkeypatch, stop):
     decode of its tokens, streamed pieces and whole alike."""
     import asyncio
 
-    from eagle3_jax import text_stream
     from eagle3_jax.scheduler import Scheduler
     from eagle3_jax.serving import AsyncEngine
+    from eagle3_jax.text import stream as text_stream
 
     tok, engines = demo_engines
     made = []

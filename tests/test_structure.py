@@ -13,10 +13,10 @@ MAX_MODULE_LINES, MAX_CLASS_LINES = 600, 330
 LAZY_IMPORTS = {
     # the Pallas kernels load only when a kernel path runs (the XLA path never imports Pallas, whose
     # Triton backend warns of its deprecation on import from JAX 0.11)
-    ("eagle3_jax.attention", "pallas_kernels.attention"): 3,
-    ("eagle3_jax.moe", "pallas_kernels.moe"): 2,
+    ("eagle3_jax.models.attention", "pallas_kernels.attention"): 3,
+    ("eagle3_jax.models.moe", "pallas_kernels.moe"): 2,
     # compiling to ISA needs the `triton` wheel, which only the compile gate uses
-    ("eagle3_jax.compile_gate", "pallas_kernels.isa"): 1,
+    ("eagle3_jax.planning.compile_gate", "pallas_kernels.isa"): 1,
 }
 
 
@@ -69,8 +69,8 @@ def test_modules_and_classes_stay_small():
 
 def test_no_import_cycles_and_serving_needs_no_training():
     mods = _modules()
-    graph = {name: {t for t, lazy, tc in _imports(name, path, mods) if not lazy and not tc and t != name}
-             for name, path in mods.items()}
+    # every import counts: one inside a function or under TYPE_CHECKING closes a cycle all the same
+    graph = {name: {t for t, _, _ in _imports(name, path, mods) if t != name} for name, path in mods.items()}
     assert not [(a, b) for a in graph for b in graph[a] if a.startswith("eagle3_jax.serving")
                 and b.startswith("eagle3_jax.train")]
     state: dict[str, int] = {}  # 1 on the path, 2 done
@@ -87,6 +87,48 @@ def test_no_import_cycles_and_serving_needs_no_training():
     for name in sorted(graph):
         if name not in state:
             visit(name, [name])
+
+
+# The rooms, bottom floor first: a module imports only from its own room or from a room on a lower
+# floor (root modules are rooms of their own; `eagle3_jax` is the package's public face).
+FLOORS = (
+    ("config", "text"),                      # configs; tokenizers, templates, incremental text
+    ("weights", "structured"),               # parameter layout, quantized arrays; grammars
+    ("pallas_kernels", "sampling"),          # GPU kernels; sampling and logprobs
+    ("cache", "parsers"),                    # KV cache and pages; tool-call and reasoning parsers
+    ("runtime",),                            # mesh, sharding rules, kernel choice, optional extras
+    ("checkpoint",),                         # safetensors / Orbax reading and writing
+    ("models",),                             # layers, attention, MoE, target, draft
+    ("spec_decode", "request"),              # the speculative step; a request's life
+    ("scheduler",),                          # continuous batching
+    ("planning", "serving", "engine"),       # memory plan and compile gate; the server; the engine
+    ("train",),                              # draft training (reads targets through the engine)
+    ("bench", "eagle3_jax"),                 # workloads and reports; the public face
+)
+MAX_ROOT_MODULES = 10
+
+
+def _room(module: str) -> str:
+    parts = module.split(".")
+    return parts[0] if parts[0] != "eagle3_jax" or len(parts) == 1 else parts[1]
+
+
+def test_rooms_import_only_from_their_own_floor_down():
+    floor = {room: i for i, rooms in enumerate(FLOORS) for room in rooms}
+    mods = _modules()
+    assert {_room(m) for m in mods} == set(floor), "every room (and root module) has a floor"
+    upward = []
+    for name, path in mods.items():
+        for target, _, _ in _imports(name, path, mods):
+            a, b = _room(name), _room(target)
+            if a != b and floor[b] >= floor[a]:
+                upward.append(f"{name} -> {target}")
+    assert not upward, upward
+
+
+def test_the_package_root_holds_only_the_public_face():
+    root = sorted(p.name for p in (ROOT / "eagle3_jax").glob("*.py"))
+    assert len(root) <= MAX_ROOT_MODULES, root
 
 
 def test_imports_inside_functions_are_the_listed_ones():

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 import eagle3_jax as e3
-from eagle3_jax.sampling import SamplingArrays
-from eagle3_jax.scheduler.slot_table import SlotTable
+from eagle3_jax.sampling.sampler import SamplingArrays
 from eagle3_jax.scheduler import Scheduler
+from eagle3_jax.scheduler.slot_table import SlotTable
 from eagle3_jax.spec_decode.verify import synthetic_accept
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -22,8 +22,8 @@ pytest.importorskip("transformers")
 import hf_models as H  # noqa: E402
 
 e3 = pytest.importorskip("eagle3_jax")
-from eagle3_jax import kv_cache  # noqa: E402
-from eagle3_jax import target as tgt  # noqa: E402
+from eagle3_jax.cache import kv_cache  # noqa: E402
+from eagle3_jax.models import target as tgt  # noqa: E402
 
 B, T_FULL, PREFILL, TREE, S_MAX = 2, 12, 7, 7, 32
 # Prefill and tree/multi-token steps share T=7 (PREFILL == TREE) so they share compiled programs.

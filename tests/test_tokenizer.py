@@ -1,4 +1,4 @@
-"""eagle3_jax.tokenizer against the bundled stories260K tokenizer.json and its published goldens."""
+"""eagle3_jax.text.tokenizer against the bundled stories260K tokenizer.json and its published goldens."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from eagle3_jax.tokenizer import TokenizerError, load_tokenizer
+from eagle3_jax.text.tokenizer import TokenizerError, load_tokenizer
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STORIES = os.path.join(REPO_ROOT, "checkpoints", "stories260K")

@@ -17,14 +17,14 @@ import sys
 import time
 
 import pytest
+from model_folders import kimi_folder, minimax_folder
+from scripted_models import write_scripted_pair
+from server_fixtures import ServerThread
 
 import eagle3_jax as e3
 from eagle3_jax.scheduler import Scheduler
 from eagle3_jax.serving import AsyncEngine, make_app
 from eagle3_jax.serving.protocol import ChatRequest, Limits, OutputParsing
-from model_folders import kimi_folder, minimax_folder
-from scripted_models import write_scripted_pair
-from server_fixtures import ServerThread
 
 openai = pytest.importorskip("openai")
 
@@ -396,8 +396,8 @@ def test_constraints_the_server_cannot_honour_are_400s(kimi, body, param, match)
 
 
 def test_a_template_refusing_the_conversation_is_a_400_with_its_message(kimi):
-    from eagle3_jax.chat_template import ChatTemplate
     from eagle3_jax.serving.errors import ApiError
+    from eagle3_jax.text.chat_template import ChatTemplate
 
     _, tok, _, _ = kimi
     strict = ChatTemplate("{% for m in messages %}{% if m.role == 'tool' and not m.tool_call_id is defined %}"

@@ -10,13 +10,25 @@ import os
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from random_models import LLAMA, draft_config_dict, random_draft, random_target
 
 import eagle3_jax as e3
-from eagle3_jax.draft import parse_draft_config
-from eagle3_jax.train import (DraftVocab, Example, FeatureStore, batch_order, count_tokens, export_hf_draft,
-                              load_prompts, online_batches, pack, regenerate, select_draft_vocab, teacher_batch,
-                              write_feature_store)
-from random_models import LLAMA, draft_config_dict, random_draft, random_target
+from eagle3_jax.models.draft import parse_draft_config
+from eagle3_jax.train import (
+    DraftVocab,
+    Example,
+    FeatureStore,
+    batch_order,
+    count_tokens,
+    export_hf_draft,
+    load_prompts,
+    online_batches,
+    pack,
+    regenerate,
+    select_draft_vocab,
+    teacher_batch,
+    write_feature_store,
+)
 
 V = LLAMA["vocab_size"]
 

@@ -3,12 +3,18 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-from eagle3_jax.draft import project_features
-from eagle3_jax.train.ttt import ttt_loss, ttt_unroll
 import pytest
+from random_models import (
+    FAMILIES,
+    causal_draft_pass,
+    draft_config_dict,
+    mla_draft_config_dict,
+    random_draft,
+    random_target,
+)
 
-from random_models import FAMILIES, causal_draft_pass, draft_config_dict, mla_draft_config_dict, random_draft, random_target
+from eagle3_jax.models.draft import project_features
+from eagle3_jax.train.ttt import ttt_loss, ttt_unroll
 
 
 @pytest.mark.parametrize("arch", ["llama", "mla"])

@@ -25,7 +25,7 @@ def load_pair(dtype: str = "float32"):
 
 def demo_pair():
     """(kimi-mini target, its EAGLE-3 draft, the demo prompts' token ids), float32."""
-    from eagle3_jax.tokenizer import load_tokenizer
+    from eagle3_jax.text.tokenizer import load_tokenizer
 
     target, draft = load_pair()
     tok = load_tokenizer(TARGET)

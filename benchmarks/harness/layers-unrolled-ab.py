@@ -32,8 +32,9 @@ def main() -> None:
     import jax.numpy as jnp
     import numpy as np
 
-    from eagle3_jax import kv_cache, moe
-    from eagle3_jax import target as T
+    from eagle3_jax.cache import kv_cache
+    from eagle3_jax.models import moe
+    from eagle3_jax.models import target as T
 
     target, _ = load_pair()
     cfg, params = target.config, target.params

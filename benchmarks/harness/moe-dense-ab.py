@@ -26,7 +26,7 @@ def main() -> None:
     check_output(args)
 
     import eagle3_jax as e3
-    from eagle3_jax import moe
+    from eagle3_jax.models import moe
     from eagle3_jax.bench.step_accounting import account
 
     target, draft, prompts = demo_pair()

@@ -40,7 +40,7 @@ def main() -> None:
     import jax.numpy as jnp
 
     from eagle3_jax.bench.report import machine_info
-    from eagle3_jax.sampling import SamplingArrays, SamplingParams, sample
+    from eagle3_jax.sampling.sampler import SamplingArrays, SamplingParams, sample
 
     draw = jax.jit(sample)
     forms = {"temperature alone": SamplingParams(temperature=0.8), "top-p 0.95": SamplingParams(temperature=0.8, top_p=0.95)}

@@ -39,7 +39,7 @@ import re
 import time
 from typing import Callable, Mapping, Sequence
 
-from ..sampling import SamplingParams
+from ..sampling.sampler import SamplingParams
 from .http_client import TIMEOUT_S, acceptance_between, check_server, client, scrape_metrics, served_model
 
 # ---- the task, as lm-eval defines it -----------------------------------------------------------------------

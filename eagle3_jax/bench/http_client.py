@@ -21,7 +21,7 @@ import time
 import types
 from typing import Callable, Sequence
 
-from ..extras import require
+from ..runtime.extras import require
 from .metrics import RequestRecord, attach_speedups, hit_rate_between
 from .runner import RunConfig, check_lengths, make_cell, median_pass, pass_label
 from .settings import SpecSetting

@@ -22,7 +22,7 @@ import types
 from typing import Sequence
 
 from ..checkpoint.atomic import atomic_output, check_output
-from ..extras import require
+from ..runtime.extras import require
 from .metrics import mean_or_none, speedup
 
 _ROW_KEYS = {  # aggregated figure -> how to read it from a cell's metrics

@@ -34,7 +34,7 @@ import json
 import time
 from typing import Callable, Sequence
 
-from ..sampling import SamplingParams
+from ..sampling.sampler import SamplingParams
 from ..scheduler import Scheduler
 from .metrics import RequestRecord, attach_speedups, hit_rate_between, summarize
 from .settings import NO_SPEC, SpecSetting

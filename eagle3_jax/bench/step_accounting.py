@@ -39,15 +39,15 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from ..sampling import PenaltyHistory, SamplingParams, apply_penalties, sample
+from ..models.target import forward
+from ..runtime.sharding import mesh_context
+from ..sampling.sampler import PenaltyHistory, SamplingParams, apply_penalties, sample
 from ..scheduler.batch import DECODE
 from ..scheduler.programs import DeviceState, advance_state, record_token, slot_rows
 from ..scheduler.slot_table import BatchRows
-from ..sharding import mesh_context
 from ..spec_decode.propose import DraftRoot, propose
 from ..spec_decode.step import extend_accepted, judge, verify_tree
 from ..spec_decode.verify import commit_path
-from ..target import forward
 
 SPEC_PHASES = ("propose", "verify", "judge", "commit", "extend", "state")
 PLAIN_PHASES = ("verify", "judge", "state")

@@ -30,10 +30,10 @@ from typing import Iterable
 
 import numpy as np
 
-from ..chat_template import ChatTemplate, render_prompts
-from ..sampling import SamplingParams
+from ..sampling.sampler import SamplingParams
 from ..scheduler import Scheduler
-from ..tokenizer import Tokenizer, load_tokenizer
+from ..text.chat_template import ChatTemplate, render_prompts
+from ..text.tokenizer import Tokenizer, load_tokenizer
 from ..train.data import load_prompts, read_utf8
 
 # InferenceX / SemiAnalysis fixed serving shapes: (input tokens, output tokens).

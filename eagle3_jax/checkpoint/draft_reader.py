@@ -11,9 +11,9 @@ import os
 import ml_dtypes
 import numpy as np
 
-from ..draft_config import DraftConfig, draft_specs
-from ..params import qformat_for
-from ..quant import QArray
+from ..config.draft import DraftConfig
+from ..weights.params import draft_specs, qformat_for
+from ..weights.quant import QArray
 from .errors import CheckpointError
 from .quant import fp8_e4m3fn_to_fnuz
 from .safetensors_io import find_pickles, open_hf_checkpoint

@@ -29,13 +29,13 @@ from typing import Iterator, Mapping
 import ml_dtypes
 import numpy as np
 
-from ..config import ModelConfig
-from ..params import ParamSpec, flat_specs
+from ..config.model import ModelConfig
+from ..weights import keymap
+from ..weights.lazy import LazyArray
+from ..weights.params import ParamSpec, flat_specs
+from ..weights.quant import QArray, QFormat
 from . import quant
-from .. import keymap
-from ..quant import QArray, QFormat
 from .errors import CheckpointError
-from ..lazy import LazyArray
 from .safetensors_io import HFCheckpoint, open_hf_checkpoint
 
 FLOAT_DTYPES = frozenset(np.dtype(d) for d in (np.float16, np.float32, np.float64, ml_dtypes.bfloat16))

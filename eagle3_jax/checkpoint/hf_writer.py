@@ -13,10 +13,10 @@ import shutil
 
 import numpy as np
 
-from ..config import ModelConfig
-from ..params import flat_specs
+from ..config.model import ModelConfig
+from ..weights import keymap
+from ..weights.params import flat_specs
 from . import quantize
-from .. import keymap
 from .atomic import atomic_dir
 
 

@@ -7,7 +7,7 @@ from typing import Iterator
 
 import numpy as np
 
-from ..config import ModelConfig
+from ..config.model import ModelConfig
 from .errors import CheckpointError
 from .hf_loader import iter_hf_layers
 from .orbax_io import MARKER, is_orbax_dir, iter_orbax_layers, looks_like_partial_orbax

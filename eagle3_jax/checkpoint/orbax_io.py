@@ -30,9 +30,9 @@ from typing import Any, Iterator
 import ml_dtypes
 import numpy as np
 
-from ..config import ModelConfig
-from ..params import ParamSpec, flat_specs
-from ..quant import QArray, QFormat, dequantize
+from ..config.model import ModelConfig
+from ..weights.params import ParamSpec, flat_specs
+from ..weights.quant import QArray, QFormat, dequantize
 from . import quant as host_quant
 from .atomic import check_output, clean_leftovers, swap_in
 from .errors import CheckpointError

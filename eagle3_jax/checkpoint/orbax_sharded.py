@@ -18,10 +18,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from ..config import ModelConfig
-from ..params import ParamSpec, abstract_params, flat_specs, segment_specs
-from ..quant import QArray, QFormat
-from ..sharding import param_shardings
+from ..config.model import ModelConfig
+from ..runtime.sharding import param_shardings
+from ..weights.params import ParamSpec, abstract_params, flat_specs, segment_specs
+from ..weights.quant import QArray, QFormat
 from .errors import CheckpointError
 from .orbax_io import _checkpointer, _item_dir, _read_marker, _short, _validate_marker
 

@@ -14,7 +14,7 @@ import math
 import ml_dtypes
 import numpy as np
 
-from ..quant import E2M1_VALUES
+from ..weights.quant import E2M1_VALUES
 
 _FP8_DTYPES = (np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e5m2))
 

@@ -20,7 +20,7 @@ import math
 import ml_dtypes
 import numpy as np
 
-from ..quant import E2M1_VALUES
+from ..weights.quant import E2M1_VALUES
 
 FP8_MAX = 448.0
 METHODS = ("int4_pack", "fp8_block", "mxfp4", "fp8_channel")

@@ -7,14 +7,13 @@ from __future__ import annotations
 import json
 import os
 
-from ..config import load_model_config, parse_model_config
-from ..params import _hf_module, _is_linear, flat_specs
+from ..config.model import load_model_config, parse_model_config
+from ..weights.params import _hf_module, _is_linear, flat_specs
 from .atomic import check_output
 from .errors import CheckpointError
 from .hf_writer import save_hf_target
 from .loader import read_flat_params
 from .quantize import METHODS, quantization_config
-
 
 SCOPES = ("experts", "all")
 

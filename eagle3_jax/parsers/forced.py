@@ -9,9 +9,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping, Sequence
 
-from ..sampling import SamplingParams
+from ..sampling.sampler import SamplingParams
 from ..structured.constraints import Constraint
-from ..tokenizer import Tokenizer
+from ..text.tokenizer import Tokenizer
 from .markup import ParserError, tool_schemas
 from .reasoning.base import ReasoningParser
 from .tool_calls.base import ToolCallParser, literal

@@ -14,7 +14,7 @@ import hashlib
 import json
 from typing import Any, Iterable, Mapping, Sequence
 
-from ..text_stream import stop_prefix_len
+from ..text.stream import stop_prefix_len
 
 
 class ParserError(ValueError):

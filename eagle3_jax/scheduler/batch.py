@@ -30,9 +30,9 @@ from typing import Sequence
 
 import numpy as np
 
-from ..page_allocator import PageAllocator, PrefixCache, page_keys, pages_for
+from ..cache.pages import PageAllocator, PrefixCache, page_keys, pages_for
 from ..request import Request
-from ..sampling import GREEDY_BATCH, BatchFeatures
+from ..sampling.sampler import GREEDY_BATCH, BatchFeatures
 from ..spec_decode.policy import SpeculationPolicy
 from .metrics import SchedulerCounters
 from .slot_table import BatchRows, SlotTable

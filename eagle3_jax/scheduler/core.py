@@ -51,17 +51,17 @@ from typing import Sequence
 
 import numpy as np
 
-from ..draft import Draft, with_target_kernels
-from ..logprobs import Logprob, LogprobSettings
-from ..page_allocator import pages_for
+from ..cache.pages import pages_for
+from ..models.draft import Draft, with_target_kernels
+from ..models.target import Target
 from ..request import RequestOutput, cap_message, check_request, normalize_sampling, token_budget
-from ..sampling import SamplingParams
+from ..sampling.logprobs import Logprob, LogprobSettings
+from ..sampling.sampler import SamplingParams
 from ..spec_decode.policy import check_speculation, policy_for
 from ..spec_decode.settings import AutoSpec, SpecConfig
 from ..structured import GrammarCache, RequestGrammar
-from ..target import Target
-from ..text_stream import TextStream, output_text
-from ..tokenizer import Tokenizer
+from ..text.stream import TextStream, output_text
+from ..text.tokenizer import Tokenizer
 from . import lockstep
 from .batch import DONE, MIN_PAGES_BUCKET, PREFILL_CHUNK, RunningBatch, ScheduledRequest, bucket
 from .launches import Launch, Launcher, time_steady_steps_only

@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 
-from ..logprobs import LogprobSettings
+from ..sampling.logprobs import LogprobSettings
 from ..spec_decode.policy import SpeculationPolicy, StepPlan
 from ..structured import batch_masks, batch_tree_masks, mask_words
 from . import lockstep

@@ -41,19 +41,19 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from .. import kv_cache
-from ..config import ModelConfig
-from ..draft import Draft, DraftConfig
-from ..logprobs import LogprobSettings, TokenLogprobs
-from ..sampling import PenaltyHistory, count_tokens
-from ..sharding import mesh_context, replicate, shard_pages, to_host
+from ..cache import kv_cache
+from ..config.model import ModelConfig
+from ..models.draft import Draft, DraftConfig
+from ..models.target import Target
+from ..runtime.sharding import mesh_context, replicate, shard_pages, to_host
+from ..sampling.logprobs import LogprobSettings, TokenLogprobs
+from ..sampling.sampler import PenaltyHistory, count_tokens
 from ..spec_decode.policy import SpeculationPolicy
 from ..spec_decode.propose import DraftRoot, DraftTree, draft_extend, propose
+from ..spec_decode.settings import SpecConfig
 from ..spec_decode.step import accept_step, spec_step, verify_tree
 from .slot_table import BatchRows, chunk_columns
 from .steps import plain_forward, plain_prefill, plain_sample, plain_step, spec_prefill
-from ..spec_decode.settings import SpecConfig
-from ..target import Target
 
 DONATED = 2  # position of the DeviceState among a program's dynamic arguments
 

@@ -31,9 +31,18 @@ import functools
 import jax
 import numpy as np
 
-from .. import kv_cache
-from ..sampling import GREEDY_BATCH, GREEDY_FLOATS, GREEDY_INTS, PACKED_INTS, BatchFeatures, SamplingArrays, \
-    SamplingParams, packed_settings, unpack_settings
+from ..cache import kv_cache
+from ..sampling.sampler import (
+    GREEDY_BATCH,
+    GREEDY_FLOATS,
+    GREEDY_INTS,
+    PACKED_INTS,
+    BatchFeatures,
+    SamplingArrays,
+    SamplingParams,
+    packed_settings,
+    unpack_settings,
+)
 
 SLOT, PROMPT_LEN = 0, 1
 SETTINGS = slice(2, 2 + PACKED_INTS)  # the sampling settings' integer columns

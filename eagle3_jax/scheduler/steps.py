@@ -9,13 +9,20 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from .. import kv_cache
-from ..config import ModelConfig
-from ..draft import DraftConfig
-from ..logprobs import LogprobSettings, emitted_logprobs, token_logprobs
-from ..sampling import PenaltyHistory, SamplingArrays, apply_penalties, apply_token_masks, processed_logits, sample
+from ..cache import kv_cache
+from ..config.model import ModelConfig
+from ..models.draft import DraftConfig
+from ..models.target import forward
+from ..sampling.logprobs import LogprobSettings, emitted_logprobs, token_logprobs
+from ..sampling.sampler import (
+    PenaltyHistory,
+    SamplingArrays,
+    apply_penalties,
+    apply_token_masks,
+    processed_logits,
+    sample,
+)
 from ..spec_decode.propose import chunk_next_tokens, draft_prefill
-from ..target import forward
 
 
 def plain_prefill(tparams: dict, tcfg: ModelConfig, tcache: kv_cache.KVCache, tokens: jax.Array,

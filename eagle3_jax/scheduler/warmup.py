@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Sequence
 
-from ..sampling import GREEDY_BATCH, SAMPLED_BATCH, TRUNCATED_BATCH, BatchFeatures
+from ..sampling.sampler import GREEDY_BATCH, SAMPLED_BATCH, TRUNCATED_BATCH, BatchFeatures
 from ..spec_decode.policy import SpeculationPolicy, StepPlan
 from .batch import MIN_CHUNK_BUCKET, MIN_PAGES_BUCKET, RunningBatch, buckets, chunk_cap, prefill_fits
 from .slot_table import prefill_chunks

@@ -14,8 +14,8 @@ routes; `app` ties them together with health, models and `metrics`. The HTTP par
 prometheus_client).
 """
 
-from ..chat_template import ChatTemplate
-from ..text_stream import IncrementalDetokenizer, TextStream
+from ..text.chat_template import ChatTemplate
+from ..text.stream import IncrementalDetokenizer, TextStream
 from .app import make_app
 from .async_engine import AsyncEngine, EngineClosedError, EngineDeadError, EngineError, EngineStepError
 from .choices import Choices

@@ -20,8 +20,8 @@ import logging
 import os
 from typing import Callable, Sequence
 
-from ..chat_template import ChatTemplate
 from ..parsers import OutputParsing
+from ..text.chat_template import ChatTemplate
 from .async_engine import AsyncEngine, EngineDeadError, EngineError
 from .chat import chat_completions
 from .completions import completions

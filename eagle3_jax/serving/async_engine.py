@@ -43,12 +43,12 @@ import threading
 import uuid
 from typing import Any, AsyncIterator, Sequence
 
-from ..sampling import SamplingParams
+from ..sampling.sampler import SamplingParams
 from ..scheduler import CapacityError, RequestDelta, Scheduler, WarmUp  # noqa: F401 (CapacityError: the engine's face)
 from ..scheduler.metrics import stats_since
-from ..text_stream import ChoiceText
+from ..text.stream import ChoiceText
+from ..text.tokenizer import Tokenizer
 from .choices import Choices
-from ..tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -19,13 +19,19 @@ import asyncio
 import contextlib
 import dataclasses
 import uuid
-from typing import TYPE_CHECKING, Any, AsyncIterator, Sequence
+from typing import TYPE_CHECKING, Any, AsyncIterator, Protocol, Sequence
 
-from ..sampling import SamplingParams
+from ..sampling.sampler import SamplingParams
 
 if TYPE_CHECKING:
     from ..scheduler import RequestDelta
-    from .async_engine import AsyncEngine
+
+
+class RequestStreams(Protocol):
+    """What the choices need of an engine (AsyncEngine is one): a request's deltas as a stream."""
+
+    def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams | None = None,
+                 request_id: str | None = None, wait_for: str | None = None) -> AsyncIterator["RequestDelta"]: ...
 
 SEED_LIMIT = 2**32  # SamplingParams seeds are uint32
 
@@ -43,7 +49,7 @@ def choice_ids(request_id: str, n: int) -> list[str]:
 class Choices:
     """The n choices of one prompt (see the module doc)."""
 
-    def __init__(self, engine: "AsyncEngine", prompt_ids: Sequence[int], sampling: SamplingParams, n: int = 1,
+    def __init__(self, engine: RequestStreams, prompt_ids: Sequence[int], sampling: SamplingParams, n: int = 1,
                  request_id: str | None = None):
         if n < 1:
             raise ValueError(f"n must be >= 1; got {n}")

@@ -26,8 +26,8 @@ import time
 import uuid
 from typing import Any, AsyncIterator, Iterable, Mapping, Protocol, Sequence
 
-from ..logprobs import Logprob
 from ..parsers import OutputDelta, StreamingParser, ToolCall
+from ..sampling.logprobs import Logprob
 from ..structured import ConstraintError
 from .async_engine import AsyncEngine, CapacityError, EngineError
 from .choices import Choices

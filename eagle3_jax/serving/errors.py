@@ -4,7 +4,7 @@ carries one out of a handler: 400 for malformed requests, 404 for an unknown mod
 
 from __future__ import annotations
 
-from ..extras import require
+from ..runtime.extras import require
 
 web = require("aiohttp.web", "serve", "the OpenAI server")
 

@@ -45,7 +45,7 @@ import math
 import secrets
 from typing import Any, Mapping, Sequence
 
-from ..sampling import SamplingParams, check_acceptance_profile
+from ..sampling.sampler import SamplingParams, check_acceptance_profile
 from .choices import SEED_LIMIT
 from .constraints import CONSTRAINT_FIELDS
 from .errors import ApiError

@@ -18,16 +18,24 @@ import dataclasses
 import logging
 from typing import Any, Mapping, Sequence
 
-from ..chat_template import ChatTemplate, ChatTemplateError
 from ..parsers import OutputParsers, OutputParsing, ParserError
 from ..parsers.forced import constrain_answer, forced_calls
 from ..request import cap_message
-from ..sampling import SamplingParams
-from ..tokenizer import Tokenizer
+from ..sampling.sampler import SamplingParams
+from ..text.chat_template import ChatTemplate, ChatTemplateError
+from ..text.tokenizer import Tokenizer
 from .constraints import parse_constraint
 from .errors import ApiError
-from .fields import (_is_int, check_unsupported, get_bool, get_int, ignored_fields, parse_logprobs,
-                     parse_sampling, parse_stream)
+from .fields import (
+    _is_int,
+    check_unsupported,
+    get_bool,
+    get_int,
+    ignored_fields,
+    parse_logprobs,
+    parse_sampling,
+    parse_stream,
+)
 from .messages import parse_messages, parse_tool_choice, parse_tools
 
 logger = logging.getLogger(__name__)

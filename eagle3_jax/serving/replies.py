@@ -6,7 +6,7 @@ from __future__ import annotations
 import itertools
 from typing import Any, Callable, Mapping, Sequence
 
-from ..logprobs import Logprob
+from ..sampling.logprobs import Logprob
 
 LOGPROB_FLOOR = -9999.0  # JSON has no -inf: a token filtered out of the distribution reads so (as in vLLM)
 

@@ -9,11 +9,11 @@ import json
 import time
 from typing import Any, Callable
 
-from ..chat_template import ChatTemplate
-from ..tokenizer import Tokenizer
+from ..parsers import OutputParsing
+from ..text.chat_template import ChatTemplate
+from ..text.tokenizer import Tokenizer
 from .async_engine import AsyncEngine
 from .errors import ApiError, web
-from ..parsers import OutputParsing
 from .protocol import Limits
 
 

@@ -21,8 +21,8 @@ from typing import Protocol, Sequence
 
 import numpy as np
 
-from ..draft import Draft
-from ..draft_config import check_fits_target
+from ..config.draft import check_fits_target
+from ..models.draft import Draft
 from .adaptive import AdaptiveSpeculation, Key
 from .settings import AutoSpec, SpecConfig, shape_depth
 

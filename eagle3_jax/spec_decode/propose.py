@@ -23,9 +23,9 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from .. import kv_cache
-from ..draft import DraftConfig, draft_forward, draft_head, draft_to_target_ids, project_features
-from ..sampling import allowed_tokens
+from ..cache import kv_cache
+from ..models.draft import DraftConfig, draft_forward, draft_head, draft_to_target_ids, project_features
+from ..sampling.sampler import allowed_tokens
 from .settings import SpecConfig
 
 

@@ -21,12 +21,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from .. import kv_cache
-from ..config import ModelConfig
-from ..draft import DraftConfig
-from ..logprobs import LogprobSettings, emitted_logprobs
-from ..sampling import PenaltyHistory, SamplingArrays, apply_penalties, apply_token_masks
-from ..target import forward
+from ..cache import kv_cache
+from ..config.model import ModelConfig
+from ..models.draft import DraftConfig
+from ..models.target import forward
+from ..sampling.logprobs import LogprobSettings, emitted_logprobs
+from ..sampling.sampler import PenaltyHistory, SamplingArrays, apply_penalties, apply_token_masks
 from .propose import DraftRoot, DraftTree, draft_extend, propose
 from .settings import SpecConfig
 from .tree import ancestor_mask, depths, path_to

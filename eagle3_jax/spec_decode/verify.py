@@ -20,8 +20,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from .. import kv_cache
-from ..sampling import SamplingArrays, filtered_logits, filtered_per_position, hold_back_stops, request_keys
+from ..cache import kv_cache
+from ..sampling.sampler import SamplingArrays, filtered_logits, filtered_per_position, hold_back_stops, request_keys
 
 SYNTHETIC_STREAM = 0x5E1EC7  # folded into a row's key: synthetic draws apart from its sampling draws
 

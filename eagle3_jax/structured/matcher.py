@@ -22,8 +22,8 @@ import llguidance
 import llguidance.numpy as llnp
 import numpy as np
 
-from ..tokenizer import Tokenizer
-from ..tiktoken_tokenizer import TiktokenBackend
+from ..text.tiktoken_tokenizer import TiktokenBackend
+from ..text.tokenizer import Tokenizer
 from .constraints import Constraint, ConstraintError
 
 # Work bounds for one grammar: llguidance's lexer fuel and Earley items (about 20 ms of lexer

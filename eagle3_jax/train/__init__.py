@@ -2,9 +2,18 @@
 (regeneration, teacher features online or from an offline feature store), and HF export.
 """
 
-from ..chat_template import render_prompt
-from .data import (Example, FeatureStore, batch_order, load_prompts, online_batches, pack, regenerate, teacher_batch,
-                   write_feature_store)
+from ..text.chat_template import render_prompt
+from .data import (
+                   Example,
+                   FeatureStore,
+                   batch_order,
+                   load_prompts,
+                   online_batches,
+                   pack,
+                   regenerate,
+                   teacher_batch,
+                   write_feature_store,
+)
 from .export import export_hf_draft
 from .vocab import DraftVocab, count_tokens, select_draft_vocab
 

@@ -3,7 +3,7 @@
 The pipeline (as in SpecForge / the EAGLE-3 paper: the draft learns the target's own outputs):
 
 1. `load_prompts` reads prompts (GSM8K, MT-Bench / Spec-Bench, ShareGPT, plain text) and
-   `eagle3_jax.chat_template.render_prompts` wraps each in the model's chat template;
+   `eagle3_jax.text.chat_template.render_prompts` wraps each in the model's chat template;
 2. `regenerate` has the target answer every prompt (greedy and/or sampled), giving `Example`s
    whose `loss_mask` marks the response tokens;
 3. `pack` lays the examples into fixed-length rows;
@@ -33,11 +33,11 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from .. import kv_cache
-from ..engine import Engine
-from ..sampling import SamplingParams
-from ..target import Target, forward
+from ..cache import kv_cache
 from ..checkpoint.atomic import atomic_dir
+from ..engine import Engine
+from ..models.target import Target, forward
+from ..sampling.sampler import SamplingParams
 
 STORE_FORMAT = "eagle3_jax.feature_store"
 STORE_VERSION = 1

@@ -8,12 +8,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..config import ModelConfig, RopeConfig
-from ..draft_config import DraftConfig, draft_specs
-from ..target import Target
+from ..config.draft import DraftConfig
+from ..config.model import ModelConfig, RopeConfig
+from ..models.target import Target
+from ..weights.params import draft_specs
 from .ttt import ttt_loss
 from .vocab import DraftVocab
-
 
 DRAFT_ARCHS = ("llama", "mla")
 
@@ -126,7 +126,7 @@ def make_ttt_loss(cfg: DraftConfig, vocab: DraftVocab, num_steps: int, decay: fl
 
 
 def assembled_params(trainable: dict, frozen: dict, dtype=jnp.float32) -> dict:
-    """Trainable + frozen -> the param tree eagle3_jax.draft uses (for export / inference)."""
+    """Trainable + frozen -> the param tree eagle3_jax.models.draft uses (for export / inference)."""
     out = jax.tree.map(lambda x: jnp.asarray(x, dtype), dict(trainable))
     out["embed"] = jnp.asarray(frozen["embed"], dtype)
     if "d2t" in frozen:

@@ -31,9 +31,10 @@ import jax
 import ml_dtypes
 import numpy as np
 
-from ..config import ModelConfig, RopeConfig
-from ..draft_config import LLAMA_ARCHITECTURES, MLA_ARCHITECTURES, DraftConfig, draft_specs
 from ..checkpoint.atomic import atomic_dir
+from ..config.draft import LLAMA_ARCHITECTURES, MLA_ARCHITECTURES, DraftConfig
+from ..config.model import ModelConfig, RopeConfig
+from ..weights.params import draft_specs
 from .vocab import DraftVocab
 
 ARCHITECTURE = LLAMA_ARCHITECTURES[0]
@@ -258,7 +259,7 @@ def export_hf_draft(out_dir: str | os.PathLike, cfg: DraftConfig, params: dict, 
     weights, inside the same swap (a training log).
     """
     if not isinstance(cfg, DraftConfig):
-        raise TypeError(f"cfg must be an eagle3_jax.draft.DraftConfig; got {type(cfg).__name__}")
+        raise TypeError(f"cfg must be an eagle3_jax.models.draft.DraftConfig; got {type(cfg).__name__}")
     name = dtype if isinstance(dtype, str) else np.dtype(dtype).name
     tensors = hf_draft_tensors(cfg, params, vocab, dtype=name, include_embed=include_embed)
     config = draft_config_json(cfg, name)

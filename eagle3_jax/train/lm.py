@@ -6,10 +6,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import kv_cache
-from ..config import ModelConfig
-from ..params import flat_specs, stack_flat, unstack_to_flat
-from ..target import forward
+from ..cache import kv_cache
+from ..config.model import ModelConfig
+from ..models.target import forward
+from ..weights.params import flat_specs, stack_flat, unstack_to_flat
 
 
 def init_target_flat(cfg: ModelConfig, seed: int = 0, std: float = 0.02) -> dict[str, np.ndarray]:

@@ -21,8 +21,8 @@ import numpy as np
 from flax import struct
 from jax.sharding import NamedSharding, PartitionSpec
 
-from ..extras import require
-from ..target import resolve_dtype
+from ..models.target import resolve_dtype
+from ..runtime.extras import require
 
 optax = require("optax", "train", "training")
 

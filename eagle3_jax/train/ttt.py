@@ -17,11 +17,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from ..attention import gqa_project, mla_project, mla_up_projections
-from ..config import ModelConfig
-from ..draft import DraftConfig, project_features
-from ..layers import rms_norm, swiglu
-from ..quant import PRECISION
+from ..config.model import ModelConfig
+from ..models.attention import gqa_project, mla_project, mla_up_projections
+from ..models.draft import DraftConfig, project_features
+from ..models.layers import rms_norm, swiglu
+from ..weights.quant import PRECISION
 
 _NEG = -1e30
 

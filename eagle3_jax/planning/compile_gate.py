@@ -27,14 +27,16 @@ from typing import TYPE_CHECKING, Callable, Iterator
 
 import jax
 import jax.numpy as jnp
+
 from pallas_kernels import launch
 from pallas_kernels.attention import paged_prefix_attention
 from pallas_kernels.moe import grouped_matmul, grouped_swiglu
 
-from . import attention, plan
-from .quant import QArray, QFormat
-from .sharding import make_mesh, mesh_context
-from .spec_decode.settings import SpecConfig
+from ..models import attention
+from ..runtime.sharding import make_mesh, mesh_context
+from ..spec_decode.settings import SpecConfig
+from ..weights.quant import QArray, QFormat
+from . import memory as plan
 
 if TYPE_CHECKING:
     from pallas_kernels import isa

@@ -14,7 +14,7 @@ import dataclasses
 import functools
 import re
 
-from .config import ModelConfig
+from ..config.model import ModelConfig
 
 # Top-level prefixes of the Kimi-K2.5 vision stack: present in the checkpoint, not served here.
 SKIPPED_PREFIXES = ("vision_tower.", "mm_projector.")

@@ -21,21 +21,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
 from pallas_kernels import launch
 
-from . import kv_cache
-from .config import ModelConfig, load_model_config
-from .draft_config import DraftConfig, check_fits_target, draft_specs, parse_draft_config
-from .params import ParamSpec, abstract_leaf, abstract_params, qformat_for
-from .quant import QArray
-from .sampling import MAX_SUPPRESSED_STOP_IDS, SamplingArrays
-from .kernels import parse, resolve
-from .sharding import leaf_partition_spec, mesh_context, param_axes, param_shardings, partition_spec
-from .spec_decode.propose import DraftRoot
-from .scheduler.steps import plain_prefill, plain_step, spec_prefill
-from .spec_decode.step import spec_step
-from .spec_decode.settings import SpecConfig
-from .target import resolve_dtype, with_quant_options
+from ..cache import kv_cache
+from ..config.draft import DraftConfig, check_fits_target, parse_draft_config
+from ..config.model import ModelConfig, load_model_config
+from ..models.target import resolve_dtype, with_quant_options
+from ..runtime.kernels import parse, resolve
+from ..runtime.sharding import leaf_partition_spec, mesh_context, param_axes, param_shardings, partition_spec
+from ..sampling.sampler import MAX_SUPPRESSED_STOP_IDS, SamplingArrays
+from ..scheduler.steps import plain_prefill, plain_step, spec_prefill
+from ..spec_decode.propose import DraftRoot
+from ..spec_decode.settings import SpecConfig
+from ..spec_decode.step import spec_step
+from ..weights.params import ParamSpec, abstract_leaf, abstract_params, draft_specs, qformat_for
+from ..weights.quant import QArray
 
 GB = 10**9  # vendors state HBM sizes in decimal GB: 256 GB = 238.4 GiB
 

@@ -37,12 +37,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from . import kv_cache
+from ..cache import kv_cache
+from ..config.model import ModelConfig
+from ..weights.quant import PRECISION, linear
 from .attention import gqa_project, mla_project, mla_up_projections
-from .config import ModelConfig
-from .layers import final_logits as head_logits, rms_norm, swiglu
+from .layers import final_logits as head_logits
+from .layers import rms_norm, swiglu
 from .moe import gathered_experts, route
-from .quant import PRECISION, linear
 
 ROW_BLOCK = 8  # rows per fixed-shape block of row-local work, and queries per attention block
 KEY_CHUNK = 128  # logical positions per online-softmax chunk

@@ -9,8 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .config import RopeConfig, yarn_mscale
-from .quant import linear
+from ..config.model import RopeConfig, yarn_mscale
+from ..weights.quant import linear
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .structured.constraints import Constraint
+from ..structured.constraints import Constraint
 
 
 @dataclasses.dataclass(frozen=True)

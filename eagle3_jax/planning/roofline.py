@@ -32,10 +32,10 @@ from typing import Sequence
 import jax
 from jax.sharding import Mesh
 
-from .plan import _cache_device_bytes, _leaf_bytes, _leaf_device_bytes
-from .quant import QArray
-from .sharding import param_axes
-from .spec_decode.settings import SpecConfig
+from ..runtime.sharding import param_axes
+from ..spec_decode.settings import SpecConfig
+from ..weights.quant import QArray
+from .memory import _cache_device_bytes, _leaf_bytes, _leaf_device_bytes
 
 
 def expected_distinct_experts(num_experts: int, per_token: int, tokens: int) -> float:

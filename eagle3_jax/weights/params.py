@@ -20,7 +20,8 @@ from typing import Mapping
 import jax
 import numpy as np
 
-from .config import ModelConfig, QuantConfig
+from ..config.draft import DraftConfig
+from ..config.model import ModelConfig, QuantConfig
 from .keymap import canonical_hf_key
 from .lazy import LazyArray
 from .quant import QArray, QFormat
@@ -249,3 +250,32 @@ def unstack_to_flat(tree: Mapping, cfg: ModelConfig) -> dict:
             for j, i in enumerate(range(start, stop)):
                 flat[f"layers.{i}.{name}"] = a[j]
     return flat
+
+
+def draft_specs(cfg: DraftConfig, with_embed: bool) -> dict[str, ParamSpec]:
+    """Flat param layout of a draft; matrices [in, out] like the target's.
+
+    Layer 0's attention projections read the 2H concatenation (embedding, hidden); the rest of
+    every layer has the target's layout for its attention kind (params.attention_specs).
+    """
+    lc = cfg.layers
+    h, i = lc.hidden_size, lc.intermediate_size
+    s = {
+        "fc": ParamSpec((3 * cfg.target_hidden_size, h), (None, "embed")),
+        "final_norm": ParamSpec((h,), ("norm",)),
+        "lm_head": ParamSpec((h, cfg.draft_vocab_size), ("embed", "vocab")),
+    }
+    if with_embed:
+        s["embed"] = ParamSpec((cfg.vocab_size, h), ("vocab", "embed"))
+    for layer in range(lc.num_layers):
+        p = f"layers.{layer}."
+        s[p + "attn_norm"] = ParamSpec((h,), ("norm",))
+        if layer == 0:
+            s[p + "hidden_norm"] = ParamSpec((h,), ("norm",))
+        for name, spec in attention_specs(lc, input_width=2 * h if layer == 0 else h).items():
+            s[p + name] = spec
+        s[p + "mlp_norm"] = ParamSpec((h,), ("norm",))
+        s[p + "gate_proj"] = ParamSpec((h, i), ("embed", "mlp"))
+        s[p + "up_proj"] = ParamSpec((h, i), ("embed", "mlp"))
+        s[p + "down_proj"] = ParamSpec((i, h), ("mlp", "embed"))
+    return s

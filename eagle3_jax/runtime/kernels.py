@@ -28,6 +28,7 @@ import functools
 import logging
 
 import jax
+
 from pallas_kernels import launch
 
 OPS = ("attention", "moe")

@@ -36,11 +36,11 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from . import kernels
-from .config import ModelConfig
+from ..config.model import ModelConfig
+from ..runtime import kernels
+from ..runtime.sharding import expert_axes, leaf_partition_spec
+from ..weights.quant import PRECISION, QArray, dequantize, expert_matmul, ragged_linear, take
 from .layers import swiglu
-from .quant import PRECISION, QArray, dequantize, expert_matmul, ragged_linear, take
-from .sharding import expert_axes, leaf_partition_spec
 
 EXPERT_AXES = {
     "experts_gate": ("experts", "embed", "expert_mlp"),

@@ -24,7 +24,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from .sampling import SamplingArrays, processed_logits
+from .sampler import SamplingArrays, processed_logits
 
 
 @dataclasses.dataclass(frozen=True)

@@ -31,15 +31,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import kv_cache
+from ..cache import kv_cache
+from ..checkpoint.draft_reader import read_draft_checkpoint
+from ..checkpoint.errors import CheckpointError
+from ..config.draft import DraftConfig, check_fits_target, parse_draft_config  # noqa: F401 (the draft's config, re-exported)
+from ..config.model import ConfigError
+from ..weights.params import draft_specs  # noqa: F401 (the draft's layout, re-exported)
+from ..weights.quant import PRECISION, QArray, linear
 from .attention import gqa_block, mla_block
-from .checkpoint.draft_reader import read_draft_checkpoint
-from .checkpoint.errors import CheckpointError
-from .config import ConfigError
-from .draft_config import (  # noqa: F401 (the draft's config and layout, re-exported)
-    DraftConfig, check_fits_target, draft_specs, parse_draft_config)
 from .layers import rms_norm, swiglu
-from .quant import PRECISION, QArray, linear
 from .target import ABSORB_MAX_TOKENS, Target, resolve_dtype, uses_fnuz
 
 # ---- forward ----------------------------------------------------------------------------------------

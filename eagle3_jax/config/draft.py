@@ -1,14 +1,13 @@
-"""An EAGLE-3 draft's config and parameter layout: `DraftConfig` from its config.json (the Llama
-GQA or DeepSeek MLA decoder-layer config plus the EAGLE fields), `draft_specs` (its flat
-parameter layout, matrices [in, out] like the target's) and `check_fits_target`. The model is in
-draft.py, the checkpoint reading in checkpoint/draft_reader.py."""
+"""An EAGLE-3 draft's config: `DraftConfig` from its config.json (the Llama GQA or DeepSeek MLA
+decoder-layer config plus the EAGLE fields) and `check_fits_target`. Its parameter layout is
+`weights.params.draft_specs`, the model models/draft.py, the checkpoint reading
+checkpoint/draft_reader.py."""
 
 from __future__ import annotations
 
 import dataclasses
 
-from .config import ConfigError, ModelConfig, QuantConfig, _parse_quant, parse_model_config
-from .params import ParamSpec, attention_specs
+from .model import ConfigError, ModelConfig, QuantConfig, _parse_quant, parse_model_config
 
 LLAMA_ARCHITECTURES = ("LlamaForCausalLMEagle3",)
 # vLLM and SGLang register the V3 name as an alias of the V2 class: the same layout.
@@ -95,35 +94,6 @@ def _parse_draft_quant(raw) -> QuantConfig | None:
         raise ConfigError(f"draft quantization {quant.method!r} is not supported; supported: quark ptpc_fp8 "
                           "(per-channel FP8 weights)")
     return quant
-
-
-def draft_specs(cfg: DraftConfig, with_embed: bool) -> dict[str, ParamSpec]:
-    """Flat param layout of a draft; matrices [in, out] like the target's.
-
-    Layer 0's attention projections read the 2H concatenation (embedding, hidden); the rest of
-    every layer has the target's layout for its attention kind (params.attention_specs).
-    """
-    lc = cfg.layers
-    h, i = lc.hidden_size, lc.intermediate_size
-    s = {
-        "fc": ParamSpec((3 * cfg.target_hidden_size, h), (None, "embed")),
-        "final_norm": ParamSpec((h,), ("norm",)),
-        "lm_head": ParamSpec((h, cfg.draft_vocab_size), ("embed", "vocab")),
-    }
-    if with_embed:
-        s["embed"] = ParamSpec((cfg.vocab_size, h), ("vocab", "embed"))
-    for layer in range(lc.num_layers):
-        p = f"layers.{layer}."
-        s[p + "attn_norm"] = ParamSpec((h,), ("norm",))
-        if layer == 0:
-            s[p + "hidden_norm"] = ParamSpec((h,), ("norm",))
-        for name, spec in attention_specs(lc, input_width=2 * h if layer == 0 else h).items():
-            s[p + name] = spec
-        s[p + "mlp_norm"] = ParamSpec((h,), ("norm",))
-        s[p + "gate_proj"] = ParamSpec((h, i), ("embed", "mlp"))
-        s[p + "up_proj"] = ParamSpec((h, i), ("embed", "mlp"))
-        s[p + "down_proj"] = ParamSpec((i, h), ("mlp", "embed"))
-    return s
 
 
 def check_fits_target(cfg: DraftConfig, tcfg: ModelConfig) -> None:

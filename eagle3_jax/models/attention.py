@@ -20,12 +20,14 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
 from pallas_kernels import launch  # the launch table only: the kernels load when a kernel path runs
 
-from . import kernels, kv_cache
-from .config import ModelConfig
+from ..cache import kv_cache
+from ..config.model import ModelConfig
+from ..runtime import kernels
+from ..weights.quant import PRECISION, dequantize, linear
 from .layers import apply_rotary, rms_norm, rotary_cos_sin
-from .quant import PRECISION, dequantize, linear
 
 _NEG = -1e30  # finite "minus infinity": every query sees at least itself, so no row is empty
 

@@ -16,11 +16,11 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from . import kv_cache
-from .lazy import LazyArray
-from .config import ModelConfig
-from .params import stacked_axes
-from .quant import QArray
+from ..cache import kv_cache
+from ..config.model import ModelConfig
+from ..weights.lazy import LazyArray
+from ..weights.params import stacked_axes
+from ..weights.quant import QArray
 
 MESH_AXES = ("data", "tensor", "expert")
 

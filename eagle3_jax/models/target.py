@@ -16,16 +16,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import invariant, kernels as kernels_lib, kv_cache, params as params_lib
+from ..cache import kv_cache
+from ..checkpoint import is_orbax_dir, keeps_quantized, read_flat_params
+from ..checkpoint.orbax_sharded import can_restore_sharded, restore_sharded
+from ..config.model import ModelConfig, load_model_config
+from ..runtime import kernels as kernels_lib
+from ..runtime.sharding import mesh_context, shard_cache, shard_params
+from ..weights import params as params_lib
+from ..weights.lazy import LazyArray
+from ..weights.quant import QArray
+from . import invariant
 from .attention import gqa_block, mla_block
-from .checkpoint import is_orbax_dir, keeps_quantized, read_flat_params
-from .checkpoint.orbax_sharded import can_restore_sharded, restore_sharded
-from .lazy import LazyArray
-from .config import ModelConfig, load_model_config
 from .layers import final_logits, rms_norm, swiglu
 from .moe import moe_block
-from .quant import QArray
-from .sharding import mesh_context, shard_cache, shard_params
 
 # Below this many new tokens per row, MLA uses the absorbed form (decode, verify); above, expanded.
 ABSORB_MAX_TOKENS = 16

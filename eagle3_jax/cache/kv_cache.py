@@ -20,9 +20,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import struct
+
 from pallas_kernels.launch import scatter_in_place
 
-from .config import ModelConfig
+from ..config.model import ModelConfig
 
 SCRATCH_PAGE = 0
 

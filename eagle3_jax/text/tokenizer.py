@@ -4,12 +4,12 @@ Two layouts, one `Tokenizer`:
 
 - `tokenizer.json`, read with the Hugging Face `tokenizers` library (no transformers, no remote code);
 - Kimi's `tiktoken.model` beside `tokenizer_config.json` (Kimi-K2 / K2.5 ship no tokenizer.json),
-  read with `tiktoken` as Moonshot's `tokenization_kimi.py` reads it (eagle3_jax/tiktoken_tokenizer.py).
+  read with `tiktoken` as Moonshot's `tokenization_kimi.py` reads it (eagle3_jax/text/tiktoken_tokenizer.py).
 
 A folder with tokenizer.json uses it; else the tiktoken file that tokenizer_config.json's
 `vocab_file` names, else `tiktoken.model`. BOS and EOS ids come from the folder's configs unless
 given explicitly (`find_bos_id`, `find_eos_ids`), and chat messages are rendered with the folder's
-chat template (eagle3_jax/chat_template.py).
+chat template (eagle3_jax/text/chat_template.py).
 """
 
 from __future__ import annotations
