@@ -58,11 +58,19 @@ from absl import app, flags
 # Run from a checkout without installing: make the repository's package importable.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import _cli  # noqa: E402
-import _shared_flags  # noqa: E402
-from _shared_flags import (  # noqa: E402
-    check_draft_path, check_max_seq_len, check_target_path, define_max_seq_len_flags, define_mesh_flags,
-    define_quant_flags, mesh_from_flags, quant_options, warn_without_chat_template)
+from eagle3_jax.cli import flags as shared_flags  # noqa: E402
+from eagle3_jax.cli import script as cli  # noqa: E402
+from eagle3_jax.cli.flags import (  # noqa: E402
+    check_draft_path,
+    check_max_seq_len,
+    check_target_path,
+    define_max_seq_len_flags,
+    define_mesh_flags,
+    define_quant_flags,
+    mesh_from_flags,
+    quant_options,
+    warn_without_chat_template,
+)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("target", "checkpoints/kimi-mini", "Target model folder (HF or Orbax). With --base_url only its "
@@ -126,9 +134,9 @@ flags.DEFINE_string("out_dir", "benchmarks/results", "Folder for <name>.json, <n
 flags.DEFINE_string("name", None, "File stem of the outputs (default: <target>_random-<shape>_x<scale>, or "
                     "<target>_<dataset>_out<output_len>; with --base_url, followed by _http).")
 flags.DEFINE_bool("progress", True, "Show tqdm progress bars.")
-_cli.define_overwrite_flag("reports (<out_dir>/<name>.json, .md, _throughput.png, _tpot.png)")
-flags.adopt_module_key_flags(_shared_flags)
-flags.adopt_module_key_flags(_cli)
+cli.define_overwrite_flag("reports (<out_dir>/<name>.json, .md, _throughput.png, _tpot.png)")
+flags.adopt_module_key_flags(shared_flags)
+flags.adopt_module_key_flags(cli)
 flags.DEFINE_bool("prefix_caching", False, "In-process: the schedulers keep a prefix cache (reports then show its hit "
                   "rate; a cell measured again after a compile finds its own prompts cached). Over HTTP the "
                   "server's own setting applies, and reports show its hit rate from /metrics.")
@@ -180,13 +188,13 @@ def warn_too_few_requests(cfg) -> None:
     if short:
         need = max(too_few_requests(n, c) for c, n in short.items())
         cells = ", ".join(f"{n} at concurrency {c}" for c, n in short.items())
-        _cli.warn(f"too few requests to time ({cells}; fewer than {MIN_REQUESTS_PER_CLIENT} per concurrent client or "
+        cli.warn(f"too few requests to time ({cells}; fewer than {MIN_REQUESTS_PER_CLIENT} per concurrent client or "
                   f"{MIN_REQUESTS} in all): those cells are marked * in the report; give --num_prompts={need} (or "
                   f"--min_prompts={need}) to time them")
 
 
 def main(argv: Sequence[str]) -> None:
-    _cli.reject_positional(argv)
+    cli.reject_positional(argv)
     if FLAGS.name is not None and (not FLAGS.name or os.sep in FLAGS.name or FLAGS.name in (".", "..")):
         raise app.UsageError(f"--name is a file stem (no folders; --out_dir picks the folder); got {FLAGS.name!r}")
     check_target_path("--target", FLAGS.target)
@@ -198,7 +206,13 @@ def main(argv: Sequence[str]) -> None:
     from eagle3_jax.bench import report as report_lib
     from eagle3_jax.bench.runner import RunConfig, ordered, run_benchmark
     from eagle3_jax.bench.settings import parse_specs
-    from eagle3_jax.bench.workloads import DATASETS, MULTITURN, dataset_workload, multiturn_workload, random_workload_for
+    from eagle3_jax.bench.workloads import (
+        DATASETS,
+        MULTITURN,
+        dataset_workload,
+        multiturn_workload,
+        random_workload_for,
+    )
     from eagle3_jax.text.tokenizer import load_tokenizer
 
     report_lib.pyplot()  # the plots' matplotlib (the bench extra): missing, say so before the run, not after it
@@ -259,7 +273,7 @@ def main(argv: Sequence[str]) -> None:
     except ValueError as e:
         raise app.UsageError(str(e)) from None
     name = FLAGS.name or default_name(FLAGS.target, workload, over_http=bool(FLAGS.base_url))
-    _cli.check_not_input("--out_dir", FLAGS.out_dir, {"--target": FLAGS.target, "--draft": FLAGS.draft,
+    cli.check_not_input("--out_dir", FLAGS.out_dir, {"--target": FLAGS.target, "--draft": FLAGS.draft,
                                                       "--data_dir": FLAGS.data_dir})
     try:  # before the run: an earlier report in the way is said now, not after an hour of measuring
         report_lib.check_report_paths(FLAGS.out_dir, name, overwrite=FLAGS.overwrite)
@@ -308,4 +322,4 @@ def main(argv: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
-    _cli.run(main)
+    cli.run(main)

@@ -28,7 +28,7 @@ from absl import flags
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import _cli  # noqa: E402
+from eagle3_jax.cli import script as cli  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("target", "checkpoints/kimi-mini", "Target model folder, passed to serve.py.")
@@ -41,7 +41,7 @@ flags.DEFINE_integer("seed", 0, "Seed of the burst's prompts and lengths.")
 flags.DEFINE_integer("startup_timeout", 1800, "Seconds to wait for serve.py to listen (the warm-up included).",
                      lower_bound=1)
 flags.DEFINE_string("json_out", None, "Write the figures here as JSON.")
-_cli.define_overwrite_flag("a --json_out file")
+cli.define_overwrite_flag("a --json_out file")
 
 
 def burst_requests(seed: int, n: int) -> list[tuple[str, int]]:
@@ -92,12 +92,12 @@ def start_server() -> tuple[subprocess.Popen, list[str]]:
         if time.monotonic() > deadline:
             break
     proc.kill()
-    _cli.fail(f"serve.py did not start listening: {lines[-1] if lines else 'no output'}")
+    cli.fail(f"serve.py did not start listening: {lines[-1] if lines else 'no output'}")
 
 
 def main(argv) -> None:
-    _cli.reject_positional(argv)
-    _cli.check_output("--json_out", FLAGS.json_out, is_file=True)
+    cli.reject_positional(argv)
+    cli.check_output("--json_out", FLAGS.json_out, is_file=True)
     proc, lines = start_server()
     try:
         # Keep reading serve.py's log, or a full pipe would block it.
@@ -115,8 +115,8 @@ def main(argv) -> None:
                   "date": datetime.date.today().isoformat(),
                   "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, {platform.platform()}",
                   "warmup": warmup, "bursts": rows, "first_over_second": ratio}
-        _cli.write_output("--json_out", FLAGS.json_out, json.dumps(record, indent=1) + "\n")
+        cli.write_output("--json_out", FLAGS.json_out, json.dumps(record, indent=1) + "\n")
 
 
 if __name__ == "__main__":
-    _cli.run(main)
+    cli.run(main)

@@ -86,7 +86,7 @@ from absl import app, flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import _cli  # noqa: E402
+from eagle3_jax.cli import script as cli  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("target", "checkpoints/kimi-mini", "Target model folder (HF or Orbax).")
@@ -489,7 +489,7 @@ def main(argv) -> None:
         raise app.UsageError(f"--min_tokens ({FLAGS.min_tokens}) exceeds --max_tokens ({FLAGS.max_tokens})")
     import eagle3_jax as e3
 
-    with _cli.usage_errors("--spec"):
+    with cli.usage_errors("--spec"):
         specs = [(name, e3.SpecConfig.parse(name)) for name in FLAGS.spec]
     if FLAGS.through_engine and (FLAGS.phases or FLAGS.profile):
         raise app.UsageError("--phases and --profile time the scheduler's own loop: leave them out with --through_engine")
@@ -546,4 +546,4 @@ def _on_the_scheduler(target, draft, specs: list, sizes: list[int], tokenizer) -
 
 
 if __name__ == "__main__":
-    _cli.run(main)
+    cli.run(main)

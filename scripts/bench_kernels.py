@@ -55,7 +55,7 @@ from absl import app, flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import _cli  # noqa: E402
+from eagle3_jax.cli import script as cli  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("ops", ["attention", "moe"], "Kernels to measure: attention, moe.")
@@ -87,7 +87,7 @@ flags.DEFINE_enum("moe_format", "int4", ["bfloat16", "int4", "w4a8", "mxfp4", "f
 flags.DEFINE_integer("repeats", 20, "Timed runs per configuration (median reported).", lower_bound=1)
 flags.DEFINE_string("device", "MI325X", "Device whose HBM peak the GB/s is compared with (see eagle3_jax.planning.memory.DEVICES).")
 flags.DEFINE_string("json_out", None, "Also write the rows as JSON here.")
-_cli.define_overwrite_flag("--json_out")
+cli.define_overwrite_flag("--json_out")
 
 
 def _ints(values: Sequence[str], name: str) -> list[int]:
@@ -260,7 +260,7 @@ def attention_rows(peak: float, interpret: bool, peak_tflops: float = 0.0, on_ro
                     except Exception as error:  # a candidate launch Triton refuses: recorded, the sweep goes on
                         if launch is None:
                             raise
-                        rows.append(dict(row, error=_cli.one_line(str(error)), equal=None))
+                        rows.append(dict(row, error=cli.one_line(str(error)), equal=None))
                         on_row(rows[-1])
                         print(f"| {batch} | {t} | {context} | {name}: does not compile ({rows[-1]['error'][:80]}) |")
                         continue
@@ -364,8 +364,8 @@ def moe_rows(peak: float, interpret: bool, peak_tflops: float = 0.0, on_row=lamb
 
 
 def main(argv: Sequence[str]) -> None:
-    _cli.reject_positional(argv)
-    _cli.check_output("--json_out", FLAGS.json_out, is_file=True)
+    cli.reject_positional(argv)
+    cli.check_output("--json_out", FLAGS.json_out, is_file=True)
     import jax
 
     from eagle3_jax.planning.memory import DEVICES
@@ -377,7 +377,7 @@ def main(argv: Sequence[str]) -> None:
         raise app.UsageError(f"--ops takes attention and/or moe; got {','.join(FLAGS.ops)!r}")
     peak, peak_tflops = DEVICES[FLAGS.device].hbm_gbps, DEVICES[FLAGS.device].bf16_tflops
     interpret = jax.default_backend() == "cpu"
-    rows, write_json = [], _cli.rewritten_output("--json_out", FLAGS.json_out)
+    rows, write_json = [], cli.rewritten_output("--json_out", FLAGS.json_out)
 
     def write(row: dict) -> None:  # after every row: a run cut short keeps what it measured
         rows.append(row)
@@ -397,4 +397,4 @@ def main(argv: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
-    _cli.run(main)
+    cli.run(main)

@@ -33,7 +33,7 @@ from absl import app, flags
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import _cli  # noqa: E402
+from eagle3_jax.cli import script as cli  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("target", "checkpoints/kimi-mini", "Target model folder.")
@@ -51,7 +51,7 @@ flags.DEFINE_integer("page_size", 16, "KV page size.", lower_bound=1)
 flags.DEFINE_integer("num_pages", 640, "KV pages of every setting's scheduler, the same for all (by default a "
                      "speculative scheduler would get more, for its lookahead, and so evict less).", lower_bound=2)
 flags.DEFINE_string("json_out", None, "Write the figures here as JSON.")
-_cli.define_overwrite_flag("a --json_out file")
+cli.define_overwrite_flag("a --json_out file")
 
 
 def fits(prompt: list[int]) -> bool:
@@ -116,8 +116,8 @@ def measure(sched, prompts, before: list[list[int]], sampling) -> dict:
 
 
 def main(argv) -> None:
-    _cli.reject_positional(argv)
-    _cli.check_output("--json_out", FLAGS.json_out, is_file=True)
+    cli.reject_positional(argv)
+    cli.check_output("--json_out", FLAGS.json_out, is_file=True)
     import eagle3_jax as e3
     from eagle3_jax.scheduler import Scheduler
     from eagle3_jax.text.chat_template import ChatTemplate
@@ -176,8 +176,8 @@ def main(argv) -> None:
                   "date": datetime.date.today().isoformat(),
                   "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, {platform.platform()}",
                   "results": results}
-        _cli.write_output("--json_out", FLAGS.json_out, json.dumps(record, indent=1) + "\n")
+        cli.write_output("--json_out", FLAGS.json_out, json.dumps(record, indent=1) + "\n")
 
 
 if __name__ == "__main__":
-    _cli.run(main)
+    cli.run(main)

@@ -38,8 +38,8 @@ from absl import app, flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import _cli  # noqa: E402
-from _shared_flags import check_draft_path, check_target_path, define_kernels_flag  # noqa: E402
+from eagle3_jax.cli import script as cli  # noqa: E402
+from eagle3_jax.cli.flags import check_draft_path, check_target_path, define_kernels_flag  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("target", "checkpoints/kimi-mini", "Target model folder (HF or Orbax).")
@@ -57,7 +57,7 @@ flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Compute dtype.")
 flags.DEFINE_bool("phases", True, "Also time each phase of the step compiled alone (a program each to compile).")
 flags.DEFINE_string("json_out", None, "Write every figure here as JSON.")
 flags.DEFINE_string("plot", None, "Write the stacked-bar picture here (PNG).")
-_cli.define_overwrite_flag("--json_out and --plot")
+cli.define_overwrite_flag("--json_out and --plot")
 
 define_kernels_flag()
 
@@ -155,12 +155,12 @@ def plot(rows: list[dict], path: str) -> None:
 
 
 def main(argv) -> None:
-    _cli.reject_positional(argv)
+    cli.reject_positional(argv)
     check_target_path("--target", FLAGS.target)
     batches = _ints(FLAGS.batches, "batches")
     samplings = _sampling(FLAGS.sampling)
     for flag, path in (("--json_out", FLAGS.json_out), ("--plot", FLAGS.plot)):
-        _cli.check_output(flag, path, {"--target": FLAGS.target, "--draft": FLAGS.draft}, is_file=True)
+        cli.check_output(flag, path, {"--target": FLAGS.target, "--draft": FLAGS.draft}, is_file=True)
     import eagle3_jax as e3
     from eagle3_jax.bench.report import machine_info, pyplot
     from eagle3_jax.bench.step_accounting import account
@@ -169,11 +169,11 @@ def main(argv) -> None:
     if FLAGS.plot:
         pyplot()  # the bench extra's matplotlib: missing, say so before the run rather than after it
 
-    with _cli.usage_errors("--spec"):
+    with cli.usage_errors("--spec"):
         specs = [(name, e3.SpecConfig.parse(name)) for name in FLAGS.spec]
     if any(not isinstance(s, (e3.SpecConfig, type(None))) for _, s in specs):
         raise app.UsageError("--spec takes fixed settings (none, chain:..., tree:...): auto changes shape per step")
-    with _cli.usage_errors("--prompts"):
+    with cli.usage_errors("--prompts"):
         with open(FLAGS.prompts) as f:
             texts = [line.strip() for line in f if line.strip()]
     if not texts:
@@ -193,7 +193,7 @@ def main(argv) -> None:
     record = {"command": " ".join(["python"] + sys.argv), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
               "machine": machine_info(), "dtype": FLAGS.dtype, "kernels": target.config.kernels, "steps": FLAGS.steps,
               "runs": FLAGS.runs, "rows": rows, "engine_batch_1": {}}
-    write_json = _cli.rewritten_output("--json_out", FLAGS.json_out)
+    write_json = cli.rewritten_output("--json_out", FLAGS.json_out)
 
     def write() -> None:  # after every row: a run cut short keeps the rows it measured
         write_json(json.dumps(record, indent=1))
@@ -232,4 +232,4 @@ def main(argv) -> None:
 
 
 if __name__ == "__main__":
-    _cli.run(main)
+    cli.run(main)

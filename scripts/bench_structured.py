@@ -29,7 +29,7 @@ from absl import flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import _cli  # noqa: E402
+from eagle3_jax.cli import script as cli  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("target", "checkpoints/kimi-mini", "Target model folder (HF or Orbax).")
@@ -42,7 +42,7 @@ flags.DEFINE_integer("batch", 8, "Requests decoded together (max_num_seqs).", lo
 flags.DEFINE_string("dtype", "float32", "Parameter dtype.")
 flags.DEFINE_integer("repeats", 3, "Timed passes per run; the median is reported.", lower_bound=1)
 flags.DEFINE_string("json_out", None, "Write the figures here as JSON.")
-_cli.define_overwrite_flag("--json_out")
+cli.define_overwrite_flag("--json_out")
 
 SCHEMAS = [
     {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
@@ -100,8 +100,8 @@ def run(engine, prompts, sampling) -> tuple[list, float, dict]:
 
 
 def main(argv):
-    _cli.reject_positional(argv)
-    _cli.check_output("--json_out", FLAGS.json_out, is_file=True)
+    cli.reject_positional(argv)
+    cli.check_output("--json_out", FLAGS.json_out, is_file=True)
     import eagle3_jax as e3
 
     tok = e3.load_tokenizer(FLAGS.target)
@@ -153,11 +153,11 @@ def main(argv):
               f"{r['vs_unconstrained']:>8.2f}{r['host_ms_per_iteration']:>9.2f}{r['host_ms_per_iteration_free']:>9.2f}"
               f"{r['compiles_timed']:>6}/{r['compiles_timed_free']}")
     if FLAGS.json_out:
-        _cli.write_output("--json_out", FLAGS.json_out, json.dumps({
+        cli.write_output("--json_out", FLAGS.json_out, json.dumps({
             "command": " ".join(["python"] + sys.argv), "machine": f"{platform.node()} ({os.cpu_count()} CPUs)",
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "max_tokens": FLAGS.max_tokens, "batch": FLAGS.batch, "dtype": FLAGS.dtype, "repeats": FLAGS.repeats, "rows": rows}, indent=1) + "\n")
 
 
 if __name__ == "__main__":
-    _cli.run(main)
+    cli.run(main)

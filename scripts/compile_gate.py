@@ -29,7 +29,7 @@ from absl import app, flags  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import _cli  # noqa: E402
+from eagle3_jax.cli import script as cli  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_enum("scope", "representative", ["representative", "full"],
@@ -39,7 +39,7 @@ flags.DEFINE_list("archs", ["gfx942", "gfx950", "sm_90"], "Architectures to comp
 flags.DEFINE_list("configs", [], "Only these configurations (names as printed; default: all).")
 flags.DEFINE_string("json_out", None, "Also write every row as JSON here.")
 flags.DEFINE_string("markdown_out", None, "Also write the tables as Markdown here.")
-_cli.define_overwrite_flag("--json_out / --markdown_out")
+cli.define_overwrite_flag("--json_out / --markdown_out")
 
 
 def _shape_of(row) -> str:
@@ -82,8 +82,8 @@ def _summary(rows) -> list[str]:
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
-    _cli.check_output("--json_out", FLAGS.json_out, is_file=True)
-    _cli.check_output("--markdown_out", FLAGS.markdown_out, {"--json_out": FLAGS.json_out}, is_file=True)
+    cli.check_output("--json_out", FLAGS.json_out, is_file=True)
+    cli.check_output("--markdown_out", FLAGS.markdown_out, {"--json_out": FLAGS.json_out}, is_file=True)
     from pallas_kernels import isa, launch
 
     if isa.triton_version() is None:
@@ -117,10 +117,10 @@ def main(argv):
               "jax": jax.__version__, "triton": isa.triton_version(), "scope": FLAGS.scope, "archs": FLAGS.archs,
               "command": "python scripts/compile_gate.py " + " ".join(sys.argv[1:]), "seconds": round(seconds, 1)}
     if FLAGS.json_out:
-        _cli.write_output("--json_out", FLAGS.json_out, json.dumps({**header, "rows": [r.as_dict() for r in rows]},
+        cli.write_output("--json_out", FLAGS.json_out, json.dumps({**header, "rows": [r.as_dict() for r in rows]},
                                                                    indent=1))
     if FLAGS.markdown_out:
-        _cli.write_output("--markdown_out", FLAGS.markdown_out, "# Compile gate\n\n" + "\n".join(
+        cli.write_output("--markdown_out", FLAGS.markdown_out, "# Compile gate\n\n" + "\n".join(
             f"- {k}: {v}" for k, v in header.items()) + "\n\n" + "\n".join(tables) + "\n")
     if failed:
         for r in failed:
@@ -130,4 +130,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    _cli.run(main)
+    cli.run(main)

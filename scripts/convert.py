@@ -21,8 +21,8 @@ from absl import app, flags
 # Run from a checkout without installing: make the repository's package importable.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import _cli  # noqa: E402
-from _shared_flags import check_target_path  # noqa: E402
+from eagle3_jax.cli import script as cli  # noqa: E402
+from eagle3_jax.cli.flags import check_target_path  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("hf_dir", None, "HF model folder: config.json + model.safetensors or a sharded index.")
@@ -44,7 +44,7 @@ def main(argv: list[str]) -> int:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected positional arguments: {' '.join(argv[1:])} (use --hf_dir / --out_dir)")
     check_target_path("--hf_dir", FLAGS.hf_dir, draft_flag=None)
-    _cli.check_output("--out_dir", FLAGS.out_dir, {"--hf_dir": FLAGS.hf_dir})
+    cli.check_output("--out_dir", FLAGS.out_dir, {"--hf_dir": FLAGS.hf_dir})
     from eagle3_jax.checkpoint import save_orbax  # imported here so that --help works without loading JAX
     from eagle3_jax.config.model import load_model_config
     from eagle3_jax.models.target import with_quant_options
@@ -63,4 +63,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    _cli.run(main)
+    cli.run(main)

@@ -35,8 +35,8 @@ from absl import app, flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import _cli  # noqa: E402
-from _shared_flags import check_draft_path, check_target_path, parse_spec_text  # noqa: E402
+from eagle3_jax.cli import script as cli  # noqa: E402
+from eagle3_jax.cli.flags import check_draft_path, check_target_path, parse_spec_text  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("target", "checkpoints/kimi-mini", "Target model folder.")
@@ -55,7 +55,7 @@ flags.DEFINE_bool("batch_invariant", True, "Batch-invariant numerics for the tar
 flags.DEFINE_integer("repeats", 5, "Timed passes over the prompt set per mode, interleaved across modes; "
                      "the table reports the median pass.", lower_bound=1)
 flags.DEFINE_string("json", None, "Also write the figures to this JSON file.")
-_cli.define_overwrite_flag("--json")
+cli.define_overwrite_flag("--json")
 
 
 LEGEND = """\
@@ -132,12 +132,12 @@ def summarize(engine, passes: list) -> dict:
 
 
 def main(argv: Sequence[str]) -> None:
-    _cli.reject_positional(argv)
+    cli.reject_positional(argv)
     specs = [spec_of(FLAGS.chain, "chain"), spec_of(FLAGS.tree, "tree")]
-    texts = [line.strip() for line in _cli.read_text(FLAGS.prompts, "--prompts").splitlines() if line.strip()]
+    texts = [line.strip() for line in cli.read_text(FLAGS.prompts, "--prompts").splitlines() if line.strip()]
     check_target_path("--target", FLAGS.target)
     check_draft_path("--draft", FLAGS.draft)
-    _cli.check_output("--json", FLAGS.json, {"--target": FLAGS.target, "--draft": FLAGS.draft,
+    cli.check_output("--json", FLAGS.json, {"--target": FLAGS.target, "--draft": FLAGS.draft,
                                              "--prompts": FLAGS.prompts}, is_file=True)
     if not texts:
         raise app.UsageError(f"--prompts {FLAGS.prompts} has no prompts (one per line)")
@@ -155,7 +155,7 @@ def main(argv: Sequence[str]) -> None:
     sampling = e3.SamplingParams(temperature=0.0, max_tokens=FLAGS.max_tokens)
     max_len = max(len(p) for p in prompts) + FLAGS.max_tokens + 1
     rows = [("baseline", None)] + [(f"EAGLE-3 {spec}", spec) for spec in specs]
-    with _cli.usage_errors():  # a spec the draft cannot run (topk above its vocabulary, ...)
+    with cli.usage_errors():  # a spec the draft cannot run (topk above its vocabulary, ...)
         engines = {name: e3.Engine(target, draft=draft if spec else None, spec=spec, max_batch_size=1,
                                    max_seq_len=max_len) for name, spec in rows}
     for i, (name, engine) in enumerate(engines.items(), 1):
@@ -192,7 +192,7 @@ def main(argv: Sequence[str]) -> None:
     print(sample_text(texts[0], tok.decode_continuation(prompts[0], base["outputs"][0])))
     if FLAGS.json:
         summary = {k: {kk: vv for kk, vv in v.items() if kk != "outputs"} for k, v in results.items()}
-        _cli.write_output("--json", FLAGS.json, json.dumps(
+        cli.write_output("--json", FLAGS.json, json.dumps(
             {"argv": sys.argv, "identical": same, "dtype": FLAGS.dtype, "batch_invariant": FLAGS.batch_invariant,
              "results": summary, "date": time.strftime("%Y-%m-%d"),
              "machine": f"{platform.machine()} x{os.cpu_count()}"}, indent=2))
@@ -201,4 +201,4 @@ def main(argv: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
-    _cli.run(main)
+    cli.run(main)

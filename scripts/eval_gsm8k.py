@@ -47,11 +47,18 @@ from absl import app, flags
 # Run from a checkout without installing: make the repository's package importable.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import _cli  # noqa: E402
-import _shared_flags  # noqa: E402
-from _shared_flags import (  # noqa: E402
-    chat_template_from_flags, check_draft_path, check_target_path, define_chat_template_flag, define_mesh_flags,
-    define_quant_flags, mesh_from_flags, quant_options)
+from eagle3_jax.cli import flags as shared_flags  # noqa: E402
+from eagle3_jax.cli import script as cli  # noqa: E402
+from eagle3_jax.cli.flags import (  # noqa: E402
+    chat_template_from_flags,
+    check_draft_path,
+    check_target_path,
+    define_chat_template_flag,
+    define_mesh_flags,
+    define_quant_flags,
+    mesh_from_flags,
+    quant_options,
+)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("target", None, "Target model folder (HF or Orbax) for in-process runs.")
@@ -92,9 +99,9 @@ flags.DEFINE_bool("warmup", True, "Answer the first --concurrency questions once
                   "so that its tokens/s mostly excludes compilation (in-process, or on a fresh server).")
 flags.DEFINE_bool("progress", True, "Show tqdm progress bars.")
 define_chat_template_flag()
-_cli.define_overwrite_flag("--output")
-flags.adopt_module_key_flags(_shared_flags)
-flags.adopt_module_key_flags(_cli)
+cli.define_overwrite_flag("--output")
+flags.adopt_module_key_flags(shared_flags)
+flags.adopt_module_key_flags(cli)
 
 def _template_dir(tok_path: str) -> str:
     """The folder a chat template is read from: the tokenizer folder, or the folder of a tokenizer file."""
@@ -136,7 +143,7 @@ def _usage_checks() -> None:
         check_draft_path("--draft", FLAGS.draft)
     inputs = {"--data": FLAGS.data, "--fewshot_file": FLAGS.fewshot_file, "--target": FLAGS.target,
               "--draft": FLAGS.draft, "--tokenizer": FLAGS.tokenizer}
-    _cli.check_output("--output", FLAGS.output, inputs, is_file=True)
+    cli.check_output("--output", FLAGS.output, inputs, is_file=True)
 
 
 def load_inputs():
@@ -236,7 +243,7 @@ def run_in_process(problems, shots) -> tuple[list, dict]:
 
 
 def run(argv: Sequence[str]) -> None:
-    _cli.reject_positional(argv)
+    cli.reject_positional(argv)
     _usage_checks()
     from eagle3_jax.bench import gsm8k
 
@@ -270,4 +277,4 @@ def run(argv: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
-    _cli.run(run)
+    cli.run(run)

@@ -28,11 +28,20 @@ from absl import app, flags
 # Run from a checkout without installing: make the repository's package importable.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import _cli  # noqa: E402
-import _shared_flags  # noqa: E402
-from _shared_flags import (  # noqa: E402
-    check_draft_path, check_max_seq_len, check_target_path, define_max_seq_len_flags, define_mesh_flags,
-    define_quant_flags, define_spec_flags, mesh_from_flags, quant_options, spec_from_flags)
+from eagle3_jax.cli import flags as shared_flags  # noqa: E402
+from eagle3_jax.cli import script as cli  # noqa: E402
+from eagle3_jax.cli.flags import (  # noqa: E402
+    check_draft_path,
+    check_max_seq_len,
+    check_target_path,
+    define_max_seq_len_flags,
+    define_mesh_flags,
+    define_quant_flags,
+    define_spec_flags,
+    mesh_from_flags,
+    quant_options,
+    spec_from_flags,
+)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", None, "HF model folder (safetensors + config.json) or Orbax folder from scripts/convert.py.")
@@ -55,15 +64,15 @@ flags.DEFINE_string("draft", None, "EAGLE-3 draft folder (HF LlamaForCausalLMEag
 define_spec_flags()
 flags.mark_flag_as_required("model")
 # --help lists the shared flags (speculation, mesh, kernels, quantization, --verbose) with the script's own
-flags.adopt_module_key_flags(_shared_flags)
-flags.adopt_module_key_flags(_cli)
+flags.adopt_module_key_flags(shared_flags)
+flags.adopt_module_key_flags(cli)
 
 
 def read_prompts(prompt: str, prompts_file: str | None) -> list[str]:
     """The prompt texts: the file's non-blank lines, or the single --prompt."""
     if prompts_file is None:
         return [prompt]
-    lines = _cli.read_text(prompts_file, "--prompts_file").splitlines()
+    lines = cli.read_text(prompts_file, "--prompts_file").splitlines()
     prompts = [line for line in lines if line.strip()]
     if not prompts:
         raise app.UsageError(f"--prompts_file {prompts_file} has no non-blank lines")
@@ -84,7 +93,7 @@ def check_prompt_lengths(prompt_lens: Sequence[int], max_seq_len: int) -> None:
 
 
 def main(argv: Sequence[str]) -> None:
-    _cli.reject_positional(argv)
+    cli.reject_positional(argv)
     if FLAGS.prompts_file is not None and FLAGS.prompt:
         raise app.UsageError("give --prompt or --prompts_file, not both")
     texts = read_prompts(FLAGS.prompt, FLAGS.prompts_file)
@@ -106,7 +115,7 @@ def main(argv: Sequence[str]) -> None:
     prompts = [tok.encode(t, add_bos=True) for t in texts]
     check_prompt_lengths([len(p) for p in prompts], max_seq_len)
     stops = stop_ids(model_cfg.eos_token_ids, tok.eos_ids)
-    with _cli.usage_errors():  # SamplingParams names the flag's field (top_p, temperature, ...)
+    with cli.usage_errors():  # SamplingParams names the flag's field (top_p, temperature, ...)
         sampling = [
             e3.SamplingParams(temperature=FLAGS.temperature, top_p=FLAGS.top_p, top_k=FLAGS.top_k,
                               max_tokens=FLAGS.max_tokens, seed=FLAGS.seed + i, stop_token_ids=stops)
@@ -116,7 +125,7 @@ def main(argv: Sequence[str]) -> None:
     target = e3.load_target(FLAGS.model, dtype=FLAGS.dtype, mesh=mesh, **quant_options())
     draft = None if FLAGS.draft is None else e3.load_draft(FLAGS.draft, target=target, dtype=FLAGS.dtype,
                                                             fp8_format=FLAGS.fp8_format)
-    with _cli.usage_errors():  # a spec the draft cannot run (topk above its vocabulary, ...)
+    with cli.usage_errors():  # a spec the draft cannot run (topk above its vocabulary, ...)
         engine = e3.Engine(target, draft=draft, spec=spec, max_batch_size=FLAGS.batch_size or len(prompts),
                            max_seq_len=max_seq_len)
 
@@ -145,4 +154,4 @@ def main(argv: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
-    _cli.run(main)
+    cli.run(main)

@@ -47,8 +47,9 @@ from absl import app, flags
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import _cli  # noqa: E402
 import bench_kernels  # noqa: E402  (its measurements and flags; this script sets the flags itself)
+
+from eagle3_jax.cli import script as cli  # noqa: E402
 
 FLAGS = flags.FLAGS
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -195,8 +196,8 @@ def step_rows(small: bool, repeats: int, peak: float, shapes: list[tuple[int, in
     import jax
     import jax.numpy as jnp
 
-    from eagle3_jax.cache import kv_cache
     from eagle3_jax.bench.step_accounting import median_ms
+    from eagle3_jax.cache import kv_cache
     from eagle3_jax.config.model import load_model_config, parse_model_config
     from eagle3_jax.models.target import forward, resolve_dtype
 
@@ -293,8 +294,8 @@ def _device_name(kind: str, default: str) -> str:
 
 
 def main(argv) -> None:
-    _cli.reject_positional(argv)
-    _cli.check_output("--json_out", FLAGS.json_out, is_file=True)
+    cli.reject_positional(argv)
+    cli.check_output("--json_out", FLAGS.json_out, is_file=True)
     unknown = [p for p in FLAGS.parts if p not in PARTS]
     if unknown or not FLAGS.parts:
         raise app.UsageError(f"--parts takes {', '.join(PARTS)}; got {','.join(FLAGS.parts)!r}")
@@ -320,7 +321,7 @@ def main(argv) -> None:
         "backend": jax.default_backend(), "arch": launch.current_arch(), "interpret": on_cpu, "small": small,
         "jax": jax.__version__, "machine": f"{platform.machine()} x{os.cpu_count()}", "parts": list(FLAGS.parts),
     }
-    write_json = _cli.rewritten_output("--json_out", FLAGS.json_out)
+    write_json = cli.rewritten_output("--json_out", FLAGS.json_out)
 
     def record(part: str, value) -> None:  # the JSON after each part: a later part cut short loses only itself
         result[part] = value
@@ -345,4 +346,4 @@ def main(argv) -> None:
 
 
 if __name__ == "__main__":
-    _cli.run(main)
+    cli.run(main)

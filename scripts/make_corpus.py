@@ -18,8 +18,8 @@ from absl import flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import _cli  # noqa: E402
-from _shared_flags import check_target_path  # noqa: E402
+from eagle3_jax.cli import script as cli  # noqa: E402
+from eagle3_jax.cli.flags import check_target_path  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", None, "Model folder to sample from.")
@@ -30,24 +30,23 @@ flags.DEFINE_float("top_p", 1.0, "Nucleus threshold.")
 flags.DEFINE_integer("seed", 0, "Base seed.")
 flags.DEFINE_integer("batch_size", 256, "Sequences per generate wave.", lower_bound=1)
 flags.DEFINE_string("out", None, "Output .npy path.")
-_cli.define_overwrite_flag("--out")
+cli.define_overwrite_flag("--out")
 flags.mark_flags_as_required(["model", "out"])
 
 
 def main(argv: Sequence[str]) -> None:
-    _cli.reject_positional(argv)
+    cli.reject_positional(argv)
     check_target_path("--model", FLAGS.model, draft_flag=None)
-    _cli.check_output("--out", FLAGS.out, {"--model": FLAGS.model}, is_file=True)
+    cli.check_output("--out", FLAGS.out, {"--model": FLAGS.model}, is_file=True)
     import numpy as np
 
-    from eagle3_jax.checkpoint.atomic import atomic_output
-
     import eagle3_jax as e3
+    from eagle3_jax.checkpoint.atomic import atomic_output
 
     target = e3.load_target(FLAGS.model, dtype="float32")
     bos = target.config.bos_token_id if target.config.bos_token_id is not None else 0
     engine = e3.Engine(target, max_batch_size=FLAGS.batch_size, max_seq_len=FLAGS.seq_len)
-    with _cli.usage_errors():  # SamplingParams names the bad flag value (top_p, ...)
+    with cli.usage_errors():  # SamplingParams names the bad flag value (top_p, ...)
         sampling = [e3.SamplingParams(temperature=FLAGS.temperature, top_p=FLAGS.top_p,
                                       max_tokens=FLAGS.seq_len - 1, seed=FLAGS.seed + i)
                     for i in range(FLAGS.num_sequences)]
@@ -64,4 +63,4 @@ def main(argv: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
-    _cli.run(main)
+    cli.run(main)

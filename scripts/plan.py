@@ -41,8 +41,8 @@ from absl import app, flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import _cli  # noqa: E402
-from _shared_flags import parse_spec_text  # noqa: E402
+from eagle3_jax.cli import script as cli  # noqa: E402
+from eagle3_jax.cli.flags import parse_spec_text  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("target", None, "Target HF / converted folder, or a bare config.json.")
@@ -58,7 +58,7 @@ flags.DEFINE_float("tau", 1.0, "Mean acceptance length for the roofline TPOT (1 
 flags.DEFINE_string("dtype", "bfloat16", "Compute dtype of unquantized weights and caches.")
 flags.DEFINE_enum("unit", "GiB", ["GiB", "MiB"], "Unit of the byte columns (MiB for small models).")
 flags.DEFINE_string("json_out", None, "Also write every plan as JSON here.")
-_cli.define_overwrite_flag("--json_out")
+cli.define_overwrite_flag("--json_out")
 flags.DEFINE_bool("memory", True, "Compile the programs and print the memory table (--nomemory: the prediction only).")
 flags.DEFINE_list("concurrency", None, "Predict plain and speculative decoding at these concurrencies (e.g. "
                   "1,2,4,8,16,32,64,128,256): step time, TPOT, throughput and speedup per mesh and device.")
@@ -161,13 +161,13 @@ def over_note(plan, device, unit: int, unit_name: str) -> str | None:
 
 
 def main(argv: list[str]) -> int:
-    _cli.reject_positional(argv)
-    _cli.check_output("--json_out", FLAGS.json_out, {"--target": FLAGS.target}, is_file=True)
+    cli.reject_positional(argv)
+    cli.check_output("--json_out", FLAGS.json_out, {"--target": FLAGS.target}, is_file=True)
     import jax
 
     import eagle3_jax as e3
-    from eagle3_jax.weights.params import flat_specs
     from eagle3_jax.planning.memory import DEVICES, plan_memory
+    from eagle3_jax.weights.params import flat_specs
 
     meshes = _meshes(FLAGS.meshes)
     unknown = [d for d in FLAGS.devices if d not in DEVICES]
@@ -183,7 +183,7 @@ def main(argv: list[str]) -> int:
     from eagle3_jax.runtime.kernels import parse
     from pallas_kernels.launch import ARCHS
 
-    with _cli.usage_errors("--kernels"):
+    with cli.usage_errors("--kernels"):
         kernel_choice = parse(FLAGS.kernels)
     if any(impl != "xla" for impl in kernel_choice.values()) and FLAGS.arch not in ARCHS:
         raise app.UsageError(f"--kernels={FLAGS.kernels} plans a GPU program: name the GPU with --arch "
@@ -205,7 +205,7 @@ def main(argv: list[str]) -> int:
              if FLAGS.kernels != "xla" else "; program: the XLA path"))
     head = "| mesh d,t,e | batch | arguments | temps | args+temps | weights | KV | read/step | " + " | ".join(
         f"{d.name} fits / KV tok left / TPOT ms" for d in devices) + " |"
-    with _cli.usage_errors("--target"):
+    with cli.usage_errors("--target"):
         specs = flat_specs(e3.load_model_config(FLAGS.target))
     replicated = [n for shape in meshes for n in replication_notes(specs, shape, FLAGS.dtype, G, FLAGS.unit)]
     if replicated:  # known from the shapes alone: said before the compiles
@@ -221,14 +221,14 @@ def main(argv: list[str]) -> int:
     notes, predictions = [], []
     for shape in meshes:
         count = shape[0] * shape[1] * shape[2]
-        with _cli.usage_errors("--meshes"):
+        with cli.usage_errors("--meshes"):
             mesh = e3.make_mesh(*shape, devices=jax.devices()[:count])
         if concurrencies is not None:
             predictions.append((shape, mesh))
         for batch in batches if FLAGS.memory else ():
             # plan_memory's ValueErrors name a configuration it cannot plan (a mesh the model does not
             # divide, an unknown dtype, ...): the flags' doing
-            with _cli.usage_errors():
+            with cli.usage_errors():
                 p = plan_memory(FLAGS.target, FLAGS.draft, mesh=mesh, batch=batch, max_len=FLAGS.max_len,
                                 spec=spec if FLAGS.draft else None,
                                 quant=None if FLAGS.quant == "auto" else FLAGS.quant, dtype=FLAGS.dtype,
@@ -247,7 +247,7 @@ def main(argv: list[str]) -> int:
     if FLAGS.json_out:
         out = [p.as_dict() for p in plans] if not predicted else {"plans": [p.as_dict() for p in plans],
                                                                   "predictions": predicted}
-        _cli.write_output("--json_out", FLAGS.json_out, json.dumps(out, indent=1))
+        cli.write_output("--json_out", FLAGS.json_out, json.dumps(out, indent=1))
     return 0
 
 
@@ -283,7 +283,7 @@ def print_prediction(shape, mesh, spec, devices, concurrencies, acceptance) -> l
     from eagle3_jax.planning.roofline import Hardware, mean_accept_length, predict, step_costs
 
     context = FLAGS.context or FLAGS.max_len // 2
-    with _cli.usage_errors():
+    with cli.usage_errors():
         setup = abstract_setup(FLAGS.target, FLAGS.draft, mesh=mesh, batch=mesh.shape["data"], max_len=16,
                                spec=spec, quant=None if FLAGS.quant == "auto" else FLAGS.quant, dtype=FLAGS.dtype)
     costs = step_costs(setup)
@@ -315,4 +315,4 @@ def print_prediction(shape, mesh, spec, devices, concurrencies, acceptance) -> l
 
 
 if __name__ == "__main__":
-    _cli.run(main)
+    cli.run(main)

@@ -23,8 +23,8 @@ from absl import flags
 # Run from a checkout without installing: make the repository's package importable.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import _cli  # noqa: E402
-from _shared_flags import check_target_path  # noqa: E402
+from eagle3_jax.cli import script as cli  # noqa: E402
+from eagle3_jax.cli.flags import check_target_path  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("src", None, "Float HF target folder (config.json + safetensors).")
@@ -35,21 +35,21 @@ flags.DEFINE_integer("group_size", 32, "int4_pack: input columns per scale (must
                      "input width).", lower_bound=8)
 flags.DEFINE_enum("scope", "experts", ["experts", "all"], "experts: only routed experts; all: every linear weight "
                   "but the LM head.")
-_cli.define_overwrite_flag("--out")
+cli.define_overwrite_flag("--out")
 flags.mark_flags_as_required(["src", "out"])
 
 
 def main(argv: Sequence[str]) -> None:
-    _cli.reject_positional(argv)
+    cli.reject_positional(argv)
     check_target_path("--src", FLAGS.src, draft_flag=None)
-    _cli.check_output("--out", FLAGS.out, {"--src": FLAGS.src})
+    cli.check_output("--out", FLAGS.out, {"--src": FLAGS.src})
     from eagle3_jax.checkpoint.quantized_copy import quantize_checkpoint
     from eagle3_jax.config.model import load_model_config
     from eagle3_jax.weights.params import flat_specs
 
     # quantize_checkpoint's ValueErrors name what the flags asked for and the model cannot take
     # (a --group_size that does not divide a weight)
-    with _cli.usage_errors():
+    with cli.usage_errors():
         out = quantize_checkpoint(FLAGS.src, FLAGS.out, FLAGS.method, FLAGS.group_size, FLAGS.scope,
                                   overwrite=FLAGS.overwrite)
     cfg = load_model_config(out)
@@ -59,4 +59,4 @@ def main(argv: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
-    _cli.run(main)
+    cli.run(main)

@@ -50,12 +50,22 @@ from absl import app, flags
 # Run from a checkout without installing: make the repository's package importable.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import _cli  # noqa: E402
-import _shared_flags  # noqa: E402
-from _shared_flags import (  # noqa: E402
-    chat_template_from_flags, check_draft_path, check_max_seq_len, check_target_path, define_chat_template_flag,
-    define_max_seq_len_flags, define_mesh_flags, define_quant_flags, define_spec_flags, mesh_from_flags,
-    quant_options, spec_from_flags)
+from eagle3_jax.cli import flags as shared_flags  # noqa: E402
+from eagle3_jax.cli import script as cli  # noqa: E402
+from eagle3_jax.cli.flags import (  # noqa: E402
+    chat_template_from_flags,
+    check_draft_path,
+    check_max_seq_len,
+    check_target_path,
+    define_chat_template_flag,
+    define_max_seq_len_flags,
+    define_mesh_flags,
+    define_quant_flags,
+    define_spec_flags,
+    mesh_from_flags,
+    quant_options,
+    spec_from_flags,
+)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("target", None, "Target model: HF folder (safetensors + config.json) or Orbax folder from "
@@ -111,8 +121,8 @@ flags.DEFINE_enum("reasoning_parser", "auto", ["auto", "none", "kimi_k2", "deeps
                   f"(vLLM's parser names): {_PARSER_HELP}.")
 flags.mark_flag_as_required("target")
 # --help lists the shared flags (speculation, mesh, kernels, quantization, --verbose) with the script's own
-flags.adopt_module_key_flags(_shared_flags)
-flags.adopt_module_key_flags(_cli)
+flags.adopt_module_key_flags(shared_flags)
+flags.adopt_module_key_flags(cli)
 
 
 def check_port_free(host: str, port: int) -> None:
@@ -179,7 +189,7 @@ def output_parsers(model_type: str, template_source: str | None) -> tuple[str | 
 
 
 def main(argv: Sequence[str]) -> None:
-    _cli.reject_positional(argv)
+    cli.reject_positional(argv)
     spec = spec_from_flags(has_draft=FLAGS.draft is not None)
     check_target_path("--target", FLAGS.target)
     check_draft_path("--draft", FLAGS.draft)
@@ -187,7 +197,6 @@ def main(argv: Sequence[str]) -> None:
     from aiohttp import web
 
     import eagle3_jax as e3  # imported here so that --help works without loading JAX
-
     from eagle3_jax.scheduler import Scheduler
     from eagle3_jax.serving import AsyncEngine, make_app
     from eagle3_jax.text.tokenizer import load_tokenizer
@@ -205,12 +214,12 @@ def main(argv: Sequence[str]) -> None:
     template_sources = "\n".join(filter(None, [chat_template.source, *dict(chat_template.named).values()]))
     tool_call_parser, reasoning_parser = output_parsers(cfg.model_type, template_sources)
     if not chat_template.available:
-        _cli.warn(f"{tokenizer_dir(tok_path)} has no chat template: /v1/chat/completions answers 400 (use "
+        cli.warn(f"{tokenizer_dir(tok_path)} has no chat template: /v1/chat/completions answers 400 (use "
                   "/v1/completions, or restart with --chat_template=<file.jinja> or --chat_template=join)")
     target = e3.load_target(FLAGS.target, dtype=FLAGS.dtype, mesh=mesh, **quant_options())
     draft = None if FLAGS.draft is None else e3.load_draft(FLAGS.draft, target=target, dtype=FLAGS.dtype,
                                                             fp8_format=FLAGS.fp8_format)
-    with _cli.usage_errors():  # what the flags ask of the scheduler (pages, chunk, a spec the draft cannot run)
+    with cli.usage_errors():  # what the flags ask of the scheduler (pages, chunk, a spec the draft cannot run)
         scheduler = Scheduler(target, draft=draft, spec=spec, max_num_seqs=FLAGS.max_num_seqs,
                               max_seq_len=max_seq_len, page_size=FLAGS.page_size, num_pages=FLAGS.num_pages,
                               prefill_chunk=FLAGS.prefill_chunk, max_compiled_programs=FLAGS.max_compiled_programs,
@@ -258,4 +267,4 @@ def main(argv: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
-    _cli.run(main)
+    cli.run(main)

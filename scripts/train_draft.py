@@ -32,9 +32,9 @@ from absl import app, flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import _cli  # noqa: E402
-from _shared_flags import check_target_path, warn_without_chat_template  # noqa: E402
-from _training import plan_run, settings_of  # noqa: E402
+from eagle3_jax.cli import script as cli  # noqa: E402
+from eagle3_jax.cli.flags import check_target_path, warn_without_chat_template  # noqa: E402
+from eagle3_jax.cli.runs import plan_run, settings_of  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("target", None, "Target model folder (HF or Orbax).")
@@ -67,7 +67,7 @@ flags.DEFINE_list("mesh", [], "data,tensor,expert mesh for data-parallel trainin
 flags.DEFINE_enum("save_dtype", "bfloat16", ["float32", "bfloat16"], "Dtype of the exported weights.")
 flags.DEFINE_integer("seed", 0, "Seed for sampling, init and data order.")
 flags.DEFINE_string("out", None, "Output HF draft folder.")
-_cli.define_overwrite_flag("--out (and another run's --ckpt_dir)")
+cli.define_overwrite_flag("--out (and another run's --ckpt_dir)")
 flags.mark_flags_as_required(["target", "out"])
 
 
@@ -103,8 +103,8 @@ def read_prompt_texts() -> list[str] | None:
         return None
     from eagle3_jax.train.data import load_prompts
 
-    _cli.read_text(FLAGS.prompts, "--prompts")  # binary or non-UTF-8: named with the byte offset
-    with _cli.usage_errors(f"--prompts {FLAGS.prompts}"):  # a malformed record, an unknown extension
+    cli.read_text(FLAGS.prompts, "--prompts")  # binary or non-UTF-8: named with the byte offset
+    with cli.usage_errors(f"--prompts {FLAGS.prompts}"):  # a malformed record, an unknown extension
         return load_prompts(FLAGS.prompts, limit=FLAGS.num_prompts)
 
 
@@ -114,7 +114,7 @@ def read_corpus():
 
     if not os.path.isfile(FLAGS.corpus):
         raise app.UsageError(f"--corpus {FLAGS.corpus} does not exist or is not a file")
-    with _cli.usage_errors(f"--corpus {FLAGS.corpus}"):  # not a .npy file
+    with cli.usage_errors(f"--corpus {FLAGS.corpus}"):  # not a .npy file
         corpus = np.load(FLAGS.corpus, mmap_mode="r")
     if corpus.ndim != 2 or corpus.shape[1] < FLAGS.prompt_len or not np.issubdtype(corpus.dtype, np.integer):
         raise app.UsageError(f"--corpus must be integer token ids [N, L >= --prompt_len={FLAGS.prompt_len}]; got "
@@ -139,7 +139,7 @@ def check_mesh():
     import eagle3_jax as e3
     from eagle3_jax.runtime.sharding import parse_mesh
 
-    with _cli.usage_errors("--mesh"):
+    with cli.usage_errors("--mesh"):
         dims = parse_mesh(FLAGS.mesh)
         mesh = None if dims is None else e3.make_mesh(*dims)
     if dims is not None and FLAGS.batch_size % dims[0]:
@@ -148,7 +148,7 @@ def check_mesh():
 
 
 def main(argv: Sequence[str]) -> None:
-    _cli.reject_positional(argv)
+    cli.reject_positional(argv)
     # everything the run will use is checked first: the flags, the inputs, the output, the checkpoints
     temps = check_settings()
     check_target_path("--target", FLAGS.target, draft_flag=None)
@@ -156,7 +156,7 @@ def main(argv: Sequence[str]) -> None:
 
     import eagle3_jax as e3
     from eagle3_jax.train import run_record
-    from eagle3_jax.train.trainer import Trainer, TrainConfig  # needs the train extra: checked before any work
+    from eagle3_jax.train.trainer import TrainConfig, Trainer  # needs the train extra: checked before any work
 
     model_cfg = e3.load_model_config(FLAGS.target)
     if FLAGS.draft_vocab_size > model_cfg.vocab_size:
@@ -172,7 +172,7 @@ def main(argv: Sequence[str]) -> None:
     feature_dir = FLAGS.feature_dir or out + ".features"
     inputs = {"--target": FLAGS.target, "--prompts": FLAGS.prompts, "--corpus": FLAGS.corpus}
     if FLAGS.mode == "offline" and not os.path.isdir(feature_dir):  # an existing store is reused once checked
-        _cli.check_output("--feature_dir", feature_dir, inputs)
+        cli.check_output("--feature_dir", feature_dir, inputs)
     settings = settings_of(RUN_FLAGS)
     fingerprint = run_record.data_fingerprint([FLAGS.prompts or FLAGS.corpus], [FLAGS.target])
     state = plan_run(out, ckpt_dir, settings, fingerprint, inputs)
@@ -191,11 +191,11 @@ def main(argv: Sequence[str]) -> None:
     if texts is not None:
         warn_without_chat_template(FLAGS.target, "the --prompts")
         tok = load_tokenizer(FLAGS.target, bos_id=model_cfg.bos_token_id)
-        with _cli.usage_errors(f"--target {FLAGS.target}"):  # a chat template that rejects a prompt
+        with cli.usage_errors(f"--target {FLAGS.target}"):  # a chat template that rejects a prompt
             prompts = [tok.encode(r, add_bos=True) for r in render_prompts(texts, FLAGS.target)]
     else:
         prompts = [list(map(int, row[: FLAGS.prompt_len])) for row in corpus[: FLAGS.num_prompts]]
-    with _cli.usage_errors():  # TrainConfig names a field no check above covers
+    with cli.usage_errors():  # TrainConfig names a field no check above covers
         tc = TrainConfig(epochs=FLAGS.epochs, learning_rate=FLAGS.learning_rate, warmup_steps=FLAGS.warmup_steps,
                          max_grad_norm=FLAGS.max_grad_norm, compute_dtype=FLAGS.compute_dtype, seed=FLAGS.seed)
 
@@ -258,4 +258,4 @@ def main(argv: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
-    _cli.run(main)
+    cli.run(main)

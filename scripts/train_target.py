@@ -21,8 +21,8 @@ from absl import app, flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import _cli  # noqa: E402
-from _training import plan_run, settings_of  # noqa: E402
+from eagle3_jax.cli import script as cli  # noqa: E402
+from eagle3_jax.cli.runs import plan_run, settings_of  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("config", None, "HF config.json of the model to train.")
@@ -38,7 +38,7 @@ flags.DEFINE_float("eval_fraction", 0.02, "Held-out share of the corpus.")
 flags.DEFINE_enum("compute_dtype", "float32", ["float32", "bfloat16"], "Compute dtype (master weights stay float32).")
 flags.DEFINE_enum("save_dtype", "bfloat16", ["float32", "bfloat16"], "Dtype of the saved weights.")
 flags.DEFINE_integer("seed", 0, "Init and data-order seed.")
-_cli.define_overwrite_flag("--out (and another run's --ckpt_dir)")
+cli.define_overwrite_flag("--out (and another run's --ckpt_dir)")
 flags.mark_flags_as_required(["config", "corpus", "out"])
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
@@ -52,7 +52,7 @@ def read_config() -> dict:
     if not os.path.isfile(FLAGS.config):
         raise app.UsageError(f"--config {FLAGS.config} does not exist or is not a file")
     try:
-        raw = json.loads(_cli.read_text(FLAGS.config, "--config"))
+        raw = json.loads(cli.read_text(FLAGS.config, "--config"))
     except json.JSONDecodeError as e:
         raise app.UsageError(f"--config {FLAGS.config} is not valid JSON: {e}") from None
     if not isinstance(raw, dict):
@@ -82,20 +82,20 @@ def check_settings(corpus, vocab_size: int) -> None:
 
 
 def main(argv: Sequence[str]) -> None:
-    _cli.reject_positional(argv)
+    cli.reject_positional(argv)
     import jax
     import numpy as np
 
     from eagle3_jax.checkpoint.hf_writer import save_hf_target
     from eagle3_jax.config.model import parse_model_config
     from eagle3_jax.train.lm import init_target_params, lm_loss, params_to_flat
-    from eagle3_jax.train.trainer import Trainer, TrainConfig
+    from eagle3_jax.train.trainer import TrainConfig, Trainer
 
     raw = read_config()
     cfg = parse_model_config(raw)
     if not os.path.isfile(FLAGS.corpus):
         raise app.UsageError(f"--corpus {FLAGS.corpus} does not exist or is not a file")
-    with _cli.usage_errors(f"--corpus {FLAGS.corpus}"):  # not a .npy file
+    with cli.usage_errors(f"--corpus {FLAGS.corpus}"):  # not a .npy file
         corpus = np.load(FLAGS.corpus)
     check_settings(corpus, cfg.vocab_size)
     from eagle3_jax.train import run_record
@@ -149,4 +149,4 @@ def main(argv: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
-    _cli.run(main)
+    cli.run(main)

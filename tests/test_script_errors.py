@@ -20,11 +20,10 @@ from contextlib import redirect_stderr
 
 import pytest
 
+from eagle3_jax.cli import script as _cli
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = os.path.join(ROOT, "scripts")
-sys.path.insert(0, SCRIPTS)
-
-import _cli  # noqa: E402
 
 STORIES = "checkpoints/stories260K"
 KIMI, KIMI_DRAFT = "checkpoints/kimi-mini", "checkpoints/kimi-mini-eagle3"

@@ -17,6 +17,10 @@ LAZY_IMPORTS = {
     ("eagle3_jax.models.moe", "pallas_kernels.moe"): 2,
     # compiling to ISA needs the `triton` wheel, which only the compile gate uses
     ("eagle3_jax.planning.compile_gate", "pallas_kernels.isa"): 1,
+    # the scripts' shared flags load no JAX until a flag's value is checked (so --help answers at once)
+    ("eagle3_jax.cli.flags", "eagle3_jax.runtime.kernels"): 1,
+    ("eagle3_jax.cli.flags", "eagle3_jax.models.target"): 1,
+    ("eagle3_jax.cli.flags", "eagle3_jax.runtime.sharding"): 1,
 }
 
 
@@ -103,7 +107,7 @@ FLOORS = (
     ("scheduler",),                          # continuous batching
     ("planning", "serving", "engine"),       # memory plan and compile gate; the server; the engine
     ("train",),                              # draft training (reads targets through the engine)
-    ("bench", "eagle3_jax"),                 # workloads and reports; the public face
+    ("bench", "cli", "eagle3_jax"),          # workloads and reports; the scripts' contract; the public face
 )
 MAX_ROOT_MODULES = 10
 

@@ -29,6 +29,8 @@ from typing import Callable, Iterator, Mapping, Sequence
 
 from absl import app, flags, logging
 
+from ..checkpoint import atomic
+
 FLAGS = flags.FLAGS
 flags.DEFINE_bool("verbose", False, "Log at INFO (JAX, Orbax, the engine) and show the traceback of every error; "
                   "by default only warnings and errors are logged.")
@@ -205,19 +207,15 @@ def check_output(flag: str, path: str | None, inputs: Mapping[str, str | None] |
     folder that cannot be written. Returns its absolute path (None for None)."""
     if path is None:
         return None
-    from eagle3_jax.checkpoint.atomic import check_output as check
-
     overwrite = "overwrite" in FLAGS and bool(FLAGS["overwrite"].value)
-    return check(path, name=flag, overwrite=overwrite, inputs=inputs, is_file=is_file)
+    return atomic.check_output(path, name=flag, overwrite=overwrite, inputs=inputs, is_file=is_file)
 
 
 def write_output(flag: str, path: str, text: str) -> None:
     """Write `text` to the file a flag names, safely (see check_output; replaced only with --overwrite,
     swapped in complete)."""
-    from eagle3_jax.checkpoint.atomic import write_text_output
-
     overwrite = "overwrite" in FLAGS and bool(FLAGS["overwrite"].value)
-    write_text_output(path, text, name=flag, overwrite=overwrite)
+    atomic.write_text_output(path, text, name=flag, overwrite=overwrite)
 
 
 def rewritten_output(flag: str, path: str | None) -> Callable[[str], None]:
@@ -231,9 +229,7 @@ def rewritten_output(flag: str, path: str | None) -> Callable[[str], None]:
         if path is None:
             return
         if written:
-            from eagle3_jax.checkpoint.atomic import write_text_output
-
-            write_text_output(path, text, name=flag, overwrite=True)
+            atomic.write_text_output(path, text, name=flag, overwrite=True)
         else:
             write_output(flag, path, text)
             written = True
@@ -245,9 +241,7 @@ def check_not_input(flag: str, path: str | None, inputs: Mapping[str, str | None
     """A usage error when the folder a flag names for outputs is, holds or lies in an input."""
     if path is None:
         return
-    from eagle3_jax.checkpoint.atomic import clash_with_input
-
-    clash = clash_with_input(path, inputs, flag)
+    clash = atomic.clash_with_input(path, inputs, flag)
     if clash:
         raise app.UsageError(clash)
 

@@ -15,7 +15,9 @@ from typing import Any, Mapping
 
 from absl import app, flags
 
-import _cli
+from ..checkpoint.atomic import clash_with_input
+from ..train import run_record
+from . import script as cli
 
 FLAGS = flags.FLAGS
 
@@ -30,9 +32,6 @@ def plan_run(out: str, ckpt_dir: str, settings: Mapping[str, Any], fingerprint: 
     """"start", "resume" or "finished" for a run writing `out` with checkpoints in `ckpt_dir`; a usage
     error (one line) for checkpoints of another run or an output the run may not write. With
     --overwrite, another run's checkpoints are deleted (only when they hold nothing else)."""
-    from eagle3_jax.checkpoint.atomic import clash_with_input
-    from eagle3_jax.train import run_record
-
     clash = clash_with_input(ckpt_dir, inputs, "--ckpt_dir")
     if clash:
         raise app.UsageError(clash)
@@ -50,7 +49,7 @@ def plan_run(out: str, ckpt_dir: str, settings: Mapping[str, Any], fingerprint: 
             if record.get("finished") and os.path.isdir(out):
                 return "finished"
             if os.path.lexists(out):  # an output this run did not write
-                _cli.check_output("--out", out, inputs)
+                cli.check_output("--out", out, inputs)
             return "resume"
         if not FLAGS.overwrite:
             raise app.UsageError(f"{ckpt_dir} holds {why}; pass --overwrite to start again, or choose another --out")
@@ -58,5 +57,5 @@ def plan_run(out: str, ckpt_dir: str, settings: Mapping[str, Any], fingerprint: 
             raise app.UsageError(f"--ckpt_dir {ckpt_dir} holds files a training run did not write; choose another "
                                  "--ckpt_dir")
         shutil.rmtree(ckpt_dir)
-    _cli.check_output("--out", out, inputs)
+    cli.check_output("--out", out, inputs)
     return "start"

@@ -7,7 +7,9 @@ import os
 
 from absl import app, flags
 
-from _cli import warn
+from ..spec_decode.settings import AutoSpec, SpecConfig
+from ..text.chat_template import JOIN, ChatTemplate, ChatTemplateError
+from .script import warn
 
 FLAGS = flags.FLAGS
 _SHAPE_FLAGS = ("num_steps", "topk", "num_draft_tokens")
@@ -38,22 +40,26 @@ def define_kernels_flag() -> None:
                              "attention=pallas,moe=xla (ops: attention, moe)")
 
 
-def _valid_kernels(value: str) -> bool:
-    from eagle3_jax.runtime.kernels import parse
+def _parse_kernels(value: str) -> dict[str, str]:
+    # runtime.kernels imports JAX: loaded only once a --kernels value is checked
+    from ..runtime.kernels import parse
 
+    return parse(value)
+
+
+def _valid_kernels(value: str) -> bool:
     try:
-        parse(value)
+        _parse_kernels(value)
     except ValueError:
         return False
     return True
 
 
 def _invariant_runs_xla(values: dict) -> bool:
-    from eagle3_jax.runtime.kernels import parse
-    from eagle3_jax.models.target import check_batch_invariant
+    from ..models.target import check_batch_invariant
 
     try:
-        parse(values["kernels"])
+        _parse_kernels(values["kernels"])
     except ValueError:
         return True  # the --kernels validator reports it
     try:
@@ -81,19 +87,18 @@ def quant_options() -> dict:
 def mesh_from_flags():
     """Join the multi-host job if --distributed, then the --mesh over every device (None without
     --mesh); a bad --mesh is a usage error naming the problem."""
-    import eagle3_jax as e3
-    from eagle3_jax.runtime.sharding import parse_mesh
+    from ..runtime.sharding import initialize_distributed, make_mesh, parse_mesh
 
     try:
         dims = parse_mesh(FLAGS.mesh)
     except ValueError as e:
         raise app.UsageError(f"--mesh: {e}") from None
     if FLAGS.distributed:
-        e3.initialize_distributed()
+        initialize_distributed()
     if dims is None:
         return None
     try:
-        return e3.make_mesh(*dims)
+        return make_mesh(*dims)
     except ValueError as e:
         raise app.UsageError(f"--mesh: {e}") from None
 
@@ -117,13 +122,11 @@ def define_spec_flags() -> None:
 def parse_spec_text(text: str, flag: str):
     """A SpecConfig (or None for `none`) from a flag value: the written form (`chain:3:1:4`) or the
     older bare shape `3,1,4` / `3:1:4` (num_steps, topk, num_draft_tokens)."""
-    import eagle3_jax as e3
-
     bare = text.replace(",", ":").split(":")
     if len(bare) == 3 and all(p.strip().isdigit() for p in bare):
         text = ("chain:" if int(bare[1]) == 1 else "tree:") + ":".join(p.strip() for p in bare)
     try:
-        return e3.SpecConfig.parse(text)
+        return SpecConfig.parse(text)
     except ValueError as e:
         raise app.UsageError(f"--{flag}: {e}") from None
 
@@ -132,15 +135,13 @@ def spec_from_flags(has_draft: bool, allow_auto: bool = True):
     """The SpecConfig (or AutoSpec) of --spec or of --num_steps/--topk/--num_draft_tokens (None
     without --draft); a usage error when both are given and disagree, or --spec is given without
     --draft, or is adaptive where `allow_auto` is False."""
-    import eagle3_jax as e3
-
     given = {name: FLAGS[name].value for name in _SHAPE_FLAGS if FLAGS[name].present}
     if FLAGS.spec is None:
         if not has_draft:
             return None
         steps = FLAGS.num_steps
         try:
-            return e3.SpecConfig(num_steps=steps, topk=FLAGS.topk, num_draft_tokens=FLAGS.num_draft_tokens or steps + 1)
+            return SpecConfig(num_steps=steps, topk=FLAGS.topk, num_draft_tokens=FLAGS.num_draft_tokens or steps + 1)
         except ValueError as e:
             raise app.UsageError(f"--num_steps/--topk/--num_draft_tokens: {e}") from None
     spec = parse_spec_text(FLAGS.spec, "spec")
@@ -148,11 +149,11 @@ def spec_from_flags(has_draft: bool, allow_auto: bool = True):
         raise app.UsageError(f"--spec={FLAGS.spec} needs an EAGLE-3 draft: add --draft=<folder>, or drop --spec")
     if spec is None and has_draft:
         raise app.UsageError("--spec=none decodes without a draft: drop --draft, or pick a setting like chain:3:1:4")
-    if isinstance(spec, e3.AutoSpec) and not allow_auto:
+    if isinstance(spec, AutoSpec) and not allow_auto:
         raise app.UsageError(f"--spec={FLAGS.spec}: adaptive speculation runs with continuous batching (serve.py, "
                              "bench.py); here give a fixed setting like chain:3:1:4")
     clash = [f"--{k}={v}" for k, v in given.items()
-             if spec is None or isinstance(spec, e3.AutoSpec) or getattr(spec, k) != v]
+             if spec is None or isinstance(spec, AutoSpec) or getattr(spec, k) != v]
     if clash:
         raise app.UsageError(f"--spec={FLAGS.spec} disagrees with {' '.join(clash)}; give --spec alone")
     return spec
@@ -240,8 +241,6 @@ def define_chat_template_flag() -> None:
 def chat_template_from_flags(tokenizer_dir: str, required: bool):
     """The ChatTemplate --chat_template asks for (default: the tokenizer folder's); a usage error for a
     value that is not a template, and, when `required`, for a model without one."""
-    from eagle3_jax.text.chat_template import JOIN, ChatTemplate, ChatTemplateError
-
     value = FLAGS.chat_template
     try:
         template = ChatTemplate.from_flag(value, tokenizer_dir)
@@ -260,8 +259,6 @@ def chat_template_from_flags(tokenizer_dir: str, required: bool):
 def warn_without_chat_template(tokenizer_dir: str, what: str) -> None:
     """Say that `what` (prompts meant as a user's chat turn) goes to the model as plain text, because
     its tokenizer folder has no chat template (right for a base model, not for a chat model)."""
-    from eagle3_jax.text.chat_template import ChatTemplate
-
-    template = ChatTemplate.from_dir(tokenizer_dir)  # a broken one: ChatTemplateError, a user error for _cli
+    template = ChatTemplate.from_dir(tokenizer_dir)  # a broken one: ChatTemplateError, a user error for script.py
     if os.path.isdir(tokenizer_dir) and template.source is None and not template.named:
         warn(f"{tokenizer_dir} has no chat template: {what} go to the model as plain text")
