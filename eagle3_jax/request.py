@@ -8,7 +8,7 @@ written once:
 - `token_budget`: the tokens a request may generate, max_tokens cut to the room left in
   max_seq_len; `cap_message` says so (front ends report every cap, none is silent).
 - `Request.emit`: a step's tokens (and their logprobs, when asked for) appended up to a stop
-  token, a stop string (text_stream.py), the end of its grammar (structured output: the grammar
+  token, a stop string (text/stream.py), the end of its grammar (structured output: the grammar
   complete, or the end-of-sequence token where it may end) or the budget; the finish reason.
   Tokens a speculative step accepted past the stop are dropped, neither emitted nor counted.
 - `Request.metrics` -> `RequestOutput.metrics`: acceptance, passes, latencies.
@@ -37,7 +37,7 @@ class RequestOutput:
     finish_reason: str  # "stop" (a stop token or string) | "length" (max_tokens or max_seq_len) | "abort"
     _metrics: dict | Callable[[], dict] = dataclasses.field(repr=False, compare=False)  # see `metrics`
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it (vLLM's field)
-    text: str | None = None  # the decoded output, cut at a stop string (filled by the front ends, see text_stream.py)
+    text: str | None = None  # the decoded output, cut at a stop string (filled by the front ends, see text/stream.py)
     logprobs: list[Logprob] | None = None  # one per output token (SamplingParams.logprobs), else None
     prompt_logprobs: list[Logprob | None] | None = None  # one per prompt token, None for the first one
 
@@ -256,7 +256,7 @@ class Request:
 
     def settle_text(self) -> str | None:
         """At the finish, the text not handed out yet (None: the request layer does not decode this
-        request, see text_stream.py). A stop string found only once the last tokens settle (an
+        request, see text/stream.py). A stop string found only once the last tokens settle (an
         incomplete character before) still ends the text, and finishes the request as stopped."""
         if self.text is None:
             return None

@@ -7,7 +7,7 @@ zeros. `grouped_swiglu(x, w_gate, w_up, group_sizes)` is the fused first half of
 silu(x @ w_gate[e]) * (x @ w_up[e]) with both accumulators in one kernel, so x is read once and
 the [N, I] gate and up products never reach memory.
 
-Weights: a float array [E, K, Nout] or a `QArray` in any of the project's formats (quant.py):
+Weights: a float array [E, K, Nout] or a `QArray` in any of the project's formats (weights/quant.py):
 - int4 / mxfp4: uint8 [E, K/2, Nout], byte b holds elements 2b (low nibble) and 2b + 1 (high);
   int4 is nibble - 8 times a float scale per `g` input rows, mxfp4 an OCP e2m1 nibble times an
   e8m0 byte scale per 32. The K loop steps one scale group at a time and the activations' columns
@@ -18,7 +18,7 @@ Weights: a float array [E, K, Nout] or a `QArray` in any of the project's format
   decodes them with integer ops (no float8 conversion in kernel, which ROCm's Triton lacks for
   e4m3fnuz).
 - W4A8 (int4 with `act="int8"`): activations quantized per row to int8 outside the kernel (as
-  quant.py does), int8 x int4 group dots computed exactly (as bfloat16 operands into a float32
+  weights/quant.py does), int8 x int4 group dots computed exactly (as bfloat16 operands into a float32
   accumulator: small integers, integer partial sums below 2^24), then scaled.
 
 Tiling: the grid walks (row tile, column tile) pairs. Which expert and rows a row tile covers is

@@ -68,7 +68,7 @@ def cache_shapes(cfg: ModelConfig, batch: int, max_len: int) -> tuple[tuple[int,
 
 
 def cache_axes(cfg: ModelConfig) -> tuple[tuple[str | None, ...], tuple[str | None, ...]]:
-    """Logical axes of dense `k` and `v` (see sharding.py); a paged pool has no batch axis."""
+    """Logical axes of dense `k` and `v` (see runtime/sharding.py); a paged pool has no batch axis."""
     if cfg.attention == "mla":
         return ("layers", "batch", "seq", "kv_lora"), ("layers", "batch", "seq", None)
     kv = ("layers", "batch", "seq", "kv_heads", None)

@@ -1,7 +1,7 @@
 """HF safetensors folder -> our flat parameter layout, validated up front, one layer at a time.
 
 Loading runs in two phases. *Planning* reads only headers (plus the tiny int4 `weight_shape`
-tensors): it folds quantization companions into their weights, maps every key (keymap.py),
+tensors): it folds quantization companions into their weights, maps every key (weights/keymap.py),
 and checks the result against `params.flat_specs(cfg)` -- missing, unexpected, duplicate,
 mis-shaped and non-float tensors are all reported together in one `CheckpointError`, before any
 large read. *Materializing* then decodes, dequantizes, transposes and stacks one layer at a time,

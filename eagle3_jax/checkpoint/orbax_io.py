@@ -7,7 +7,7 @@ Layout of a converted folder:
     layers/<i>/         Orbax item {attn_norm, q_proj, ..., experts_gate, ...} of layer i
     eagle3_complete.json  written last: format tag, dtype, every tensor's shape and dtype
 
-Quantized weights (see quant.py) stay quantized: the item holds `{"values", "scales"}` for them
+Quantized weights (see weights/quant.py) stay quantized: the item holds `{"values", "scales"}` for them
 (float8 values as their uint8 bits) and the marker records their format, so a converted
 Kimi-K2.5 keeps its int4 experts (~0.6 TB, not ~2 TB in bf16).
 

@@ -4,7 +4,7 @@ Each block projects the new tokens, writes their K/V (or MLA latents) into the s
 `layer`, then attends over all cache slots with a precomputed visibility mask [B, T, S]. Scores
 and softmax run in float32.
 
-When `cfg.kernels` picks Pallas for attention (see kernels.py), decode and verify (up to
+When `cfg.kernels` picks Pallas for attention (see runtime/kernels.py), decode and verify (up to
 KERNEL_MAX_TOKENS new tokens) attend in two parts merged by their log-sum-exp: the committed prefix
 through the paged Pallas kernel (pallas_kernels/attention.py, which reads only the pages below each
 row's length) and a small window of slots after it through the tree mask, a [T, W] problem done

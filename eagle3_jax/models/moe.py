@@ -23,7 +23,7 @@ Local expert compute has three forms, chosen from the static shapes (`expert_for
   token through every local expert with plain batched matmuls, each output weighted by the
   token's combine weight for that expert (0 where it did not choose it): nothing is gathered,
   sorted or scattered.
-When `cfg.kernels` picks Pallas for the MoE (kernels.py; under "auto", per step by its shapes:
+When `cfg.kernels` picks Pallas for the MoE (runtime/kernels.py; under "auto", per step by its shapes:
 `runs_kernels`), both sizes instead sort the assignments
 and run the grouped kernels of pallas_kernels/moe.py: gate and up fused with SiLU, then down, the
 weights dequantized in registers; the kernels launch row tiles per assignment, not per expert, so

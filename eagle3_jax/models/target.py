@@ -236,7 +236,7 @@ def load_target(path: str | os.PathLike, dtype="bfloat16", mesh: jax.sharding.Me
     "auto" (per op, the path measured faster on this GPU: on sm_90 the attention kernel, MLA and
     GQA, and, per step, the MoE kernels where `kernels.moe_kernel_pays`; XLA on CPU and on GPUs
     not yet measured) or one choice per op, e.g.
-    "attention=pallas,moe=xla" (see kernels.py; attention keeps XLA on a mesh).
+    "attention=pallas,moe=xla" (see runtime/kernels.py; attention keeps XLA on a mesh).
     `batch_invariant=True` computes every token the same way whatever shares its pass
     (invariant.py): greedy speculative output then equals greedy plain
     decoding in bfloat16 too, at a cost in speed; it runs XLA ops on one device.

@@ -288,7 +288,7 @@ def abstract_setup(target, draft=None, mesh: Mesh | None = None, batch: int = 1,
                    kernels: str | None = None, fp8_format: str = "e4m3fn") -> AbstractSetup:
     """Target (+ draft) configs with the draft's aux layers applied, and their params and caches
     as sharded ShapeDtypeStructs on `mesh` (default: one device). `kernels` (canonical per-op form,
-    kernels.py) is what the programs run; default as the config says (XLA)."""
+    runtime/kernels.py) is what the programs run; default as the config says (XLA)."""
     cfg = _apply_quant(_target_config(target), quant, fp8_format)
     dcfg = _draft_config(draft)
     if kernels is not None:

@@ -6,7 +6,7 @@ run short, release, and a batch's state slots and block table. Block tables and 
 settings and prompt lengths are kept per state slot (slot_table.py), so a batch's are one gather
 by its slots.
 
-With prefix caching (page_allocator.PrefixCache), a request admitted takes the cached pages of
+With prefix caching (cache.pages.PrefixCache), a request admitted takes the cached pages of
 its longest cached prefix and prefills only the rest. A page is cached only when its contents are
 final and named by its key: a request's prompt pages once the prefill chunk that completes them
 is launched (`cache_prefilled`: every later program runs after it), the rest of its committed

@@ -122,7 +122,7 @@ class Scheduler:
     Requests may ask for logprobs (`SamplingParams.logprobs`, `prompt_logprobs`) with up to
     `max_logprobs` top alternatives per token; `logprobs_mode` says of which distribution: "raw"
     (the target's, before any sampling setting) or "processed" (what the token was sampled or
-    judged from; see logprobs.py). Steps that compute them are separate programs, compiled the
+    judged from; see sampling/logprobs.py). Steps that compute them are separate programs, compiled the
     first time a batch holds such a request.
 
     With `prefix_caching`, full KV pages whose contents are final are kept after their request

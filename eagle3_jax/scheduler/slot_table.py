@@ -2,7 +2,7 @@
 
 Each state slot (one per running request, the last one scratch for padding rows) has a row of
 int32 columns (the slot's own index, its prompt's length, its sampling settings' integers, its
-block table) and a row of float32 columns (the settings' floats); sampling.py's packed layout.
+block table) and a row of float32 columns (the settings' floats); sampling/sampler.py's packed layout.
 A request's row is written when it is admitted and when it gains pages, and reset when it leaves,
 so a batch's arguments are one gather by its slots: `BatchRows`, two arrays whatever the batch or
 its settings. A jitted call pays per argument leaf (each host array is its own transfer), so two

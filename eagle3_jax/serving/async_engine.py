@@ -17,7 +17,7 @@ engine thread's time per running request and step).
 With a tokenizer, every delta carries its text and the final delta's output the whole text: the
 engine thread decodes what it must (requests with stop strings, to end them at the right token),
 and `generate` decodes every other request as its deltas arrive, on the caller's event loop and off
-the engine thread, with one `ChoiceText` per request (text_stream.py): each request is decoded once.
+the engine thread, with one `ChoiceText` per request (text/stream.py): each request is decoded once.
 `choices` runs the n choices of one prompt (choices.py). The engine is the whole face the server
 sees: its limits (`max_seq_len`, `max_logprobs`), whether it `speculates`, `stats()`, health.
 

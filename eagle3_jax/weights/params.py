@@ -30,7 +30,7 @@ from .quant import QArray, QFormat
 @dataclasses.dataclass(frozen=True)
 class ParamSpec:
     shape: tuple[int, ...]
-    axes: tuple[str | None, ...]  # logical axis names, one per dim (see sharding.py)
+    axes: tuple[str | None, ...]  # logical axis names, one per dim (see runtime/sharding.py)
     float32: bool = False  # kept in float32 regardless of the model dtype
     quant: QFormat | None = None  # stored quantized on device (a QArray of this logical shape)
 

@@ -16,7 +16,7 @@ checkpoint's bytes, not bf16 copies. Every format is one rule: element [i, o] is
 Float8 values are OCP `float8_e4m3fn`, or `float8_e4m3fnuz` (gfx942; converted on load by
 `checkpoint.quant.fp8_e4m3fn_to_fnuz`: same bits, scales doubled). A
 QArray carries the logical axes of the weight it replaces: values and scales are sharded along
-the same axes (see sharding.py), so a shard dequantizes with its own scales.
+the same axes (see runtime/sharding.py), so a shard dequantizes with its own scales.
 
 Activations: weights are dequantized to the activation dtype (W4A16, W8A16) unless the QArray's
 `act` is "int8" (W4A8, int4 only): tokens are quantized per row to int8 on the fly and each
