@@ -4,7 +4,11 @@ and few imports of the project's own modules inside functions (each one a reason
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("eagle3_jax", "pallas_kernels")
@@ -163,3 +167,31 @@ def test_the_server_never_names_the_scheduler():
                 words = [node.id]
             named += [f"{path.name}:{node.lineno}" for w in words if "scheduler" in w.lower()]
     assert not named, named
+
+
+PUBLIC_API = ("AutoSpec", "CapacityError", "ChatOutput", "ConfigError", "Constraint", "ConstraintError", "Draft", "Engine",
+              "ModelConfig", "ParserError", "RequestOutput", "SamplingParams", "Scheduler", "SpecConfig", "Target",
+              "Tokenizer", "TokenizerError", "initialize_distributed", "load_draft", "load_model_config", "load_target",
+              "load_tokenizer", "make_mesh", "parse_reasoning", "parse_tool_calls", "plan_memory")
+
+
+def test_the_public_api_is_every_name_and_each_resolves():
+    import eagle3_jax as e3
+
+    assert sorted(e3.__all__) == sorted(PUBLIC_API)
+    for name in PUBLIC_API:
+        value = getattr(e3, name)
+        assert getattr(value, "__name__", name) == name
+    with pytest.raises(AttributeError, match="no attribute 'no_such_name'"):
+        e3.no_such_name  # noqa: B018
+
+
+def test_the_scripts_contract_and_the_package_root_load_no_jax():
+    """A script's first imports (eagle3_jax.cli and the lazy package root) must not pull JAX in, so that
+    --help and flag mistakes answer at once; the first public name used loads it."""
+    code = ("import sys, eagle3_jax, eagle3_jax.cli.script, eagle3_jax.cli.flags, eagle3_jax.cli.runs\n"
+            "assert 'jax' not in sys.modules, 'jax loaded on import'\n"
+            "eagle3_jax.SpecConfig, eagle3_jax.CapacityError\n"
+            "assert 'jax' in sys.modules\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr

@@ -40,7 +40,6 @@ def main() -> None:
 
     settings_lib.parse_specs = _with_copies(settings_lib.parse_specs)
     os.chdir(ROOT)  # bench.py's defaults (checkpoints/, benchmarks/results) are relative to the repository
-    sys.path.insert(0, os.path.dirname(BENCH))  # bench.py imports its sibling _cli
     sys.argv = [BENCH, *sys.argv[1:]]
     runpy.run_path(BENCH, run_name="__main__")
 
