@@ -7,31 +7,47 @@
 - `runner`: the in-process driver over `eagle3_jax.scheduler.Scheduler`.
 - `http_client`: the same driver against an OpenAI-compatible server (`/v1/completions`, SSE).
 - `report`: JSON, a markdown table in the AMD blog's shape, and throughput / TPOT plots.
+- `flag_checks`: the benchmark scripts' checks of their flag values, without JAX.
 - `stand_in`: a stand-in for a scheduler's device (its programs answered at once with random
   tokens), for `scripts/bench_host.py --stand_in_device`: the scheduler's own host work.
+- `host_time`, `host_time_engine`, `launch_cost`, `host_report`: `scripts/bench_host.py`'s
+  measurement of the host time per scheduler iteration (on the scheduler, through an AsyncEngine),
+  the launch floors, and its tables and JSON record.
 - `gsm8k`: GSM8K accuracy scored as lm-evaluation-harness's `gsm8k` task, in-process or against a
   server, with the agreement between runs with and without speculation.
 
-`scripts/bench.py` and `scripts/eval_gsm8k.py` are the command-line front ends.
+`scripts/bench.py`, `scripts/bench_host.py` and `scripts/eval_gsm8k.py` are the command-line front
+ends. The names below load on first use (PEP 562), so that a script's flag checks
+(`flag_checks`) run before JAX loads.
 """
 
-from .metrics import RequestRecord, summarize
-from .runner import RunConfig, run_benchmark
-from .settings import SpecSetting, parse_spec, parse_specs
-from .workloads import DATASETS, SHAPES, Workload, dataset_workload, random_workload, random_workload_for
+from __future__ import annotations
 
-__all__ = [
-    "DATASETS",
-    "SHAPES",
-    "RequestRecord",
-    "RunConfig",
-    "SpecSetting",
-    "Workload",
-    "dataset_workload",
-    "parse_spec",
-    "parse_specs",
-    "random_workload",
-    "random_workload_for",
-    "run_benchmark",
-    "summarize",
-]
+from typing import TYPE_CHECKING
+
+from ..runtime.exports import lazy_exports
+
+# each public name and the module that defines it, imported on first use (runtime/exports.py)
+_WHERE = {
+    "DATASETS": ".workloads",
+    "SHAPES": ".workloads",
+    "RequestRecord": ".metrics",
+    "RunConfig": ".runner",
+    "SpecSetting": ".settings",
+    "Workload": ".workloads",
+    "dataset_workload": ".workloads",
+    "parse_spec": ".settings",
+    "parse_specs": ".settings",
+    "random_workload": ".workloads",
+    "random_workload_for": ".workloads",
+    "run_benchmark": ".runner",
+    "summarize": ".metrics",
+}
+__all__ = sorted(_WHERE)
+__getattr__, __dir__ = lazy_exports(__name__, _WHERE)
+
+if TYPE_CHECKING:  # the same names for type checkers and the structure test
+    from .metrics import RequestRecord, summarize
+    from .runner import RunConfig, run_benchmark
+    from .settings import SpecSetting, parse_spec, parse_specs
+    from .workloads import DATASETS, SHAPES, Workload, dataset_workload, random_workload, random_workload_for
