@@ -42,7 +42,7 @@ from absl import app, flags
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from eagle3_jax.cli import script as cli  # noqa: E402
-from eagle3_jax.cli.flags import parse_spec_text  # noqa: E402
+from eagle3_jax.cli.flags import int_list, parse_spec_text  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("target", None, "Target HF / converted folder, or a bare config.json.")
@@ -79,135 +79,46 @@ flags.DEFINE_string("arch", None, "With --kernels=pallas: the GPU the kernels ru
 flags.mark_flag_as_required("target")
 
 
-def _meshes(raw: str) -> list[tuple[int, int, int]]:
-    out = []
-    for item in raw.split(";"):
-        parts = [p for p in item.replace("x", ",").split(",") if p]
-        if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
-            raise app.UsageError(f"--meshes entry {item!r} is not data,tensor,expert (three positive integers)")
-        out.append(tuple(int(p) for p in parts))
-    return out
-
-
-# ---- explanations: why a mesh replicates, why a device says NO --------------------------------------------
-
-AXES = ("data", "tensor", "expert")
-
-
-def undivided(specs: dict, mesh_shape: tuple[int, int, int], dtype: str) -> dict[tuple[str, str, int], list]:
-    """{(mesh axis, logical axis, dimension): [(tensor, bytes replicated per device), ...]} for every
-    tensor dimension a mesh axis would split but does not divide (sharding.partition_spec then
-    replicates it along that axis, as it does here)."""
-    from eagle3_jax.runtime.sharding import RULES
-
-    sizes = dict(zip(AXES, mesh_shape))
-    out: dict[tuple[str, str, int], list] = {}
-    for name, spec in specs.items():
-        used: set[str] = set()
-        for logical, dim in zip(spec.axes, spec.shape):
-            mesh_axis = RULES.get(logical) if logical else None
-            if mesh_axis is None or mesh_axis in used or sizes[mesh_axis] == 1:
-                continue
-            if dim % sizes[mesh_axis]:
-                nbytes = spec.nbytes(dtype)
-                out.setdefault((mesh_axis, logical, dim), []).append((name, nbytes - nbytes // sizes[mesh_axis]))
-            else:
-                used.add(mesh_axis)
-    return out
-
-
-def dividing_sizes(size: int, dims: list[int]) -> list[int]:
-    """The axis sizes nearest `size` (one below, one above) that divide every one of `dims`."""
-    fits = lambda s: all(d % s == 0 for d in dims)  # noqa: E731
-    below = next((s for s in range(size - 1, 1, -1) if fits(s)), None)
-    above = next((s for s in range(size + 1, 4 * size + 1) if fits(s)), None)
-    return [s for s in (below, above) if s is not None]
-
-
-def replication_notes(specs: dict, mesh_shape: tuple[int, int, int], dtype: str, unit: int, unit_name: str) -> list[str]:
-    """One line per mesh axis that leaves tensors whole on every device: which tensors, how many bytes,
-    and the nearest meshes whose axis divides them."""
-    by_axis: dict[str, list] = {}
-    for (mesh_axis, logical, dim), tensors in undivided(specs, mesh_shape, dtype).items():
-        by_axis.setdefault(mesh_axis, []).append((logical, dim, tensors))
-    notes = []
-    mesh_text = ",".join(map(str, mesh_shape))
-    for mesh_axis, groups in by_axis.items():
-        i = AXES.index(mesh_axis)
-        size = mesh_shape[i]
-        what = ", ".join(f"{logical}={dim} ({len(t)} tensors, e.g. {t[0][0]})" for logical, dim, t in groups)
-        replicated = sum(b for _, _, t in groups for _, b in t)
-        options = [",".join(map(str, mesh_shape[:i] + (s,) + mesh_shape[i + 1:]))
-                   for s in dividing_sizes(size, [dim for _, dim, _ in groups])]
-        notes.append(f"mesh {mesh_text}: the {mesh_axis} axis ({size}) does not divide {what}; they are replicated on "
-                     f"every device instead of split {size} ways, {replicated / unit:.1f} {unit_name} more per device"
-                     + (f". Meshes that divide: {'; '.join(options)}" if options else ""))
-    return notes
-
-
-def over_note(plan, device, unit: int, unit_name: str) -> str | None:
-    """Why `plan` does not fit `device`: what is over by how much, and what makes up the need."""
-    if plan.fits(device):
-        return None
-    other = plan.argument_bytes - plan.weight_bytes - plan.kv_bytes
-    mesh_text = ",".join(str(v) for v in plan.mesh_shape.values())
-    parts = [f"weights {plan.weight_bytes / unit:.1f}", f"KV {plan.kv_bytes / unit:.2f}"]
-    if other > 0:
-        parts.append(f"other arguments {other / unit:.2f}")
-    parts.append(f"temps {plan.temp_bytes / unit:.1f}")
-    return (f"mesh {mesh_text}, batch {plan.batch}, {device.name}: NO, needs {plan.total_bytes / unit:.1f} {unit_name} "
-            f"of {device.hbm_bytes / unit:.1f}, {(plan.total_bytes - device.hbm_bytes) / unit:.1f} over ("
-            + ", ".join(parts) + ")")
-
-
 def main(argv: list[str]) -> int:
     cli.reject_positional(argv)
     cli.check_output("--json_out", FLAGS.json_out, {"--target": FLAGS.target}, is_file=True)
     import jax
 
     import eagle3_jax as e3
-    from eagle3_jax.planning.memory import DEVICES, plan_memory
+    from eagle3_jax.planning import report
+    from eagle3_jax.planning.memory import DEVICES
+    from eagle3_jax.runtime.kernels import parse
     from eagle3_jax.weights.params import flat_specs
+    from pallas_kernels.launch import ARCHS
 
-    meshes = _meshes(FLAGS.meshes)
+    with cli.usage_errors():
+        meshes = report.parse_meshes(FLAGS.meshes)
     unknown = [d for d in FLAGS.devices if d not in DEVICES]
     if unknown:
         raise app.UsageError(f"unknown --devices {unknown}; known: {', '.join(DEVICES)}")
-    try:
-        batches = [int(b) for b in FLAGS.batches]
-    except ValueError:
-        raise app.UsageError(f"--batches must be comma-separated integers; got {','.join(FLAGS.batches)!r}") from None
+    batches = int_list(FLAGS.batches, "batches")
     spec = parse_spec_text(FLAGS.spec, "spec")
     if spec is None and FLAGS.draft:
         raise app.UsageError("--spec=none plans plain decoding: drop --draft, or pick a setting like chain:3:1:4")
-    from eagle3_jax.runtime.kernels import parse
-    from pallas_kernels.launch import ARCHS
-
     with cli.usage_errors("--kernels"):
         kernel_choice = parse(FLAGS.kernels)
     if any(impl != "xla" for impl in kernel_choice.values()) and FLAGS.arch not in ARCHS:
         raise app.UsageError(f"--kernels={FLAGS.kernels} plans a GPU program: name the GPU with --arch "
                              f"(one of {', '.join(ARCHS)})")
     devices = [DEVICES[d] for d in FLAGS.devices]
-    G = {"GiB": 2**30, "MiB": 2**20}[FLAGS.unit]
-    concurrencies = _concurrencies()
+    unit = report.UNITS[FLAGS.unit]
+    concurrencies = None if FLAGS.concurrency is None else int_list(FLAGS.concurrency, "concurrency", positive=True)
     acceptance = _acceptance()
     if not FLAGS.memory and concurrencies is None:
         raise app.UsageError("--nomemory leaves nothing to print: give --concurrency for the prediction")
     if concurrencies is not None and not FLAGS.draft:
         raise app.UsageError("--concurrency predicts speculation's payoff: give the --draft it runs with")
-    plans = []
-    print(f"target {FLAGS.target}" + (f", draft {FLAGS.draft}, spec {spec}" if FLAGS.draft else "")
-          + f", max_len {FLAGS.max_len}, quant {FLAGS.quant}"
-          + (f", tau {FLAGS.tau} ({FLAGS.unit} per device)" if FLAGS.memory else "")
-          + ("" if not FLAGS.memory else
-             f"; program: Pallas kernels ({FLAGS.kernels}) on {FLAGS.arch}, each as an op of its output shapes"
-             if FLAGS.kernels != "xla" else "; program: the XLA path"))
-    head = "| mesh d,t,e | batch | arguments | temps | args+temps | weights | KV | read/step | " + " | ".join(
-        f"{d.name} fits / KV tok left / TPOT ms" for d in devices) + " |"
+    settings = report.PlanSettings(FLAGS.target, FLAGS.draft, spec if FLAGS.draft else None, FLAGS.max_len,
+                                   quant=FLAGS.quant, dtype=FLAGS.dtype, kernels=FLAGS.kernels, arch=FLAGS.arch)
+    print(settings.title(FLAGS.tau, FLAGS.unit, FLAGS.memory))
     with cli.usage_errors("--target"):
         specs = flat_specs(e3.load_model_config(FLAGS.target))
-    replicated = [n for shape in meshes for n in replication_notes(specs, shape, FLAGS.dtype, G, FLAGS.unit)]
+    replicated = [n for shape in meshes for n in report.replication_notes(specs, shape, FLAGS.dtype, unit, FLAGS.unit)]
     if replicated:  # known from the shapes alone: said before the compiles
         print("\n".join(replicated), flush=True)
     for shape in meshes:  # every mesh checked before the first compile
@@ -216,51 +127,38 @@ def main(argv: list[str]) -> int:
             raise app.UsageError(f"mesh {shape} needs {count} devices but {jax.device_count()} exist; set "
                                  f"XLA_FLAGS=--xla_force_host_platform_device_count={count} on a CPU host")
     if FLAGS.memory:
-        print(head)
-        print("|" + "---|" * (8 + len(devices)))
-    notes, predictions = [], []
+        print("\n".join(report.memory_head(devices)))
+    plans, notes, predictions = [], [], []
     for shape in meshes:
-        count = shape[0] * shape[1] * shape[2]
         with cli.usage_errors("--meshes"):
-            mesh = e3.make_mesh(*shape, devices=jax.devices()[:count])
+            mesh = e3.make_mesh(*shape, devices=jax.devices()[:shape[0] * shape[1] * shape[2]])
         if concurrencies is not None:
             predictions.append((shape, mesh))
         for batch in batches if FLAGS.memory else ():
             # plan_memory's ValueErrors name a configuration it cannot plan (a mesh the model does not
             # divide, an unknown dtype, ...): the flags' doing
             with cli.usage_errors():
-                p = plan_memory(FLAGS.target, FLAGS.draft, mesh=mesh, batch=batch, max_len=FLAGS.max_len,
-                                spec=spec if FLAGS.draft else None,
-                                quant=None if FLAGS.quant == "auto" else FLAGS.quant, dtype=FLAGS.dtype,
-                                kernels=FLAGS.kernels, arch=FLAGS.arch)
-            plans.append(p)
-            cells = [f"{'yes' if p.fits(d) else 'NO'} / {p.kv_tokens_left(d):,} / {p.tpot_ms(d, FLAGS.tau):.2f}"
-                     for d in devices]
-            print(f"| {','.join(map(str, shape))} | {batch} | {p.argument_bytes / G:.1f} | {p.temp_bytes / G:.1f} | "
-                  f"{p.total_bytes / G:.1f} | {p.weight_bytes / G:.1f} | {p.kv_bytes / G:.2f} | {p.step_read_bytes / G:.2f} | " + " | ".join(cells) + " |")
-            notes += [n for n in (over_note(p, d, G, FLAGS.unit) for d in devices) if n]
+                plan = settings.plan(mesh, batch)
+            plans.append(plan)
+            print(report.memory_row(shape, plan, devices, unit, FLAGS.tau))
+            notes += [n for n in (report.over_note(plan, d, unit, FLAGS.unit) for d in devices) if n]
     if notes:
         print()
         print("\n".join(notes))
-    predicted = [row for shape, mesh in predictions
-                 for row in print_prediction(shape, mesh, spec, devices, concurrencies, acceptance)]
+    predicted = []
+    for shape, mesh in predictions:
+        with cli.usage_errors():
+            setup = settings.setup(mesh)
+        lines, rows = report.predict_mesh(setup, shape, devices, concurrencies, acceptance,
+                                          FLAGS.context or FLAGS.max_len // 2, FLAGS.hbm_efficiency,
+                                          FLAGS.step_overhead_ms)
+        print("\n".join(lines))
+        predicted += rows
     if FLAGS.json_out:
         out = [p.as_dict() for p in plans] if not predicted else {"plans": [p.as_dict() for p in plans],
                                                                   "predictions": predicted}
         cli.write_output("--json_out", FLAGS.json_out, json.dumps(out, indent=1))
     return 0
-
-
-def _concurrencies() -> list[int] | None:
-    if FLAGS.concurrency is None:
-        return None
-    try:
-        out = [int(c) for c in FLAGS.concurrency]
-    except ValueError:
-        out = []
-    if not out or any(c < 1 for c in out):
-        raise app.UsageError(f"--concurrency must be comma-separated integers >= 1; got {','.join(FLAGS.concurrency)!r}")
-    return out
 
 
 def _acceptance() -> tuple[float, ...]:
@@ -270,48 +168,6 @@ def _acceptance() -> tuple[float, ...]:
         return check_acceptance_profile([float(x) for x in FLAGS.acceptance])
     except ValueError as e:
         raise app.UsageError(f"--acceptance: {e}".replace("synthetic_acceptance ", "")) from None
-
-
-def _ms(x: float) -> str:
-    """Milliseconds: two decimals, or three significant digits below 1 ms (small models' steps)."""
-    return f"{x:.2f}" if x >= 1 else f"{x:.3g}"
-
-
-def print_prediction(shape, mesh, spec, devices, concurrencies, acceptance) -> list[dict]:
-    """The per-concurrency prediction of one mesh on each device, printed; its rows as dicts."""
-    from eagle3_jax.planning.memory import abstract_setup
-    from eagle3_jax.planning.roofline import Hardware, mean_accept_length, predict, step_costs
-
-    context = FLAGS.context or FLAGS.max_len // 2
-    with cli.usage_errors():
-        setup = abstract_setup(FLAGS.target, FLAGS.draft, mesh=mesh, batch=mesh.shape["data"], max_len=16,
-                               spec=spec, quant=None if FLAGS.quant == "auto" else FLAGS.quant, dtype=FLAGS.dtype)
-    costs = step_costs(setup)
-    tau = mean_accept_length(acceptance, setup.spec)
-    rows = []
-    for d in devices:
-        hw = Hardware(d.name, d.hbm_gbps, d.bf16_tflops, FLAGS.hbm_efficiency, FLAGS.step_overhead_ms)
-        print(f"\nprediction (roofline): mesh {','.join(map(str, shape))}, {d.name} ({d.hbm_gbps:g} GB/s x "
-              f"{FLAGS.hbm_efficiency:g}, {d.bf16_tflops:g} bf16 TFLOP/s, step overhead {FLAGS.step_overhead_ms:g} ms), "
-              f"{setup.spec}, acceptance {','.join(f'{a:g}' for a in acceptance)} (tau {tau:.2f}), mean context "
-              f"{context} tokens")
-        print("| concurrency | plain step = TPOT ms | plain tok/s | spec step ms (verify + draft) | spec TPOT ms | "
-              "spec tok/s | speedup | verify bound by | weights + KV fit |")
-        print("|---|---|---|---|---|---|---|---|---|")
-        for c in concurrencies:
-            p = predict(costs, hw, setup.spec, acceptance, c, context)
-            fits = costs.fits(d.hbm_bytes, c, context)
-            print(f"| {c} | {_ms(p.plain_tpot_ms)} | {p.plain_throughput:,.0f} | {_ms(p.spec_step_ms)} ({_ms(p.verify_ms)} + "
-                  f"{_ms(p.draft_ms)}) | {_ms(p.spec_tpot_ms)} | {p.spec_throughput:,.0f} | {p.speedup:.2f}x | "
-                  f"{p.verify_bound} | {'yes' if fits else 'NO'} |")
-            rows.append({"mesh": list(shape), "device": d.name, "concurrency": c, "context": context,
-                         "acceptance": list(acceptance), "tau": tau, "spec": str(setup.spec),
-                         "hbm_efficiency": FLAGS.hbm_efficiency, "step_overhead_ms": FLAGS.step_overhead_ms,
-                         "plain_tpot_ms": p.plain_tpot_ms, "plain_tok_s": p.plain_throughput,
-                         "spec_step_ms": p.spec_step_ms, "verify_ms": p.verify_ms, "draft_ms": p.draft_ms,
-                         "spec_tpot_ms": p.spec_tpot_ms, "spec_tok_s": p.spec_throughput, "speedup": p.speedup,
-                         "verify_bound": p.verify_bound, "fits": fits})
-    return rows
 
 
 if __name__ == "__main__":

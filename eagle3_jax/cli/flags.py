@@ -1,9 +1,11 @@
 """absl flags that generate.py, serve.py and bench.py share: how quantized weights are loaded, which
-kernels run, the device mesh (one host or several), the speculation setting and the sequence length."""
+kernels run, the device mesh (one host or several), the speculation setting and the sequence length;
+and the parsing of integer list flags."""
 
 from __future__ import annotations
 
 import os
+from typing import Sequence
 
 from absl import app, flags
 
@@ -101,6 +103,20 @@ def mesh_from_flags():
         return make_mesh(*dims)
     except ValueError as e:
         raise app.UsageError(f"--mesh: {e}") from None
+
+
+def int_list(values: Sequence[str], flag: str, positive: bool = False) -> list[int]:
+    """The integers of list flag --`flag`; a usage error for a value that is not one. With
+    `positive`, an empty list or a value below 1 is refused too."""
+    try:
+        out = [int(v) for v in values]
+    except ValueError:
+        if not positive:
+            raise app.UsageError(f"--{flag} must be comma-separated integers; got {','.join(values)!r}") from None
+        out = []
+    if positive and (not out or min(out) < 1):
+        raise app.UsageError(f"--{flag} must be comma-separated integers >= 1; got {','.join(values)!r}")
+    return out
 
 
 # ---- speculation -----------------------------------------------------------------------------------
