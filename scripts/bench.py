@@ -48,7 +48,6 @@ Mistakes in the flags, paths or inputs end the script with one line on stderr an
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import sys
 from typing import Sequence
@@ -149,54 +148,12 @@ flags.DEFINE_bool("overlap", True, "In-process: the scheduler launches each step
                   "tokens (--nooverlap: launch, wait, read, the older way; to measure what overlap saves).")
 
 
-def _ints(values: Sequence[str], flag: str, lo: int) -> tuple[int, ...]:
-    try:
-        out = tuple(int(v) for v in values)
-    except ValueError:
-        raise app.UsageError(f"--{flag} must be a comma-separated list of integers; got {','.join(values)!r}") from None
-    if not out or any(v < lo for v in out):
-        raise app.UsageError(f"--{flag} needs integers >= {lo}; got {','.join(values)!r}")
-    if len(set(out)) != len(out):
-        raise app.UsageError(f"--{flag} lists a value more than once: {','.join(values)!r}")
-    return out
-
-
-def _rates(values: Sequence[str] | None) -> tuple[float, ...] | None:
-    if values is None:
-        return None
-    try:
-        return tuple(float(v) for v in values)
-    except ValueError:
-        raise app.UsageError(f"--synthetic_acceptance must be comma-separated numbers; got {','.join(values)!r}") from None
-
-
-def default_name(target: str, workload, over_http: bool = False) -> str:
-    """The outputs' file stem; runs against a server end in `_http`, so they keep in-process results."""
-    stem = os.path.basename(os.path.normpath(target))
-    if workload.info.get("kind") == "random":
-        name = f"{stem}_{workload.name}_x{workload.info['scale']:g}"
-    else:
-        name = f"{stem}_{workload.name}_out{workload.output_len}"
-    return name + ("_http" if over_http else "")
-
-
-def warn_too_few_requests(cfg) -> None:
-    """One warning for the cells whose measured requests are too few to time, with the count to give."""
-    from eagle3_jax.bench.report import MIN_REQUESTS, MIN_REQUESTS_PER_CLIENT, too_few_requests
-
-    short = {c: cfg.prompts_for(c) for c in cfg.concurrencies if too_few_requests(cfg.prompts_for(c), c)}
-    if short:
-        need = max(too_few_requests(n, c) for c, n in short.items())
-        cells = ", ".join(f"{n} at concurrency {c}" for c, n in short.items())
-        cli.warn(f"too few requests to time ({cells}; fewer than {MIN_REQUESTS_PER_CLIENT} per concurrent client or "
-                  f"{MIN_REQUESTS} in all): those cells are marked * in the report; give --num_prompts={need} (or "
-                  f"--min_prompts={need}) to time them")
-
-
 def main(argv: Sequence[str]) -> None:
     cli.reject_positional(argv)
-    if FLAGS.name is not None and (not FLAGS.name or os.sep in FLAGS.name or FLAGS.name in (".", "..")):
-        raise app.UsageError(f"--name is a file stem (no folders; --out_dir picks the folder); got {FLAGS.name!r}")
+    from eagle3_jax.bench import flag_checks  # no JAX: a flag mistake answers at once
+
+    with cli.usage_errors():
+        flag_checks.check_file_stem(FLAGS.name)
     check_target_path("--target", FLAGS.target)
     check_draft_path("--draft", FLAGS.draft)
 
@@ -204,115 +161,76 @@ def main(argv: Sequence[str]) -> None:
 
     import eagle3_jax as e3
     from eagle3_jax.bench import report as report_lib
-    from eagle3_jax.bench.runner import RunConfig, ordered, run_benchmark
-    from eagle3_jax.bench.settings import parse_specs
-    from eagle3_jax.bench.workloads import (
-        DATASETS,
-        MULTITURN,
-        dataset_workload,
-        multiturn_workload,
-        random_workload_for,
-    )
+    from eagle3_jax.bench import serving_run
+    from eagle3_jax.bench.runner import RunConfig, ordered
+    from eagle3_jax.bench.settings import parse_specs  # looked up here: benchmarks/harness/aa-noise-floor.py wraps it
+    from eagle3_jax.bench.workloads import template_dir
     from eagle3_jax.text.tokenizer import load_tokenizer
 
     report_lib.pyplot()  # the plots' matplotlib (the bench extra): missing, say so before the run, not after it
 
-    try:
+    with cli.usage_errors("--spec"):
         settings = ordered(parse_specs(FLAGS.spec))
-    except ValueError as e:
-        raise app.UsageError(f"--spec: {e}") from None
-    if FLAGS.base_url and len(settings) != 1:
-        raise app.UsageError("with --base_url, --spec names the one setting the server runs (e.g. --spec=chain:3:1:4)")
-    if FLAGS.base_url and (FLAGS.mesh or FLAGS.distributed):
-        raise app.UsageError("--mesh and --distributed are for the in-process model; with --base_url the server "
-                             "has its own (scripts/serve.py --mesh)")
+    with cli.usage_errors():
+        serving_run.check_server_choices(settings, FLAGS.base_url, bool(FLAGS.mesh or FLAGS.distributed))
     mesh = mesh_from_flags()
-    if FLAGS.workload != "random" and FLAGS.workload not in {**DATASETS, **MULTITURN}:
-        raise app.UsageError(f"--workload must be random or one of {', '.join([*DATASETS, *MULTITURN])}; "
-                             f"got {FLAGS.workload!r}")
-    if FLAGS.workload in MULTITURN and FLAGS.base_url:
-        raise app.UsageError(f"--workload={FLAGS.workload} has the target answer each first turn in-process; "
-                             "drop --base_url (or use a single-turn dataset against the server)")
-    try:
-        cfg = RunConfig(concurrencies=_ints(FLAGS.concurrency, "concurrency", 1), seeds=_ints(FLAGS.seeds, "seeds", 0),
-                        num_prompts=FLAGS.num_prompts, num_warmups=FLAGS.num_warmups, min_prompts=FLAGS.min_prompts,
-                        min_warmups=FLAGS.min_warmups,
+    with cli.usage_errors():
+        serving_run.check_workload_choice(FLAGS.workload, FLAGS.base_url)
+        cfg = RunConfig(concurrencies=flag_checks.int_list(FLAGS.concurrency, "concurrency", 1),
+                        seeds=flag_checks.int_list(FLAGS.seeds, "seeds", 0), num_prompts=FLAGS.num_prompts,
+                        num_warmups=FLAGS.num_warmups, min_prompts=FLAGS.min_prompts, min_warmups=FLAGS.min_warmups,
                         temperature=FLAGS.temperature, top_p=FLAGS.top_p, top_k=FLAGS.top_k,
                         interleave=FLAGS.interleave, progress=FLAGS.progress,
                         max_measure_attempts=FLAGS.max_measure_attempts, repeats=FLAGS.repeats,
-                        synthetic_acceptance=_rates(FLAGS.synthetic_acceptance))
-    except ValueError as e:
-        raise app.UsageError(str(e)) from None
-    if cfg.synthetic_acceptance is not None and all(s.spec is None for s in settings):
-        raise app.UsageError("--synthetic_acceptance forces a speculative step's acceptance: add a speculative "
-                             "--spec (e.g. --spec=none,chain:3:1:4)")
+                        synthetic_acceptance=flag_checks.rates(FLAGS.synthetic_acceptance))
+        serving_run.check_synthetic_acceptance(cfg, settings)
 
     model_cfg = e3.load_model_config(FLAGS.target)
     limit = model_cfg.max_position_embeddings
     if FLAGS.max_seq_len is not None:
         limit = check_max_seq_len(FLAGS.max_seq_len, model_cfg.max_position_embeddings)
     tok_dir = FLAGS.tokenizer or FLAGS.target
-    template_dir = tok_dir if os.path.isdir(tok_dir) else os.path.dirname(tok_dir)  # chat template beside it
     tokenizer = load_tokenizer(tok_dir, bos_id=model_cfg.bos_token_id)
     if FLAGS.workload != "random":
-        warn_without_chat_template(template_dir, f"the {FLAGS.workload} prompts")
+        warn_without_chat_template(template_dir(tok_dir), f"the {FLAGS.workload} prompts")
     load_target = lambda: e3.load_target(FLAGS.target, dtype=FLAGS.dtype, mesh=mesh, **quant_options())  # noqa: E731
-    target = None
-    try:
-        if FLAGS.workload == "random":
-            workload = random_workload_for(FLAGS.shape, scale=FLAGS.scale, tokenizer=tokenizer,
-                                           model_vocab_size=model_cfg.vocab_size, max_seq_len=limit)
-        elif FLAGS.workload in MULTITURN:  # the target answers the first turns
-            target = load_target()
-            workload = multiturn_workload(FLAGS.workload, target=target, tokenizer_dir=template_dir,
-                                          output_len=FLAGS.output_len, max_seq_len=limit, data_dir=FLAGS.data_dir,
-                                          tokenizer=tokenizer)
-        else:
-            workload = dataset_workload(FLAGS.workload, tokenizer_dir=template_dir, output_len=FLAGS.output_len,
-                                        max_seq_len=limit, data_dir=FLAGS.data_dir, tokenizer=tokenizer)
-    except ValueError as e:
-        raise app.UsageError(str(e)) from None
-    name = FLAGS.name or default_name(FLAGS.target, workload, over_http=bool(FLAGS.base_url))
+    with cli.usage_errors():
+        workload, target = serving_run.load_workload(
+            FLAGS.workload, shape=FLAGS.shape, scale=FLAGS.scale, output_len=FLAGS.output_len, data_dir=FLAGS.data_dir,
+            tokenizer=tokenizer, template_dir=template_dir(tok_dir), model_vocab_size=model_cfg.vocab_size,
+            max_seq_len=limit, load_target=load_target)
+    name = FLAGS.name or serving_run.default_name(FLAGS.target, workload, over_http=bool(FLAGS.base_url))
     cli.check_not_input("--out_dir", FLAGS.out_dir, {"--target": FLAGS.target, "--draft": FLAGS.draft,
                                                       "--data_dir": FLAGS.data_dir})
     try:  # before the run: an earlier report in the way is said now, not after an hour of measuring
         report_lib.check_report_paths(FLAGS.out_dir, name, overwrite=FLAGS.overwrite)
     except ValueError as e:
         raise app.UsageError(f"--out_dir / --name: {e}") from None
-    warn_too_few_requests(cfg)
-    config = {**dataclasses.asdict(cfg), "dtype": FLAGS.dtype, "max_seq_len_limit": limit,
-              "page_size": FLAGS.page_size, "prefill_chunk": FLAGS.prefill_chunk, "target": FLAGS.target}
+    warning = serving_run.too_few_requests_warning(cfg)
+    if warning:
+        cli.warn(warning)
+    config = serving_run.run_record_config(cfg, dtype=FLAGS.dtype, limit=limit, page_size=FLAGS.page_size,
+                                           prefill_chunk=FLAGS.prefill_chunk, target=FLAGS.target)
 
     if FLAGS.base_url:
-        from eagle3_jax.bench.http_client import run_http_benchmark
-
         try:
-            cells = run_http_benchmark(FLAGS.base_url, settings[0], workload, cfg, model=FLAGS.model,
-                                       num_devices=FLAGS.num_devices or 1)
+            run = serving_run.run_over_http(FLAGS.base_url, settings[0], workload, cfg, config, model=FLAGS.model,
+                                            num_devices=FLAGS.num_devices)
         except ConnectionError as e:  # no server there: the user's --base_url or a server not started
             raise app.UsageError(f"--base_url: {e}") from None
-        mode = f"HTTP {FLAGS.base_url}"
-        config["dtype"] = None  # the server's business
     else:
-        target = target if target is not None else load_target()
-        config["mesh"] = None if mesh is None else list(mesh.devices.shape)
-        config["kernels"] = target.config.kernels
-        config["batch_invariant"] = target.config.batch_invariant
-        needs_draft = any(s.spec is not None for s in settings)
-        draft = e3.load_draft(FLAGS.draft, target=target, dtype=FLAGS.dtype, fp8_format=FLAGS.fp8_format) if needs_draft else None
-        sched_len = FLAGS.max_seq_len or workload.max_total_len
-        config.update({"draft": FLAGS.draft if needs_draft else None, "scheduler_max_seq_len": sched_len,
-                       "overlap": FLAGS.overlap, "prefix_caching": FLAGS.prefix_caching})
-        cells = run_benchmark(target, draft, settings, workload, cfg, max_seq_len=sched_len,
-                              page_size=FLAGS.page_size, prefill_chunk=FLAGS.prefill_chunk,
-                              num_devices=FLAGS.num_devices, overlap=FLAGS.overlap,
-                              prefix_caching=FLAGS.prefix_caching)
-        mode = "in-process"
+        run = serving_run.run_in_process(
+            settings, workload, cfg, config, target=target, load_target=load_target, mesh=mesh,
+            load_draft=lambda loaded: e3.load_draft(FLAGS.draft, target=loaded, dtype=FLAGS.dtype,
+                                                    fp8_format=FLAGS.fp8_format),
+            draft_path=FLAGS.draft, max_seq_len=FLAGS.max_seq_len, page_size=FLAGS.page_size,
+            prefill_chunk=FLAGS.prefill_chunk, num_devices=FLAGS.num_devices, overlap=FLAGS.overlap,
+            prefix_caching=FLAGS.prefix_caching)
 
     if jax.process_index() > 0:  # multi-host: process 0 reports
         return
-    report = report_lib.build_report(cells, settings=[s.name for s in settings], workload=workload.info,
-                                     config=config, argv=sys.argv, mode=mode)
+    report = report_lib.build_report(run.cells, settings=[s.name for s in settings], workload=workload.info,
+                                     config=run.config, argv=sys.argv, mode=run.mode)
     paths = report_lib.write_report(report, FLAGS.out_dir, name, overwrite=FLAGS.overwrite)
     print()
     print(report_lib.markdown(report))

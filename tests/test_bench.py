@@ -9,12 +9,15 @@ import os
 import shutil
 import subprocess
 import sys
+import types
 
 import numpy as np
 import pytest
 
+from eagle3_jax.bench import flag_checks
 from eagle3_jax.bench import metrics as M
 from eagle3_jax.bench import report as R
+from eagle3_jax.bench import serving_run as S
 from eagle3_jax.bench import workloads as W
 from eagle3_jax.bench.http_client import completion_payload, parse_sse_line, run_requests
 from eagle3_jax.bench.runner import (
@@ -486,6 +489,118 @@ def test_http_driver_against_a_stub_server():
     assert all(r.num_output_tokens == 6 and len(r.delta_times) == 3 and r.finish_reason == "length" for r in records)
     s = M.summarize(records, duration)
     assert s["itl_ms"]["count"] == 10 and s["output_throughput"] == pytest.approx(30 / duration)
+
+
+# ---- scripts/bench.py's choices (bench.flag_checks, bench.serving_run) --------------------------------------
+
+
+def test_bench_flag_values():
+    assert flag_checks.int_list(["4", "1", "16"], "concurrency", 1) == (4, 1, 16)
+    assert flag_checks.int_list(["0"], "seeds", 0) == (0,)
+    for values, lo, words in ((["a"], 1, "--concurrency must be a comma-separated list of integers; got 'a'"),
+                              (["0", "2"], 1, "--concurrency needs integers >= 1; got '0,2'"),
+                              ([], 0, "--concurrency needs integers >= 0; got ''"),
+                              (["2", "2"], 1, "--concurrency lists a value more than once: '2,2'")):
+        with pytest.raises(ValueError) as e:
+            flag_checks.int_list(values, "concurrency", lo)
+        assert str(e.value) == words
+    assert flag_checks.rates(None) is None and flag_checks.rates(["0.9", "0.5"]) == (0.9, 0.5)
+    with pytest.raises(ValueError, match="--synthetic_acceptance must be comma-separated numbers; got '0.9,x'"):
+        flag_checks.rates(["0.9", "x"])
+    for good in (None, "run", "run.v2"):
+        flag_checks.check_file_stem(good)
+    for bad in ("", ".", "..", os.path.join("a", "b")):
+        with pytest.raises(ValueError, match="--name is a file stem"):
+            flag_checks.check_file_stem(bad)
+
+
+def test_bench_run_choices():
+    none, chain = parse_specs(["none", "chain:3:1:4"])
+    S.check_server_choices([none, chain], None, True)  # in-process: any settings, a mesh
+    S.check_server_choices([chain], "http://h:8000", False)
+    with pytest.raises(ValueError, match="names the one setting the server runs"):
+        S.check_server_choices([none, chain], "http://h:8000", False)
+    with pytest.raises(ValueError, match="--mesh and --distributed are for the in-process model"):
+        S.check_server_choices([chain], "http://h:8000", True)
+    for workload in ("random", "mt_bench", "mt_bench_multiturn"):
+        S.check_workload_choice(workload, None)
+    S.check_workload_choice("gsm8k", "http://h:8000")
+    with pytest.raises(ValueError, match="random or one of mt_bench, gsm8k, sharegpt, spec_bench, "
+                                         "mt_bench_multiturn; got 'nope'"):
+        S.check_workload_choice("nope", None)
+    with pytest.raises(ValueError, match="drop --base_url"):
+        S.check_workload_choice("mt_bench_multiturn", "http://h:8000")
+    forced = RunConfig(concurrencies=(1,), synthetic_acceptance=(0.9,))
+    S.check_synthetic_acceptance(forced, [none, chain])
+    S.check_synthetic_acceptance(RunConfig(concurrencies=(1,)), [none])
+    with pytest.raises(ValueError, match="add a speculative --spec"):
+        S.check_synthetic_acceptance(forced, [none])
+
+
+def test_bench_default_name_and_short_cells():
+    wl = W.random_workload("1k1k", scale=1 / 16, vocab_size=512, special_ids={0}, max_seq_len=512)
+    assert S.default_name("checkpoints/kimi-mini/", wl) == "kimi-mini_random-1k1k_x0.0625"
+    dataset = W.Workload(name="mt_bench", output_len=128, info={"kind": "dataset"}, pool=((1, 2),))
+    assert S.default_name("/m/Kimi", dataset, over_http=True) == "Kimi_mt_bench_out128_http"
+    assert S.too_few_requests_warning(RunConfig(concurrencies=(1, 4))) is None  # 10 and 40 requests
+    line = S.too_few_requests_warning(RunConfig(concurrencies=(1, 4, 8), num_prompts=12))
+    assert line.startswith("too few requests to time (12 at concurrency 4, 12 at concurrency 8; fewer than 5 per "
+                           "concurrent client or 10 in all)")
+    assert line.endswith("give --num_prompts=40 (or --min_prompts=40) to time them")
+
+
+def test_bench_workload_choice_and_record_config():
+    tok = load_tokenizer(KIMI)
+
+    def no_target():
+        raise AssertionError("only a multi-turn workload loads the target")
+
+    common = dict(shape="1k1k", scale=1 / 16, output_len=16, data_dir=None, tokenizer=tok, template_dir=KIMI,
+                  model_vocab_size=10_000, max_seq_len=512, load_target=no_target)
+    wl, target = S.load_workload("random", **common)
+    assert target is None and wl.info["kind"] == "random" and wl.max_total_len == 128
+    wl, target = S.load_workload("sharegpt", **common)
+    assert target is None and wl.name == "sharegpt" and wl.output_len == 16
+    with pytest.raises(FileNotFoundError, match="dataset file"):
+        S.load_workload("mt_bench", **{**common, "data_dir": "/no/data"})
+    cfg = RunConfig(concurrencies=(2,), seeds=(0, 1))
+    config = S.run_record_config(cfg, dtype="bfloat16", limit=512, page_size=None, prefill_chunk=64, target="t")
+    assert config["concurrencies"] == (2,) and config["seeds"] == (0, 1)
+    assert list(config)[-5:] == ["dtype", "max_seq_len_limit", "page_size", "prefill_chunk", "target"]
+    assert (config["dtype"], config["max_seq_len_limit"], config["prefill_chunk"]) == ("bfloat16", 512, 64)
+    fake = types.SimpleNamespace(config=types.SimpleNamespace(kernels="xla", batch_invariant=False))
+    mesh = types.SimpleNamespace(devices=np.zeros((1, 2, 4)))
+    assert S.in_process_config(fake, mesh, draft="d", scheduler_max_seq_len=80, overlap=False,
+                               prefix_caching=True) == {
+        "mesh": [1, 2, 4], "kernels": "xla", "batch_invariant": False, "draft": "d", "scheduler_max_seq_len": 80,
+        "overlap": False, "prefix_caching": True}
+
+
+def test_bench_runs_in_process_and_over_http(monkeypatch):
+    calls = []
+    monkeypatch.setattr(S, "run_benchmark", lambda *args, **kw: calls.append(("in-process", args, kw)) or ["cell"])
+    monkeypatch.setattr(S, "run_http_benchmark", lambda *args, **kw: calls.append(("http", args, kw)) or ["c"])
+    fake = types.SimpleNamespace(config=types.SimpleNamespace(kernels="xla", batch_invariant=True))
+    wl = W.random_workload("1k1k", scale=1 / 16, vocab_size=512, special_ids={0}, max_seq_len=512)
+    cfg, config = RunConfig(concurrencies=(1,)), {"dtype": "float32", "target": "t"}
+    none, chain = parse_specs(["none", "chain:3:1:4"])
+    drafts = []
+    common = dict(target=None, load_target=lambda: fake, load_draft=lambda t: drafts.append(t) or "draft",
+                  draft_path="d", mesh=None, max_seq_len=None, page_size=16, prefill_chunk=None, num_devices=None,
+                  overlap=True, prefix_caching=False)
+    run = S.run_in_process([none], wl, cfg, config, **common)
+    assert run.cells == ["cell"] and run.mode == "in-process" and drafts == []  # no speculative setting: no draft
+    assert run.config == {"dtype": "float32", "target": "t", "mesh": None, "kernels": "xla", "batch_invariant": True,
+                          "draft": None, "scheduler_max_seq_len": 128, "overlap": True, "prefix_caching": False}
+    (_, args, kw), = calls
+    assert args[:2] == (fake, None) and kw["max_seq_len"] == 128 and kw["page_size"] == 16
+    run = S.run_in_process([none, chain], wl, cfg, config, **{**common, "max_seq_len": 200})
+    assert drafts == [fake] and calls[-1][1][1] == "draft" and calls[-1][2]["max_seq_len"] == 200
+    assert run.config["draft"] == "d" and run.config["scheduler_max_seq_len"] == 200
+    run = S.run_over_http("http://h:8000", chain, wl, cfg, config, model=None, num_devices=None)
+    assert run.cells == ["c"] and run.mode == "HTTP http://h:8000" and run.config == {"dtype": None, "target": "t"}
+    assert calls[-1][1][0] == "http://h:8000" and calls[-1][2] == {"model": None, "num_devices": 1}
+    assert config == {"dtype": "float32", "target": "t"}  # the caller's config is left as it was
 
 
 # ---- end to end on the bundled demo pair -------------------------------------------------------------------

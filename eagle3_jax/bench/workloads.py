@@ -174,6 +174,11 @@ def dataset_path(name: str, data_dir: str | os.PathLike | None = None) -> str:
     return path
 
 
+def template_dir(tokenizer_path: str) -> str:
+    """The folder a chat template is read from: the tokenizer folder, or the folder of a tokenizer file."""
+    return tokenizer_path if os.path.isdir(tokenizer_path) else os.path.dirname(tokenizer_path)
+
+
 def encode_rendered(rendered: str, tokenizer: Tokenizer) -> list[int]:
     """Token ids of a chat-template rendering, starting with BOS exactly once.
 
