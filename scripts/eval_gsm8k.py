@@ -36,7 +36,6 @@ compiles most programs; in-process, compilations during the timed run are report
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import sys
@@ -103,42 +102,15 @@ cli.define_overwrite_flag("--output")
 flags.adopt_module_key_flags(shared_flags)
 flags.adopt_module_key_flags(cli)
 
-def _template_dir(tok_path: str) -> str:
-    """The folder a chat template is read from: the tokenizer folder, or the folder of a tokenizer file."""
-    return tok_path if os.path.isdir(tok_path) else os.path.dirname(tok_path)
-
-
-def check_prompt_lengths(lengths: Sequence[int], max_seq_len: int) -> None:
-    """A usage error unless every prompt leaves room for at least one answer token."""
-    over = [n for n in lengths if n >= max_seq_len]
-    if over:
-        raise app.UsageError(f"{len(over)} of {len(lengths)} prompts have >= max_seq_len={max_seq_len} tokens (longest "
-                        f"{max(lengths)}); lower --num_fewshot or raise --max_seq_len (up to what the model supports)")
-
 
 def _usage_checks() -> None:
-    if FLAGS.base_url:
-        if FLAGS["spec"].present:
-            raise app.UsageError("with --base_url each server runs its own speculation; drop --spec and name the runs "
-                            "with --labels")
-        if FLAGS.mesh or FLAGS.distributed:
-            raise app.UsageError("--mesh and --distributed are for the in-process model; a server has its own "
-                            "(scripts/serve.py --mesh)")
-        if FLAGS.labels and len(FLAGS.labels) != len(FLAGS.base_url):
-            raise app.UsageError(f"--labels names {len(FLAGS.labels)} runs but --base_url lists {len(FLAGS.base_url)}")
-        if len(set(FLAGS.base_url)) != len(FLAGS.base_url):
-            raise app.UsageError("--base_url lists a server more than once")
-        if FLAGS.target is not None or FLAGS.draft is not None:
-            raise app.UsageError("--target and --draft are for in-process runs; with --base_url the servers hold the "
-                            "models (drop them, or drop --base_url)")
-        if FLAGS.chat_template is not None:
-            raise app.UsageError("--chat_template is for in-process runs; a server applies its own (scripts/serve.py "
-                                 "--chat_template)")
-    elif FLAGS.target is None:
-        raise app.UsageError("give --target (a model folder, for an in-process run) or --base_url (a running server)")
-    elif FLAGS.labels:
-        raise app.UsageError("--labels names --base_url runs; in-process runs are named by --spec")
-    else:
+    from eagle3_jax.bench import flag_checks  # no JAX: a flag mistake answers at once
+
+    with cli.usage_errors():
+        flag_checks.check_gsm8k_sources(base_url=FLAGS.base_url, labels=FLAGS.labels, spec_given=FLAGS["spec"].present,
+                                        mesh=FLAGS.mesh, distributed=FLAGS.distributed, target=FLAGS.target,
+                                        draft=FLAGS.draft, chat_template=FLAGS.chat_template)
+    if not FLAGS.base_url:
         check_target_path("--target", FLAGS.target)
         check_draft_path("--draft", FLAGS.draft)
     inputs = {"--data": FLAGS.data, "--fewshot_file": FLAGS.fewshot_file, "--target": FLAGS.target,
@@ -146,57 +118,26 @@ def _usage_checks() -> None:
     cli.check_output("--output", FLAGS.output, inputs, is_file=True)
 
 
-def load_inputs():
-    """(test problems, few-shot examples) from the flags."""
-    from eagle3_jax.bench import gsm8k
-
-    try:
-        problems = gsm8k.load_problems(FLAGS.data or gsm8k.DEFAULT_TEST_FILE, FLAGS.limit)
-    except gsm8k.DataError as e:
-        raise app.UsageError(f"--data: {e}") from None
-    try:
-        shots = gsm8k.load_problems(FLAGS.fewshot_file or gsm8k.DEFAULT_FEWSHOT_FILE, FLAGS.num_fewshot)
-    except gsm8k.DataError as e:
-        raise app.UsageError(f"--fewshot_file: {e}") from None
-    if len(shots) < FLAGS.num_fewshot:
-        raise app.UsageError(f"--num_fewshot={FLAGS.num_fewshot} but the few-shot file has only {len(shots)} examples; "
-                        "lower --num_fewshot or pass a longer --fewshot_file")
-    return problems, shots
-
-
 def run_servers(problems, shots) -> tuple[list, dict]:
-    from eagle3_jax.bench import gsm8k
+    from eagle3_jax.bench import gsm8k_run
 
-    conversations = [gsm8k.fewshot_messages(p.question, shots, multiturn=FLAGS.fewshot_as_multiturn)
-                     for p in problems]
-    runs = []
-    for url, label in zip(FLAGS.base_url, FLAGS.labels or FLAGS.base_url):
-        print(f"{label}: {len(problems)} questions to {url} ...", flush=True)
-        ask = functools.partial(gsm8k.generate_http, url, max_tokens=FLAGS.max_tokens, concurrency=FLAGS.concurrency,
-                                model=FLAGS.served_model_name)
-        try:
-            if FLAGS.warmup:  # a fresh server compiles its programs on its first requests
-                ask(conversations[:FLAGS.concurrency])
-            out = ask(conversations, progress=FLAGS.progress, desc=label)
-        except ConnectionError as e:
-            raise app.UsageError(str(e)) from None
-        except RuntimeError as e:  # a refused request (e.g. a prompt over the server's max_seq_len) or a failed one
-            raise app.UsageError(f"{label}: {e}") from None
-        runs.append((label, out))
-    return runs, {"mode": "HTTP " + ", ".join(FLAGS.base_url)}
+    with cli.usage_errors():
+        return gsm8k_run.run_servers(problems, shots, FLAGS.base_url, FLAGS.labels,
+                                     multiturn=FLAGS.fewshot_as_multiturn, max_tokens=FLAGS.max_tokens,
+                                     concurrency=FLAGS.concurrency, model=FLAGS.served_model_name,
+                                     warmup=FLAGS.warmup, progress=FLAGS.progress, echo=_say)
 
 
 def run_in_process(problems, shots) -> tuple[list, dict]:
     import eagle3_jax as e3
-    from eagle3_jax.bench import gsm8k, parse_specs  # the one import of the --spec parser
-    from eagle3_jax.bench.runner import CompileCounter, make_scheduler, ordered
+    from eagle3_jax.bench import gsm8k_run, parse_specs  # the one import of the --spec parser
+    from eagle3_jax.bench.runner import ordered
+    from eagle3_jax.bench.workloads import template_dir
     from eagle3_jax.checkpoint import CheckpointError
     from eagle3_jax.text.tokenizer import TokenizerError, load_tokenizer
 
-    try:
+    with cli.usage_errors("--spec"):
         settings = ordered(parse_specs(FLAGS.spec))
-    except ValueError as e:
-        raise app.UsageError(f"--spec: {e}") from None
     needs_draft = any(s.spec is not None for s in settings)
     if needs_draft and FLAGS.draft is None:
         raise app.UsageError("a speculative --spec setting needs --draft (an EAGLE-3 draft folder); or use --spec=none")
@@ -205,49 +146,37 @@ def run_in_process(problems, shots) -> tuple[list, dict]:
     try:  # config, tokenizer and prompts first: their errors come before a long weight load
         model_cfg = e3.load_model_config(FLAGS.target)
         tok = load_tokenizer(tok_path, bos_id=model_cfg.bos_token_id)
-        template = chat_template_from_flags(_template_dir(tok_path), required=True)
-        texts = gsm8k.render_prompts(problems, shots, multiturn=FLAGS.fewshot_as_multiturn, render=template.render)
-        prompts = [tok.encode(t, add_bos=True) for t in texts]  # as scripts/serve.py's chat endpoint does
-        longest = max(len(p) for p in prompts)
-        max_seq_len = FLAGS.max_seq_len or min(longest + FLAGS.max_tokens, model_cfg.max_position_embeddings)
-        check_prompt_lengths([len(p) for p in prompts], max_seq_len)
-        short = sum(len(p) + FLAGS.max_tokens > max_seq_len for p in prompts)
-        if short:  # the scheduler cuts their budget to the room left, as scripts/serve.py does
-            print(f"note: {short} of {len(prompts)} prompts leave fewer than --max_tokens={FLAGS.max_tokens} tokens "
-                  f"within max_seq_len={max_seq_len}; their answers end there", flush=True)
+        template = chat_template_from_flags(template_dir(tok_path), required=True)
+        prompts = gsm8k_run.encode_prompts(problems, shots, tok, template.render, multiturn=FLAGS.fewshot_as_multiturn)
+        lengths = [len(p) for p in prompts]
+        max_seq_len, note = gsm8k_run.fit_max_seq_len(lengths, FLAGS.max_tokens, FLAGS.max_seq_len,
+                                                      model_cfg.max_position_embeddings)
+        if note:
+            _say(note)
         target = e3.load_target(FLAGS.target, dtype=FLAGS.dtype, mesh=mesh, **quant_options())
         draft = e3.load_draft(FLAGS.draft, target=target, dtype=FLAGS.dtype,
                               fp8_format=FLAGS.fp8_format) if needs_draft else None
     except (e3.ConfigError, CheckpointError, TokenizerError, FileNotFoundError, ValueError) as e:
         raise app.UsageError(str(e)) from None
-    stop_ids = tuple(dict.fromkeys([*target.config.eos_token_ids, *tok.eos_ids]))
-    runs = []
-    for s in settings:
-        sched = make_scheduler(target, draft, s, max_num_seqs=FLAGS.concurrency, max_seq_len=max_seq_len,
-                               page_size=FLAGS.page_size, prefill_chunk=FLAGS.prefill_chunk)
-        if FLAGS.warmup:  # compiles most of the programs the timed run needs
-            gsm8k.generate_in_process(sched, tok, prompts[:FLAGS.concurrency], max_tokens=FLAGS.max_tokens,
-                                      stop_token_ids=stop_ids, concurrency=FLAGS.concurrency)
-        print(f"{s.label}: {len(problems)} questions ...", flush=True)
-        with CompileCounter() as compiles:
-            out = gsm8k.generate_in_process(sched, tok, prompts, max_tokens=FLAGS.max_tokens, stop_token_ids=stop_ids,
-                                            concurrency=FLAGS.concurrency, progress=FLAGS.progress, desc=s.label)
-        out.info.update({"setting": s.name, "compiles": compiles.count, "compile_s": compiles.seconds})
-        runs.append((s.label, out))
-        del sched  # one scheduler's KV pool at a time
-    config = {"mode": "in-process", "target": FLAGS.target, "draft": FLAGS.draft if needs_draft else None,
-              "dtype": FLAGS.dtype, "max_seq_len": max_seq_len, "prompt_tokens_max": longest,
-              "mesh": None if mesh is None else list(mesh.devices.shape), "kernels": target.config.kernels,
-              "batch_invariant": target.config.batch_invariant}
-    return runs, config
+    runs = gsm8k_run.run_settings(target, draft, tok, settings, prompts, max_seq_len=max_seq_len,
+                                  max_tokens=FLAGS.max_tokens, concurrency=FLAGS.concurrency,
+                                  page_size=FLAGS.page_size, prefill_chunk=FLAGS.prefill_chunk, warmup=FLAGS.warmup,
+                                  progress=FLAGS.progress, echo=_say)
+    return runs, gsm8k_run.in_process_config(target, mesh, target_path=FLAGS.target,
+                                             draft_path=FLAGS.draft if needs_draft else None, dtype=FLAGS.dtype,
+                                             max_seq_len=max_seq_len, prompt_tokens_max=max(lengths))
+
+
+def _say(line: str) -> None:
+    print(line, flush=True)
 
 
 def run(argv: Sequence[str]) -> None:
     cli.reject_positional(argv)
     _usage_checks()
-    from eagle3_jax.bench import gsm8k
+    from eagle3_jax.bench import gsm8k, gsm8k_run
 
-    problems, shots = load_inputs()
+    problems, shots = gsm8k_run.load_inputs(FLAGS.data, FLAGS.fewshot_file, FLAGS.limit, FLAGS.num_fewshot)
     runs, config = run_servers(problems, shots) if FLAGS.base_url else run_in_process(problems, shots)
     import jax
 
@@ -255,21 +184,14 @@ def run(argv: Sequence[str]) -> None:
 
     if jax.process_index() > 0:  # multi-host: every process ran the same questions; process 0 reports
         return
-    config.update({"num_questions": len(problems), "num_fewshot": len(shots),
-                   "fewshot_as_multiturn": FLAGS.fewshot_as_multiturn, "max_tokens": FLAGS.max_tokens,
-                   "concurrency": FLAGS.concurrency, "stop_strings": list(gsm8k.STOP_STRINGS),
-                   "data": FLAGS.data or os.path.relpath(gsm8k.DEFAULT_TEST_FILE),
-                   "fewshot_file": FLAGS.fewshot_file or os.path.relpath(gsm8k.DEFAULT_FEWSHOT_FILE),
-                   "argv": sys.argv})
+    config = gsm8k_run.report_config(config, problems, shots, multiturn=FLAGS.fewshot_as_multiturn,
+                                     max_tokens=FLAGS.max_tokens, concurrency=FLAGS.concurrency, data=FLAGS.data,
+                                     fewshot_file=FLAGS.fewshot_file, argv=sys.argv)
     report = gsm8k.build_report(problems, runs, config=config)
     print()
     print(gsm8k.format_report(report))
-    for row in report["runs"]:
-        if row.get("compiles"):  # the engine thread waits for a compile, so its time adds up with the rest
-            rest = row["wall_s"] - row["compile_s"]
-            print(f"{row['label']}: {row['compiles']} XLA compilations took {row['compile_s']:.1f} s of its "
-                  f"{row['wall_s']:.1f} s" + (f" ({row['num_output_tokens'] / rest:.1f} tok/s without them)"
-                                               if rest > 0 else ""))
+    for line in gsm8k_run.compile_notes(report):
+        print(line)
     if FLAGS.output:
         write_text_output(FLAGS.output, json.dumps(report, indent=1, ensure_ascii=False), name="--output",
                           overwrite=FLAGS.overwrite)

@@ -8,11 +8,13 @@ import json
 import os
 import subprocess
 import sys
+import types
 
 import pytest
 from server_fixtures import ServerThread
 
 from eagle3_jax.bench import gsm8k as G
+from eagle3_jax.bench import gsm8k_run as R
 from eagle3_jax.text.chat_template import ChatTemplate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -156,6 +158,144 @@ def test_fewshot_prompt_single_turn_and_without_template():
         text = G.render_prompts([G.Problem(QUESTION, "#### 5")], shots, multiturn=True, render=template.render)[0]
         assert text == f"{TURN_1}\n{NATALIA_A}\n{TURN_2}\n{WENG_A}\n{TURN_Q}"
     assert G.fewshot_messages(QUESTION, []) == [{"role": "user", "content": TURN_Q}]
+
+
+# ---- the script's runs (eagle3_jax.bench.gsm8k_run) ---------------------------------------------------------
+
+
+def test_sources_and_their_flags():
+    from eagle3_jax.bench.flag_checks import check_gsm8k_sources
+
+    server = dict(base_url=["http://a", "http://b"], labels=["x", "y"], spec_given=False, mesh=None,
+                  distributed=False, target=None, draft=None, chat_template=None)
+    check_gsm8k_sources(**server)
+    local = {**server, "base_url": [], "labels": [], "spec_given": True, "mesh": "1,1,8", "target": "t", "draft": "d",
+             "chat_template": "c.jinja"}
+    check_gsm8k_sources(**local)
+    for change, words in (({"spec_given": True}, "drop --spec and name the runs with --labels"),
+                          ({"mesh": "1,1,2"}, "--mesh and --distributed are for the in-process model"),
+                          ({"distributed": True}, "--mesh and --distributed are for the in-process model"),
+                          ({"labels": ["x"]}, "--labels names 1 runs but --base_url lists 2"),
+                          ({"base_url": ["http://a", "http://a"]}, "--base_url lists a server more than once"),
+                          ({"draft": "d"}, "--target and --draft are for in-process runs"),
+                          ({"chat_template": "c"}, "--chat_template is for in-process runs")):
+        with pytest.raises(ValueError, match=words):
+            check_gsm8k_sources(**{**server, **change})
+    with pytest.raises(ValueError, match="give --target .* or --base_url"):
+        check_gsm8k_sources(**{**local, "target": None})
+    with pytest.raises(ValueError, match="--labels names --base_url runs"):
+        check_gsm8k_sources(**{**local, "labels": ["x"]})
+
+
+def test_load_inputs_names_the_flag_at_fault(tmp_path):
+    problems, shots = R.load_inputs(None, None, 2, 5)
+    assert len(problems) == 2 and shots[0] == G.Problem(NATALIA_Q, NATALIA_A) and len(shots) == 5
+    assert R.load_inputs(None, None, None, 0)[1] == []
+    with pytest.raises(G.DataError, match=r"^--data: GSM8K file .*missing.jsonl does not exist"):
+        R.load_inputs(str(tmp_path / "missing.jsonl"), None, 2, 5)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("not json\n")
+    with pytest.raises(G.DataError, match=r"^--fewshot_file: .*is not JSON"):
+        R.load_inputs(None, str(bad), 2, 1)
+    with pytest.raises(G.DataError, match=r"^--num_fewshot=9 but the few-shot file has only 5 examples"):
+        R.load_inputs(None, None, 2, 9)
+
+
+def test_prompts_and_the_sequence_length():
+    class Tok:
+        def encode(self, text, add_bos):
+            return [1] * add_bos + [ord(c) for c in text]
+
+    problems = [G.Problem("Q1", "#### 1"), G.Problem("Q22", "#### 2")]
+    shots = [G.Problem("S", "#### 3")]
+    prompts = R.encode_prompts(problems, shots, Tok(), lambda messages: "|".join(m["content"] for m in messages),
+                               multiturn=True)
+    assert prompts == [[1, *map(ord, f"Question: S\nAnswer:|#### 3|Question: {q}\nAnswer:")] for q in ("Q1", "Q22")]
+    assert R.fit_max_seq_len([10, 20], 8, None, 512) == (28, None)  # the longest prompt plus the answer budget
+    assert R.fit_max_seq_len([10, 20], 8, None, 25) == (25, "note: 1 of 2 prompts leave fewer than --max_tokens=8 "
+                                                           "tokens within max_seq_len=25; their answers end there")
+    assert R.fit_max_seq_len([10, 20], 8, 100, 25) == (100, None)  # as given (the script checked it)
+    with pytest.raises(ValueError, match=r"^1 of 2 prompts have >= max_seq_len=20 tokens \(longest 20\); lower "
+                                         "--num_fewshot"):
+        R.fit_max_seq_len([10, 20], 8, 20, 512)
+    R.check_prompt_lengths([10, 19], 20)
+
+
+def test_run_servers_warm_up_label_and_refuse(monkeypatch):
+    calls, said = [], []
+
+    def generate_http(url, conversations, *, max_tokens, concurrency, model, progress=False, desc=""):
+        calls.append((url, len(conversations), desc))
+        if "down" in url:
+            raise ConnectionError(f"no server answers at {url}")
+        if "refuses" in url:
+            raise RuntimeError("HTTP 400: too long")
+        return G.RunOutput([G.Generation("#### 1", 3, "stop")] * len(conversations), 1.0)
+
+    monkeypatch.setattr(R, "generate_http", generate_http)
+    problems = [G.Problem(f"Q{i}", "#### 1") for i in range(5)]
+    runs, config = R.run_servers(problems, [], ["http://a", "http://b"], [], multiturn=True, max_tokens=8,
+                                 concurrency=2, model=None, warmup=True, progress=False, echo=said.append)
+    assert [label for label, _ in runs] == ["http://a", "http://b"] and config == {"mode": "HTTP http://a, http://b"}
+    assert calls == [("http://a", 2, ""), ("http://a", 5, "http://a"), ("http://b", 2, ""), ("http://b", 5, "http://b")]
+    assert said == ["http://a: 5 questions to http://a ...", "http://b: 5 questions to http://b ..."]
+    runs, _ = R.run_servers(problems, [], ["http://a"], ["base"], multiturn=True, max_tokens=8, concurrency=2,
+                            model=None, warmup=False, progress=False, echo=said.append)
+    assert runs[0][0] == "base" and calls[-1] == ("http://a", 5, "base") and len(calls) == 5
+    with pytest.raises(R.RunError, match="^no server answers at http://down$"):
+        R.run_servers(problems, [], ["http://down"], ["x"], multiturn=True, max_tokens=8, concurrency=2, model=None,
+                      warmup=True, progress=False, echo=said.append)
+    with pytest.raises(R.RunError, match="^x: HTTP 400: too long$"):
+        R.run_servers(problems, [], ["http://refuses"], ["x"], multiturn=True, max_tokens=8, concurrency=2,
+                      model=None, warmup=False, progress=False, echo=said.append)
+
+
+def test_run_settings_one_scheduler_each(monkeypatch):
+    from eagle3_jax.bench import parse_specs
+
+    made, runs_of = [], []
+
+    def make_scheduler(target, draft, setting, *, max_num_seqs, max_seq_len, page_size, prefill_chunk):
+        made.append((setting.name, draft, max_num_seqs, max_seq_len, page_size, prefill_chunk))
+        return setting.name
+
+    def generate_in_process(sched, tok, prompts, *, max_tokens, stop_token_ids, concurrency, progress=False, desc=""):
+        runs_of.append((sched, len(prompts), stop_token_ids, desc))
+        return G.RunOutput([G.Generation("#### 1", 2, "stop")] * len(prompts), 1.0)
+
+    monkeypatch.setattr(R, "make_scheduler", make_scheduler)
+    monkeypatch.setattr(R, "generate_in_process", generate_in_process)
+    target = types.SimpleNamespace(config=types.SimpleNamespace(eos_token_ids=(2, 7)))
+    tok, said = types.SimpleNamespace(eos_ids=(7, 9)), []
+    runs = R.run_settings(target, "draft", tok, parse_specs(["none", "chain:3:1:4"]), [[1]] * 5, max_seq_len=64,
+                          max_tokens=8, concurrency=2, page_size=None, prefill_chunk=32, warmup=True, progress=False,
+                          echo=said.append)
+    assert made == [("none", "draft", 2, 64, None, 32), ("chain:3:1:4", "draft", 2, 64, None, 32)]
+    assert runs_of == [("none", 2, (2, 7, 9), ""), ("none", 5, (2, 7, 9), "no-spec"),
+                       ("chain:3:1:4", 2, (2, 7, 9), ""), ("chain:3:1:4", 5, (2, 7, 9), "EAGLE-3 chain:3:1:4")]
+    assert [label for label, _ in runs] == ["no-spec", "EAGLE-3 chain:3:1:4"]
+    assert runs[1][1].info == {"setting": "chain:3:1:4", "compiles": 0, "compile_s": 0.0}
+    assert said == ["no-spec: 5 questions ...", "EAGLE-3 chain:3:1:4: 5 questions ..."]
+
+
+def test_report_config_and_compile_notes():
+    fake = types.SimpleNamespace(config=types.SimpleNamespace(kernels="xla", batch_invariant=False))
+    config = R.in_process_config(fake, None, target_path="t", draft_path=None, dtype="float32", max_seq_len=300,
+                                 prompt_tokens_max=250)
+    assert config == {"mode": "in-process", "target": "t", "draft": None, "dtype": "float32", "max_seq_len": 300,
+                      "prompt_tokens_max": 250, "mesh": None, "kernels": "xla", "batch_invariant": False}
+    problems, shots = [G.Problem("Q", "#### 1")] * 3, [G.Problem("S", "#### 2")]
+    full = R.report_config(config, problems, shots, multiturn=False, max_tokens=16, concurrency=4, data=None,
+                           fewshot_file="f.jsonl", argv=["eval_gsm8k.py", "--limit=3"])
+    assert list(full)[:9] == list(config) and full["argv"] == ["eval_gsm8k.py", "--limit=3"]
+    assert (full["num_questions"], full["num_fewshot"], full["fewshot_as_multiturn"]) == (3, 1, False)
+    assert full["stop_strings"] == list(G.STOP_STRINGS) and full["fewshot_file"] == "f.jsonl"
+    assert full["data"] == os.path.relpath(G.DEFAULT_TEST_FILE)
+    report = {"runs": [{"label": "no-spec"}, {"label": "chain", "compiles": 3, "compile_s": 2.0, "wall_s": 6.0,
+                                              "num_output_tokens": 100}, {"label": "x", "compiles": 1, "compile_s": 5.0,
+                                                                          "wall_s": 5.0, "num_output_tokens": 9}]}
+    assert R.compile_notes(report) == ["chain: 3 XLA compilations took 2.0 s of its 6.0 s (25.0 tok/s without them)",
+                                       "x: 1 XLA compilations took 5.0 s of its 5.0 s"]
 
 
 # ---- the demo pair: greedy answers with and without speculation ------------------------------------------------

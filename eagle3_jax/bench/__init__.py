@@ -7,6 +7,8 @@
 - `runner`: the in-process driver over `eagle3_jax.scheduler.Scheduler`.
 - `http_client`: the same driver against an OpenAI-compatible server (`/v1/completions`, SSE).
 - `report`: JSON, a markdown table in the AMD blog's shape, and throughput / TPOT plots.
+- `serving_run`: what `scripts/bench.py` decides around a run: the checks of its choices, the
+  workload, the outputs' default name, the report's config, the cells in-process or over HTTP.
 - `flag_checks`: the benchmark scripts' checks of their flag values, without JAX.
 - `stand_in`: a stand-in for a scheduler's device (its programs answered at once with random
   tokens), for `scripts/bench_host.py --stand_in_device`: the scheduler's own host work.
@@ -14,7 +16,8 @@
   measurement of the host time per scheduler iteration (on the scheduler, through an AsyncEngine),
   the launch floors, and its tables and JSON record.
 - `gsm8k`: GSM8K accuracy scored as lm-evaluation-harness's `gsm8k` task, in-process or against a
-  server, with the agreement between runs with and without speculation.
+  server, with the agreement between runs with and without speculation; `gsm8k_run`: the runs
+  `scripts/eval_gsm8k.py` makes of it (inputs, servers, in-process settings, the report's config).
 
 `scripts/bench.py`, `scripts/bench_host.py` and `scripts/eval_gsm8k.py` are the command-line front
 ends. The names below load on first use (PEP 562), so that a script's flag checks
