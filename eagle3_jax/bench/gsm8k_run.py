@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from .gsm8k import (
     DEFAULT_FEWSHOT_FILE,
@@ -30,6 +30,13 @@ from .gsm8k import (
 )
 from .runner import CompileCounter, make_scheduler
 from .settings import SpecSetting
+
+if TYPE_CHECKING:  # annotations only
+    from jax.sharding import Mesh
+
+    from ..models.draft import Draft
+    from ..models.target import Target
+    from ..text.tokenizer import Tokenizer
 
 Runs = list[tuple[str, RunOutput]]  # (label, the run's output), the reference run first
 
@@ -82,7 +89,7 @@ def run_servers(problems: Sequence[Problem], shots: Sequence[Problem], urls: Seq
     return runs, {"mode": "HTTP " + ", ".join(urls)}
 
 
-def encode_prompts(problems: Sequence[Problem], shots: Sequence[Problem], tokenizer,
+def encode_prompts(problems: Sequence[Problem], shots: Sequence[Problem], tokenizer: Tokenizer,
                    render: Callable[[list[dict[str, str]]], str], *, multiturn: bool) -> list[list[int]]:
     """Each problem's few-shot conversation rendered by `render` (a chat template) and tokenized
     with BOS, as scripts/serve.py's chat endpoint does."""
@@ -114,9 +121,9 @@ def fit_max_seq_len(lengths: Sequence[int], max_tokens: int, max_seq_len: int | 
     return max_seq_len, note
 
 
-def run_settings(target, draft, tokenizer, settings: Sequence[SpecSetting], prompts: Sequence[Sequence[int]], *,
-                 max_seq_len: int, max_tokens: int, concurrency: int, page_size: int | None,
-                 prefill_chunk: int | None, warmup: bool, progress: bool,
+def run_settings(target: Target, draft: Draft | None, tokenizer: Tokenizer, settings: Sequence[SpecSetting],
+                 prompts: Sequence[Sequence[int]], *, max_seq_len: int, max_tokens: int, concurrency: int,
+                 page_size: int | None, prefill_chunk: int | None, warmup: bool, progress: bool,
                  echo: Callable[[str], None] = print) -> Runs:
     """One greedy run over `prompts` per setting, in order, each on its own scheduler (`concurrency`
     requests in flight) dropped before the next (one KV pool at a time); stopped by the target's
@@ -141,8 +148,8 @@ def run_settings(target, draft, tokenizer, settings: Sequence[SpecSetting], prom
     return runs
 
 
-def in_process_config(target, mesh, *, target_path: str, draft_path: str | None, dtype: str, max_seq_len: int,
-                      prompt_tokens_max: int) -> dict:
+def in_process_config(target: Target, mesh: Mesh | None, *, target_path: str, draft_path: str | None, dtype: str,
+                      max_seq_len: int, prompt_tokens_max: int) -> dict:
     """The report's `config` of an in-process run: the model folders (the draft's None without a
     speculative setting), dtype, sequence length, longest prompt, the mesh's shape, the target's
     kernels and batch invariance."""

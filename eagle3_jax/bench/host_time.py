@@ -22,7 +22,7 @@ import functools
 import gc
 import random
 import time
-from typing import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -30,6 +30,12 @@ from ..sampling.sampler import SamplingParams
 from ..scheduler import Scheduler
 from .launch_cost import launch_floors_ms, relaunch_ms
 from .stand_in import stand_in_device
+
+if TYPE_CHECKING:  # annotations only
+    from ..models.draft import Draft
+    from ..models.target import Target
+    from ..spec_decode import AutoSpec, SpecConfig
+    from ..text.tokenizer import Tokenizer
 
 # The phases of one iteration: (label, the scheduler's attribute holding the method, "" for the
 # scheduler itself; the method's file, as cProfile names it; the method). --phases wraps each
@@ -82,8 +88,9 @@ Iteration = tuple[float, float, int, float, float]
 Measure = Callable[..., HostMeasurement]
 
 
-def host_scheduler(target, draft, spec, num_seqs: int, options: HostTimeOptions,
-                   tokenizer=None) -> tuple[Scheduler, Callable[[], tuple]]:
+def host_scheduler(target: Target, draft: Draft | None, spec: SpecConfig | AutoSpec | None, num_seqs: int,
+                   options: HostTimeOptions,
+                   tokenizer: Tokenizer | None = None) -> tuple[Scheduler, Callable[[], tuple]]:
     """The measured scheduler (the draft attached only with a speculative `spec`; its programs
     stood in for with `options.stand_in_device`), and a function drawing one request's (prompt,
     SamplingParams) from a generator seeded with 0: random ids from 3 up, a length in
@@ -104,7 +111,7 @@ def host_scheduler(target, draft, spec, num_seqs: int, options: HostTimeOptions,
     return sched, draw
 
 
-def install_phase_timers(sched, phases: Sequence[tuple] = PHASES) -> dict[str, float]:
+def install_phase_timers(sched: Scheduler, phases: Sequence[tuple] = PHASES) -> dict[str, float]:
     """Wrap the scheduler's `phases` methods (on the instances) with timers; returns the dict of
     seconds per label they add to (the caller clears it)."""
     seconds = dict.fromkeys((label for label, *_ in phases), 0.0)
@@ -123,7 +130,7 @@ def install_phase_timers(sched, phases: Sequence[tuple] = PHASES) -> dict[str, f
     return seconds
 
 
-def count_read_cpu(sched) -> list[float]:
+def count_read_cpu(sched: Scheduler) -> list[float]:
     """Wrap the scheduler's output reads (on the instance) to add the calling thread's CPU seconds
     in them to the returned one-element list: the CPU a wait takes (a spin, a program run inline)
     is the device's, not the host's work."""
@@ -149,7 +156,7 @@ def freeze_heap() -> None:
     gc.freeze()
 
 
-def run_iterations(sched, submit: Callable[[], None], iterations: int, read_cpu: list[float],
+def run_iterations(sched: Scheduler, submit: Callable[[], None], iterations: int, read_cpu: list[float],
                    phase_seconds: dict[str, float] | None = None, profiles: list | None = None,
                    phases: list | None = None) -> list[Iteration]:
     """Run `iterations` scheduler steps, submitting a request for each one that finished; returns
@@ -211,8 +218,8 @@ def phase_medians_ms(phases: Sequence[dict[str, float]]) -> dict[str, float]:
     return {label: 1e3 * float(np.median([p[label] for p in phases])) for label, *_ in PHASES}
 
 
-def measure_on_scheduler(target, draft, spec, num_seqs: int, options: HostTimeOptions,
-                         tokenizer=None) -> HostMeasurement:
+def measure_on_scheduler(target: Target, draft: Draft | None, spec: SpecConfig | AutoSpec | None, num_seqs: int,
+                         options: HostTimeOptions, tokenizer: Tokenizer | None = None) -> HostMeasurement:
     """The scheduler driven directly: warm-up, frozen heap, measured iterations, then a step's
     relaunch (not with a stand-in device, which launches nothing) and the launch floors."""
     sched, draw = host_scheduler(target, draft, spec, num_seqs, options, tokenizer)
@@ -237,8 +244,8 @@ def measure_on_scheduler(target, draft, spec, num_seqs: int, options: HostTimeOp
     return HostMeasurement(row, profiles or None)
 
 
-def measured_rows(measure: Measure, target, draft, specs: Sequence[tuple], sizes: Sequence[int],
-                  options: HostTimeOptions, tokenizer=None) -> Iterator[HostMeasurement]:
+def measured_rows(measure: Measure, target: Target, draft: Draft | None, specs: Sequence[tuple], sizes: Sequence[int],
+                  options: HostTimeOptions, tokenizer: Tokenizer | None = None) -> Iterator[HostMeasurement]:
     """`measure`'s figures for each (setting name, SpecConfig or None) of `specs` and each of
     `sizes` (requests in flight), in that order, each row led by its `spec` name; yielded as each
     measurement ends, after the heap `measure` froze is unfrozen (the next measurement's

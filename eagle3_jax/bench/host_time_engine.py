@@ -16,12 +16,18 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
 from ..serving import AsyncEngine
 from .host_time import HostMeasurement, HostTimeOptions, freeze_heap, host_scheduler
+
+if TYPE_CHECKING:  # annotations only
+    from ..models.draft import Draft
+    from ..models.target import Target
+    from ..spec_decode import AutoSpec, SpecConfig
+    from ..text.tokenizer import Tokenizer
 
 # A step's (wall seconds, CPU seconds, the scheduler's host seconds, programs compiled).
 Step = tuple[float, float, float, int]
@@ -48,8 +54,8 @@ def engine_row(num_seqs: int, steps: Sequence[Step], outer: Sequence[tuple[float
             "iterations_that_compiled": min(len(steps), wanted) - warmup - len(measured)}
 
 
-def measure_through_engine(target, draft, spec, num_seqs: int, options: HostTimeOptions,
-                           tokenizer=None) -> HostMeasurement:
+def measure_through_engine(target: Target, draft: Draft | None, spec: SpecConfig | AutoSpec | None, num_seqs: int,
+                           options: HostTimeOptions, tokenizer: Tokenizer | None = None) -> HostMeasurement:
     """`num_seqs` consumers on one event loop, each streaming one request after another through an
     AsyncEngine, until `options.warmup + options.iterations` steps ran; the heap is frozen after the
     warm-up steps, as on the scheduler."""

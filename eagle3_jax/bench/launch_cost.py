@@ -14,12 +14,15 @@ from __future__ import annotations
 
 import glob
 import time
-from typing import Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import jax
 import numpy as np
 
 from ..scheduler.programs import DONATED
+
+if TYPE_CHECKING:  # annotations only
+    from ..scheduler import Scheduler
 
 DEFAULT_CACHE_BYTES = 64 << 20  # when sysfs does not say
 
@@ -40,12 +43,13 @@ def last_level_cache_bytes(pattern: str = "/sys/devices/system/cpu/cpu0/cache/in
     return max(sizes, default=DEFAULT_CACHE_BYTES)
 
 
-def copied_state(sched):
+def copied_state(sched: Scheduler) -> Any:
     """A copy of the scheduler's device state, to donate to launches of the measurements' own."""
     return jax.block_until_ready(jax.tree.map(lambda leaf: leaf.copy(), sched._executor.state))
 
 
-def median_launch_ms(launch: Callable, state, repeats: int, before_each: Callable[[], None] | None = None) -> tuple:
+def median_launch_ms(launch: Callable, state: Any, repeats: int,
+                     before_each: Callable[[], None] | None = None) -> tuple[float, Any]:
     """(median ms of `repeats` calls of `launch(state) -> (outputs, state)`, each after the previous
     one's outputs are ready and after `before_each()`, the state they leave). Only the call is
     timed: the wait for its outputs and `before_each` are not."""
@@ -60,7 +64,7 @@ def median_launch_ms(launch: Callable, state, repeats: int, before_each: Callabl
     return 1e3 * float(np.median(seconds)), state
 
 
-def launch_floors_ms(sched, repeats: int = 50) -> tuple[float, float]:
+def launch_floors_ms(sched: Scheduler, repeats: int = 50) -> tuple[float, float]:
     """What a jitted call costs with the step programs' arguments and no work: a program that hands
     back a copy of the scheduler's device state (donated, as the steps donate it) over the target's
     and draft's params, launched on an idle device (median ms). A step launch's time above it is
@@ -92,7 +96,7 @@ def launch_floors_ms(sched, repeats: int = 50) -> tuple[float, float]:
     return warm, cold
 
 
-def relaunch_ms(sched, next_step: Callable[[], object], repeats: int = 20) -> float | None:
+def relaunch_ms(sched: Scheduler, next_step: Callable[[], object], repeats: int = 20) -> float | None:
     """What the launch of a step's own program costs right after that program ran (median ms):
     the last program `next_step()` launches (its decode step) is captured, then launched `repeats`
     times over a copy of the device state, each after the previous one finished, with nothing

@@ -17,13 +17,20 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from .http_client import run_http_benchmark
 from .report import MIN_REQUESTS, MIN_REQUESTS_PER_CLIENT, too_few_requests
 from .runner import RunConfig, run_benchmark
 from .settings import SpecSetting
 from .workloads import DATASETS, MULTITURN, Workload, dataset_workload, multiturn_workload, random_workload_for
+
+if TYPE_CHECKING:  # annotations only
+    from jax.sharding import Mesh
+
+    from ..models.draft import Draft
+    from ..models.target import Target
+    from ..text.tokenizer import Tokenizer
 
 
 def check_server_choices(settings: Sequence[SpecSetting], base_url: str | None, in_process_mesh: bool) -> None:
@@ -54,9 +61,9 @@ def check_synthetic_acceptance(cfg: RunConfig, settings: Sequence[SpecSetting]) 
                          "--spec (e.g. --spec=none,chain:3:1:4)")
 
 
-def load_workload(kind: str, *, shape: str, scale: float, output_len: int, data_dir: str | None, tokenizer,
-                  template_dir: str, model_vocab_size: int, max_seq_len: int,
-                  load_target: Callable[[], object]) -> tuple[Workload, object | None]:
+def load_workload(kind: str, *, shape: str, scale: float, output_len: int, data_dir: str | None,
+                  tokenizer: Tokenizer, template_dir: str, model_vocab_size: int, max_seq_len: int,
+                  load_target: Callable[[], Target]) -> tuple[Workload, Target | None]:
     """(the workload, the target when loading it needed one, else None): `random` prompts of an
     InferenceX `shape` times `scale`, a multi-turn workload (the target, from `load_target()`,
     answers its first turns), or a dataset's first turns; each chat-templated from `template_dir`
@@ -106,8 +113,8 @@ def run_record_config(cfg: RunConfig, *, dtype: str, limit: int, page_size: int 
             "prefill_chunk": prefill_chunk, "target": target}
 
 
-def in_process_config(target, mesh, *, draft: str | None, scheduler_max_seq_len: int, overlap: bool,
-                      prefix_caching: bool) -> dict:
+def in_process_config(target: Target, mesh: Mesh | None, *, draft: str | None, scheduler_max_seq_len: int,
+                      overlap: bool, prefix_caching: bool) -> dict:
     """The report's `config` entries of an in-process run: the mesh's shape, the target's kernels
     and batch invariance, the draft folder (None without a speculative setting), the schedulers'
     sequence length, overlap and prefix caching."""
@@ -134,10 +141,11 @@ def run_over_http(base_url: str, setting: SpecSetting, workload: Workload, cfg: 
     return BenchRun(cells, f"HTTP {base_url}", {**config, "dtype": None})
 
 
-def run_in_process(settings: Sequence[SpecSetting], workload: Workload, cfg: RunConfig, config: dict, *, target,
-                   load_target: Callable[[], object], load_draft: Callable[[object], object], draft_path: str,
-                   mesh, max_seq_len: int | None, page_size: int | None, prefill_chunk: int | None,
-                   num_devices: int | None, overlap: bool, prefix_caching: bool) -> BenchRun:
+def run_in_process(settings: Sequence[SpecSetting], workload: Workload, cfg: RunConfig, config: dict, *,
+                   target: Target | None, load_target: Callable[[], Target], load_draft: Callable[[Target], Draft],
+                   draft_path: str, mesh: Mesh | None, max_seq_len: int | None, page_size: int | None,
+                   prefill_chunk: int | None, num_devices: int | None, overlap: bool,
+                   prefix_caching: bool) -> BenchRun:
     """The cells in this process: the target (`target`, or `load_target()` when None) and, for a
     speculative setting, the draft (`load_draft(target)`); schedulers of `max_seq_len` tokens (by
     default the workload's longest prompt plus output)."""
