@@ -38,14 +38,11 @@ with a `warnings` list and an X-Eagle3-Warnings header (see eagle3_jax/serving/f
 
 from __future__ import annotations
 
-import errno
-import gc
 import os
-import socket
 import sys
 from typing import Sequence
 
-from absl import app, flags
+from absl import flags
 
 # Run from a checkout without installing: make the repository's package importable.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -65,6 +62,12 @@ from eagle3_jax.cli.flags import (  # noqa: E402
     mesh_from_flags,
     quant_options,
     spec_from_flags,
+)
+from eagle3_jax.cli.serve_flags import (  # noqa: E402
+    check_port_free,
+    scheduler_options,
+    served_model_name,
+    tokenizer_dir,
 )
 
 FLAGS = flags.FLAGS
@@ -125,67 +128,9 @@ flags.adopt_module_key_flags(shared_flags)
 flags.adopt_module_key_flags(cli)
 
 
-def check_port_free(host: str, port: int) -> None:
-    """A usage error when nothing can listen on host:port (busy, or not an address of this machine),
-    found before the model loads rather than after. Port 0 (any free port) always works."""
-    try:
-        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                                             flags=socket.AI_PASSIVE)[0]
-    except (socket.gaierror, UnicodeError) as e:
-        raise app.UsageError(f"--host={host} is not an address or host name this machine can resolve "
-                             f"({getattr(e, 'strerror', None) or e}); give one of its addresses, e.g. 127.0.0.1 "
-                             "(loopback) or 0.0.0.0 (every interface)") from None
-    try:
-        with socket.socket(family, kind, proto) as sock:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server will
-            sock.bind(address)
-    except OSError as e:
-        raise app.UsageError(bind_error_line(host, port, e)) from None
-
-
-def bind_error_line(host: str, port: int, error: OSError) -> str:
-    """What a failed bind means for the user: a busy port, an address that is not this machine's,
-    or a port that needs privileges."""
-    where = f"cannot listen on {host}:{port} ({error.strerror or error})"
-    if error.errno == errno.EADDRINUSE:
-        return f"{where}; stop what uses that port or pick another with --port"
-    if error.errno == errno.EADDRNOTAVAIL:
-        return (f"{where}: --host={host} is not an address of this machine; give one of its addresses, e.g. "
-                "127.0.0.1 (loopback) or 0.0.0.0 (every interface)")
-    if error.errno == errno.EACCES:
-        return f"{where}: ports below 1024 need privileges; pick --port above 1023"
-    return f"{where}; check --host and --port"
-
-
 def say(message: str) -> None:
     """A progress line for the operator (logging stays at WARNING unless --verbose)."""
     print(f"serve.py: {message}", file=sys.stderr, flush=True)
-
-
-def stop_ids(model_eos: Sequence[int], tokenizer_eos: Sequence[int]) -> tuple[int, ...]:
-    """EOS ids from the model config and the tokenizer folder, without repeats, in order."""
-    return tuple(dict.fromkeys([*model_eos, *tokenizer_eos]))
-
-
-def tokenizer_dir(path: str) -> str:
-    """The folder holding the tokenizer files (the chat template lives there too)."""
-    return path if os.path.isdir(path) else os.path.dirname(path)
-
-
-def output_parsers(model_type: str, template_source: str | None) -> tuple[str | None, str | None]:
-    """The --tool_call_parser and --reasoning_parser in effect (None: off), each said when chosen
-    for the user."""
-    from eagle3_jax.parsers.defaults import default_reasoning_parser, default_tool_call_parser
-
-    chosen = []
-    for flag, default in (("tool_call_parser", default_tool_call_parser),
-                          ("reasoning_parser", default_reasoning_parser)):
-        value = getattr(FLAGS, flag)
-        if value == "auto":
-            value = default(model_type, template_source) or "none"
-            say(f"--{flag}={value} (auto, for model_type {model_type}; set --{flag} to change it)")
-        chosen.append(None if value == "none" else value)
-    return chosen[0], chosen[1]
 
 
 def main(argv: Sequence[str]) -> None:
@@ -194,11 +139,10 @@ def main(argv: Sequence[str]) -> None:
     check_target_path("--target", FLAGS.target)
     check_draft_path("--draft", FLAGS.draft)
     import jax
-    from aiohttp import web
 
     import eagle3_jax as e3  # imported here so that --help works without loading JAX
     from eagle3_jax.scheduler import Scheduler
-    from eagle3_jax.serving import AsyncEngine, make_app
+    from eagle3_jax.serving import AsyncEngine, launch, make_app
     from eagle3_jax.text.tokenizer import load_tokenizer
 
     tok_path = FLAGS.tokenizer or FLAGS.target
@@ -211,8 +155,10 @@ def main(argv: Sequence[str]) -> None:
     tok = load_tokenizer(tok_path, bos_id=cfg.bos_token_id)
     max_seq_len = check_max_seq_len(FLAGS.max_seq_len, cfg.max_position_embeddings)
     chat_template = chat_template_from_flags(tokenizer_dir(tok_path), required=False)
-    template_sources = "\n".join(filter(None, [chat_template.source, *dict(chat_template.named).values()]))
-    tool_call_parser, reasoning_parser = output_parsers(cfg.model_type, template_sources)
+    parsers = launch.output_parsers(cfg.model_type, chat_template, FLAGS.tool_call_parser, FLAGS.reasoning_parser)
+    for flag in parsers.auto:
+        say(f"--{flag}={getattr(parsers, flag) or 'none'} (auto, for model_type {cfg.model_type}; set --{flag} to "
+            "change it)")
     if not chat_template.available:
         cli.warn(f"{tokenizer_dir(tok_path)} has no chat template: /v1/chat/completions answers 400 (use "
                   "/v1/completions, or restart with --chat_template=<file.jinja> or --chat_template=join)")
@@ -220,12 +166,9 @@ def main(argv: Sequence[str]) -> None:
     draft = None if FLAGS.draft is None else e3.load_draft(FLAGS.draft, target=target, dtype=FLAGS.dtype,
                                                             fp8_format=FLAGS.fp8_format)
     with cli.usage_errors():  # what the flags ask of the scheduler (pages, chunk, a spec the draft cannot run)
-        scheduler = Scheduler(target, draft=draft, spec=spec, max_num_seqs=FLAGS.max_num_seqs,
-                              max_seq_len=max_seq_len, page_size=FLAGS.page_size, num_pages=FLAGS.num_pages,
-                              prefill_chunk=FLAGS.prefill_chunk, max_compiled_programs=FLAGS.max_compiled_programs,
-                              tokenizer=tok, max_logprobs=FLAGS.max_logprobs,
-                              logprobs_mode=FLAGS.logprobs_mode, prefix_caching=FLAGS.prefix_caching)
-    model_name = FLAGS.served_model_name or os.path.basename(os.path.normpath(FLAGS.target))
+        scheduler = Scheduler(target, draft=draft, spec=spec, max_seq_len=max_seq_len, tokenizer=tok,
+                              **scheduler_options())
+    model_name = served_model_name(FLAGS.served_model_name, FLAGS.target)
     if not leader:  # multi-host follower: mirror process 0's steps until it stops
         say(f"process {jax.process_index()}: running process 0's steps on this host's devices")
         steps = scheduler.follow()
@@ -238,31 +181,20 @@ def main(argv: Sequence[str]) -> None:
     if FLAGS.warmup:
         say("warming up: compiling the prefill and decode programs of the first bursts...")
         say(f"warm-up {engine.warm_up()} (not counted in /metrics)")
-    # The model, the compiled programs and their tracing left many long-lived objects: collect once
-    # now and keep them out of later collections, or the first full collection (during the first
-    # burst of requests) walks them all.
-    gc.collect()
-    gc.freeze()
+    launch.settle_heap()
     application = make_app(engine, model_name, max_seq_len=max_seq_len,
-                           eos_token_ids=stop_ids(cfg.eos_token_ids, tok.eos_ids), chat_template=chat_template,
+                           eos_token_ids=launch.stop_ids(cfg.eos_token_ids, tok.eos_ids), chat_template=chat_template,
                            allow_synthetic_acceptance=FLAGS.allow_synthetic_acceptance,
-                           tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser)
-
-    async def close_engine(_app) -> None:
-        await engine.close()
-
-    application.on_cleanup.append(close_engine)
+                           tool_call_parser=parsers.tool_call_parser, reasoning_parser=parsers.reasoning_parser)
     mode = "plain decoding" if spec is None else f"EAGLE-3 {spec}"
     if FLAGS.allow_synthetic_acceptance:
         say("--allow_synthetic_acceptance: requests may force speculative acceptance (benchmarking only; their "
             "outputs are not the model's)")
     say(f"serving {FLAGS.target} as {model_name!r} ({mode}, max_num_seqs {FLAGS.max_num_seqs}, max_seq_len "
         f"{max_seq_len}) on http://{FLAGS.host}:{FLAGS.port}/v1")
-    # handler_cancellation: a client that disconnects cancels its handler, which aborts its request.
     try:
-        web.run_app(application, host=FLAGS.host, port=FLAGS.port, handler_cancellation=True, print=None)
+        launch.serve_until_stopped(application, engine, FLAGS.host, FLAGS.port)
     finally:
-        engine.shutdown()
         scheduler.release_followers()  # after the engine thread stopped: no step runs beside it
 
 

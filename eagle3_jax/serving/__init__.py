@@ -10,8 +10,9 @@ tools, tool_choice), `constraints` (structured output fields) and `protocol` tur
 typed request; `delivery` turns a request's
 deltas into reply events, parsed into reasoning, content and tool calls (`eagle3_jax.parsers`),
 streamed or folded whole (`replies` renders logprobs and usage); `completions` and `chat` are the
-routes; `app` ties them together with health, models and `metrics`. The HTTP parts need the `serve` extra (aiohttp,
-prometheus_client).
+routes; `app` ties them together with health, models and `metrics`; `launch` starts it around a
+running engine (output parsers, stop ids, the run until stopped). The HTTP parts need the `serve`
+extra (aiohttp, prometheus_client).
 """
 
 from ..text.chat_template import ChatTemplate
