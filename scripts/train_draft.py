@@ -124,8 +124,10 @@ def read_corpus():
 
 def check_enough_examples(num_prompts: int, num_temperatures: int) -> None:
     """A usage error when the prompts cannot fill one training batch after the held-out share."""
+    from eagle3_jax.train.draft_run import held_out_count
+
     n = num_prompts * num_temperatures
-    n_eval = max(int(n * FLAGS.eval_fraction), FLAGS.batch_size)
+    n_eval = held_out_count(n, FLAGS.eval_fraction, FLAGS.batch_size)
     if n - n_eval < FLAGS.batch_size:
         source = f"--prompts {FLAGS.prompts}" if FLAGS.prompts else f"--corpus {FLAGS.corpus}"
         raise app.UsageError(f"{source} gives {num_prompts} prompts x {num_temperatures} temperatures = {n} examples; "
@@ -152,11 +154,9 @@ def main(argv: Sequence[str]) -> None:
     # everything the run will use is checked first: the flags, the inputs, the output, the checkpoints
     temps = check_settings()
     check_target_path("--target", FLAGS.target, draft_flag=None)
-    import numpy as np
-
     import eagle3_jax as e3
     from eagle3_jax.train import run_record
-    from eagle3_jax.train.trainer import TrainConfig, Trainer  # needs the train extra: checked before any work
+    from eagle3_jax.train.trainer import TrainConfig  # needs the train extra: checked before any work
 
     model_cfg = e3.load_model_config(FLAGS.target)
     if FLAGS.draft_vocab_size > model_cfg.vocab_size:
@@ -183,10 +183,8 @@ def main(argv: Sequence[str]) -> None:
 
     from eagle3_jax.text.chat_template import render_prompts
     from eagle3_jax.text.tokenizer import load_tokenizer
-    from eagle3_jax.train import data as data_lib
-    from eagle3_jax.train.draft_model import assembled_params, init_draft_params, make_ttt_loss, new_draft_config
-    from eagle3_jax.train.export import export_hf_draft
-    from eagle3_jax.train.vocab import count_tokens, select_draft_vocab
+    from eagle3_jax.train import draft_run
+    from eagle3_jax.train.data import regenerate
 
     if texts is not None:
         warn_without_chat_template(FLAGS.target, "the --prompts")
@@ -198,61 +196,33 @@ def main(argv: Sequence[str]) -> None:
     with cli.usage_errors():  # TrainConfig names a field no check above covers
         tc = TrainConfig(epochs=FLAGS.epochs, learning_rate=FLAGS.learning_rate, warmup_steps=FLAGS.warmup_steps,
                          max_grad_norm=FLAGS.max_grad_norm, compute_dtype=FLAGS.compute_dtype, seed=FLAGS.seed)
+    recipe = draft_run.DraftRecipe(FLAGS.draft_vocab_size, FLAGS.draft_arch, FLAGS.draft_layers,
+                                   FLAGS.draft_intermediate_size, FLAGS.ttt_steps, FLAGS.batch_size,
+                                   FLAGS.eval_fraction, FLAGS.seed)
 
     start = time.perf_counter()
     target = e3.load_target(FLAGS.target, dtype=FLAGS.target_dtype)
     cfg_t = target.config
-    examples = data_lib.regenerate(target, prompts, max_tokens=FLAGS.max_tokens, temperatures=temps, seed=FLAGS.seed,
-                                   batch_size=FLAGS.gen_batch_size, stop_token_ids=cfg_t.eos_token_ids)
+    examples = regenerate(target, prompts, max_tokens=FLAGS.max_tokens, temperatures=temps, seed=FLAGS.seed,
+                          batch_size=FLAGS.gen_batch_size, stop_token_ids=cfg_t.eos_token_ids)
     print(f"regenerated {len(examples)} responses ({len(prompts)} prompts x temperatures {temps}) "
           f"in {time.perf_counter() - start:.0f} s")
-
-    order = np.random.default_rng(FLAGS.seed).permutation(len(examples))
-    n_eval = max(int(len(examples) * FLAGS.eval_fraction), FLAGS.batch_size)
-    eval_ex = [examples[i] for i in order[:n_eval]]
-    train_ex = [examples[i] for i in order[n_eval:]]
-    vsize = FLAGS.draft_vocab_size or cfg_t.vocab_size
-    vocab = select_draft_vocab(count_tokens([e.tokens for e in train_ex], [e.loss_mask for e in train_ex],
-                                            vocab_size=cfg_t.vocab_size), vsize)
-    print(f"draft vocabulary: {vsize} of {cfg_t.vocab_size} ids, covering {vocab.covered_mass:.4f} of response tokens")
-    seq_len = max(len(e.tokens) for e in examples)
-    train_tok, train_mask, _ = data_lib.pack(train_ex, seq_len)
-    eval_tok, eval_mask, _ = data_lib.pack(eval_ex, seq_len)
-
+    data = draft_run.prepare_data(examples, cfg_t.vocab_size, recipe)
+    print(f"draft vocabulary: {FLAGS.draft_vocab_size or cfg_t.vocab_size} of {cfg_t.vocab_size} ids, covering "
+          f"{data.vocab.covered_mass:.4f} of response tokens")
+    store = None
     if FLAGS.mode == "offline":
-        if not os.path.isdir(feature_dir) or (state == "start" and FLAGS.overwrite):  # starting again: fresh features
-            data_lib.write_feature_store(feature_dir, target, train_tok, train_mask, vocab.draft_ids,
-                                         overwrite=FLAGS.overwrite)
-        store = data_lib.FeatureStore(feature_dir)
-        if len(store) != len(train_tok) or not np.array_equal(store.draft_ids, vocab.draft_ids):
-            if not FLAGS.overwrite:
-                raise app.UsageError(f"feature store {feature_dir} was written for other data or another draft "
-                                     "vocabulary; pass --overwrite to write it again, or another --feature_dir")
-            data_lib.write_feature_store(feature_dir, target, train_tok, train_mask, vocab.draft_ids, overwrite=True)
-            store = data_lib.FeatureStore(feature_dir)
-        batches = lambda epoch: store.batches(FLAGS.batch_size, seed=FLAGS.seed, epoch=epoch)  # noqa: E731
-    else:
-        batches = lambda epoch: data_lib.online_batches(target, train_tok, train_mask, vocab.draft_ids,  # noqa: E731
-                                                        FLAGS.batch_size, seed=FLAGS.seed, epoch=epoch)
-    steps_per_epoch = len(train_tok) // FLAGS.batch_size
-
-    dcfg = new_draft_config(cfg_t, vocab, arch=FLAGS.draft_arch, num_layers=FLAGS.draft_layers,
-                            intermediate_size=FLAGS.draft_intermediate_size or None)
-    params, frozen = init_draft_params(dcfg, target, vocab, seed=FLAGS.seed)
-    trainer = Trainer(make_ttt_loss(dcfg, vocab, FLAGS.ttt_steps), params, frozen, tc,
-                      total_steps=steps_per_epoch * FLAGS.epochs, ckpt_dir=ckpt_dir, mesh=mesh)
+        try:  # starting again (--overwrite over another run's checkpoints): fresh features
+            store = draft_run.offline_store(feature_dir, target, data, fresh=state == "start" and FLAGS.overwrite,
+                                            overwrite=FLAGS.overwrite)
+        except draft_run.StaleFeatureStore as e:
+            raise app.UsageError(f"{e}; pass --overwrite to write it again, or another --feature_dir") from None
+    training = draft_run.DraftTraining(target, data, recipe, tc, ckpt_dir=ckpt_dir, mesh=mesh)
     run_record.write_record(ckpt_dir, settings, fingerprint)
-
-    def evaluate(_params) -> dict:
-        return trainer.evaluate(data_lib.online_batches(target, eval_tok, eval_mask, vocab.draft_ids,
-                                                        FLAGS.batch_size, seed=FLAGS.seed, epoch=0))
-
-    history = trainer.fit(batches, steps_per_epoch, evaluate=evaluate)
-    final = assembled_params(trainer.state.params, frozen)
-    log = json.dumps({"argv": sys.argv, "history": history, "covered_mass": vocab.covered_mass,
+    history = training.fit(draft_run.train_batches(target, data, recipe, store))
+    log = json.dumps({"argv": sys.argv, "history": history, "covered_mass": data.vocab.covered_mass,
                       "num_examples": len(examples), "seconds": time.perf_counter() - start}, indent=2)
-    export_hf_draft(out, dcfg, final, vocab if dcfg.has_draft_vocab else None, dtype=FLAGS.save_dtype,
-                    overwrite=FLAGS.overwrite, extra_files={"training_log.json": log})
+    training.export(out, dtype=FLAGS.save_dtype, overwrite=FLAGS.overwrite, extra_files={"training_log.json": log})
     run_record.write_record(ckpt_dir, settings, fingerprint, finished=True)
     print(f"exported {out} after {time.perf_counter() - start:.0f} s")
 

@@ -1,5 +1,6 @@
 """EAGLE-3 draft training: draft-vocabulary selection, training data from the target itself
-(regeneration, teacher features online or from an offline feature store), and HF export.
+(regeneration, teacher features online or from an offline feature store), and HF export;
+draft_run.py strings them together after regeneration (what scripts/train_draft.py runs).
 """
 
 from __future__ import annotations

@@ -1,0 +1,155 @@
+"""A draft trained from the target's own responses, after regeneration (what scripts/train_draft.py
+runs once its flags and inputs are checked): the examples split into training and held-out sets,
+the draft vocabulary chosen from the training responses, both sets packed to one length, teacher
+features computed on the fly or written once to a feature store, training-time-test training
+and the HF export.
+
+`DraftRecipe` holds the settings that shape the draft; `prepare_data` makes the `DraftData` the
+rest reads; `train_batches` picks the online or offline batches; `DraftTraining` builds the draft,
+its trainer (resuming from its checkpoints), trains and exports it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Callable, Iterable, Sequence
+
+import numpy as np
+from jax.sharding import Mesh
+
+from ..models.target import Target
+from .data import Example, FeatureStore, online_batches, pack, write_feature_store
+from .draft_model import assembled_params, init_draft_params, make_ttt_loss, new_draft_config
+from .export import export_hf_draft
+from .trainer import TrainConfig, Trainer
+from .vocab import DraftVocab, count_tokens, select_draft_vocab
+
+Batches = Callable[[int], Iterable[dict]]  # epoch -> that epoch's batches, in a fixed order
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftRecipe:
+    """The draft a run trains and the data it trains on: a draft vocabulary of `vocab_size` ids (0:
+    the target's whole vocabulary), `num_layers` decoder layers of `arch` ("llama" or "mla") with
+    an MLP `intermediate_size` wide (0: 4 x hidden), a training-time-test unroll `ttt_steps` deep,
+    batches of `batch_size` sequences, an `eval_fraction` share held out and `seed` for the data
+    order and the initial weights."""
+
+    vocab_size: int = 0
+    arch: str = "llama"
+    num_layers: int = 1
+    intermediate_size: int = 0
+    ttt_steps: int = 7
+    batch_size: int = 16
+    eval_fraction: float = 0.05
+    seed: int = 0
+
+
+def held_out_count(num_examples: int, eval_fraction: float, batch_size: int) -> int:
+    """Examples held out for evaluation: `eval_fraction` of them, and at least one batch."""
+    return max(int(num_examples * eval_fraction), batch_size)
+
+
+def split_examples(examples: Sequence[Example], eval_fraction: float, batch_size: int,
+                   seed: int) -> tuple[list[Example], list[Example]]:
+    """(training, held-out) examples: a permutation by `seed`, its first `held_out_count` held out."""
+    order = np.random.default_rng(seed).permutation(len(examples))
+    n_eval = held_out_count(len(examples), eval_fraction, batch_size)
+    return [examples[i] for i in order[n_eval:]], [examples[i] for i in order[:n_eval]]
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftData:
+    """A run's packed data: token ids and loss masks [N, seq_len] of the training and held-out
+    examples (one length: the longest example's), and the draft vocabulary."""
+
+    vocab: DraftVocab
+    train_tokens: np.ndarray
+    train_mask: np.ndarray
+    eval_tokens: np.ndarray
+    eval_mask: np.ndarray
+
+
+def prepare_data(examples: Sequence[Example], target_vocab_size: int, recipe: DraftRecipe) -> DraftData:
+    """The examples split (`split_examples`), the draft vocabulary chosen from the training
+    responses' token counts (held-out ones do not count), both sets packed to the longest length."""
+    train, held_out = split_examples(examples, recipe.eval_fraction, recipe.batch_size, recipe.seed)
+    counts = count_tokens([e.tokens for e in train], [e.loss_mask for e in train], vocab_size=target_vocab_size)
+    vocab = select_draft_vocab(counts, recipe.vocab_size or target_vocab_size)
+    seq_len = max(len(e.tokens) for e in examples)
+    train_tokens, train_mask, _ = pack(train, seq_len)
+    eval_tokens, eval_mask, _ = pack(held_out, seq_len)
+    return DraftData(vocab, train_tokens, train_mask, eval_tokens, eval_mask)
+
+
+class StaleFeatureStore(ValueError):
+    """A feature store written for other data or another draft vocabulary."""
+
+
+def store_matches(store: FeatureStore, data: DraftData) -> bool:
+    """Whether `store` holds the features of `data`'s training rows over its draft vocabulary."""
+    return len(store) == len(data.train_tokens) and np.array_equal(store.draft_ids, data.vocab.draft_ids)
+
+
+def offline_store(feature_dir: str, target: Target, data: DraftData, *, fresh: bool = False,
+                  overwrite: bool = False) -> FeatureStore:
+    """The feature store in `feature_dir` for `data`: written when missing or `fresh` (a run that
+    starts again), reused when it matches. One that does not match is written again with
+    `overwrite`, else refused (StaleFeatureStore)."""
+    def write(replace: bool) -> FeatureStore:
+        write_feature_store(feature_dir, target, data.train_tokens, data.train_mask, data.vocab.draft_ids,
+                            overwrite=replace)
+        return FeatureStore(feature_dir)
+
+    store = write(overwrite) if not os.path.isdir(feature_dir) or fresh else FeatureStore(feature_dir)
+    if store_matches(store, data):
+        return store
+    if not overwrite:
+        raise StaleFeatureStore(f"feature store {feature_dir} was written for other data or another draft vocabulary")
+    return write(True)
+
+
+def train_batches(target: Target, data: DraftData, recipe: DraftRecipe, store: FeatureStore | None = None) -> Batches:
+    """Each epoch's training batches: streamed from `store` (offline), else with the teacher's
+    features computed by `target` as they are drawn (online)."""
+    if store is not None:
+        return lambda epoch: store.batches(recipe.batch_size, seed=recipe.seed, epoch=epoch)
+    return lambda epoch: online_batches(target, data.train_tokens, data.train_mask, data.vocab.draft_ids,
+                                        recipe.batch_size, seed=recipe.seed, epoch=epoch)
+
+
+class DraftTraining:
+    """A new draft for `target` (config from the recipe, weights initialised from the target where
+    they are shared) and its trainer: checkpoints in `ckpt_dir` (it resumes from the latest),
+    data-parallel over `mesh` when given."""
+
+    def __init__(self, target: Target, data: DraftData, recipe: DraftRecipe, tc: TrainConfig, *,
+                 ckpt_dir: str | None = None, mesh: Mesh | None = None):
+        self.target, self.data, self.recipe = target, data, recipe
+        self.config = new_draft_config(target.config, data.vocab, arch=recipe.arch, num_layers=recipe.num_layers,
+                                       intermediate_size=recipe.intermediate_size or None)
+        params, self.frozen = init_draft_params(self.config, target, data.vocab, seed=recipe.seed)
+        self.steps_per_epoch = len(data.train_tokens) // recipe.batch_size
+        self.trainer = Trainer(make_ttt_loss(self.config, data.vocab, recipe.ttt_steps), params, self.frozen, tc,
+                               total_steps=self.steps_per_epoch * tc.epochs, ckpt_dir=ckpt_dir, mesh=mesh)
+
+    def evaluate(self) -> dict:
+        """The held-out set's mean metrics under the current weights (teacher features online)."""
+        d = self.data
+        return self.trainer.evaluate(online_batches(self.target, d.eval_tokens, d.eval_mask, d.vocab.draft_ids,
+                                                    self.recipe.batch_size, seed=self.recipe.seed, epoch=0))
+
+    def fit(self, batches: Batches, progress: bool = True, log: Callable[[str], None] = print) -> list[dict]:
+        """Train every epoch left (`Trainer.fit`), evaluating after each; the epochs' summaries."""
+        return self.trainer.fit(batches, self.steps_per_epoch, evaluate=lambda _params: self.evaluate(),
+                                progress=progress, log=log)
+
+    def export(self, out: str, dtype: str = "bfloat16", overwrite: bool = False,
+               extra_files: dict[str, str] | None = None) -> str:
+        """The trained draft as an HF draft folder at `out` (its vocabulary mapping only when the
+        draft has its own vocabulary); returns the folder."""
+        params = assembled_params(self.trainer.state.params, self.frozen)
+        vocab = self.data.vocab if self.config.has_draft_vocab else None
+        return export_hf_draft(out, self.config, params, vocab, dtype=dtype, overwrite=overwrite,
+                               extra_files=extra_files)
