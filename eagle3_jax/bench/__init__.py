@@ -1,4 +1,5 @@
-"""Serving benchmark: plain vs EAGLE-3 decoding under concurrent load, as `vllm bench serve` measures it.
+"""Benchmarks and checks. The serving benchmark: plain vs EAGLE-3 decoding under concurrent load,
+as `vllm bench serve` measures it:
 
 - `workloads`: fixed-shape random-token prompts (InferenceX 1k1k / 1k8k / 8k1k, scalable) and
   dataset prompts (MT-Bench, GSM8K, ShareGPT, Spec-Bench) with a fixed output length.
@@ -18,9 +19,13 @@
 - `gsm8k`: GSM8K accuracy scored as lm-evaluation-harness's `gsm8k` task, in-process or against a
   server, with the agreement between runs with and without speculation; `gsm8k_run`: the runs
   `scripts/eval_gsm8k.py` makes of it (inputs, servers, in-process settings, the report's config).
+- `step_accounting`: where a decode step's time goes (`scripts/bench_step.py`).
+- `kernel_timing`, `attention_timing`, `moe_timing`: the kernels against their XLA references at
+  given shapes, with each row's roofline fractions (`scripts/bench_kernels.py`).
+- `gpu_check`: the one-shot GPU check (kernels, decode and verify steps, the demo's equality), one
+  JSON rewritten after every part (`scripts/gpu_check.py`).
 
-`scripts/bench.py`, `scripts/bench_host.py` and `scripts/eval_gsm8k.py` are the command-line front
-ends. The names below load on first use (PEP 562), so that a script's flag checks
+The scripts named are the command-line front ends. The names below load on first use (PEP 562), so that a script's flag checks
 (`flag_checks`) run before JAX loads.
 """
 
