@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from eagle3_jax.cli import script as cli  # noqa: E402
 from eagle3_jax.cli.flags import check_target_path, warn_without_chat_template  # noqa: E402
-from eagle3_jax.cli.runs import plan_run, settings_of  # noqa: E402
+from eagle3_jax.cli.runs import check_training_flags, plan_run, settings_of  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("target", None, "Target model folder (HF or Orbax).")
@@ -88,12 +88,7 @@ def check_settings() -> list[float]:
         raise app.UsageError(f"--temperatures must be numbers; got {','.join(FLAGS.temperatures)!r}") from None
     if not temps or min(temps) < 0:
         raise app.UsageError(f"--temperatures must be numbers >= 0 (0 = greedy); got {','.join(FLAGS.temperatures)!r}")
-    if not FLAGS.learning_rate > 0:
-        raise app.UsageError(f"--learning_rate must be > 0; got {FLAGS.learning_rate}")
-    if not FLAGS.max_grad_norm > 0:
-        raise app.UsageError(f"--max_grad_norm must be > 0; got {FLAGS.max_grad_norm}")
-    if not 0 <= FLAGS.eval_fraction < 1:
-        raise app.UsageError(f"--eval_fraction must be in [0, 1); got {FLAGS.eval_fraction}")
+    check_training_flags()
     return temps
 
 

@@ -22,7 +22,7 @@ from absl import app, flags
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from eagle3_jax.cli import script as cli  # noqa: E402
-from eagle3_jax.cli.runs import plan_run, settings_of  # noqa: E402
+from eagle3_jax.cli.runs import check_training_flags, plan_run, settings_of  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("config", None, "HF config.json of the model to train.")
@@ -64,10 +64,7 @@ def check_settings(corpus, vocab_size: int) -> None:
     """The flags and the corpus, checked before any work."""
     import numpy as np
 
-    if not FLAGS.learning_rate > 0:
-        raise app.UsageError(f"--learning_rate must be > 0; got {FLAGS.learning_rate}")
-    if not 0 <= FLAGS.eval_fraction < 1:
-        raise app.UsageError(f"--eval_fraction must be in [0, 1); got {FLAGS.eval_fraction}")
+    check_training_flags()
     if corpus.ndim != 2 or not np.issubdtype(corpus.dtype, np.integer) or corpus.min() < 0 or corpus.max() >= vocab_size:
         raise app.UsageError(f"--corpus must be integer token ids [N, seq_len] in [0, {vocab_size}); got {corpus.dtype} "
                              f"{corpus.shape}")

@@ -1,5 +1,5 @@
-"""What train_draft.py and train_target.py share: whether a run starts, resumes or is already done,
-decided before any model loads.
+"""What train_draft.py and train_target.py share: the checks of their training flags, and whether a
+run starts, resumes or is already done, decided before any model loads.
 
 A checkpoint folder resumes only the run that wrote it (eagle3_jax.train.run_record): the same
 settings and the same data. Anything else is refused with the settings that differ and the two ways
@@ -20,6 +20,17 @@ from ..train import run_record
 from . import script as cli
 
 FLAGS = flags.FLAGS
+
+
+def check_training_flags(values: flags.FlagValues = FLAGS) -> None:
+    """A usage error for the training flags no validator covers: --learning_rate must be > 0,
+    --max_grad_norm (where the script has it) > 0, --eval_fraction in [0, 1)."""
+    if not values.learning_rate > 0:
+        raise app.UsageError(f"--learning_rate must be > 0; got {values.learning_rate}")
+    if "max_grad_norm" in values and not values.max_grad_norm > 0:
+        raise app.UsageError(f"--max_grad_norm must be > 0; got {values.max_grad_norm}")
+    if not 0 <= values.eval_fraction < 1:
+        raise app.UsageError(f"--eval_fraction must be in [0, 1); got {values.eval_fraction}")
 
 
 def settings_of(names: tuple[str, ...]) -> dict[str, Any]:
