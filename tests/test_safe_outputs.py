@@ -362,9 +362,7 @@ def test_plan_names_the_mesh_axis_that_does_not_divide():
 
 
 def test_plan_says_what_is_over():
-    sys.path.insert(0, SCRIPTS)
-    import plan as plan_script
-
+    from eagle3_jax.planning import report as plan_script
     from eagle3_jax.planning.memory import DEVICES, MemoryPlan
 
     G = 2**30
