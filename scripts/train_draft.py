@@ -191,9 +191,10 @@ def main(argv: Sequence[str]) -> None:
     with cli.usage_errors():  # TrainConfig names a field no check above covers
         tc = TrainConfig(epochs=FLAGS.epochs, learning_rate=FLAGS.learning_rate, warmup_steps=FLAGS.warmup_steps,
                          max_grad_norm=FLAGS.max_grad_norm, compute_dtype=FLAGS.compute_dtype, seed=FLAGS.seed)
-    recipe = draft_run.DraftRecipe(FLAGS.draft_vocab_size, FLAGS.draft_arch, FLAGS.draft_layers,
-                                   FLAGS.draft_intermediate_size, FLAGS.ttt_steps, FLAGS.batch_size,
-                                   FLAGS.eval_fraction, FLAGS.seed)
+    recipe = draft_run.DraftRecipe(vocab_size=FLAGS.draft_vocab_size, arch=FLAGS.draft_arch,
+                                   num_layers=FLAGS.draft_layers, intermediate_size=FLAGS.draft_intermediate_size,
+                                   ttt_steps=FLAGS.ttt_steps, batch_size=FLAGS.batch_size,
+                                   eval_fraction=FLAGS.eval_fraction, seed=FLAGS.seed)
 
     start = time.perf_counter()
     target = e3.load_target(FLAGS.target, dtype=FLAGS.target_dtype)
