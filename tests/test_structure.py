@@ -195,3 +195,13 @@ def test_the_scripts_contract_and_the_package_root_load_no_jax():
             "assert 'jax' in sys.modules\n")
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
+
+
+def test_the_folders_the_library_finds_beside_itself_exist():
+    """Modules that read the checkout's data by their own path (a room deeper means one more dirname)."""
+    from eagle3_jax.bench import gpu_check, gsm8k, workloads
+    from eagle3_jax.planning import compile_gate
+
+    for folder in (compile_gate.DATA, gsm8k._DATA_DIR, workloads.DEFAULT_DATA_DIR, gpu_check.ROOT):
+        assert Path(folder).is_dir(), folder
+    assert (Path(compile_gate.DATA) / "kimi-k2.5.config.json").is_file()

@@ -41,7 +41,7 @@ from . import memory as plan
 if TYPE_CHECKING:
     from pallas_kernels import isa
 
-DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "data")
+DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "tests", "data")
 KERNELS = "attention=pallas,moe=pallas"
 TOKENS = (1, 4, 16, attention.KERNEL_MAX_TOKENS)
 BATCHES = (1, 64)
