@@ -39,7 +39,7 @@ from absl import app, flags
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from eagle3_jax.cli import script as cli  # noqa: E402
-from eagle3_jax.cli.flags import check_draft_path, check_target_path, define_kernels_flag  # noqa: E402
+from eagle3_jax.cli.flags import check_draft_path, check_target_path, define_kernels_flag, int_list  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("target", "checkpoints/kimi-mini", "Target model folder (HF or Orbax).")
@@ -60,16 +60,6 @@ flags.DEFINE_string("plot", None, "Write the stacked-bar picture here (PNG).")
 cli.define_overwrite_flag("--json_out and --plot")
 
 define_kernels_flag()
-
-
-def _ints(values, flag: str) -> list[int]:
-    try:
-        out = [int(v) for v in values]
-    except ValueError:
-        out = []
-    if not out or min(out) < 1:
-        raise app.UsageError(f"--{flag} must be comma-separated integers >= 1; got {','.join(values)!r}")
-    return out
 
 
 def _sampling(values) -> list[tuple[str, dict]]:
@@ -157,7 +147,7 @@ def plot(rows: list[dict], path: str) -> None:
 def main(argv) -> None:
     cli.reject_positional(argv)
     check_target_path("--target", FLAGS.target)
-    batches = _ints(FLAGS.batches, "batches")
+    batches = int_list(FLAGS.batches, "batches", positive=True)
     samplings = _sampling(FLAGS.sampling)
     for flag, path in (("--json_out", FLAGS.json_out), ("--plot", FLAGS.plot)):
         cli.check_output(flag, path, {"--target": FLAGS.target, "--draft": FLAGS.draft}, is_file=True)
