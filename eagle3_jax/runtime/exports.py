@@ -10,6 +10,7 @@ defining module.
 from __future__ import annotations
 
 import importlib
+import sys
 from typing import Any, Callable, Mapping
 
 
@@ -21,7 +22,9 @@ def lazy_exports(package: str, where: Mapping[str, str]) -> tuple[Callable[[str]
         module = where.get(name)
         if module is None:
             raise AttributeError(f"module {package!r} has no attribute {name!r}")
-        return getattr(importlib.import_module(module, package), name)
+        value = getattr(importlib.import_module(module, package), name)
+        setattr(sys.modules[package], name, value)  # later lookups find it without coming here
+        return value
 
     def __dir__() -> list[str]:
         return sorted(where)
