@@ -40,6 +40,9 @@ def test_undivided_names_each_dimension_an_axis_cannot_split_and_the_bytes_repli
         ("tensor", "mlp", 10): [("w", 90)], ("tensor", "expert_mlp", 6): [("x", 288)]}
     assert report.undivided(SPECS, (1, 2, 1), "bfloat16") == {}
     assert report.undivided(SPECS, (1, 1, 3), "bfloat16") == {("expert", "experts", 8): [("x", 256)]}
+    # experts over data x expert: 3 x 2 does not divide 8, expert alone does, the data axis replicates them
+    assert report.undivided(SPECS, (3, 1, 2), "bfloat16") == {("data", "experts", 8): [("x", 256)]}
+    assert report.undivided(SPECS, (2, 1, 4), "bfloat16") == {}
 
 
 def test_replication_notes_say_what_stays_whole_and_which_meshes_divide():

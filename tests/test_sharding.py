@@ -10,7 +10,7 @@ from eagle3_jax.runtime.sharding import partition_spec
 
 needs_8 = pytest.mark.skipif(jax.device_count() < 8, reason="needs XLA_FLAGS=--xla_force_host_platform_device_count=8 (make test sets it)")
 
-MESHES = [(2, 2, 2), (1, 8, 1), (1, 2, 4)]
+MESHES = [(2, 2, 2), (1, 8, 1), (1, 2, 4), (8, 1, 1), (2, 1, 4)]
 
 
 @needs_8
@@ -22,7 +22,8 @@ def test_sharded_logits_equal_unsharded(family, mesh_shape):
     sharded = random_target(FAMILIES[family], mesh=e3.make_mesh(*mesh_shape))
     leaves = jax.tree.leaves(sharded.params)
     assert any(len(leaf.sharding.device_set) == 8 for leaf in leaves)
-    assert any(not leaf.sharding.is_fully_replicated for leaf in leaves)
+    dense_on_data = mesh_shape[1] == 1 and family == "llama"  # no tensor axis: a dense model is whole everywhere
+    assert any(not leaf.sharding.is_fully_replicated for leaf in leaves) != dense_on_data
     np.testing.assert_allclose(sharded.logits(ids), ref, atol=1e-5 * np.abs(ref).max())
 
 
@@ -53,6 +54,21 @@ def test_sharded_speculative_generation_equals_unsharded():
 def test_experts_and_heads_follow_the_rules():
     mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1, 1), ("data", "tensor", "expert"))
     assert partition_spec(("experts", "embed", "expert_mlp"), (8, 32, 16), mesh) == jax.sharding.PartitionSpec("expert", None, "tensor")
+
+
+@needs_8
+def test_experts_split_over_data_and_expert():
+    """Data-parallel attention: the routed experts over every device of data x expert, dense
+    weights whole on each data shard; experts that data x expert does not divide over expert alone."""
+    P = jax.sharding.PartitionSpec
+    mesh = e3.make_mesh(2, 1, 4)
+    assert partition_spec(("experts", "embed", "expert_mlp"), (8, 32, 16), mesh) == P(("data", "expert"), None, "tensor")
+    assert partition_spec(("experts", "embed", "expert_mlp"), (12, 32, 16), mesh) == P("expert", None, "tensor")
+    assert partition_spec(("experts", "embed", "expert_mlp"), (8, 32, 16), e3.make_mesh(8, 1, 1)) == P("data", None, "tensor")
+    assert partition_spec(("embed", "mlp"), (32, 48), mesh) == P(None, "tensor")
+    target = random_target(FAMILIES["deepseek_v3"], mesh=e3.make_mesh(8, 1, 1))
+    experts = target.params["segments"][1]["experts_gate"]
+    assert experts.addressable_shards[0].data.shape[1] == 1  # [L, E/8, H, I]: one expert per device
 
 
 @needs_8

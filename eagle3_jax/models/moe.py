@@ -6,12 +6,13 @@ unbiased scores of the chosen ones, normalised, times `routed_scaling_factor`. D
 the `topk_group` best groups (a group's score is the sum of its two best biased scores).
 
 Expert parallelism is explicit. When the program is traced under a mesh (`jax.set_mesh`, which
-the Engine, Scheduler and planner do for a sharded Target) whose `expert` or `tensor` axis splits
-the expert weights, the routed experts run under `shard_map`: every shard sees all tokens (decode
-sizes: no all-to-all), computes only the assignments routed to its own E/ep experts with its own
-slice of each expert's intermediate width, and the partial outputs are summed in float32 with one
-`psum`. No shard ever holds another shard's expert weights. Without a mesh the same local code
-runs over all experts.
+the Engine, Scheduler and planner do for a sharded Target) whose axes split the expert weights
+(experts over `data` x `expert`, their width over `tensor`), the routed experts run under
+`shard_map`: every shard sees all tokens (the rows of the other data shards all-gathered; decode
+sizes: no all-to-all, which XLA:CPU lacks), computes only the assignments routed to its own
+experts with its own slice of each expert's intermediate width, and the partial outputs are
+summed in float32 (`psum`, and `psum_scatter` back to each data shard's rows). No shard ever
+holds another shard's expert weights. Without a mesh the same local code runs over all experts.
 
 Local expert compute has three forms, chosen from the static shapes (`expert_form`):
 - few assignments (small decode and verify steps): gather each assignment's expert matrices in
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from ..config.model import ModelConfig
@@ -208,23 +210,40 @@ def _weight_specs(w: dict, mesh) -> dict:
     return {name: leaf_partition_spec(axes[name], arr, mesh) for name, arr in w.items()}
 
 
+def _names(entry) -> tuple[str, ...]:
+    """The mesh axes of one PartitionSpec entry."""
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
 def expert_parallel(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate, w_up, w_down, mesh,
                     use_kernels: bool = False) -> jax.Array:
     """`local_experts` under shard_map on `mesh`: each shard runs its own experts (and its slice of
-    their intermediate width) for all tokens; partial outputs are psum-ed in float32."""
+    their intermediate width) and the partial outputs are summed in float32.
+
+    Tokens split over `data` (data-parallel attention: each data shard holds its own rows) are
+    all-gathered first when the experts are split over `data` too, so every shard sees every
+    token; the summed outputs are then psum-scattered back, each data shard keeping its rows. A
+    mesh whose `data` axis does not split the experts runs each data shard's rows through its
+    replica of them, with no gather."""
     w = {"experts_gate": w_gate, "experts_up": w_up, "experts_down": w_down}
     specs = _weight_specs(w, mesh)
     values_specs = [s.values if isinstance(s, QArray) else s for s in specs.values()]  # scales split alike or not at all
-    expert_axis = values_specs[0][0]  # the mesh axis splitting the experts, or None
-    reduce_axes = tuple(sorted({a for s in values_specs for a in s if a is not None}))
+    expert_axes_ = _names(values_specs[0][0])  # the mesh axes splitting the experts, in order
+    reduce_axes = tuple(sorted({a for s in values_specs for entry in s for a in _names(entry)}))
     data = mesh.shape.get("data", 1)
     rows = "data" if data > 1 and x.shape[0] % data == 0 else None
-    local_count = w_gate.shape[0] // (mesh.shape[expert_axis] if expert_axis else 1)
+    gathers = rows is not None and "data" in reduce_axes
+    local_count = w_gate.shape[0] // int(np.prod([mesh.shape[a] for a in expert_axes_]))
 
     def body(x, weights, ids, wg, wu, wd):
-        first = jax.lax.axis_index(expert_axis) * local_count if expert_axis else 0
+        if gathers:
+            x, weights, ids = (jax.lax.all_gather(a, "data", axis=0, tiled=True) for a in (x, weights, ids))
+        first = jax.lax.axis_index(expert_axes_) * local_count if expert_axes_ else 0
         y = local_experts(x, weights, ids - first, wg, wu, wd, use_kernels)
-        return jax.lax.psum(y, reduce_axes) if reduce_axes else y
+        others = tuple(a for a in reduce_axes if not (gathers and a == "data"))
+        if others:
+            y = jax.lax.psum(y, others)
+        return jax.lax.psum_scatter(y, "data", scatter_dimension=0, tiled=True) if gathers else y
 
     return jax.shard_map(
         body, mesh=mesh,

@@ -11,11 +11,12 @@ turns their results into text.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Sequence
 
 from jax.sharding import Mesh
 
-from ..runtime.sharding import RULES
+from ..runtime.sharding import split_choices
 from ..spec_decode.settings import SpecConfig
 from ..weights.params import ParamSpec
 from .memory import AbstractSetup, Device, MemoryPlan, abstract_setup, plan_memory
@@ -100,14 +101,15 @@ def undivided(specs: dict[str, ParamSpec], mesh_shape: MeshShape, dtype: str) ->
     for name, spec in specs.items():
         used: set[str] = set()
         for logical, dim in zip(spec.axes, spec.shape):
-            mesh_axis = RULES.get(logical) if logical else None
-            if mesh_axis is None or mesh_axis in used or sizes[mesh_axis] == 1:
+            choices = [axes for axes in split_choices(logical, sizes) if not used.intersection(axes)]
+            if not choices:
                 continue
-            if dim % sizes[mesh_axis]:
-                nbytes = spec.nbytes(dtype)
-                out.setdefault((mesh_axis, logical, dim), []).append((name, nbytes - nbytes // sizes[mesh_axis]))
-            else:
-                used.add(mesh_axis)
+            split = next((axes for axes in choices if dim % math.prod(sizes[a] for a in axes) == 0), ())
+            used.update(split)
+            for mesh_axis in choices[0]:
+                if mesh_axis not in split and sizes[mesh_axis] > 1:
+                    nbytes = spec.nbytes(dtype)
+                    out.setdefault((mesh_axis, logical, dim), []).append((name, nbytes - nbytes // sizes[mesh_axis]))
     return out
 
 

@@ -1,9 +1,13 @@
 """Device mesh, logical-axis rules, and multi-host start-up.
 
 Every param and cache array names its logical axes (params.py, kv_cache.py). One table maps them
-to the mesh axes `data`, `tensor`, `expert`: attention heads and MLP columns over `tensor`, routed
-experts over `expert`, the batch over `data`. A dimension that does not divide evenly by its mesh
-axis is replicated instead (correct, just less spread), so any model runs on any mesh.
+to the mesh axes `data`, `tensor`, `expert`: attention heads and MLP columns over `tensor`, the
+batch over `data`, and the routed experts over `data` x `expert` together (data-parallel
+attention: each data shard runs attention for its own rows only, while the experts, the bulk of a
+MoE's weights, are split over every device rather than replicated per data shard). A dimension
+that does not divide evenly by its mesh axes is split over the trailing axes that divide it
+(experts over `expert` alone), else replicated (correct, just less spread), so any model runs on
+any mesh.
 """
 
 from __future__ import annotations
@@ -24,14 +28,14 @@ from ..weights.quant import QArray
 
 MESH_AXES = ("data", "tensor", "expert")
 
-# logical axis -> mesh axis (None = replicated)
-RULES: Mapping[str, str | None] = {
+# logical axis -> mesh axis, or mesh axes split together in this order (None = replicated)
+RULES: Mapping[str, str | tuple[str, ...] | None] = {
     "batch": "data",
     "vocab": "tensor",
     "q_heads": "tensor",
     "kv_heads": "tensor",
     "mlp": "tensor",
-    "experts": "expert",
+    "experts": ("data", "expert"),
     "expert_mlp": "tensor",
     "embed": None,
     "norm": None,
@@ -68,17 +72,45 @@ def parse_mesh(sizes: str | Sequence[str]) -> tuple[int, int, int] | None:
     return dims  # type: ignore[return-value]
 
 
+def axis_size(mesh, axes: str | tuple[str, ...] | None) -> int:
+    """Devices a PartitionSpec entry splits a dimension over (1 for None)."""
+    if axes is None:
+        return 1
+    names = (axes,) if isinstance(axes, str) else axes
+    return int(np.prod([mesh.shape[a] for a in names]))
+
+
+def _spec_entry(axes: tuple[str, ...]) -> str | tuple[str, ...]:
+    return axes[0] if len(axes) == 1 else axes
+
+
+def split_choices(name: str | None, sizes: Mapping[str, int]) -> list[tuple[str, ...]]:
+    """The mesh axes a logical axis may be split over, most spread first: the rule's axes without
+    those of size 1 (one kept when all are), then its trailing axes alone (experts over `expert`
+    where `data` x `expert` does not divide them)."""
+    rule = RULES.get(name) if name else None
+    if rule is None:
+        return []
+    axes = (rule,) if isinstance(rule, str) else tuple(rule)
+    wide = tuple(a for a in axes if sizes[a] > 1) or axes[-1:]
+    return [wide[i:] for i in range(len(wide))]
+
+
+def _choose_split(name: str | None, mesh, used: set, divides) -> str | tuple[str, ...] | None:
+    """The PartitionSpec entry for one dimension: the widest split choice whose axes are unused and
+    whose size `divides(n)` accepts, else None (replicated)."""
+    for axes in split_choices(name, mesh.shape):
+        if not used.intersection(axes) and divides(axis_size(mesh, axes)):
+            used.update(axes)
+            return _spec_entry(axes)
+    return None
+
+
 def partition_spec(axes: tuple[str | None, ...], shape: tuple[int, ...], mesh: Mesh) -> PartitionSpec:
     """Map logical axes to a PartitionSpec, replicating dims that do not divide evenly."""
-    spec, used = [], set()
-    for name, size in zip(axes, shape):
-        mesh_axis = RULES.get(name) if name else None
-        if mesh_axis is None or mesh_axis in used or size % mesh.shape[mesh_axis]:
-            spec.append(None)
-        else:
-            spec.append(mesh_axis)
-            used.add(mesh_axis)
-    return PartitionSpec(*spec)
+    used: set = set()
+    return PartitionSpec(*(_choose_split(name, mesh, used, lambda n, size=size: size % n == 0)
+                           for name, size in zip(axes, shape)))
 
 
 def quantized_partition_spec(axes: tuple[str | None, ...], q: QArray, mesh) -> QArray:
@@ -89,14 +121,12 @@ def quantized_partition_spec(axes: tuple[str | None, ...], q: QArray, mesh) -> Q
     block = (1,) * (nd - 2) + q.qformat.scale_block(logical)
     vspec, sspec, used = [], [], set()
     for d, name in enumerate(axes):
-        mesh_axis = RULES.get(name) if name else None
-        n = mesh.shape[mesh_axis] if mesh_axis is not None else 1
-        ok = (mesh_axis is not None and mesh_axis not in used and vshape[d] % n == 0
-              and (sshape[d] == 1 or (logical[d] % n == 0 and (logical[d] // n) % block[d] == 0)))
-        vspec.append(mesh_axis if ok else None)
-        sspec.append(mesh_axis if ok and sshape[d] > 1 else None)
-        if ok:
-            used.add(mesh_axis)
+        def whole_blocks(n: int, d=d) -> bool:
+            return vshape[d] % n == 0 and (sshape[d] == 1 or (logical[d] % n == 0 and (logical[d] // n) % block[d] == 0))
+
+        entry = _choose_split(name, mesh, used, whole_blocks)
+        vspec.append(entry)
+        sspec.append(entry if sshape[d] > 1 else None)
     return QArray(PartitionSpec(*vspec), PartitionSpec(*sspec), q.qformat)
 
 
