@@ -114,8 +114,8 @@ def _jitted_causal_pass(params, cfg, hidden, ids):
 
     t = ids.shape[1]
     cache = kv_cache.init_cache(cfg.layers, 1, t, jnp.float32)
-    mask = kv_cache.visibility(cache.lengths, kv_cache.causal_mask(1, t), t)
+    visible = kv_cache.Visible(cache.lengths, kv_cache.causal_mask(1, t))
     pos = jnp.arange(t, dtype=jnp.int32)[None]
     logits, out, _ = draft_forward(params, cfg, params["embed"][ids], hidden.astype(params["embed"].dtype), pos, cache,
-                                   mask)
+                                   visible)
     return logits, out

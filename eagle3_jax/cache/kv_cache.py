@@ -205,18 +205,57 @@ def move(cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
                          v=scatter_in_place(copy, cache.v, src_idx, dst_idx))
 
 
-def visibility(lengths: jax.Array, tree_mask: jax.Array, max_len: int) -> jax.Array:
-    """Which cache slots each new query sees: bool [B, T, S].
+def read_block(cache: KVCache, layer: jax.Array, start: jax.Array, size: int
+               ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """k, v [B, size, ...] of `size` consecutive logical slots of each row at `layer` from slot
+    `start` on, and those slots [size]. A block that would run past the row is moved back to end
+    with it (its slots say so; a caller that walks blocks masks the slots an earlier block read).
+    Paged: `size` is a multiple of the page size and the block's pages are gathered through the
+    table; only they are read, never the whole layer."""
+    if not cache.paged:
+        s = cache.k.shape[2]
+        first = jnp.minimum(start, s - size)
 
-    Query t of row b sees the committed prefix (slots < lengths[b]) and the new token j (slot
-    lengths[b] + j) iff tree_mask[b, t, j].
-    """
-    t = tree_mask.shape[-1]
-    slots = jnp.arange(max_len, dtype=jnp.int32)[None, :]
-    rel = slots - lengths[:, None]  # [B, S]: index among the new tokens
-    in_new = (rel >= 0) & (rel < t)
-    new_ok = jnp.take_along_axis(tree_mask, jnp.broadcast_to(jnp.clip(rel, 0, t - 1)[:, None, :], tree_mask.shape[:2] + (max_len,)), axis=2)
-    return (rel < 0)[:, None, :] | (in_new[:, None, :] & new_ok)
+        def take(buf):
+            begin = (layer, 0, first) + (0,) * (buf.ndim - 3)
+            return jax.lax.dynamic_slice(buf, begin, (1, buf.shape[1], size) + buf.shape[3:])[0]
+
+        return take(cache.k), take(cache.v), first + jnp.arange(size, dtype=jnp.int32)
+    ps, width = cache.page_size, cache.block_table.shape[1]
+    n = size // ps
+    first_page = jnp.minimum(start // ps, width - n)
+    pages = jax.lax.dynamic_slice_in_dim(cache.block_table, first_page, n, axis=1)  # [B, n]
+
+    def gather(pool):
+        block = pool.at[layer, pages].get(mode="clip")  # [B, n, ps, ...]
+        return block.reshape((block.shape[0], size) + block.shape[3:])
+
+    return gather(cache.k), gather(cache.v), first_page * ps + jnp.arange(size, dtype=jnp.int32)
+
+
+@struct.dataclass
+class Visible:
+    """Which cache slots each of T new queries sees: every slot below `prefix` [B], and of the W
+    slots from there on those `window` [B, T, W] marks (a tree's ancestors, causal new tokens, or
+    a draft frontier's scratch slots). `window_is_new`: the window is the slots the queries' own
+    K/V were written to (the Pallas path then uses them as computed rather than read back)."""
+
+    prefix: jax.Array
+    window: jax.Array
+    window_is_new: bool = struct.field(pytree_node=False, default=True)
+
+    @property
+    def end(self) -> jax.Array:
+        """One past the last slot any query of the batch may see (a scalar)."""
+        return jnp.max(self.prefix) + self.window.shape[-1]
+
+    def mask(self, slots: jax.Array) -> jax.Array:
+        """bool [B, T, n]: which of the logical `slots` [n] each query sees."""
+        w = self.window.shape[-1]
+        rel = slots[None, :] - self.prefix[:, None]  # [B, n]: index among the window's slots
+        in_window = (rel >= 0) & (rel < w)
+        index = jnp.broadcast_to(jnp.clip(rel, 0, w - 1)[:, None, :], self.window.shape[:2] + slots.shape)
+        return (rel < 0)[:, None, :] | (in_window[:, None, :] & jnp.take_along_axis(self.window, index, axis=2))
 
 
 def causal_mask(batch: int, t: int) -> jax.Array:

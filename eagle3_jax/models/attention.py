@@ -1,8 +1,10 @@
 """Attention over the KV cache: GQA (Llama, MiniMax-M2) and MLA (DeepSeek-V3 / Kimi).
 
 Each block projects the new tokens, writes their K/V (or MLA latents) into the stacked cache at
-`layer`, then attends over all cache slots with a precomputed visibility mask [B, T, S]. Scores
-and softmax run in float32.
+`layer`, then attends over the cache slots each new token sees (`kv_cache.Visible`: a prefix of
+committed slots plus a window, e.g. a tree's ancestors). Scores and softmax run in float32; a long
+cache is walked a block of slots at a time (blockwise.py), so the XLA path's temporaries stay one
+block's whatever the context.
 
 When `cfg.kernels` picks Pallas for attention (see runtime/kernels.py), decode and verify (up to
 KERNEL_MAX_TOKENS new tokens) attend in two parts merged by their log-sum-exp: the committed prefix
@@ -27,16 +29,8 @@ from ..cache import kv_cache
 from ..config.model import ModelConfig
 from ..runtime import kernels
 from ..weights.quant import PRECISION, dequantize, linear
+from .blockwise import attend
 from .layers import apply_rotary, rms_norm, rotary_cos_sin
-
-_NEG = -1e30  # finite "minus infinity": every query sees at least itself, so no row is empty
-
-
-def _masked_softmax(scores: jax.Array, mask: jax.Array) -> jax.Array:
-    """scores [B, ..., T, S] float32; mask [B, T, S] broadcast over the middle (head) axes."""
-    m = mask.reshape(mask.shape[:1] + (1,) * (scores.ndim - 3) + mask.shape[1:])
-    return jax.nn.softmax(jnp.where(m, scores, _NEG), axis=-1)
-
 
 def gqa_project(p: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Array
                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -55,8 +49,8 @@ def gqa_project(p: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Array
 KERNEL_MAX_TOKENS = 64  # new tokens per row up to which the Pallas path is used (decode, verify)
 
 
-def _uses_kernel(cfg: ModelConfig, t: int, tree_mask: jax.Array | None, cache: kv_cache.KVCache) -> bool:
-    return (kernels.runs_kernel(cfg.kernels, f"{cfg.attention}_attention") and tree_mask is not None
+def _uses_kernel(cfg: ModelConfig, t: int, cache: kv_cache.KVCache) -> bool:
+    return (kernels.runs_kernel(cfg.kernels, f"{cfg.attention}_attention")
             and t <= KERNEL_MAX_TOKENS
             and not kernels.splits_attention(jax.sharding.get_abstract_mesh())  # no sharded form yet
             and _kernel_walks(cfg, cache))
@@ -126,35 +120,36 @@ def _gqa_kernel_attention(cfg: ModelConfig, q, k, v, cache, layer, tree_mask) ->
 
 
 def gqa_block(p: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Array, cache: kv_cache.KVCache,
-              layer: jax.Array, mask: jax.Array, tree_mask: jax.Array | None = None,
-              prefix_lengths: jax.Array | None = None) -> tuple[jax.Array, kv_cache.KVCache]:
-    """x [B, T, H] -> attention output [B, T, H]; K/V of the T tokens written to the cache.
-
-    mask [B, T, S]: which cache slots each new token sees. The same information in the form the
-    Pallas path uses, to skip the dense mask: every slot below `prefix_lengths` (default the
-    cache's lengths, where the new tokens are written) plus the window of W slots from there on
-    through tree_mask [B, T, W]. The target's verify has W = T (the new tokens themselves); the
-    draft's tree expansion has a window of scratch slots written by earlier levels."""
+              layer: jax.Array, visible: kv_cache.Visible) -> tuple[jax.Array, kv_cache.KVCache]:
+    """x [B, T, H] -> attention output [B, T, H]; K/V of the T tokens written to the cache at its
+    lengths. `visible`: the slots each new token sees. The target's verify has its window on the
+    new tokens themselves; the draft's tree expansion a window of scratch slots written by
+    earlier levels (`visible.window_is_new` False)."""
     b, t, _ = x.shape
     nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     q, k, v = gqa_project(p, cfg, x, positions)
 
-    if _uses_kernel(cfg, t, tree_mask, cache):
-        if prefix_lengths is None:  # the window is the new tokens: use them as computed
-            out = _gqa_kernel_attention(cfg, q, k, v, cache, layer, tree_mask)
+    if _uses_kernel(cfg, t, cache):
+        prefix = cache.replace(lengths=visible.prefix)
+        if visible.window_is_new:  # the window is the new tokens: use them as computed
+            out = _gqa_kernel_attention(cfg, q, k, v, prefix, layer, visible.window)
             return linear(out, p["o_proj"]), kv_cache.write(cache, layer, k, v)
         cache = kv_cache.write(cache, layer, k, v)
-        window = prefix_lengths[:, None] + jnp.arange(tree_mask.shape[-1], dtype=jnp.int32)[None, :]
+        window = visible.prefix[:, None] + jnp.arange(visible.window.shape[-1], dtype=jnp.int32)[None, :]
         kw, vw = kv_cache.read_slots(cache, layer, window)
-        out = _gqa_kernel_attention(cfg, q, kw, vw, cache.replace(lengths=prefix_lengths), layer, tree_mask)
+        out = _gqa_kernel_attention(cfg, q, kw, vw, prefix, layer, visible.window)
         return linear(out, p["o_proj"]), cache
     cache = kv_cache.write(cache, layer, k, v)
-    keys, values = kv_cache.read(cache, layer)  # [B, S, nkv, d]
-
     qg = q.reshape(b, t, nkv, nh // nkv, d)
-    scores = jnp.einsum("btkgd,bskd->bkgts", qg, keys, preferred_element_type=jnp.float32, precision=PRECISION)
-    probs = _masked_softmax(scores * (d ** -0.5), mask)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(values.dtype), values, precision=PRECISION)
+
+    def scores_of(keys, values):  # keys [B, n, nkv, d]
+        return jnp.einsum("btkgd,bskd->bkgts", qg, keys, preferred_element_type=jnp.float32,
+                          precision=PRECISION) * (d ** -0.5)
+
+    def mix(probs, keys, values):
+        return jnp.einsum("bkgts,bskd->bkgtd", probs.astype(values.dtype), values, precision=PRECISION)
+
+    out = attend(cache, layer, visible, scores_of, mix, nh).transpose(0, 3, 1, 2, 4).astype(q.dtype)
     return linear(out.reshape(b, t, nh * d), p["o_proj"]), cache
 
 
@@ -209,42 +204,53 @@ def mla_up_projections(p: dict, cfg: ModelConfig, dtype) -> tuple[jax.Array, jax
 
 
 def mla_block(p: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Array, cache: kv_cache.KVCache,
-              layer: jax.Array, mask: jax.Array, absorb: bool, tree_mask: jax.Array | None = None,
-              prefix_lengths: jax.Array | None = None) -> tuple[jax.Array, kv_cache.KVCache]:
+              layer: jax.Array, visible: kv_cache.Visible, absorb: bool) -> tuple[jax.Array, kv_cache.KVCache]:
     """Multi-head latent attention; caches kv_a_layernorm(c_kv) and the roped k_pe only.
 
-    mask, tree_mask and prefix_lengths as in gqa_block (the Pallas path needs the absorbed form)."""
+    `visible` as in gqa_block (the Pallas path needs the absorbed form)."""
     b, t, _ = x.shape
     nh, dv = cfg.num_heads, cfg.v_head_dim
     q_nope, q_pe, c_kv, k_pe = mla_project(p, cfg, x, positions)
     w_uk, w_uv = mla_up_projections(p, cfg, x.dtype)  # [r, nh, dn], [r, nh, dv]
-    if absorb and _uses_kernel(cfg, t, tree_mask, cache) and _mla_kernel_takes(cache.k.dtype):
+    if absorb and _uses_kernel(cfg, t, cache) and _mla_kernel_takes(cache.k.dtype):
         q_lat = jnp.einsum("bthd,rhd->bthr", q_nope, w_uk, precision=PRECISION)
-        if prefix_lengths is None:  # the window is the new tokens: use them as computed
-            out_lat = _mla_kernel_attention(cfg, q_lat, q_pe, c_kv, k_pe, cache, layer, tree_mask)
+        prefix = cache.replace(lengths=visible.prefix)
+        if visible.window_is_new:  # the window is the new tokens: use them as computed
+            out_lat = _mla_kernel_attention(cfg, q_lat, q_pe, c_kv, k_pe, prefix, layer, visible.window)
             cache = kv_cache.write(cache, layer, c_kv, k_pe)
         else:  # the draft's tree expansion: the window is scratch slots written by earlier levels and this one
             cache = kv_cache.write(cache, layer, c_kv, k_pe)
-            window = prefix_lengths[:, None] + jnp.arange(tree_mask.shape[-1], dtype=jnp.int32)[None, :]
+            window = visible.prefix[:, None] + jnp.arange(visible.window.shape[-1], dtype=jnp.int32)[None, :]
             lat_w, pe_w = kv_cache.read_slots(cache, layer, window)
-            out_lat = _mla_kernel_attention(cfg, q_lat, q_pe, lat_w, pe_w, cache.replace(lengths=prefix_lengths), layer,
-                                            tree_mask)
+            out_lat = _mla_kernel_attention(cfg, q_lat, q_pe, lat_w, pe_w, prefix, layer, visible.window)
         out = jnp.einsum("bthr,rhd->bthd", out_lat, w_uv, precision=PRECISION)
         return linear(out.reshape(b, t, nh * dv), p["o_proj"]), cache
 
     cache = kv_cache.write(cache, layer, c_kv, k_pe)
-    latents, rope_keys = kv_cache.read(cache, layer)  # [B, S, r], [B, S, dr]
-    rope_scores = jnp.einsum("bthd,bsd->bhts", q_pe, rope_keys, preferred_element_type=jnp.float32, precision=PRECISION)
+    f32 = dict(preferred_element_type=jnp.float32, precision=PRECISION)
+
+    def rope_scores(rope_keys):  # [B, n, dr]
+        return jnp.einsum("bthd,bsd->bhts", q_pe, rope_keys, **f32)
+
     if absorb:
         q_lat = jnp.einsum("bthd,rhd->bthr", q_nope, w_uk, precision=PRECISION)
-        nope_scores = jnp.einsum("bthr,bsr->bhts", q_lat, latents, preferred_element_type=jnp.float32, precision=PRECISION)
-        probs = _masked_softmax((nope_scores + rope_scores) * cfg.softmax_scale, mask)
-        out_lat = jnp.einsum("bhts,bsr->bthr", probs.astype(latents.dtype), latents, precision=PRECISION)
+
+        def scores_of(latents, rope_keys):  # latents [B, n, r]
+            return (jnp.einsum("bthr,bsr->bhts", q_lat, latents, **f32) + rope_scores(rope_keys)) * cfg.softmax_scale
+
+        def mix(probs, latents, rope_keys):
+            return jnp.einsum("bhts,bsr->bhtr", probs.astype(latents.dtype), latents, precision=PRECISION)
+
+        out_lat = attend(cache, layer, visible, scores_of, mix, nh).transpose(0, 2, 1, 3).astype(q_lat.dtype)
         out = jnp.einsum("bthr,rhd->bthd", out_lat, w_uv, precision=PRECISION)
     else:
-        k_nope = jnp.einsum("bsr,rhd->bshd", latents, w_uk, precision=PRECISION)
-        values = jnp.einsum("bsr,rhd->bshd", latents, w_uv, precision=PRECISION)
-        nope_scores = jnp.einsum("bthd,bshd->bhts", q_nope, k_nope, preferred_element_type=jnp.float32, precision=PRECISION)
-        probs = _masked_softmax((nope_scores + rope_scores) * cfg.softmax_scale, mask)
-        out = jnp.einsum("bhts,bshd->bthd", probs.astype(values.dtype), values, precision=PRECISION)
+        def scores_of(latents, rope_keys):
+            k_nope = jnp.einsum("bsr,rhd->bshd", latents, w_uk, precision=PRECISION)
+            return (jnp.einsum("bthd,bshd->bhts", q_nope, k_nope, **f32) + rope_scores(rope_keys)) * cfg.softmax_scale
+
+        def mix(probs, latents, rope_keys):
+            values = jnp.einsum("bsr,rhd->bshd", latents, w_uv, precision=PRECISION)
+            return jnp.einsum("bhts,bshd->bhtd", probs.astype(values.dtype), values, precision=PRECISION)
+
+        out = attend(cache, layer, visible, scores_of, mix, nh).transpose(0, 2, 1, 3).astype(q_nope.dtype)
     return linear(out.reshape(b, t, nh * dv), p["o_proj"]), cache

@@ -46,15 +46,13 @@ from .target import ABSORB_MAX_TOKENS, Target, resolve_dtype, uses_fnuz
 
 
 def draft_forward(params: dict, cfg: DraftConfig, embeds: jax.Array, hidden: jax.Array, positions: jax.Array,
-                  cache: kv_cache.KVCache, mask: jax.Array, tree_mask: jax.Array | None = None,
-                  prefix_lengths: jax.Array | None = None, absorb: bool | None = None
+                  cache: kv_cache.KVCache, visible: kv_cache.Visible, absorb: bool | None = None
                   ) -> tuple[jax.Array, jax.Array, kv_cache.KVCache]:
     """One draft pass over T new pairs per row.
 
     embeds [B, T, H]: embeddings of the tokens x_{t+1}; hidden [B, T, H]: fc(target features) or
-    the draft's own previous output hidden; positions [B, T]; mask [B, T, S] cache visibility
-    (K/V of the new pairs are written at slots cache.lengths[b] + t); tree_mask / prefix_lengths:
-    the same visibility in the form the Pallas attention path takes (see attention.gqa_block).
+    the draft's own previous output hidden; positions [B, T]; visible: the cache slots each pair
+    sees (K/V of the new pairs are written at slots cache.lengths[b] + t; see attention.gqa_block).
     absorb: the MLA form (see target.forward; default: absorbed up to ABSORB_MAX_TOKENS new pairs).
     Returns draft-vocab logits [B, T, Vd] (float32), output hidden [B, T, H], cache.
     """
@@ -70,9 +68,9 @@ def draft_forward(params: dict, cfg: DraftConfig, embeds: jax.Array, hidden: jax
         if layer > 0:
             x = rms_norm(residual, p["attn_norm"], lc.rms_norm_eps)
         if cfg.is_mla:
-            attn, cache = mla_block(p, lc, x, positions, cache, jnp.int32(layer), mask, absorb, tree_mask, prefix_lengths)
+            attn, cache = mla_block(p, lc, x, positions, cache, jnp.int32(layer), visible, absorb)
         else:
-            attn, cache = gqa_block(p, lc, x, positions, cache, jnp.int32(layer), mask, tree_mask, prefix_lengths)
+            attn, cache = gqa_block(p, lc, x, positions, cache, jnp.int32(layer), visible)
         h = residual + attn
         residual = h + swiglu(rms_norm(h, p["mlp_norm"], lc.rms_norm_eps), p["gate_proj"], p["up_proj"], p["down_proj"])
     logits = draft_head(params, cfg, residual)
@@ -141,8 +139,9 @@ def _causal_draft_logits(params, cfg: DraftConfig, ids, aux, dtype):
     b, t = ids.shape
     cache = kv_cache.init_cache(cfg.layers, b, t, dtype)
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    mask = kv_cache.visibility(cache.lengths, kv_cache.causal_mask(b, t), t)
-    logits, _, _ = draft_forward(params, cfg, params["embed"][ids], project_features(params, aux), positions, cache, mask)
+    visible = kv_cache.Visible(cache.lengths, kv_cache.causal_mask(b, t))
+    logits, _, _ = draft_forward(params, cfg, params["embed"][ids], project_features(params, aux), positions, cache,
+                                 visible)
     return logits
 
 

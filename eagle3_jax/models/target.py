@@ -35,13 +35,12 @@ ABSORB_MAX_TOKENS = 16
 
 
 def _layer(p: dict, cfg: ModelConfig, kind: str, x: jax.Array, positions: jax.Array, cache: kv_cache.KVCache,
-           layer: jax.Array, mask: jax.Array, absorb: bool, tree_mask: jax.Array
-           ) -> tuple[jax.Array, kv_cache.KVCache]:
+           layer: jax.Array, visible: kv_cache.Visible, absorb: bool) -> tuple[jax.Array, kv_cache.KVCache]:
     h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
     if cfg.attention == "mla":
-        attn, cache = mla_block(p, cfg, h, positions, cache, layer, mask, absorb, tree_mask)
+        attn, cache = mla_block(p, cfg, h, positions, cache, layer, visible, absorb)
     else:
-        attn, cache = gqa_block(p, cfg, h, positions, cache, layer, mask, tree_mask)
+        attn, cache = gqa_block(p, cfg, h, positions, cache, layer, visible)
     x = x + attn
     h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
     mlp = moe_block(p, cfg, h) if kind == "moe" else swiglu(h, p["gate_proj"], p["up_proj"], p["down_proj"])
@@ -70,10 +69,10 @@ def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, positions: jax.Ar
             return invariant.layer(p, cfg, kind, x, positions, cache, layer, anc)
     else:
         absorb = t <= ABSORB_MAX_TOKENS if absorb is None else absorb
-        mask = kv_cache.visibility(cache.lengths, tree_mask, cache.max_len)
+        visible = kv_cache.Visible(cache.lengths, tree_mask)
 
         def run_layer(p, kind, x, cache, layer):
-            return _layer(p, cfg, kind, x, positions, cache, layer, mask, absorb, tree_mask)
+            return _layer(p, cfg, kind, x, positions, cache, layer, visible, absorb)
 
     x = params["embed"][tokens]
     act_dtype = x.dtype

@@ -79,11 +79,10 @@ def draft_extend(params: dict, cfg: DraftConfig, cache: kv_cache.KVCache, featur
     """
     b, t = next_tokens.shape
     positions = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-    causal = kv_cache.causal_mask(b, t)
-    mask = kv_cache.visibility(cache.lengths, causal, cache.max_len)
+    visible = kv_cache.Visible(cache.lengths, kv_cache.causal_mask(b, t))
     embeds = params["embed"][next_tokens]
-    logits, hidden, cache = draft_forward(params, cfg, embeds, project_features(params, features), positions, cache, mask,
-                                          causal, None, absorb)
+    logits, hidden, cache = draft_forward(params, cfg, embeds, project_features(params, features), positions, cache,
+                                          visible, absorb)
     last = (n_valid - 1)[:, None]
     root_logits = jnp.take_along_axis(logits, last[:, :, None], axis=1)[:, 0]
     root_hidden = jnp.take_along_axis(hidden, last[:, :, None], axis=1)[:, 0]
@@ -138,11 +137,11 @@ def expand(params: dict, cfg: DraftConfig, cache: kv_cache.KVCache, root_logits:
         own = jax.nn.one_hot(slot0 + jnp.arange(k), scratch, dtype=bool)  # [k, TMP]
         visible = front_anc | own[None]
         # The frontier's "new tokens" are the scratch slots: committed prefix + its visible scratch.
-        mask = kv_cache.visibility(base, visible, cache.max_len)
         positions = jnp.broadcast_to((base + level - 1)[:, None], (b, k))
         embeds = params["embed"][draft_to_target_ids(params, tok)]
         logits, hidden, cache = draft_forward(params, cfg, embeds, front_hidden, positions,
-                                              cache.replace(lengths=base + slot0), mask, visible, base)
+                                              cache.replace(lengths=base + slot0),
+                                              kv_cache.Visible(base, visible, window_is_new=False))
         cache = cache.replace(lengths=base)
         child_score, child_tok = jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), k)  # [B, k, k]
         cand_score = (score[:, :, None] + child_score).reshape(b, k * k)
