@@ -32,6 +32,7 @@ from ..weights.quant import PRECISION, dequantize, linear
 from .blockwise import attend
 from .layers import apply_rotary, rms_norm, rotary_cos_sin
 
+
 def gqa_project(p: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Array
                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """x [B, T, H] -> roped q [B, T, heads, d], roped k and v [B, T, kv_heads, d]."""
