@@ -174,3 +174,27 @@ def test_prediction_counts_what_a_step_reads_and_computes():
     slower = predict(costs, Hardware(d.name, d.hbm_gbps, d.bf16_tflops, 0.5, 2.0), spec, (0.9,), 1, 1024)
     assert math.isclose(slower.plain_step_ms, 2 * one.plain_step_ms + 2.0, rel_tol=1e-9)
     assert isinstance(costs, StepCosts) and costs.fits(d.hbm_bytes, 64, 2048) and not costs.fits(d.hbm_bytes, 10**6, 2048)
+
+
+@needs_8
+def test_kimi_long_context_on_a_data_mesh():
+    """Data-parallel attention at long context, the default (XLA) path: each device holds its 8
+    sequences' KV and 1/8 of the experts. 64 x 32K fits a 256 GB device in bfloat16, 64 x 128K
+    with an FP8 cache; weights as on mesh 1,1,8; the step's temporaries do not grow with the context."""
+    target, draft = os.path.join(DATA, "kimi-k2.5.config.json"), os.path.join(DATA, "kimi-k2.5-eagle3.draft.json")
+
+    def plan(mesh, max_len, kv_cache_dtype="auto"):
+        return plan_memory(target, draft, mesh=mesh, batch=64, max_len=max_len, spec=e3.SpecConfig(3, 1, 4),
+                           programs=("step",), kv_cache_dtype=kv_cache_dtype)
+
+    data8, expert8 = e3.make_mesh(8, 1, 1), e3.make_mesh(1, 1, 8)
+    at_32k, fp8_128k = plan(data8, 32768), plan(data8, 131072, "fp8")
+    assert at_32k.total_bytes <= 256e9 and fp8_128k.total_bytes <= 256e9, (at_32k.total_bytes, fp8_128k.total_bytes)
+    short = plan(expert8, 8192)
+    assert at_32k.weight_bytes == short.weight_bytes  # experts split over data x expert, as over expert alone
+    target_kv = 61 * 8 * 32768 * (512 + 64) * 2  # this device's 8 sequences
+    assert target_kv < at_32k.kv_bytes < target_kv * 1.6  # + the draft's share
+    # FP8: a byte per lane plus a float32 scale per 128 lanes (per 64-lane rope key)
+    fp8_target = 61 * 8 * 131072 * (512 + 64 + 4 * 5)
+    assert fp8_target < fp8_128k.kv_bytes < fp8_128k.kv_bytes_per_token * 64 * 131072 * 1.01
+    assert plan(expert8, 32768).temp_bytes <= 1.25 * short.temp_bytes

@@ -53,8 +53,17 @@ KERNEL_MAX_TOKENS = 64  # new tokens per row up to which the Pallas path is used
 def _uses_kernel(cfg: ModelConfig, t: int, cache: kv_cache.KVCache) -> bool:
     return (kernels.runs_kernel(cfg.kernels, f"{cfg.attention}_attention")
             and t <= KERNEL_MAX_TOKENS
+            and _kernel_reads(cache)
             and not kernels.splits_attention(jax.sharding.get_abstract_mesh())  # no sharded form yet
             and _kernel_walks(cfg, cache))
+
+
+def _kernel_reads(cache: kv_cache.KVCache) -> bool:
+    """Whether the prefix kernel reads this cache's slots: not FP8 ones yet (the XLA path does)."""
+    if cache.fp8:
+        kernels.warn_once("attention keeps its XLA path for an FP8 KV cache: the Pallas kernels read bfloat16 and "
+                          "float32 pages")
+    return not cache.fp8
 
 
 def _kernel_walks(cfg: ModelConfig, cache: kv_cache.KVCache) -> bool:

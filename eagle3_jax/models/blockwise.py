@@ -35,7 +35,7 @@ def block_slots(cache: kv_cache.KVCache, queries: int, heads: int) -> int:
     """Slots per block for `queries` new tokens of `heads` score rows each: the most (a power of
     two, a multiple of the page size) whose K/V and scores for the batch stay within BLOCK_BYTES,
     at least one page (16 slots dense) and at most MAX_BLOCK_SLOTS."""
-    row_bytes = sum(a.dtype.itemsize * math.prod(a.shape[3:]) for a in (cache.k, cache.v))
+    row_bytes = jnp.dtype(cache.read_dtype).itemsize * sum(math.prod(a.shape[3:]) for a in (cache.k, cache.v))
     per_slot = cache.batch * (row_bytes + 4 * heads * queries)
     size = max(1, BLOCK_BYTES // max(per_slot, 1))
     size = min(1 << (size.bit_length() - 1), MAX_BLOCK_SLOTS)

@@ -191,8 +191,10 @@ class Target:
             return self
         return dataclasses.replace(self, config=self.config.with_aux_layers(ids))
 
-    def init_cache(self, batch: int, max_len: int) -> kv_cache.KVCache:
-        cache = kv_cache.init_cache(self.config, batch, max_len, self.dtype)
+    def init_cache(self, batch: int, max_len: int, kv_cache_dtype: str = "auto") -> kv_cache.KVCache:
+        """A dense cache of `batch` rows of `max_len` slots ("fp8": float8 slots, see kv_cache)."""
+        fp8 = kv_cache.resolve_kv_dtype(kv_cache_dtype, uses_fnuz("auto"))
+        cache = kv_cache.init_cache(self.config, batch, max_len, self.dtype, fp8)
         return shard_cache(cache, self.config, self.mesh) if self.mesh is not None else cache
 
 

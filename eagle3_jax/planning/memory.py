@@ -29,7 +29,7 @@ from ..config.draft import DraftConfig, check_fits_target, parse_draft_config
 from ..config.model import ModelConfig, load_model_config
 from ..models.target import resolve_dtype, with_quant_options
 from ..runtime.kernels import parse, resolve
-from ..runtime.sharding import leaf_partition_spec, mesh_context, param_axes, param_shardings, partition_spec
+from ..runtime.sharding import axis_size, leaf_partition_spec, mesh_context, param_axes, param_shardings, partition_spec
 from ..sampling.sampler import MAX_SUPPRESSED_STOP_IDS, SamplingArrays
 from ..scheduler.steps import plain_prefill, plain_step, spec_prefill
 from ..spec_decode.propose import DraftRoot
@@ -77,6 +77,7 @@ class MemoryPlan:
     step_read_bytes: int  # bytes one step reads on this device (roofline)
     programs: dict[str, dict[str, int]]  # memory_analysis of each compiled program
     path: str = "xla"  # what was compiled: "xla", or "pallas kernels on <arch> (shape-only)"
+    kv_cache_dtype: str = "auto"
 
     @property
     def total_bytes(self) -> int:
@@ -189,14 +190,18 @@ def abstract_draft(dcfg: DraftConfig, dtype, mesh: Mesh) -> dict:
     return _with_sharding(tree, shardings)
 
 
-def abstract_cache(cfg: ModelConfig, batch: int, max_len: int, dtype, mesh: Mesh) -> kv_cache.KVCache:
-    shapes = jax.eval_shape(lambda: kv_cache.init_cache(cfg, batch, max_len, dtype))
+def abstract_cache(cfg: ModelConfig, batch: int, max_len: int, dtype, mesh: Mesh, fp8=None) -> kv_cache.KVCache:
+    """The dense cache's shapes, sharded (float8 slots with their scales when `fp8`)."""
+    shapes = jax.eval_shape(lambda: kv_cache.init_cache(cfg, batch, max_len, dtype, fp8))
     k_axes, v_axes = kv_cache.cache_axes(cfg)
 
     def put(sds, axes):
+        if isinstance(sds, kv_cache.Fp8Slots):
+            return kv_cache.Fp8Slots(put(sds.values, axes), put(sds.scales, axes[:-1] + (None,)))
         return jax.ShapeDtypeStruct(sds.shape, sds.dtype, sharding=NamedSharding(mesh, partition_spec(axes, sds.shape, mesh)))
 
-    return kv_cache.KVCache(k=put(shapes.k, k_axes), v=put(shapes.v, v_axes), lengths=put(shapes.lengths, ("batch",)))
+    return kv_cache.KVCache(k=put(shapes.k, k_axes), v=put(shapes.v, v_axes), lengths=put(shapes.lengths, ("batch",)),
+                            compute_dtype=jnp.dtype(dtype))
 
 
 def _vec(batch: int, dtype, mesh: Mesh) -> jax.ShapeDtypeStruct:
@@ -218,7 +223,7 @@ def _sampling(batch: int, mesh: Mesh) -> SamplingArrays:
 
 
 def _shard_count(spec, mesh: Mesh) -> int:
-    return math.prod(mesh.shape[a] for a in spec if a is not None)
+    return math.prod(axis_size(mesh, entry) for entry in spec)
 
 
 def _leaf_device_bytes(leaf, axes, mesh: Mesh) -> int:
@@ -253,7 +258,7 @@ def _target_bytes(cfg: ModelConfig, params: dict, mesh: Mesh, tokens: int) -> tu
 
 def _cache_device_bytes(cache: kv_cache.KVCache, mesh: Mesh) -> int:
     total = 0
-    for x in (cache.k, cache.v):
+    for x in jax.tree.leaves((cache.k, cache.v)):
         total += x.size * jnp.dtype(x.dtype).itemsize // _shard_count(x.sharding.spec, mesh)
     return total
 
@@ -285,10 +290,13 @@ class AbstractSetup:
 
 def abstract_setup(target, draft=None, mesh: Mesh | None = None, batch: int = 1, max_len: int = 2048,
                    spec: SpecConfig | None = None, quant: str | None = None, dtype="bfloat16",
-                   kernels: str | None = None, fp8_format: str = "e4m3fn") -> AbstractSetup:
+                   kernels: str | None = None, fp8_format: str = "e4m3fn", kv_cache_dtype: str = "auto"
+                   ) -> AbstractSetup:
     """Target (+ draft) configs with the draft's aux layers applied, and their params and caches
     as sharded ShapeDtypeStructs on `mesh` (default: one device). `kernels` (canonical per-op form,
-    runtime/kernels.py) is what the programs run; default as the config says (XLA)."""
+    runtime/kernels.py) is what the programs run; default as the config says (XLA). The caches are
+    float8 (in `fp8_format`'s flavour) with kv_cache_dtype="fp8"."""
+    kv_fp8 = kv_cache.resolve_kv_dtype(kv_cache_dtype, fnuz=fp8_format == "e4m3fnuz")
     cfg = _apply_quant(_target_config(target), quant, fp8_format)
     dcfg = _draft_config(draft)
     if kernels is not None:
@@ -307,9 +315,9 @@ def abstract_setup(target, draft=None, mesh: Mesh | None = None, batch: int = 1,
     dparams = dcache = None
     if dcfg is not None:
         dparams = abstract_draft(dcfg, dt, mesh)
-        dcache = abstract_cache(dcfg.layers, batch, max_len, dt, mesh)
+        dcache = abstract_cache(dcfg.layers, batch, max_len, dt, mesh, kv_fp8)
     return AbstractSetup(cfg, dcfg, spec, mesh, batch, dt, abstract_target(cfg, dt, mesh),
-                         abstract_cache(cfg, batch, max_len, dt, mesh), dparams, dcache)
+                         abstract_cache(cfg, batch, max_len, dt, mesh, kv_fp8), dparams, dcache)
 
 
 def trace_programs(setup: AbstractSetup, prefill_chunk: int = 256,
@@ -347,13 +355,20 @@ def trace_programs(setup: AbstractSetup, prefill_chunk: int = 256,
 def plan_memory(target, draft=None, mesh: Mesh | None = None, batch: int = 1, max_len: int = 2048,
                 spec: SpecConfig | None = None, quant: str | None = None, dtype="bfloat16",
                 prefill_chunk: int = 256, programs: Sequence[str] = ("step", "decode", "prefill"),
-                kernels: str = "xla", arch: str | None = None) -> MemoryPlan:
+                kernels: str = "xla", arch: str | None = None, kv_cache_dtype: str = "auto",
+                fp8_format: str = "e4m3fn") -> MemoryPlan:
     """Compile the programs for `target` (+ `draft`) on `mesh` from shapes alone and report per device.
 
     target / draft: an HF or converted folder, a bare config.json path, a config, or a loaded
     Target / Draft (only its config is used). quant: None (as the config says), "dequantize" or
     "w4a8". spec: the speculation shape (default chain 3/1/4 when a draft is given). The numbers
     come from the speculative step when a draft is given, else from the plain decode step.
+    kv_cache_dtype: "auto" (the compute dtype) or "fp8" (float8 KV with its scales, as
+    `Engine(kv_cache_dtype="fp8")` keeps it). fp8_format: the float8 flavour of FP8 weights and
+    of an FP8 cache ("e4m3fnuz" on gfx942, the same bytes).
+
+    On a mesh each figure is one device's: with a `data` axis the cache's rows are split over it,
+    so `kv_bytes` is this device's share.
 
     kernels: "xla" plans the XLA path (its MoE dequantizes FP8 / int4 experts to bf16 before the
     dot, so their temps count). "pallas" (or per op, as `load_target` takes it, resolved as on
@@ -375,7 +390,8 @@ def plan_memory(target, draft=None, mesh: Mesh | None = None, batch: int = 1, ma
     if wants_kernels:
         kernels = resolve(kernels, mesh, on_gpu=True, arch=arch)
     setup = abstract_setup(target, draft, mesh, batch, max_len, spec, quant, dtype,
-                           kernels=kernels if wants_kernels else None)
+                           kernels=kernels if wants_kernels else None, fp8_format=fp8_format,
+                           kv_cache_dtype=kv_cache_dtype)
     cfg, dcfg, spec, mesh = setup.cfg, setup.dcfg, setup.spec, setup.mesh
     setup = dataclasses.replace(setup, tparams=_float8_as_bytes(setup.tparams),
                                 dparams=_float8_as_bytes(setup.dparams))
@@ -404,5 +420,5 @@ def plan_memory(target, draft=None, mesh: Mesh | None = None, batch: int = 1, ma
         argument_bytes=main["argument_bytes"], temp_bytes=main["temp_bytes"], output_bytes=main["output_bytes"],
         alias_bytes=main["alias_bytes"], weight_bytes=weight_held, kv_bytes=kv, kv_bytes_per_token=kv_per_token,
         step_read_bytes=weight_read + kv, programs=results,
-        path=f"{kernels} on {arch} (kernels shape-only)" if wants_kernels else "xla",
+        path=f"{kernels} on {arch} (kernels shape-only)" if wants_kernels else "xla", kv_cache_dtype=kv_cache_dtype,
     )

@@ -196,6 +196,8 @@ def _leaf_sharding(leaf, axes, mesh: Mesh):
 
 
 def _place(arr, axes, mesh: Mesh):
+    if isinstance(arr, kv_cache.Fp8Slots):  # scales [..., groups] split as the values' leading axes
+        return kv_cache.Fp8Slots(_place(arr.values, axes, mesh), _place(arr.scales, axes[:-1] + (None,), mesh))
     sharding = _leaf_sharding(arr, axes, mesh)
     if isinstance(arr, QArray):
         return QArray(_put(arr.values, sharding.values), _put(arr.scales, sharding.scales), arr.qformat)

@@ -112,6 +112,16 @@ def _checked_all(sched: "Scheduler", prompts: Sequence[Sequence[int]], sampling:
     return checked, grammars
 
 
+def _check_capacity(prompt: int, budget: int, reserve: int, page_size: int, usable: int) -> None:
+    """CapacityError when a request of `prompt` + `budget` tokens (+ `reserve` slots of lookahead)
+    needs more pages than the cache has in all."""
+    need = pages_for(prompt + budget + reserve, page_size)
+    if need > usable:
+        raise CapacityError(f"a request of {prompt} prompt tokens + {budget} new tokens needs {need} KV pages of "
+                            f"{page_size} slots, but the cache has only {usable}; lower max_tokens, shorten the prompt "
+                            "or raise num_pages")
+
+
 class Scheduler:
     """Continuous-batching generation over a target, with an optional EAGLE-3 draft.
 
@@ -131,6 +141,9 @@ class Scheduler:
     again (batch.py says when a page is cached and when it may be shared); they are evicted least
     recently used when pages run short. `stats()` counts the hits (tokens and requests).
 
+    `kv_cache_dtype`: "auto" (KV pages in the compute dtype) or "fp8" (float8 with a scale per
+    token per 128 lanes, about half the bytes: kv_cache.Fp8Slots), for target and draft alike.
+
     Not thread-safe: one thread calls its methods (see serving.AsyncEngine for asyncio use).
     """
 
@@ -138,7 +151,7 @@ class Scheduler:
                  max_num_seqs: int = 64, max_seq_len: int = 2048, page_size: int = 16,
                  num_pages: int | None = None, prefill_chunk: int = PREFILL_CHUNK, max_compiled_programs: int = 48,
                  overlap: bool = True, tokenizer: Tokenizer | None = None, max_logprobs: int = 20,
-                 logprobs_mode: str = "raw", prefix_caching: bool = False):
+                 logprobs_mode: str = "raw", prefix_caching: bool = False, kv_cache_dtype: str = "auto"):
         for name, value, low in (("max_num_seqs", max_num_seqs, 1), ("max_seq_len", max_seq_len, 2),
                                  ("page_size", page_size, 1), ("prefill_chunk", prefill_chunk, 1),
                                  ("max_compiled_programs", max_compiled_programs, 2), ("max_logprobs", max_logprobs, 0)):
@@ -175,7 +188,7 @@ class Scheduler:
         # The programs run the target capturing the hidden states the draft reads.
         features = target if draft is None else target.capturing(draft.aux_layer_ids)
         self._executor = Executor(features, self.draft, self.policy, int(num_pages), self.page_size, self.max_num_seqs,
-                                  int(max_compiled_programs))
+                                  int(max_compiled_programs), kv_cache_dtype)
         self.programs = self._executor.programs
         self._launcher = Launcher(self._executor, self._batch, self.policy, self.counters, self._logprob_settings,
                                   prefill_chunk=self.prefill_chunk, prefill_width=self._prefill_width)
@@ -214,13 +227,7 @@ class Scheduler:
         if rid in self._requests:
             raise ValueError(f"request id {rid!r} is already in use")
         budget = token_budget(len(ids), sampling.max_tokens, self.max_seq_len)
-        need = pages_for(len(ids) + budget + self.lookahead + self._overshoot, self.page_size)
-        if need > self._batch.alloc.num_usable:
-            raise CapacityError(
-                f"a request of {len(ids)} prompt tokens + {budget} new tokens needs {need} KV pages of "
-                f"{self.page_size} slots, but the cache has only {self._batch.alloc.num_usable}; lower max_tokens, "
-                f"shorten the prompt or raise num_pages"
-            )
+        _check_capacity(len(ids), budget, self.lookahead + self._overshoot, self.page_size, self._batch.alloc.num_usable)
         req = ScheduledRequest(id=rid, prompt=ids, sampling=sampling, budget=budget, prefill_ids=list(ids), grammar=grammar,
                                wait_for=None if wait_for is None else self._requests.get(str(wait_for)))
         if sampling.stop:
@@ -276,7 +283,8 @@ class Scheduler:
         return {"num_waiting": len(b.waiting), "num_running": len(b.running),
                 "num_pages": b.alloc.num_usable, "num_free_pages": b.alloc.num_free,
                 "num_cached_pages": b.alloc.cache.num_cached if b.alloc.cache is not None else 0,
-                "page_size": self.page_size, "num_compiled_grammars": len(self.grammars or ()),
+                "page_size": self.page_size, "kv_cache_dtype": self._executor.kv_cache_dtype,
+                "num_compiled_grammars": len(self.grammars or ()),
                 "num_constrained_requests": sum(r.grammar is not None for r in self._requests.values()),
                 **self.counters.stats(), "launch_seconds_total": self.programs.launch_seconds, **self.policy.stats()}
 

@@ -44,7 +44,7 @@ from flax import struct
 from ..cache import kv_cache
 from ..config.model import ModelConfig
 from ..models.draft import Draft, DraftConfig
-from ..models.target import Target
+from ..models.target import Target, uses_fnuz
 from ..runtime.sharding import mesh_context, replicate, shard_pages, to_host
 from ..sampling.logprobs import LogprobSettings, TokenLogprobs
 from ..sampling.sampler import PenaltyHistory, count_tokens
@@ -83,23 +83,27 @@ class DeviceState:
     gap: jax.Array | None = None  # [S + 1] int32
     gap_features: jax.Array | None = None  # [S + 1, max_gap, 3 * target hidden]
     gap_tokens: jax.Array | None = None  # [S + 1, max_gap] int32
+    # What the pools' reads return (their compute dtypes; FP8 pages are dequantized to them).
+    target_dtype: jnp.dtype | None = struct.field(pytree_node=False, default=None)
+    draft_dtype: jnp.dtype | None = struct.field(pytree_node=False, default=None)
 
     def target_cache(self, block_table, lengths) -> kv_cache.KVCache:
-        return kv_cache.paged_view(self.tk, self.tv, block_table, lengths)
+        return kv_cache.paged_view(self.tk, self.tv, block_table, lengths, self.target_dtype)
 
     def draft_cache(self, block_table, lengths) -> kv_cache.KVCache:
-        return kv_cache.paged_view(self.dk, self.dv, block_table, lengths)
+        return kv_cache.paged_view(self.dk, self.dv, block_table, lengths, self.draft_dtype)
 
 
 def init_state(target: Target, draft: Draft | None, policy: SpeculationPolicy, num_pages: int, page_size: int,
-               num_slots: int) -> DeviceState:
-    """KV page pools (target, draft) and `num_slots` + 1 state slots, placed on the target's mesh."""
+               num_slots: int, kv_fp8=None) -> DeviceState:
+    """KV page pools (target, draft; in float8 `kv_fp8` slots when given, see
+    kv_cache.resolve_kv_dtype) and `num_slots` + 1 state slots, placed on the target's mesh."""
     tcfg, mesh = target.config, target.mesh
-    tk, tv = kv_cache.init_pages(tcfg, num_pages, page_size, target.dtype)
+    tk, tv = kv_cache.init_pages(tcfg, num_pages, page_size, target.dtype, kv_fp8)
     dk = dv = hidden = None
     slots = num_slots + 1
     if draft is not None:
-        dk, dv = kv_cache.init_pages(draft.config.layers, num_pages, page_size, draft.dtype)
+        dk, dv = kv_cache.init_pages(draft.config.layers, num_pages, page_size, draft.dtype, kv_fp8)
         hidden = np.zeros((slots, draft.config.hidden_size), draft.dtype)
     per_slot = {"length": np.zeros((slots,), np.int32), "last_token": np.zeros((slots,), np.int32),
                 "draft_hidden": hidden, "output_counts": np.zeros((slots, tcfg.vocab_size), np.int32),
@@ -116,7 +120,8 @@ def init_state(target: Target, draft: Draft | None, policy: SpeculationPolicy, n
         per_slot = replicate(per_slot, mesh)
     else:
         per_slot = jax.tree.map(jnp.asarray, per_slot)
-    return DeviceState(tk=tk, tv=tv, dk=dk, dv=dv, **per_slot)
+    return DeviceState(tk=tk, tv=tv, dk=dk, dv=dv, **per_slot, target_dtype=jnp.dtype(target.dtype),
+                       draft_dtype=None if draft is None else jnp.dtype(draft.dtype))
 
 
 # ---- programs ----------------------------------------------------------------------------------------
@@ -410,9 +415,10 @@ class Executor:
     """The device side of one scheduler: its `DeviceState` and compiled programs."""
 
     def __init__(self, target: Target, draft: Draft | None, policy: SpeculationPolicy, num_pages: int,
-                 page_size: int, num_slots: int, max_compiled_programs: int):
-        self.target, self.draft = target, draft
-        self.state = init_state(target, draft, policy, num_pages, page_size, num_slots)
+                 page_size: int, num_slots: int, max_compiled_programs: int, kv_cache_dtype: str = "auto"):
+        self.target, self.draft, self.kv_cache_dtype = target, draft, kv_cache_dtype
+        kv_fp8 = kv_cache.resolve_kv_dtype(kv_cache_dtype, uses_fnuz("auto"))
+        self.state = init_state(target, draft, policy, num_pages, page_size, num_slots, kv_fp8)
         self.programs = ProgramCache(max_compiled_programs)
         self._host_is_device = jax.tree.leaves(target.params)[0].devices().pop().platform == "cpu"
 
