@@ -63,6 +63,7 @@ from eagle3_jax.cli.flags import (  # noqa: E402
     check_draft_path,
     check_max_seq_len,
     check_target_path,
+    define_kv_cache_dtype_flag,
     define_max_seq_len_flags,
     define_mesh_flags,
     define_quant_flags,
@@ -108,6 +109,7 @@ flags.DEFINE_float("top_p", 1.0, "Top-p of every request (with --temperature > 0
 flags.DEFINE_integer("top_k", 0, "Top-k of every request (with --temperature > 0); 0 = no top-k.", lower_bound=0)
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16", "float16"], "Compute dtype of the weights.")
 define_quant_flags()
+define_kv_cache_dtype_flag()
 define_max_seq_len_flags("Prompt + output tokens per sequence. Workloads must fit it; default: the model's "
                          "max_position_embeddings for that check, and the workload's longest prompt plus output "
                          "for the scheduler.")
@@ -225,7 +227,7 @@ def main(argv: Sequence[str]) -> None:
                                                     fp8_format=FLAGS.fp8_format),
             draft_path=FLAGS.draft, max_seq_len=FLAGS.max_seq_len, page_size=FLAGS.page_size,
             prefill_chunk=FLAGS.prefill_chunk, num_devices=FLAGS.num_devices, overlap=FLAGS.overlap,
-            prefix_caching=FLAGS.prefix_caching)
+            prefix_caching=FLAGS.prefix_caching, kv_cache_dtype=FLAGS.kv_cache_dtype)
 
     if jax.process_index() > 0:  # multi-host: process 0 reports
         return

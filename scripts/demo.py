@@ -36,7 +36,12 @@ from absl import app, flags
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from eagle3_jax.cli import script as cli  # noqa: E402
-from eagle3_jax.cli.flags import check_draft_path, check_target_path, parse_spec_text  # noqa: E402
+from eagle3_jax.cli.flags import (  # noqa: E402
+    check_draft_path,
+    check_target_path,
+    define_kv_cache_dtype_flag,
+    parse_spec_text,
+)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("target", "checkpoints/kimi-mini", "Target model folder.")
@@ -56,6 +61,7 @@ flags.DEFINE_integer("repeats", 5, "Timed passes over the prompt set per mode, i
                      "the table reports the median pass.", lower_bound=1)
 flags.DEFINE_string("json", None, "Also write the figures to this JSON file.")
 cli.define_overwrite_flag("--json")
+define_kv_cache_dtype_flag()
 
 
 LEGEND = """\
@@ -157,7 +163,7 @@ def main(argv: Sequence[str]) -> None:
     rows = [("baseline", None)] + [(f"EAGLE-3 {spec}", spec) for spec in specs]
     with cli.usage_errors():  # a spec the draft cannot run (topk above its vocabulary, ...)
         engines = {name: e3.Engine(target, draft=draft if spec else None, spec=spec, max_batch_size=1,
-                                   max_seq_len=max_len) for name, spec in rows}
+                                   max_seq_len=max_len, kv_cache_dtype=FLAGS.kv_cache_dtype) for name, spec in rows}
     for i, (name, engine) in enumerate(engines.items(), 1):
         t0 = time.perf_counter()
         progress(f"[{i}/{len(engines)}] compiling {name} (one request) ...")
@@ -193,7 +199,8 @@ def main(argv: Sequence[str]) -> None:
     if FLAGS.json:
         summary = {k: {kk: vv for kk, vv in v.items() if kk != "outputs"} for k, v in results.items()}
         cli.write_output("--json", FLAGS.json, json.dumps(
-            {"argv": sys.argv, "identical": same, "dtype": FLAGS.dtype, "batch_invariant": FLAGS.batch_invariant,
+            {"argv": sys.argv, "identical": same, "dtype": FLAGS.dtype, "kv_cache_dtype": FLAGS.kv_cache_dtype,
+             "batch_invariant": FLAGS.batch_invariant,
              "results": summary, "date": time.strftime("%Y-%m-%d"),
              "machine": f"{platform.machine()} x{os.cpu_count()}"}, indent=2))
     if not same:

@@ -34,6 +34,7 @@ from eagle3_jax.cli.flags import (  # noqa: E402
     check_draft_path,
     check_max_seq_len,
     check_target_path,
+    define_kv_cache_dtype_flag,
     define_max_seq_len_flags,
     define_mesh_flags,
     define_quant_flags,
@@ -62,6 +63,7 @@ define_mesh_flags("Every process generates the same tokens; process 0 prints the
 flags.DEFINE_bool("warmup", True, "Run generate once before the timed run so tokens/s excludes compilation.")
 flags.DEFINE_string("draft", None, "EAGLE-3 draft folder (HF LlamaForCausalLMEagle3 layout); unset = plain decoding.")
 define_spec_flags()
+define_kv_cache_dtype_flag()
 flags.mark_flag_as_required("model")
 # --help lists the shared flags (speculation, mesh, kernels, quantization, --verbose) with the script's own
 flags.adopt_module_key_flags(shared_flags)
@@ -127,7 +129,7 @@ def main(argv: Sequence[str]) -> None:
                                                             fp8_format=FLAGS.fp8_format)
     with cli.usage_errors():  # a spec the draft cannot run (topk above its vocabulary, ...)
         engine = e3.Engine(target, draft=draft, spec=spec, max_batch_size=FLAGS.batch_size or len(prompts),
-                           max_seq_len=max_seq_len)
+                           max_seq_len=max_seq_len, kv_cache_dtype=FLAGS.kv_cache_dtype)
 
     if FLAGS.warmup:
         engine.generate(prompts, sampling)

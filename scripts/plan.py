@@ -42,7 +42,7 @@ from absl import app, flags
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from eagle3_jax.cli import script as cli  # noqa: E402
-from eagle3_jax.cli.flags import int_list, parse_spec_text  # noqa: E402
+from eagle3_jax.cli.flags import define_kv_cache_dtype_flag, int_list, parse_spec_text  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("target", None, "Target HF / converted folder, or a bare config.json.")
@@ -76,6 +76,7 @@ flags.DEFINE_string("kernels", "xla", "xla: plan the XLA path (its MoE dequantiz
                     "kernels, each standing in as an op of its exact output shapes. Needs --arch.")
 flags.DEFINE_string("arch", None, "With --kernels=pallas: the GPU the kernels run on (gfx942 = MI300X / MI325X, gfx950 = "
                     "MI355X, sm_90 = H100 / H200, sm_100); its launch parameters are used.")
+define_kv_cache_dtype_flag()
 flags.mark_flag_as_required("target")
 
 
@@ -114,7 +115,8 @@ def main(argv: list[str]) -> int:
     if concurrencies is not None and not FLAGS.draft:
         raise app.UsageError("--concurrency predicts speculation's payoff: give the --draft it runs with")
     settings = report.PlanSettings(FLAGS.target, FLAGS.draft, spec if FLAGS.draft else None, FLAGS.max_len,
-                                   quant=FLAGS.quant, dtype=FLAGS.dtype, kernels=FLAGS.kernels, arch=FLAGS.arch)
+                                   quant=FLAGS.quant, dtype=FLAGS.dtype, kernels=FLAGS.kernels, arch=FLAGS.arch,
+                                   kv_cache_dtype=FLAGS.kv_cache_dtype)
     print(settings.title(FLAGS.tau, FLAGS.unit, FLAGS.memory))
     with cli.usage_errors("--target"):
         specs = flat_specs(e3.load_model_config(FLAGS.target))

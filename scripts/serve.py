@@ -55,6 +55,7 @@ from eagle3_jax.cli.flags import (  # noqa: E402
     check_max_seq_len,
     check_target_path,
     define_chat_template_flag,
+    define_kv_cache_dtype_flag,
     define_max_seq_len_flags,
     define_mesh_flags,
     define_quant_flags,
@@ -112,6 +113,7 @@ flags.DEFINE_bool("allow_synthetic_acceptance", False, "Benchmarking only: let r
                   "(per-position rates a speculative step is forced to accept; their outputs are then not the model's), "
                   "as scripts/bench.py --synthetic_acceptance sends. Off: such requests get a 400.")
 define_chat_template_flag()
+define_kv_cache_dtype_flag()
 _PARSER_HELP = ("auto = the one the model's family uses (from config.json's model_type and the chat template; said at "
                 "start), none = off")
 flags.DEFINE_enum("tool_call_parser", "auto", ["auto", "none", "kimi_k2", "minimax_m2", "deepseek_v3", "deepseek_v31",

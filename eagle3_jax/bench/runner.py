@@ -336,7 +336,7 @@ def num_devices_of(target) -> int:
 
 def make_scheduler(target, draft, setting: SpecSetting, *, max_num_seqs: int, max_seq_len: int,
                    page_size: int | None = None, prefill_chunk: int | None = None, num_pages: int | None = None,
-                   overlap: bool = True, prefix_caching: bool = False):
+                   overlap: bool = True, prefix_caching: bool = False, kv_cache_dtype: str = "auto"):
     """A Scheduler for one speculation setting (the draft is attached only for speculative ones)."""
     if setting.spec is not None and draft is None:
         raise ValueError(f"setting {setting.name} needs a draft model; pass --draft")
@@ -344,7 +344,7 @@ def make_scheduler(target, draft, setting: SpecSetting, *, max_num_seqs: int, ma
           if v is not None}
     return Scheduler(target, draft=draft if setting.spec is not None else None, spec=setting.spec,
                      max_num_seqs=max_num_seqs, max_seq_len=max_seq_len, overlap=overlap, prefix_caching=prefix_caching,
-                     **kw)
+                     kv_cache_dtype=kv_cache_dtype, **kw)
 
 
 def ordered(settings: Sequence[SpecSetting]) -> list[SpecSetting]:
@@ -361,7 +361,8 @@ def rotated(items: Sequence, k: int) -> list:
 def run_benchmark(target, draft, settings: Sequence[SpecSetting], workload: Workload, cfg: RunConfig, *,
                   max_seq_len: int, page_size: int | None = None, prefill_chunk: int | None = None,
                   num_pages: int | None = None, num_devices: int | None = None, overlap: bool = True,
-                  prefix_caching: bool = False, log: Callable[[str], None] = print) -> list[dict]:
+                  prefix_caching: bool = False, kv_cache_dtype: str = "auto",
+                  log: Callable[[str], None] = print) -> list[dict]:
     """Every cell of the grid (settings x concurrencies x seeds), with speedups and identity checks.
 
     `max_seq_len` is the Schedulers' sequence length; the workload must fit it. `num_devices`
@@ -378,7 +379,7 @@ def run_benchmark(target, draft, settings: Sequence[SpecSetting], workload: Work
     max_c = max(cfg.concurrencies)
     build = lambda s: make_scheduler(target, draft, s, max_num_seqs=max_c, max_seq_len=max_seq_len,  # noqa: E731
                                      page_size=page_size, prefill_chunk=prefill_chunk, num_pages=num_pages,
-                                     overlap=overlap, prefix_caching=prefix_caching)
+                                     overlap=overlap, prefix_caching=prefix_caching, kv_cache_dtype=kv_cache_dtype)
     passes: dict[tuple[str, int, int], list[dict]] = {}
 
     def one(sched, s: SpecSetting, c: int, seed: int, position: int = 0, repeat: int = 0) -> None:

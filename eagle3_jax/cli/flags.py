@@ -175,6 +175,15 @@ def spec_from_flags(has_draft: bool, allow_auto: bool = True):
     return spec
 
 
+# ---- KV cache ---------------------------------------------------------------------------------------
+
+
+def define_kv_cache_dtype_flag() -> None:
+    flags.DEFINE_enum("kv_cache_dtype", "auto", ["auto", "fp8"], "KV cache storage: auto (the compute dtype) or fp8 "
+                      "(float8, e4m3fnuz on MI300X/MI325X and e4m3fn elsewhere, with a float32 scale per token per 128 "
+                      "lanes: about half the bytes per token, no calibration; attention then runs its XLA path).")
+
+
 # ---- sequence length -------------------------------------------------------------------------------
 
 

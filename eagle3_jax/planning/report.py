@@ -49,8 +49,8 @@ def mesh_text(shape: Sequence[int]) -> str:
 class PlanSettings:
     """What is planned on every mesh: a target (+ draft, run with `spec`) at cache length `max_len`,
     its weights quantized as `quant` says ("auto": as the config stores them), unquantized weights
-    and caches in `dtype`, compiled for the XLA path or, with `kernels` other than "xla", for the
-    Pallas kernels on GPU `arch`."""
+    and caches in `dtype` (the KV cache in float8 with kv_cache_dtype="fp8"), compiled for the XLA
+    path or, with `kernels` other than "xla", for the Pallas kernels on GPU `arch`."""
 
     target: str
     draft: str | None
@@ -60,6 +60,7 @@ class PlanSettings:
     dtype: str = "bfloat16"
     kernels: str = "xla"
     arch: str | None = None
+    kv_cache_dtype: str = "auto"
 
     @property
     def _quant(self) -> str | None:
@@ -74,19 +75,20 @@ class PlanSettings:
                        if self.kernels != "xla" else "; program: the XLA path")
         return (f"target {self.target}" + (f", draft {self.draft}, spec {self.spec}" if self.draft else "")
                 + f", max_len {self.max_len}, quant {self.quant}"
+                + (f", KV cache {self.kv_cache_dtype}" if self.kv_cache_dtype != "auto" else "")
                 + (f", tau {tau} ({unit_name} per device)" if memory else "") + program)
 
     def plan(self, mesh: Mesh, batch: int) -> MemoryPlan:
         """`plan_memory` of these settings on `mesh` at `batch` sequences (compiles the programs)."""
         return plan_memory(self.target, self.draft, mesh=mesh, batch=batch, max_len=self.max_len,
                            spec=self.spec if self.draft else None, quant=self._quant, dtype=self.dtype,
-                           kernels=self.kernels, arch=self.arch)
+                           kernels=self.kernels, arch=self.arch, kv_cache_dtype=self.kv_cache_dtype)
 
     def setup(self, mesh: Mesh) -> AbstractSetup:
         """The shape-only setup the prediction reads its step costs from: one sequence per data
         shard, and a short cache (the prediction scales the KV by its own context)."""
         return abstract_setup(self.target, self.draft, mesh=mesh, batch=mesh.shape["data"], max_len=16,
-                              spec=self.spec, quant=self._quant, dtype=self.dtype)
+                              spec=self.spec, quant=self._quant, dtype=self.dtype, kv_cache_dtype=self.kv_cache_dtype)
 
 
 # ---- why a mesh replicates, why a device says NO ------------------------------------------------------------
