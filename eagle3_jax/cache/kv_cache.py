@@ -29,6 +29,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import struct
+from jax.sharding import PartitionSpec
 
 from pallas_kernels.launch import scatter_in_place
 
@@ -123,6 +124,7 @@ class KVCache:
     lengths: jax.Array  # [B] int32: committed tokens per sequence
     block_table: jax.Array | None = None  # [B, P] int32 page ids (paged layout only)
     compute_dtype: jnp.dtype | None = struct.field(pytree_node=False, default=None)  # what FP8 slots read as
+    data_shards: int = struct.field(pytree_node=False, default=1)  # see `on_data_shards`
 
     @property
     def paged(self) -> bool:
@@ -178,9 +180,10 @@ def cache_axes(cfg: ModelConfig) -> tuple[tuple[str | None, ...], tuple[str | No
 
 
 def paged_axes(cfg: ModelConfig) -> tuple[tuple[str | None, ...], tuple[str | None, ...]]:
-    """Logical axes of paged pools [L, pages, page_size, ...]: pages are shared by all rows."""
+    """Logical axes of paged pools [L, pages, page_size, ...]: the pages are split over the data
+    shards (each holds its own rows' pages, see `on_data_shards`)."""
     k_axes, v_axes = cache_axes(cfg)
-    return ("layers", None, None) + k_axes[3:], ("layers", None, None) + v_axes[3:]
+    return ("layers", "pages", None) + k_axes[3:], ("layers", "pages", None) + v_axes[3:]
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.bfloat16, fp8=None) -> KVCache:
@@ -197,10 +200,50 @@ def init_pages(cfg: ModelConfig, num_pages: int, page_size: int, dtype=jnp.bfloa
     return _zeros(ks, dtype, fp8), _zeros(vs, dtype, fp8)
 
 
-def paged_view(k, v, block_table: jax.Array, lengths: jax.Array, compute_dtype=None) -> KVCache:
-    """A paged KVCache over pools k, v for the rows of `block_table` [B, P]."""
+def paged_view(k, v, block_table: jax.Array, lengths: jax.Array, compute_dtype=None, data_shards: int = 1) -> KVCache:
+    """A paged KVCache over pools k, v for the rows of `block_table` [B, P] (pages and rows split
+    over `data_shards` data shards: see `on_data_shards`)."""
     return KVCache(k=k, v=v, lengths=jnp.asarray(lengths, jnp.int32), block_table=jnp.asarray(block_table, jnp.int32),
-                   compute_dtype=None if compute_dtype is None else jnp.dtype(compute_dtype))
+                   compute_dtype=None if compute_dtype is None else jnp.dtype(compute_dtype), data_shards=data_shards)
+
+
+# ---- data-parallel pages ------------------------------------------------------------------------------
+
+DATA_AXIS = "data"
+
+
+def on_data_shards(op, cache: KVCache, args: tuple, arg_specs: tuple, out_specs, writes: bool):
+    """`op(local cache, *args)` on each data shard of a paged cache whose pages and rows are split
+    over the mesh's `data` axis (data-parallel attention): shard d holds pages
+    [d * n, (d + 1) * n) of the pool (n = pages / data_shards) and rows [d * b, (d + 1) * b) of
+    the batch, whose block tables name only its own pages (global ids; unassigned entries the
+    scratch page 0, which shard 0 holds). Each shard reads and writes only its own pages, for its
+    own rows: a `shard_map` over `data` alone (the `tensor` axis, heads, stays automatic). Pages of
+    another shard are dropped when written and read as the shard's first page (`writes` says
+    which), slots no query sees."""
+    n_local = cache.k.shape[1] // cache.data_shards
+
+    def body(k, v, table, lengths, *args):
+        local = table - jax.lax.axis_index(DATA_AXIS) * n_local
+        elsewhere = n_local if writes else 0
+        local = jnp.where((local >= 0) & (local < n_local), local, elsewhere)
+        return op(KVCache(k, v, lengths, local, cache.compute_dtype), *args)
+
+    pool, rows = PartitionSpec(None, DATA_AXIS), PartitionSpec(DATA_AXIS)
+    return jax.shard_map(body, mesh=jax.sharding.get_abstract_mesh(), in_specs=(pool, pool, rows, rows, *arg_specs),
+                         out_specs=out_specs, axis_names={DATA_AXIS}, check_vma=False)(
+        cache.k, cache.v, cache.block_table, cache.lengths, *args)
+
+
+_POOL, _ROWS, _WHOLE = PartitionSpec(None, DATA_AXIS), PartitionSpec(DATA_AXIS), PartitionSpec()
+
+
+def _pools(cache: KVCache) -> tuple:
+    return cache.k, cache.v
+
+
+def _split(cache: KVCache) -> bool:
+    return cache.data_shards > 1
 
 
 def viewed_page_size(cache: KVCache, page_size: int = 16) -> int:
@@ -270,6 +313,10 @@ def write(cache: KVCache, layer: jax.Array, k_new: jax.Array, v_new: jax.Array) 
 
     Slots past the end of a row are dropped.
     """
+    if _split(cache):
+        k, v = on_data_shards(lambda c, *a: _pools(write(c, *a)), cache, (layer, k_new, v_new), (_WHOLE, _ROWS, _ROWS),
+                              (_POOL, _POOL), writes=True)
+        return cache.replace(k=k, v=v)
     t = k_new.shape[1]
     slots = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
     idx = (jnp.asarray(layer),) + _slot_index(cache, slots)
@@ -287,6 +334,8 @@ def write(cache: KVCache, layer: jax.Array, k_new: jax.Array, v_new: jax.Array) 
 
 def read_slots(cache: KVCache, layer: jax.Array, slots: jax.Array) -> tuple[jax.Array, jax.Array]:
     """k, v [B, W, ...] of the logical slots [B, W] of each row at `layer` (slots past a row's end: 0)."""
+    if _split(cache):
+        return on_data_shards(read_slots, cache, (layer, slots), (_WHOLE, _ROWS), (_ROWS, _ROWS), writes=False)
     idx = (layer,) + _slot_index(cache, slots)
     dt = cache.read_dtype
     return (_load(cache.k, idx, dt, mode="fill", fill_value=0), _load(cache.v, idx, dt, mode="fill", fill_value=0))
@@ -294,6 +343,8 @@ def read_slots(cache: KVCache, layer: jax.Array, slots: jax.Array) -> tuple[jax.
 
 def read(cache: KVCache, layer: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Every slot of every row at `layer`: k, v [B, max_len, ...] (paged: gathered through the table)."""
+    if _split(cache):
+        return on_data_shards(read, cache, (layer,), (_WHOLE,), (_ROWS, _ROWS), writes=False)
     dt = cache.read_dtype
     if not cache.paged:
         return _load(cache.k, layer, dt), _load(cache.v, layer, dt)
@@ -307,6 +358,10 @@ def read(cache: KVCache, layer: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 def move(cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
     """Copy slots src[b, d] -> dst[b, d] of each row, in every layer (reads happen before writes)."""
+    if _split(cache):
+        k, v = on_data_shards(lambda c, *a: _pools(move(c, *a)), cache, (src, dst), (_ROWS, _ROWS), (_POOL, _POOL),
+                              writes=True)
+        return cache.replace(k=k, v=v)
     src_idx, dst_idx = _slot_index(cache, src), _slot_index(cache, dst)
 
     def copy(buf, src_idx, dst_idx):
@@ -327,6 +382,9 @@ def read_block(cache: KVCache, layer: jax.Array, start: jax.Array, size: int
     with it (its slots say so; a caller that walks blocks masks the slots an earlier block read).
     Paged: `size` is a multiple of the page size and the block's pages are gathered through the
     table; only they are read, never the whole layer."""
+    if _split(cache):
+        return on_data_shards(lambda c, *a: read_block(c, *a, size), cache, (layer, start), (_WHOLE, _WHOLE),
+                              (_ROWS, _ROWS, _WHOLE), writes=False)
     if not cache.paged:
         s = cache.k.shape[2]
         first = jnp.minimum(start, s - size)

@@ -31,6 +31,7 @@ MESH_AXES = ("data", "tensor", "expert")
 # logical axis -> mesh axis, or mesh axes split together in this order (None = replicated)
 RULES: Mapping[str, str | tuple[str, ...] | None] = {
     "batch": "data",
+    "pages": "data",
     "vocab": "tensor",
     "q_heads": "tensor",
     "kv_heads": "tensor",

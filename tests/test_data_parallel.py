@@ -1,0 +1,65 @@
+"""Data-parallel attention: on a mesh with a `data` axis each device holds the KV pages of its own
+rows and attends over them alone (kv_cache.on_data_shards), while the routed experts are split over
+data x expert. The same forward passes give the same logits as one device."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from random_models import FAMILIES, random_target
+
+import eagle3_jax as e3
+from eagle3_jax.cache import kv_cache
+from eagle3_jax.models.target import forward
+from eagle3_jax.runtime.sharding import mesh_context, shard_pages
+
+needs_8 = pytest.mark.skipif(jax.device_count() < 8, reason="needs XLA_FLAGS=--xla_force_host_platform_device_count=8")
+
+
+def shard_tables(batch: int, shards: int, pages_per_shard: int, pages_per_row: int, seed: int = 0) -> np.ndarray:
+    """Block tables [batch, pages_per_row] whose rows take pages of their own data shard only
+    (row r on shard r // (batch / shards)), shuffled, never a shard's first page."""
+    rng = np.random.default_rng(seed)
+    rows = batch // shards
+    table = np.zeros((batch, pages_per_row), np.int32)
+    for d in range(shards):
+        pages = d * pages_per_shard + 1 + rng.permutation(pages_per_shard - 1)[: rows * pages_per_row]
+        table[d * rows: (d + 1) * rows] = pages.reshape(rows, pages_per_row)
+    return table
+
+
+@needs_8
+@pytest.mark.parametrize("family", ["deepseek_v3", "minimax_m2"])
+@pytest.mark.parametrize("mesh_shape", [(8, 1, 1), (2, 1, 4), (2, 2, 2)], ids=lambda s: "x".join(map(str, s)))
+def test_rows_attend_their_own_pages(family, mesh_shape):
+    mesh = e3.make_mesh(*mesh_shape)
+    shards, batch, page_size, per_row = mesh_shape[0], 8, 4, 6
+    per_shard = batch // shards * per_row + 1
+    ref = random_target(FAMILIES[family])
+    sharded = random_target(FAMILIES[family], mesh=mesh)
+    table = shard_tables(batch, shards, per_shard, per_row)
+    rng = np.random.default_rng(1)
+    prompt = jnp.asarray(rng.integers(0, 64, (batch, 12)), jnp.int32)
+    draft = jnp.asarray(rng.integers(0, 64, (batch, 4)), jnp.int32)
+    lengths = jnp.asarray(rng.integers(1, 13, batch), jnp.int32)
+    tree = np.tril(np.ones((4, 4), bool))
+    tree[3, 2] = False
+    tree = jnp.asarray(np.broadcast_to(tree, (batch, 4, 4)))
+    step = jax.jit(forward, static_argnums=1)
+
+    def run(target, data_shards):
+        k, v = kv_cache.init_pages(target.config, shards * per_shard, page_size, jnp.float32)
+        if target.mesh is not None:
+            k, v = shard_pages(k, v, target.config, target.mesh)
+        cache = kv_cache.paged_view(k, v, table, jnp.zeros(batch, jnp.int32), data_shards=data_shards)
+        with mesh_context(target.mesh):
+            prefill, _, cache = step(target.params, target.config, prompt, jnp.broadcast_to(jnp.arange(12), (batch, 12)),
+                                     cache)
+            cache = cache.replace(lengths=lengths)
+            verify, _, _ = step(target.params, target.config, draft, lengths[:, None] + jnp.arange(4)[None], cache, tree)
+        return np.asarray(prefill), np.asarray(verify)
+
+    want = run(ref, 1)
+    got = run(sharded, shards)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, atol=1e-5 * np.abs(w).max(), rtol=0)
