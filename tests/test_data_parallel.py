@@ -63,3 +63,37 @@ def test_rows_attend_their_own_pages(family, mesh_shape):
     got = run(sharded, shards)
     for g, w in zip(got, want):
         np.testing.assert_allclose(g, w, atol=1e-5 * np.abs(w).max(), rtol=0)
+
+
+@needs_8
+@pytest.mark.parametrize("mesh_shape", [(8, 1, 1), (2, 1, 4)], ids=lambda s: "x".join(map(str, s)))
+def test_scheduler_on_data_shards_equals_one_device(mesh_shape):
+    """Mixed prompt lengths through the Scheduler, prefix caching on (a second run takes the cached
+    pages), plain, chain and tree: the tokens of one device. Each request's pages
+    are on its own data shard, and the pool's pages are split over the shards."""
+    from random_models import random_draft
+
+    rng = np.random.default_rng(3)
+    shared = [int(t) for t in rng.integers(1, 64, 20)]
+    prompts = [shared + [int(t) for t in rng.integers(1, 64, n)] for n in (1, 9, 3, 17, 5)] + [[7, 8], [9] * 11]
+    sp = e3.SamplingParams(max_tokens=10)
+    ref_target = random_target(FAMILIES["deepseek_v3"])
+    mesh = e3.make_mesh(*mesh_shape)
+    target = random_target(FAMILIES["deepseek_v3"], mesh=mesh)
+    shards = mesh_shape[0]
+    for spec in (None, e3.SpecConfig(3, 1, 4), e3.SpecConfig(3, 2, 6)):
+        def run(t):
+            draft = None if spec is None else random_draft(t)
+            sched = e3.Scheduler(t, draft, spec, max_num_seqs=shards, max_seq_len=64, page_size=4,
+                                 prefix_caching=True)
+            first = [o.token_ids for o in sched.generate(prompts, sp)]
+            again = [o.token_ids for o in sched.generate(prompts, sp)]  # their prompts' pages cached now
+            assert again == first
+            return first, sched
+
+        want, _ = run(ref_target)
+        got, sched = run(target)
+        assert got == want, spec
+        pools = jax.tree.leaves(sched._executor.state.tk)
+        assert all(p.sharding.spec[1] == "data" for p in pools) and sched.stats()["prefix_cache_hits_total"] > 0
+        assert {r for r in range(shards)} >= set(sched._batch.table.shard[:shards].tolist())

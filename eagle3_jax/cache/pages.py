@@ -25,14 +25,15 @@ def pages_for(num_slots: int, page_size: int) -> int:
 
 
 class PageAllocator:
-    """Reference-counted pages 1 .. num_pages - 1: free ones, held ones and (with a PrefixCache)
-    cached ones that nobody holds."""
+    """Reference-counted pages first_page + 1 .. first_page + num_pages - 1 (a data shard's share
+    of the pool starts at its own first page, which it never hands out either): free ones, held
+    ones and (with a PrefixCache) cached ones that nobody holds."""
 
-    def __init__(self, num_pages: int):
+    def __init__(self, num_pages: int, first_page: int = 0):
         if num_pages < 2:
             raise ValueError(f"a paged KV cache needs at least 2 pages (one is reserved); got {num_pages}")
         self.num_pages = int(num_pages)
-        self._free = list(range(self.num_pages - 1, 0, -1))
+        self._free = list(range(first_page + self.num_pages - 1, first_page, -1))
         self._refs: dict[int, int] = {}  # held pages -> holders
         self.cache: PrefixCache | None = None
 

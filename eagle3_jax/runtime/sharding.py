@@ -47,6 +47,12 @@ RULES: Mapping[str, str | tuple[str, ...] | None] = {
 }
 
 
+def data_shards(mesh) -> int:
+    """Data shards of a mesh (1 without one): data-parallel attention's row groups, each holding
+    its own rows' KV pages."""
+    return 1 if mesh is None else int(mesh.shape.get("data", 1))
+
+
 def make_mesh(data: int = 1, tensor: int = 1, expert: int = 1, devices=None) -> Mesh:
     """A (data, tensor, expert) mesh over `devices` (default: all devices, in order)."""
     devices = list(jax.devices() if devices is None else devices)

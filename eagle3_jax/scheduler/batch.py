@@ -18,6 +18,13 @@ never writes below the length it was admitted with, so a shared page is never wr
 step computed beyond its committed tokens (rejected draft tokens, tree scratch) is in a page
 that gets cached. Requests with penalties or prompt logprobs read every prompt token, so they
 compute their prompt whole (they still leave their pages to the cache).
+
+On a mesh with a `data` axis of D shards (data-parallel attention), the pool's pages are split in
+D equal shares and each request lives on one shard: its pages come from that shard's allocator
+(and prefix cache), and in every batch its row lies in that shard's D-th of the rows
+(`rows_batch` places them; `positions` says where each request's row is). A request joins the
+shard with a free row where the longest prefix of it is cached, else the one with the most free
+pages; a shard short of pages preempts its own newest request.
 """
 
 from __future__ import annotations
@@ -91,6 +98,7 @@ class ScheduledRequest(Request):
     wait_for: "ScheduledRequest | None" = None  # admitted once this one's prompt is prefilled (n > 1 choices)
     seat: int = 0  # its place in admission order (the running batch's, from its latest admission)
     page_keys: list = dataclasses.field(default_factory=list)  # prefix-cache keys of its full pages so far
+    shard: int = 0  # the data shard holding its pages (data-parallel attention)
 
     def keys(self, tokens: Sequence[int], page_size: int, num_pages: int) -> list:
         """The keys of its first `num_pages` full pages (`tokens`: its sequence, which only grows,
@@ -116,13 +124,16 @@ class RunningBatch:
     """Who holds a state slot and pages, who waits, and the per-slot tables (see the module doc)."""
 
     def __init__(self, policy: SpeculationPolicy, counters: SchedulerCounters, *, max_num_seqs: int,
-                 page_size: int, num_pages: int, max_pages_per_seq: int, lookahead: int, prefix_caching: bool = False):
+                 page_size: int, num_pages: int, max_pages_per_seq: int, lookahead: int, prefix_caching: bool = False,
+                 data_shards: int = 1):
         self.policy, self.counters = policy, counters
         self.max_num_seqs, self.page_size, self.lookahead = max_num_seqs, page_size, lookahead
         self.max_pages_per_seq = max_pages_per_seq
-        self.alloc = PageAllocator(num_pages)
-        if prefix_caching:
-            self.alloc.cache = PrefixCache()
+        self.shards, self.rows_per_shard = data_shards, max_num_seqs // data_shards
+        share = num_pages // data_shards
+        self.allocs = [PageAllocator(share, first_page=d * share) for d in range(data_shards)]
+        for alloc in self.allocs if prefix_caching else ():
+            alloc.cache = PrefixCache()
         scratch = max_num_seqs  # the state slot of padding rows
         self.free_slots = list(range(scratch - 1, -1, -1))
         self.table = SlotTable(scratch + 1, max_pages_per_seq)
@@ -150,24 +161,25 @@ class RunningBatch:
                 passed_over.append(self.waiting.popleft())
                 continue
             # Judged with the draft's pages (fewer hits) before the policy says whether it gets the draft.
-            cached = self._cached_prefix(req, self.policy.uses_draft)
-            if self._pages_short(req, cached, reserve):
+            placed = self._place(req, reserve)
+            if placed is None:
                 break
+            req.shard, cached = placed
             req.wait_for = None
             rows = len(self.running) + 1  # judged at the batch it joins, at the last decode width
             key = None if self.last_decode_key is None else (bucket(rows, 1, self.max_num_seqs), *self.last_decode_key[1:])
             with_draft = self.policy.admit(key, rows, len(req.prefill_ids), req.budget - len(req.output))
             if self.policy.uses_draft and not with_draft:
-                cached = self._cached_prefix(req, False)  # target-only pages serve it too
+                cached = self._cached_prefix(req, False, self.allocs[req.shard])  # target-only pages serve it too
             self._count_hits(req, cached)
             need = pages_for(len(req.prefill_ids) + self.lookahead, self.page_size) - len(cached)
             self.waiting.popleft()
             req.slot, req.table = self.free_slots.pop(), self.table
-            self.alloc.hold(cached)
+            self.allocs[req.shard].hold(cached)
             req.state, req.computed = PREFILL, len(cached) * self.page_size
             self.table.admit(req.slot, len(req.prompt), req.sampling, length=req.computed,
                              reserve=self.policy.reserve(with_draft), budget=req.budget,
-                             reads_tokens=req.reads_tokens, constrained=req.grammar is not None)
+                             reads_tokens=req.reads_tokens, constrained=req.grammar is not None, shard=req.shard)
             self.table.set_pages(req.slot, 0, cached)
             req.pages = list(cached)
             self._give_pages(req, need)
@@ -178,25 +190,56 @@ class RunningBatch:
             self.running[req.id] = self.prefilling[req.id] = req
         self.waiting.extendleft(reversed(passed_over))
 
-    def _cached_prefix(self, req: ScheduledRequest, with_draft: bool) -> list[int]:
-        """The cached pages of a request's longest cached prefix (draft-valid ones `with_draft`).
-        At least the prompt's last token is left to compute (its logits give the first token), and
-        each page's key needs the token after it."""
-        cache = self.alloc.cache
+    def _place(self, req: ScheduledRequest, reserve: int) -> tuple[int, list[int]] | None:
+        """(data shard, cached pages of its prefix there) for a waiting request: of the shards with
+        a free row whose pages fit it beside `reserve` pages of growth (one per decoding request,
+        spread over the shards), the one with the longest cached prefix, then the most free pages;
+        None when none fits."""
+        if self.shards == 1:
+            cached = self._cached_prefix(req, self.policy.uses_draft, self.allocs[0])
+            return None if self._pages_short(req, cached, reserve, self.allocs[0]) else (0, cached)
+        rows = np.bincount([r.shard for r in self.running.values()], minlength=self.shards)
+        growth = np.bincount([r.shard for r in self.decoders.values()], minlength=self.shards)
+        best = None
+        for d, alloc in enumerate(self.allocs):
+            if rows[d] >= self.rows_per_shard:
+                continue
+            cached = self._cached_prefix(req, self.policy.uses_draft, alloc)
+            if not self._pages_short(req, cached, int(growth[d]), alloc):
+                score = (len(cached), alloc.num_free)
+                if best is None or score > best[0]:
+                    best = (score, d, cached)
+        return None if best is None else best[1:]
+
+    def _cached_prefix(self, req: ScheduledRequest, with_draft: bool, alloc: PageAllocator) -> list[int]:
+        """The cached pages of a request's longest cached prefix in `alloc`'s prefix cache
+        (draft-valid ones `with_draft`). At least the prompt's last token is left to compute (its
+        logits give the first token), and each page's key needs the token after it."""
+        cache = alloc.cache
         if cache is None or req.reads_whole_prompt:
             return []
         full = (len(req.prefill_ids) - 1) // self.page_size
         return cache.lookup(req.keys(req.prefill_ids, self.page_size, full), with_draft)
 
-    def _pages_short(self, req: ScheduledRequest, cached: list[int], reserve: int) -> bool:
+    def _pages_short(self, req: ScheduledRequest, cached: list[int], reserve: int, alloc: PageAllocator) -> bool:
         """Whether the pages a request needs beyond `cached` (and the cached ones nobody holds,
-        which count as free) exceed the free pages less `reserve`."""
+        which count as free) exceed `alloc`'s free pages less `reserve`."""
         need = pages_for(len(req.prefill_ids) + self.lookahead, self.page_size) - len(cached)
-        return need + sum(self.alloc.refs(p) == 0 for p in cached) + reserve > self.alloc.num_free
+        return need + sum(alloc.refs(p) == 0 for p in cached) + reserve > alloc.num_free
+
+    @property
+    def num_usable(self) -> int:
+        """Pages one request may hold at most: its data shard's."""
+        return self.allocs[0].num_usable
+
+    def page_counts(self) -> dict[str, int]:
+        """Pages of every data shard together: usable, free, cached."""
+        return {"num_pages": sum(a.num_usable for a in self.allocs), "num_free_pages": sum(a.num_free for a in self.allocs),
+                "num_cached_pages": sum(a.cache.num_cached for a in self.allocs if a.cache is not None)}
 
     def _count_hits(self, req: ScheduledRequest, cached: list[int]) -> None:
         """The prefix cache's hit-rate counters (tokens and requests), at admission."""
-        if self.alloc.cache is None:
+        if self.allocs[0].cache is None:
             return
         totals = self.counters.totals
         totals["prefix_cache_queries_total"] += len(req.prefill_ids)
@@ -207,7 +250,7 @@ class RunningBatch:
     def cache_pages(self, req: ScheduledRequest, tokens: list[int], valid: int, draft_valid: int) -> None:
         """Cache `req`'s full pages whose slots below `valid` hold the final K/V of `tokens` (as
         many tokens as the pages hold, plus the one after), draft-valid below `draft_valid`."""
-        cache = self.alloc.cache
+        cache = self.allocs[req.shard].cache
         if cache is None:
             return
         full = min(valid, len(tokens) - 1, len(req.pages) * self.page_size) // self.page_size
@@ -240,7 +283,7 @@ class RunningBatch:
         return rows
 
     def _give_pages(self, req: ScheduledRequest, n: int) -> None:
-        pages = self.alloc.allocate(n)
+        pages = self.allocs[req.shard].allocate(n)
         self.table.set_pages(req.slot, len(req.pages), pages)
         req.pages += pages
 
@@ -288,8 +331,9 @@ class RunningBatch:
         for i, end in zip(short, ends):
             req = rows[i]
             need = min(pages_for(end, self.page_size), self.max_pages_per_seq) - len(req.pages)
-            while need > self.alloc.num_free and req.state == DECODE:
-                self.preempt(next(reversed(self.running.values())))
+            alloc = self.allocs[req.shard]
+            while need > alloc.num_free and req.state == DECODE:
+                self.preempt(next(r for r in reversed(self.running.values()) if r.shard == req.shard))
             if req.state == DECODE and need > 0:
                 self._give_pages(req, need)
         return self.decoding()
@@ -311,25 +355,40 @@ class RunningBatch:
         own data."""
         # Committed: req.length slots, draft pairs up to length - gap. (The cache is checked here
         # too, so that leaving without one builds no list of the whole sequence.)
-        if req.state == DECODE and self.alloc.cache is not None:
+        if req.state == DECODE and self.allocs[req.shard].cache is not None:
             draft_valid = req.length - req.gap if req.with_draft and self.policy.uses_draft else 0
             self.cache_pages(req, req.prompt + req.output, req.length, draft_valid)
-        self.alloc.free(req.pages)
+        self.allocs[req.shard].free(req.pages)
         if req.slot is not None:
             req.record_steps(*self.table.take_steps(req.slot))
             self.table.clear(req.slot)
             self.free_slots.append(req.slot)
         req.pages, req.computed, req.slot, req.gap = [], 0, None, 0
 
-    def rows_batch(self, row_slots: Sequence[int] | np.ndarray, min_width: int = MIN_PAGES_BUCKET) -> BatchRows:
+    def rows_batch(self, row_slots: Sequence[int] | np.ndarray,
+                   min_width: int = MIN_PAGES_BUCKET) -> tuple[BatchRows, np.ndarray | None]:
         """The slot-table rows of the requests in `row_slots` (slots, prompt lengths, sampling
         settings, block tables), padded to the batch bucket with the scratch slot's (all scratch
-        page); the block tables' width is at least `min_width`."""
-        batch = bucket(len(row_slots), 1, self.max_num_seqs)
+        page); the block tables' width is at least `min_width`. With data shards each request's
+        row lies in its shard's D-th of the batch: returns the rows and each request's row
+        (`positions`; None when they are the first rows, in order)."""
+        row_slots = np.asarray(row_slots, np.int32)
+        n, positions = len(row_slots), None
+        if self.shards == 1:
+            batch = bucket(n, 1, self.max_num_seqs)
+        else:
+            shard = self.table.shard[row_slots]
+            counts = np.bincount(shard, minlength=self.shards)
+            per_shard = bucket(int(counts.max(initial=1)), 1, self.rows_per_shard)
+            batch = self.shards * per_shard
+            order = np.argsort(shard, kind="stable")
+            rank = np.empty(n, np.int64)
+            rank[order] = np.arange(n) - (np.cumsum(counts) - counts)[shard[order]]  # place among its shard's
+            positions = shard * per_shard + rank
         slots = np.full((batch,), self.max_num_seqs, np.int32)
-        slots[: len(row_slots)] = row_slots
+        slots[positions if positions is not None else slice(0, n)] = row_slots
         width = bucket(max(int(self.table.num_pages[slots].max()), min_width), MIN_PAGES_BUCKET, self.max_pages_per_seq)
-        return self.table.rows(slots, width)
+        return self.table.rows(slots, width), positions
 
     def padding_batch(self, batch: int, width: int, features: BatchFeatures = GREEDY_BATCH) -> BatchRows:
         """`batch` padding rows only (programs compiled ahead, warm-up), for batches of `features`."""

@@ -54,6 +54,7 @@ import numpy as np
 from ..cache.pages import pages_for
 from ..models.draft import Draft, with_target_kernels
 from ..models.target import Target
+from ..runtime.sharding import data_shards
 from ..request import RequestOutput, cap_message, check_request, normalize_sampling, token_budget
 from ..sampling.logprobs import Logprob, LogprobSettings
 from ..sampling.sampler import SamplingParams
@@ -110,6 +111,24 @@ def _checked_all(sched: "Scheduler", prompts: Sequence[Sequence[int]], sampling:
     if len(cuts) > 3:
         logger.warning("... and for %d more prompts", len(cuts) - 3)
     return checked, grammars
+
+
+def _pool_pages(num_pages: int | None, max_num_seqs: int, max_pages_per_seq: int, shards: int) -> int:
+    """The KV pool's pages: `num_pages`, or by default enough for every sequence at full length,
+    split in equal shares over the data shards (each keeps its first page back; a count that does
+    not divide is rounded up, with a warning). A ValueError for a batch the shards cannot split."""
+    if max_num_seqs % shards:
+        raise ValueError(f"max_num_seqs={max_num_seqs} must be a multiple of the mesh's data axis ({shards}): each "
+                         f"data shard runs max_num_seqs / {shards} of the sequences")
+    if num_pages is None:
+        return shards * (max_num_seqs // shards * max_pages_per_seq + 1)
+    if not isinstance(num_pages, (int, np.integer)) or num_pages < 2 * shards:
+        reserved = "page 0 is reserved" if shards == 1 else f"each of the {shards} data shards reserves a page"
+        raise ValueError(f"num_pages must be an integer >= {2 * shards} ({reserved}); got {num_pages!r}")
+    rounded = -(-int(num_pages) // shards) * shards
+    if rounded != num_pages:
+        logger.warning("num_pages=%d rounded up to %d: %d data shards hold equal shares", num_pages, rounded, shards)
+    return rounded
 
 
 def _check_capacity(prompt: int, budget: int, reserve: int, page_size: int, usable: int) -> None:
@@ -177,14 +196,12 @@ class Scheduler:
         # Every prompt that fits one chunk prefills at one block-table width: fewer programs.
         self._prefill_width = bucket(pages_for(min(self.prefill_chunk, self.max_seq_len) + self.lookahead,
                                                self.page_size), MIN_PAGES_BUCKET, self.max_pages_per_seq)
-        if num_pages is None:
-            num_pages = self.max_num_seqs * self.max_pages_per_seq + 1
-        if not isinstance(num_pages, (int, np.integer)) or num_pages < 2:
-            raise ValueError(f"num_pages must be an integer >= 2 (page 0 is reserved); got {num_pages!r}")
+        shards = data_shards(target.mesh)
+        num_pages = _pool_pages(num_pages, self.max_num_seqs, self.max_pages_per_seq, shards)
         self.counters = SchedulerCounters(self.policy.max_accept)
         self._batch = RunningBatch(self.policy, self.counters, max_num_seqs=self.max_num_seqs, page_size=self.page_size,
-                                   num_pages=int(num_pages), max_pages_per_seq=self.max_pages_per_seq,
-                                   lookahead=self.lookahead, prefix_caching=bool(prefix_caching))
+                                   num_pages=num_pages, max_pages_per_seq=self.max_pages_per_seq,
+                                   lookahead=self.lookahead, prefix_caching=bool(prefix_caching), data_shards=shards)
         # The programs run the target capturing the hidden states the draft reads.
         features = target if draft is None else target.capturing(draft.aux_layer_ids)
         self._executor = Executor(features, self.draft, self.policy, int(num_pages), self.page_size, self.max_num_seqs,
@@ -227,7 +244,7 @@ class Scheduler:
         if rid in self._requests:
             raise ValueError(f"request id {rid!r} is already in use")
         budget = token_budget(len(ids), sampling.max_tokens, self.max_seq_len)
-        _check_capacity(len(ids), budget, self.lookahead + self._overshoot, self.page_size, self._batch.alloc.num_usable)
+        _check_capacity(len(ids), budget, self.lookahead + self._overshoot, self.page_size, self._batch.num_usable)
         req = ScheduledRequest(id=rid, prompt=ids, sampling=sampling, budget=budget, prefill_ids=list(ids), grammar=grammar,
                                wait_for=None if wait_for is None else self._requests.get(str(wait_for)))
         if sampling.stop:
@@ -275,14 +292,13 @@ class Scheduler:
     def reset_prefix_cache(self) -> None:
         """Forget every cached page (vLLM's reset_prefix_cache; benchmarks start cold with it).
         Pages running requests hold stay theirs."""
-        self._batch.alloc.reset_cache()
+        for alloc in self._batch.allocs:
+            alloc.reset_cache()
 
     def stats(self) -> dict:
         """Counters and gauges for monitoring (see serving's /metrics)."""
         b = self._batch
-        return {"num_waiting": len(b.waiting), "num_running": len(b.running),
-                "num_pages": b.alloc.num_usable, "num_free_pages": b.alloc.num_free,
-                "num_cached_pages": b.alloc.cache.num_cached if b.alloc.cache is not None else 0,
+        return {"num_waiting": len(b.waiting), "num_running": len(b.running), **b.page_counts(),
                 "page_size": self.page_size, "kv_cache_dtype": self._executor.kv_cache_dtype,
                 "num_compiled_grammars": len(self.grammars or ()),
                 "num_constrained_requests": sum(r.grammar is not None for r in self._requests.values()),
@@ -342,7 +358,8 @@ class Scheduler:
         if self.has_unfinished():
             raise RuntimeError("warm_up() runs before any request: this scheduler has unfinished requests")
         wanted = warmup_programs(self.policy, sampled, max_num_seqs=self.max_num_seqs, prefill_chunk=self.prefill_chunk,
-                                 prefill_width=self._prefill_width, max_pages_per_seq=self.max_pages_per_seq)
+                                 prefill_width=self._prefill_width, max_pages_per_seq=self.max_pages_per_seq,
+                                 data_shards=self._batch.shards)
         chosen, start = wanted[: self.programs.capacity], time.perf_counter()
         for program in chosen:
             outputs = run_on_padding(program, self._batch, self._launcher.run)
@@ -358,7 +375,7 @@ class Scheduler:
         deltas, waited = [], 0.0
         for launch in launches:
             start = time.perf_counter()
-            outputs = self._executor.read(launch.outputs)
+            outputs = launch.in_request_order(self._executor.read(launch.outputs))
             now = time.perf_counter()
             waited += now - start
             live = launch.live(self._batch.table)  # requests preempted, aborted or finished since: void

@@ -40,6 +40,11 @@ class Launch:
     final: list = dataclasses.field(default_factory=list)  # prefill: each row's chunk ends its prompt
     slots: np.ndarray | None = None  # the requests' state slots
     generations: np.ndarray | None = None  # those slots' generations at launch (SlotTable.generation)
+    positions: np.ndarray | None = None  # each request's row (data shards), None: the first rows in order
+
+    def in_request_order(self, outputs: list[np.ndarray]) -> list[np.ndarray]:
+        """The outputs' rows of the requests, in `requests` order (every output is per row)."""
+        return outputs if self.positions is None else [o[self.positions] for o in outputs]
 
     def live(self, table: SlotTable) -> np.ndarray:
         """The rows whose request is still where it was at launch (not preempted, aborted or
@@ -62,6 +67,14 @@ def time_steady_steps_only(ready: list[Launch], launched: list[Launch]) -> None:
     same = following.plan.program == step.plan.program and following.plan.shape == step.plan.shape
     if following.plan.catch_up or not same:
         step.untimed = True
+
+
+def at_rows(items: list, positions: np.ndarray | None, batch: int) -> list:
+    """Per-request `items` laid out by row: item i at row positions[i] (or i), None elsewhere."""
+    out = [None] * batch
+    for i, row in enumerate(range(len(items)) if positions is None else positions.tolist()):
+        out[row] = items[i]
+    return out
 
 
 class Launcher:
@@ -93,32 +106,35 @@ class Launcher:
         if self.leader is not None and count:
             self.leader.reading(count)
 
-    def _slots_at_launch(self, batch_rows: BatchRows, count: int) -> dict:
-        """A launch's `slots` and their `generations` now, of its first `count` (non-padding) rows."""
-        slots = batch_rows.slots[:count]
-        return {"slots": slots, "generations": self.batch.table.generation[slots]}
+    def _slots_at_launch(self, batch_rows: BatchRows, count: int, positions: np.ndarray | None) -> dict:
+        """A launch's `slots` and their `generations` now, of its `count` requests' rows (the
+        first rows, or those at `positions`), and the positions."""
+        slots = batch_rows.slots[:count] if positions is None else batch_rows.slots[positions]
+        return {"slots": slots, "generations": self.batch.table.generation[slots], "positions": positions}
 
     def prefill(self, rows: list[tuple[ScheduledRequest, int]]) -> Launch:
         """Launch the next prompt chunks; a request whose prompt ends here decodes from now on."""
-        owners = self.batch.rows_batch([r.slot for r, _ in rows], self.prefill_width)  # the rows' own slots
+        owners, positions = self.batch.rows_batch([r.slot for r, _ in rows], self.prefill_width)  # their own slots
         batch = len(owners.ints)
         t = bucket(max(n for _, n in rows), MIN_CHUNK_BUCKET, chunk_cap(self.prefill_chunk))
         packed = prefill_chunks(batch, t)
         tokens, lengths, n_valid, following, counter = chunk_columns(packed)  # views: written through
-        for i, (req, n) in enumerate(rows):
+        at = range(len(rows)) if positions is None else positions.tolist()
+        for i, (req, n) in zip(at, rows):
             c = req.computed
             tokens[i, :n] = req.prefill_ids[c: c + n]
             n_valid[i], lengths[i], counter[i] = n, c, len(req.output)
             if c + n < len(req.prefill_ids):  # not the prompt's last chunk: its first token is not kept
                 following[i] = req.prefill_ids[c + n]
-        requests, final = [req for req, _ in rows], (following[: len(rows)] < 0).tolist()
+        requests, final = [req for req, _ in rows], (following[list(at)] < 0).tolist()
         # With the draft when any row has it (a row without it then has a draft cache it never uses).
         with_draft = any(r.with_draft for r, _ in rows)
         logprobs = any(r.logprobs is not None or r.wants_prompt_logprobs for r, _ in rows)
         chunks = [(req.computed, n) for req, n in rows]
         # Structured output: the first token of a row whose prompt ends here follows its grammar.
         grammars = [req.grammar if last else None for req, last in zip(requests, final)]
-        masks = batch_masks(grammars, batch, self.mask_words) if any(g is not None for g in grammars) else None
+        masks = (batch_masks(at_rows(grammars, positions, batch), batch, self.mask_words)
+                 if any(g is not None for g in grammars) else None)
         compiles, launched = self.executor.programs.num_compiles, time.perf_counter()
         outputs = self.run("prefill" if with_draft else "plain_prefill", None, owners, packed, logprobs=logprobs,
                            masks=masks)
@@ -129,16 +145,17 @@ class Launcher:
             self.batch.cache_prefilled(req, with_draft)
             if req.computed == len(req.prefill_ids):
                 self.batch.start_decoding(req)
-        self.counters.totals["prompt_tokens_total"] += int(n_valid[: len(rows)].sum())
+        tokens_computed = sum(n for _, n in rows)
+        self.counters.totals["prompt_tokens_total"] += tokens_computed
         return Launch("prefill", requests, outputs, key=(batch, t), launched=launched, compiles=compiles,
-                      with_draft=with_draft, tokens=int(n_valid[: len(rows)].sum()), chunks=chunks, final=final,
-                      **self._slots_at_launch(owners, len(rows)))
+                      with_draft=with_draft, tokens=tokens_computed, chunks=chunks, final=final,
+                      **self._slots_at_launch(owners, len(rows), positions))
 
     def decode(self, rows: list[ScheduledRequest]) -> Launch:
         """Launch one decode step over `rows`, the batch's decoding requests (`RunningBatch.decoding()`),
         as the speculation policy plans it (a catch-up first when planned)."""
         table, slots = self.batch.table, self.batch.decoding_slots()
-        batch_rows = self.batch.rows_batch(slots)
+        batch_rows, positions = self.batch.rows_batch(slots)
         key = self.batch.last_decode_key = (*batch_rows.block_table.shape, batch_rows.features)
         plan = self.policy.plan(rows, key)
         if plan.catch_up:
@@ -147,7 +164,7 @@ class Launcher:
         compiles, launched = self.executor.programs.num_compiles, time.perf_counter()
         logprobs = bool(table.wants_logprobs[slots].any())
         if table.constrained[slots].any():
-            outputs = self._constrained(rows, plan, batch_rows, logprobs)
+            outputs = self._constrained(rows, plan, batch_rows, logprobs, positions)
         else:
             outputs = self.run(plan.program, plan.shape, batch_rows, logprobs=logprobs)
         self.executor.prefetch(outputs)
@@ -155,9 +172,10 @@ class Launcher:
         # constrained step's time holds the host's mask work beside its programs: its true cost,
         # which the adaptive policy weighs.
         return Launch("decode", rows, outputs, plan, key, launched, plan.catch_up, compiles,
-                      **self._slots_at_launch(batch_rows, len(rows)))
+                      **self._slots_at_launch(batch_rows, len(rows), positions))
 
-    def _constrained(self, rows: list[ScheduledRequest], plan: StepPlan, batch_rows: BatchRows, logprobs: bool) -> list:
+    def _constrained(self, rows: list[ScheduledRequest], plan: StepPlan, batch_rows: BatchRows, logprobs: bool,
+                     positions: np.ndarray | None) -> list:
         """A decode step under the rows' grammars (each row's every earlier token read): one token
         ("one_forward", the target's pass, during which the host fills each row's next mask, then
         "one_sample" / "store_sample" with them), or a speculative step: "propose" (the tree, its
@@ -165,7 +183,8 @@ class Launcher:
         reads the tree and computes each node's mask, then "accept" with those masks. A
         multi-host leader runs each step's single-program form (its followers hold their own
         device arrays)."""
-        grammars, batch = [r.grammar for r in rows], len(batch_rows.ints)
+        batch = len(batch_rows.ints)
+        grammars = at_rows([r.grammar for r in rows], positions, batch)  # each row's (padding rows: None)
         settings = self.logprob_settings if logprobs else None
         if plan.program != "decode" and self.leader is not None:
             return self.run(plan.program, plan.shape, batch_rows, logprobs=logprobs,

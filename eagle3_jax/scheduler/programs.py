@@ -45,7 +45,7 @@ from ..cache import kv_cache
 from ..config.model import ModelConfig
 from ..models.draft import Draft, DraftConfig
 from ..models.target import Target, uses_fnuz
-from ..runtime.sharding import mesh_context, replicate, shard_pages, to_host
+from ..runtime.sharding import data_shards, mesh_context, replicate, shard_pages, to_host
 from ..sampling.logprobs import LogprobSettings, TokenLogprobs
 from ..sampling.sampler import PenaltyHistory, count_tokens
 from ..spec_decode.policy import SpeculationPolicy
@@ -86,12 +86,13 @@ class DeviceState:
     # What the pools' reads return (their compute dtypes; FP8 pages are dequantized to them).
     target_dtype: jnp.dtype | None = struct.field(pytree_node=False, default=None)
     draft_dtype: jnp.dtype | None = struct.field(pytree_node=False, default=None)
+    data_shards: int = struct.field(pytree_node=False, default=1)  # pages and rows split over data (kv_cache)
 
     def target_cache(self, block_table, lengths) -> kv_cache.KVCache:
-        return kv_cache.paged_view(self.tk, self.tv, block_table, lengths, self.target_dtype)
+        return kv_cache.paged_view(self.tk, self.tv, block_table, lengths, self.target_dtype, self.data_shards)
 
     def draft_cache(self, block_table, lengths) -> kv_cache.KVCache:
-        return kv_cache.paged_view(self.dk, self.dv, block_table, lengths, self.draft_dtype)
+        return kv_cache.paged_view(self.dk, self.dv, block_table, lengths, self.draft_dtype, self.data_shards)
 
 
 def init_state(target: Target, draft: Draft | None, policy: SpeculationPolicy, num_pages: int, page_size: int,
@@ -121,7 +122,7 @@ def init_state(target: Target, draft: Draft | None, policy: SpeculationPolicy, n
     else:
         per_slot = jax.tree.map(jnp.asarray, per_slot)
     return DeviceState(tk=tk, tv=tv, dk=dk, dv=dv, **per_slot, target_dtype=jnp.dtype(target.dtype),
-                       draft_dtype=None if draft is None else jnp.dtype(draft.dtype))
+                       draft_dtype=None if draft is None else jnp.dtype(draft.dtype), data_shards=data_shards(mesh))
 
 
 # ---- programs ----------------------------------------------------------------------------------------

@@ -128,16 +128,17 @@ class SlotTable:
         self.budget_end = np.zeros((num_slots,), np.int64)
         self.constrained = np.zeros((num_slots,), bool)
         self.wants_logprobs = np.zeros((num_slots,), bool)
+        self.shard = np.zeros((num_slots,), np.int64)  # the data shard holding the request's pages
 
     def admit(self, slot: int, prompt_len: int, params: SamplingParams, *, length: int = 0,
               reserve: tuple[int, int] = (1, 1), budget: int = 0, reads_tokens: bool = True,
-              constrained: bool = False) -> None:
+              constrained: bool = False, shard: int = 0) -> None:
         """A request takes `slot`: its prompt's length, sampling settings, committed length (the
         cached pages it starts from) and `reserve`, what one of its decode steps may write (slots
         committed, slots past them; the default: a step without speculation's); its pages follow.
         `budget`: the most tokens it may generate; `reads_tokens`: something reads its tokens one
         by one (stop strings, a grammar, logprobs), so none go out in bulk; `constrained`: it has
-        a grammar."""
+        a grammar; `shard`: the data shard its pages are on."""
         ints, floats = packed_settings(params)
         self.ints[slot, PROMPT_LEN] = prompt_len
         self.ints[slot, SETTINGS] = ints
@@ -154,6 +155,7 @@ class SlotTable:
         # (every token but the last is in the cache), so its budget runs out at this length.
         self.budget_end[slot] = prompt_len + budget - 1
         self.constrained[slot], self.wants_logprobs[slot] = constrained, params.logprobs is not None
+        self.shard[slot] = shard
 
     def set_pages(self, slot: int, start: int, pages: list[int]) -> None:
         """The slot's block table from column `start` on."""

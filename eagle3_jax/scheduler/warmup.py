@@ -35,13 +35,13 @@ class WarmProgram:
 
 
 def warmup_programs(policy: SpeculationPolicy, sampled: bool = True, *, max_num_seqs: int, prefill_chunk: int,
-                    prefill_width: int, max_pages_per_seq: int) -> list[WarmProgram]:
-    """The prefill and decode programs of bursts of requests that fit one chunk, by batch bucket;
-    each for greedy batches and, when `sampled`, for batches with a sampled row, with and without
-    top-k / top-p."""
+                    prefill_width: int, max_pages_per_seq: int, data_shards: int = 1) -> list[WarmProgram]:
+    """The prefill and decode programs of bursts of requests that fit one chunk, by batch bucket
+    (with data shards: every shard's rows bucketed alike); each for greedy batches and, when
+    `sampled`, for batches with a sampled row, with and without top-k / top-p."""
     programs = []
     widths = [w for w in buckets(MIN_PAGES_BUCKET, max_pages_per_seq) if w <= prefill_width]
-    for batch in buckets(1, max_num_seqs):
+    for batch in (data_shards * rows for rows in buckets(1, max_num_seqs // data_shards)):
         for features in (GREEDY_BATCH, SAMPLED_BATCH, TRUNCATED_BATCH) if sampled else (GREEDY_BATCH,):
             for chunk in buckets(MIN_CHUNK_BUCKET, chunk_cap(prefill_chunk)):
                 if prefill_fits(batch, chunk, prefill_chunk):
