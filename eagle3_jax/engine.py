@@ -19,6 +19,7 @@ from .models.target import Target
 from .parsers import OutputParsing, parse_output
 from .parsers.forced import constrain_answer
 from .request import RequestOutput
+from .runtime.sharding import data_shards
 from .sampling.sampler import SamplingParams
 from .scheduler import PREFILL_CHUNK, Scheduler
 from .spec_decode.settings import AutoSpec, SpecConfig
@@ -59,6 +60,10 @@ class Engine:
         if not isinstance(max_batch_size, int) or not isinstance(max_seq_len, int) or max_batch_size < 1 \
                 or max_seq_len < 2:
             raise ValueError(f"max_batch_size must be >= 1 and max_seq_len >= 2; got {max_batch_size}, {max_seq_len}")
+        shards = data_shards(target.mesh)
+        if max_batch_size % shards:
+            raise ValueError(f"max_batch_size={max_batch_size} must be a multiple of the mesh's data axis ({shards}): "
+                             f"each data shard decodes max_batch_size / {shards} sequences")
         self.scheduler = Scheduler(target, draft, spec, max_num_seqs=max_batch_size, max_seq_len=max_seq_len,
                                    tokenizer=tokenizer, prefill_chunk=prefill_chunk, kv_cache_dtype=kv_cache_dtype)
         self.target, self.draft, self.spec = target, self.scheduler.draft, self.scheduler.spec

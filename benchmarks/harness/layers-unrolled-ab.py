@@ -46,13 +46,12 @@ def main() -> None:
 
     def unrolled_forward(top, layers, tokens, positions, cache):
         b, t = tokens.shape
-        tree_mask = kv_cache.causal_mask(b, t)
-        mask = kv_cache.visibility(cache.lengths, tree_mask, cache.max_len)
+        visible = kv_cache.Visible(cache.lengths, kv_cache.causal_mask(b, t))
         x = top["embed"][tokens]
         for kind, start, stop in cfg.segments:
             for layer in range(start, stop):
-                x, cache = T._layer(layers[layer], cfg, kind, x, positions, cache, jnp.int32(layer), mask,
-                                    t <= T.ABSORB_MAX_TOKENS, tree_mask)
+                x, cache = T._layer(layers[layer], cfg, kind, x, positions, cache, jnp.int32(layer), visible,
+                                    t <= T.ABSORB_MAX_TOKENS)
         return T.final_logits(top, cfg, x), cache
 
     def program(unrolled: bool):
