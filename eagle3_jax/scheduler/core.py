@@ -54,8 +54,8 @@ import numpy as np
 from ..cache.pages import pages_for
 from ..models.draft import Draft, with_target_kernels
 from ..models.target import Target
-from ..runtime.sharding import data_shards
 from ..request import RequestOutput, cap_message, check_request, normalize_sampling, token_budget
+from ..runtime.sharding import data_shards
 from ..sampling.logprobs import Logprob, LogprobSettings
 from ..sampling.sampler import SamplingParams
 from ..spec_decode.policy import check_speculation, policy_for
