@@ -26,6 +26,13 @@ context of --context tokens (apart from --max_len, the cache a sequence may fill
         --meshes=1,1,8 --devices=MI325X --nomemory --concurrency=1,2,4,8,16,32,40,64,128,256 \\
         --acceptance=0.99,0.97,0.97 --context=1536
 
+With --capacity it finds, per mesh and device, the most sequences of each of those contexts that
+fit (two plans give the bytes per sequence, a third checks the batch; batches are multiples of the
+data axis), e.g. Kimi-K2.5's long-context layouts with an FP8 KV cache:
+
+    python scripts/plan.py --target=tests/data/kimi-k2.5.config.json --draft=tests/data/kimi-k2.5-eagle3.draft.json \
+        --meshes="1,1,8;1,8,1;8,1,1" --devices=MI325X --nomemory --capacity=8192,32768,131072 --kv_cache_dtype=fp8
+
 The plans are compiled by XLA:CPU. For bfloat16 caches it adds copies a GPU program does not
 make: it cannot scatter the new tokens into a bfloat16 cache in place, so temps include about two
 copies of the target's KV cache (float32 caches plan with no such temps).
@@ -59,7 +66,10 @@ flags.DEFINE_string("dtype", "bfloat16", "Compute dtype of unquantized weights a
 flags.DEFINE_enum("unit", "GiB", ["GiB", "MiB"], "Unit of the byte columns (MiB for small models).")
 flags.DEFINE_string("json_out", None, "Also write every plan as JSON here.")
 cli.define_overwrite_flag("--json_out")
-flags.DEFINE_bool("memory", True, "Compile the programs and print the memory table (--nomemory: the prediction only).")
+flags.DEFINE_bool("memory", True, "Compile the programs and print the memory table (--nomemory: the prediction or "
+                  "capacity only).")
+flags.DEFINE_list("capacity", None, "Contexts (tokens per sequence, e.g. 8192,32768,131072): print the most sequences "
+                  "of each that fit every --devices, per mesh (compiles a few plans per context).")
 flags.DEFINE_list("concurrency", None, "Predict plain and speculative decoding at these concurrencies (e.g. "
                   "1,2,4,8,16,32,64,128,256): step time, TPOT, throughput and speedup per mesh and device.")
 flags.DEFINE_list("acceptance", ["0.8", "0.6", "0.4"], "With --concurrency: per-position acceptance rates of the "
@@ -110,8 +120,9 @@ def main(argv: list[str]) -> int:
     unit = report.UNITS[FLAGS.unit]
     concurrencies = None if FLAGS.concurrency is None else int_list(FLAGS.concurrency, "concurrency", positive=True)
     acceptance = _acceptance()
-    if not FLAGS.memory and concurrencies is None:
-        raise app.UsageError("--nomemory leaves nothing to print: give --concurrency for the prediction")
+    contexts = None if FLAGS.capacity is None else int_list(FLAGS.capacity, "capacity", positive=True)
+    if not FLAGS.memory and concurrencies is None and contexts is None:
+        raise app.UsageError("--nomemory leaves nothing to print: give --concurrency for the prediction or --capacity")
     if concurrencies is not None and not FLAGS.draft:
         raise app.UsageError("--concurrency predicts speculation's payoff: give the --draft it runs with")
     settings = report.PlanSettings(FLAGS.target, FLAGS.draft, spec if FLAGS.draft else None, FLAGS.max_len,
@@ -147,6 +158,7 @@ def main(argv: list[str]) -> int:
     if notes:
         print()
         print("\n".join(notes))
+    capacities = _capacity_table(settings, meshes, devices, contexts) if contexts else []
     predicted = []
     for shape, mesh in predictions:
         with cli.usage_errors():
@@ -157,10 +169,48 @@ def main(argv: list[str]) -> int:
         print("\n".join(lines))
         predicted += rows
     if FLAGS.json_out:
-        out = [p.as_dict() for p in plans] if not predicted else {"plans": [p.as_dict() for p in plans],
-                                                                  "predictions": predicted}
+        out = [p.as_dict() for p in plans] if not (predicted or capacities) else {
+            "plans": [p.as_dict() for p in plans], "predictions": predicted, "capacity": capacities}
         cli.write_output("--json_out", FLAGS.json_out, json.dumps(out, indent=1))
     return 0
+
+
+def _capacity_table(settings, meshes, devices, contexts) -> list[dict]:
+    """Print the most sequences of each context that fit each device, per mesh; return the rows."""
+    import dataclasses
+
+    import jax
+
+    import eagle3_jax as e3
+    from eagle3_jax.planning import report
+    from eagle3_jax.planning.capacity import max_sequences
+
+    print(f"\ncapacity, KV cache {settings.kv_cache_dtype}: the most sequences that fit each device "
+          "(args + temps per device at that batch, GB)")
+    print("| mesh d,t,e | context | " + " | ".join(f"{d.name} sequences" for d in devices) + " |")
+    print("|---|---|" + "---|" * len(devices))
+    rows = []
+    for shape in meshes:
+        mesh = e3.make_mesh(*shape, devices=jax.devices()[:shape[0] * shape[1] * shape[2]])
+        for context in contexts:
+            at_context, plans = dataclasses.replace(settings, max_len=context), {}
+
+            def plan_at(batch, at_context=at_context, plans=plans, mesh=mesh):
+                if batch not in plans:
+                    with cli.usage_errors():
+                        plans[batch] = at_context.plan(mesh, batch)
+                return plans[batch]
+
+            cells = []
+            for device in devices:
+                found = max_sequences(plan_at, device, step=shape[0])
+                need = f" ({found.plan.total_bytes / 1e9:.0f})" if found.plan is not None else ""
+                cells.append(f"{found.sequences:,}{need}")
+                rows.append({"mesh": list(shape), "context": context, "device": device.name,
+                             "kv_cache_dtype": settings.kv_cache_dtype, "sequences": found.sequences,
+                             "total_bytes": found.plan.total_bytes if found.plan else None})
+            print(f"| {report.mesh_text(shape)} | {context:,} | " + " | ".join(cells) + " |", flush=True)
+    return rows
 
 
 def _acceptance() -> tuple[float, ...]:

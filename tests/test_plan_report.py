@@ -133,3 +133,26 @@ def test_prediction_tables_predict_each_device_at_each_concurrency():
     assert row["speedup"] == expected.speedup and row["verify_bound"] == expected.verify_bound
     assert row["fits"] is False  # 6 GB of weights on 1000 bytes
     assert lines[-1] == report.prediction_line(expected, fits=False)
+
+
+def test_capacity_search_finds_the_largest_batch_that_fits():
+    """`max_sequences` on a need that is linear in the batch beyond a bump at small batches (the
+    MoE's form changing): the largest multiple of the step that fits, in a few plans."""
+    import types
+
+    from eagle3_jax.planning.capacity import MAX_PLANS, max_sequences
+    from eagle3_jax.planning.memory import GB, Device
+
+    device = Device("X", 256 * GB, 1.0, 1.0)
+    asked = []
+
+    def plan_at(batch, fixed=70 * GB, per=0.55 * GB, bump=6 * GB):
+        asked.append(batch)
+        total = fixed + per * batch + (bump if batch < 16 else 0)
+        return types.SimpleNamespace(batch=batch, total_bytes=int(total), kv_bytes=int(0.5 * GB * batch))
+
+    found = max_sequences(plan_at, device, step=4)
+    best = max(b for b in range(4, 2000, 4) if 70 * GB + 0.55 * GB * b + (6 * GB if b < 16 else 0) <= 256 * GB)
+    assert found.plans_compiled <= MAX_PLANS and len(asked) == found.plans_compiled
+    assert best * 0.98 <= found.sequences <= best and found.sequences % 4 == 0
+    assert max_sequences(lambda b: plan_at(b, fixed=300 * GB), device, step=8).sequences == 0
