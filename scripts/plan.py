@@ -27,7 +27,7 @@ context of --context tokens (apart from --max_len, the cache a sequence may fill
         --acceptance=0.99,0.97,0.97 --context=1536
 
 With --capacity it finds, per mesh and device, the most sequences of each of those contexts that
-fit (two plans give the bytes per sequence, a third checks the batch; batches are multiples of the
+fit (a search over plans of the decode step, speculative with --draft; batches are multiples of the
 data axis), e.g. Kimi-K2.5's long-context layouts with an FP8 KV cache:
 
     python scripts/plan.py --target=tests/data/kimi-k2.5.config.json --draft=tests/data/kimi-k2.5-eagle3.draft.json \
@@ -198,7 +198,7 @@ def _capacity_table(settings, meshes, devices, contexts) -> list[dict]:
             def plan_at(batch, at_context=at_context, plans=plans, mesh=mesh):
                 if batch not in plans:
                     with cli.usage_errors():
-                        plans[batch] = at_context.plan(mesh, batch)
+                        plans[batch] = at_context.plan(mesh, batch, programs=("step",))  # the step decides
                 return plans[batch]
 
             cells = []

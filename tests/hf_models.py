@@ -163,13 +163,33 @@ CONFIGS: dict[str, dict[str, Any]] = {
             rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, max_position_embeddings=128, tie_word_embeddings=False,
         ),
     ),
+    # Long context (not in ALL: tests/test_long_context.py only): Kimi-K2.5's YaRN (factor 64 over
+    # an original 64 positions, mscale_all_dim) with 4,096 positions, run on prompts far past 64.
+    "dsv3_yarn_long": dict(
+        family="deepseek_v3",
+        long=True,
+        kwargs=dict(
+            vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=16,
+            num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+            q_lora_rank=24, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=12,
+            n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1,
+            first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+            rope_parameters={
+                "rope_type": "yarn", "rope_theta": 50000.0, "factor": 64.0,
+                "original_max_position_embeddings": 64, "mscale": 1.0, "mscale_all_dim": 1.0,
+                "beta_fast": 32.0, "beta_slow": 1.0,
+            },
+            rope_interleave=True, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, max_position_embeddings=4096,
+            tie_word_embeddings=False, num_mtp_layers=0,
+        ),
+    ),
 }
 
 FAMILY_OF = {name: c["family"] for name, c in CONFIGS.items()}
-LLAMA = [n for n, c in CONFIGS.items() if c["family"] == "llama"]
-DEEPSEEK = [n for n, c in CONFIGS.items() if c["family"] == "deepseek_v3"]
-MINIMAX = [n for n, c in CONFIGS.items() if c["family"] == "minimax_m2"]
-ALL = list(CONFIGS)
+LLAMA = [n for n, c in CONFIGS.items() if c["family"] == "llama" and not c.get("long")]
+DEEPSEEK = [n for n, c in CONFIGS.items() if c["family"] == "deepseek_v3" and not c.get("long")]
+MINIMAX = [n for n, c in CONFIGS.items() if c["family"] == "minimax_m2" and not c.get("long")]
+ALL = [n for n, c in CONFIGS.items() if not c.get("long")]
 
 SEED = 1234
 WEIGHT_SCALE = 0.5  # matrices ~ N(0, (WEIGHT_SCALE / sqrt(fan_in))^2)

@@ -154,5 +154,5 @@ def test_capacity_search_finds_the_largest_batch_that_fits():
     found = max_sequences(plan_at, device, step=4)
     best = max(b for b in range(4, 2000, 4) if 70 * GB + 0.55 * GB * b + (6 * GB if b < 16 else 0) <= 256 * GB)
     assert found.plans_compiled <= MAX_PLANS and len(asked) == found.plans_compiled
-    assert best * 0.98 <= found.sequences <= best and found.sequences % 4 == 0
+    assert best * 0.97 <= found.sequences <= best and found.sequences % 4 == 0
     assert max_sequences(lambda b: plan_at(b, fixed=300 * GB), device, step=8).sequences == 0

@@ -14,8 +14,8 @@ from typing import Callable
 from .memory import Device, MemoryPlan
 
 MAX_SEQUENCES = 65536  # the search's ceiling (a plan of more sequences than this is not tried)
-MAX_PLANS = 7  # plans one search compiles at the most
-CLOSE_ENOUGH = 0.02  # stop once the largest batch that fits is within 2 % of the smallest that does not
+MAX_PLANS = 6  # plans one search compiles at the most
+CLOSE_ENOUGH = 0.03  # stop once the largest batch that fits is within 3 % of the smallest that does not
 
 
 @dataclasses.dataclass(frozen=True)

@@ -78,11 +78,11 @@ class PlanSettings:
                 + (f", KV cache {self.kv_cache_dtype}" if self.kv_cache_dtype != "auto" else "")
                 + (f", tau {tau} ({unit_name} per device)" if memory else "") + program)
 
-    def plan(self, mesh: Mesh, batch: int) -> MemoryPlan:
-        """`plan_memory` of these settings on `mesh` at `batch` sequences (compiles the programs)."""
+    def plan(self, mesh: Mesh, batch: int, programs: Sequence[str] = ("step", "decode", "prefill")) -> MemoryPlan:
+        """`plan_memory` of these settings on `mesh` at `batch` sequences (compiles `programs`)."""
         return plan_memory(self.target, self.draft, mesh=mesh, batch=batch, max_len=self.max_len,
                            spec=self.spec if self.draft else None, quant=self._quant, dtype=self.dtype,
-                           kernels=self.kernels, arch=self.arch, kv_cache_dtype=self.kv_cache_dtype)
+                           kernels=self.kernels, arch=self.arch, kv_cache_dtype=self.kv_cache_dtype, programs=programs)
 
     def setup(self, mesh: Mesh) -> AbstractSetup:
         """The shape-only setup the prediction reads its step costs from: one sequence per data
