@@ -17,8 +17,8 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HARNESS = os.path.join(ROOT, "benchmarks", "harness")
-SCRIPTS = ("aa-noise-floor", "aa-ratios", "auto-host-ab", "auto-steps-costed", "layers-unrolled-ab", "moe-dense-ab",
-           "moe-small-dense-ab", "sampling-sort-ab")
+SCRIPTS = ("aa-noise-floor", "aa-ratios", "auto-host-ab", "auto-steps-costed", "layers-unrolled-ab", "long-prompt",
+           "moe-dense-ab", "moe-small-dense-ab", "sampling-sort-ab")
 
 
 def run_harness(script: str, *args: str, cwd: str = ROOT, timeout: int = 600) -> subprocess.CompletedProcess:
@@ -54,7 +54,7 @@ def test_outputs_are_not_written_over(tmp_path):
     existing = tmp_path / "rows.json"
     existing.write_text("[]")
     env = dict(os.environ, PYTHONPATH=ROOT, XLA_FLAGS="")
-    for script in ("layers-unrolled-ab", "moe-dense-ab", "moe-small-dense-ab", "sampling-sort-ab"):
+    for script in ("layers-unrolled-ab", "long-prompt", "moe-dense-ab", "moe-small-dense-ab", "sampling-sort-ab"):
         r = subprocess.run([sys.executable, os.path.join(HARNESS, f"{script}.py"), f"--json_out={existing}"],
                            capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
         assert r.returncode != 0 and "already exists" in r.stderr and "Traceback" not in r.stderr, r.stderr
@@ -118,6 +118,18 @@ def test_moe_ab(script, batch, tmp_path):
     rows = json.loads(out.read_text())
     assert [(r["batch"], r["dense"]) for r in rows] == [(batch, False), (batch, True)]
     assert all(r["step_ms"] > 0 and r["verify_ms"] > 0 for r in rows)
+
+
+@pytest.mark.slow
+def test_long_prompt(tmp_path):
+    out = tmp_path / "long.json"
+    r = run_harness("long-prompt", "--prompt_len=700", "--positions=4096", "--chunks=128,512", "--max_tokens=6",
+                    f"--json_out={out}")
+    record = json.loads(out.read_text())
+    assert record["identical"] and [(x["chunk"], x["spec"]) for x in record["runs"]] == [
+        (128, "none"), (512, "none"), (512, "chain:3:1:4")]
+    assert all(x["peak_rss_gb"] > 0 for x in record["runs"]) and "identical" in r.stdout
+    assert record["prefill_temp_bytes"]["512"] > record["prefill_temp_bytes"]["128"] > 0
 
 
 @pytest.mark.slow
