@@ -34,8 +34,9 @@ def test_engine_at_long_context_against_transformers(hf_model, jax_target, monke
     """The prompt prefilled in chunks of 512 into 16-slot pages, attention walked in blocks of 256
     slots: each greedy token is transformers' argmax at its position (or within a near-tie of
     it), and the chain speculation's tokens equal plain decoding's."""
-    from eagle3_jax.models import blockwise
     from random_models import random_draft
+
+    from eagle3_jax.models import blockwise
 
     monkeypatch.setattr(blockwise, "MAX_BLOCK_SLOTS", 256)
     _, model = hf_model(NAME)
