@@ -267,7 +267,11 @@ class RunningBatch:
     def prefill_rows(self, prefill_chunk: int) -> list[tuple[ScheduledRequest, int]]:
         """(request, prompt tokens) of the next prefill batch: chunks of up to `prefill_chunk`
         tokens, in admission order, while the batch's budget of `prefill_chunk` tokens lasts and its
-        padded shape fits (`prefill_fits`)."""
+        padded shape fits (`prefill_fits`). With data shards each shard has its own budget and the
+        shape is one shard's (each runs its rows, padded to the most any shard has): a shard whose
+        next request does not fit takes no more this step, the others go on."""
+        if self.shards > 1:
+            return self._shard_prefill_rows(prefill_chunk)
         rows, budget, longest = [], prefill_chunk, 0
         for req in self.prefilling.values():
             n = min(len(req.prefill_ids) - req.computed, prefill_chunk)
@@ -280,6 +284,27 @@ class RunningBatch:
             budget -= n
             if budget <= 0:
                 break
+        return rows
+
+    def _shard_prefill_rows(self, prefill_chunk: int) -> list[tuple[ScheduledRequest, int]]:
+        """`prefill_rows` over data shards: per shard, in admission order, while its budget lasts
+        and every shard's padded shape (the most rows of any shard x the longest chunk) fits."""
+        rows, longest = [], 0
+        budget, count, closed = [prefill_chunk] * self.shards, np.zeros(self.shards, np.int64), set()
+        for req in self.prefilling.values():
+            d = req.shard
+            if d in closed:
+                continue
+            n = min(len(req.prefill_ids) - req.computed, prefill_chunk)
+            shape = (bucket(max(int(count.max()), int(count[d]) + 1), 1, self.rows_per_shard),
+                     bucket(max(longest, n), MIN_CHUNK_BUCKET, chunk_cap(prefill_chunk)))
+            if rows and (n > budget[d] or not prefill_fits(*shape, prefill_chunk)):
+                closed.add(d)
+                continue
+            rows.append((req, n))
+            longest, budget[d], count[d] = max(longest, n), budget[d] - n, count[d] + 1
+            if budget[d] <= 0:
+                closed.add(d)
         return rows
 
     def _give_pages(self, req: ScheduledRequest, n: int) -> None:
