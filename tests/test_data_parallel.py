@@ -97,3 +97,33 @@ def test_scheduler_on_data_shards_equals_one_device(mesh_shape):
         pools = jax.tree.leaves(sched._executor.state.tk)
         assert all(p.sharding.spec[1] == "data" for p in pools) and sched.stats()["prefix_cache_hits_total"] > 0
         assert {r for r in range(shards)} >= set(sched._batch.table.shard[:shards].tolist())
+
+
+@needs_8
+def test_fp8_pages_on_data_shards():
+    """FP8 pages (values and their scales) split over data shards: a GQA + MoE model's chain
+    speculation gives the tokens of one device's FP8 cache."""
+    from random_models import random_draft
+
+    rng = np.random.default_rng(3)
+    prompts = [[int(t) for t in rng.integers(1, 64, n)] for n in (5, 19, 3, 11)]
+    sp = e3.SamplingParams(max_tokens=8)
+
+    def run(mesh):
+        target = random_target(FAMILIES["minimax_m2"], mesh=mesh)
+        sched = e3.Scheduler(target, random_draft(target), e3.SpecConfig(3, 1, 4), max_num_seqs=4, max_seq_len=64,
+                             page_size=4, kv_cache_dtype="fp8")
+        return [o.token_ids for o in sched.generate(prompts, sp)]
+
+    assert run(e3.make_mesh(4, 1, 2)) == run(None)
+
+
+def test_a_batch_the_data_axis_does_not_divide_is_refused():
+    from eagle3_jax.scheduler.core import _pool_pages
+
+    assert _pool_pages(None, 6, 10, 2) == 2 * (3 * 10 + 1)
+    with pytest.raises(ValueError, match="max_num_seqs=6 must be a multiple of the mesh's data axis \\(4\\)"):
+        _pool_pages(None, 6, 10, 4)
+    assert _pool_pages(9, 4, 10, 2) == 10  # rounded up to equal shares, with a warning
+    with pytest.raises(ValueError, match="each of the 4 data shards reserves a page"):
+        _pool_pages(7, 4, 10, 4)
