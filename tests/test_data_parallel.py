@@ -29,7 +29,7 @@ def shard_tables(batch: int, shards: int, pages_per_shard: int, pages_per_row: i
 
 
 @needs_8
-@pytest.mark.parametrize("family", ["deepseek_v3", "minimax_m2"])
+@pytest.mark.parametrize("family", ["deepseek_v3", pytest.param("minimax_m2", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("mesh_shape", [(8, 1, 1), (2, 1, 4), (2, 2, 2)], ids=lambda s: "x".join(map(str, s)))
 def test_rows_attend_their_own_pages(family, mesh_shape):
     mesh = e3.make_mesh(*mesh_shape)
@@ -66,7 +66,8 @@ def test_rows_attend_their_own_pages(family, mesh_shape):
 
 
 @needs_8
-@pytest.mark.parametrize("mesh_shape", [(8, 1, 1), (2, 1, 4)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("mesh_shape", [pytest.param((8, 1, 1), marks=pytest.mark.slow), (2, 1, 4)],
+                         ids=lambda s: "x".join(map(str, s)))
 def test_scheduler_on_data_shards_equals_one_device(mesh_shape):
     """Mixed prompt lengths through the Scheduler, prefix caching on (a second run takes the cached
     pages), plain, chain and tree: the tokens of one device. Each request's pages
