@@ -35,7 +35,8 @@ _cpu_compiles_without_fusion_emitters()  # before any test initialises the CPU b
 # the long ones first leaves short files for the end, so no worker runs a long file alone while
 # the other has finished.
 LONGEST_FIRST = (
-    "test_lossless_sampling.py", "test_scheduler.py", "test_safe_outputs.py", "test_target_vs_hf.py",
+    "test_lossless_sampling.py", "test_scheduler.py", "test_data_parallel.py", "test_safe_outputs.py",
+    "test_target_vs_hf.py", "test_long_context.py", "test_fp8_kv.py",
     "test_logprobs.py", "test_script_errors.py", "test_quantized_models.py", "test_sharding.py",
     "test_prefix_cache.py", "test_stop_strings.py", "test_server.py", "test_bench.py", "test_harness.py",
     "test_pallas_attention.py", "test_trainer.py", "test_adaptive.py", "test_lm_eval.py", "test_draft.py",
