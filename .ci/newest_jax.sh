@@ -90,7 +90,7 @@ else
 fi
 "$venv/bin/python" -c 'import sys, jax; print(f"newest-JAX leg: Python {sys.version.split()[0]}, jax {jax.__version__}")'
 
-COMPAT_FILES=(tests/test_{pallas_attention,pallas_moe,lowering,spec_lowering,kv_cache,checkpoint,sharding,trainer,plan}.py
+COMPAT_FILES=(tests/test_{pallas_attention,pallas_moe,lowering,spec_lowering,kv_cache,blockwise,checkpoint,sharding,trainer,plan}.py
               tests/test_{engine,acceptance,propose,draft,mla_draft,moe,quant,config}.py)
 export XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
 pytest=("$venv/bin/python" -m pytest -q -n 2 --dist loadfile -p no:cacheprovider)
