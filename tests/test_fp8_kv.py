@@ -70,3 +70,40 @@ def test_scheduler_with_fp8_pages_is_exact_to_itself():
     assert [o.token_ids for o in spec.generate(prompts, sp)] == want
     assert spec.stats()["prefix_cache_hits_total"] > 0 and spec.stats()["kv_cache_dtype"] == "fp8"
     assert spec._executor.state.tk.values.dtype == jnp.float8_e4m3fn
+
+
+def test_server_over_fp8_pages():
+    """The OpenAI server over a Scheduler with FP8 pages (the demo pair, chain speculation):
+    completions answer the Scheduler's own greedy text, chat answers, /metrics counts the tokens."""
+    import os
+
+    pytest.importorskip("aiohttp")
+    from server_fixtures import ServerThread, parse_prometheus, request
+
+    from eagle3_jax.serving import AsyncEngine, make_app
+    from eagle3_jax.text.tokenizer import load_tokenizer
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    folder, draft_folder = os.path.join(root, "checkpoints", "kimi-mini"), os.path.join(root, "checkpoints", "kimi-mini-eagle3")
+    tok = load_tokenizer(folder)
+    target = e3.load_target(folder, dtype="bfloat16")
+    sched = e3.Scheduler(target, e3.load_draft(draft_folder, target=target, dtype="bfloat16"), e3.SpecConfig(3, 1, 4),
+                         max_num_seqs=4, max_seq_len=128, prefill_chunk=64, kv_cache_dtype="fp8")
+    prompt = "Once upon a time"
+    want = sched.generate([tok.encode(prompt)], e3.SamplingParams(max_tokens=16, stop_token_ids=tok.eos_ids))[0]
+    engine = AsyncEngine(sched, tokenizer=tok).start()
+    server = ServerThread(make_app(engine, "kimi-mini", eos_token_ids=tok.eos_ids, tokenizer_dir=folder))
+    try:
+        status, _, body = request(server.port, "POST", "/v1/completions",
+                                  {"model": "kimi-mini", "prompt": prompt, "max_tokens": 16, "temperature": 0})
+        assert status == 200 and body["choices"][0]["text"] == tok.decode_continuation(tok.encode(prompt), want.token_ids)
+        status, _, body = request(server.port, "POST", "/v1/chat/completions",
+                                  {"model": "kimi-mini", "max_tokens": 8,
+                                   "messages": [{"role": "user", "content": "Tell me a story."}]})
+        assert status == 200 and body["choices"][0]["message"]["role"] == "assistant"
+        assert body["usage"]["completion_tokens"] > 0
+        status, _, text = request(server.port, "GET", "/metrics")
+        assert status == 200 and parse_prometheus(text)["eagle3_generation_tokens_total"] > 0
+    finally:
+        server.stop()
+        engine.shutdown(timeout=30)
