@@ -210,6 +210,7 @@ def paged_view(k, v, block_table: jax.Array, lengths: jax.Array, compute_dtype=N
 # ---- data-parallel pages ------------------------------------------------------------------------------
 
 DATA_AXIS = "data"
+_POOL, _ROWS, _WHOLE = PartitionSpec(None, DATA_AXIS), PartitionSpec(DATA_AXIS), PartitionSpec()
 
 
 def on_data_shards(op, cache: KVCache, args: tuple, arg_specs: tuple, out_specs, writes: bool):
@@ -229,13 +230,9 @@ def on_data_shards(op, cache: KVCache, args: tuple, arg_specs: tuple, out_specs,
         local = jnp.where((local >= 0) & (local < n_local), local, elsewhere)
         return op(KVCache(k, v, lengths, local, cache.compute_dtype), *args)
 
-    pool, rows = PartitionSpec(None, DATA_AXIS), PartitionSpec(DATA_AXIS)
-    return jax.shard_map(body, mesh=jax.sharding.get_abstract_mesh(), in_specs=(pool, pool, rows, rows, *arg_specs),
+    return jax.shard_map(body, mesh=jax.sharding.get_abstract_mesh(), in_specs=(_POOL, _POOL, _ROWS, _ROWS, *arg_specs),
                          out_specs=out_specs, axis_names={DATA_AXIS}, check_vma=False)(
         cache.k, cache.v, cache.block_table, cache.lengths, *args)
-
-
-_POOL, _ROWS, _WHOLE = PartitionSpec(None, DATA_AXIS), PartitionSpec(DATA_AXIS), PartitionSpec()
 
 
 def _pools(cache: KVCache) -> tuple:

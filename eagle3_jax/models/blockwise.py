@@ -62,9 +62,7 @@ def attend(cache: kv_cache.KVCache, layer: jax.Array, visible: kv_cache.Visible,
         scores = scores_of(k, v)
         mask = _broadcast_mask(visible.mask(jnp.arange(cache.max_len, dtype=jnp.int32)), scores.ndim)
         return mix(jax.nn.softmax(jnp.where(mask, scores, _NEG), axis=-1), k, v)
-    out, lse = attend_partial(cache, layer, visible, scores_of, mix, size)
-    del lse
-    return out
+    return attend_partial(cache, layer, visible, scores_of, mix, size)[0]
 
 
 def attend_partial(cache: kv_cache.KVCache, layer: jax.Array, visible: kv_cache.Visible, scores_of: ScoresFn,
