@@ -34,8 +34,9 @@ from jax.sharding import PartitionSpec
 from pallas_kernels.launch import scatter_in_place
 
 from ..config.model import ModelConfig
+from . import spread as spreading
+from .spread import SCRATCH_PAGE, spread_rows  # noqa: F401 (SCRATCH_PAGE: named here by the scheduler's tables)
 
-SCRATCH_PAGE = 0
 KV_CACHE_DTYPES = ("auto", "fp8")
 SCALE_GROUP = 128  # lanes of the last axis sharing one FP8 scale
 
@@ -125,6 +126,7 @@ class KVCache:
     block_table: jax.Array | None = None  # [B, P] int32 page ids (paged layout only)
     compute_dtype: jnp.dtype | None = struct.field(pytree_node=False, default=None)  # what FP8 slots read as
     data_shards: int = struct.field(pytree_node=False, default=1)  # see `on_data_shards`
+    spread: jax.Array | None = None  # [B] bool: rows spread over the data shards (see `spread_rows`)
 
     @property
     def paged(self) -> bool:
@@ -202,9 +204,11 @@ def init_pages(cfg: ModelConfig, num_pages: int, page_size: int, dtype=jnp.bfloa
 
 def paged_view(k, v, block_table: jax.Array, lengths: jax.Array, compute_dtype=None, data_shards: int = 1) -> KVCache:
     """A paged KVCache over pools k, v for the rows of `block_table` [B, P] (pages and rows split
-    over `data_shards` data shards: see `on_data_shards`)."""
-    return KVCache(k=k, v=v, lengths=jnp.asarray(lengths, jnp.int32), block_table=jnp.asarray(block_table, jnp.int32),
-                   compute_dtype=None if compute_dtype is None else jnp.dtype(compute_dtype), data_shards=data_shards)
+    over `data_shards` data shards: see `on_data_shards`; rows spread over them: `spread_rows`)."""
+    table = jnp.asarray(block_table, jnp.int32)
+    return KVCache(k=k, v=v, lengths=jnp.asarray(lengths, jnp.int32), block_table=table,
+                   compute_dtype=None if compute_dtype is None else jnp.dtype(compute_dtype), data_shards=data_shards,
+                   spread=spread_rows(table, data_shards) if data_shards > 1 else None)
 
 
 # ---- data-parallel pages ------------------------------------------------------------------------------
@@ -213,7 +217,7 @@ DATA_AXIS = "data"
 _POOL, _ROWS, _WHOLE = PartitionSpec(None, DATA_AXIS), PartitionSpec(DATA_AXIS), PartitionSpec()
 
 
-def on_data_shards(op, cache: KVCache, args: tuple, arg_specs: tuple, out_specs, writes: bool):
+def on_data_shards(op, cache: KVCache, args: tuple, arg_specs: tuple, out_specs, writes: bool, held: bool = False):
     """`op(local cache, *args)` on each data shard of a paged cache whose pages and rows are split
     over the mesh's `data` axis (data-parallel attention): shard d holds pages
     [d * n, (d + 1) * n) of the pool (n = pages / data_shards) and rows [d * b, (d + 1) * b) of
@@ -221,14 +225,16 @@ def on_data_shards(op, cache: KVCache, args: tuple, arg_specs: tuple, out_specs,
     scratch page 0, which shard 0 holds). Each shard reads and writes only its own pages, for its
     own rows: a `shard_map` over `data` alone (the `tensor` axis, heads, stays automatic). Pages of
     another shard are dropped when written and read as the shard's first page (`writes` says
-    which), slots no query sees."""
+    which), slots no query of a row on one shard sees. `held`: `op` also takes, after the cache,
+    which of each row's pages [B, P] the shard holds (a spread row's are on every shard)."""
     n_local = cache.k.shape[1] // cache.data_shards
 
     def body(k, v, table, lengths, *args):
         local = table - jax.lax.axis_index(DATA_AXIS) * n_local
-        elsewhere = n_local if writes else 0
-        local = jnp.where((local >= 0) & (local < n_local), local, elsewhere)
-        return op(KVCache(k, v, lengths, local, cache.compute_dtype), *args)
+        here = (local >= 0) & (local < n_local)
+        local = jnp.where(here, local, n_local if writes else 0)
+        local_cache = KVCache(k, v, lengths, local, cache.compute_dtype)
+        return op(local_cache, here, *args) if held else op(local_cache, *args)
 
     return jax.shard_map(body, mesh=jax.sharding.get_abstract_mesh(), in_specs=(_POOL, _POOL, _ROWS, _ROWS, *arg_specs),
                          out_specs=out_specs, axis_names={DATA_AXIS}, check_vma=False)(
@@ -356,8 +362,9 @@ def read(cache: KVCache, layer: jax.Array) -> tuple[jax.Array, jax.Array]:
 def move(cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
     """Copy slots src[b, d] -> dst[b, d] of each row, in every layer (reads happen before writes)."""
     if _split(cache):
-        k, v = on_data_shards(lambda c, *a: _pools(move(c, *a)), cache, (src, dst), (_ROWS, _ROWS), (_POOL, _POOL),
-                              writes=True)
+        spread = jnp.zeros(cache.batch, bool) if cache.spread is None else cache.spread
+        k, v = on_data_shards(_move_on_shard, cache, (src, dst, spread), (_ROWS, _ROWS, _ROWS), (_POOL, _POOL),
+                              writes=True, held=True)
         return cache.replace(k=k, v=v)
     src_idx, dst_idx = _slot_index(cache, src), _slot_index(cache, dst)
 
@@ -372,16 +379,49 @@ def move(cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
     return cache.replace(k=move_buf(cache.k), v=move_buf(cache.v))
 
 
+def _bits(x: jax.Array) -> jax.Array:
+    """A float array's bits as unsigned integers of its width (integers as they are)."""
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        return x
+    return jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}"))
+
+
+def _move_on_shard(cache: KVCache, held: jax.Array, src: jax.Array, dst: jax.Array, spread: jax.Array) -> tuple:
+    """`move` on one data shard (inside `on_data_shards`): a spread row's source slot may lie on a
+    page another shard holds, so its value comes from there (`spread.gathered`); a destination on
+    another shard's page is dropped here and written there."""
+    src_idx, dst_idx = _slot_index(cache, src), _slot_index(cache, dst)
+    column = src // cache.page_size
+    width = cache.block_table.shape[1]
+    src_held = jnp.take_along_axis(held, jnp.clip(column, 0, width - 1), axis=1) & (column < width)
+
+    def copy(buf):
+        every_layer = (slice(None),)
+        bits = _bits(buf)
+        values = bits.at[every_layer + src_idx].get(mode="fill", fill_value=0)
+        values = jax.lax.cond(jnp.any(spread), lambda v: spreading.gathered(v, src_held, spread, DATA_AXIS),
+                              lambda v: v, values)
+        return jax.lax.bitcast_convert_type(bits.at[every_layer + dst_idx].set(values, mode="drop"), buf.dtype)
+
+    return _map(copy, cache.k), _map(copy, cache.v)
+
+
 def read_block(cache: KVCache, layer: jax.Array, start: jax.Array, size: int
-               ) -> tuple[jax.Array, jax.Array, jax.Array]:
+               ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
     """k, v [B, size, ...] of `size` consecutive logical slots of each row at `layer` from slot
-    `start` on, and those slots [size]. A block that would run past the row is moved back to end
+    `start` on, those slots [size], and which of them this device holds [B, size] (pages split
+    over data shards: a spread row's other slots are another shard's; else None: all). A block that would run past the row is moved back to end
     with it (its slots say so; a caller that walks blocks masks the slots an earlier block read).
     Paged: `size` is a multiple of the page size and the block's pages are gathered through the
     table; only they are read, never the whole layer."""
     if _split(cache):
-        return on_data_shards(lambda c, *a: read_block(c, *a, size), cache, (layer, start), (_WHOLE, _WHOLE),
-                              (_ROWS, _ROWS, _WHOLE), writes=False)
+        def on_shard(local, held, layer, start):
+            k, v, slots, _ = read_block(local, layer, start, size)
+            pages = jax.lax.dynamic_slice_in_dim(held, slots[0] // local.page_size, size // local.page_size, axis=1)
+            return k, v, slots, jnp.repeat(pages, local.page_size, axis=1)
+
+        return on_data_shards(on_shard, cache, (layer, start), (_WHOLE, _WHOLE), (_ROWS, _ROWS, _WHOLE, _ROWS),
+                              writes=False, held=True)
     if not cache.paged:
         s = cache.k.shape[2]
         first = jnp.minimum(start, s - size)
@@ -394,7 +434,7 @@ def read_block(cache: KVCache, layer: jax.Array, start: jax.Array, size: int
             out = _map(take, buf)
             return dequantize(out, cache.read_dtype) if isinstance(out, Fp8Slots) else out
 
-        return block(cache.k), block(cache.v), first + jnp.arange(size, dtype=jnp.int32)
+        return block(cache.k), block(cache.v), first + jnp.arange(size, dtype=jnp.int32), None
     ps, width = cache.page_size, cache.block_table.shape[1]
     n = size // ps
     first_page = jnp.minimum(start // ps, width - n)
@@ -404,7 +444,7 @@ def read_block(cache: KVCache, layer: jax.Array, start: jax.Array, size: int
         block = _load(pool, (layer, pages), cache.read_dtype, mode="clip")  # [B, n, ps, ...]
         return block.reshape((block.shape[0], size) + block.shape[3:])
 
-    return gather(cache.k), gather(cache.v), first_page * ps + jnp.arange(size, dtype=jnp.int32)
+    return gather(cache.k), gather(cache.v), first_page * ps + jnp.arange(size, dtype=jnp.int32), None
 
 
 @struct.dataclass

@@ -9,9 +9,10 @@ K/V and scores whatever the context, and blocks past every row's last visible sl
 (`lax.cond`: a batch of short rows in a long cache reads only what it uses). A cache that fits in
 one block is attended in one pass, as before.
 
-The walk is a `lax.scan` (reverse-differentiable, for training through `target.forward`). The
-result is also returned as (out, lse) partials where a caller merges attention over several parts
-of a row, as the Pallas kernel merges its KV splits.
+The walk is a `lax.scan` (reverse-differentiable, for training through `target.forward`). It
+also returns (out, lse) partials: a row spread over the data shards (cache/spread.py) is attended
+on each shard over the slots that shard holds, and the partials merged across the shards, as the
+Pallas kernel merges its KV splits.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from ..cache import kv_cache
+from ..cache import kv_cache, spread
 
 BLOCK_BYTES = 256 * 2**20  # one block's K/V and float32 scores for the whole batch, at the most
 MAX_BLOCK_SLOTS = 4096
@@ -57,6 +58,9 @@ def attend(cache: kv_cache.KVCache, layer: jax.Array, visible: kv_cache.Visible,
     `heads`: score rows per query (for the block size). Output as `mix` returns it."""
     t = visible.window.shape[1]
     size = block_slots(cache, t, heads)
+    if cache.spread is not None:  # rows spread over the data shards: each shard's part, merged
+        out, lse = attend_partial(cache, layer, visible, scores_of, mix, min(size, cache.max_len))
+        return spread.merge_partials(out, lse, cache.spread, cache.data_shards)
     if size >= cache.max_len:
         k, v = kv_cache.read(cache, layer)
         scores = scores_of(k, v)
@@ -73,9 +77,12 @@ def attend_partial(cache: kv_cache.KVCache, layer: jax.Array, visible: kv_cache.
 
     def block(i):
         start = i * size
-        k, v, slots = kv_cache.read_block(cache, layer, start, size)
+        k, v, slots, held = kv_cache.read_block(cache, layer, start, size)
         scores = scores_of(k, v)
-        mask = _broadcast_mask(visible.mask(slots) & (slots >= start)[None, None, :], scores.ndim)
+        seen = visible.mask(slots) & (slots >= start)[None, None, :]
+        if held is not None:  # a spread row's slots on another shard's pages are that shard's part
+            seen = seen & held[:, None, :]
+        mask = _broadcast_mask(seen, scores.ndim)
         return jnp.where(mask, scores, _NEG), mask, k, v
 
     def update(carry, i):

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..cache import kv_cache
+from ..cache import kv_cache, spread
 from ..checkpoint import is_orbax_dir, keeps_quantized, read_flat_params
 from ..checkpoint.orbax_sharded import can_restore_sharded, restore_sharded
 from ..config.model import ModelConfig, load_model_config
@@ -43,8 +43,10 @@ def _layer(p: dict, cfg: ModelConfig, kind: str, x: jax.Array, positions: jax.Ar
         attn, cache = gqa_block(p, cfg, h, positions, cache, layer, visible)
     x = x + attn
     h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
-    mlp = moe_block(p, cfg, h) if kind == "moe" else swiglu(h, p["gate_proj"], p["up_proj"], p["down_proj"])
-    return x + mlp, cache
+    if kind != "moe":
+        return x + swiglu(h, p["gate_proj"], p["up_proj"], p["down_proj"]), cache
+    # The experts' psum-scatter may sum a spread row's replicas in different orders: they agree here.
+    return spread.agree(x + moe_block(p, cfg, h), cache.spread, cache.data_shards), cache
 
 
 def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array, cache: kv_cache.KVCache,

@@ -1,0 +1,84 @@
+"""Context-parallel rows (cache/spread.py): a row whose pages are dealt over the data shards, at
+the same place in every shard's part of the batch, attends over each shard's pages and merges the
+partials: the same logits as one device holding every page, beside rows of one shard each; a
+tree's accepted path moved across shards reads back the same."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from random_models import FAMILIES, random_target
+from test_data_parallel import needs_8
+
+import eagle3_jax as e3
+from eagle3_jax.cache import kv_cache, spread
+from eagle3_jax.models.target import forward
+from eagle3_jax.runtime.sharding import mesh_context, shard_pages
+from eagle3_jax.spec_decode.verify import commit_path
+
+
+def spread_tables(batch: int, shards: int, per_shard: int, per_row: int, spread_pages: int) -> np.ndarray:
+    """Block tables [batch, spread_pages]: the first row of every shard's part one spread row (its
+    logical page j on shard j mod shards), the others `per_row` shuffled pages of their own shard;
+    no page taken twice, never a shard's first."""
+    rng = np.random.default_rng(0)
+    rows = batch // shards
+    table = np.zeros((batch, spread_pages), np.int32)
+    for d in range(shards):
+        own = d * per_shard + 1 + rng.permutation(rows * per_row)
+        table[d * rows: (d + 1) * rows, :per_row] = own.reshape(rows, per_row)
+    table[::rows] = [(j % shards) * per_shard + 1 + rows * per_row + j // shards for j in range(spread_pages)]
+    return table
+
+
+def test_spread_rows_are_those_alike_on_every_shard():
+    table = np.array([[3, 4], [5, 0], [3, 4], [9, 0], [3, 4], [0, 0], [3, 4], [0, 0]])
+    got = spread.spread_rows(jnp.asarray(table), 4)
+    np.testing.assert_array_equal(got, [True, False] * 4)  # all-scratch padding rows are not spread
+    np.testing.assert_array_equal(spread.spread_rows(jnp.asarray(table[1:7]), 2), [False] * 6)
+
+
+@needs_8
+@pytest.mark.parametrize("family", ["deepseek_v3", "minimax_m2"])
+@pytest.mark.parametrize("mesh_shape", [(8, 1, 1), (2, 1, 4)], ids=lambda s: "x".join(map(str, s)))
+def test_a_spread_row_attends_over_every_shard(family, mesh_shape):
+    mesh = e3.make_mesh(*mesh_shape)
+    shards, batch, page_size, per_row, spread_pages = mesh_shape[0], 8, 4, 4, 10
+    rows = batch // shards
+    per_shard = rows * per_row + spread_pages // shards + 2
+    ref = random_target(FAMILIES[family])
+    sharded = random_target(FAMILIES[family], mesh=mesh)
+    table = spread_tables(batch, shards, per_shard, per_row, spread_pages)
+    rng = np.random.default_rng(1)
+    prompt = rng.integers(0, 64, (batch, 12))
+    prompt[::rows] = prompt[0]  # the spread row's replicas: the same inputs
+    lengths = rng.integers(1, 13, batch)
+    lengths[::rows] = 9  # its accepted node 3 (slot 12, page 3) moves to slot 11 (page 2): across shards
+    draft = rng.integers(0, 64, (batch, 4))
+    draft[::rows] = draft[0]
+    tree = np.tril(np.ones((4, 4), bool))
+    tree[3, 2] = False
+    tree = jnp.asarray(np.broadcast_to(tree, (batch, 4, 4)))
+    path = jnp.asarray(np.broadcast_to([0, 1, 3], (batch, 3)), jnp.int32)  # nodes 0, 1, 3 accepted
+    step = jax.jit(forward, static_argnums=1)
+    prompt, draft, lengths = (jnp.asarray(a, jnp.int32) for a in (prompt, draft, lengths))
+    positions = jnp.broadcast_to(jnp.arange(12), (batch, 12))
+
+    def run(target, data_shards):
+        k, v = kv_cache.init_pages(target.config, shards * per_shard, page_size, jnp.float32)
+        if target.mesh is not None:
+            k, v = shard_pages(k, v, target.config, target.mesh)
+        cache = kv_cache.paged_view(k, v, table, jnp.zeros(batch, jnp.int32), data_shards=data_shards)
+        with mesh_context(target.mesh):
+            prefill, _, cache = step(target.params, target.config, prompt, positions, cache)
+            cache = cache.replace(lengths=lengths)
+            verify, _, cache = step(target.params, target.config, draft, lengths[:, None] + jnp.arange(4)[None], cache,
+                                    tree)
+            cache = jax.jit(commit_path)(cache, path, jnp.full(batch, 3, jnp.int32))
+            after, _, _ = step(target.params, target.config, draft[:, :1], cache.lengths[:, None], cache)
+        return np.asarray(prefill), np.asarray(verify), np.asarray(after)
+
+    want = run(ref, 1)
+    got = run(sharded, shards)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, atol=1e-5 * np.abs(w).max(), rtol=0)
