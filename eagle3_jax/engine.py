@@ -52,11 +52,14 @@ class Engine:
     text (`RequestOutput.text`), and `chat` render conversations.
     kv_cache_dtype: "auto" (the compute dtype) or "fp8" (float8 KV pages with a scale per token
     per 128 lanes, about half the bytes per token; see `Scheduler`).
+    context_parallel_len: on a mesh with a `data` axis, prompts + max tokens of this many tokens or
+    more are spread over every data shard (context-parallel decode; default: none, as the pool has
+    room for max_seq_len per row; see `Scheduler`).
     """
 
     def __init__(self, target: Target, draft: Draft | None = None, spec: SpecConfig | AutoSpec | None = None,
                  max_batch_size: int = 8, max_seq_len: int = 2048, tokenizer: Tokenizer | None = None,
-                 prefill_chunk: int = PREFILL_CHUNK, kv_cache_dtype: str = "auto"):
+                 prefill_chunk: int = PREFILL_CHUNK, kv_cache_dtype: str = "auto", context_parallel_len: int | None = None):
         if not isinstance(max_batch_size, int) or not isinstance(max_seq_len, int) or max_batch_size < 1 \
                 or max_seq_len < 2:
             raise ValueError(f"max_batch_size must be >= 1 and max_seq_len >= 2; got {max_batch_size}, {max_seq_len}")
@@ -65,7 +68,8 @@ class Engine:
             raise ValueError(f"max_batch_size={max_batch_size} must be a multiple of the mesh's data axis ({shards}): "
                              f"each data shard decodes max_batch_size / {shards} sequences")
         self.scheduler = Scheduler(target, draft, spec, max_num_seqs=max_batch_size, max_seq_len=max_seq_len,
-                                   tokenizer=tokenizer, prefill_chunk=prefill_chunk, kv_cache_dtype=kv_cache_dtype)
+                                   tokenizer=tokenizer, prefill_chunk=prefill_chunk, kv_cache_dtype=kv_cache_dtype,
+                                   context_parallel_len=context_parallel_len)
         self.target, self.draft, self.spec = target, self.scheduler.draft, self.scheduler.spec
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
         self.tokenizer = tokenizer

@@ -91,6 +91,9 @@ define_max_seq_len_flags("Prompt + generated tokens per request (default: min(mo
 flags.DEFINE_integer("page_size", 16, "Tokens per KV cache page.", lower_bound=1)
 flags.DEFINE_integer("num_pages", None, "KV cache pages in the pool (default: enough for max_num_seqs "
                      "sequences of max_seq_len tokens).", lower_bound=1)
+flags.DEFINE_integer("context_parallel_len", None, "On a mesh with a data axis: requests of this many tokens or more "
+                     "(prompt + max tokens) are spread over every data shard, each holding and reading a share of "
+                     "their KV (default: more than a row's share of --num_pages).", lower_bound=1)
 flags.DEFINE_integer("prefill_chunk", 256, "Prompt tokens prefilled per scheduler step: the longest chunk of one "
                      "prompt, and the budget shared by the requests prefilling in that step.", lower_bound=1)
 flags.DEFINE_integer("max_compiled_programs", 48, "Compiled step programs kept, the least recently used dropped "

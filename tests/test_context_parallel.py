@@ -82,3 +82,40 @@ def test_a_spread_row_attends_over_every_shard(family, mesh_shape):
     got = run(sharded, shards)
     for g, w in zip(got, want):
         np.testing.assert_allclose(g, w, atol=1e-5 * np.abs(w).max(), rtol=0)
+
+
+@needs_8
+@pytest.mark.parametrize("mesh_shape", [pytest.param((8, 1, 1), marks=pytest.mark.slow), (2, 1, 4)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_scheduler_spreads_long_requests_as_one_device_runs_them(mesh_shape):
+    """Requests of context_parallel_len tokens or more are spread over every data shard (pages
+    dealt over the shards, a replica row on each), beside requests of one shard, prefix caching on:
+    plain, chain and tree give one device's tokens."""
+    from random_models import random_draft
+
+    rng = np.random.default_rng(5)
+    prompts = [[int(t) for t in rng.integers(1, 64, n)] for n in (41, 3, 30, 9, 17, 5)]
+    sp = e3.SamplingParams(max_tokens=10)
+    ref_target = random_target(FAMILIES["deepseek_v3"])
+    mesh = e3.make_mesh(*mesh_shape)
+    target = random_target(FAMILIES["deepseek_v3"], mesh=mesh)
+    shards = mesh_shape[0]
+    for spec in (None, e3.SpecConfig(3, 1, 4), e3.SpecConfig(3, 2, 6)):
+        def run(t):
+            sched = e3.Scheduler(t, None if spec is None else random_draft(t), spec, max_num_seqs=2 * shards,
+                                 max_seq_len=64, page_size=4, prefix_caching=True, context_parallel_len=35)
+            return [o.token_ids for o in sched.generate(prompts, sp)], sched
+
+        want, _ = run(ref_target)
+        got, sched = run(target)
+        assert got == want, spec
+        assert (sched._batch.table.shard == -1).sum() >= 1  # a slot held a spread request
+
+
+def test_context_parallel_len_is_checked():
+    from eagle3_jax.scheduler.core import _spread_len
+
+    assert _spread_len(None, 2 * (4 * 10 + 1), 8, 16) == 10 * 16 + 1  # a row's share of the pool: none spread
+    assert _spread_len(4096, 100, 8, 16) == 4096
+    with pytest.raises(ValueError, match="context_parallel_len must be an integer >= 1"):
+        _spread_len(0, 100, 8, 16)

@@ -16,7 +16,7 @@ FLAGS = flags.FLAGS
 
 # serve.py's flags that are the scheduler's keyword arguments of the same names
 SCHEDULER_FLAGS = ("max_num_seqs", "page_size", "num_pages", "prefill_chunk", "max_compiled_programs",
-                   "max_logprobs", "logprobs_mode", "prefix_caching", "kv_cache_dtype")
+                   "max_logprobs", "logprobs_mode", "prefix_caching", "kv_cache_dtype", "context_parallel_len")
 
 
 def check_port_free(host: str, port: int) -> None:

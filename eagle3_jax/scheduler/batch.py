@@ -25,6 +25,12 @@ D equal shares and each request lives on one shard: its pages come from that sha
 (`rows_batch` places them; `positions` says where each request's row is). A request joins the
 shard with a free row where the longest prefix of it is cached, else the one with the most free
 pages; a shard short of pages preempts its own newest request.
+
+A request whose prompt + max tokens reaches `spread_len` tokens is spread over every shard instead
+(context-parallel decode, cache/spread.py): its logical page j comes from shard j mod D, and in
+every batch it has a row at the same place in each shard's part, all on its one state slot (rows
+sharing a slot are the same request). It needs a free row and its pages' share on every shard;
+it neither takes nor leaves prefix-cache pages; a shard short of pages may preempt it.
 """
 
 from __future__ import annotations
@@ -37,11 +43,12 @@ from typing import Sequence
 
 import numpy as np
 
-from ..cache.pages import PageAllocator, PrefixCache, page_keys, pages_for
+from ..cache.pages import PageAllocator, page_keys, pages_for
 from ..request import Request
 from ..sampling.sampler import GREEDY_BATCH, BatchFeatures
 from ..spec_decode.policy import SpeculationPolicy
 from .metrics import SchedulerCounters
+from .shard_pages import SPREAD, ShardPages
 from .slot_table import BatchRows, SlotTable
 
 MIN_PAGES_BUCKET = 4
@@ -98,7 +105,7 @@ class ScheduledRequest(Request):
     wait_for: "ScheduledRequest | None" = None  # admitted once this one's prompt is prefilled (n > 1 choices)
     seat: int = 0  # its place in admission order (the running batch's, from its latest admission)
     page_keys: list = dataclasses.field(default_factory=list)  # prefix-cache keys of its full pages so far
-    shard: int = 0  # the data shard holding its pages (data-parallel attention)
+    shard: int = 0  # the data shard holding its pages (data-parallel attention), or SPREAD
 
     def keys(self, tokens: Sequence[int], page_size: int, num_pages: int) -> list:
         """The keys of its first `num_pages` full pages (`tokens`: its sequence, which only grows,
@@ -125,15 +132,13 @@ class RunningBatch:
 
     def __init__(self, policy: SpeculationPolicy, counters: SchedulerCounters, *, max_num_seqs: int,
                  page_size: int, num_pages: int, max_pages_per_seq: int, lookahead: int, prefix_caching: bool = False,
-                 data_shards: int = 1):
+                 data_shards: int = 1, spread_len: int | None = None):
         self.policy, self.counters = policy, counters
         self.max_num_seqs, self.page_size, self.lookahead = max_num_seqs, page_size, lookahead
         self.max_pages_per_seq = max_pages_per_seq
         self.shards, self.rows_per_shard = data_shards, max_num_seqs // data_shards
-        share = num_pages // data_shards
-        self.allocs = [PageAllocator(share, first_page=d * share) for d in range(data_shards)]
-        for alloc in self.allocs if prefix_caching else ():
-            alloc.cache = PrefixCache()
+        self.pages = ShardPages(num_pages, data_shards, prefix_caching, spread_len)
+        self.allocs = self.pages.allocs
         scratch = max_num_seqs  # the state slot of padding rows
         self.free_slots = list(range(scratch - 1, -1, -1))
         self.table = SlotTable(scratch + 1, max_pages_per_seq)
@@ -169,13 +174,14 @@ class RunningBatch:
             rows = len(self.running) + 1  # judged at the batch it joins, at the last decode width
             key = None if self.last_decode_key is None else (bucket(rows, 1, self.max_num_seqs), *self.last_decode_key[1:])
             with_draft = self.policy.admit(key, rows, len(req.prefill_ids), req.budget - len(req.output))
-            if self.policy.uses_draft and not with_draft:
+            if self.policy.uses_draft and not with_draft and req.shard != SPREAD:
                 cached = self._cached_prefix(req, False, self.allocs[req.shard])  # target-only pages serve it too
             self._count_hits(req, cached)
             need = pages_for(len(req.prefill_ids) + self.lookahead, self.page_size) - len(cached)
             self.waiting.popleft()
             req.slot, req.table = self.free_slots.pop(), self.table
-            self.allocs[req.shard].hold(cached)
+            if cached:
+                self.allocs[req.shard].hold(cached)
             req.state, req.computed = PREFILL, len(cached) * self.page_size
             self.table.admit(req.slot, len(req.prompt), req.sampling, length=req.computed,
                              reserve=self.policy.reserve(with_draft), budget=req.budget,
@@ -198,8 +204,12 @@ class RunningBatch:
         if self.shards == 1:
             cached = self._cached_prefix(req, self.policy.uses_draft, self.allocs[0])
             return None if self._pages_short(req, cached, reserve, self.allocs[0]) else (0, cached)
-        rows = np.bincount([r.shard for r in self.running.values()], minlength=self.shards)
-        growth = np.bincount([r.shard for r in self.decoders.values()], minlength=self.shards)
+        rows = self.pages.per_shard(r.shard for r in self.running.values())
+        growth = self.pages.per_shard(r.shard for r in self.decoders.values())
+        if self.pages.spreads(len(req.prompt) + req.budget):
+            pages = pages_for(len(req.prefill_ids) + self.lookahead, self.page_size)
+            fits = rows.max() < self.rows_per_shard and self.pages.fits_spread(pages, growth)
+            return (SPREAD, []) if fits else None
         best = None
         for d, alloc in enumerate(self.allocs):
             if rows[d] >= self.rows_per_shard:
@@ -227,16 +237,6 @@ class RunningBatch:
         need = pages_for(len(req.prefill_ids) + self.lookahead, self.page_size) - len(cached)
         return need + sum(alloc.refs(p) == 0 for p in cached) + reserve > alloc.num_free
 
-    @property
-    def num_usable(self) -> int:
-        """Pages one request may hold at most: its data shard's."""
-        return self.allocs[0].num_usable
-
-    def page_counts(self) -> dict[str, int]:
-        """Pages of every data shard together: usable, free, cached."""
-        return {"num_pages": sum(a.num_usable for a in self.allocs), "num_free_pages": sum(a.num_free for a in self.allocs),
-                "num_cached_pages": sum(a.cache.num_cached for a in self.allocs if a.cache is not None)}
-
     def _count_hits(self, req: ScheduledRequest, cached: list[int]) -> None:
         """The prefix cache's hit-rate counters (tokens and requests), at admission."""
         if self.allocs[0].cache is None:
@@ -251,7 +251,7 @@ class RunningBatch:
         """Cache `req`'s full pages whose slots below `valid` hold the final K/V of `tokens` (as
         many tokens as the pages hold, plus the one after), draft-valid below `draft_valid`."""
         cache = self.allocs[req.shard].cache
-        if cache is None:
+        if cache is None or req.shard == SPREAD:
             return
         full = min(valid, len(tokens) - 1, len(req.pages) * self.page_size) // self.page_size
         for i, key in enumerate(req.keys(tokens, self.page_size, full)):
@@ -292,23 +292,25 @@ class RunningBatch:
         rows, longest = [], 0
         budget, count, closed = [prefill_chunk] * self.shards, np.zeros(self.shards, np.int64), set()
         for req in self.prefilling.values():
-            d = req.shard
-            if d in closed:
+            ds = list(range(self.shards)) if req.shard == SPREAD else [req.shard]  # a spread row is on every shard
+            if closed.intersection(ds):
                 continue
             n = min(len(req.prefill_ids) - req.computed, prefill_chunk)
-            shape = (bucket(max(int(count.max()), int(count[d]) + 1), 1, self.rows_per_shard),
+            shape = (bucket(max(int(count.max()), int(count[ds].max()) + 1), 1, self.rows_per_shard),
                      bucket(max(longest, n), MIN_CHUNK_BUCKET, chunk_cap(prefill_chunk)))
-            if rows and (n > budget[d] or not prefill_fits(*shape, prefill_chunk)):
-                closed.add(d)
+            if rows and (any(n > budget[d] for d in ds) or not prefill_fits(*shape, prefill_chunk)):
+                closed.update(ds)
                 continue
             rows.append((req, n))
-            longest, budget[d], count[d] = max(longest, n), budget[d] - n, count[d] + 1
-            if budget[d] <= 0:
-                closed.add(d)
+            longest = max(longest, n)
+            for d in ds:
+                budget[d], count[d] = budget[d] - n, count[d] + 1
+                if budget[d] <= 0:
+                    closed.add(d)
         return rows
 
     def _give_pages(self, req: ScheduledRequest, n: int) -> None:
-        pages = self.allocs[req.shard].allocate(n)
+        pages = self.pages.allocate(req.shard, len(req.pages), n)
         self.table.set_pages(req.slot, len(req.pages), pages)
         req.pages += pages
 
@@ -356,9 +358,8 @@ class RunningBatch:
         for i, end in zip(short, ends):
             req = rows[i]
             need = min(pages_for(end, self.page_size), self.max_pages_per_seq) - len(req.pages)
-            alloc = self.allocs[req.shard]
-            while need > alloc.num_free and req.state == DECODE:
-                self.preempt(next(r for r in reversed(self.running.values()) if r.shard == req.shard))
+            while req.state == DECODE and (short := self.pages.short(req.shard, len(req.pages), need)) is not None:
+                self.preempt(next(r for r in reversed(self.running.values()) if r.shard in (short, SPREAD)))
             if req.state == DECODE and need > 0:
                 self._give_pages(req, need)
         return self.decoding()
@@ -380,10 +381,10 @@ class RunningBatch:
         own data."""
         # Committed: req.length slots, draft pairs up to length - gap. (The cache is checked here
         # too, so that leaving without one builds no list of the whole sequence.)
-        if req.state == DECODE and self.allocs[req.shard].cache is not None:
+        if req.state == DECODE and req.shard != SPREAD and self.allocs[req.shard].cache is not None:
             draft_valid = req.length - req.gap if req.with_draft and self.policy.uses_draft else 0
             self.cache_pages(req, req.prompt + req.output, req.length, draft_valid)
-        self.allocs[req.shard].free(req.pages)
+        self.pages.free(req.shard, req.pages)
         if req.slot is not None:
             req.record_steps(*self.table.take_steps(req.slot))
             self.table.clear(req.slot)
@@ -395,23 +396,31 @@ class RunningBatch:
         """The slot-table rows of the requests in `row_slots` (slots, prompt lengths, sampling
         settings, block tables), padded to the batch bucket with the scratch slot's (all scratch
         page); the block tables' width is at least `min_width`. With data shards each request's
-        row lies in its shard's D-th of the batch: returns the rows and each request's row
-        (`positions`; None when they are the first rows, in order)."""
+        row lies in its shard's D-th of the batch, a spread request's in every shard's (first, at
+        the same place): returns the rows and each request's row (`positions`: a spread
+        request's first; None when they are the first rows, in order)."""
         row_slots = np.asarray(row_slots, np.int32)
         n, positions = len(row_slots), None
         if self.shards == 1:
             batch = bucket(n, 1, self.max_num_seqs)
         else:
             shard = self.table.shard[row_slots]
-            counts = np.bincount(shard, minlength=self.shards)
-            per_shard = bucket(int(counts.max(initial=1)), 1, self.rows_per_shard)
+            spread = shard == SPREAD
+            first = int(spread.sum())  # spread rows take the first places of every shard's part
+            counts = np.bincount(shard[~spread], minlength=self.shards)
+            per_shard = bucket(first + int(counts.max(initial=1)), 1, self.rows_per_shard)
             batch = self.shards * per_shard
-            order = np.argsort(shard, kind="stable")
             rank = np.empty(n, np.int64)
-            rank[order] = np.arange(n) - (np.cumsum(counts) - counts)[shard[order]]  # place among its shard's
-            positions = shard * per_shard + rank
+            rank[spread] = np.arange(first)
+            own = np.flatnonzero(~spread)
+            order = own[np.argsort(shard[own], kind="stable")]
+            rank[order] = first + np.arange(len(own)) - (np.cumsum(counts) - counts)[shard[order]]  # among its shard's
+            positions = np.where(spread, 0, shard) * per_shard + rank
         slots = np.full((batch,), self.max_num_seqs, np.int32)
         slots[positions if positions is not None else slice(0, n)] = row_slots
+        if positions is not None and first:
+            for d in range(1, self.shards):  # the spread rows' replicas
+                slots[d * per_shard: d * per_shard + first] = row_slots[spread]
         width = bucket(max(int(self.table.num_pages[slots].max()), min_width), MIN_PAGES_BUCKET, self.max_pages_per_seq)
         return self.table.rows(slots, width), positions
 

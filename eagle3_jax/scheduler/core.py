@@ -141,6 +141,15 @@ def _check_capacity(prompt: int, budget: int, reserve: int, page_size: int, usab
                             "or raise num_pages")
 
 
+def _spread_len(context_parallel_len: int | None, num_pages: int, max_num_seqs: int, page_size: int) -> int:
+    """The tokens from which a request is spread over the data shards (see Scheduler)."""
+    if context_parallel_len is None:
+        return num_pages // max_num_seqs * page_size + 1
+    if not isinstance(context_parallel_len, (int, np.integer)) or context_parallel_len < 1:
+        raise ValueError(f"context_parallel_len must be an integer >= 1 (tokens) or None; got {context_parallel_len!r}")
+    return int(context_parallel_len)
+
+
 class Scheduler:
     """Continuous-batching generation over a target, with an optional EAGLE-3 draft.
 
@@ -161,7 +170,9 @@ class Scheduler:
     recently used when pages run short. `stats()` counts the hits (tokens and requests).
 
     `kv_cache_dtype`: "auto" (KV pages in the compute dtype) or "fp8" (float8 with a scale per
-    token per 128 lanes, about half the bytes: kv_cache.Fp8Slots), for target and draft alike.
+    token per 128 lanes, about half the bytes: kv_cache.Fp8Slots), for target and draft alike. On
+    a `data` mesh a request of `context_parallel_len` tokens or more (prompt + max tokens) is
+    spread over every data shard (batch.py); default: more than a row's share of the pool.
 
     Not thread-safe: one thread calls its methods (see serving.AsyncEngine for asyncio use).
     """
@@ -170,7 +181,8 @@ class Scheduler:
                  max_num_seqs: int = 64, max_seq_len: int = 2048, page_size: int = 16,
                  num_pages: int | None = None, prefill_chunk: int = PREFILL_CHUNK, max_compiled_programs: int = 48,
                  overlap: bool = True, tokenizer: Tokenizer | None = None, max_logprobs: int = 20,
-                 logprobs_mode: str = "raw", prefix_caching: bool = False, kv_cache_dtype: str = "auto"):
+                 logprobs_mode: str = "raw", prefix_caching: bool = False, kv_cache_dtype: str = "auto",
+                 context_parallel_len: int | None = None):
         for name, value, low in (("max_num_seqs", max_num_seqs, 1), ("max_seq_len", max_seq_len, 2),
                                  ("page_size", page_size, 1), ("prefill_chunk", prefill_chunk, 1),
                                  ("max_compiled_programs", max_compiled_programs, 2), ("max_logprobs", max_logprobs, 0)):
@@ -201,7 +213,8 @@ class Scheduler:
         self.counters = SchedulerCounters(self.policy.max_accept)
         self._batch = RunningBatch(self.policy, self.counters, max_num_seqs=self.max_num_seqs, page_size=self.page_size,
                                    num_pages=num_pages, max_pages_per_seq=self.max_pages_per_seq,
-                                   lookahead=self.lookahead, prefix_caching=bool(prefix_caching), data_shards=shards)
+                                   lookahead=self.lookahead, prefix_caching=bool(prefix_caching), data_shards=shards,
+                                   spread_len=_spread_len(context_parallel_len, num_pages, self.max_num_seqs, page_size))
         # The programs run the target capturing the hidden states the draft reads.
         features = target if draft is None else target.capturing(draft.aux_layer_ids)
         self._executor = Executor(features, self.draft, self.policy, int(num_pages), self.page_size, self.max_num_seqs,
@@ -244,7 +257,8 @@ class Scheduler:
         if rid in self._requests:
             raise ValueError(f"request id {rid!r} is already in use")
         budget = token_budget(len(ids), sampling.max_tokens, self.max_seq_len)
-        _check_capacity(len(ids), budget, self.lookahead + self._overshoot, self.page_size, self._batch.num_usable)
+        _check_capacity(len(ids), budget, self.lookahead + self._overshoot, self.page_size,
+                        self._batch.pages.num_usable(len(ids) + budget))
         req = ScheduledRequest(id=rid, prompt=ids, sampling=sampling, budget=budget, prefill_ids=list(ids), grammar=grammar,
                                wait_for=None if wait_for is None else self._requests.get(str(wait_for)))
         if sampling.stop:
@@ -298,7 +312,7 @@ class Scheduler:
     def stats(self) -> dict:
         """Counters and gauges for monitoring (see serving's /metrics)."""
         b = self._batch
-        return {"num_waiting": len(b.waiting), "num_running": len(b.running), **b.page_counts(),
+        return {"num_waiting": len(b.waiting), "num_running": len(b.running), **b.pages.counts(),
                 "page_size": self.page_size, "kv_cache_dtype": self._executor.kv_cache_dtype,
                 "num_compiled_grammars": len(self.grammars or ()),
                 "num_constrained_requests": sum(r.grammar is not None for r in self._requests.values()),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from typing import Sequence
 
 import numpy as np
 
@@ -19,6 +20,7 @@ from . import lockstep
 from .batch import MIN_CHUNK_BUCKET, RunningBatch, ScheduledRequest, bucket, chunk_cap
 from .metrics import SchedulerCounters
 from .programs import Executor
+from .shard_pages import SPREAD
 from .slot_table import BatchRows, SlotTable, chunk_columns, prefill_chunks
 
 
@@ -69,12 +71,11 @@ def time_steady_steps_only(ready: list[Launch], launched: list[Launch]) -> None:
         step.untimed = True
 
 
-def at_rows(items: list, positions: np.ndarray | None, batch: int) -> list:
-    """Per-request `items` laid out by row: item i at row positions[i] (or i), None elsewhere."""
-    out = [None] * batch
-    for i, row in enumerate(range(len(items)) if positions is None else positions.tolist()):
-        out[row] = items[i]
-    return out
+def at_rows(items: list, slots: Sequence[int], rows: BatchRows) -> list:
+    """Per-request `items` (of the requests on state slots `slots`) laid out by row: each row its
+    slot's item (a spread request's at every one of its rows), None on padding rows."""
+    by_slot = dict(zip(slots, items))
+    return [by_slot.get(slot) for slot in np.asarray(rows.slots).tolist()]
 
 
 class Launcher:
@@ -126,6 +127,8 @@ class Launcher:
             n_valid[i], lengths[i], counter[i] = n, c, len(req.output)
             if c + n < len(req.prefill_ids):  # not the prompt's last chunk: its first token is not kept
                 following[i] = req.prefill_ids[c + n]
+            if req.shard == SPREAD:  # its replicas: the same chunk on every shard
+                packed[owners.slots == req.slot] = packed[i]
         requests, final = [req for req, _ in rows], (following[list(at)] < 0).tolist()
         # With the draft when any row has it (a row without it then has a draft cache it never uses).
         with_draft = any(r.with_draft for r, _ in rows)
@@ -133,7 +136,7 @@ class Launcher:
         chunks = [(req.computed, n) for req, n in rows]
         # Structured output: the first token of a row whose prompt ends here follows its grammar.
         grammars = [req.grammar if last else None for req, last in zip(requests, final)]
-        masks = (batch_masks(at_rows(grammars, positions, batch), batch, self.mask_words)
+        masks = (batch_masks(at_rows(grammars, [r.slot for r in requests], owners), batch, self.mask_words)
                  if any(g is not None for g in grammars) else None)
         compiles, launched = self.executor.programs.num_compiles, time.perf_counter()
         outputs = self.run("prefill" if with_draft else "plain_prefill", None, owners, packed, logprobs=logprobs,
@@ -184,7 +187,7 @@ class Launcher:
         multi-host leader runs each step's single-program form (its followers hold their own
         device arrays)."""
         batch = len(batch_rows.ints)
-        grammars = at_rows([r.grammar for r in rows], positions, batch)  # each row's (padding rows: None)
+        grammars = at_rows([r.grammar for r in rows], [r.slot for r in rows], batch_rows)  # each row's
         settings = self.logprob_settings if logprobs else None
         if plan.program != "decode" and self.leader is not None:
             return self.run(plan.program, plan.shape, batch_rows, logprobs=logprobs,
