@@ -119,3 +119,22 @@ def test_context_parallel_len_is_checked():
     assert _spread_len(4096, 100, 8, 16) == 4096
     with pytest.raises(ValueError, match="context_parallel_len must be an integer >= 1"):
         _spread_len(0, 100, 8, 16)
+
+
+def test_spread_pages_are_dealt_over_the_shards_and_given_back():
+    from eagle3_jax.scheduler.shard_pages import SPREAD, ShardPages
+
+    pool = ShardPages(num_pages=4 * 6, shards=4, prefix_caching=False, spread_len=100)
+    assert pool.spreads(100) and not pool.spreads(99) and pool.num_usable(100) == 4 * pool.num_usable(99) == 20
+    pages = pool.allocate(SPREAD, 0, 6)
+    assert [p // pool.share for p in pages] == [0, 1, 2, 3, 0, 1]  # logical page j on shard j mod 4
+    pages += pool.allocate(SPREAD, 6, 3)
+    assert [p // pool.share for p in pages[6:]] == [2, 3, 0]
+    assert pool.per_shard([SPREAD, 1, 1]).tolist() == [1, 3, 1, 1]
+    # free now: shard 0 2 of its 5 usable pages, shards 1-3 3; pages 9..20 would take 3 of shard 0's
+    assert pool.short(SPREAD, len(pages), 12) == 0 and pool.short(SPREAD, len(pages), 11) is None
+    assert pool.fits_spread(8, pool.per_shard([]))
+    assert not pool.fits_spread(8, pool.per_shard([SPREAD]))
+    pool.free(SPREAD, pages)
+    assert pool.counts()["num_free_pages"] == 20
+    assert not ShardPages(8, 1, False, 4).spreads(10**6)  # one shard: nothing to spread over
