@@ -26,6 +26,10 @@ far, the target's own greedy answer included; answers are generated before the r
 
     python scripts/bench.py --workload=mt_bench_multiturn --output_len=64 --concurrency=1,16
 
+An agent trace (contexts growing by answers and tool results; the hit rate from a cold cache):
+
+    python scripts/bench.py --workload=agentic --output_len=64 --concurrency=4 --prefix_caching
+
 Against a running server (scripts/serve.py or any OpenAI-compatible /v1/completions that streams
 and honours ignore_eos); --target then only supplies the tokenizer and vocabulary, and --spec names
 the one setting the server runs:
@@ -85,7 +89,8 @@ flags.DEFINE_list("spec", ["none", "chain:3:1:4", "tree:5:4:16"], "Speculation s
                   "exactly one: the setting the server runs (a label only).")
 flags.DEFINE_string("workload", "random", "random (fixed-shape random tokens, see --shape/--scale), a dataset: "
                     "mt_bench, gsm8k, sharegpt, spec_bench (first user turns, see --output_len), or "
-                    "mt_bench_multiturn (first turns and second turns after the target's own answers).")
+                    "mt_bench_multiturn (first turns and second turns after the target's own answers), or agentic "
+                    "(8 agent sessions of up to 4 turns growing by the target's answer and a ~384-token tool result).")
 flags.DEFINE_enum("shape", "1k1k", ["1k1k", "1k8k", "8k1k"], "InferenceX input/output shape of the random workload "
                   "(1024/1024, 1024/8192, 8192/1024 tokens), times --scale.")
 flags.DEFINE_float("scale", 0.0625, "Multiplies the random shape's lengths (0.0625: 1k1k -> 64/64); 1 = full size.")

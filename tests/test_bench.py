@@ -658,6 +658,26 @@ def test_multiturn_workload_plays_the_targets_own_answers(tmp_path):
                              max_seq_len=512, tokenizer=tok, limit=3)
 
 
+def test_agentic_workload_grows_each_session_by_its_answer_and_a_tool_result(tmp_path):
+    import eagle3_jax as e3
+
+    tdir, tok = templated_tokenizer(tmp_path, "{{ bos_token }}{% for m in messages %}{{ m['role'] }}: "
+                                              "{{ m['content'] }}\n{% endfor %}assistant:")
+    target = e3.load_target(KIMI)
+    wl = W.agentic_workload(target=target, tokenizer_dir=tdir, output_len=8, max_seq_len=512, tokenizer=tok,
+                            sessions=3, turns=3, tool_tokens=40)
+    assert wl.info["turns"] == 3 and len(wl.pool) == 9 and wl.ordered
+    by_turn = [wl.pool[3 * t: 3 * t + 3] for t in range(3)]
+    for earlier, later in zip(by_turn, by_turn[1:]):
+        for a, b in zip(earlier, later):  # the same session: its earlier prompt, then answer and tool result
+            assert b[: len(a) - 1] == a[: len(a) - 1] and len(b) > len(a) + 40
+            assert tok.decode(b).count("Tool result:") == tok.decode(a).count("Tool result:") + 1
+    assert wl.prompts(4, seed=0) == wl.prompts(4, seed=5) == [list(p) for p in wl.pool[:4]]  # played in order
+    short = W.agentic_workload(target=target, tokenizer_dir=tdir, output_len=8, max_seq_len=200, tokenizer=tok,
+                               sessions=2, turns=4, tool_tokens=80)
+    assert short.info["turns"] < 4 and all(len(p) + 8 <= 200 for p in short.pool)  # sessions stop where they no longer fit
+
+
 # ---- optional dependencies (pip extras) ---------------------------------------------------------------------
 
 EXTRAS_MODULES = ("optax", "matplotlib", "aiohttp", "prometheus_client")

@@ -276,6 +276,7 @@ def run_cell(sched, setting: SpecSetting, workload: Workload, concurrency: int, 
     # would stall the cell for seconds. The scheduler's steps depend only on the requests, not on
     # timing, so a repeat of the same requests reuses exactly those programs: repeat until clean.
     for attempt in range(1, cfg.max_measure_attempts + 1):
+        sched.reset_prefix_cache()  # hits come from the measured requests alone, not the warm-ups or an earlier attempt
         before = sched.stats()
         with CompileCounter() as compiles:
             records, duration = _timed_drive(sched, prompts, lambda i: sampling_for(cfg, out_len, seed, i),

@@ -15,6 +15,13 @@ tokens), so plain and speculative decoding generate exactly the same number of t
   question's first turn, and its second turn after the conversation so far (the first turn and
   the target's own greedy answer to it, generated when the workload is built), both through the
   chat template. Second turns share their first turn's tokens (a prefix cache sees them).
+- agentic trace: `agentic`, the requests of agent sessions whose context grows every turn: a GSM8K
+  question as the task, then turn after turn the conversation so far, the target's own greedy
+  answer to the last turn and a tool result (text of about `tool_tokens` tokens from ShareGPT's
+  prompts), as an agent loop sends it back; all answers generated when the workload is built.
+  Its requests are played in turn order (every session's first turn, then every second turn, ...),
+  each turn's prompt starting with the previous turn's prompt and answer, so a prefix cache serves
+  all but the newest answer and tool result.
 
 `Workload.prompts(num, seed, stream)` draws a reproducible list of prompts: the same (num, seed,
 stream) always gives the same token ids. Streams separate the measured prompts (0) from the
@@ -47,7 +54,8 @@ DATASETS: dict[str, str] = {
 }
 
 # Multi-turn workloads: name -> the dataset whose records' `turns` they play as chat sessions.
-MULTITURN: dict[str, str] = {"mt_bench_multiturn": "mt_bench"}
+MULTITURN: dict[str, str] = {"mt_bench_multiturn": "mt_bench", "agentic": "gsm8k"}
+AGENT_SYSTEM = "You are an agent. Work on the task step by step; the user sends back each tool's result."
 
 # The repository's data/ folder (beside the package in a source checkout or editable install).
 DEFAULT_DATA_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "data")
@@ -70,6 +78,8 @@ class Workload:
     input_len: int | None = None
     token_pool: np.ndarray | None = None
     pool: tuple[tuple[int, ...], ...] | None = None
+    ordered: bool = False  # the pool is played in its order (a trace), not shuffled
+
 
     def prompts(self, num: int, seed: int, stream: int = MEASURED) -> list[list[int]]:
         """`num` prompts (lists of token ids), reproducible from (seed, stream).
@@ -81,7 +91,7 @@ class Workload:
             raise ValueError(f"number of prompts must be an integer >= 0; got {num!r}")
         rng = np.random.default_rng([int(seed), int(stream)])
         if self.pool is not None:
-            order = rng.permutation(len(self.pool))
+            order = np.arange(len(self.pool)) if self.ordered else rng.permutation(len(self.pool))
             return [list(self.pool[order[i % len(order)]]) for i in range(num)]
         assert self.token_pool is not None and self.input_len is not None
         ids = rng.choice(self.token_pool, size=(num, self.input_len))
@@ -251,6 +261,10 @@ def multiturn_workload(name: str, *, target, tokenizer_dir: str | os.PathLike, o
     """
     if name not in MULTITURN:
         raise ValueError(f"unknown multi-turn workload {name!r}; choose one of {', '.join(MULTITURN)}")
+    if name == "agentic":
+        return agentic_workload(target=target, tokenizer_dir=tokenizer_dir, output_len=output_len,
+                                max_seq_len=max_seq_len, data_dir=data_dir, tokenizer=tokenizer,
+                                max_num_seqs=max_num_seqs)
     output_len = _check_output_len(output_len)
     template = ChatTemplate.from_dir(tokenizer_dir)
     if template.source is None and not template.named:  # named ones without a default: render says which
@@ -284,3 +298,64 @@ def multiturn_workload(name: str, *, target, tokenizer_dir: str | os.PathLike, o
             "num_skipped_too_long": 2 * len(sessions) - len(fits), "num_second_turns": num_seconds,
             "prompt_len_mean": float(np.mean(lens)), "prompt_len_max": int(max(lens))}
     return Workload(name=name, output_len=output_len, info=info, pool=tuple(fits))
+
+
+def tool_results(path: str | os.PathLike, count: int, tokens: int, tokenizer: Tokenizer) -> list[str]:
+    """`count` tool results of about `tokens` tokens each: ShareGPT prompts in file order, joined
+    and cut at the token count (cycling through the file when it runs out)."""
+    texts = load_prompts(path)
+    if not texts:
+        raise ValueError(f"{os.fspath(path)} holds no conversation text for tool results")
+    results, i = [], 0
+    for _ in range(count):
+        ids: list[int] = []
+        while len(ids) < tokens:
+            ids += tokenizer.encode(texts[i % len(texts)] + "\n")
+            i += 1
+        results.append(tokenizer.decode(ids[:tokens]))
+    return results
+
+
+def agentic_workload(*, target, tokenizer_dir: str | os.PathLike, output_len: int, max_seq_len: int,
+                     data_dir: str | os.PathLike | None = None, tokenizer: Tokenizer | None = None,
+                     sessions: int = 8, turns: int = 4, tool_tokens: int = 384, max_num_seqs: int = 16) -> Workload:
+    """`sessions` agent sessions of up to `turns` turns (see the module doc), the target's answers
+    generated here, greedy, by plain decoding (up to `output_len` tokens, stopping at the
+    tokenizer's end-of-sequence ids). A session stops growing at the first turn that would not fit
+    `max_seq_len` with `output_len` tokens out. Raises ValueError without a chat template or when
+    no session's first turn fits."""
+    output_len = _check_output_len(output_len)
+    template = ChatTemplate.from_dir(tokenizer_dir)
+    if template.source is None and not template.named:
+        raise ValueError(f"agentic needs a chat template to render a conversation; {os.fspath(tokenizer_dir)} has none")
+    tok = tokenizer if tokenizer is not None else load_tokenizer(tokenizer_dir)
+    render = lambda messages: encode_rendered(template.render(messages), tok)  # noqa: E731
+    tasks = load_prompts(dataset_path("gsm8k", data_dir))[:sessions]
+    results = iter(tool_results(dataset_path("sharegpt", data_dir), sessions * turns, tool_tokens, tok))
+    chats = [[{"role": "system", "content": AGENT_SYSTEM}, {"role": "user", "content": t}] for t in tasks]
+    rounds: list[list[tuple[int, ...]]] = []
+    answerer = Scheduler(target, max_num_seqs=max_num_seqs, max_seq_len=max_seq_len)
+    for turn in range(turns):
+        prompts = {i: render(chat) for i, chat in enumerate(chats) if chat is not None}
+        live = {i: p for i, p in prompts.items() if len(p) + output_len <= max_seq_len}
+        if not live:
+            break
+        rounds.append([tuple(p) for p in live.values()])
+        chats = [chat if i in live else None for i, chat in enumerate(chats)]
+        if turn + 1 == turns:
+            break
+        outs = answerer.generate(list(live.values()), SamplingParams(max_tokens=output_len, stop_token_ids=tok.eos_ids))
+        for (i, prompt), out in zip(live.items(), outs):
+            chats[i] = chats[i] + [{"role": "assistant", "content": tok.decode_continuation(prompt, out.token_ids)},
+                                   {"role": "user", "content": "Tool result:\n" + next(results)}]
+    del answerer
+    if not rounds:
+        check_fits(min(len(render(c)) for c in chats if c is not None), output_len, max_seq_len,
+                   "agentic: even its shortest first turn")
+    pool = tuple(p for round_ in rounds for p in round_)
+    lens = [len(p) for p in pool]
+    info = {"kind": "agentic", "dataset": "agentic", "output_len": output_len, "sessions": len(tasks),
+            "turns": len(rounds), "tool_tokens": tool_tokens, "num_prompts_fitting": len(pool),
+            "prompt_len_by_turn": [float(np.mean([len(p) for p in r])) for r in rounds],
+            "prompt_len_mean": float(np.mean(lens)), "prompt_len_max": int(max(lens))}
+    return Workload(name="agentic", output_len=output_len, info=info, pool=pool, ordered=True)
