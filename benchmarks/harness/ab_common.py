@@ -1,6 +1,7 @@
 """What the harness scripts beside this file share: the repository's root (they run from any
-folder), the demo pair with its prompts, a module attribute swapped for the length of a `with`
-block, and a JSON output that is never written over unless asked."""
+folder), the demo pair with its prompts, the demo target with its YaRN extended to long contexts
+and long prompts of real text for it, a module attribute swapped for the length of a `with` block,
+and a JSON output that is never written over unless asked."""
 import contextlib
 import json
 import os
@@ -32,6 +33,35 @@ def demo_pair():
     with open(PROMPTS) as f:
         prompts = [tok.encode(line.strip()) for line in f if line.strip()]
     return target, draft, prompts
+
+
+def extended_target(folder: str, positions: int) -> str:
+    """A copy of kimi-mini's folder in `folder` (weights linked) whose YaRN reaches `positions`
+    (no training at that length: its text there is poor, but every run gives the same tokens)."""
+    with open(os.path.join(TARGET, "config.json")) as f:
+        config = json.load(f)
+    text = config.get("text_config", config)
+    original = text["rope_scaling"]["original_max_position_embeddings"]
+    text["rope_scaling"] = dict(text["rope_scaling"], factor=positions / original)
+    text["max_position_embeddings"] = positions
+    for name in os.listdir(TARGET):
+        if name != "config.json":
+            os.symlink(os.path.join(TARGET, name), os.path.join(folder, name))
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(config, f)
+    return folder
+
+
+def prompt_ids(tokenizer, n: int, start: int = 0) -> list[int]:
+    """`n` tokens of real text: the GSM8K test questions (data/gsm8k) from the `start`-th on, joined."""
+    ids = []
+    with open(os.path.join(ROOT, "data", "gsm8k", "test_full.jsonl")) as f:
+        for i, line in enumerate(f):
+            if i >= start:
+                ids += tokenizer.encode(json.loads(line)["question"] + "\n")
+            if len(ids) >= n:
+                return ids[:n]
+    raise SystemExit(f"the GSM8K questions hold only {len(ids)} tokens from question {start} on; ask for fewer")
 
 
 @contextlib.contextmanager

@@ -18,33 +18,7 @@ import sys
 import tempfile
 import time
 
-from ab_common import DRAFT, ROOT, TARGET, add_output_flags, check_output, write_json
-
-
-def extended_target(folder: str, positions: int) -> str:
-    """A copy of kimi-mini's folder (weights linked) whose YaRN reaches `positions`."""
-    with open(os.path.join(TARGET, "config.json")) as f:
-        config = json.load(f)
-    text = config.get("text_config", config)
-    original = text["rope_scaling"]["original_max_position_embeddings"]
-    text["rope_scaling"] = dict(text["rope_scaling"], factor=positions / original)
-    text["max_position_embeddings"] = positions
-    for name in os.listdir(TARGET):
-        if name != "config.json":
-            os.symlink(os.path.join(TARGET, name), os.path.join(folder, name))
-    with open(os.path.join(folder, "config.json"), "w") as f:
-        json.dump(config, f)
-    return folder
-
-
-def prompt_ids(tokenizer, n: int) -> list[int]:
-    ids = []
-    with open(os.path.join(ROOT, "data", "gsm8k", "test_full.jsonl")) as f:
-        for line in f:
-            ids += tokenizer.encode(json.loads(line)["question"] + "\n")
-            if len(ids) >= n:
-                return ids[:n]
-    raise SystemExit(f"the GSM8K questions hold only {len(ids)} tokens; ask for fewer with --prompt_len")
+from ab_common import DRAFT, TARGET, add_output_flags, check_output, extended_target, prompt_ids, write_json
 
 
 def one_run(args) -> dict:
