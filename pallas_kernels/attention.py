@@ -20,6 +20,12 @@ Dv] accumulator and its [block_rows, D] queries in registers for its whole walk,
 the heads x tokens of a step, sets the registers (Kimi-K2.5 verifying a 64-node tree has 64 x 64
 MLA rows of 512 lanes). The blocks of one head read the same pages, which stay in L2 between them.
 Block rows, num_warps and num_stages come from the launch table per architecture (launch.py).
+FP8 pages (the KV cache's `kv_cache_dtype="fp8"`: float8 values with a float32 scale per slot per
+group of lanes, eagle3_jax/cache/kv_cache.py) come in as their bits (uint8) beside their scales and
+are decoded in registers (`fp8_decode`: integer ops into float32's fields, as Pallas' Triton
+lowering casts from neither e4m3fnuz, gfx942's flavour, nor, before sm_89, e4m3fn). A group's scale
+multiplies its part of the scores, and for values the probabilities before the dot, so the decoded
+tile itself is exact in the compute dtype (3 mantissa bits) and never scaled.
 Portable subset only: grid + BlockSpecs, whole-array refs indexed in kernel, `fori_loop` with
 traced bounds, 2-D dots with float32 accumulation, no scalar prefetch, no dynamic grid.
 `paged_prefix_attention_reference` is the pure-jnp twin the tests compare with.
@@ -27,6 +33,7 @@ traced bounds, 2-D dots with float32 accumulation, no scalar prefetch, no dynami
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -58,48 +65,85 @@ def _dot_t(a: jax.Array, b: jax.Array) -> jax.Array:
                                preferred_element_type=jnp.float32)
 
 
+def fp8_decode(bits: jax.Array, fnuz: bool) -> jax.Array:
+    """float8 e4m3 bits (uint8) -> float32: e4m3fn (exponent bias 7) or e4m3fnuz (bias 8, gfx942's).
+    The sign, exponent and mantissa bits placed at float16's read as +-(1 + m / 8) 2^(e - 15), or for
+    e = 0 as float16's subnormal +-m / 8 2^-14: one multiply by 2^(15 - bias) makes either the float8
+    value (float16 subnormals convert exactly to normal float32s, which no device flushes). The NaN
+    codes are never written."""
+    b = bits.astype(jnp.int32)
+    half = jax.lax.shift_left(b & 0x80, 8) | jax.lax.shift_left(b & 0x7F, 7)
+    value = jax.lax.bitcast_convert_type(half.astype(jnp.int16), jnp.float16).astype(jnp.float32)
+    return value * (2.0 ** (15 - (8 if fnuz else 7)))
+
+
 def _kernel(layer_ref, lengths_ref, table_ref, q_ref, k_ref, *refs, page_size: int, tile: int, pages_per_split: int,
-            row_blocks: int, scale: float, has_rope: bool, shared_value: bool):
+            row_blocks: int, scale: float, has_rope: bool, shared_value: bool, fp8: tuple[bool, int, int] | None):
     refs = list(refs)
+    scaled = fp8 is not None  # (fnuz, key groups, value groups): pages of float8 bits with their scales
+    ks_ref = refs.pop(0) if scaled else None
     q2_ref = refs.pop(0) if has_rope else None
     k2_ref = refs.pop(0) if has_rope else None
+    k2s_ref = refs.pop(0) if has_rope and scaled else None
     v_ref = None if shared_value else refs.pop(0)
+    vs_ref = None if shared_value or not scaled else refs.pop(0)
     o_ref, lse_ref = refs
     b, split = pl.program_id(0), pl.program_id(2)
     h = pl.program_id(1) // row_blocks
     layer, length = layer_ref[0], lengths_ref[b]
-    q = q_ref[...]
+    fnuz, k_groups, v_groups = fp8 if scaled else (False, 1, 1)
+    d, dv = q_ref.shape[-1], o_ref.shape[-1]
+    kw, vw = d // k_groups, dv // v_groups
+    qs = [q_ref[...]] if k_groups == 1 else [q_ref[:, pl.ds(g * kw, kw)] for g in range(k_groups)]
     q2 = q2_ref[...] if has_rope else None
     # the walk steps `tile` slots at a time: a page of page_size slots is page_size // tile steps
     tiles_per_page = page_size // tile
     first = split * pages_per_split * tiles_per_page
     last = jnp.minimum(first + pages_per_split * tiles_per_page, (length + tile - 1) // tile)
-    rows = q.shape[0]
-    dv = o_ref.shape[-1]
+    rows = qs[0].shape[0]
 
     def body(j, carry):
-        m, l, acc = carry
+        m, l, accs = carry[0], carry[1], carry[2:]
         page = table_ref[b, j // tiles_per_page]
         within = pl.ds((j % tiles_per_page) * tile, tile)
-        k = k_ref[layer, page, within, h, :]  # [tile, D]
-        scores = _dot_t(q, k)
+
+        def load(ref, scales_ref, g, width):  # a lane group of this tile's slots [tile, width], its scales [1, tile]
+            x = ref[layer, page, within, h, pl.ds(g * width, width)]
+            if scales_ref is None:
+                return x, None
+            return fp8_decode(x, fnuz).astype(qs[0].dtype), scales_ref[layer, page, within, h, g][None, :]
+
+        def times(x, s):
+            return x if s is None else x * s
+
+        keys = [load(k_ref, ks_ref, g, kw) for g in range(k_groups)]
+        parts = [times(_dot_t(qg, k), s) for qg, (k, s) in zip(qs, keys)]
         if has_rope:
-            scores = scores + _dot_t(q2, k2_ref[layer, page, within, h, :])
+            rope, rope_scales = load(k2_ref, k2s_ref, 0, q2.shape[-1])
+            parts.append(times(_dot_t(q2, rope), rope_scales))
+        scores = functools.reduce(jnp.add, parts)
         slots = j * tile + jax.lax.broadcasted_iota(jnp.int32, (1, tile), 1)
         valid = slots < length
         scores = jnp.where(valid, scores * scale, _NEG)
         m_new = jnp.maximum(m, scores.max(axis=1))
         p = jnp.where(valid, jnp.exp(scores - m_new[:, None]), 0.0)
         alpha = jnp.exp(m - m_new)
-        v = k if shared_value else v_ref[layer, page, within, h, :]
-        acc = acc * alpha[:, None] + jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
-                                                         precision=PRECISION, preferred_element_type=jnp.float32)
-        return m_new, l * alpha + p.sum(axis=1), acc
+        values = keys if shared_value else [load(v_ref, vs_ref, g, vw) for g in range(v_groups)]
+        accs = [acc * alpha[:, None] + jax.lax.dot_general(times(p, s).astype(v.dtype), v, (((1,), (0,)), ((), ())),
+                                                           precision=PRECISION, preferred_element_type=jnp.float32)
+                for acc, (v, s) in zip(accs, values)]
+        return (m_new, l * alpha + p.sum(axis=1), *accs)
 
-    init = (jnp.full((rows,), _NEG, jnp.float32), jnp.zeros((rows,), jnp.float32), jnp.zeros((rows, dv), jnp.float32))
-    m, l, acc = jax.lax.fori_loop(first, last, body, init)
+    init = (jnp.full((rows,), _NEG, jnp.float32), jnp.zeros((rows,), jnp.float32),
+            *(jnp.zeros((rows, vw), jnp.float32) for _ in range(v_groups)))
+    m, l, *accs = jax.lax.fori_loop(first, last, body, init)
     seen = l > 0
-    o_ref[...] = jnp.where(seen[:, None], acc / jnp.where(seen, l, 1.0)[:, None], 0.0)
+    for g, acc in enumerate(accs):
+        out = jnp.where(seen[:, None], acc / jnp.where(seen, l, 1.0)[:, None], 0.0)
+        if v_groups == 1:
+            o_ref[...] = out
+        else:
+            o_ref[:, pl.ds(g * vw, vw)] = out
     lse_ref[...] = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
 
 
@@ -139,7 +183,8 @@ def block_rows_for(rows: int, dv: int, itemsize: int, launch: AttentionLaunch, r
 def paged_prefix_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array | None, layer, block_table: jax.Array,
                            lengths: jax.Array, *, scale: float, q2: jax.Array | None = None,
                            k2_pool: jax.Array | None = None, num_splits: int = 0, interpret: bool = False,
-                           launch: AttentionLaunch | None = None) -> tuple[jax.Array, jax.Array]:
+                           launch: AttentionLaunch | None = None, scales: Fp8Scales | None = None
+                           ) -> tuple[jax.Array, jax.Array]:
     """Attention of query rows over each row's committed prefix of paged K/V.
 
     q: [B, H, M, D] (H KV heads, M query rows each); q2 [B, H, M, D2] with k2_pool: a second
@@ -148,9 +193,10 @@ def paged_prefix_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array | 
     `layer` the pool layer. `num_splits` 0 picks them (`default_splits`); on a GPU the pages must
     be ones the kernel can tile (`pages_fit`). `launch` (block rows, num_warps, num_stages) defaults to the launch
     table's entry for this form ("mla_attention" when the values are the keys, else
-    "gqa_attention") on the architecture traced for. Returns out [B, H, M, Dv] float32
-    (softmax-normalised over the prefix) and lse [B, H, M] float32 (-inf where a row's prefix is
-    empty).
+    "gqa_attention"; "..._fp8" over FP8 pages) on the architecture traced for. `scales`: the pools hold float8 bits
+    (uint8) with these scales [L, pages, page_size, H, groups] (see `Fp8Scales`). Returns out
+    [B, H, M, Dv] float32 (softmax-normalised over the prefix) and lse [B, H, M] float32 (-inf where
+    a row's prefix is empty).
     """
     from jax.experimental.pallas import triton as plt
 
@@ -158,8 +204,10 @@ def paged_prefix_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array | 
     _, _, page_size, _, _ = k_pool.shape
     dv = (k_pool if v_pool is None else v_pool).shape[-1]
     form = "mla_attention" if v_pool is None else "gqa_attention"
-    launch = launch_table.launch(form) if launch is None else launch
-    block = block_rows_for(m, dv, jnp.dtype(k_pool.dtype).itemsize, launch, 512 if form == "mla_attention" else 128)
+    if launch is None:  # FP8 pages have their own entries: decoding them takes registers
+        launch = launch_table.launch(form + ("_fp8" if scales is not None else ""))
+    itemsize = jnp.dtype(q.dtype).itemsize  # what the registers hold (FP8 pages are decoded to it)
+    block = block_rows_for(m, dv, itemsize, launch, 512 if form == "mla_attention" else 128)
     rows = pl.cdiv(m, block) * block
     row_blocks = rows // block
     pad = ((0, 0), (0, 0), (0, rows - m), (0, 0))
@@ -170,24 +218,28 @@ def paged_prefix_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array | 
                          f"{min(launch.block_slots, 16)} slots nor one power-of-two page of at least 16; use the XLA "
                          "path for this cache")
     if num_splits <= 0:
-        num_splits = default_splits(b, h, m, block_table.shape[1], dv, jnp.dtype(k_pool.dtype).itemsize, launch, form)
+        num_splits = default_splits(b, h, m, block_table.shape[1], dv, itemsize, launch, form)
     pages_per_split = pl.cdiv(block_table.shape[1], num_splits)
 
     def row_spec(dim: int) -> pl.BlockSpec:  # axis 1 of the grid walks (head, row block) pairs
         return pl.BlockSpec((None, None, block, dim), lambda i, j, s: (i, j // row_blocks, j % row_blocks, 0))
 
     whole = pl.no_block_spec
-    inputs = [jnp.asarray(layer, jnp.int32).reshape(1), lengths.astype(jnp.int32), block_table.astype(jnp.int32), q, k_pool]
-    in_specs = [whole, whole, whole, row_spec(d), whole]
+    def pool(x, x_scales):  # a pool, and its scales when its pages are float8 bits
+        return [(x, whole)] + ([] if scales is None else [(x_scales, whole)])
+
+    operands = [(jnp.asarray(layer, jnp.int32).reshape(1), whole), (lengths.astype(jnp.int32), whole),
+                (block_table.astype(jnp.int32), whole), (q, row_spec(d))] + pool(k_pool, scales and scales.k)
     if has_rope:
-        inputs += [jnp.pad(q2, pad), k2_pool]
-        in_specs += [row_spec(q2.shape[-1]), whole]
+        operands += [(jnp.pad(q2, pad), row_spec(q2.shape[-1]))] + pool(k2_pool, scales and scales.k2)
     if v_pool is not None:
-        inputs.append(v_pool)
-        in_specs.append(whole)
-    tile = _tile(page_size, launch, jnp.dtype(k_pool.dtype).itemsize)
+        operands += pool(v_pool, scales and scales.v)
+    inputs, in_specs = (list(x) for x in zip(*operands))
+    fp8 = None if scales is None else (scales.fnuz, scales.k.shape[-1], (scales.k if v_pool is None else scales.v).shape[-1])
+    tile = _tile(page_size, launch, itemsize)
     kernel = functools.partial(_kernel, page_size=page_size, tile=tile, pages_per_split=pages_per_split,
-                               row_blocks=row_blocks, scale=scale, has_rope=has_rope, shared_value=v_pool is None)
+                               row_blocks=row_blocks, scale=scale, has_rope=has_rope, shared_value=v_pool is None,
+                               fp8=fp8)
     out_shape = [jax.ShapeDtypeStruct((b, h, num_splits, rows, dv), jnp.float32),
                  jax.ShapeDtypeStruct((b, h, num_splits, rows), jnp.float32)]
     out, lse = launch_table.call(pl.pallas_call(
@@ -203,6 +255,18 @@ def paged_prefix_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array | 
     ), out_shape, *inputs)
     out, lse = merge_splits(out, lse)
     return out[:, :, :m], lse[:, :, :m]
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Scales:
+    """The float32 scales of FP8 pools given as their bits: `k` [L, pages, page_size, H, groups]
+    (a group per `d / groups` lanes), `v` the value pool's (GQA), `k2` the second key pool's (MLA's
+    rope key); `fnuz`: the bits are e4m3fnuz (gfx942), else e4m3fn."""
+
+    k: jax.Array
+    v: jax.Array | None = None
+    k2: jax.Array | None = None
+    fnuz: bool = False
 
 
 def merge_splits(out: jax.Array, lse: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -223,9 +287,21 @@ def merge_partials(out_a: jax.Array, lse_a: jax.Array, out_b: jax.Array, lse_b: 
     return (out_a * wa[..., None] + out_b * wb[..., None]) / (wa + wb)[..., None]
 
 
+def dequantized_pool(bits: jax.Array, scales: jax.Array, fnuz: bool) -> jax.Array:
+    """float32 values of a pool of float8 bits [..., D] with its scales [..., groups]."""
+    x = jax.lax.bitcast_convert_type(bits, jnp.float8_e4m3fnuz if fnuz else jnp.float8_e4m3fn).astype(jnp.float32)
+    groups = scales.shape[-1]
+    return (x.reshape(x.shape[:-1] + (groups, -1)) * scales[..., None]).reshape(x.shape)
+
+
 def paged_prefix_attention_reference(q, k_pool, v_pool, layer, block_table, lengths, *, scale, q2=None, k2_pool=None,
-                                     **_) -> tuple[jax.Array, jax.Array]:
+                                     scales: Fp8Scales | None = None, **_) -> tuple[jax.Array, jax.Array]:
     """`paged_prefix_attention` in plain jnp: gather every page of the table, mask, softmax."""
+    if scales is not None:
+        k_pool = dequantized_pool(k_pool, scales.k, scales.fnuz)
+        v_pool = None if v_pool is None else dequantized_pool(v_pool, scales.v, scales.fnuz)
+        k2_pool = None if k2_pool is None else dequantized_pool(k2_pool, scales.k2, scales.fnuz)
+
     def gather(pool):
         pages = pool[layer][block_table]  # [B, P, ps, H, D]
         return pages.reshape((pages.shape[0], -1) + pages.shape[3:])

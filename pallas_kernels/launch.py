@@ -116,7 +116,7 @@ class MoeLaunch:
 
 
 Launch = AttentionLaunch | MoeLaunch
-FORMS = ("mla_attention", "gqa_attention", "moe")
+FORMS = ("mla_attention", "gqa_attention", "mla_attention_fp8", "gqa_attention_fp8", "moe")
 
 # (form, architecture) -> launch. "default" is the entry for CPU hosts and unknown GPUs: the most
 # conservative one (it compiles without spills on every architecture above: tests/test_compile_gate.py;
@@ -132,6 +132,18 @@ TABLE: dict[tuple[str, str], Launch] = {
     ("gqa_attention", "gfx950"): AttentionLaunch(block_rows=64, num_warps=4, num_stages=2),
     ("gqa_attention", "sm_90"): AttentionLaunch(block_rows=64, num_warps=4, num_stages=2),
     ("gqa_attention", "sm_100"): AttentionLaunch(block_rows=64, num_warps=4, num_stages=2),
+    # Over FP8 pages (decoded in registers: pallas_kernels/attention.py) fewer rows and one stage; the
+    # bfloat16 entries spill there (gfx942 MLA at 32 rows x 2 stages, gfx950 MLA at 8 warps).
+    ("mla_attention_fp8", DEFAULT): AttentionLaunch(block_rows=16, num_warps=4, num_stages=1),
+    ("mla_attention_fp8", "gfx942"): AttentionLaunch(block_rows=16, num_warps=8, num_stages=1),
+    ("mla_attention_fp8", "gfx950"): AttentionLaunch(block_rows=16, num_warps=4, num_stages=1),
+    ("mla_attention_fp8", "sm_90"): AttentionLaunch(block_rows=16, num_warps=4, num_stages=1),
+    ("mla_attention_fp8", "sm_100"): AttentionLaunch(block_rows=16, num_warps=4, num_stages=1),
+    ("gqa_attention_fp8", DEFAULT): AttentionLaunch(block_rows=16, num_warps=4, num_stages=1),
+    ("gqa_attention_fp8", "gfx942"): AttentionLaunch(block_rows=32, num_warps=4, num_stages=1),
+    ("gqa_attention_fp8", "gfx950"): AttentionLaunch(block_rows=32, num_warps=4, num_stages=1),
+    ("gqa_attention_fp8", "sm_90"): AttentionLaunch(block_rows=32, num_warps=4, num_stages=1),
+    ("gqa_attention_fp8", "sm_100"): AttentionLaunch(block_rows=32, num_warps=4, num_stages=1),
     ("moe", DEFAULT): MoeLaunch(block_m=16, max_block_n=64, max_block_k=32, num_warps=4, num_stages=2),
     ("moe", "gfx942"): MoeLaunch(block_m=16, max_block_n=64, max_block_k=64, num_warps=4, num_stages=2),
     ("moe", "gfx950"): MoeLaunch(block_m=16, max_block_n=64, max_block_k=64, num_warps=4, num_stages=2),

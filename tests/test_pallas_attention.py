@@ -10,7 +10,13 @@ import numpy as np
 import pytest
 
 from pallas_kernels import launch
-from pallas_kernels.attention import (merge_partials, paged_prefix_attention, paged_prefix_attention_reference)
+from pallas_kernels.attention import (
+    Fp8Scales,
+    fp8_decode,
+    merge_partials,
+    paged_prefix_attention,
+    paged_prefix_attention_reference,
+)
 
 PAGE = 4
 LENGTHS = [0, 1, 7, 8, 13]  # empty, one slot, partial page, whole pages, several pages + partial
@@ -61,6 +67,48 @@ def test_mla_latent_plus_rope_equals_reference(t, dtype):
     kw = dict(scale=0.1, q2=q2, k2_pool=rope)
     got = paged_prefix_attention(q, lat, None, 0, table, lengths, num_splits=2, interpret=True, **kw)
     close(got, paged_prefix_attention_reference(q, lat, None, 0, table, lengths, **kw), dtype)
+
+
+@pytest.mark.parametrize("fnuz", [False, True], ids=["e4m3fn", "e4m3fnuz"])
+def test_fp8_bits_decode_as_jax_converts_them(fnuz):
+    dtype = jnp.float8_e4m3fnuz if fnuz else jnp.float8_e4m3fn
+    bits = jnp.arange(256, dtype=jnp.uint8)
+    want = np.asarray(jax.lax.bitcast_convert_type(bits, dtype).astype(jnp.float32))
+    got = np.asarray(fp8_decode(bits, fnuz))
+    finite = np.isfinite(want)
+    assert finite.sum() >= 253  # the NaN codes are never written
+    np.testing.assert_array_equal(got[finite], want[finite])
+
+
+def fp8_pool(x: np.ndarray, groups: int, fnuz: bool) -> tuple[jax.Array, jax.Array]:
+    """A float32 pool [..., D] as float8 bits and float32 scales [..., groups] (as the KV cache stores it)."""
+    from eagle3_jax.cache.kv_cache import quantize
+
+    slots = quantize(jnp.asarray(x), jnp.float8_e4m3fnuz if fnuz else jnp.float8_e4m3fn)
+    assert slots.scales.shape[-1] == groups
+    return jax.lax.bitcast_convert_type(slots.values, jnp.uint8), slots.scales
+
+
+@pytest.mark.parametrize("fnuz", [False, True], ids=["e4m3fn", "e4m3fnuz"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_fp8_pages_equal_the_reference_over_their_dequantized_values(fnuz, dtype):
+    """GQA (128-wide heads: a scale per slot per head; 256-wide: two) and MLA (a 512-wide latent:
+    4 groups, its rope key 1) over float8 pages decoded in the kernel: the reference attention over
+    the pages' dequantized values."""
+    rng = np.random.default_rng(7)
+    for d in (128, 256):
+        (k, v), table, lengths = pools_and_table(rng, 2, [d, d], num_pages=34)
+        (kb, ks), (vb, vs) = fp8_pool(k, d // 128, fnuz), fp8_pool(v, d // 128, fnuz)
+        q = jnp.asarray(rng.standard_normal((len(LENGTHS), 2, 4 * 3, d)), dtype)
+        kw = dict(scale=d ** -0.5, scales=Fp8Scales(ks, vs, fnuz=fnuz))
+        got = paged_prefix_attention(q, kb, vb, 1, table, lengths, num_splits=2, interpret=True, **kw)
+        close(got, paged_prefix_attention_reference(q, kb, vb, 1, table, lengths, **kw), dtype)
+    (lat, rope), table, lengths = pools_and_table(rng, 1, [512, 64], num_pages=34)
+    (lb, ls), (rb, rs) = fp8_pool(lat, 4, fnuz), fp8_pool(rope, 1, fnuz)
+    q, q2 = (jnp.asarray(rng.standard_normal((len(LENGTHS), 1, 4 * 2, w)), dtype) for w in (512, 64))
+    kw = dict(scale=0.05, q2=q2, k2_pool=rb, scales=Fp8Scales(ls, k2=rs, fnuz=fnuz))
+    got = paged_prefix_attention(q, lb, None, 0, table, lengths, num_splits=3, interpret=True, **kw)
+    close(got, paged_prefix_attention_reference(q, lb, None, 0, table, lengths, **kw), dtype)
 
 
 @pytest.mark.parametrize("kind", ["gqa", "mla"])
@@ -145,6 +193,27 @@ def test_lowers_to_a_triton_kernel_for_gpus(platform):
 
     def attend(q, q2, lat, rope, table, lengths):
         return paged_prefix_attention(q, lat, None, 1, table, lengths, scale=0.1, q2=q2, k2_pool=rope, num_splits=2)
+
+    with launch.deviceless(launch.PLATFORM_ARCH[platform]):
+        text = jax.jit(attend).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+    assert "triton" in text and "eagle3_paged_prefix_attention" in text
+
+
+@pytest.mark.parametrize("platform", ["rocm", "cuda"])
+def test_fp8_pages_lower_to_a_triton_kernel_for_gpus(platform):
+    """The same at FP8 pages (bits and scales, decoded in the kernel: no float8 cast for Pallas'
+    Triton lowering to refuse)."""
+    sds = jax.ShapeDtypeStruct
+    nh, t, r, dr, batch = 16, 4, 512, 64, 4
+    args = (sds((batch, 1, nh * t, r), jnp.bfloat16), sds((batch, 1, nh * t, dr), jnp.bfloat16),
+            sds((2, 64, 16, 1, r), jnp.uint8), sds((2, 64, 16, 1, dr), jnp.uint8),
+            sds((2, 64, 16, 1, 4), jnp.float32), sds((2, 64, 16, 1, 1), jnp.float32),
+            sds((batch, 16), jnp.int32), sds((batch,), jnp.int32))
+
+    def attend(q, q2, lat, rope, lat_scales, rope_scales, table, lengths):
+        scales = Fp8Scales(lat_scales, k2=rope_scales, fnuz=platform == "rocm")
+        return paged_prefix_attention(q, lat, None, 1, table, lengths, scale=0.1, q2=q2, k2_pool=rope, num_splits=2,
+                                      scales=scales)
 
     with launch.deviceless(launch.PLATFORM_ARCH[platform]):
         text = jax.jit(attend).trace(*args).lower(lowering_platforms=(platform,)).as_text()

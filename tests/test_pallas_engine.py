@@ -66,6 +66,34 @@ def test_greedy_speculation_with_pallas_kernels_equals_plain(family, engine_spec
     assert [o.token_ids for o in sched.generate(prompts, sp)] == want
 
 
+@pytest.mark.parametrize("family", ["deepseek_v3", "minimax_m2"])
+def test_fp8_pages_through_the_kernels_equal_xla(family, kernel_calls):
+    """An FP8 cache (kv_cache_dtype="fp8"): the kernel decodes the float8 pages in registers and
+    sees the new tokens through the cache's quantization, as the XLA path reads them back: decode
+    and verify logits equal XLA's; greedy chain speculation equals plain decoding through the
+    kernels on FP8 pages."""
+    xla = random_target(FAMILIES[family])
+    ker = pallas(xla)
+    rng = np.random.default_rng(2)
+    prompt = jnp.asarray(rng.integers(0, 64, (2, 11)), jnp.int32)
+    cache = xla.init_cache(2, 64, "fp8")
+    _, _, cache = forward(xla.params, xla.config, prompt, jnp.broadcast_to(jnp.arange(11), (2, 11)), cache)
+    cache = kv_cache.advance(cache, jnp.asarray([11, 7], jnp.int32))
+    tree = jnp.asarray(np.broadcast_to(np.tril(np.ones((4, 4), bool)), (2, 4, 4)))
+    toks = jnp.asarray(rng.integers(0, 64, (2, 4)), jnp.int32)
+    pos = cache.lengths[:, None] + jnp.arange(4)[None]
+    for t in (1, 4):
+        want, _, _ = forward(xla.params, xla.config, toks[:, :t], pos[:, :t], cache, tree[:, :t, :t])
+        got, _, _ = forward(ker.params, ker.config, toks[:, :t], pos[:, :t], cache, tree[:, :t, :t])
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5 * float(np.abs(want).max()))
+    assert "paged_prefix_attention" in kernel_calls
+    prompts, sp = [[1, 5, 9, 2], [3, 4, 5, 6, 7, 8, 9]], e3.SamplingParams(max_tokens=8)
+    plain = e3.Scheduler(ker, max_num_seqs=2, max_seq_len=64, kv_cache_dtype="fp8")
+    chain = e3.Scheduler(ker, random_draft(ker), e3.SpecConfig(3, 1, 4), max_num_seqs=2, max_seq_len=64,
+                         kv_cache_dtype="fp8")
+    assert [o.token_ids for o in chain.generate(prompts, sp)] == [o.token_ids for o in plain.generate(prompts, sp)]
+
+
 def test_kernel_choice_is_checked(caplog):
     from eagle3_jax.runtime.kernels import resolve, runs_kernel, uses
     from eagle3_jax.runtime.sharding import make_mesh

@@ -53,17 +53,8 @@ KERNEL_MAX_TOKENS = 64  # new tokens per row up to which the Pallas path is used
 def _uses_kernel(cfg: ModelConfig, t: int, cache: kv_cache.KVCache) -> bool:
     return (kernels.runs_kernel(cfg.kernels, f"{cfg.attention}_attention")
             and t <= KERNEL_MAX_TOKENS
-            and _kernel_reads(cache)
             and not kernels.splits_attention(jax.sharding.get_abstract_mesh())  # no sharded form yet
             and _kernel_walks(cfg, cache))
-
-
-def _kernel_reads(cache: kv_cache.KVCache) -> bool:
-    """Whether the prefix kernel reads this cache's slots: not FP8 ones yet (the XLA path does)."""
-    if cache.fp8:
-        kernels.warn_once("attention keeps its XLA path for an FP8 KV cache: the Pallas kernels read bfloat16 and "
-                          "float32 pages")
-    return not cache.fp8
 
 
 def _kernel_walks(cfg: ModelConfig, cache: kv_cache.KVCache) -> bool:
@@ -101,27 +92,46 @@ def _tree_partial(scores: jax.Array, tree_mask: jax.Array, values: jax.Array, sp
     return jnp.einsum(spec, probs.astype(values.dtype), values, preferred_element_type=jnp.float32, precision=PRECISION), lse
 
 
+def _as_cached(cache: kv_cache.KVCache, x: jax.Array) -> jax.Array:
+    """New tokens' K/V as the cache returns them once written: in its read dtype, and through its
+    float8 quantization for FP8 pages (so the kernel path sees what the XLA path reads back)."""
+    if not cache.fp8:
+        return x.astype(cache.k.dtype)
+    return kv_cache.dequantize(kv_cache.quantize(x, cache.k.values.dtype), cache.read_dtype)
+
+
 def _prefix_partial(cache: kv_cache.KVCache, layer, q, q2, scale: float, value_pool: bool):
-    from pallas_kernels.attention import paged_prefix_attention
+    from pallas_kernels.attention import Fp8Scales, paged_prefix_attention
 
     k_pool, v_pool, table = kv_cache.as_pages(cache)
+    scales = None
+    if cache.fp8:  # the kernel decodes the float8 bits in registers, beside their scales
+        fnuz = k_pool.values.dtype == jnp.float8_e4m3fnuz
+        bits = lambda pool: jax.lax.bitcast_convert_type(pool.values, jnp.uint8)  # noqa: E731
+        (k_pool, k_scales), (v_pool, v_scales) = (bits(k_pool), k_pool.scales), (bits(v_pool), v_pool.scales)
     if k_pool.ndim == 4:  # MLA pools [L, pages, ps, r]: one shared "head"
         k_pool, v_pool = k_pool[:, :, :, None], v_pool[:, :, :, None]
+        if cache.fp8:
+            k_scales, v_scales = k_scales[:, :, :, None], v_scales[:, :, :, None]
+    if cache.fp8:
+        scales = Fp8Scales(k_scales, v_scales if value_pool else None, None if value_pool else v_scales, fnuz)
     return paged_prefix_attention(q, k_pool, v_pool if value_pool else None, layer, table, cache.lengths, scale=scale,
-                                  q2=q2, k2_pool=None if q2 is None else v_pool, interpret=kernels.interpret())
+                                  q2=q2, k2_pool=None if q2 is None else v_pool, interpret=kernels.interpret(),
+                                  scales=scales)
 
 
 def _gqa_kernel_attention(cfg: ModelConfig, q, k, v, cache, layer, tree_mask) -> jax.Array:
     """GQA decode / verify through the prefix kernel (slots < cache.lengths) + the tree part (k, v
-    [B, W, kv, d]: the W window slots from cache.lengths on, tree_mask [B, T, W]); [B, T, heads * d]."""
+    [B, W, kv, d]: the W window slots from cache.lengths on, as the cache returns them, tree_mask
+    [B, T, W]); [B, T, heads * d]."""
     from pallas_kernels.attention import merge_partials
 
     b, t, nh, d = q.shape
     nkv, g = cfg.num_kv_heads, nh // cfg.num_kv_heads
     scale = d ** -0.5
     qg = q.reshape(b, t, nkv, g, d).transpose(0, 2, 3, 1, 4)  # [B, kv, g, T, d]
-    out_a, lse_a = _prefix_partial(cache, layer, qg.reshape(b, nkv, g * t, d).astype(cache.k.dtype), None, scale, True)
-    kn, vn = k.astype(cache.k.dtype), v.astype(cache.v.dtype)
+    out_a, lse_a = _prefix_partial(cache, layer, qg.reshape(b, nkv, g * t, d).astype(cache.read_dtype), None, scale, True)
+    kn, vn = k, v
     scores = jnp.einsum("bkgtd,bjkd->bkgtj", qg, kn, preferred_element_type=jnp.float32, precision=PRECISION) * scale
     out_b, lse_b = _tree_partial(scores.reshape(b, nkv * g, t, kn.shape[1]), tree_mask,
                                  jnp.repeat(vn, g, axis=2), "bhtj,bjhd->bhtd")
@@ -142,7 +152,7 @@ def gqa_block(p: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Array, cac
     if _uses_kernel(cfg, t, cache):
         prefix = cache.replace(lengths=visible.prefix)
         if visible.window_is_new:  # the window is the new tokens: use them as computed
-            out = _gqa_kernel_attention(cfg, q, k, v, prefix, layer, visible.window)
+            out = _gqa_kernel_attention(cfg, q, _as_cached(cache, k), _as_cached(cache, v), prefix, layer, visible.window)
             return linear(out, p["o_proj"]), kv_cache.write(cache, layer, k, v)
         cache = kv_cache.write(cache, layer, k, v)
         window = visible.prefix[:, None] + jnp.arange(visible.window.shape[-1], dtype=jnp.int32)[None, :]
@@ -170,14 +180,15 @@ def _mla_query(p: dict, cfg: ModelConfig, x: jax.Array) -> jax.Array:
 
 
 def _mla_kernel_attention(cfg: ModelConfig, q_lat, q_pe, c_kv, k_pe, cache, layer, tree_mask) -> jax.Array:
-    """Absorbed MLA decode / verify through the prefix kernel + the tree part: out_lat [B, T, heads, r]."""
+    """Absorbed MLA decode / verify through the prefix kernel + the tree part (c_kv, k_pe: the window
+    slots' latents and rope keys as the cache returns them): out_lat [B, T, heads, r]."""
     from pallas_kernels.attention import merge_partials
 
     b, t, nh, r = q_lat.shape
-    dt = cache.k.dtype
+    dt = cache.read_dtype
     rows = lambda a: a.transpose(0, 2, 1, 3).reshape(b, 1, nh * t, a.shape[-1]).astype(dt)  # noqa: E731
     out_a, lse_a = _prefix_partial(cache, layer, rows(q_lat), rows(q_pe), cfg.softmax_scale, False)
-    lat_new, rope_new = c_kv.astype(dt), k_pe.astype(cache.v.dtype)
+    lat_new, rope_new = c_kv, k_pe
     f32 = dict(preferred_element_type=jnp.float32, precision=PRECISION)
     scores = (jnp.einsum("bthr,bjr->bhtj", q_lat.astype(dt), lat_new, **f32)
               + jnp.einsum("bthd,bjd->bhtj", q_pe.astype(dt), rope_new, **f32))
@@ -222,11 +233,12 @@ def mla_block(p: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Array, cac
     nh, dv = cfg.num_heads, cfg.v_head_dim
     q_nope, q_pe, c_kv, k_pe = mla_project(p, cfg, x, positions)
     w_uk, w_uv = mla_up_projections(p, cfg, x.dtype)  # [r, nh, dn], [r, nh, dv]
-    if absorb and _uses_kernel(cfg, t, cache) and _mla_kernel_takes(cache.k.dtype):
+    if absorb and _uses_kernel(cfg, t, cache) and _mla_kernel_takes(cache.read_dtype):
         q_lat = jnp.einsum("bthd,rhd->bthr", q_nope, w_uk, precision=PRECISION)
         prefix = cache.replace(lengths=visible.prefix)
         if visible.window_is_new:  # the window is the new tokens: use them as computed
-            out_lat = _mla_kernel_attention(cfg, q_lat, q_pe, c_kv, k_pe, prefix, layer, visible.window)
+            out_lat = _mla_kernel_attention(cfg, q_lat, q_pe, _as_cached(cache, c_kv), _as_cached(cache, k_pe), prefix,
+                                            layer, visible.window)
             cache = kv_cache.write(cache, layer, c_kv, k_pe)
         else:  # the draft's tree expansion: the window is scratch slots written by earlier levels and this one
             cache = kv_cache.write(cache, layer, c_kv, k_pe)

@@ -13,7 +13,8 @@ expert parallelism) is captured with the launch parameters the table gave it and
 
 Float8 weights are e4m3fnuz on gfx942 (what the engine converts to there) and OCP e4m3fn
 elsewhere. Beside the configurations, `EXTRA` adds kernel forms no bundled config reaches: float8
-per-channel experts at Kimi-K2.5's per-device expert shapes, and attention over 64-slot pages.
+per-channel experts at Kimi-K2.5's per-device expert shapes, attention over 64-slot pages, and
+attention over FP8 KV pages.
 
 `representative_cases` is the subset the default test run compiles: each configuration at its
 largest launched shape (T = 64, batch 64) on its first mesh, in each of its formats; and the extras.
@@ -195,12 +196,42 @@ def _large_pages(kind: str, page_size: int) -> Callable[[str], tuple[Callable, t
     return build
 
 
+def _fp8_pages(kind: str) -> Callable[[str], tuple[Callable, tuple]]:
+    """Prefix attention over FP8 pages (`kv_cache_dtype="fp8"`: float8 bits and a float32 scale per
+    slot per 128 lanes, in the architecture's flavour), at Kimi-K2.5's MLA (64 heads x T 4) and
+    MiniMax-M2.5's GQA (8 KV heads, 6 x T 16 rows) shapes, pages of 16 slots, an 8K context."""
+    from pallas_kernels.attention import Fp8Scales
+
+    def build(arch: str):
+        sds = jax.ShapeDtypeStruct
+        batch, pages, fnuz = 4, CONTEXT // 16, _fp8_format(arch) == "e4m3fnuz"
+        table, lengths = sds((batch, pages), jnp.int32), sds((batch,), jnp.int32)
+
+        def pool(width):
+            return sds((2, batch * pages, 16, 1 if kind == "mla" else 8, width), jnp.uint8)
+
+        def scales(width):
+            return sds((2, batch * pages, 16, 1 if kind == "mla" else 8, max(width // 128, 1)), jnp.float32)
+
+        if kind == "mla":
+            args = (sds((batch, 1, 256, 512), jnp.bfloat16), sds((batch, 1, 256, 64), jnp.bfloat16), pool(512), pool(64),
+                    scales(512), scales(64), table, lengths)
+            return (lambda q, q2, lat, rope, ls, rs, t, n: paged_prefix_attention(
+                q, lat, None, 1, t, n, scale=0.1, q2=q2, k2_pool=rope, scales=Fp8Scales(ls, k2=rs, fnuz=fnuz))), args
+        args = (sds((batch, 8, 6 * 16, 128), jnp.bfloat16), pool(128), pool(128), scales(128), scales(128), table, lengths)
+        return (lambda q, k, v, ks, vs, t, n: paged_prefix_attention(q, k, v, 1, t, n, scale=0.1,
+                                                                      scales=Fp8Scales(ks, vs, fnuz=fnuz))), args
+
+    return build
+
+
 EXTRA: tuple[Extra, ...] = tuple(
     Extra(f"fp8_channel{'_fnuz' if fnuz else ''} experts {'gate/up' if swiglu else 'down'} (Kimi-K2.5 shapes)",
           _fp8_channel_experts(fnuz, swiglu))
     for fnuz in (False, True) for swiglu in (True, False)) + tuple(
     Extra(f"{kind} attention over {page_size}-slot pages", _large_pages(kind, page_size))
-    for kind in ("mla", "gqa") for page_size in (64,))
+    for kind in ("mla", "gqa") for page_size in (64,)) + tuple(
+    Extra(f"{kind} attention over FP8 pages", _fp8_pages(kind)) for kind in ("mla", "gqa"))
 
 
 def lower_extra(extra: Extra, arch: str) -> None:
