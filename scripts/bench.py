@@ -27,8 +27,7 @@ far, the target's own greedy answer included; answers are generated before the r
     python scripts/bench.py --workload=mt_bench_multiturn --output_len=64 --concurrency=1,16
 
 An agent trace (contexts growing by answers and tool results; the hit rate from a cold cache):
-
-    python scripts/bench.py --workload=agentic --output_len=64 --concurrency=4 --prefix_caching
+    python scripts/bench.py --workload=agentic --output_len=64 --concurrency=4 --prefix_caching --num_pages=2048
 
 Against a running server (scripts/serve.py or any OpenAI-compatible /v1/completions that streams
 and honours ignore_eos); --target then only supplies the tokenizer and vocabulary, and --spec names
@@ -119,8 +118,9 @@ define_max_seq_len_flags("Prompt + output tokens per sequence. Workloads must fi
                          "max_position_embeddings for that check, and the workload's longest prompt plus output "
                          "for the scheduler.")
 flags.DEFINE_integer("page_size", None, "KV-cache page size in tokens (default: the scheduler's).", lower_bound=1)
-flags.DEFINE_integer("prefill_chunk", None, "Prompt tokens per prefill chunk (default: the scheduler's).",
-                     lower_bound=1)
+flags.DEFINE_integer("prefill_chunk", None, "Prompt tokens per prefill chunk (default: the scheduler's).", lower_bound=1)
+flags.DEFINE_integer("num_pages", None, "KV-cache pages per scheduler (default: max_seq_len for each of the most "
+                     "concurrent requests; a prefix cache keeps what running requests leave free).", lower_bound=2)
 flags.DEFINE_integer("max_measure_attempts", 3, "Measured passes per cell at most: a pass during which XLA "
                      "compiled a program is repeated, as the compile stalls the requests in flight.", lower_bound=1)
 flags.DEFINE_integer("repeats", 1, "Clean measured passes per cell (warm-ups once); the cell reports the pass with "
@@ -232,7 +232,7 @@ def main(argv: Sequence[str]) -> None:
                                                     fp8_format=FLAGS.fp8_format),
             draft_path=FLAGS.draft, max_seq_len=FLAGS.max_seq_len, page_size=FLAGS.page_size,
             prefill_chunk=FLAGS.prefill_chunk, num_devices=FLAGS.num_devices, overlap=FLAGS.overlap,
-            prefix_caching=FLAGS.prefix_caching, kv_cache_dtype=FLAGS.kv_cache_dtype)
+            prefix_caching=FLAGS.prefix_caching, kv_cache_dtype=FLAGS.kv_cache_dtype, num_pages=FLAGS.num_pages)
 
     if jax.process_index() > 0:  # multi-host: process 0 reports
         return

@@ -146,18 +146,20 @@ def run_in_process(settings: Sequence[SpecSetting], workload: Workload, cfg: Run
                    target: Target | None, load_target: Callable[[], Target], load_draft: Callable[[Target], Draft],
                    draft_path: str, mesh: Mesh | None, max_seq_len: int | None, page_size: int | None,
                    prefill_chunk: int | None, num_devices: int | None, overlap: bool,
-                   prefix_caching: bool, kv_cache_dtype: str = "auto") -> BenchRun:
+                   prefix_caching: bool, kv_cache_dtype: str = "auto", num_pages: int | None = None) -> BenchRun:
     """The cells in this process: the target (`target`, or `load_target()` when None) and, for a
     speculative setting, the draft (`load_draft(target)`); schedulers of `max_seq_len` tokens (by
-    default the workload's longest prompt plus output)."""
+    default the workload's longest prompt plus output) and `num_pages` KV pages (None: the
+    scheduler's default)."""
     target = target if target is not None else load_target()
     needs_draft = any(s.spec is not None for s in settings)
     draft = load_draft(target) if needs_draft else None
     sched_len = max_seq_len or workload.max_total_len
     config = {**config, **in_process_config(target, mesh, draft=draft_path if needs_draft else None,
                                              scheduler_max_seq_len=sched_len, overlap=overlap,
-                                             prefix_caching=prefix_caching, kv_cache_dtype=kv_cache_dtype)}
+                                             prefix_caching=prefix_caching, kv_cache_dtype=kv_cache_dtype),
+              "num_pages": num_pages}
     cells = run_benchmark(target, draft, settings, workload, cfg, max_seq_len=sched_len, page_size=page_size,
                           prefill_chunk=prefill_chunk, num_devices=num_devices, overlap=overlap,
-                          prefix_caching=prefix_caching, kv_cache_dtype=kv_cache_dtype)
+                          prefix_caching=prefix_caching, kv_cache_dtype=kv_cache_dtype, num_pages=num_pages)
     return BenchRun(cells, "in-process", config)
