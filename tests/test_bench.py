@@ -522,14 +522,15 @@ def test_bench_run_choices():
         S.check_server_choices([none, chain], "http://h:8000", False)
     with pytest.raises(ValueError, match="--mesh and --distributed are for the in-process model"):
         S.check_server_choices([chain], "http://h:8000", True)
-    for workload in ("random", "mt_bench", "mt_bench_multiturn"):
+    for workload in ("random", "mt_bench", "mt_bench_multiturn", "agentic"):
         S.check_workload_choice(workload, None)
     S.check_workload_choice("gsm8k", "http://h:8000")
     with pytest.raises(ValueError, match="random or one of mt_bench, gsm8k, sharegpt, spec_bench, "
-                                         "mt_bench_multiturn; got 'nope'"):
+                                         "mt_bench_multiturn, agentic; got 'nope'"):
         S.check_workload_choice("nope", None)
-    with pytest.raises(ValueError, match="drop --base_url"):
-        S.check_workload_choice("mt_bench_multiturn", "http://h:8000")
+    for workload in ("mt_bench_multiturn", "agentic"):
+        with pytest.raises(ValueError, match="drop --base_url"):
+            S.check_workload_choice(workload, "http://h:8000")
     forced = RunConfig(concurrencies=(1,), synthetic_acceptance=(0.9,))
     S.check_synthetic_acceptance(forced, [none, chain])
     S.check_synthetic_acceptance(RunConfig(concurrencies=(1,)), [none])
@@ -592,7 +593,7 @@ def test_bench_runs_in_process_and_over_http(monkeypatch):
     assert run.cells == ["cell"] and run.mode == "in-process" and drafts == []  # no speculative setting: no draft
     assert run.config == {"dtype": "float32", "target": "t", "mesh": None, "kernels": "xla", "batch_invariant": True,
                           "draft": None, "scheduler_max_seq_len": 128, "overlap": True, "prefix_caching": False,
-                          "kv_cache_dtype": "auto"}
+                          "kv_cache_dtype": "auto", "num_pages": None}
     (_, args, kw), = calls
     assert args[:2] == (fake, None) and kw["max_seq_len"] == 128 and kw["page_size"] == 16
     run = S.run_in_process([none, chain], wl, cfg, config, **{**common, "max_seq_len": 200})

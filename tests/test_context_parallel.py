@@ -87,7 +87,7 @@ def test_a_spread_row_attends_over_every_shard(family, mesh_shape):
 @needs_8
 @pytest.mark.parametrize("mesh_shape", [pytest.param((8, 1, 1), marks=pytest.mark.slow), (2, 1, 4)],
                          ids=lambda s: "x".join(map(str, s)))
-def test_scheduler_spreads_long_requests_as_one_device_runs_them(mesh_shape):
+def test_scheduler_spreads_long_requests_as_one_device_runs_them(mesh_shape, caplog):
     """Requests of context_parallel_len tokens or more are spread over every data shard (pages
     dealt over the shards, a replica row on each), beside requests of one shard, prefix caching on:
     plain, chain and tree give one device's tokens."""
@@ -107,9 +107,11 @@ def test_scheduler_spreads_long_requests_as_one_device_runs_them(mesh_shape):
             return [o.token_ids for o in sched.generate(prompts, sp)], sched
 
         want, _ = run(ref_target)
-        got, sched = run(target)
+        with caplog.at_level("INFO", logger="eagle3_jax"):
+            got, sched = run(target)
         assert got == want, spec
         assert (sched._batch.table.shard == -1).sum() >= 1  # a slot held a spread request
+        assert "requests of 35 tokens or more" in caplog.text and "is spread over the" in caplog.text  # said
 
 
 def test_context_parallel_len_is_checked():

@@ -50,7 +50,7 @@ def check_workload_choice(workload: str, base_url: str | None) -> None:
         raise ValueError(f"--workload must be random or one of {', '.join([*DATASETS, *MULTITURN])}; "
                          f"got {workload!r}")
     if workload in MULTITURN and base_url:
-        raise ValueError(f"--workload={workload} has the target answer each first turn in-process; "
+        raise ValueError(f"--workload={workload} has the target answer its sessions' turns in-process; "
                          "drop --base_url (or use a single-turn dataset against the server)")
 
 

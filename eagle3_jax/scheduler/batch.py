@@ -38,6 +38,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
+import logging
 import time
 from typing import Sequence
 
@@ -50,6 +51,8 @@ from ..spec_decode.policy import SpeculationPolicy
 from .metrics import SchedulerCounters
 from .shard_pages import SPREAD, ShardPages
 from .slot_table import BatchRows, SlotTable
+
+logger = logging.getLogger(__name__)
 
 MIN_PAGES_BUCKET = 4
 MIN_CHUNK_BUCKET = 16
@@ -139,6 +142,9 @@ class RunningBatch:
         self.shards, self.rows_per_shard = data_shards, max_num_seqs // data_shards
         self.pages = ShardPages(num_pages, data_shards, prefix_caching, spread_len)
         self.allocs = self.pages.allocs
+        if self.pages.spread_len is not None:
+            logger.info("context-parallel decode: requests of %d tokens or more (prompt + max tokens) are spread over "
+                     "the %d data shards", self.pages.spread_len, data_shards)
         scratch = max_num_seqs  # the state slot of padding rows
         self.free_slots = list(range(scratch - 1, -1, -1))
         self.table = SlotTable(scratch + 1, max_pages_per_seq)
@@ -170,6 +176,9 @@ class RunningBatch:
             if placed is None:
                 break
             req.shard, cached = placed
+            if req.shard == SPREAD:
+                logger.info("request %s (%d prompt tokens, up to %d new) is spread over the %d data shards", req.id,
+                         len(req.prompt), req.budget, self.shards)
             req.wait_for = None
             rows = len(self.running) + 1  # judged at the batch it joins, at the last decode width
             key = None if self.last_decode_key is None else (bucket(rows, 1, self.max_num_seqs), *self.last_decode_key[1:])
