@@ -17,8 +17,8 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HARNESS = os.path.join(ROOT, "benchmarks", "harness")
-SCRIPTS = ("aa-noise-floor", "aa-ratios", "auto-host-ab", "auto-steps-costed", "layers-unrolled-ab", "long-prompt",
-           "moe-dense-ab", "moe-small-dense-ab", "sampling-sort-ab")
+SCRIPTS = ("aa-noise-floor", "aa-ratios", "auto-host-ab", "auto-steps-costed", "layers-unrolled-ab", "long-context",
+           "long-prompt", "moe-dense-ab", "moe-small-dense-ab", "sampling-sort-ab")
 
 
 def run_harness(script: str, *args: str, cwd: str = ROOT, timeout: int = 600) -> subprocess.CompletedProcess:
@@ -144,3 +144,19 @@ def test_auto_host_ab():
     r = run_harness("auto-host-ab", "HEAD", "1", "--requests=1", "--max_tokens=8")
     lines = [line for line in r.stdout.splitlines() if line.startswith("C=1")]
     assert len(lines) == 2 and "before" in lines[0] and "after" in lines[1], r.stdout
+
+
+def test_long_context_writes_the_extended_pair(tmp_path):
+    import json
+
+    folder = tmp_path / "pair"
+    r = run_harness("long-context", f"--pair_dir={folder}", "--positions=4096")
+    assert "scripts/bench.py" in r.stdout
+    text = json.loads((folder / "config.json").read_text())
+    text = text.get("text_config", text)
+    assert text["max_position_embeddings"] == 4096
+    assert text["rope_scaling"]["factor"] * text["rope_scaling"]["original_max_position_embeddings"] == 4096
+    assert (folder / "model.safetensors").exists() or any(folder.glob("*.safetensors"))
+    again = subprocess.run([sys.executable, os.path.join(HARNESS, "long-context.py"), f"--pair_dir={folder}"],
+                           capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert again.returncode != 0 and "is not empty" in again.stderr

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import launch
-from pallas_kernels.attention import paged_prefix_attention
+from pallas_kernels.attention import Fp8Scales, paged_prefix_attention
 from pallas_kernels.moe import grouped_matmul, grouped_swiglu
 
 from ..models import attention
@@ -200,8 +200,6 @@ def _fp8_pages(kind: str) -> Callable[[str], tuple[Callable, tuple]]:
     """Prefix attention over FP8 pages (`kv_cache_dtype="fp8"`: float8 bits and a float32 scale per
     slot per 128 lanes, in the architecture's flavour), at Kimi-K2.5's MLA (64 heads x T 4) and
     MiniMax-M2.5's GQA (8 KV heads, 6 x T 16 rows) shapes, pages of 16 slots, an 8K context."""
-    from pallas_kernels.attention import Fp8Scales
-
     def build(arch: str):
         sds = jax.ShapeDtypeStruct
         batch, pages, fnuz = 4, CONTEXT // 16, _fp8_format(arch) == "e4m3fnuz"
