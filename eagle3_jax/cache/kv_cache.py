@@ -306,9 +306,7 @@ def _on_bits(update, buf: jax.Array, *values: jax.Array) -> jax.Array:
     same on every backend (a zero fill is +0.0)."""
     if not jnp.issubdtype(buf.dtype, jnp.floating) or buf.dtype.itemsize >= 4:
         return update(buf, *values)
-    bits = jnp.dtype(f"uint{8 * buf.dtype.itemsize}")
-    out = update(jax.lax.bitcast_convert_type(buf, bits), *(jax.lax.bitcast_convert_type(v, bits) for v in values))
-    return jax.lax.bitcast_convert_type(out, buf.dtype)
+    return jax.lax.bitcast_convert_type(update(_bits(buf), *map(_bits, values)), buf.dtype)
 
 
 def write(cache: KVCache, layer: jax.Array, k_new: jax.Array, v_new: jax.Array) -> KVCache:
