@@ -57,10 +57,12 @@ def test_every_kernel_form_compiles_without_spills_on_every_architecture():
         assert r.report.registers and r.report.shared_bytes is not None and r.report.occupancy
         assert r.report.matrix_instructions, (r.arch, r.module.name)
     # each architecture's kernels carry that architecture's launch parameters
-    mla = {r.arch: r.report for r in rows if r.module.name.endswith("attention_mla")}
-    for arch, report in mla.items():
-        entry = launch.launch("mla_attention", arch)
-        assert (report.num_warps, report.num_stages) == (entry.num_warps, entry.num_stages)
+    mla = [r for r in rows if r.module.name.endswith("attention_mla")]
+    assert {r.arch for r in mla} == set(ARCHS)
+    for r in mla:  # bfloat16 pages and FP8 pages have a launch form each
+        form = "mla_attention_fp8" if any("FP8 pages" in label for label in r.launches) else "mla_attention"
+        entry = launch.launch(form, r.arch)
+        assert (r.report.num_warps, r.report.num_stages) == (entry.num_warps, entry.num_stages), (r.arch, form)
 
 
 @pytest.mark.newest_jax
