@@ -35,13 +35,13 @@ _cpu_compiles_without_fusion_emitters()  # before any test initialises the CPU b
 # the long ones first leaves short files for the end, so no worker runs a long file alone while
 # the other has finished.
 LONGEST_FIRST = (
-    "test_lossless_sampling.py", "test_scheduler.py", "test_data_parallel.py", "test_safe_outputs.py",
-    "test_target_vs_hf.py", "test_long_context.py", "test_fp8_kv.py",
-    "test_logprobs.py", "test_script_errors.py", "test_quantized_models.py", "test_sharding.py",
-    "test_prefix_cache.py", "test_stop_strings.py", "test_server.py", "test_bench.py", "test_harness.py",
-    "test_pallas_attention.py", "test_trainer.py", "test_adaptive.py", "test_lm_eval.py", "test_draft.py",
-    "test_readme.py", "test_gsm8k.py", "test_lowering.py", "test_mla_draft.py", "test_checkpoint.py", "test_ttt.py",
-    "test_engine.py", "test_synthetic_acceptance.py", "test_batch_invariant.py", "test_propose.py", "test_plan.py",
+    "test_lossless_sampling.py", "test_batch_invariant.py", "test_scheduler.py", "test_context_parallel.py",
+    "test_prefix_cache.py", "test_bench.py", "test_logprobs.py", "test_structured_decoding.py", "test_tool_serving.py",
+    "test_readme.py", "test_safe_outputs.py", "test_pallas_attention.py", "test_stop_strings.py", "test_server.py",
+    "test_fp8_kv.py", "test_script_errors.py", "test_adaptive.py", "test_target_vs_hf.py", "test_sharding.py",
+    "test_quantized_models.py", "test_scripted_models.py", "test_harness.py", "test_data_parallel.py", "test_plan.py",
+    "test_demo_pair.py", "test_long_context.py", "test_trainer.py", "test_synthetic_acceptance.py", "test_lm_eval.py",
+    "test_mla_draft.py", "test_gsm8k.py", "test_engine.py", "test_draft.py", "test_ttt.py", "test_propose.py",
 )
 
 
@@ -53,11 +53,11 @@ def pytest_configure(config):
 
 
 # With the newest_jax tests (CI's second leg, `-m "not slow"`), these files are the longest by far
-# (batch-invariant speculation over bfloat16 models, about 6 minutes of one worker on JAX 0.12; Triton compiles
-# to three GPU architectures; two processes of a multi-host run): they start first, or the worker
-# that draws one late runs it alone at the end.
-LONGEST_FIRST_ALL = ("test_batch_invariant.py", "test_compile_gate.py", "test_multihost.py", "test_scheduler.py",
-                     "test_prefix_cache.py")
+# (Triton compiles to three GPU architectures; the kernels interpreted through the engine; the GPU
+# check script; two processes of a multi-host run): they start first, or the worker that draws one
+# late runs it alone at the end.
+LONGEST_FIRST_ALL = ("test_compile_gate.py", "test_pallas_engine.py", "test_gpu_check.py", "test_structured_decoding.py",
+                     "test_multihost.py")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -420,7 +420,6 @@ def test_greedy_output_equals_plain_decoding_whatever_the_steps_run(mla_pair):
     assert set(stats["steps_by_shape"]) <= {shape_name(s) for s in auto.menu}
 
 
-@pytest.mark.newest_jax  # CI's newest-JAX leg runs it
 def test_requests_without_the_draft_decode_plainly_beside_those_with_it(mla_pair):
     """Requests admitted without the draft: greedy output unchanged, no draft pass for them, no
     speculation while one is in the batch, and the plain programs once none has the draft."""

@@ -88,13 +88,17 @@ def test_a_spread_row_attends_over_every_shard(family, mesh_shape):
 @pytest.mark.parametrize("mesh_shape", [pytest.param((8, 1, 1), marks=pytest.mark.slow), (2, 1, 4)],
                          ids=lambda s: "x".join(map(str, s)))
 def test_scheduler_spreads_long_requests_as_one_device_runs_them(mesh_shape, caplog):
-    """Requests of context_parallel_len tokens or more are spread over every data shard (pages
-    dealt over the shards, a replica row on each), beside requests of one shard, prefix caching on:
-    plain, chain and tree give one device's tokens."""
+    """Mixed prompt lengths through the Scheduler on data shards, prefix caching on (a second run
+    takes the cached pages): requests of context_parallel_len tokens or more are spread over every
+    data shard (pages dealt over the shards, a replica row on each), the others hold their pages on
+    one shard each, and the pool's pages are split over the shards. Plain, chain and tree give one
+    device's tokens."""
     from random_models import random_draft
 
-    rng = np.random.default_rng(5)
-    prompts = [[int(t) for t in rng.integers(1, 64, n)] for n in (41, 3, 30, 9, 17, 5)]
+    rng = np.random.default_rng(3)
+    shared = [int(t) for t in rng.integers(1, 64, 20)]
+    prompts = ([shared + [int(t) for t in rng.integers(1, 64, n)] for n in (1, 9, 3, 17, 5)] + [[7, 8], [9] * 11]
+               + [[int(t) for t in rng.integers(1, 64, 41)]])
     sp = e3.SamplingParams(max_tokens=10)
     ref_target = random_target(FAMILIES["deepseek_v3"])
     mesh = e3.make_mesh(*mesh_shape)
@@ -104,7 +108,10 @@ def test_scheduler_spreads_long_requests_as_one_device_runs_them(mesh_shape, cap
         def run(t):
             sched = e3.Scheduler(t, None if spec is None else random_draft(t), spec, max_num_seqs=2 * shards,
                                  max_seq_len=64, page_size=4, prefix_caching=True, context_parallel_len=35)
-            return [o.token_ids for o in sched.generate(prompts, sp)], sched
+            first = [o.token_ids for o in sched.generate(prompts, sp)]
+            again = [o.token_ids for o in sched.generate(prompts, sp)]  # their prompts' pages cached now
+            assert again == first
+            return first, sched
 
         want, _ = run(ref_target)
         with caplog.at_level("INFO", logger="eagle3_jax"):
@@ -112,6 +119,8 @@ def test_scheduler_spreads_long_requests_as_one_device_runs_them(mesh_shape, cap
         assert got == want, spec
         assert (sched._batch.table.shard == -1).sum() >= 1  # a slot held a spread request
         assert "requests of 35 tokens or more" in caplog.text and "is spread over the" in caplog.text  # said
+        pools = jax.tree.leaves(sched._executor.state.tk)
+        assert all(p.sharding.spec[1] == "data" for p in pools) and sched.stats()["prefix_cache_hits_total"] > 0
 
 
 def test_context_parallel_len_is_checked():

@@ -66,8 +66,8 @@ def test_rows_attend_their_own_pages(family, mesh_shape):
 
 
 @needs_8
-@pytest.mark.parametrize("mesh_shape", [pytest.param((8, 1, 1), marks=pytest.mark.slow), (2, 1, 4)],
-                         ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.slow  # its 2,1,4 case runs in test_context_parallel's scheduler test, beside spread requests
+@pytest.mark.parametrize("mesh_shape", [(8, 1, 1), (2, 1, 4)], ids=lambda s: "x".join(map(str, s)))
 def test_scheduler_on_data_shards_equals_one_device(mesh_shape):
     """Mixed prompt lengths through the Scheduler, prefix caching on (a second run takes the cached
     pages), plain, chain and tree: the tokens of one device. Each request's pages

@@ -3,7 +3,7 @@ forward's over the emitted sequence; prompt logprobs across chunks and preemptio
 
 The three families: DeepSeek-V3 (MLA + MoE) on the bundled kimi-mini pair (chain and tree), Llama
 on the bundled stories260K pair (chain; both trained drafts, so steps accept several tokens),
-MiniMax-M2 (GQA + MoE) and random DeepSeek / Llama in test_spec.py (CI's newest-JAX leg) with a
+MiniMax-M2 (GQA + MoE) and random DeepSeek / Llama in test_spec.py (slow-marked) with a
 draft steered to accept long paths.
 """
 

@@ -139,7 +139,6 @@ def test_n_choices_share_the_prompt_and_are_seeded(pair):
     assert [done[i] for i in ids] == alone  # each choice is its seed's, as if alone
 
 
-@pytest.mark.newest_jax  # CI's newest-JAX leg runs it (a long run of aborts and preemptions)
 def test_no_page_leaks_through_aborts_and_preemptions(pair):
     """120 mixed requests (shared prefixes, aborts, preemption from too few pages) under
     speculation with the cache: tokens equal an uncached run's, and every page comes back."""

@@ -92,7 +92,6 @@ def test_readme_first_examples_run(monkeypatch):
     assert ns["outs"][0].metrics["mean_accept_length"] > 1.0  # the bundled draft is accepted
 
 
-@pytest.mark.newest_jax  # CI's newest-JAX leg runs it (the default run runs the first examples)
 def test_readme_examples_run(monkeypatch):
     import jax
 

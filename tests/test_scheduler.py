@@ -79,8 +79,8 @@ def test_page_allocator():
 
 
 @pytest.mark.parametrize("family", [
-    # CI's newest-JAX leg; MLA + MoE run in the demo-pair test below, the other families' paged attention above
-    pytest.param("llama", marks=pytest.mark.newest_jax),
+    # MLA + MoE run in the demo-pair test below, the other families' paged attention above
+    "llama",
     pytest.param("deepseek_v3", marks=pytest.mark.slow),
     pytest.param("minimax_m2", marks=pytest.mark.slow),
 ])
@@ -125,9 +125,8 @@ def test_demo_pair_greedy_identical_at_concurrency_1_and_64_with_and_without_spe
     assert chain == base and stats["mean_accept_length"] > 2.0  # the trained draft really accepts
 
 
-# chain: CI's newest-JAX leg (the default run preempts in test_logprobs' prompt-logprob test)
-@pytest.mark.parametrize("speculate", [pytest.param(False, marks=pytest.mark.slow),
-                                       pytest.param(True, marks=pytest.mark.newest_jax)], ids=["plain", "chain"])
+# plain: slow (test_logprobs' prompt-logprob test preempts plain decoding too)
+@pytest.mark.parametrize("speculate", [pytest.param(False, marks=pytest.mark.slow), True], ids=["plain", "chain"])
 def test_preemption_resumes_with_the_same_tokens(llama_pair, speculate):
     target, draft = llama_pair
     d, spec = (draft, CHAIN) if speculate else (None, None)

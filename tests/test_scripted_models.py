@@ -103,8 +103,7 @@ def test_plain_greedy_generates_each_script(kimi):
 
 
 @pytest.mark.parametrize("spec", [e3.SpecConfig(num_steps=3, topk=1, num_draft_tokens=4),
-                                  pytest.param(e3.SpecConfig(num_steps=3, topk=2, num_draft_tokens=6),
-                                               marks=pytest.mark.default_only)], ids=str)
+                                  e3.SpecConfig(num_steps=3, topk=2, num_draft_tokens=6)], ids=str)
 def test_speculation_generates_each_script_several_tokens_a_step(kimi, spec):
     _, _, target, draft = kimi
     outs = e3.Engine(target, draft=draft, spec=spec, max_batch_size=4, max_seq_len=256).generate(

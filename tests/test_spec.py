@@ -12,11 +12,9 @@ from eagle3_jax.models import draft as draft_lib
 from eagle3_jax.spec_decode import propose
 from eagle3_jax.spec_decode import step as step_lib
 
-# CI's newest-JAX leg runs this file's checks that need no model pair (`make test` deselects it);
-# the pair's equality cases are slow: the default run covers greedy losslessness through
-# test_scheduler, test_logprobs, test_lossless_sampling and test_stop_strings, the newest-JAX leg
-# through test_batch_invariant, test_demo_pair and test_pallas_engine too.
-pytestmark = pytest.mark.newest_jax
+# The pair's equality cases are slow: the default run covers greedy losslessness through
+# test_scheduler, test_logprobs, test_lossless_sampling, test_stop_strings, test_batch_invariant and
+# test_demo_pair, the newest-JAX leg through test_pallas_engine.
 
 SPECS = [e3.SpecConfig(3, 1, 4), e3.SpecConfig(3, 2, 6), e3.SpecConfig(4, 4, 12)]
 PROMPTS = [[1, 2, 3], [7] * 11, [5, 9, 11, 13, 17]]
