@@ -90,6 +90,10 @@ else
     "$venv/bin/pip" install -q --no-deps -e .  # this clone, not the one the cache was made from
 fi
 "$venv/bin/python" -c 'import sys, jax; print(f"newest-JAX leg: Python {sys.version.split()[0]}, jax {jax.__version__}")'
+if [ "${1:-}" = "--prepare" ]; then  # the Python and the environment only (.ci/run builds them beside the first leg)
+    echo "newest-JAX leg prepared: $(( $(date +%s) - start )) s"
+    exit 0
+fi
 
 COMPAT_FILES=(tests/test_{pallas_attention,pallas_moe,lowering,spec_lowering,kv_cache,checkpoint,sharding}.py)
 export XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"

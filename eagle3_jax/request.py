@@ -127,6 +127,7 @@ class Request:
     draft_passes: int = 0
     admitted: float | None = None
     num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache held at its first admission
     sent: int = 0  # tokens already handed out
     finish_reason: str | None = None
     stop_reason: int | str | None = None
@@ -248,6 +249,7 @@ class Request:
             "num_draft_passes": self.draft_passes,
             "num_output_tokens": len(self.output),
             "num_preemptions": self.num_preemptions,
+            "num_cached_tokens": self.num_cached_tokens,
             "queue_s": (self.admitted if self.admitted is not None else now) - self.arrival,
             "ttft_s": times[0] - self.arrival if times else None,
             "itl_s": [b - a for a, b in zip(times, times[1:])],

@@ -19,7 +19,9 @@ On several hosts (one process per host, same command, see BUILD.md "Multi-host")
 --distributed and a --mesh over all devices: process 0 listens and schedules, every other
 process runs process 0's step programs on its own devices.
 
-Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
+Endpoints: POST /v1/completions, POST /v1/chat/completions, POST /v1/messages and
+/v1/messages/count_tokens (Anthropic's Messages API), POST /v1/responses (OpenAI's Responses API, stateless;
+both on the chat path), GET /v1/models, GET /health,
 GET /metrics (Prometheus). Chat messages go through the tokenizer folder's chat template (the
 bundled demo models carry one), or --chat_template=<file.jinja>; --chat_template=join joins their
 contents with newlines on any model; without a template, chat requests get a 400 naming the flag.
@@ -85,6 +87,8 @@ flags.DEFINE_string("served_model_name", None, "Model name clients pass as `mode
 flags.DEFINE_string("host", "127.0.0.1", "Address to listen on; the default is loopback only "
                     "(0.0.0.0 = every interface).")
 flags.DEFINE_integer("port", 8000, "TCP port to listen on.", lower_bound=0, upper_bound=65535)
+flags.DEFINE_string("api_key", None, "Require this key on /v1 routes: `Authorization: Bearer <key>` or `x-api-key: "
+                    "<key>` (Anthropic clients' header); /health and /metrics stay open (default: no key).")
 flags.DEFINE_integer("max_num_seqs", 64, "Requests running at once (the decode batch); more wait in a queue.",
                      lower_bound=1)
 define_max_seq_len_flags("Prompt + generated tokens per request (default: min(model max positions, 2048)).")
@@ -190,7 +194,8 @@ def main(argv: Sequence[str]) -> None:
     application = make_app(engine, model_name, max_seq_len=max_seq_len,
                            eos_token_ids=launch.stop_ids(cfg.eos_token_ids, tok.eos_ids), chat_template=chat_template,
                            allow_synthetic_acceptance=FLAGS.allow_synthetic_acceptance,
-                           tool_call_parser=parsers.tool_call_parser, reasoning_parser=parsers.reasoning_parser)
+                           tool_call_parser=parsers.tool_call_parser, reasoning_parser=parsers.reasoning_parser,
+                           api_key=FLAGS.api_key)
     mode = "plain decoding" if spec is None else f"EAGLE-3 {spec}"
     if FLAGS.allow_synthetic_acceptance:
         say("--allow_synthetic_acceptance: requests may force speculative acceptance (benchmarking only; their "

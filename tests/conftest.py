@@ -56,8 +56,8 @@ def pytest_configure(config):
 # (Triton compiles to three GPU architectures; the kernels interpreted through the engine; the GPU
 # check script; two processes of a multi-host run): they start first, or the worker that draws one
 # late runs it alone at the end.
-LONGEST_FIRST_ALL = ("test_compile_gate.py", "test_pallas_engine.py", "test_gpu_check.py", "test_structured_decoding.py",
-                     "test_multihost.py")
+LONGEST_FIRST_ALL = ("test_compile_gate.py", "test_multihost.py", "test_pallas_engine.py", "test_gpu_check.py",
+                     "test_structured_decoding.py")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -131,9 +131,10 @@ def _greedy_runs(target, draft, prompts, max_seq_len: int, layouts=("dense", "pa
     return runs
 
 
-# About 1.5-2 minutes each, mostly compiling. GQA + MoE is slow-marked: the default run checks its logits
-# above, and its speculation through the same steps as MLA's.
-@pytest.mark.parametrize("raw", [DEEPSEEK, pytest.param(MINIMAX, marks=pytest.mark.slow)], ids=["mla_moe", "gqa_moe"])
+# About 1.5-2 minutes each, mostly compiling: slow-marked. The default run checks both families' logits above,
+# and batch-invariant speculation end to end on the demo pair (MLA + MoE, bfloat16) below.
+@pytest.mark.slow
+@pytest.mark.parametrize("raw", [DEEPSEEK, MINIMAX], ids=["mla_moe", "gqa_moe"])
 def test_greedy_speculation_equals_plain_decoding_on_random_models(raw):
     target = invariant_random_target(raw)
     draft = random_draft(target)
@@ -149,7 +150,7 @@ def demo_pair():
 
 
 # About 1.5 minutes (compiling). The dense layout (Engine) is slow-marked: the random models above run it, and the
-# paged one is what serving runs.
+# paged one is what serving and `make demo` run.
 @pytest.mark.parametrize("layout", ["paged", pytest.param("dense", marks=pytest.mark.slow)])
 def test_greedy_speculation_equals_plain_decoding_on_the_demo_pair(demo_pair, layout):
     target, draft, prompts, plain = demo_pair  # `plain`: the baseline, decoded once for both layouts

@@ -160,7 +160,7 @@ def test_triton_deprecation_warning_is_filtered_by_its_text_once():
         assert ours()[0][0] == "ignore" and ours()[0][2] is DeprecationWarning
 
 
-@pytest.mark.newest_jax  # CI's newest-JAX leg runs it (minutes of Triton compiles)
+@pytest.mark.slow  # minutes of Triton compiles for the entries of GPUs the table does not know; scripts/compile_gate.py
 @needs_8_devices
 def test_default_launch_entries_compile_on_every_architecture(monkeypatch):
     """An unknown GPU gets the table's default entries: they compile clean on every known one too

@@ -148,10 +148,12 @@ def served(request, kimi):
     target = e3.load_target(target_dir, dtype="float32")
     draft = None if request.param == "plain" else e3.load_draft(draft_dir, target=target, dtype="float32")
     spec = None if draft is None else e3.SpecConfig.parse(request.param)
-    scheduler = Scheduler(target, draft, spec, max_num_seqs=4, max_seq_len=1024, tokenizer=tok)
+    scheduler = Scheduler(target, draft, spec, max_num_seqs=4, max_seq_len=1024, tokenizer=tok, prefix_caching=True)
     engine = AsyncEngine(scheduler, tokenizer=tok).start()
     server = ServerThread(make_app(engine, "kimi", tool_call_parser="kimi_k2", reasoning_parser="kimi_k2"))
-    yield request.param, openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0)
+    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0)
+    client.e3_engine = engine  # for tests that serve the same engine another way
+    yield request.param, client
     server.stop()
     engine.shutdown(timeout=10)
 
@@ -243,6 +245,166 @@ def test_response_format_is_kept_whole_and_streamed(served):
             "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": {
                 "a": {"type": "no-such-type"}}}}})
     assert e.value.body["param"] == "response_format"
+
+
+# ---- Anthropic's Messages API (Claude Code's) on the same path ---------------------------------------------
+
+A_TOOLS = [{"name": "get_weather", "description": "Current weather of a city",
+            "input_schema": TOOLS[0]["function"]["parameters"]}]
+A_CALL = {"role": "assistant", "content": [
+    {"type": "text", "text": "Let me check."},
+    {"type": "tool_use", "id": "functions.get_weather:0", "name": "get_weather", "input": {"city": "Paris"}}]}
+A_RESULT = {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "functions.get_weather:0",
+                                         "content": [{"type": "text", "text": "sunny, 21 C"}]}]}
+GREEDY = {"temperature": 0}  # in the body: today's anthropic SDK no longer types temperature, top_p, top_k
+A_TURNS = {"call": dict(messages=ASK, tools=A_TOOLS), "answer": dict(messages=ASK + [A_CALL, A_RESULT], tools=A_TOOLS),
+           "no_thinking": dict(messages=NO_THINKING, thinking={"type": "disabled"})}
+
+
+def _anthropic(client):
+    anthropic = pytest.importorskip("anthropic")
+    return anthropic, anthropic.Anthropic(base_url=str(client.base_url).rsplit("/v1", 1)[0], api_key="none",
+                                          max_retries=0)
+
+
+def _message_parts(message):
+    """(thinking, text, calls as (name, input), stop_reason) of an Anthropic message."""
+    kinds = [b.type for b in message.content]
+    assert kinds == sorted(kinds, key=["thinking", "text", "tool_use"].index), kinds  # in the order written
+    thinking = "".join(b.thinking for b in message.content if b.type == "thinking") or None
+    text = "".join(b.text for b in message.content if b.type == "text") or None
+    calls = [(b.id, b.name, b.input) for b in message.content if b.type == "tool_use"]
+    return thinking, text, calls, message.stop_reason
+
+
+@pytest.mark.parametrize("turn", list(TURNS))
+def test_anthropic_messages_answer_as_chat_completions(served, turn):
+    """The `anthropic` client's messages.create and messages.stream: the chat reply's reasoning,
+    content and calls as thinking, text and tool_use blocks, the same tokens counted; count_tokens
+    counts the chat prompt's."""
+    mode, client = served
+    _, claude = _anthropic(client)
+    reasoning, content, calls, finish = TURNS[turn][2]
+    *_, chat_usage = _reply(client, TURNS[turn][0], False)
+    want = (reasoning, content, calls,
+            {"tool_calls": "tool_use", "stop": "end_turn"}[finish])
+    request = dict(model="kimi", max_tokens=200, extra_body=GREEDY, **A_TURNS[turn])
+    whole = claude.messages.create(**request)
+    with claude.messages.stream(**request) as stream:
+        streamed = stream.get_final_message()
+    for message in (whole, streamed):
+        assert _message_parts(message) == want, mode
+        usage = message.usage
+        assert usage.input_tokens + usage.cache_read_input_tokens == chat_usage.prompt_tokens
+        assert usage.output_tokens == chat_usage.completion_tokens
+    assert streamed.usage.cache_read_input_tokens > 0  # the whole reply's prompt pages served the stream's
+    assert claude.messages.count_tokens(**{k: v for k, v in request.items() if k not in ("max_tokens", "extra_body")}
+                                          ).input_tokens == chat_usage.prompt_tokens
+
+
+def test_anthropic_forced_tool_use_stop_sequences_and_errors(served):
+    """tool_choice any: one valid tool_use; a stop sequence ends the text and is named; mistakes are
+    Anthropic error objects with the matching status."""
+    _, client = served
+    anthropic, claude = _anthropic(client)
+    forced = claude.messages.create(model="kimi", max_tokens=200, extra_body=GREEDY, messages=ASK, tools=A_TOOLS,
+                                      tool_choice={"type": "any"})
+    assert forced.stop_reason == "tool_use" and [(b.name, b.input) for b in forced.content if b.type == "tool_use"] == [
+        ("get_weather", {"city": "Paris"})]
+    cut = claude.messages.create(model="kimi", max_tokens=200, extra_body=GREEDY, messages=NO_THINKING,
+                                   thinking={"type": "disabled"}, stop_sequences=["capital"])
+    assert (cut.stop_reason, cut.stop_sequence, cut.content[0].text) == ("stop_sequence", "capital", "Paris is the ")
+    with pytest.raises(anthropic.BadRequestError) as e:
+        claude.post("/v1/messages", body={"model": "kimi", "messages": ASK}, cast_to=object)
+    assert e.value.body == {"type": "error", "error": {"type": "invalid_request_error",
+                                                       "message": "'max_tokens' is required"}}
+    with pytest.raises(anthropic.NotFoundError) as e:
+        claude.messages.create(model="other", max_tokens=8, messages=ASK)
+    assert e.value.body["error"]["type"] == "not_found_error"
+
+
+# ---- OpenAI's Responses API (the Agents SDK's) on the same path ---------------------------------------------
+
+R_TOOLS = [{"type": "function", **TOOLS[0]["function"]}]
+R_TURNS = {"call": dict(input=ASK, tools=R_TOOLS),
+           "answer": dict(input=ASK + [{"role": "assistant", "content": "Let me check."},
+                                       {"type": "function_call", "call_id": "functions.get_weather:0",
+                                        "name": "get_weather", "arguments": '{"city": "Paris"}'},
+                                       {"type": "function_call_output", "call_id": "functions.get_weather:0",
+                                        "output": "sunny, 21 C"}], tools=R_TOOLS),
+           "no_thinking": dict(input="Name the capital of France.", reasoning={"effort": "none"})}
+
+
+def _response_parts(response):
+    """(reasoning, text, calls as (call_id, name, arguments), status) of a Responses API response."""
+    kinds = [item.type for item in response.output]
+    assert kinds == sorted(kinds, key=["reasoning", "message", "function_call"].index), kinds
+    reasoning = "".join(part.text for item in response.output if item.type == "reasoning"
+                        for part in item.content) or None
+    text = "".join(part.text for item in response.output if item.type == "message" for part in item.content) or None
+    calls = [(item.call_id, item.name, json.loads(item.arguments)) for item in response.output
+             if item.type == "function_call"]
+    return reasoning, text, calls, response.status
+
+
+@pytest.mark.parametrize("turn", list(TURNS))
+def test_responses_answer_as_chat_completions(served, turn):
+    """The `openai` client's responses.create, whole and streamed: the chat reply's reasoning,
+    content and calls as reasoning, message and function_call items, the same tokens counted; the
+    stream's deltas add up to its completed response."""
+    mode, client = served
+    reasoning, content, calls, _ = TURNS[turn][2]
+    *_, chat_usage = _reply(client, TURNS[turn][0], False)
+    request = dict(model="kimi", max_output_tokens=200, temperature=0, **R_TURNS[turn])
+    whole = client.responses.create(**request)
+    events = list(client.responses.create(**request, stream=True))
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert events[0].type == "response.created" and events[-1].type == "response.completed"
+    streamed = events[-1].response
+    deltas = {kind: "".join(e.delta for e in events if e.type == f"response.{kind}.delta")
+              for kind in ("reasoning_text", "output_text")}
+    assert (deltas["reasoning_text"] or None, deltas["output_text"] or None) == (reasoning, content)
+    for response in (whole, streamed):
+        assert _response_parts(response) == (reasoning, content, calls, "completed"), mode
+        assert response.usage.input_tokens == chat_usage.prompt_tokens
+        assert response.usage.output_tokens == chat_usage.completion_tokens
+    assert streamed.usage.input_tokens_details.cached_tokens > 0
+
+
+def test_responses_cut_forced_and_refused(served):
+    _, client = served
+    cut = client.responses.create(model="kimi", max_output_tokens=3, temperature=0, **R_TURNS["no_thinking"])
+    assert cut.status == "incomplete" and cut.incomplete_details.reason == "max_output_tokens"
+    forced = client.responses.create(model="kimi", max_output_tokens=200, temperature=0, input=ASK, tools=R_TOOLS,
+                                     tool_choice="required")
+    assert [(i.name, json.loads(i.arguments)) for i in forced.output if i.type == "function_call"] == [
+        ("get_weather", {"city": "Paris"})]
+    for extra, param in (({"store": True}, "store"), ({"previous_response_id": "resp_1"}, "previous_response_id"),
+                         ({"background": True}, "background"), ({"tools": [{"type": "web_search"}]}, "tools[0].type")):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.responses.create(model="kimi", input="hi", **extra)
+        assert e.value.body["param"] == param
+
+
+def test_an_api_key_is_taken_as_a_bearer_or_an_x_api_key(served):
+    _, client = served
+    anthropic, _ = _anthropic(client)
+    server = ServerThread(make_app(client.e3_engine, "kimi", tool_call_parser="kimi_k2", reasoning_parser="kimi_k2",
+                                   api_key="s3cret"))
+    try:
+        request = dict(model="kimi", max_tokens=200, extra_body=GREEDY, **A_TURNS["no_thinking"])
+        keyed = anthropic.Anthropic(base_url=server.base_url, api_key="s3cret", max_retries=0)  # x-api-key
+        assert keyed.messages.create(**request).content[0].text == TURNS["no_thinking"][2][1]
+        bearer = openai.OpenAI(base_url=server.base_url + "/v1", api_key="s3cret", max_retries=0)
+        assert [m.id for m in bearer.models.list()] == ["kimi"]
+        with pytest.raises(anthropic.AuthenticationError) as e:
+            anthropic.Anthropic(base_url=server.base_url, api_key="wrong", max_retries=0).messages.create(**request)
+        assert e.value.body["error"]["type"] == "authentication_error"
+        with pytest.raises(openai.AuthenticationError) as e:
+            openai.OpenAI(base_url=server.base_url + "/v1", api_key="wrong", max_retries=0).models.list()
+        assert e.value.body["code"] == "invalid_api_key"
+    finally:
+        server.stop()
 
 
 def test_engine_chat_answers_as_the_server(kimi):

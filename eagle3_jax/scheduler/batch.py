@@ -250,6 +250,8 @@ class RunningBatch:
         """The prefix cache's hit-rate counters (tokens and requests), at admission."""
         if self.allocs[0].cache is None:
             return
+        if not req.num_preemptions:  # as first admitted (a recomputation after preemption is not the client's)
+            req.num_cached_tokens = len(cached) * self.page_size
         totals = self.counters.totals
         totals["prefix_cache_queries_total"] += len(req.prefill_ids)
         totals["prefix_cache_hits_total"] += len(cached) * self.page_size

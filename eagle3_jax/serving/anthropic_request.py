@@ -212,10 +212,10 @@ def _tools(tools: Any) -> list[dict[str, Any]]:
         if not isinstance(schema, dict):
             raise ApiError(f"{at}.input_schema must be a JSON schema object", param=f"{at}.input_schema",
                            code="invalid_type")
-        function = {"name": tool["name"], "parameters": schema}
+        function = {"name": tool["name"]}  # chat's key order: templates may render the tools as JSON
         if tool.get("description") is not None:
             function["description"] = tool["description"]
-        out.append({"type": "function", "function": function})
+        out.append({"type": "function", "function": {**function, "parameters": schema}})
     return out
 
 

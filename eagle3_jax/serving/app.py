@@ -1,7 +1,9 @@
 """The OpenAI-compatible HTTP application (aiohttp) over an `AsyncEngine`.
 
 Routes: `POST /v1/completions` (completions.py), `POST /v1/chat/completions` (chat.py),
-`GET /v1/models`, `GET /health` (200 while the engine runs, 503 when it stopped), `GET /metrics`
+`POST /v1/messages` and `POST /v1/messages/count_tokens` (Anthropic's Messages API on the chat
+path, anthropic.py; its errors in Anthropic's shape), `POST /v1/responses` (OpenAI's Responses API,
+stateless, on the chat path, responses.py), `GET /v1/models`, `GET /health` (200 while the engine runs, 503 when it stopped), `GET /metrics`
 (Prometheus text format, metric names prefixed `eagle3_`; metrics.py). Each request is parsed into
 a typed request (protocol.py, fields.py), run as the engine's choices (choices.py) and answered by
 per-choice delivery (delivery.py), streamed or whole. The server sees the engine only through
@@ -16,12 +18,14 @@ does) so that a client leaving before its first token has its request aborted at
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import os
 from typing import Callable, Sequence
 
 from ..parsers import OutputParsing
 from ..text.chat_template import ChatTemplate
+from .anthropic import count_tokens, messages
 from .async_engine import AsyncEngine, EngineDeadError, EngineError
 from .chat import chat_completions
 from .completions import completions
@@ -29,6 +33,7 @@ from .errors import ApiError, error_response, web
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import ServerMetrics
 from .protocol import Limits
+from .responses import responses
 from .state import ServerState
 
 logger = logging.getLogger(__name__)
@@ -40,7 +45,8 @@ def make_app(engine: AsyncEngine, model_name: str, *, max_seq_len: int | None = 
              eos_token_ids: Sequence[int] | None = None, tokenizer_dir: str | os.PathLike | None = None,
              default_max_tokens: int = 16, client_max_size: int = 8 * 2**20,
              chat_template: ChatTemplate | None = None, allow_synthetic_acceptance: bool = False,
-             tool_call_parser: str | None = None, reasoning_parser: str | None = None) -> web.Application:
+             tool_call_parser: str | None = None, reasoning_parser: str | None = None,
+             api_key: str | None = None) -> web.Application:
     """The aiohttp application serving `engine` (built with its tokenizer) under the OpenAI API as
     `model_name`.
 
@@ -52,7 +58,8 @@ def make_app(engine: AsyncEngine, model_name: str, *, max_seq_len: int | None = 
     the engine. `allow_synthetic_acceptance` lets requests force speculative acceptance
     (benchmarking only). `tool_call_parser` and `reasoning_parser` (names as vLLM's, see
     `eagle3_jax.parsers`; None: off) turn chat outputs into `tool_calls` and `reasoning_content`;
-    an unknown name raises ParserError.
+    an unknown name raises ParserError. With `api_key`, /v1 routes answer 401 unless the request
+    carries it as `Authorization: Bearer <key>` or `x-api-key: <key>`.
     """
     if engine.tokenizer is None:
         raise ValueError("the server needs the engine's tokenizer: AsyncEngine(scheduler, tokenizer=load_tokenizer(...))")
@@ -66,9 +73,11 @@ def make_app(engine: AsyncEngine, model_name: str, *, max_seq_len: int | None = 
         chat_template = ChatTemplate.from_dir(tokenizer_dir) if tokenizer_dir is not None else tok.chat_template
     state = ServerState(engine, tok, model_name, limits, chat_template, parsing)
     metrics = ServerMetrics(engine.stats)
-    app = web.Application(middlewares=[_middleware(metrics)], client_max_size=client_max_size)
+    app = web.Application(middlewares=[_middleware(metrics, api_key)], client_max_size=client_max_size)
     app[_STATE_KEY] = state
     routes = (("POST", "/v1/completions", completions), ("POST", "/v1/chat/completions", chat_completions),
+              ("POST", "/v1/messages", messages), ("POST", "/v1/messages/count_tokens", count_tokens),
+              ("POST", "/v1/responses", responses),
               ("GET", "/v1/models", _models), ("GET", "/health", _health))
     for method, path, handler in routes:
         app.router.add_route(method, path, _with_state(handler))
@@ -86,36 +95,53 @@ def _with_state(handler: Callable) -> Callable:
     return handle
 
 
-def _middleware(metrics: ServerMetrics) -> Callable:
-    """OpenAI error bodies for every failure, and request counts for /metrics."""
+def _middleware(metrics: ServerMetrics, api_key: str | None) -> Callable:
+    """The key check, error bodies for every failure (Anthropic's on its routes, else OpenAI's), and
+    request counts for /metrics."""
 
     @web.middleware
     async def middleware(request: web.Request, handler: Callable) -> web.StreamResponse:
         resource = getattr(request.match_info.route, "resource", None)
         route = resource.canonical if resource is not None else "other"  # unmatched paths share one label
         try:
+            if api_key is not None and request.path.startswith("/v1/") and not _has_key(request, api_key):
+                raise ApiError("invalid or missing API key: send it as 'Authorization: Bearer <key>' or 'x-api-key: "
+                               "<key>'", status=401, code="invalid_api_key")
             response = await handler(request)
-        except ApiError as e:
-            response = e.response()
-        except web.HTTPException as e:
-            if e.status < 400:
-                raise
-            response = error_response(e.reason, status=e.status, code=e.reason.lower().replace(" ", "_"),
-                                      type="invalid_request_error" if e.status < 500 else "server_error")
-        except EngineDeadError as e:
-            response = error_response(str(e), status=503, type="server_error", code="engine_dead")
-        except EngineError as e:
-            response = error_response(str(e), status=500, type="server_error", code="engine_error")
         except (asyncio.CancelledError, ConnectionResetError):
             raise  # the client is gone: nobody to answer
         except Exception as e:
-            logger.exception("unhandled error in %s %s", request.method, request.path)
-            response = error_response(f"internal server error: {type(e).__name__}: {e}", status=500,
-                                      type="server_error", code="internal_error")
+            error = _api_error(e, request)
+            if error is None:
+                raise
+            response = error.response(anthropic=request.path.startswith("/v1/messages"))
         metrics.count_http(route, response.status)
         return response
 
     return middleware
+
+
+def _has_key(request: web.Request, api_key: str) -> bool:
+    given = [request.headers.get("x-api-key"), request.headers.get("Authorization", "").removeprefix("Bearer ")]
+    return any(key is not None and hmac.compare_digest(key.encode(), api_key.encode()) for key in given)
+
+
+def _api_error(e: Exception, request: web.Request) -> ApiError | None:
+    """The error answer for an exception out of a handler (None: not an error, e.g. a redirect)."""
+    if isinstance(e, ApiError):
+        return e
+    if isinstance(e, web.HTTPException):
+        if e.status < 400:
+            return None
+        return ApiError(e.reason, status=e.status, code=e.reason.lower().replace(" ", "_"),
+                        type="invalid_request_error" if e.status < 500 else "server_error")
+    if isinstance(e, EngineDeadError):
+        return ApiError(str(e), status=503, type="server_error", code="engine_dead")
+    if isinstance(e, EngineError):
+        return ApiError(str(e), status=500, type="server_error", code="engine_error")
+    logger.exception("unhandled error in %s %s", request.method, request.path)
+    return ApiError(f"internal server error: {type(e).__name__}: {e}", status=500, type="server_error",
+                    code="internal_error")
 
 
 async def _health(request: web.Request, state: ServerState) -> web.Response:

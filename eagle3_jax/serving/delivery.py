@@ -32,7 +32,7 @@ from ..structured import ConstraintError
 from .async_engine import AsyncEngine, CapacityError, EngineError
 from .choices import Choices
 from .errors import ApiError, web
-from .protocol import GenerationRequest
+from .protocol import WARNINGS_HEADER, GenerationRequest
 from .replies import finish_reason, merge_spec_metrics, usage
 
 logger = logging.getLogger(__name__)
@@ -91,15 +91,17 @@ def fold(events: Iterable[ChoiceEvent], n: int) -> list[FoldedChoice]:
     return folded
 
 
-async def choice_events(choices: Choices, request: GenerationRequest, prompt_text: str = ""
-                        ) -> AsyncIterator[ChoiceEvent]:
+async def choice_events(choices: Choices, request: GenerationRequest, prompt_text: str = "",
+                        with_metrics: bool = False) -> AsyncIterator[ChoiceEvent]:
     """The events of a started request's choices, interleaved as their deltas come; with echo, each
-    choice opens with the prompt (`prompt_text`, and its logprobs when asked for)."""
+    choice opens with the prompt (`prompt_text`, and its logprobs when asked for). A choice's last
+    event carries its request's metrics with a speculating engine (usage's figures), or always
+    `with_metrics`."""
     if request.echo:
         for i, first in enumerate(choices.firsts):
             lps = tuple(first.prompt_logprobs) if request.logprobs and first.prompt_logprobs is not None else None
             yield ChoiceEvent(i, prompt_text, tuple(choices.prompt_ids), lps, prompt=True)
-    speculates = choices.engine.speculates
+    speculates = choices.engine.speculates or with_metrics
     streams = [StreamingParser(request.parsers) for _ in range(request.n)] if request.parsers is not None else None
     async for i, delta in choices:
         if request.echo_only:  # the one token generated for a prompt scored alone is left out
@@ -228,8 +230,20 @@ async def stream_reply(http_request: web.Request, events: AsyncIterator[ChoiceEv
 
 async def send_event(response: web.StreamResponse, payload: Mapping[str, Any]) -> None:
     """One Server-Sent Event."""
+    await send_sse(response, payload)
+
+
+async def send_sse(response: web.StreamResponse, payload: Mapping[str, Any], event: str | None = None) -> None:
+    """One Server-Sent Event, named `event` where the API names its events (Anthropic's, Responses')."""
     data = json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
-    await response.write(f"data: {data}\n\n".encode("utf-8"))
+    head = f"event: {event}\n" if event is not None else ""
+    await response.write(f"{head}data: {data}\n\n".encode("utf-8"))
+
+
+def warnings_headers(warnings: Iterable[str]) -> dict[str, str]:
+    """The header telling the client what was changed or skipped in its request (none: no header)."""
+    warnings = list(warnings)
+    return {WARNINGS_HEADER: "; ".join(warnings)} if warnings else {}
 
 
 async def answer(http_request: web.Request, engine: AsyncEngine, request: GenerationRequest, reply: Reply,

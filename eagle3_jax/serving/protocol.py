@@ -117,24 +117,8 @@ class ChatRequest(GenerationRequest):
     def from_body(cls, body: Mapping[str, Any], limits: Limits, tokenizer: Tokenizer, template: ChatTemplate,
                   parsing: OutputParsing = OutputParsing()) -> "ChatRequest":
         check_unsupported(body, "chat")
-        messages = parse_messages(body.get("messages"))
-        tools = parse_tools(body.get("tools"))
-        tool_choice = parse_tool_choice(body.get("tool_choice"), tools)
-        if tools and tool_choice != "none" and parsing.tool_call_parser is None:
-            raise ApiError("this server parses no tool calls (started with --tool_call_parser=none): send "
-                           "tool_choice \"none\" to give the model the tools without parsing its calls, or restart it "
-                           "with --tool_call_parser=<name>", param="tool_choice", code="unsupported_value")
-        messages = parsing.prepare_messages(messages)  # the history as the family's template expects it
-        kwargs = body.get("chat_template_kwargs")
-        if kwargs is None:
-            kwargs = {}
-        if not isinstance(kwargs, dict):
-            raise ApiError(f"'chat_template_kwargs' must be an object; got {kwargs!r}", param="chat_template_kwargs",
-                           code="invalid_type")
-        add_prompt = get_bool(body, "add_generation_prompt", True)
-        continue_final = get_bool(body, "continue_final_message", False)
-        text = render_chat(template, messages, tools or None, add_prompt, continue_final, kwargs)
-        prompt_ids = tokenizer.encode(text)
+        messages, tools, tool_choice, kwargs, add_prompt, continue_final, prompt_ids = chat_prompt(
+            body, tokenizer, template, parsing)
         # Chat defaults to the whole room left in max_seq_len, as vLLM does.
         common, _, _ = _common(body, "chat", prompt_ids, "messages", limits, max(limits.max_seq_len - len(prompt_ids), 1),
                                ("max_completion_tokens", "max_tokens"))
@@ -154,6 +138,30 @@ class ChatRequest(GenerationRequest):
             raise ApiError(str(e), param=common["constraint_field"], code="unsupported_value") from e
         return cls(**common, messages=tuple(messages), tools=tools, tool_choice=tool_choice, template_kwargs=kwargs,
                    parsers=_active(parsers))
+
+
+def chat_prompt(body: Mapping[str, Any], tokenizer: Tokenizer, template: ChatTemplate, parsing: OutputParsing
+                ) -> tuple[list[dict[str, Any]], tuple, str | Mapping[str, Any], dict[str, Any], bool, bool, list[int]]:
+    """A chat body's (messages, tools, tool_choice, template kwargs, add_generation_prompt,
+    continue_final_message, prompt token ids): its conversation checked and rendered."""
+    messages = parse_messages(body.get("messages"))
+    tools = parse_tools(body.get("tools"))
+    tool_choice = parse_tool_choice(body.get("tool_choice"), tools)
+    if tools and tool_choice != "none" and parsing.tool_call_parser is None:
+        raise ApiError("this server parses no tool calls (started with --tool_call_parser=none): send "
+                       "tool_choice \"none\" to give the model the tools without parsing its calls, or restart it "
+                       "with --tool_call_parser=<name>", param="tool_choice", code="unsupported_value")
+    messages = parsing.prepare_messages(messages)  # the history as the family's template expects it
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is None:
+        kwargs = {}
+    if not isinstance(kwargs, dict):
+        raise ApiError(f"'chat_template_kwargs' must be an object; got {kwargs!r}", param="chat_template_kwargs",
+                       code="invalid_type")
+    add_prompt = get_bool(body, "add_generation_prompt", True)
+    continue_final = get_bool(body, "continue_final_message", False)
+    text = render_chat(template, messages, tools or None, add_prompt, continue_final, kwargs)
+    return messages, tools, tool_choice, kwargs, add_prompt, continue_final, tokenizer.encode(text)
 
 
 def _active(parsers: OutputParsers) -> OutputParsers | None:

@@ -68,3 +68,8 @@ def merge_spec_metrics(metrics: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     return {"num_draft_tokens": sum(m["num_draft_tokens"] for m in metrics),
             "num_accepted_tokens": sum(m["num_accepted_tokens"] for m in metrics),
             "mean_accept_length": sum(steps) / len(steps) if steps else 1.0}
+
+
+def cached_tokens(metrics: Mapping[str, Any] | None) -> int:
+    """Prompt tokens a finished request took from the prefix cache (its metrics; 0 without them)."""
+    return int(metrics.get("num_cached_tokens", 0)) if metrics else 0
