@@ -11,7 +11,7 @@ typed request; `delivery` turns a request's
 deltas into reply events, parsed into reasoning, content and tool calls (`eagle3_jax.parsers`),
 streamed or folded whole (`replies` renders logprobs and usage); `completions` and `chat` are the
 routes, and `anthropic` and `responses` (with `anthropic_request` and `responses_request`, their
-bodies as chat bodies) Anthropic's Messages API and OpenAI's Responses API on the chat route's path; `app` ties them together with health, models and `metrics`; `launch` starts it around a
+bodies as chat bodies, and `chat_mapping`, what those two share) Anthropic's Messages API and OpenAI's Responses API on the chat route's path; `app` ties them together with health, models and `metrics`; `launch` starts it around a
 running engine (output parsers, stop ids, the run until stopped). The HTTP parts need the `serve`
 extra (aiohttp, prometheus_client).
 """

@@ -27,9 +27,9 @@ from typing import Any, AsyncIterator, Iterable, Mapping
 from ..parsers import ToolCall
 from .anthropic_request import chat_body
 from .async_engine import EngineError
-from .delivery import ChoiceEvent, FoldedChoice, choice_events, fold, send_sse, started, warnings_headers
+from .delivery import ChoiceEvent, FoldedChoice, choice_events, fold, send_sse, started
 from .errors import web
-from .protocol import ChatRequest, chat_prompt
+from .protocol import ChatRequest, chat_prompt, warnings_headers
 from .replies import cached_tokens
 from .state import ServerState
 

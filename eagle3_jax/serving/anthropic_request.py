@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 from typing import Any, Mapping
 
+from .chat_mapping import add_common, chat_call, chat_function, named_choice, tool_list
 from .errors import ApiError
 
 _KNOWN = {"model", "max_tokens", "system", "messages", "tools", "tool_choice", "thinking", "output_config",
@@ -53,8 +54,6 @@ def chat_body(body: Any) -> tuple[dict[str, Any], list[str]]:
     if body.get("model") is not None:
         chat["model"] = body["model"]
     chat.update({key: body[key] for key in _PASSED if body.get(key) is not None})
-    if body.get("stream"):
-        chat["stream_options"] = {"include_usage": True}
     if body.get("stop_sequences") is not None:
         chat["stop"] = _stop_sequences(body["stop_sequences"])
     tools = _tools(body.get("tools"))
@@ -66,9 +65,7 @@ def chat_body(body: Any) -> tuple[dict[str, Any], list[str]]:
     output = body.get("output_config") or {}
     if not isinstance(output, dict):
         raise ApiError(f"'output_config' must be an object; got {output!r}", param="output_config", code="invalid_type")
-    thinks = _thinking(body.get("thinking"), output.get("effort"), warnings)
-    if thinks is not None:
-        chat["chat_template_kwargs"] = {"thinking": thinks, "enable_thinking": thinks}
+    add_common(chat, bool(body.get("stream")), _thinking(body.get("thinking"), output.get("effort"), warnings))
     if output.get("format") is not None:
         chat["response_format"] = _response_format(output["format"])
     return chat, warnings
@@ -174,8 +171,7 @@ def _assistant_turn(blocks: list, where: str) -> list[dict[str, Any]]:
             if not isinstance(name, str) or not isinstance(arguments, dict):
                 raise ApiError(f"{at} must be {{'type': 'tool_use', 'id': ..., 'name': ..., 'input': {{...}}}}; got "
                                f"{block!r}", param=at, code="invalid_type")
-            calls.append({"id": block.get("id"), "type": "function",
-                          "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}})
+            calls.append(chat_call(block.get("id"), name, json.dumps(arguments, ensure_ascii=False)))
         else:
             raise ApiError(f"{at} is a {kind!r} block; an assistant turn holds text, thinking and tool_use blocks",
                            param=at, code="invalid_value")
@@ -195,12 +191,8 @@ def _stop_sequences(stops: Any) -> list[str]:
 
 
 def _tools(tools: Any) -> list[dict[str, Any]]:
-    if tools is None:
-        return []
-    if not isinstance(tools, list):
-        raise ApiError(f"'tools' must be a list; got {tools!r}", param="tools", code="invalid_type")
     out = []
-    for i, tool in enumerate(tools):
+    for i, tool in enumerate(tool_list(tools)):
         at = f"tools[{i}]"
         if not (isinstance(tool, dict) and isinstance(tool.get("name"), str)):
             raise ApiError(f"{at} must be {{'name': ..., 'description': ..., 'input_schema': {{...}}}}; got {tool!r}",
@@ -212,10 +204,7 @@ def _tools(tools: Any) -> list[dict[str, Any]]:
         if not isinstance(schema, dict):
             raise ApiError(f"{at}.input_schema must be a JSON schema object", param=f"{at}.input_schema",
                            code="invalid_type")
-        function = {"name": tool["name"]}  # chat's key order: templates may render the tools as JSON
-        if tool.get("description") is not None:
-            function["description"] = tool["description"]
-        out.append({"type": "function", "function": {**function, "parameters": schema}})
+        out.append(chat_function(tool["name"], tool.get("description"), schema))
     return out
 
 
@@ -227,7 +216,7 @@ def _tool_choice(choice: Any, has_tools: bool) -> str | dict[str, Any] | None:
         if not isinstance(choice.get("name"), str):
             raise ApiError("tool_choice {'type': 'tool'} needs the tool's 'name'", param="tool_choice.name",
                            code="missing_required_parameter")
-        return {"type": "function", "function": {"name": choice["name"]}}
+        return named_choice(choice["name"])
     mapped = {"auto": "auto", "any": "required", "none": "none"}.get(kind)
     if mapped is None:
         raise ApiError(f"'tool_choice' must be {{'type': 'auto' | 'any' | 'tool' | 'none'}}; got {choice!r}",

@@ -32,7 +32,7 @@ from ..structured import ConstraintError
 from .async_engine import AsyncEngine, CapacityError, EngineError
 from .choices import Choices
 from .errors import ApiError, web
-from .protocol import WARNINGS_HEADER, GenerationRequest
+from .protocol import GenerationRequest
 from .replies import finish_reason, merge_spec_metrics, usage
 
 logger = logging.getLogger(__name__)
@@ -239,11 +239,6 @@ async def send_sse(response: web.StreamResponse, payload: Mapping[str, Any], eve
     head = f"event: {event}\n" if event is not None else ""
     await response.write(f"{head}data: {data}\n\n".encode("utf-8"))
 
-
-def warnings_headers(warnings: Iterable[str]) -> dict[str, str]:
-    """The header telling the client what was changed or skipped in its request (none: no header)."""
-    warnings = list(warnings)
-    return {WARNINGS_HEADER: "; ".join(warnings)} if warnings else {}
 
 
 async def answer(http_request: web.Request, engine: AsyncEngine, request: GenerationRequest, reply: Reply,

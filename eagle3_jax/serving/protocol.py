@@ -76,7 +76,12 @@ class GenerationRequest:
         return self.sampling.logprobs is not None
 
     def headers(self) -> dict[str, str]:
-        return {WARNINGS_HEADER: "; ".join(self.warnings)} if self.warnings else {}
+        return warnings_headers(self.warnings)
+
+
+def warnings_headers(warnings: Sequence[str]) -> dict[str, str]:
+    """The header telling the client what was changed or skipped in its request (none: no header)."""
+    return {WARNINGS_HEADER: "; ".join(warnings)} if warnings else {}
 
 
 @dataclasses.dataclass(frozen=True)

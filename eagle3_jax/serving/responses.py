@@ -26,9 +26,9 @@ from typing import Any, AsyncIterator, Iterable, Mapping
 from ..parsers import ToolCall
 from ..parsers.markup import call_id
 from .async_engine import EngineError
-from .delivery import ChoiceEvent, FoldedChoice, choice_events, fold, send_sse, started, warnings_headers
+from .delivery import ChoiceEvent, FoldedChoice, choice_events, fold, send_sse, started
 from .errors import web
-from .protocol import ChatRequest
+from .protocol import ChatRequest, warnings_headers
 from .replies import cached_tokens
 from .responses_request import chat_body
 from .state import ServerState

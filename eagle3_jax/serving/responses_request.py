@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .chat_mapping import add_common, chat_call, chat_function, named_choice, tool_list
 from .errors import ApiError
 
 _KNOWN = {"model", "input", "instructions", "tools", "tool_choice", "reasoning", "text", "max_output_tokens",
@@ -48,19 +49,16 @@ def chat_body(body: Any) -> tuple[dict[str, Any], list[str]]:
                            ("top_p", "top_p"), ("stream", "stream")):
         if body.get(source) is not None:
             chat[target] = body[source]
-    if body.get("stream"):
-        chat["stream_options"] = {"include_usage": True}
     tools = _tools(body.get("tools"))
     if tools:
         chat["tools"] = tools
     if body.get("tool_choice") is not None and tools:
         chat["tool_choice"] = _tool_choice(body["tool_choice"])
-    thinks = _thinking(body.get("reasoning"))
-    if thinks is not None:
-        chat["chat_template_kwargs"] = {"thinking": thinks, "enable_thinking": thinks}
+    add_common(chat, bool(body.get("stream")), _thinking(body.get("reasoning")))
     fmt = (body.get("text") or {}).get("format") if isinstance(body.get("text") or {}, dict) else None
-    if fmt is not None and _response_format(fmt) is not None:
-        chat["response_format"] = _response_format(fmt)
+    response_format = None if fmt is None else _response_format(fmt)
+    if response_format is not None:
+        chat["response_format"] = response_format
     return chat, warnings
 
 
@@ -128,8 +126,7 @@ def _conversation(items: Any) -> list[dict[str, Any]]:
             if not (isinstance(item.get("name"), str) and isinstance(item.get("arguments"), str)):
                 raise ApiError(f"{where} must be {{'type': 'function_call', 'call_id': ..., 'name': ..., 'arguments': "
                                f"'<JSON>'}}; got {item!r}", param=where, code="invalid_type")
-            call = {"id": item.get("call_id"), "type": "function",
-                    "function": {"name": item["name"], "arguments": item["arguments"]}}
+            call = chat_call(item.get("call_id"), item["name"], item["arguments"])
             previous = out[-1] if out else None
             if previous is not None and previous["role"] == "assistant" and "tool_calls" in previous:
                 previous["tool_calls"].append(call)
@@ -157,12 +154,8 @@ def _conversation(items: Any) -> list[dict[str, Any]]:
 
 
 def _tools(tools: Any) -> list[dict[str, Any]]:
-    if tools is None:
-        return []
-    if not isinstance(tools, list):
-        raise ApiError(f"'tools' must be a list; got {tools!r}", param="tools", code="invalid_type")
     out = []
-    for i, tool in enumerate(tools):
+    for i, tool in enumerate(tool_list(tools)):
         at = f"tools[{i}]"
         if not isinstance(tool, dict) or tool.get("type") != "function":
             kind = tool.get("type") if isinstance(tool, dict) else tool
@@ -170,11 +163,8 @@ def _tools(tools: Any) -> list[dict[str, Any]]:
                            "web search run on OpenAI's platform)", param=f"{at}.type", code="unsupported_value")
         if not isinstance(tool.get("name"), str):
             raise ApiError(f"{at} needs a 'name'", param=f"{at}.name", code="missing_required_parameter")
-        function = {"name": tool["name"]}
-        if tool.get("description") is not None:
-            function["description"] = tool["description"]
-        function["parameters"] = tool.get("parameters") or {"type": "object", "properties": {}}
-        out.append({"type": "function", "function": function})
+        parameters = tool.get("parameters") or {"type": "object", "properties": {}}
+        out.append(chat_function(tool["name"], tool.get("description"), parameters))
     return out
 
 
@@ -182,7 +172,7 @@ def _tool_choice(choice: Any) -> str | dict[str, Any]:
     if choice in ("auto", "none", "required"):
         return choice
     if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str):
-        return {"type": "function", "function": {"name": choice["name"]}}
+        return named_choice(choice["name"])
     raise ApiError(f"'tool_choice' must be 'auto', 'none', 'required' or {{'type': 'function', 'name': ...}}; got "
                    f"{choice!r}", param="tool_choice", code="invalid_value")
 
