@@ -24,7 +24,7 @@ def parse_tool_calls(text: str, parser: str, tools: Sequence[Mapping[str, Any]] 
     """(content, tool_calls) of a model's answer in `parser`'s markup: the calls as OpenAI's
     `tool_calls` items (arguments a JSON string), the text around them as content (None when it
     is empty and there are calls). With `tools`, a call of a function they lack is not a call.
-    Markup that does not parse is given back as content."""
+    Messy markup is read as a reader would; markup no reader can take as a call is content."""
     content, calls = tool_call_parser(parser).parse(text, True, tool_schemas(tools))
     return message_content(content, None, calls), [c.openai(i, text) for i, c in enumerate(calls)]
 
@@ -37,7 +37,7 @@ def parse_reasoning(text: str, parser: str, **template_kwargs: Any) -> tuple[str
     if reasoner is None:
         return None, text
     reasoning, content = reasoner.split(text, True)
-    return reasoning, content or None
+    return reasoning, reasoner.tidy(content, True) if content else None
 
 
 __all__ = [

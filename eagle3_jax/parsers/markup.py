@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 from typing import Any, Iterable, Mapping, Sequence
 
 from ..text.stream import stop_prefix_len
@@ -53,34 +52,6 @@ def settled(text: str, markers: Iterable[str], final: bool) -> str:
         return text
     n = stop_prefix_len(text, tuple(markers))  # the longest end of `text` that begins a marker
     return text[: len(text) - n] if n else text
-
-
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")
-
-
-# JSON as RFC 8259 writes it: NaN and Infinity, which Python's json takes, are refused (a client's
-# JSON parser would fail on arguments holding them)
-STRICT_JSON = json.JSONDecoder(parse_constant=_no_constant)
-
-
-def loads(text: str) -> Any:
-    """`text` as strict JSON; ValueError (json.JSONDecodeError included) or RecursionError if it is not."""
-    return STRICT_JSON.decode(text)
-
-
-def json_object_text(value: Any) -> str | None:
-    """Arguments as JSON object text: `value`'s text when it is (or encodes) a JSON object, None
-    when it is neither."""
-    if isinstance(value, str):
-        try:
-            parsed = loads(value)
-        except (ValueError, RecursionError):
-            return None
-        return value.strip() if isinstance(parsed, dict) else None
-    if isinstance(value, dict):
-        return json.dumps(value, ensure_ascii=False)
-    return None
 
 
 def tool_schemas(tools: Sequence[Mapping[str, Any]] | None) -> dict[str, Mapping[str, Any]] | None:

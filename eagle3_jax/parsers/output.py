@@ -144,6 +144,8 @@ class StreamingParser:
 
     def _parse(self, final: bool, searched: int) -> ParsedOutput:
         reasoning, content = self._reasoned(final, searched)
+        if content is not None and self.parsers.reasoning is not None:
+            content = self.parsers.reasoning.tidy(content, final)
         if content is None:
             return ParsedOutput("", reasoning or "")
         if self.parsers.tool_calls is None:

@@ -3,7 +3,8 @@
 A parser splits a model's output into its reasoning and the content after it (`split`); on text
 still growing (`final=False`) it gives only what later text cannot change, and content None while
 the reasoning has not ended. Chat templates of thinking models end the prompt with `<think>`, so
-the output starts inside the reasoning; a `<think>` the model writes itself is dropped. An output
+the output starts inside the reasoning; a `<think>` the model writes itself (blanks before it
+included) is dropped. An output
 that ends before its reasoning does is all reasoning.
 """
 
@@ -49,6 +50,11 @@ class ReasoningParser(abc.ABC):
         where a marker that ends the reasoning may start at the earliest (a streaming caller that
         found none in the text before knows it)."""
 
+    def tidy(self, content: str, final: bool) -> str:
+        """The content after the reasoning as the reply gives it; unless `final`, only what later
+        text cannot change. As it is, but for families that leave stray reasoning markup in it."""
+        return content
+
 
 class ThinkParser(ReasoningParser):
     """Reasoning up to `end` (dropped), or up to one of `ends_before` (kept, it starts the content)."""
@@ -62,9 +68,11 @@ class ThinkParser(ReasoningParser):
         return (self.end, *self.ends_before)
 
     def split(self, text: str, final: bool, search_from: int = 0) -> tuple[str | None, str | None]:
-        if text.startswith(self.start):
-            text, search_from = text[len(self.start):], max(0, search_from - len(self.start))
-        elif not final and self.start.startswith(text):
+        lead = len(text) - len(text.lstrip())  # blanks before the model's own <think> (DeepSeek-R1 writes a newline)
+        if text.startswith(self.start, lead):
+            skipped = lead + len(self.start)
+            text, search_from = text[skipped:], max(0, search_from - skipped)
+        elif not final and self.start.startswith(text[lead:]):
             return "", None  # may still be the model's own <think>
         found = first_marker(text, self.markers, search_from)
         if found is None:

@@ -3,8 +3,9 @@
 A parser reads the text a model generated (after any reasoning) and gives back the content and
 the calls (`parse`). Called on text that is still growing (`final=False`) it gives only what no
 later text can change: content up to where a tool section may begin, and the calls of sections
-already closed. Markup that does not parse — a section never closed, arguments that are not a
-JSON object, a function the request's tools do not have — is given back as content, whole.
+already closed. Parsers read messy markup as a reader would (`SectionParser`, `arguments.py`);
+markup no reader can take as a call — arguments that do not read as a JSON object, a function
+the request's tools do not have, a section with no call in it — is given back as content.
 
 `calls_grammar` is the other direction: a grammar (llguidance's Lark) of the family's markup for
 calls to the request's tools, their arguments held to each tool's parameter schema, which
@@ -15,11 +16,11 @@ from __future__ import annotations
 
 import abc
 import json
-import re
 from typing import Any, Callable, ClassVar, Mapping, Sequence
 
 from ...structured.constraints import with_json_layout
-from ..markup import ToolCall, first_marker, loads, settled
+from ..arguments import loads
+from ..markup import ToolCall, first_marker, settled
 
 Schemas = Mapping[str, Mapping[str, Any]] | None  # markup.tool_schemas: {name: parameters}, None = any name
 # A marker's Lark terminal: its token (`<[id]>`) when the tokenizer has it as one, else its text.
@@ -93,17 +94,26 @@ def _with_arguments_as(message: Mapping[str, Any], form: str) -> dict[str, Any]:
 
 
 class SectionParser(ToolCallParser):
-    """Calls written between a begin and an end marker (Kimi, MiniMax, DeepSeek): text outside the
-    sections is content; a closed section must hold only back-to-back matches of `call`, each of
-    which `call_of` turns into a call, else the whole section is content."""
+    """Calls written between a section's begin and end markers (Kimi, MiniMax, DeepSeek), each call
+    between `call_begin` and `call_end`; text outside the sections is content.
+
+    Read as a reader would: each call of a section on its own (`call_of`), a call that does not
+    read given back as content (as written) while the others are taken, text between calls
+    (stray words, blanks) dropped with the markers; a section that holds no call that reads is
+    content, whole, and an empty one is dropped. A section the output ends inside gives the calls
+    that ended in it. With `bare_calls`, a call written outside any section is read as a section
+    of its own."""
 
     begins: ClassVar[tuple[str, ...]]
     ends: ClassVar[tuple[str, ...]]
-    call: ClassVar[re.Pattern[str]]
+    call_begin: ClassVar[str]
+    call_end: ClassVar[str]
+    bare_calls: ClassVar[bool] = False
 
     @abc.abstractmethod
-    def call_of(self, match: re.Match[str], schemas: Schemas) -> ToolCall | None:
-        """The call one match of `call` writes; None when it is malformed."""
+    def call_of(self, body: str, schemas: Schemas) -> ToolCall | None:
+        """The call whose markup between `call_begin` and `call_end` is `body`; None when it does
+        not read as one."""
 
     @abc.abstractmethod
     def call_rules(self, index: int, name: str, parameters: Mapping[str, Any], terminal: Terminal) -> list[str]:
@@ -119,14 +129,36 @@ class SectionParser(ToolCallParser):
             rules += self.call_rules(i, name, parameters, terminal)
         return "\n".join(rules)
 
-    def calls_in(self, inner: str, schemas: Schemas) -> list[ToolCall] | None:
-        """The calls of a section's inner text; None when it is malformed."""
-        matches = sequence(self.call, inner)
+    def _read_call(self, body: str, schemas: Schemas) -> ToolCall | None:
         try:
-            calls = [self.call_of(m, schemas) for m in matches or ()]
+            return self.call_of(body, schemas)
         except (ValueError, OverflowError, RecursionError):  # a value no JSON type holds: not a call
             return None
-        return None if not calls or None in calls else calls
+
+    def read_section(self, inner: str, schemas: Schemas) -> tuple[list[ToolCall], str] | None:
+        """(the calls, the text given back as content) of a section's inner text; None when no
+        call in it reads (then the section is content)."""
+        calls, kept, at = [], [], 0
+        while (start := inner.find(self.call_begin, at)) >= 0:
+            body_at = start + len(self.call_begin)
+            end, following = inner.find(self.call_end, body_at), inner.find(self.call_begin, body_at)
+            if end < 0 or 0 <= following < end:  # never ended: up to the next call is not a call
+                at = following if following >= 0 else len(inner)
+                kept.append(inner[start:at])
+                continue
+            at = end + len(self.call_end)
+            call = self._read_call(inner[body_at:end], schemas)
+            if call is None:
+                kept.append(inner[start:at])
+            else:
+                calls.append(call)
+        if not calls:
+            return ([], "") if not inner.strip() else None
+        return calls, "".join(kept)
+
+    def _closer(self, marker: str) -> tuple[str, ...]:
+        """The markers that end what `marker` begins: a section's ends, or a bare call's end."""
+        return (self.call_end,) if marker == self.call_begin else self.ends
 
     def parse(self, text: str, final: bool, schemas: Schemas = None) -> tuple[str, list[ToolCall]]:
         content, calls, _ = self.parse_settled(text, final, schemas)
@@ -135,38 +167,28 @@ class SectionParser(ToolCallParser):
     def parse_settled(self, text: str, final: bool, schemas: Schemas = None) -> tuple[str, list[ToolCall], int]:
         # Sections are found scanning forward, so text up to the end of what is settled (content
         # before an open section or a possible marker, closed sections) parses the same alone.
+        openers = self.begins + ((self.call_begin,) if self.bare_calls else ())
         content, calls, at = [], [], 0
         while True:
-            begin = first_marker(text, self.begins, at)
+            begin = first_marker(text, openers, at)
             if begin is None:
-                tail = settled(text[at:], self.begins, final)
+                tail = settled(text[at:], openers, final)
                 content.append(tail)
                 return "".join(content), calls, at + len(tail)
             start, begin_marker = begin
             content.append(text[at:start])
-            end = first_marker(text, self.ends, start + len(begin_marker))
-            if end is None:  # open: settled only once it closes, or as content when the output ends
-                if final:
-                    content.append(text[start:])
-                    start = len(text)
-                return "".join(content), calls, start
+            bare = begin_marker == self.call_begin
+            inner_at = start if bare else start + len(begin_marker)  # a bare call is its own section
+            end = first_marker(text, self._closer(begin_marker), start + len(begin_marker))
+            if end is None:  # open: settled once it closes; read as it stands when the output ends
+                if not final:
+                    return "".join(content), calls, start
+                read = self.read_section(text[inner_at:], schemas)
+                content.append(text[start:] if read is None else read[1])
+                calls += [] if read is None else read[0]
+                return "".join(content), calls, len(text)
             stop, end_marker = end
-            found = self.calls_in(text[start + len(begin_marker):stop], schemas)
-            if found is None:
-                content.append(text[start:stop + len(end_marker)])
-            else:
-                calls += found
+            read = self.read_section(text[inner_at:stop + len(end_marker)] if bare else text[inner_at:stop], schemas)
+            content.append(text[start:stop + len(end_marker)] if read is None else read[1])
+            calls += [] if read is None else read[0]
             at = stop + len(end_marker)
-
-
-def sequence(pattern: re.Pattern[str], text: str) -> list[re.Match[str]] | None:
-    """`text` as back-to-back matches of `pattern` (whitespace around them allowed), or None when
-    anything else is in it or nothing matched."""
-    matches, at = [], 0
-    while at < len(text) and not text[at:].isspace():
-        m = pattern.match(text, at)
-        if m is None or m.end() == at:
-            return None
-        matches.append(m)
-        at = m.end()
-    return matches or None

@@ -5,7 +5,9 @@
 
 A call's id is its own `functions.NAME:IDX` (IDX counts the conversation's calls from 0), and the
 template writes the ids of the history as given, so `prepare_messages` rewrites other ids (from
-another provider, or made up by a client) to that form, in the tool results too.
+another provider, or made up by a client) to that form, in the tool results too. `NAME:IDX` is
+read as well, and a bare counter `IDX` names the function when the request's tools leave one
+choice (its only tool, or the only one whose parameters hold every argument).
 """
 
 from __future__ import annotations
@@ -13,12 +15,29 @@ from __future__ import annotations
 import re
 from typing import Any, Mapping, Sequence
 
-from ..markup import ToolCall, json_object_text, known
+from ..arguments import arguments_text, loads
+from ..markup import ToolCall, known
 from .base import Schemas, SectionParser, Terminal, json_rule, literal
 
-_CALL = re.compile(r"\s*<\|tool_call_begin\|>\s*(?P<id>[^<]*?)\s*<\|tool_call_argument_begin\|>(?P<args>.*?)"
-                   r"<\|tool_call_end\|>\s*", re.S)
+_ARGUMENTS = "<|tool_call_argument_begin|>"
 _ID = re.compile(r"(?:functions\.)?(?P<name>[^:\s]+):\d+")
+
+
+def _properties(parameters: Any) -> set[str]:
+    properties = parameters.get("properties") if isinstance(parameters, Mapping) else None
+    return set(properties) if isinstance(properties, Mapping) else set()
+
+
+def named_by_arguments(arguments: str, schemas: Schemas) -> str | None:
+    """The function a call with a bare counter for an id calls: the request's only tool, or the
+    one tool whose parameters hold every argument; None when that is not one tool."""
+    if not schemas:
+        return None
+    if len(schemas) == 1:
+        return next(iter(schemas))
+    keys = set(loads(arguments))
+    fits = [name for name, parameters in schemas.items() if keys <= _properties(parameters)]
+    return fits[0] if len(fits) == 1 else None
 
 
 class KimiK2(SectionParser):
@@ -27,13 +46,21 @@ class KimiK2(SectionParser):
     # the singular spelling appears in some Kimi outputs; vLLM takes both
     begins = ("<|tool_calls_section_begin|>", "<|tool_call_section_begin|>")
     ends = ("<|tool_calls_section_end|>", "<|tool_call_section_end|>")
-    call = _CALL
+    call_begin, call_end = "<|tool_call_begin|>", "<|tool_call_end|>"
+    bare_calls = True  # a call the model wrote without its section is still a call
 
-    def call_of(self, match: re.Match[str], schemas: Schemas) -> ToolCall | None:
-        ident, arguments = _ID.fullmatch(match["id"]), json_object_text(match["args"])
-        if ident is None or arguments is None or not known(ident["name"], schemas):
+    def call_of(self, body: str, schemas: Schemas) -> ToolCall | None:
+        ident, marker, arguments = body.partition(_ARGUMENTS)
+        ident, arguments = ident.strip(), arguments_text(arguments)
+        if not marker or arguments is None:
             return None
-        return ToolCall(ident["name"], arguments, id=match["id"])
+        if ident.isdigit():  # a bare counter: the function is the one the request's tools allow
+            name = named_by_arguments(arguments, schemas)
+            return None if name is None else ToolCall(name, arguments, id=f"functions.{name}:{ident}")
+        named = _ID.fullmatch(ident)
+        if named is None or not known(named["name"], schemas):
+            return None
+        return ToolCall(named["name"], arguments, id=ident)
 
     def call_rules(self, index: int, name: str, parameters: Mapping[str, Any], terminal: Terminal) -> list[str]:
         return [f"call_{index}: {terminal('<|tool_call_begin|>')} {literal(f'functions.{name}:')} /[0-9]{{1,4}}/ "
