@@ -148,7 +148,7 @@ def served(request, kimi):
     target = e3.load_target(target_dir, dtype="float32")
     draft = None if request.param == "plain" else e3.load_draft(draft_dir, target=target, dtype="float32")
     spec = None if draft is None else e3.SpecConfig.parse(request.param)
-    scheduler = Scheduler(target, draft, spec, max_num_seqs=4, max_seq_len=1024, tokenizer=tok, prefix_caching=True)
+    scheduler = Scheduler(target, draft, spec, max_num_seqs=4, max_seq_len=2048, tokenizer=tok, prefix_caching=True)
     engine = AsyncEngine(scheduler, tokenizer=tok).start()
     server = ServerThread(make_app(engine, "kimi", tool_call_parser="kimi_k2", reasoning_parser="kimi_k2"))
     client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0)
@@ -321,6 +321,67 @@ def test_anthropic_forced_tool_use_stop_sequences_and_errors(served):
     with pytest.raises(anthropic.NotFoundError) as e:
         claude.messages.create(model="other", max_tokens=8, messages=ASK)
     assert e.value.body["error"]["type"] == "not_found_error"
+
+
+def _claude_code_tools() -> list[dict]:
+    """Tools shaped as Claude Code sends them (a few of its dozen, to fit the served 2,048
+    positions): draft-07 schemas, nested arrays of objects, enums, no extra properties,
+    `cache_control` on the last one."""
+    def schema(properties: dict, required: list) -> dict:
+        return {"type": "object", "properties": properties, "required": required, "additionalProperties": False,
+                "$schema": "http://json-schema.org/draft-07/schema#"}
+    text = {"type": "string"}
+    tools = [
+        {"name": "Bash", "description": "Run a shell command.",
+         "input_schema": schema({"command": text, "timeout": {"type": "number"}, "description": text}, ["command"])},
+        {"name": "TodoWrite", "description": "Update the task list.",
+         "input_schema": schema({"todos": {"type": "array", "items": schema(
+             {"content": {"type": "string", "minLength": 1},
+              "status": {"type": "string", "enum": ["pending", "in_progress", "completed"]}},
+             ["content", "status"])}}, ["todos"])},
+    ]
+    tools[-1]["cache_control"] = {"type": "ephemeral"}
+    return tools
+
+
+def test_a_claude_code_shaped_request_is_served(served):
+    """What Claude Code sends: system blocks with cache_control, its tool set, thinking with a
+    budget, an earlier turn with a signed thinking block and a tool call, tool results as block
+    lists (one an error), metadata and beta headers, streamed: accepted, answered in Anthropic's
+    event stream, what is not enforced said in the warnings header; count_tokens takes it too."""
+    _, client = served
+    _, claude = _anthropic(client)
+    system = [{"type": "text", "text": "You are Claude Code, a CLI for software engineering."},
+              {"type": "text", "text": "Working directory: /repo. Be concise.", "cache_control": {"type": "ephemeral"}}]
+    messages = [
+        {"role": "user", "content": [{"type": "text", "text": "<system-reminder>Context.</system-reminder>"},
+                                     {"type": "text", "text": "Fix the failing test.",
+                                      "cache_control": {"type": "ephemeral"}}]},
+        {"role": "assistant", "content": [
+            {"type": "thinking", "thinking": "Run the tests first.", "signature": "c2lnbmVk"},
+            {"type": "text", "text": "Running the tests."},
+            {"type": "tool_use", "id": "toolu_01A", "name": "Bash", "input": {"command": "pytest -q"}},
+            {"type": "tool_use", "id": "toolu_01B", "name": "Read", "input": {"file_path": "/repo/a.py"}}]},
+        {"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "toolu_01A", "is_error": True,
+             "content": [{"type": "text", "text": "1 failed"}]},
+            {"type": "tool_result", "tool_use_id": "toolu_01B", "content": "def f(): return 1"},
+            {"type": "text", "text": "Go on."}]}]
+    request = dict(model="kimi", max_tokens=8, system=system, messages=messages, tools=_claude_code_tools(),
+                   tool_choice={"type": "auto"}, thinking={"type": "enabled", "budget_tokens": 1024},
+                   metadata={"user_id": "user_abc_session_1"},
+                   extra_headers={"anthropic-beta": "interleaved-thinking-2025-05-14,fine-grained-tool-streaming"},
+                   extra_body=GREEDY)
+    with claude.messages.with_streaming_response.create(**request, stream=True) as raw:
+        assert raw.status_code == 200 and "budget_tokens" in raw.headers.get("x-eagle3-warnings", ""), raw.headers
+        events = [line.split(": ", 1)[1] for line in raw.iter_lines() if line.startswith("event: ")]
+    assert events[0] == "message_start" and events[-2:] == ["message_delta", "message_stop"], events
+    with claude.messages.stream(**request) as stream:
+        message = stream.get_final_message()
+    assert message.stop_reason in ("end_turn", "max_tokens", "tool_use")
+    counted = claude.messages.count_tokens(**{k: v for k, v in request.items()
+                                              if k not in ("max_tokens", "extra_body", "metadata")})
+    assert counted.input_tokens == message.usage.input_tokens + message.usage.cache_read_input_tokens > 300
 
 
 # ---- OpenAI's Responses API (the Agents SDK's) on the same path ---------------------------------------------
