@@ -1,4 +1,7 @@
-"""Pallas kernels (Triton lowering: the path that runs on ROCm and CUDA), each beside its reference:
-`attention.paged_prefix_attention` (decode / verify attention over paged KV) and `moe.grouped_matmul`
-/ `moe.grouped_swiglu` (rows sorted by expert times float, int4, MXFP4, FP8 or W4A8 expert weights).
-`eagle3_jax/runtime/kernels.py` decides which ops use them."""
+"""The GPU kernels, each beside its reference: Pallas kernels (Triton lowering: the path that runs on
+ROCm and CUDA) `attention.paged_prefix_attention` (decode / verify attention over paged KV) and
+`moe.grouped_matmul` / `moe.grouped_swiglu` (rows sorted by expert times float, int4, MXFP4, FP8 or
+W4A8 expert weights), which the engine calls (`eagle3_jax/runtime/kernels.py` decides which ops
+use them); and their move to `triton.jit` kernels launched through `jax_triton`
+(`triton_call.py`), begun with `triton_attention.paged_prefix_attention`. `launch.py` holds the
+launch parameters per architecture, `isa.py` compiles either kind to GPU machine code on any host."""

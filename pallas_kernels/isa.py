@@ -1,4 +1,5 @@
-"""Kernels compiled to GPU machine code on any host: Pallas -> Triton IR -> AMDGCN / PTX + cubin.
+"""Kernels compiled to GPU machine code on any host: Pallas -> Triton IR -> AMDGCN / PTX + cubin,
+and `triton.jit` kernels from their source (`compile_launch`, launches `triton_call` captured).
 
 The Triton lowering of `pallas_call` builds a Triton IR (TTIR) module per kernel. `capture`
 traces and lowers a function deviceless (`lowering_platforms=("rocm",)` or `("cuda",)`) for an
@@ -235,6 +236,30 @@ def compile_kernel(module: TritonModule, arch: str) -> CompileReport:
         _amd_report(report, stages["amdgcn"])
     else:
         _nvidia_report(report, stages["ptx"], target)
+    return report
+
+
+def compile_launch(launch, arch: str) -> CompileReport:
+    """Compile one captured `triton.jit` launch (`triton_call.JitLaunch`) for `arch` with the
+    `triton` package, from its source; a failure is reported, not raised."""
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    import triton
+    from triton.compiler import ASTSource
+
+    target = launch_table.ARCHS[arch]
+    report = CompileReport(launch.name, arch, launch.num_warps, launch.num_stages)
+    try:
+        source = ASTSource(fn=launch.kernel, signature=dict(launch.signature), constexprs=dict(launch.constexprs))
+        compiled = triton.compile(source, target=_gpu_target(target),
+                                  options=dict(num_warps=launch.num_warps, num_stages=launch.num_stages))
+    except Exception as e:  # noqa: BLE001  (the compiler's own message is the finding)
+        report.error = f"{type(e).__name__}: {str(e).strip()[-2000:]}"
+        return report
+    report.shared_bytes = int(compiled.metadata.shared)
+    if target.vendor == "amd":
+        _amd_report(report, compiled.asm["amdgcn"])
+    else:
+        _nvidia_report(report, compiled.asm["ptx"], target)
     return report
 
 

@@ -1,0 +1,230 @@
+"""Paged attention over a row's committed prefix as a `triton.jit` kernel (the kernel
+`attention.paged_prefix_attention` computes, in Triton proper, launched by `triton_call.call`).
+
+Same contract as the Pallas kernel (see attention.py): query rows of a KV head (GQA: the group's
+query heads x T tokens; absorbed MLA: every head x T tokens of the one latent "head") against the
+row's pages below its length, an online softmax in float32, partial (out, lse) per KV split,
+merged by `attention.merge_splits`. A program is one (row, KV head x row tile, KV split): it
+holds a row tile's queries and float32 accumulator in registers and reads each page of its
+split once, so a tile of `block_rows` rows reads the prefix once for all of them — with 64 rows
+per tile, Kimi-K2.5's 8 heads per device (tensor parallel) x 4 draft tokens read each page once
+per step, and its 64 heads x 4 tokens (data-parallel attention) 4 times.
+
+Lanes come in groups: FP8 pages (uint8 bits, decoded in registers, a float32 scale per slot per
+group of lanes) scale each group's part of the scores, and for values the probabilities before
+the dot, so the decoded tile stays exact in the compute dtype; the queries, keys, values and the
+accumulator are [groups, rows, lanes] and every dot is batched over the groups (one group for
+bfloat16 pages). Lane widths (key group, rope, value group) must be powers of two >= 16, as must
+the page's tile of slots.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import triton
+import triton.language as tl
+
+from pallas_kernels import launch as launch_table
+from pallas_kernels import triton_call
+from pallas_kernels.attention import Fp8Scales, block_rows_for, default_splits, merge_splits
+from pallas_kernels.launch import AttentionLaunch
+
+_NEG = tl.constexpr(-1e30)  # a global the kernel reads must be a constexpr
+
+
+@triton.jit
+def _fp8_decode(bits, FNUZ: tl.constexpr):
+    """float8 e4m3 bits -> float32 (e4m3fn, or e4m3fnuz when FNUZ): the bits placed at float16's,
+    times 2^(15 - bias) (attention.fp8_decode's arithmetic)."""
+    b = bits.to(tl.int32)
+    half = ((b & 0x80) << 8) | ((b & 0x7F) << 7)
+    value = half.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return value * (128.0 if FNUZ else 256.0)
+
+
+@triton.jit
+def _dot(a, b, IEEE: tl.constexpr, INTERPRETED: tl.constexpr):
+    """a . b with float32 accumulation; under Triton's interpreter, of float32 copies (it multiplies
+    16-bit floats wrongly; the copies are exact, so the products and sums are the ones a matrix
+    unit accumulating in float32 forms)."""
+    if INTERPRETED:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    if IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    return tl.dot(a, b)
+
+
+@triton.jit
+def _grouped(base, slot_stride, slots, GROUPS: tl.constexpr, WIDTH: tl.constexpr):
+    """Pointers to `slots` x GROUPS x WIDTH lanes of a page, as [GROUPS, slots, WIDTH]."""
+    return (base + tl.arange(0, GROUPS)[:, None, None] * WIDTH + slots[None, :, None] * slot_stride
+            + tl.arange(0, WIDTH)[None, None, :])
+
+
+@triton.jit
+def _grouped_dot(a, b, GROUPS: tl.constexpr, IEEE: tl.constexpr, INTERPRETED: tl.constexpr):
+    """[GROUPS, M, K] . [GROUPS, K, N] -> [GROUPS, M, N] float32: one 2-D dot for one group."""
+    if GROUPS == 1:
+        out = _dot(tl.reshape(a, [a.shape[1], a.shape[2]]), tl.reshape(b, [b.shape[1], b.shape[2]]), IEEE, INTERPRETED)
+        out = tl.reshape(out, [1, a.shape[1], b.shape[2]])
+    else:
+        out = _dot(a, b, IEEE, INTERPRETED)
+    return out
+
+
+@triton.jit
+def paged_prefix_attention_kernel(
+        layer_ptr, lengths_ptr, table_ptr, q_ptr, k_ptr, ks_ptr, q2_ptr, k2_ptr, k2s_ptr, v_ptr, vs_ptr,
+        scale, pages_per_split, table_stride,
+        q_b, q_h, q_m, q2_b, q2_h, q2_m,
+        k_l, k_p, k_s, k_h, ks_l, ks_p, ks_s, ks_h,
+        k2_l, k2_p, k2_s, k2_h, k2s_l, k2s_p, k2s_s, k2s_h,
+        v_l, v_p, v_s, v_h, vs_l, vs_p, vs_s, vs_h,
+        o_b, o_h, o_s, o_m, lse_b, lse_h, lse_s,
+        out_ptr, lse_ptr,
+        PAGE: tl.constexpr, TILE: tl.constexpr, BLOCK_M: tl.constexpr, ROW_BLOCKS: tl.constexpr,
+        KG: tl.constexpr, KW: tl.constexpr, D2: tl.constexpr, VG: tl.constexpr, VW: tl.constexpr,
+        HAS_ROPE: tl.constexpr, SHARED_VALUE: tl.constexpr, FP8: tl.constexpr, FNUZ: tl.constexpr,
+        IEEE: tl.constexpr, INTERPRETED: tl.constexpr):
+    b, split = tl.program_id(0), tl.program_id(2)
+    h, row_block = tl.program_id(1) // ROW_BLOCKS, tl.program_id(1) % ROW_BLOCKS
+    layer, length = tl.load(layer_ptr), tl.load(lengths_ptr + b)
+    rows = row_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    q = tl.load(q_ptr + b * q_b + h * q_h + tl.arange(0, KG)[:, None, None] * KW + rows[None, :, None] * q_m
+                + tl.arange(0, KW)[None, None, :])  # [KG, BLOCK_M, KW]
+    if HAS_ROPE:
+        q2 = tl.load(q2_ptr + b * q2_b + h * q2_h + rows[:, None] * q2_m + tl.arange(0, D2)[None, :])
+    tiles_per_page: tl.constexpr = PAGE // TILE
+    first = split * pages_per_split * tiles_per_page
+    last = tl.minimum(first + pages_per_split * tiles_per_page, tl.cdiv(length, TILE))
+    m_i = tl.full([BLOCK_M], _NEG, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([VG, BLOCK_M, VW], tl.float32)
+    for j in range(first, last):
+        page = tl.load(table_ptr + b * table_stride + j // tiles_per_page)
+        slots = (j % tiles_per_page) * TILE + tl.arange(0, TILE)
+        keys = tl.load(_grouped(k_ptr + layer * k_l + page * k_p + h * k_h, k_s, slots, KG, KW))  # [KG, TILE, KW]
+        if FP8:
+            keys = _fp8_decode(keys, FNUZ).to(q.dtype)
+        parts = _grouped_dot(q, tl.permute(keys, (0, 2, 1)), KG, IEEE, INTERPRETED)  # [KG, BLOCK_M, TILE]
+        if FP8:
+            key_scales = tl.load(ks_ptr + layer * ks_l + page * ks_p + h * ks_h + slots[None, None, :] * ks_s
+                                 + tl.arange(0, KG)[:, None, None])  # [KG, 1, TILE]
+            parts = parts * key_scales
+        scores = tl.sum(parts, axis=0)
+        if HAS_ROPE:
+            rope = tl.load(k2_ptr + layer * k2_l + page * k2_p + h * k2_h + tl.arange(0, D2)[:, None]
+                           + slots[None, :] * k2_s)
+            if FP8:
+                rope = _fp8_decode(rope, FNUZ).to(q2.dtype)
+            rope_part = _dot(q2, rope, IEEE, INTERPRETED)
+            if FP8:
+                rope_part = rope_part * tl.load(k2s_ptr + layer * k2s_l + page * k2s_p + h * k2s_h
+                                                + slots[None, :] * k2s_s)
+            scores += rope_part
+        valid = (j * TILE + tl.arange(0, TILE)) < length
+        scores = tl.where(valid[None, :], scores * scale, _NEG)
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        p = tl.where(valid[None, :], tl.exp(scores - m_new[:, None]), 0.0)
+        alpha = tl.exp(m_i - m_new)
+        if SHARED_VALUE:  # MLA: the values are the latent keys, with their scales
+            values = keys
+            if FP8:
+                weights = p[None, :, :] * key_scales
+            else:
+                weights = p[None, :, :]
+        else:
+            values = tl.load(_grouped(v_ptr + layer * v_l + page * v_p + h * v_h, v_s, slots, VG, VW))
+            if FP8:
+                values = _fp8_decode(values, FNUZ).to(q.dtype)
+                weights = p[None, :, :] * tl.load(vs_ptr + layer * vs_l + page * vs_p + h * vs_h
+                                                  + slots[None, None, :] * vs_s + tl.arange(0, VG)[:, None, None])
+            else:
+                weights = p[None, :, :]
+        acc = acc * alpha[None, :, None] + _grouped_dot(weights.to(values.dtype), values, VG, IEEE, INTERPRETED)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        m_i = m_new
+    seen = l_i > 0
+    out = tl.where(seen[None, :, None], acc / tl.where(seen, l_i, 1.0)[None, :, None], 0.0)
+    tl.store(out_ptr + b * o_b + h * o_h + split * o_s + tl.arange(0, VG)[:, None, None] * VW
+             + rows[None, :, None] * o_m + tl.arange(0, VW)[None, None, :], out)
+    tl.store(lse_ptr + b * lse_b + h * lse_h + split * lse_s + rows,
+             tl.where(seen, m_i + tl.log(tl.where(seen, l_i, 1.0)), float("-inf")))
+
+
+def _power_of_two_lanes(width: int, what: str) -> None:
+    if width < 16 or width & (width - 1):
+        raise ValueError(f"the Triton attention kernel needs {what} of a power-of-two width >= 16; got {width}")
+
+
+def _strides(x: jax.Array) -> tuple[int, ...]:
+    """Element strides of a row-major array."""
+    out, step = [], 1
+    for n in reversed(x.shape):
+        out.append(step)
+        step *= n
+    return tuple(reversed(out))
+
+
+def paged_prefix_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array | None, layer, block_table: jax.Array,
+                           lengths: jax.Array, *, scale: float, q2: jax.Array | None = None,
+                           k2_pool: jax.Array | None = None, num_splits: int = 0, interpret: bool | None = None,
+                           launch: AttentionLaunch | None = None, scales: Fp8Scales | None = None
+                           ) -> tuple[jax.Array, jax.Array]:
+    """`attention.paged_prefix_attention`, computed by the Triton kernel (same arguments and
+    results; `interpret` None: through jax_triton on a GPU, Triton's interpreter elsewhere)."""
+    b, h, m, d = q.shape
+    _, _, page_size, _, _ = k_pool.shape
+    shared_value = v_pool is None
+    dv = (k_pool if shared_value else v_pool).shape[-1]
+    form = "mla_attention" if shared_value else "gqa_attention"
+    if launch is None:
+        launch = launch_table.launch(form + ("_fp8" if scales is not None else ""))
+    itemsize = jnp.dtype(q.dtype).itemsize
+    block = block_rows_for(m, dv, itemsize, launch, 512 if shared_value else 128)
+    rows = -(-m // block) * block
+    tile = launch.tile(page_size, itemsize) or page_size
+    if page_size % tile:
+        raise ValueError(f"pages of {page_size} slots do not split into tiles of {tile}; use the XLA path")
+    kg = 1 if scales is None else scales.k.shape[-1]
+    vg = 1 if scales is None else (scales.k if shared_value else scales.v).shape[-1]
+    for width, what in ((d // kg, "key lanes per group"), (dv // vg, "value lanes per group"), (tile, "page tiles")):
+        _power_of_two_lanes(width, what)
+    if q2 is not None:
+        _power_of_two_lanes(q2.shape[-1], "rope lanes")
+    if num_splits <= 0:
+        num_splits = default_splits(b, h, m, block_table.shape[1], dv, itemsize, launch, form)
+    pages_per_split = -(-block_table.shape[1] // num_splits)
+    pad = ((0, 0), (0, 0), (0, rows - m), (0, 0))
+    q = jnp.pad(q, pad)
+    q2 = jnp.pad(q2, pad) if q2 is not None else q[..., :16]
+    absent = jnp.zeros((1,), jnp.float32)  # a pointer the kernel's flags keep it from reading
+    k_scales = scales.k if scales is not None else absent
+    k2 = k2_pool if k2_pool is not None else k_pool
+    k2_scales = scales.k2 if scales is not None and scales.k2 is not None else absent
+    v = v_pool if v_pool is not None else k_pool
+    v_scales = scales.v if scales is not None and scales.v is not None else absent
+    out_shapes = [jax.ShapeDtypeStruct((b, h, num_splits, rows, dv), jnp.float32),
+                  jax.ShapeDtypeStruct((b, h, num_splits, rows), jnp.float32)]
+
+    def pool_strides(x):  # [L, pages, slots, heads, lanes] -> the first four strides (0s for an absent one)
+        return _strides(x)[:4] if x.ndim == 5 else (0, 0, 0, 0)
+
+    out_strides = _strides(jax.ShapeDtypeStruct(out_shapes[0].shape, jnp.float32))
+    lse_strides = _strides(jax.ShapeDtypeStruct(out_shapes[1].shape, jnp.float32))
+    args = [jnp.asarray(layer, jnp.int32).reshape(1), lengths.astype(jnp.int32), block_table.astype(jnp.int32), q,
+            k_pool, k_scales, q2, k2, k2_scales, v, v_scales,
+            float(scale), int(pages_per_split), int(block_table.shape[1]),
+            *_strides(q)[:3], *_strides(q2)[:3],
+            *pool_strides(k_pool), *pool_strides(k_scales), *pool_strides(k2), *pool_strides(k2_scales),
+            *pool_strides(v), *pool_strides(v_scales), *out_strides[:4], *lse_strides[:3]]
+    out, lse = triton_call.call(
+        paged_prefix_attention_kernel, out_shapes, *args, grid=(b, h * (rows // block), num_splits),
+        num_warps=launch.num_warps, num_stages=launch.num_stages, interpret=interpret,
+        name=f"eagle3_paged_prefix_attention_{form.split('_')[0]}",
+        PAGE=page_size, TILE=tile, BLOCK_M=block, ROW_BLOCKS=rows // block, KG=kg, KW=d // kg,
+        D2=q2.shape[-1], VG=vg, VW=dv // vg, HAS_ROPE=k2_pool is not None, SHARED_VALUE=shared_value,
+        FP8=scales is not None, FNUZ=bool(scales is not None and scales.fnuz), IEEE=q.dtype == jnp.float32)
+    out, lse = merge_splits(out, lse)
+    return out[:, :, :m], lse[:, :, :m]

@@ -1,0 +1,174 @@
+"""Launching a `triton.jit` kernel from JAX: through `jax_triton` on a GPU, through Triton's
+interpreter on any other host.
+
+On ROCm and CUDA, `jax_triton.triton_call` compiles the kernel for the device and places it in the
+XLA program as a custom call. Elsewhere (a CPU host: the tests, a laptop) the same kernel source
+runs under Triton's interpreter, on CPU torch tensors, inside a `jax.pure_callback`: slow, but the
+very kernel the GPU runs, so its results are checked against the XLA references anywhere. Both
+imports are lazy: a CPU-only install without `jax_triton` (or torch) imports this module.
+
+A kernel's parameters are its input arrays, its scalars, its output arrays, then its
+`tl.constexpr` parameters (jax_triton's order: the outputs follow every argument); `call` takes
+the inputs and scalars in that order, the constexprs by name. A kernel with an `INTERPRETED`
+constexpr is told whether the interpreter runs it (`call` sets it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import importlib
+import sys
+import threading
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# JAX dtypes the interpreter's torch tensors stand for; bfloat16 crosses as its 16 bits.
+_TORCH_VIEW = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32", "int32": "int32",
+               "uint8": "uint8", "int8": "int8", "int16": "int16", "float64": "float64", "int64": "int64"}
+
+
+def on_gpu(backend: str | None = None) -> bool:
+    """Whether JAX's default backend (or `backend`) is a GPU that `jax_triton` launches on."""
+    return (backend or jax.default_backend()) in ("gpu", "cuda", "rocm")
+
+
+@dataclasses.dataclass(frozen=True)
+class JitLaunch:
+    """One launch of a `triton.jit` kernel as `call` saw it, for compiling it on any host (isa.py):
+    its Triton signature ({parameter: type}) and constexprs, launch parameters and grid."""
+
+    kernel: Any
+    name: str
+    signature: tuple[tuple[str, str], ...]
+    constexprs: tuple[tuple[str, Any], ...]
+    num_warps: int
+    num_stages: int
+    grid: tuple[int, ...]
+
+
+_CAPTURES: list[list[JitLaunch]] = []
+
+
+@contextlib.contextmanager
+def capturing(into: list):
+    """Within it, `call` launches nothing: it adds a `JitLaunch` to `into` and returns zeros (so a
+    deviceless trace goes on)."""
+    _CAPTURES.append(into)
+    try:
+        yield into
+    finally:
+        _CAPTURES.pop()
+
+
+_TRITON_TYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64", "int32": "i32",
+                 "int64": "i64", "int16": "i16", "int8": "i8", "uint8": "u8", "bool": "i1"}
+
+
+def _signature(kernel, arrays, scalars, out_shapes, constexprs) -> tuple[tuple[str, str], ...]:
+    types = [f"*{_TRITON_TYPES[str(jnp.dtype(a.dtype))]}" for a in arrays]
+    types += ["fp32" if isinstance(v, float) else "i1" if isinstance(v, bool) else "i32" if -2**31 <= v < 2**31
+              else "i64" for v in scalars]
+    types += [f"*{_TRITON_TYPES[str(jnp.dtype(s.dtype))]}" for s in out_shapes]
+    names = kernel.arg_names
+    if len(types) + len(constexprs) != len(names):
+        raise TypeError(f"{kernel.__name__} takes {len(names)} parameters; the call gives "
+                        f"{len(types)} arrays and scalars and {len(constexprs)} constexprs")
+    return tuple(zip(names, types + ["constexpr"] * len(constexprs)))
+
+
+def call(kernel, out_shapes: Sequence[jax.ShapeDtypeStruct], *args: Any, grid: tuple[int, ...],
+         num_warps: int, num_stages: int, interpret: bool | None = None, name: str = "",
+         **constexprs: Any) -> list[jax.Array]:
+    """Run `kernel` over `grid` on `args` (arrays, then ints / floats) writing `out_shapes`;
+    returns the outputs. `interpret` None: on a GPU through jax_triton, else interpreted."""
+    interpret = not on_gpu() and not _CAPTURES if interpret is None else interpret and not _CAPTURES
+    if "INTERPRETED" in kernel.arg_names:
+        constexprs = {**constexprs, "INTERPRETED": bool(interpret)}
+    first_scalar = next((i for i, a in enumerate(args) if isinstance(a, (bool, int, float, np.number))), len(args))
+    arrays, scalars = args[:first_scalar], args[first_scalar:]
+    if _CAPTURES:
+        _CAPTURES[-1].append(JitLaunch(kernel, name or kernel.__name__,
+                                       _signature(kernel, arrays, scalars, out_shapes, constexprs),
+                                       tuple(constexprs.items()), num_warps, num_stages, tuple(grid)))
+        return [jnp.zeros(s.shape, s.dtype) for s in out_shapes]
+    if not interpret:
+        import jax_triton as jt
+
+        out = jt.triton_call(*args, kernel=kernel, out_shape=list(out_shapes), grid=grid, num_warps=num_warps,
+                             num_stages=num_stages, name=name, **constexprs)
+        return list(out) if isinstance(out, (list, tuple)) else [out]
+    host = functools.partial(_interpret, kernel, tuple(out_shapes), tuple(scalars), tuple(grid), constexprs)
+    out = jax.pure_callback(host, list(out_shapes), *arrays)
+    return list(out)
+
+
+def _to_torch(array: np.ndarray):
+    import torch
+
+    array = np.ascontiguousarray(array)
+    name = str(array.dtype)
+    if name == "bfloat16":
+        return torch.from_numpy(array.view(np.int16).copy()).view(torch.bfloat16)
+    return torch.from_numpy(array.copy()).to(getattr(torch, _TORCH_VIEW[name]))
+
+
+def _to_numpy(tensor, dtype) -> np.ndarray:
+    import torch
+
+    if str(jnp.dtype(dtype)) == "bfloat16":
+        return tensor.view(torch.int16).numpy().view(jnp.bfloat16)
+    return tensor.numpy()
+
+
+@contextlib.contextmanager
+def _interpreting(kernel):
+    """Triton's interpreter for the length of a call: the `triton.jit` functions of triton.language
+    and of the kernel's module swapped for interpreted twins, as TRITON_INTERPRET=1 would have made
+    them at import (the interpreter runs only functions it wraps), and put back after, so the same
+    process still compiles the kernels (the compile gate)."""
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    for later in _IMPORTED_BY_THE_INTERPRETER:  # imported now: they check the functions are not swapped
+        with contextlib.suppress(ImportError):
+            importlib.import_module(later)
+    names = [n for n in list(sys.modules) if n == "triton.language" or n.startswith("triton.language.")]
+    swapped = []
+    with _INTERPRETER_LOCK:
+        try:
+            for module in [sys.modules[n] for n in names] + [sys.modules[kernel.fn.__module__]]:
+                for name, value in list(vars(module).items()):
+                    if isinstance(value, JITFunction):
+                        swapped.append((module, name, value))
+                        setattr(module, name, _twin(value, InterpretedFunction))
+            yield InterpretedFunction(kernel.fn)
+        finally:
+            for module, name, value in reversed(swapped):
+                setattr(module, name, value)
+
+
+_INTERPRETER_LOCK = threading.RLock()
+_IMPORTED_BY_THE_INTERPRETER = ("triton.experimental.gluon.language",)
+_TWINS: dict = {}
+
+
+def _twin(function, interpreted):
+    # by identity: hashing a JITFunction walks its source and what it names (swapped, mid-call)
+    if id(function) not in _TWINS:
+        _TWINS[id(function)] = (function, interpreted(function.fn))
+    return _TWINS[id(function)][1]
+
+
+def _interpret(kernel, out_shapes, scalars, grid, constexprs, *arrays) -> list[np.ndarray]:
+    import torch
+
+    inputs = [_to_torch(np.asarray(a)) for a in arrays]
+    outputs = [torch.zeros(s.shape, dtype=getattr(torch, _TORCH_VIEW[str(jnp.dtype(s.dtype))])) for s in out_shapes]
+    with _interpreting(kernel) as interpreted:
+        interpreted[grid](*inputs, *scalars, *outputs, **constexprs)
+    return [_to_numpy(t, s.dtype) for t, s in zip(outputs, out_shapes)]
