@@ -1,8 +1,7 @@
 # `make demo`: plain decoding vs EAGLE-3 chain and tree on the bundled kimi-mini pair.
 # `make test`: the test suite.
 # Each creates .venv if missing and installs what it needs once (stamp files; re-run after
-# pyproject.toml changes). Modules are byte-compiled when first imported, not at install: the
-# packages hold thousands of files a run never imports (half the install's time).
+# pyproject.toml changes).
 
 PYTHON ?= python3
 VENV := .venv
@@ -16,11 +15,11 @@ $(VPY):
 	$(PYTHON) -m venv $(VENV)
 
 $(VENV)/.stamp-demo: pyproject.toml | $(VPY)
-	$(VPY) -m pip install --no-compile -e .
+	$(VPY) -m pip install -e .
 	touch $@
 
 $(VENV)/.stamp-test: pyproject.toml | $(VPY)
-	$(VPY) -m pip install --no-compile -e '.[test]'
+	$(VPY) -m pip install -e '.[test]'
 	touch $@
 
 # The demo runs bfloat16 with batch-invariant numerics (scripts/demo.py's defaults); DEMO_FLAGS adds

@@ -85,10 +85,10 @@ if [ ! -f "$stamp" ]; then
     "$venv/bin/python" "$(ls "$wheels"/pip-*.whl)/pip" install -q --no-index "$(ls "$wheels"/pip-*.whl)"
     rm -rf "$wheels"
     # the project with every extra at the newest JAX it allows, plus the test tools (no torch / transformers)
-    "$venv/bin/pip" install -q --no-compile -e '.[test-notorch]' "jax>=0.12,<0.13" "jaxlib>=0.12,<0.13"
+    "$venv/bin/pip" install -q -e '.[test-notorch]' "jax>=0.12,<0.13" "jaxlib>=0.12,<0.13"
     touch "$stamp"
 else
-    "$venv/bin/pip" install -q --no-compile --no-deps -e .  # this clone, not the one the cache was made from
+    "$venv/bin/pip" install -q --no-deps -e .  # this clone, not the one the cache was made from
 fi
 "$venv/bin/python" -c 'import sys, jax; print(f"newest-JAX leg: Python {sys.version.split()[0]}, jax {jax.__version__}")'
 if [ "${1:-}" = "--prepare" ]; then  # the Python and the environment only (.ci/run builds them beside the first leg)

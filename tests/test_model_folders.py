@@ -74,7 +74,7 @@ KIMI_OUT = ("The user wants weather and time; call both tools.</think>Checking b
             "<|tool_call_argument_begin|>{\"timezone\": \"Europe/Paris\"}<|tool_call_end|>"
             "<|tool_calls_section_end|><|im_end|>")
 KIMI_BAD = ("Hmm.</think>Sure.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:1"
-            "<|tool_call_argument_begin|>{\"city\": \"Lyon\"}<|tool_call_end|><|im_end|>")  # section never closed
+            "<|tool_call_argument_begin|>{\"city\": \"Ly<|tool_call_end|><|tool_calls_section_end|><|im_end|>")  # cut short
 MINIMAX_OUT = ("The user asks two things, so two calls.\n</think>\n\nChecking both now.\n<minimax:tool_call>\n"
                "<invoke name=\"get_weather\">\n<parameter name=\"city\">Lyon</parameter>\n"
                "<parameter name=\"days\">2</parameter>\n</invoke>\n<invoke name=\"get_time\">\n"
@@ -91,7 +91,7 @@ DS3_OUT = ("The user asks two things.\n</think>\n\nChecking both now.<｜tool▁
            "<｜tool▁call▁begin｜>function<｜tool▁sep｜>get_time\n```json\n{\"timezone\": \"Europe/Paris\"}\n```"
            "<｜tool▁call▁end｜><｜tool▁calls▁end｜><｜end▁of▁sentence｜>")
 DS3_BAD = ("Hmm.\n</think>\n\n<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n"
-           "{\"city\": \"Lyon\"}\n```<｜tool▁call▁end｜><｜end▁of▁sentence｜>")  # section never closed
+           "{\"city\": \"Ly\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜><｜end▁of▁sentence｜>")  # the value cut short
 LLAMA_CALLS = ("{\"name\": \"get_weather\", \"parameters\": {\"city\": \"Lyon\", \"days\": 2}}; "
                "{\"name\": \"get_time\", \"parameters\": {\"timezone\": \"Europe/Paris\"}}")
 LLAMA_BAD = "{\"name\": \"get_weather\", \"parameters\": {\"city\": }}<|eot_id|>"  # not JSON
@@ -340,9 +340,8 @@ def test_minimax_reasoning_split(toks):
 
 
 def test_llama_python_tag_is_special_and_the_parser_reads_text(toks):
-    """<|python_tag|> is a special token: decoding drops it, so the calls are found because the text
-    starts with a JSON object, tag or not; text before the tag mid-answer stays glued to the JSON and
-    the whole answer is content (the tag that separated them is gone)."""
+    """<|python_tag|> is a special token: decoding drops it, so the calls are found as JSON objects,
+    tag or not, and text before the tag mid-answer is the content."""
     tok = toks["llama31"]
     assert tok.token_to_id("<|python_tag|>") in tok.special_ids
     parsers = family_parsers("llama31")
@@ -350,7 +349,8 @@ def test_llama_python_tag_is_special_and_the_parser_reads_text(toks):
     assert "<|python_tag|>" not in tok.decode(tok.encode("<|python_tag|>" + LLAMA_CALLS, add_bos=False))
     assert [(c.name, json.loads(c.arguments)) for c in whole.tool_calls] == CALLS and whole.content == ""
     text, mixed = check_streams(tok, "llama31", "Let me check.<|python_tag|>" + LLAMA_CALLS + "<|eot_id|>", parsers, {})
-    assert text == "Let me check." + LLAMA_CALLS and mixed.content == text and mixed.tool_calls == ()
+    assert text == "Let me check." + LLAMA_CALLS and mixed.content == "Let me check."
+    assert [(c.name, json.loads(c.arguments)) for c in mixed.tool_calls] == CALLS
     _, answer = check_streams(tok, "llama31", "It is sunny in Lyon.<|eot_id|>", parsers, {})
     assert answer.content == "It is sunny in Lyon." and answer.tool_calls == ()
 
