@@ -60,33 +60,9 @@ LONGEST_FIRST_ALL = ("test_compile_gate.py", "test_multihost.py", "test_pallas_e
                      "test_structured_decoding.py")
 
 
-# CI's newest-JAX leg (.ci/newest_jax.sh, `--newest-jax-leg`): the `newest_jax` tests, and the default tests
-# of the files whose subject is JAX's own API surface (the Pallas kernels, lowering to GPU platforms, KV
-# pages, sharding and collectives, Orbax checkpoints), in one run so its two workers stay busy to the end.
-JAX_API_FILES = ("test_pallas_attention.py", "test_pallas_moe.py", "test_lowering.py", "test_spec_lowering.py",
-                 "test_kv_cache.py", "test_checkpoint.py", "test_sharding.py")
-
-
-def pytest_addoption(parser):
-    parser.addoption("--newest-jax-leg", action="store_true",
-                     help="run CI's newest-JAX leg: the newest_jax tests and the default tests of JAX_API_FILES "
-                          "(with -m 'not slow', which lifts the default deselection of newest_jax)")
-
-
-def _in_newest_jax_leg(item) -> bool:
-    if item.get_closest_marker("newest_jax"):
-        return True
-    return item.path.name in JAX_API_FILES
-
-
 def pytest_collection_modifyitems(config, items):
     """Files in LONGEST_FIRST order first (LONGEST_FIRST_ALL ahead of it when slow or newest_jax tests run), each
-    file's tests kept together and in their order; with --newest-jax-leg, that leg's tests only."""
-    if config.getoption("--newest-jax-leg"):
-        left = [item for item in items if not _in_newest_jax_leg(item)]
-        if left:
-            config.hook.pytest_deselected(items=left)
-            items[:] = [item for item in items if _in_newest_jax_leg(item)]
+    file's tests kept together and in their order."""
     longest = LONGEST_FIRST
     if any(item.get_closest_marker("slow") or item.get_closest_marker("newest_jax") for item in items):
         longest = LONGEST_FIRST_ALL + tuple(name for name in LONGEST_FIRST if name not in LONGEST_FIRST_ALL)
