@@ -27,10 +27,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-# JAX dtypes the interpreter's torch tensors stand for; bfloat16 crosses as its 16 bits.
-_TORCH_VIEW = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32", "int32": "int32",
-               "uint8": "uint8", "int8": "int8", "int16": "int16", "float64": "float64", "int64": "int64"}
-
 
 def on_gpu(backend: str | None = None) -> bool:
     """Whether JAX's default backend (or `backend`) is a GPU that `jax_triton` launches on."""
@@ -110,11 +106,10 @@ def call(kernel, out_shapes: Sequence[jax.ShapeDtypeStruct], *args: Any, grid: t
 def _to_torch(array: np.ndarray):
     import torch
 
-    array = np.ascontiguousarray(array)
-    name = str(array.dtype)
-    if name == "bfloat16":
-        return torch.from_numpy(array.view(np.int16).copy()).view(torch.bfloat16)
-    return torch.from_numpy(array.copy()).to(getattr(torch, _TORCH_VIEW[name]))
+    array = np.array(array, order="C")  # a writable copy: the kernel may write its arrays
+    if array.dtype == jnp.bfloat16:  # crosses as its 16 bits (numpy has no bfloat16 torch reads)
+        return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(array)
 
 
 def _to_numpy(tensor, dtype) -> np.ndarray:
@@ -168,7 +163,7 @@ def _interpret(kernel, out_shapes, scalars, grid, constexprs, *arrays) -> list[n
     import torch
 
     inputs = [_to_torch(np.asarray(a)) for a in arrays]
-    outputs = [torch.zeros(s.shape, dtype=getattr(torch, _TORCH_VIEW[str(jnp.dtype(s.dtype))])) for s in out_shapes]
+    outputs = [torch.zeros(s.shape, dtype=getattr(torch, str(jnp.dtype(s.dtype)))) for s in out_shapes]
     with _interpreting(kernel) as interpreted:
         interpreted[grid](*inputs, *scalars, *outputs, **constexprs)
     return [_to_numpy(t, s.dtype) for t, s in zip(outputs, out_shapes)]

@@ -7,7 +7,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import paged_attention_cases as cases
 import pytest
+from paged_attention_cases import close
 
 from pallas_kernels import launch
 from pallas_kernels.attention import (
@@ -23,22 +25,8 @@ LENGTHS = [0, 1, 7, 8, 13]  # empty, one slot, partial page, whole pages, severa
 
 
 def pools_and_table(rng, heads: int, dims: list[int], num_pages: int = 40, layers: int = 2, width: int = 6):
-    pools = [rng.standard_normal((layers, num_pages, PAGE, heads, d)).astype(np.float32) for d in dims]
-    order = rng.permutation(np.arange(1, num_pages))[: len(LENGTHS) * width].reshape(len(LENGTHS), width)
-    table = np.where(np.arange(width)[None, :] * PAGE < np.asarray(LENGTHS)[:, None], order, 0)  # page 0: unused
-    return pools, table.astype(np.int32), np.asarray(LENGTHS, np.int32)
-
-
-def close(got, want, dtype):
-    # float32: 1e-5 here and on a GPU, where every kernel dot is HIGHEST (IEEE float32, not the
-    # TF32 / xf32 a default-precision float32 dot becomes on sm_90 and gfx942); bfloat16: 3e-2.
-    tol = 1e-5 if dtype == jnp.float32 else 3e-2
-    out, lse = got
-    ref_out, ref_lse = want
-    np.testing.assert_allclose(np.asarray(out), np.asarray(ref_out), atol=tol, rtol=tol)
-    finite = np.isfinite(np.asarray(ref_lse))
-    assert (np.isfinite(np.asarray(lse)) == finite).all()
-    np.testing.assert_allclose(np.asarray(lse)[finite], np.asarray(ref_lse)[finite], atol=tol, rtol=tol)
+    return cases.pools_and_table(rng, heads, dims, page=PAGE, lengths=LENGTHS, num_pages=num_pages, layers=layers,
+                                 width=width)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])

@@ -9,7 +9,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import paged_attention_cases as cases
 import pytest
+from paged_attention_cases import close
 
 pytest.importorskip("triton")
 
@@ -29,19 +31,8 @@ LENGTHS = [0, 1, 17, 32, 45]  # empty, one slot, a partial page, whole pages, se
 
 
 def pools_and_table(rng, heads: int, dims: list[int], num_pages: int = 24, layers: int = 2, width: int = 3):
-    pools = [rng.standard_normal((layers, num_pages, PAGE, heads, d)).astype(np.float32) for d in dims]
-    order = rng.permutation(np.arange(1, num_pages))[: len(LENGTHS) * width].reshape(len(LENGTHS), width)
-    table = np.where(np.arange(width)[None, :] * PAGE < np.asarray(LENGTHS)[:, None], order, 0)  # page 0: unused
-    return pools, table.astype(np.int32), np.asarray(LENGTHS, np.int32)
-
-
-def close(got, want, dtype):
-    tol = 1e-5 if dtype == jnp.float32 else 3e-2
-    (out, lse), (ref_out, ref_lse) = got, want
-    np.testing.assert_allclose(np.asarray(out), np.asarray(ref_out), atol=tol, rtol=tol)
-    finite = np.isfinite(np.asarray(ref_lse))
-    assert (np.isfinite(np.asarray(lse)) == finite).all()
-    np.testing.assert_allclose(np.asarray(lse)[finite], np.asarray(ref_lse)[finite], atol=tol, rtol=tol)
+    return cases.pools_and_table(rng, heads, dims, page=PAGE, lengths=LENGTHS, num_pages=num_pages, layers=layers,
+                                 width=width)
 
 
 @interpreted
