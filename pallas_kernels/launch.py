@@ -113,6 +113,12 @@ class MoeLaunch:
     max_block_k: int
     num_warps: int
     num_stages: int
+    # the Triton kernels (triton_moe.py): the K step of packed formats (int4 / MXFP4 / W4A8, whole
+    # scale groups a step), and split-K: K splits are added until the launch has about
+    # `target_programs` programs (0: never split), each keeping `min_split_steps` K steps or more
+    max_packed_k: int = 256
+    target_programs: int = 0
+    min_split_steps: int = 4
 
 
 Launch = AttentionLaunch | MoeLaunch
@@ -144,11 +150,20 @@ TABLE: dict[tuple[str, str], Launch] = {
     ("gqa_attention_fp8", "gfx950"): AttentionLaunch(block_rows=32, num_warps=4, num_stages=1),
     ("gqa_attention_fp8", "sm_90"): AttentionLaunch(block_rows=32, num_warps=4, num_stages=1),
     ("gqa_attention_fp8", "sm_100"): AttentionLaunch(block_rows=32, num_warps=4, num_stages=1),
-    ("moe", DEFAULT): MoeLaunch(block_m=16, max_block_n=64, max_block_k=32, num_warps=4, num_stages=2),
-    ("moe", "gfx942"): MoeLaunch(block_m=16, max_block_n=64, max_block_k=64, num_warps=4, num_stages=2),
-    ("moe", "gfx950"): MoeLaunch(block_m=16, max_block_n=64, max_block_k=64, num_warps=4, num_stages=2),
-    ("moe", "sm_90"): MoeLaunch(block_m=16, max_block_n=64, max_block_k=64, num_warps=8, num_stages=3),
-    ("moe", "sm_100"): MoeLaunch(block_m=16, max_block_n=64, max_block_k=64, num_warps=8, num_stages=3),
+    # Triton MoE (triton_moe.py): packed K steps of 128 on AMD (256 at 4 warps puts gfx942's fused
+    # int4 gate/up at 14 SGPR spills and gfx950's W4A8 into AGPRs); gfx942 at one stage (two spill
+    # SGPRs in the float8 forms). Split-K aims at two programs per compute unit: MI300X / MI325X
+    # 304 CUs, MI355X 256, H100 / H200 132 SMs, B200 148.
+    ("moe", DEFAULT): MoeLaunch(block_m=16, max_block_n=64, max_block_k=32, num_warps=4, num_stages=2,
+                                max_packed_k=128),
+    ("moe", "gfx942"): MoeLaunch(block_m=16, max_block_n=64, max_block_k=64, num_warps=4, num_stages=1,
+                                 max_packed_k=128, target_programs=608),
+    ("moe", "gfx950"): MoeLaunch(block_m=16, max_block_n=64, max_block_k=64, num_warps=4, num_stages=2,
+                                 max_packed_k=128, target_programs=512),
+    ("moe", "sm_90"): MoeLaunch(block_m=16, max_block_n=64, max_block_k=64, num_warps=8, num_stages=3,
+                                max_packed_k=256, target_programs=264),
+    ("moe", "sm_100"): MoeLaunch(block_m=16, max_block_n=64, max_block_k=64, num_warps=8, num_stages=3,
+                                 max_packed_k=256, target_programs=296),
 }
 
 _override: contextvars.ContextVar[str | None] = contextvars.ContextVar("eagle3_kernel_arch", default=None)
