@@ -57,6 +57,12 @@ def test_a_rows_figures_are_fractions_of_the_peaks():
     assert row["peak_fraction"] == pytest.approx(0.5) and row["xla_peak_fraction"] == pytest.approx(0.25)
     assert row["flops_fraction"] == pytest.approx(0.5)  # 4 GFLOP in 2 ms: 2 TFLOP/s of 4
     assert kt.timing(2.0, 4.0, 8e6, 4e9, 8.0, 0.0)["flops_fraction"] is None
+    # the roofline: 8 MB at 8 GB/s is 1 ms, 4 GFLOP at 4 TFLOP/s 1 ms: compute binds past that
+    assert row["roofline_ms"] == pytest.approx(1.0) and row["roofline_fraction"] == pytest.approx(0.5)
+    assert row["xla_roofline_fraction"] == pytest.approx(0.25)
+    assert kt.timing(2.0, 4.0, 8e6, 8e9, 8.0, 4.0)["roofline_bound"] == "compute"
+    assert kt.timing(2.0, 4.0, 8e6, 8e9, 8.0, 4.0)["roofline_fraction"] == pytest.approx(1.0)
+    assert kt.timing(2.0, 4.0, 16e6, 4e9, 8.0, 0.0)["roofline_bound"] == "bandwidth"  # no matrix peak known
     measured = kt.with_measured_fractions(dict(row), {"copy_gbps": 16.0, "matmul_tflops": 1.0})
     assert measured["measured_copy_fraction"] == pytest.approx(0.25)
     assert measured["xla_measured_copy_fraction"] == pytest.approx(0.125)

@@ -72,13 +72,26 @@ def per_set_ms(fn: Callable[..., Any], sets: Sequence[Mapping[str, Any]], repeat
     return median_ms(program, (list(sets),), repeats) / len(sets)
 
 
+def roofline_ms(read: float, flops: float, peak: float, peak_tflops: float) -> tuple[float, str]:
+    """The least time a call reading `read` bytes and doing `flops` can take on a device of HBM
+    bandwidth `peak` (GB/s) and matrix peak `peak_tflops` (TFLOP/s; 0: unknown, bandwidth only),
+    and which limit binds: "bandwidth" or "compute"."""
+    bandwidth_ms = read / (peak * 1e6)
+    compute_ms = flops / (peak_tflops * 1e9) if peak_tflops else 0.0
+    return (compute_ms, "compute") if compute_ms > bandwidth_ms else (bandwidth_ms, "bandwidth")
+
+
 def timing(k_ms: float, x_ms: float, read: float, flops: float, peak: float, peak_tflops: float) -> dict:
     """A row's timing fields: both paths' ms and GB/s, their fractions of the HBM peak `peak` (GB/s),
-    the kernel's of the bf16 peak `peak_tflops` (None without one)."""
+    the kernel's of the bf16 peak `peak_tflops` (None without one), and both paths' fraction of the
+    roofline (`roofline_ms`: the binding one of the data sheet's bandwidth and matrix peak)."""
+    least_ms, bound = roofline_ms(read, flops, peak, peak_tflops)
     return dict(kernel_ms=k_ms, xla_ms=x_ms, bytes_read=read, flops=flops, kernel_gbps=read / (k_ms * 1e6),
                 xla_gbps=read / (x_ms * 1e6), peak_fraction=read / (k_ms * 1e6) / peak,
                 xla_peak_fraction=read / (x_ms * 1e6) / peak,
-                flops_fraction=flops / (k_ms * 1e9) / peak_tflops if peak_tflops else None)
+                flops_fraction=flops / (k_ms * 1e9) / peak_tflops if peak_tflops else None,
+                roofline_ms=least_ms, roofline_bound=bound, roofline_fraction=least_ms / k_ms,
+                xla_roofline_fraction=least_ms / x_ms)
 
 
 def row_line(cells: Sequence[Any], row: Mapping[str, Any], err: float) -> str:
