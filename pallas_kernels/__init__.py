@@ -5,5 +5,5 @@ W4A8 expert weights), which the engine calls (`eagle3_jax/runtime/kernels.py` de
 use them); and their move to `triton.jit` kernels launched through `jax_triton`
 (`triton_call.py`): `triton_attention.paged_prefix_attention` and `triton_moe.grouped_matmul` /
 `triton_moe.grouped_swiglu` (K steps of several scale groups, split-K), not yet called by the
-engine. `launch.py` holds the
-launch parameters per architecture, `isa.py` compiles either kind to GPU machine code on any host."""
+engine. `launch.py` holds the launch parameters per architecture, `isa.py` compiles either kind
+to GPU machine code on any host."""
