@@ -242,6 +242,18 @@ def call(kernel, out_shape, *inputs):
     takes the inputs and gives buffers of `out_shape` (a ShapeDtypeStruct or a list of them)."""
     if not _shape_only.get():
         return kernel(*inputs)
+    return stand_in(out_shape, inputs)
+
+
+def is_shape_only() -> bool:
+    """Whether kernels stand in for themselves now (`shape_only`)."""
+    return _shape_only.get()
+
+
+def stand_in(out_shape, inputs):
+    """Buffers of `out_shape` (a ShapeDtypeStruct or a list of them) through an optimization barrier
+    that also takes `inputs`: an opaque op that keeps them alive to that point and allocates only
+    its outputs."""
     outputs = jax.tree.map(lambda s: jax.numpy.zeros(s.shape, s.dtype), out_shape)
     outputs, _ = jax.lax.optimization_barrier((outputs, list(inputs)))
     return outputs

@@ -81,8 +81,18 @@ def call(kernel, out_shapes: Sequence[jax.ShapeDtypeStruct], *args: Any, grid: t
          num_warps: int, num_stages: int, interpret: bool | None = None, name: str = "",
          **constexprs: Any) -> list[jax.Array]:
     """Run `kernel` over `grid` on `args` (arrays, then ints / floats) writing `out_shapes`;
-    returns the outputs. `interpret` None: on a GPU through jax_triton, else interpreted."""
-    interpret = not on_gpu() and not _CAPTURES if interpret is None else interpret and not _CAPTURES
+    returns the outputs. `interpret` None: on a GPU through jax_triton, else interpreted.
+
+    Where nothing can launch it, the kernel stands in as an opaque op of its exact outputs
+    (`launch.call`'s): under the memory planner's `launch.shape_only()`, and when tracing for a
+    GPU this host does not have (`launch.for_arch`: deviceless lowering), since jax_triton
+    compiles a kernel for the device it lowers on. `capturing` records it instead."""
+    from pallas_kernels import launch
+
+    deviceless = launch.is_overridden() and not on_gpu()
+    if interpret is None:
+        interpret = not on_gpu() and not deviceless
+    interpret = interpret and not _CAPTURES
     if "INTERPRETED" in kernel.arg_names:
         constexprs = {**constexprs, "INTERPRETED": bool(interpret)}
     first_scalar = next((i for i, a in enumerate(args) if isinstance(a, (bool, int, float, np.number))), len(args))
@@ -92,6 +102,8 @@ def call(kernel, out_shapes: Sequence[jax.ShapeDtypeStruct], *args: Any, grid: t
                                        _signature(kernel, arrays, scalars, out_shapes, constexprs),
                                        tuple(constexprs.items()), num_warps, num_stages, tuple(grid)))
         return [jnp.zeros(s.shape, s.dtype) for s in out_shapes]
+    if launch.is_shape_only() or (deviceless and not interpret):
+        return list(launch.stand_in(list(out_shapes), arrays))
     if not interpret:
         import jax_triton as jt
 

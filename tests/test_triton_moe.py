@@ -104,6 +104,21 @@ def test_splits_fill_the_device_only_where_tiles_are_few():
     assert choose_splits(1, 28, SMALL) == 1  # target 0: never split (the interpreter's default)
 
 
+def test_kernels_stand_in_where_nothing_can_launch_them():
+    """The memory planner's shape-only programs and deviceless traces for a GPU this host lacks get
+    an opaque op of the kernel's outputs; a plain CPU trace calls the interpreter."""
+    _, x, w, sizes = case("int4", jnp.bfloat16)
+
+    def lowered():
+        return jax.jit(lambda x, w, s: grouped_matmul(x, w, s)).lower(x, w, sizes).as_text()
+
+    assert "callback" in lowered()
+    for context in (launch.shape_only, lambda: launch.for_arch("sm_90")):
+        with context():
+            text = lowered()
+        assert "optimization_barrier" in text and "callback" not in text
+
+
 @triton.jit
 def _decode_all(bits_ptr, out_ptr, KIND: tl.constexpr):
     bits = tl.load(bits_ptr + tl.arange(0, 256))
