@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# CI's second leg, on the newest JAX the project supports (0.12.x, which needs Python >= 3.12) and
+# CI's last leg, on the newest JAX the project supports (0.12.x, which needs Python >= 3.12) and
 # the newest Python, 3.13: what a JAX version can break. The tests marked `newest_jax` (the Triton
 # compile-to-ISA tests of every kernel form on gfx942 / gfx950 / sm_90, spill detection, the Pallas
-# kernels through the engine against XLA, the GPU check script, multi-host), then the default tests
-# of the files whose subject is JAX's own API surface (COMPAT_FILES: the Pallas kernels, lowering
+# kernels through the engine against XLA, the GPU check script, multi-host), then the default and
+# heavy tests of the files whose subject is JAX's own API surface (COMPAT_FILES: the Pallas kernels, lowering
 # to GPU platforms, KV pages, sharding and collectives, Orbax checkpoints). The behaviour suite
 # (the engine, scheduler, speculation, serving, scripts, benchmarks) runs on JAX 0.10 in the first
-# leg only: XLA:CPU of jaxlib 0.12 compiles the tests' programs about 1.6x slower (0.10 has the
+# legs only: XLA:CPU of jaxlib 0.12 compiles the tests' programs about 1.6x slower (0.10 has the
 # elemental-emitter switch, conftest.py), and running that suite twice took CI past its 45 minutes;
 # the engine still runs here through the kernel, GPU-check and multi-host tests. Those marked `slow`
 # (longer variants of cases that default or newest_jax tests run) are left to `python -m pytest -m
@@ -100,5 +100,5 @@ export XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_backend_optimiz
 pytest=("$venv/bin/python" -m pytest -q -n 2 --dist loadfile -p no:cacheprovider)
 # -m lifts pyproject's default deselection of `newest_jax`
 "${pytest[@]}" -m "newest_jax and not slow" tests/
-"${pytest[@]}" -m "not slow and not newest_jax" "${COMPAT_FILES[@]}"
+"${pytest[@]}" -m "not slow and not newest_jax" "${COMPAT_FILES[@]}"  # their heavy tests too
 echo "newest-JAX leg: $(( $(date +%s) - start )) s"

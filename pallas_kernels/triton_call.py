@@ -27,6 +27,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels import launch
+
 
 def on_gpu(backend: str | None = None) -> bool:
     """Whether JAX's default backend (or `backend`) is a GPU that `jax_triton` launches on."""
@@ -87,8 +89,6 @@ def call(kernel, out_shapes: Sequence[jax.ShapeDtypeStruct], *args: Any, grid: t
     (`launch.call`'s): under the memory planner's `launch.shape_only()`, and when tracing for a
     GPU this host does not have (`launch.for_arch`: deviceless lowering), since jax_triton
     compiles a kernel for the device it lowers on. `capturing` records it instead."""
-    from pallas_kernels import launch
-
     deviceless = launch.is_overridden() and not on_gpu()
     if interpret is None:
         interpret = not on_gpu() and not deviceless

@@ -45,6 +45,130 @@ LONGEST_FIRST = (
 )
 
 
+# Tests too long for `make test`, whose budget is 12 minutes on 2 CPU cores with its virtual
+# environment: end-to-end runs that each compile many step programs (most of a test's time goes to
+# tracing, lowering and compiling them), each of 8 s or more in a measured run. They are marked
+# `heavy` here, by file and function (every parametrization), and CI runs them in its second leg
+# (.ci/run: `-m "heavy and not slow"`); locally `python -m pytest -m heavy`.
+HEAVY: dict[str, tuple[str, ...]] = {
+    "test_adaptive.py": (
+        "test_draft_catches_up_on_tokens_of_steps_without_speculation",
+        "test_greedy_output_equals_plain_decoding_whatever_the_steps_run",
+        "test_requests_without_the_draft_decode_plainly_beside_those_with_it",
+    ),
+    "test_batch_invariant.py": (
+        "test_a_tokens_logits_do_not_depend_on_its_pass",
+        "test_greedy_speculation_equals_plain_decoding_on_the_demo_pair",
+    ),
+    "test_bench.py": (
+        "test_agentic_workload_grows_each_session_by_its_answer_and_a_tool_result",
+        "test_end_to_end_in_process_demo_pair", "test_host_time_script_reports_its_phases",
+        "test_host_time_script_through_the_engine", "test_library_and_entry_points_without_the_extras",
+        "test_multiturn_workload_plays_the_targets_own_answers",
+    ),
+    "test_context_parallel.py": (
+        "test_a_spread_row_attends_over_every_shard", "test_scheduler_spreads_long_requests_as_one_device_runs_them",
+    ),
+    "test_data_parallel.py": ("test_fp8_pages_on_data_shards", "test_rows_attend_their_own_pages",),
+    "test_demo_pair.py": (
+        "test_kimi_mini_pair_is_lossless_and_accepts_long_paths",
+        "test_stories260k_pair_is_lossless_and_accepts_long_paths",
+    ),
+    "test_draft.py": ("test_drafts_reading_other_layers_share_one_untouched_target",),
+    "test_fp8_kv.py": (
+        "test_logit_error_against_the_compute_dtype_cache_is_bounded",
+        "test_scheduler_with_fp8_pages_is_exact_to_itself", "test_server_over_fp8_pages",
+    ),
+    "test_gsm8k.py": ("test_in_process_identical_with_and_without_speculation", "test_script_help_and_usage_errors",),
+    "test_harness.py": ("test_aa_noise_floor_then_aa_ratios", "test_layers_unrolled_ab",),
+    "test_lm_eval.py": ("test_lm_eval_runs_unmodified_and_speculation_changes_nothing",),
+    "test_logprobs.py": (
+        "test_greedy_logprobs_equal_plain_decoding_and_a_forward", "test_prompt_logprobs_across_chunks_and_preemption",
+        "test_sampled_speculative_logprobs_are_the_targets_after_the_same_prefix",
+    ),
+    "test_long_context.py": (
+        "test_engine_at_long_context_against_transformers", "test_long_shared_prefix_comes_from_the_prefix_cache",
+        "test_yarn_logits_far_past_the_original_positions",
+    ),
+    "test_lossless_sampling.py": (
+        "test_broken_acceptance_fails_the_engine_test", "test_broken_acceptance_is_caught_on_hand_trees",
+        "test_min_tokens_samples_the_held_back_target_distribution",
+        "test_penalties_sample_the_penalised_target_distribution",
+        "test_sampled_accept_one_step_is_exact_on_hand_trees",
+        "test_seeded_speculative_sampling_is_reproducible_and_batch_independent",
+        "test_speculative_sampling_matches_target_distribution",
+    ),
+    "test_mla_draft.py": ("test_greedy_speculation_with_mla_draft_equals_plain",),
+    "test_pallas_attention.py": (
+        "test_fp8_pages_equal_the_reference_over_their_dequantized_values", "test_gqa_equals_reference",
+        "test_kernel_benchmark_runs_on_cpu",
+    ),
+    "test_plan.py": (
+        "test_kernel_path_plans_without_dequantized_expert_copies", "test_kimi_long_context_on_a_data_mesh",
+    ),
+    "test_prefix_cache.py": (
+        "test_cached_prefixes_give_the_same_tokens", "test_n_choices_share_the_prompt_and_are_seeded",
+        "test_no_page_leaks_through_aborts_and_preemptions", "test_speculation_hit_rate_equals_plain",
+    ),
+    "test_propose.py": ("test_expand_matches_brute_force_per_path_forwards",),
+    "test_quantized_demo.py": ("test_server_serves_the_int4_copy",),
+    "test_quantized_models.py": (
+        "test_expert_parallel_quantized_equals_one_device",
+        "test_greedy_speculation_with_quantized_target_equals_baseline",
+    ),
+    "test_readme.py": ("test_readme_examples_run",),
+    "test_safe_outputs.py": (
+        "test_one_liners_say_what_is_wrong", "test_train_draft_checks_first", "test_training_resumes_only_the_same_run",
+        "test_writers_refuse_what_they_must_not_replace",
+    ),
+    "test_scheduler.py": (
+        "test_chunked_prefill_equals_one_chunk",
+        "test_demo_pair_greedy_identical_at_concurrency_1_and_64_with_and_without_speculation",
+        "test_paged_forward_equals_dense_forward", "test_preemption_resumes_with_the_same_tokens",
+        "test_sampled_tokens_do_not_depend_on_the_batch", "test_step_programs_branch_on_nothing_the_device_computes",
+        "test_tree_outputs_equal_engine", "test_warm_up_covers_sampled_requests_with_and_without_top_k_top_p",
+    ),
+    "test_script_errors.py": ("test_flag_mistakes_are_one_line", "test_input_mistakes_are_one_line",),
+    "test_scripted_models.py": (
+        "test_llama_family_and_single_pair_form", "test_plain_greedy_generates_each_script",
+        "test_speculation_generates_each_script_several_tokens_a_step",
+    ),
+    "test_server.py": (
+        "test_caps_and_ignored_fields_are_announced", "test_completions_match_scheduler", "test_logprobs_and_echo",
+        "test_n_choices_are_seeded_share_the_prompt_and_stream_by_index", "test_sampled_requests_are_seeded",
+    ),
+    "test_sharding.py": (
+        "test_pallas_kernels_on_a_mesh", "test_sharded_sampled_speculation_equals_unsharded",
+        "test_sharded_speculative_generation_equals_unsharded",
+    ),
+    "test_spec.py": ("test_no_recompilation_between_steps_or_calls",),
+    "test_step_accounting.py": ("test_accounting_times_each_phase_and_leaves_the_scheduler_usable",),
+    "test_stop_strings.py": (
+        "test_each_choice_is_decoded_once", "test_generation_ends_at_the_stop_under_speculation",
+        "test_min_tokens_holds_stops_back_under_speculation",
+    ),
+    "test_structured_decoding.py": (
+        "test_a_constraint_that_cannot_finish_ends_at_length",
+        "test_greedy_constrained_speculation_equals_plain_and_every_output_is_valid",
+        "test_mixed_batch_with_cancellations_leaks_nothing",
+        "test_sampled_constrained_speculation_follows_the_masked_distribution",
+        "test_served_outputs_are_valid_streamed_and_whole",
+    ),
+    "test_synthetic_acceptance.py": ("test_scheduler_forces_the_profile_and_leaves_other_requests_alone",),
+    "test_tool_serving.py": (
+        "test_a_claude_code_shaped_request_is_served", "test_engine_chat_answers_as_the_server",
+        "test_forced_calls_are_valid_calls", "test_readme_commands_serve_the_tool_round_trip",
+        "test_serve_chooses_the_familys_parsers_and_says_so", "test_tool_round_trip_whole_and_streamed",
+    ),
+    "test_triton_moe.py": ("test_several_groups_a_step_and_split_k_equal_the_reference",),
+    "test_trainer.py": (
+        "test_data_parallel_training_equals_single_device", "test_resume_continues_the_same_loss_curve",
+        "test_training_lowers_loss_and_raises_acceptance",
+    ),
+    "test_ttt.py": ("test_ttt_loss_masks_and_metrics", "test_ttt_steps_equal_chain_inference_unroll",),
+}
+
+
 def pytest_configure(config):
     # pytest-xdist otherwise reorders files by their number of tests, most first: the files of one
     # or two long tests would all come last.
@@ -52,7 +176,7 @@ def pytest_configure(config):
         config.option.loadscopereorder = False
 
 
-# With the newest_jax tests (CI's second leg, `-m "not slow"`), these files are the longest by far
+# With the newest_jax tests (CI's newest-JAX leg, `-m "not slow"`), these files are the longest by far
 # (Triton compiles to three GPU architectures; the kernels interpreted through the engine; the GPU
 # check script; two processes of a multi-host run): they start first, or the worker that draws one
 # late runs it alone at the end.
@@ -60,9 +184,13 @@ LONGEST_FIRST_ALL = ("test_compile_gate.py", "test_multihost.py", "test_pallas_e
                      "test_structured_decoding.py")
 
 
+@pytest.hookimpl(tryfirst=True)  # marked before `-m` selects
 def pytest_collection_modifyitems(config, items):
-    """Files in LONGEST_FIRST order first (LONGEST_FIRST_ALL ahead of it when slow or newest_jax tests run), each
-    file's tests kept together and in their order."""
+    """The HEAVY tests marked `heavy`; files in LONGEST_FIRST order first (LONGEST_FIRST_ALL ahead of it when slow
+    or newest_jax tests run), each file's tests kept together and in their order."""
+    for item in items:
+        if getattr(item, "originalname", item.name) in HEAVY.get(item.path.name, ()):
+            item.add_marker(pytest.mark.heavy)
     longest = LONGEST_FIRST
     if any(item.get_closest_marker("slow") or item.get_closest_marker("newest_jax") for item in items):
         longest = LONGEST_FIRST_ALL + tuple(name for name in LONGEST_FIRST if name not in LONGEST_FIRST_ALL)

@@ -141,3 +141,25 @@ def test_compiles_to_each_architecture_without_spills_on_matrix_units(arch):
         report = isa.compile_launch(captured, arch)
         assert not isa.check(report), (arch, dict(captured.constexprs), isa.check(report))
         assert report.matrix_instructions, (arch, "dots not on the matrix units")
+
+
+@pytest.mark.newest_jax
+@pytest.mark.parametrize("arch", ["gfx942", "gfx950", "sm_90"])
+def test_the_gate_fails_a_kernel_that_spills(arch):
+    """Kimi-K2.5's MLA with 16 heads x 4 verify tokens in one row tile of 64 rows at 8 warps (a
+    float32 [64, 512] accumulator beside the queries) is past the register file on every
+    architecture: the gate says so (a spill on sm_90, AGPRs or scratch on AMD); the table's row
+    tiles at the same shape pass."""
+    def captured(launch_params):
+        launches = []
+        with launch.for_arch(arch), triton_call.capturing(launches):
+            jax.eval_shape(lambda q, q2, lat, rope, table, lengths: paged_prefix_attention(
+                q, lat, None, 1, table, lengths, scale=0.1, q2=q2, k2_pool=rope, launch=launch_params),
+                *kimi_mla(16, 4))
+        [one] = launches
+        return one
+
+    problems = isa.check(isa.compile_launch(captured(AttentionLaunch(block_rows=64, num_warps=8, num_stages=2)),
+                                            arch))
+    assert problems and any("spill" in p or "AGPR" in p or "scratch" in p for p in problems), problems
+    assert isa.check(isa.compile_launch(captured(None), arch)) == []
