@@ -14,8 +14,10 @@ Lanes come in groups: FP8 pages (uint8 bits, decoded in registers, a float32 sca
 group of lanes) scale each group's part of the scores, and for values the probabilities before
 the dot, so the decoded tile stays exact in the compute dtype; the queries, keys, values and the
 accumulator are [groups, rows, lanes] and every dot is batched over the groups (one group for
-bfloat16 pages). Lane widths (key group, rope, value group) must be powers of two >= 16, as must
-the page's tile of slots.
+bfloat16 pages). Any lane width (key group, rope, value group) and page size: a block is the
+power of two >= 16 that Triton's shapes and dots need, the real lanes and slots masked within it
+(Kimi's 512 + 64 lanes and pages of 16 or 64 slots fill their blocks; a small test model's 8-lane
+heads over 4-slot pages run the same code).
 """
 
 from __future__ import annotations
@@ -56,10 +58,13 @@ def _dot(a, b, IEEE: tl.constexpr, INTERPRETED: tl.constexpr):
 
 
 @triton.jit
-def _grouped(base, slot_stride, slots, GROUPS: tl.constexpr, WIDTH: tl.constexpr):
-    """Pointers to `slots` x GROUPS x WIDTH lanes of a page, as [GROUPS, slots, WIDTH]."""
-    return (base + tl.arange(0, GROUPS)[:, None, None] * WIDTH + slots[None, :, None] * slot_stride
-            + tl.arange(0, WIDTH)[None, None, :])
+def _grouped(base, slot_stride, slots, GROUPS: tl.constexpr, WIDTH: tl.constexpr, LANES: tl.constexpr):
+    """Pointers to `slots` x GROUPS x LANES lanes of a page (WIDTH of them real), as [GROUPS,
+    slots, LANES], and the mask of the real ones."""
+    lanes = tl.arange(0, LANES)
+    pointers = (base + tl.arange(0, GROUPS)[:, None, None] * WIDTH + slots[None, :, None] * slot_stride
+                + lanes[None, None, :])
+    return pointers, (lanes < WIDTH)[None, None, :]
 
 
 @triton.jit
@@ -83,47 +88,56 @@ def paged_prefix_attention_kernel(
         v_l, v_p, v_s, v_h, vs_l, vs_p, vs_s, vs_h,
         o_b, o_h, o_s, o_m, lse_b, lse_h, lse_s,
         out_ptr, lse_ptr,
-        PAGE: tl.constexpr, TILE: tl.constexpr, BLOCK_M: tl.constexpr, ROW_BLOCKS: tl.constexpr,
-        KG: tl.constexpr, KW: tl.constexpr, D2: tl.constexpr, VG: tl.constexpr, VW: tl.constexpr,
+        PAGE: tl.constexpr, TILE: tl.constexpr, TILE_P: tl.constexpr, BLOCK_M: tl.constexpr,
+        ROW_BLOCKS: tl.constexpr, KG: tl.constexpr, KW: tl.constexpr, KW_P: tl.constexpr, D2: tl.constexpr,
+        D2_P: tl.constexpr, VG: tl.constexpr, VW: tl.constexpr, VW_P: tl.constexpr,
         HAS_ROPE: tl.constexpr, SHARED_VALUE: tl.constexpr, FP8: tl.constexpr, FNUZ: tl.constexpr,
         IEEE: tl.constexpr, INTERPRETED: tl.constexpr):
+    """Widths: *_P is the power of two >= 16 a Triton block needs, the real lanes (KW, D2, VW) and
+    slots a step (TILE) masked within it."""
     b, split = tl.program_id(0), tl.program_id(2)
     h, row_block = tl.program_id(1) // ROW_BLOCKS, tl.program_id(1) % ROW_BLOCKS
     layer, length = tl.load(layer_ptr), tl.load(lengths_ptr + b)
     rows = row_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    q_lanes = tl.arange(0, KW_P)
     q = tl.load(q_ptr + b * q_b + h * q_h + tl.arange(0, KG)[:, None, None] * KW + rows[None, :, None] * q_m
-                + tl.arange(0, KW)[None, None, :])  # [KG, BLOCK_M, KW]
+                + q_lanes[None, None, :], mask=(q_lanes < KW)[None, None, :], other=0.0)  # [KG, BLOCK_M, KW_P]
     if HAS_ROPE:
-        q2 = tl.load(q2_ptr + b * q2_b + h * q2_h + rows[:, None] * q2_m + tl.arange(0, D2)[None, :])
+        rope_lanes = tl.arange(0, D2_P)
+        q2 = tl.load(q2_ptr + b * q2_b + h * q2_h + rows[:, None] * q2_m + rope_lanes[None, :],
+                     mask=(rope_lanes < D2)[None, :], other=0.0)
     tiles_per_page: tl.constexpr = PAGE // TILE
     first = split * pages_per_split * tiles_per_page
     last = tl.minimum(first + pages_per_split * tiles_per_page, tl.cdiv(length, TILE))
     m_i = tl.full([BLOCK_M], _NEG, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([VG, BLOCK_M, VW], tl.float32)
+    acc = tl.zeros([VG, BLOCK_M, VW_P], tl.float32)
+    step = tl.arange(0, TILE_P)
+    real = step < TILE  # the step's real slots
     for j in range(first, last):
         page = tl.load(table_ptr + b * table_stride + j // tiles_per_page)
-        slots = (j % tiles_per_page) * TILE + tl.arange(0, TILE)
-        keys = tl.load(_grouped(k_ptr + layer * k_l + page * k_p + h * k_h, k_s, slots, KG, KW))  # [KG, TILE, KW]
+        slots = (j % tiles_per_page) * TILE + step
+        key_at, key_lanes = _grouped(k_ptr + layer * k_l + page * k_p + h * k_h, k_s, slots, KG, KW, KW_P)
+        keys = tl.load(key_at, mask=key_lanes & real[None, :, None], other=0)  # [KG, TILE_P, KW_P]
         if FP8:
             keys = _fp8_decode(keys, FNUZ).to(q.dtype)
-        parts = _grouped_dot(q, tl.permute(keys, (0, 2, 1)), KG, IEEE, INTERPRETED)  # [KG, BLOCK_M, TILE]
+        parts = _grouped_dot(q, tl.permute(keys, (0, 2, 1)), KG, IEEE, INTERPRETED)  # [KG, BLOCK_M, TILE_P]
         if FP8:
             key_scales = tl.load(ks_ptr + layer * ks_l + page * ks_p + h * ks_h + slots[None, None, :] * ks_s
-                                 + tl.arange(0, KG)[:, None, None])  # [KG, 1, TILE]
+                                 + tl.arange(0, KG)[:, None, None], mask=real[None, None, :], other=0.0)
             parts = parts * key_scales
         scores = tl.sum(parts, axis=0)
         if HAS_ROPE:
-            rope = tl.load(k2_ptr + layer * k2_l + page * k2_p + h * k2_h + tl.arange(0, D2)[:, None]
-                           + slots[None, :] * k2_s)
+            rope = tl.load(k2_ptr + layer * k2_l + page * k2_p + h * k2_h + rope_lanes[:, None] + slots[None, :] * k2_s,
+                           mask=(rope_lanes < D2)[:, None] & real[None, :], other=0)
             if FP8:
                 rope = _fp8_decode(rope, FNUZ).to(q2.dtype)
             rope_part = _dot(q2, rope, IEEE, INTERPRETED)
             if FP8:
                 rope_part = rope_part * tl.load(k2s_ptr + layer * k2s_l + page * k2s_p + h * k2s_h
-                                                + slots[None, :] * k2s_s)
+                                                + slots[None, :] * k2s_s, mask=real[None, :], other=0.0)
             scores += rope_part
-        valid = (j * TILE + tl.arange(0, TILE)) < length
+        valid = real & ((j * TILE + step) < length)
         scores = tl.where(valid[None, :], scores * scale, _NEG)
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
         p = tl.where(valid[None, :], tl.exp(scores - m_new[:, None]), 0.0)
@@ -135,11 +149,13 @@ def paged_prefix_attention_kernel(
             else:
                 weights = p[None, :, :]
         else:
-            values = tl.load(_grouped(v_ptr + layer * v_l + page * v_p + h * v_h, v_s, slots, VG, VW))
+            value_at, value_lanes = _grouped(v_ptr + layer * v_l + page * v_p + h * v_h, v_s, slots, VG, VW, VW_P)
+            values = tl.load(value_at, mask=value_lanes & real[None, :, None], other=0)
             if FP8:
                 values = _fp8_decode(values, FNUZ).to(q.dtype)
                 weights = p[None, :, :] * tl.load(vs_ptr + layer * vs_l + page * vs_p + h * vs_h
-                                                  + slots[None, None, :] * vs_s + tl.arange(0, VG)[:, None, None])
+                                                  + slots[None, None, :] * vs_s + tl.arange(0, VG)[:, None, None],
+                                                  mask=real[None, None, :], other=0.0)
             else:
                 weights = p[None, :, :]
         acc = acc * alpha[None, :, None] + _grouped_dot(weights.to(values.dtype), values, VG, IEEE, INTERPRETED)
@@ -147,15 +163,16 @@ def paged_prefix_attention_kernel(
         m_i = m_new
     seen = l_i > 0
     out = tl.where(seen[None, :, None], acc / tl.where(seen, l_i, 1.0)[None, :, None], 0.0)
+    out_lanes = tl.arange(0, VW_P)
     tl.store(out_ptr + b * o_b + h * o_h + split * o_s + tl.arange(0, VG)[:, None, None] * VW
-             + rows[None, :, None] * o_m + tl.arange(0, VW)[None, None, :], out)
+             + rows[None, :, None] * o_m + out_lanes[None, None, :], out, mask=(out_lanes < VW)[None, None, :])
     tl.store(lse_ptr + b * lse_b + h * lse_h + split * lse_s + rows,
              tl.where(seen, m_i + tl.log(tl.where(seen, l_i, 1.0)), float("-inf")))
 
 
-def _power_of_two_lanes(width: int, what: str) -> None:
-    if width < 16 or width & (width - 1):
-        raise ValueError(f"the Triton attention kernel needs {what} of a power-of-two width >= 16; got {width}")
+def _block(width: int) -> int:
+    """The power of two >= 16 a Triton block of `width` real elements takes."""
+    return max(16, 1 << (max(width, 1) - 1).bit_length())
 
 
 def _strides(x: jax.Array) -> tuple[int, ...]:
@@ -186,13 +203,9 @@ def paged_prefix_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array | 
     rows = -(-m // block) * block
     tile = launch.tile(page_size, itemsize) or page_size
     if page_size % tile:
-        raise ValueError(f"pages of {page_size} slots do not split into tiles of {tile}; use the XLA path")
+        tile = page_size  # a page a step (its slots padded to a block and masked)
     kg = 1 if scales is None else scales.k.shape[-1]
     vg = 1 if scales is None else (scales.k if shared_value else scales.v).shape[-1]
-    for width, what in ((d // kg, "key lanes per group"), (dv // vg, "value lanes per group"), (tile, "page tiles")):
-        _power_of_two_lanes(width, what)
-    if q2 is not None:
-        _power_of_two_lanes(q2.shape[-1], "rope lanes")
     if num_splits <= 0:
         num_splits = default_splits(b, h, m, block_table.shape[1], dv, itemsize, launch, form)
     pages_per_split = -(-block_table.shape[1] // num_splits)
@@ -223,8 +236,9 @@ def paged_prefix_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array | 
         paged_prefix_attention_kernel, out_shapes, *args, grid=(b, h * (rows // block), num_splits),
         num_warps=launch.num_warps, num_stages=launch.num_stages, interpret=interpret,
         name=f"eagle3_paged_prefix_attention_{form.split('_')[0]}",
-        PAGE=page_size, TILE=tile, BLOCK_M=block, ROW_BLOCKS=rows // block, KG=kg, KW=d // kg,
-        D2=q2.shape[-1], VG=vg, VW=dv // vg, HAS_ROPE=k2_pool is not None, SHARED_VALUE=shared_value,
+        PAGE=page_size, TILE=tile, TILE_P=_block(tile), BLOCK_M=block, ROW_BLOCKS=rows // block, KG=kg, KW=d // kg,
+        KW_P=_block(d // kg), D2=q2.shape[-1], D2_P=_block(q2.shape[-1]), VG=vg, VW=dv // vg, VW_P=_block(dv // vg),
+        HAS_ROPE=k2_pool is not None, SHARED_VALUE=shared_value,
         FP8=scales is not None, FNUZ=bool(scales is not None and scales.fnuz), IEEE=q.dtype == jnp.float32)
     out, lse = merge_splits(out, lse)
     return out[:, :, :m], lse[:, :, :m]

@@ -107,12 +107,24 @@ def test_row_tiles_do_not_change_the_result():
 
 
 @interpreted
-def test_lane_widths_the_kernel_cannot_tile_are_refused():
-    rng = np.random.default_rng(0)
-    (k, v), table, lengths = pools_and_table(rng, 1, [24, 24])
-    q = jnp.zeros((len(LENGTHS), 1, 1, 24), jnp.float32)
-    with pytest.raises(ValueError, match="power-of-two width >= 16; got 24"):
-        paged_prefix_attention(q, jnp.asarray(k), jnp.asarray(v), 0, table, lengths, scale=1.0, interpret=True)
+@pytest.mark.parametrize("page", [4, 24])
+def test_any_lane_width_and_page_size_is_masked_within_its_block(page):
+    """Keys 12 lanes wide, values 20, rope 4, pages of 4 or 24 slots: padded to blocks of 16 / 32
+    and masked, equal to the reference (GQA, and MLA with its rope term)."""
+    rng = np.random.default_rng(page)
+    lengths = [0, 1, 5, 30, 47]
+    pools, table, lengths = cases.pools_and_table(rng, 2, [12, 20], page=page, lengths=lengths, num_pages=64,
+                                                  width=-(-47 // page))
+    k, v = (jnp.asarray(x) for x in pools)
+    q = jnp.asarray(rng.standard_normal((len(lengths), 2, 3, 12)), jnp.float32)
+    got = paged_prefix_attention(q, k, v, 1, table, lengths, scale=0.3, num_splits=2, interpret=True)
+    close(got, paged_prefix_attention_reference(q, k, v, 1, table, lengths, scale=0.3), jnp.float32)
+    (lat, rope), table, lengths = cases.pools_and_table(rng, 1, [20, 4], page=page, lengths=lengths, num_pages=64,
+                                                        width=-(-47 // page))
+    q, q2 = (jnp.asarray(rng.standard_normal((len(lengths), 1, 6, w)), jnp.float32) for w in (20, 4))
+    kw = dict(scale=0.2, q2=q2, k2_pool=jnp.asarray(rope))
+    got = paged_prefix_attention(q, jnp.asarray(lat), None, 0, table, lengths, num_splits=1, interpret=True, **kw)
+    close(got, paged_prefix_attention_reference(q, lat, None, 0, table, lengths, **kw), jnp.float32)
 
 
 def kimi_mla(heads: int, tokens: int):
