@@ -37,7 +37,7 @@ beside the launch table's (a sweep: a launch Triton refuses is a row with its er
 `equal: null`); blocks of more slots than a page are walked a page at a time, so sweep those
 with a larger --page_size.
 
-On a CPU host the kernels run in Pallas interpret mode: the figures then only show that the
+On a CPU host the kernels run under Triton's interpreter: the figures then only show that the
 script works.
 """
 

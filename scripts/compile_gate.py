@@ -1,14 +1,14 @@
-"""Compile every Pallas kernel the engine launches to AMD and NVIDIA machine code, without a GPU.
+"""Compile every Triton kernel the engine launches to AMD and NVIDIA machine code, without a GPU.
 
     python scripts/compile_gate.py                               # the representative subset (about a minute)
     python scripts/compile_gate.py --scope=full --json_out=benchmarks/results/compile-gate.json \\
         --markdown_out=benchmarks/results/compile-gate.md          # every configuration, mesh, format, T, batch
 
 For each bundled full-size configuration on its documented meshes (eagle3_jax/planning/compile_gate.py
-lists them) the engine's own programs are lowered for each architecture (gfx942 = MI300X / MI325X,
-gfx950 = MI355X, sm_90 = H100 / H200; sm_100 on request), every Triton module in them is compiled
-with the `triton` package, and one line per distinct kernel reports registers, AGPRs, spills,
-shared memory (LDS), occupancy and the matrix instructions used. It exits 1 if any kernel fails
+lists them) the engine's own programs are traced for each architecture (gfx942 = MI300X / MI325X,
+gfx950 = MI355X, sm_90 = H100 / H200; sm_100 on request), every kernel launch in them is compiled
+from the kernel's source with the `triton` package, and one line per distinct launch reports
+registers, AGPRs, spills, shared memory (LDS), occupancy and the matrix instructions used. It exits 1 if any kernel fails
 to compile, spills (AGPRs in use count as spills on AMD) or needs more shared memory than the
 architecture has. The devices are faked on a CPU host (8 of them, set here before JAX starts).
 """
@@ -42,21 +42,15 @@ flags.DEFINE_string("markdown_out", None, "Also write the tables as Markdown her
 cli.define_overwrite_flag("--json_out / --markdown_out")
 
 
-def _shape_of(row) -> str:
-    """The operand that shows the launched shape: the query block (attention) or the rows (MoE)."""
-    operands = row.module.operands
-    return operands[3].split("{")[-1].rstrip("}") if len(operands) > 3 else ""
-
-
 def _table(rows) -> list[str]:
-    lines = ["| arch | kernel | block | warps/stages | regs | AGPR | spills (scratch / VGPR / ptxas) | shared B | "
+    lines = ["| arch | kernel | constexprs | warps/stages | regs | AGPR | spills (scratch / VGPR / ptxas) | shared B | "
              "occupancy | matrix instructions | launches | verdict |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in sorted(rows, key=lambda r: (r.arch, r.module.name, _shape_of(r))):
+    for r in sorted(rows, key=lambda r: (r.arch, r.kernel, r.shape)):
         rep = r.report
         spills = (f"{rep.scratch_bytes or 0} / {rep.vgpr_spills or 0} / "
                   f"{(rep.spill_store_bytes or 0) + (rep.spill_load_bytes or 0)}")
-        lines.append(f"| {r.arch} | {r.module.name} | {_shape_of(r)} | {rep.num_warps}/{rep.num_stages} | "
+        lines.append(f"| {r.arch} | {r.kernel} | {r.shape} | {rep.num_warps}/{rep.num_stages} | "
                      f"{rep.registers} | {rep.agprs if rep.agprs is not None else '-'} | {spills} | {rep.shared_bytes} | "
                      f"{rep.occupancy} | {', '.join(rep.matrix_instructions) or '-'} | {len(r.launches)} | "
                      f"{'ok' if not r.problems else '; '.join(r.problems)} |")
@@ -67,8 +61,8 @@ def _summary(rows) -> list[str]:
     """Per kernel and architecture: the worst occupancy, the most registers and shared memory."""
     worst = collections.defaultdict(list)
     for r in rows:
-        worst[(r.module.name, r.arch)].append(r)
-    lines = ["| kernel | arch | distinct modules | worst occupancy | max regs | max shared B | all pass |",
+        worst[(r.kernel, r.arch)].append(r)
+    lines = ["| kernel | arch | distinct launches | worst occupancy | max regs | max shared B | all pass |",
              "|---|---|---|---|---|---|---|"]
     for (name, arch), group in sorted(worst.items()):
         occ = [g.report.occupancy for g in group if g.report.occupancy is not None]
@@ -124,7 +118,7 @@ def main(argv):
             f"- {k}: {v}" for k, v in header.items()) + "\n\n" + "\n".join(tables) + "\n")
     if failed:
         for r in failed:
-            print(f"FAIL {r.arch} {r.module.name} {_shape_of(r)}: {'; '.join(r.problems)} (e.g. {r.launches[0]})",
+            print(f"FAIL {r.arch} {r.kernel} {r.shape}: {'; '.join(r.problems)} (e.g. {r.launches[0]})",
                   file=sys.stderr)
         sys.exit(1)
 

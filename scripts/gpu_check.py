@@ -28,7 +28,7 @@ Parts (--parts), one JSON, rewritten as each part finishes so a part cut short l
    differently, so a near-tie can flip a token there).
 
 On a CPU host (or with --small) the same code runs at small shapes (kimi-mini's own config for the
-steps; float32 plain and chain only in the demo) with the kernels in Pallas interpret mode: it
+steps; float32 plain and chain only in the demo) with the kernels under Triton's interpreter: it
 shows the script works, not how fast anything is. It exits 1 if a kernel disagrees with XLA or a
 float32 demo output differs from plain greedy decoding.
 """

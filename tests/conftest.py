@@ -274,9 +274,9 @@ def _release_compiled_programs():
 
 @pytest.fixture
 def kernel_calls(monkeypatch) -> list:
-    """Names of the Pallas kernels traced during the test, in call order (the kernels still run)."""
-    import pallas_kernels.attention as attention_kernels
-    import pallas_kernels.moe as moe_kernels
+    """Names of the kernels traced during the test, in call order (the kernels still run)."""
+    import pallas_kernels.triton_attention as attention_kernels
+    import pallas_kernels.triton_moe as moe_kernels
 
     calls = []
 

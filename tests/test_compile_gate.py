@@ -1,5 +1,5 @@
-"""The compile gate: Pallas kernels compiled to AMDGCN (gfx942, gfx950) and PTX + cubin (sm_90) with
-the `triton` package on this CPU host, at the shapes the engine launches; and the launch table.
+"""The compile gate: the Triton kernels compiled to AMDGCN (gfx942, gfx950) and PTX + cubin (sm_90)
+with the `triton` package on this CPU host, at the shapes the engine launches; and the launch table.
 
 The representative subset runs here (each configuration's largest launched shape, in each of its
 weight formats, plus the float8 per-channel extras); `scripts/compile_gate.py --scope=full` is the
@@ -16,10 +16,13 @@ import pytest
 
 pytest.importorskip("triton")
 
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
 from eagle3_jax.planning import compile_gate as gate  # noqa: E402
-from pallas_kernels import isa, launch  # noqa: E402
-from pallas_kernels.attention import paged_prefix_attention  # noqa: E402
+from pallas_kernels import isa, launch, triton_call  # noqa: E402
 from pallas_kernels.launch import AttentionLaunch  # noqa: E402
+from pallas_kernels.triton_attention import paged_prefix_attention  # noqa: E402
 
 ARCHS = ("gfx942", "gfx950", "sm_90")
 needs_8_devices = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs XLA_FLAGS=--xla_force_host_platform_device_count=8")
@@ -40,14 +43,22 @@ def kimi_mla(nh: int, t: int, launch_params: AttentionLaunch | None = None):
     return attend, args
 
 
+def captured(fn, args, arch: str) -> list[triton_call.JitLaunch]:
+    """The kernel launches tracing `fn(*args)` for `arch` makes."""
+    launches: list[triton_call.JitLaunch] = []
+    with launch.for_arch(arch), triton_call.capturing(launches):
+        jax.eval_shape(fn, *args)
+    return launches
+
+
 @pytest.mark.newest_jax  # CI's newest-JAX leg runs it (minutes of Triton compiles)
 @needs_8_devices
 def test_every_kernel_form_compiles_without_spills_on_every_architecture():
     items = list(gate.representative_cases()) + list(gate.EXTRA)
     rows = gate.run_gate(items, ARCHS)
-    failed = [f"{r.arch} {r.module.name} {r.module.operands[3]}: {r.problems} ({r.launches[0]})" for r in rows if r.problems]
+    failed = [f"{r.arch} {r.kernel} {r.shape}: {r.problems} ({r.launches[0]})" for r in rows if r.problems]
     assert not failed, "\n".join(failed)
-    names = {r.module.name for r in rows}
+    names = {r.kernel for r in rows}
     for form in ("paged_prefix_attention_mla", "paged_prefix_attention_gqa", "grouped_swiglu_int4",
                  "grouped_matmul_int4", "grouped_swiglu_w4a8", "grouped_swiglu_mxfp4", "grouped_swiglu_float",
                  "grouped_matmul_fp8_block", "grouped_swiglu_fp8_block_fnuz", "grouped_matmul_fp8_channel",
@@ -55,23 +66,28 @@ def test_every_kernel_form_compiles_without_spills_on_every_architecture():
         assert any(form in n for n in names), form
     for r in rows:  # what the gate read is there: registers, shared memory, occupancy, matrix instructions
         assert r.report.registers and r.report.shared_bytes is not None and r.report.occupancy
-        assert r.report.matrix_instructions, (r.arch, r.module.name)
+        assert r.report.matrix_instructions, (r.arch, r.kernel)
     # each architecture's kernels carry that architecture's launch parameters
-    mla = [r for r in rows if r.module.name.endswith("attention_mla")]
+    mla = [r for r in rows if r.kernel.endswith("attention_mla")]
     assert {r.arch for r in mla} == set(ARCHS)
     for r in mla:  # bfloat16 pages and FP8 pages have a launch form each
-        form = "mla_attention_fp8" if any("FP8 pages" in label for label in r.launches) else "mla_attention"
+        form = "mla_attention_fp8" if dict(r.launch.constexprs)["FP8"] else "mla_attention"
         entry = launch.launch(form, r.arch)
         assert (r.report.num_warps, r.report.num_stages) == (entry.num_warps, entry.num_stages), (r.arch, form)
 
 
+@triton.jit
+def _broken(x_ptr, BLOCK: tl.constexpr):
+    tl.store(x_ptr + tl.arange(0, BLOCK), tl.load(x_ptr + tl.arange(0, BLOCK)) @ 2)  # no such operator on a 1-D block
+
+
 def test_compile_errors_and_oversized_shared_memory_fail_the_gate():
-    broken = isa.TritonModule("broken", "module { tt.func @broken() { tt.bogus } }", 4, 2)
-    report = isa.compile_kernel(broken, "gfx950")
+    broken = triton_call.JitLaunch(_broken, "broken", (("x_ptr", "*fp32"), ("BLOCK", "constexpr")), (("BLOCK", 16),),
+                                   4, 2, (1,))
+    report = isa.compile_launch(broken, "gfx950")
     assert report.error and isa.check(report)[0].startswith("does not compile")
-    fn, args = kimi_mla(64, 1)
-    [module] = isa.capture(fn, *args, arch="gfx942")
-    report = isa.compile_kernel(module, "gfx942")
+    [one] = captured(*kimi_mla(8, 1), "gfx942")
+    report = isa.compile_launch(one, "gfx942")
     assert isa.check(report) == []
     too_big = dataclasses.replace(report, shared_bytes=launch.ARCHS["gfx942"].shared_bytes + 1)
     assert any("shared memory" in p for p in isa.check(too_big))
@@ -113,8 +129,8 @@ def test_architecture_read_from_the_device(monkeypatch, caplog):
 @pytest.mark.parametrize("arch", ["gfx942", "sm_90"])
 def test_float32_kernel_dots_stay_float32(arch):
     """A float32 dot at default precision becomes TF32 (sm_90) / xf32 (gfx942) matrix instructions;
-    the kernels state HIGHEST, so their float32 runs compute in float32 on a GPU."""
-    from pallas_kernels.moe import grouped_matmul
+    the kernels ask for IEEE float32, so their float32 runs compute in float32 on a GPU."""
+    from pallas_kernels.triton_moe import grouped_matmul
 
     sds = jax.ShapeDtypeStruct
     attention_args = (sds((2, 2, 16, 32), jnp.float32), sds((1, 8, 16, 2, 32), jnp.float32),
@@ -122,10 +138,9 @@ def test_float32_kernel_dots_stay_float32(arch):
     moe_args = (sds((64, 128), jnp.float32), sds((4, 128, 64), jnp.float32), sds((4,), jnp.int32))
     for fn, args in ((lambda q, k, v, t, n: paged_prefix_attention(q, k, v, 0, t, n, scale=0.1), attention_args),
                      (grouped_matmul, moe_args)):
-        [module] = isa.capture(fn, *args, arch=arch)
-        assert "tf32" not in module.ttir and "tt.dot" in module.ttir
-        report = isa.compile_kernel(module, arch)
-        assert isa.check(report) == []
+        [one] = captured(fn, args, arch)
+        report = isa.compile_launch(one, arch)
+        assert isa.check(report) == [] and report.matrix_instructions is not None
         assert not any("tf32" in m or "xf32" in m for m in report.matrix_instructions), report.matrix_instructions
 
 
@@ -154,7 +169,7 @@ def test_default_launch_entries_compile_on_every_architecture(monkeypatch):
     wanted = {("kimi-k2.5-int4", "dequantize"), ("kimi-k2.5-mxfp4", None), ("minimax-m2.5-fp8", None)}
     items = [c for c in gate.representative_cases() if (c.config.name, c.quant) in wanted] + list(gate.EXTRA)
     rows = gate.run_gate(items, ARCHS)
-    failed = [f"{r.arch} {r.module.name} {r.module.operands[3]}: {r.problems}" for r in rows if r.problems]
+    failed = [f"{r.arch} {r.kernel} {r.shape}: {r.problems}" for r in rows if r.problems]
     assert not failed, "\n".join(failed)
 
 

@@ -1,7 +1,7 @@
 """Paged prefix attention timed against its XLA reference at one model's per-device shapes.
 
 For every (batch, new tokens T, context) of `AttentionShapes` it builds random page pools and
-block tables, runs `pallas_kernels.attention.paged_prefix_attention` and
+block tables, runs `pallas_kernels.triton_attention.paged_prefix_attention` and
 `paged_prefix_attention_reference` (both jitted; the reference gathers every page of the table),
 checks they agree within ATTENTION_TOLERANCE, and times both (`kernel_timing`: each timed program
 walks several block tables over distinct pages of one pool). A row counts the bytes the kernel must
@@ -20,11 +20,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.attention import default_splits, paged_prefix_attention, paged_prefix_attention_reference
+from pallas_kernels.attention import default_splits, paged_prefix_attention_reference
 from pallas_kernels.launch import AttentionLaunch
+from pallas_kernels.triton_attention import paged_prefix_attention
 
 from ..planning.memory import Device
-from .kernel_timing import INTERPRET_NOTE, Echo, input_sets, max_abs_err, parse_counts, per_set_ms, row_line, timing
+from .kernel_timing import (
+    INTERPRET_NOTE,
+    Echo,
+    input_sets,
+    launcher,
+    max_abs_err,
+    parse_counts,
+    per_set_ms,
+    row_line,
+    timing,
+)
 
 ATTENTION_TOLERANCE = 5e-2  # absolute, on outputs of O(1)
 SCALE = 0.1  # the softmax scale: small enough that random scores of O(1) leave no row one-hot
@@ -174,8 +185,8 @@ def attention_rows(shapes: AttentionShapes, device: Device, interpret: bool,
                                                                  q.dtype.itemsize, launch, form)
                     kernel = functools.partial(paged_prefix_attention, layer=0, scale=SCALE, num_splits=splits,
                                                interpret=interpret, launch=launch)
-                    row = dict(op="attention", kind=shapes.kind, launch=name, batch=batch, tokens=t, context=context,
-                               splits=splits, input_sets=sets)
+                    row = dict(op="attention", kind=shapes.kind, launch=name, launcher=launcher(interpret), batch=batch,
+                               tokens=t, context=context, splits=splits, input_sets=sets)
                     try:
                         got = jax.jit(kernel)(**arg_sets[0])
                     except Exception as error:  # a candidate launch Triton refuses: recorded, the sweep goes on

@@ -77,7 +77,7 @@ class CheckPlan:
     parts: tuple[str, ...]
     small: bool
     device: Device  # whose data-sheet peaks the fractions are of
-    interpret: bool  # the kernels in Pallas interpret mode (a CPU host)
+    interpret: bool  # the kernels under Triton's interpreter (a CPU host)
     launches: tuple[str, ...] = ()  # attention launches timed beside the launch table's
     step_shapes: tuple[tuple[int, int], ...] = ()  # (batch, T)
     step_repeats: int = 20

@@ -7,7 +7,7 @@ On a GPU each timed program runs the op over several input sets, enough that tog
 ROTATE_BYTES, so the L2 (50-60 MB on an H100 / H200) does not hold what one call reads and the
 launch overhead is spread over them; the median of the repeats, divided by the sets, is the op's
 time, taken after untimed calls for WARM_SECONDS so the GPU's clocks are up. On a CPU host the
-kernels run in Pallas interpret mode: one set, no warming, and figures that only show the code runs.
+kernels run under Triton's interpreter: one set, no warming, and figures that only show the code runs.
 The rows themselves are made in `attention_timing` and `moe_timing`.
 """
 
@@ -27,7 +27,12 @@ import jax.numpy as jnp
 WARM_SECONDS = 0.1
 ROTATE_BYTES = 256 * 2**20  # what one timed program reads over its input sets: several times a GPU's L2
 MAX_SETS = 16
-INTERPRET_NOTE = " (Pallas interpret mode: timings are not meaningful)"
+INTERPRET_NOTE = " (Triton's interpreter: timings are not meaningful)"
+
+
+def launcher(interpret: bool) -> str:
+    """What launched a row's kernel: jax_triton on a GPU, Triton's interpreter elsewhere."""
+    return "triton_interpreter" if interpret else "jax_triton"
 
 Echo = Callable[[str], None]  # where a table's lines go (a script passes print)
 

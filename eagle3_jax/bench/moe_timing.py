@@ -1,4 +1,4 @@
-"""A device's routed-expert compute timed through the Pallas kernels against XLA.
+"""A device's routed-expert compute timed through the Triton kernels against XLA.
 
 For every token count of `MoeShapes` (decode: batch x T; prefill: chunk sizes) it routes the tokens
 uniformly at random to `topk` of `experts` experts, of which the device holds the first
@@ -24,7 +24,7 @@ import numpy as np
 from ..models.moe import kernel_unfit, local_experts
 from ..planning.memory import Device
 from ..weights.quant import QArray, QFormat
-from .kernel_timing import INTERPRET_NOTE, Echo, input_sets, parse_counts, per_set_ms, row_line, timing
+from .kernel_timing import INTERPRET_NOTE, Echo, input_sets, launcher, parse_counts, per_set_ms, row_line, timing
 
 MOE_TOLERANCE = 5e-2  # relative to the largest output
 FORMATS = ("bfloat16", "int4", "w4a8", "mxfp4", "fp8_block", "fp8_channel")
@@ -160,7 +160,8 @@ def moe_rows(shapes: MoeShapes, ws: tuple, device: Device, interpret: bool,
         assignments = sum(local_assignments(one["ids"], e) for one in arg_sets) / sets
         flops = 6 * h * inter * assignments  # gate, up and down: 2 flops per multiply-add
         k_ms, x_ms = per_set_ms(_kernel, arg_sets, shapes.repeats), per_set_ms(_xla, arg_sets, shapes.repeats)
-        rows.append(dict(op="moe", format=shapes.fmt, tokens=n, local_assignments=local_assignments(first["ids"], e),
+        rows.append(dict(op="moe", format=shapes.fmt, launcher=launcher(interpret), tokens=n,
+                         local_assignments=local_assignments(first["ids"], e),
                          experts_hit=experts_hit(first["ids"], e), input_sets=sets,
                          **timing(k_ms, x_ms, read, flops, device.hbm_gbps, device.bf16_tflops),
                          max_rel_err=err, equal=bool(err <= MOE_TOLERANCE)))  # NaN fails

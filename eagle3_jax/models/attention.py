@@ -101,7 +101,8 @@ def _as_cached(cache: kv_cache.KVCache, x: jax.Array) -> jax.Array:
 
 
 def _prefix_partial(cache: kv_cache.KVCache, layer, q, q2, scale: float, value_pool: bool):
-    from pallas_kernels.attention import Fp8Scales, paged_prefix_attention
+    from pallas_kernels.attention import Fp8Scales
+    from pallas_kernels.triton_attention import paged_prefix_attention
 
     k_pool, v_pool, table = kv_cache.as_pages(cache)
     scales = None
@@ -116,8 +117,7 @@ def _prefix_partial(cache: kv_cache.KVCache, layer, q, q2, scale: float, value_p
     if cache.fp8:
         scales = Fp8Scales(k_scales, v_scales if value_pool else None, None if value_pool else v_scales, fnuz)
     return paged_prefix_attention(q, k_pool, v_pool if value_pool else None, layer, table, cache.lengths, scale=scale,
-                                  q2=q2, k2_pool=None if q2 is None else v_pool, interpret=kernels.interpret(),
-                                  scales=scales)
+                                  q2=q2, k2_pool=None if q2 is None else v_pool, scales=scales)
 
 
 def _gqa_kernel_attention(cfg: ModelConfig, q, k, v, cache, layer, tree_mask) -> jax.Array:

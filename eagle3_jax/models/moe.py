@@ -98,14 +98,13 @@ def grouped_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate, w_
 
 
 def kernel_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate, w_up, w_down) -> jax.Array:
-    """`grouped_experts` through the Pallas kernels: fused gate/up + SiLU, then down."""
-    from pallas_kernels.moe import grouped_matmul, grouped_swiglu
-
-    interpret = kernels.interpret()
+    """`grouped_experts` through the Triton kernels: fused gate/up + SiLU, then down (jax_triton on a
+    GPU, Triton's interpreter on a CPU host: pallas_kernels/triton_call.py)."""
+    from pallas_kernels.triton_moe import grouped_matmul, grouped_swiglu
 
     def mlp(xs, group_sizes):
-        h = grouped_swiglu(xs, w_gate, w_up, group_sizes, interpret=interpret)
-        return grouped_matmul(h, w_down, group_sizes, interpret=interpret)
+        h = grouped_swiglu(xs, w_gate, w_up, group_sizes)
+        return grouped_matmul(h, w_down, group_sizes)
 
     return _sorted_experts(x, weights, ids, w_gate.shape[0], mlp)
 

@@ -1,4 +1,4 @@
-"""The compile gate: every Pallas kernel the engine launches, compiled to GPU machine code.
+"""The compile gate: every Triton kernel the engine launches, compiled to GPU machine code.
 
 For each bundled full-size configuration (`tests/data`: Kimi-K2.5 int4 and MXFP4, DeepSeek-V3 FP8,
 MiniMax-M2.5 FP8, Llama-3.1-8B, each with its EAGLE-3 draft) on its documented meshes, in the
@@ -6,10 +6,11 @@ formats its checkpoints come in plus bfloat16 (and W4A8 for int4), the engine's 
 built from shapes alone (`plan.abstract_setup` / `plan.trace_programs`: the plain decode step,
 the speculative step of a chain (T = 4) and of trees (T = 16 and T = KERNEL_MAX_TOKENS = 64), and a
 prefill chunk, which runs the MoE kernels' prefill form) at batch 1 and 64 with an 8K cache, and
-lowered for each architecture of the launch table. Every Triton module they hold (attention in
-each form the target and the draft use; fused gate/up and down of the experts, per device under
-expert parallelism) is captured with the launch parameters the table gave it and compiled with the
-`triton` package (pallas_kernels/isa.py). Identical modules compile once.
+traced for each architecture of the launch table (tracing only: nothing is lowered). Every kernel
+launch they make (attention in each form the target and the draft use; fused gate/up and down of
+the experts, per device under expert parallelism) is captured with its shapes, constexprs and the
+launch parameters the table gave it (`triton_call.capturing`) and compiled from the kernel's source
+with the `triton` package (pallas_kernels/isa.py). Identical launches compile once.
 
 Float8 weights are e4m3fnuz on gfx942 (what the engine converts to there) and OCP e4m3fn
 elsewhere. Beside the configurations, `EXTRA` adds kernel forms no bundled config reaches: float8
@@ -29,9 +30,10 @@ from typing import TYPE_CHECKING, Callable, Iterator
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import launch
-from pallas_kernels.attention import Fp8Scales, paged_prefix_attention
-from pallas_kernels.moe import grouped_matmul, grouped_swiglu
+from pallas_kernels import launch, triton_call
+from pallas_kernels.attention import Fp8Scales
+from pallas_kernels.triton_attention import paged_prefix_attention
+from pallas_kernels.triton_moe import grouped_matmul, grouped_swiglu
 
 from ..models import attention
 from ..runtime.sharding import make_mesh, mesh_context
@@ -132,17 +134,16 @@ def _mesh(shape: tuple[int, int, int]):
     return make_mesh(*shape, devices=jax.devices()[:need])
 
 
-def lower_case(case: Case, arch: str) -> None:
-    """Trace and lower `case`'s program for `arch` (under `launch.for_arch(arch)` and isa's capture)."""
+def trace_case(case: Case, arch: str) -> None:
+    """Trace `case`'s program for `arch` (under `launch.for_arch(arch)` and a capture of its launches)."""
     mesh = _mesh(case.mesh)
     spec = spec_for(case.tokens) if case.program == "spec_step" else None
     draft = os.path.join(DATA, case.config.draft) if case.config.draft and case.program != "decode" else None
     setup = plan.abstract_setup(os.path.join(DATA, case.config.target), draft, mesh, case.batch,
                                 CONTEXT, spec, case.quant, kernels=KERNELS, fp8_format=_fp8_format(arch))
     programs = {"decode": ("decode",), "spec_step": ("step",), "prefill": ("prefill",)}[case.program]
-    with mesh_context(mesh), launch.abstract_gpu():
-        for traced in plan.trace_programs(setup, PREFILL_CHUNK, programs).values():
-            traced.lower(lowering_platforms=(launch.ARCHS[arch].platform,))
+    with mesh_context(mesh):
+        plan.trace_programs(setup, PREFILL_CHUNK, programs)
 
 
 # ---- kernel forms no bundled configuration reaches -------------------------------------------------
@@ -232,11 +233,10 @@ EXTRA: tuple[Extra, ...] = tuple(
     Extra(f"{kind} attention over FP8 pages", _fp8_pages(kind)) for kind in ("mla", "gqa"))
 
 
-def lower_extra(extra: Extra, arch: str) -> None:
-    """Trace and lower `extra` for `arch` (under `launch.for_arch(arch)` and isa's capture)."""
+def trace_extra(extra: Extra, arch: str) -> None:
+    """Trace `extra` for `arch` (under `launch.for_arch(arch)` and a capture of its launches)."""
     fn, args = extra.build(arch)
-    with launch.abstract_gpu():
-        jax.jit(lambda *a: fn(*a)).trace(*args).lower(lowering_platforms=(launch.ARCHS[arch].platform,))
+    jax.eval_shape(fn, *args)
 
 
 # ---- the sweep ------------------------------------------------------------------------------------
@@ -244,23 +244,32 @@ def lower_extra(extra: Extra, arch: str) -> None:
 
 @dataclasses.dataclass
 class GateRow:
-    """One distinct kernel compiled for one architecture, and every launch that shares its code."""
+    """One distinct kernel launch compiled for one architecture, and every program that makes it."""
 
     arch: str
-    module: "isa.TritonModule"
+    launch: triton_call.JitLaunch
     report: "isa.CompileReport"
     problems: list[str]
     launches: list[str]
 
+    @property
+    def kernel(self) -> str:
+        return self.launch.name
+
+    @property
+    def shape(self) -> str:
+        """What sets the compiled code's shape: the launch's constexprs (blocks, widths, flags)."""
+        return " ".join(f"{k}={v}" for k, v in self.launch.constexprs if k != "INTERPRETED")
+
     def as_dict(self) -> dict:
-        return {"arch": self.arch, "kernel": self.module.name, "operands": list(self.module.operands),
-                "grid": list(self.module.grid), "key": self.module.key, **self.report.as_row(),
-                "problems": self.problems, "passes": not self.problems, "launches": self.launches}
+        return {"arch": self.arch, "kernel": self.kernel, "constexprs": {k: v for k, v in self.launch.constexprs},
+                "grid": list(self.launch.grid), **self.report.as_row(), "problems": self.problems,
+                "passes": not self.problems, "launches": self.launches}
 
 
 def run_gate(items, archs, progress: Callable[[str], None] = lambda _: None) -> list[GateRow]:
-    """Lower every case / extra in `items` for every architecture in `archs`, compile each distinct
-    Triton module once per architecture, and return one row per (architecture, module)."""
+    """Trace every case / extra in `items` for every architecture in `archs`, compile each distinct
+    kernel launch once per architecture, and return one row per (architecture, launch)."""
     rows: list[GateRow] = []
     for arch in archs:
         with launch.for_arch(arch):  # JAX's caches cleared once per architecture, not per program
@@ -268,22 +277,25 @@ def run_gate(items, archs, progress: Callable[[str], None] = lambda _: None) -> 
     return rows
 
 
+def _launch_key(captured: triton_call.JitLaunch) -> tuple:
+    return (captured.name, captured.signature, captured.constexprs, captured.num_warps, captured.num_stages)
+
+
 def _gate_arch(items, arch: str, progress: Callable[[str], None]) -> list[GateRow]:
     """`run_gate` for one architecture (called under its `for_arch`)."""
     from pallas_kernels import isa
 
-    by_key: dict[str, GateRow] = {}
+    by_key: dict[tuple, GateRow] = {}
     for item in items:
-        modules: list = []
-        with isa.capturing(modules):
-            (lower_case if isinstance(item, Case) else lower_extra)(item, arch)
-        for module in modules:
-            row = by_key.get(module.key)
+        captured: list[triton_call.JitLaunch] = []
+        with triton_call.capturing(captured):
+            (trace_case if isinstance(item, Case) else trace_extra)(item, arch)
+        for one in captured:
+            row = by_key.get(_launch_key(one))
             if row is None:
-                report = isa.compile_kernel(module, arch)
-                row = by_key[module.key] = GateRow(arch, module, report, isa.check(report), [])
-                progress(f"{arch} {module.name} {module.operands[3] if len(module.operands) > 3 else ''}: "
-                         + ("ok" if not row.problems else "; ".join(row.problems)))
+                report = isa.compile_launch(one, arch)
+                row = by_key[_launch_key(one)] = GateRow(arch, one, report, isa.check(report), [])
+                progress(f"{arch} {row.kernel} {row.shape}: " + ("ok" if not row.problems else "; ".join(row.problems)))
             if item.label not in row.launches:
                 row.launches.append(item.label)
     return list(by_key.values())
