@@ -127,15 +127,19 @@ FORMS = ("mla_attention", "gqa_attention", "mla_attention_fp8", "gqa_attention_f
 # (form, architecture) -> launch. "default" is the entry for CPU hosts and unknown GPUs: the most
 # conservative one (it compiles without spills on every architecture above: tests/test_compile_gate.py;
 # its MoE K step is 32, since 64 at 4 warps spills on sm_90).
+# For the Triton kernels (the compile gate over the engine's programs, triton 3.9): GQA on AMD at 8
+# warps (4 left 14-25 SGPR spills at 64 rows, 4-6 over FP8 pages at 32), MLA on sm_90 walking 32
+# slots a step (64, the Pallas kernel's fastest on the H200, spills 848 B), MoE K steps of 32 on
+# gfx942 (64 left one SGPR spill in the fused float8 per-channel gate/up). Not yet timed on a GPU.
 TABLE: dict[tuple[str, str], Launch] = {
     ("mla_attention", DEFAULT): AttentionLaunch(block_rows=16, num_warps=4, num_stages=2),
     ("mla_attention", "gfx942"): AttentionLaunch(block_rows=32, num_warps=8, num_stages=2),
     ("mla_attention", "gfx950"): AttentionLaunch(block_rows=32, num_warps=8, num_stages=1),
-    ("mla_attention", "sm_90"): AttentionLaunch(block_rows=16, num_warps=4, num_stages=2, block_slots=64),
+    ("mla_attention", "sm_90"): AttentionLaunch(block_rows=16, num_warps=4, num_stages=2, block_slots=32),
     ("mla_attention", "sm_100"): AttentionLaunch(block_rows=32, num_warps=8, num_stages=2),
     ("gqa_attention", DEFAULT): AttentionLaunch(block_rows=32, num_warps=4, num_stages=2),
-    ("gqa_attention", "gfx942"): AttentionLaunch(block_rows=64, num_warps=4, num_stages=2),
-    ("gqa_attention", "gfx950"): AttentionLaunch(block_rows=64, num_warps=4, num_stages=2),
+    ("gqa_attention", "gfx942"): AttentionLaunch(block_rows=64, num_warps=8, num_stages=2),
+    ("gqa_attention", "gfx950"): AttentionLaunch(block_rows=64, num_warps=8, num_stages=2),
     ("gqa_attention", "sm_90"): AttentionLaunch(block_rows=64, num_warps=4, num_stages=2),
     ("gqa_attention", "sm_100"): AttentionLaunch(block_rows=64, num_warps=4, num_stages=2),
     # Over FP8 pages (decoded in registers: pallas_kernels/attention.py) fewer rows and one stage; the
@@ -146,8 +150,8 @@ TABLE: dict[tuple[str, str], Launch] = {
     ("mla_attention_fp8", "sm_90"): AttentionLaunch(block_rows=16, num_warps=4, num_stages=1),
     ("mla_attention_fp8", "sm_100"): AttentionLaunch(block_rows=16, num_warps=4, num_stages=1),
     ("gqa_attention_fp8", DEFAULT): AttentionLaunch(block_rows=16, num_warps=4, num_stages=1),
-    ("gqa_attention_fp8", "gfx942"): AttentionLaunch(block_rows=32, num_warps=4, num_stages=1),
-    ("gqa_attention_fp8", "gfx950"): AttentionLaunch(block_rows=32, num_warps=4, num_stages=1),
+    ("gqa_attention_fp8", "gfx942"): AttentionLaunch(block_rows=32, num_warps=8, num_stages=1),
+    ("gqa_attention_fp8", "gfx950"): AttentionLaunch(block_rows=32, num_warps=8, num_stages=1),
     ("gqa_attention_fp8", "sm_90"): AttentionLaunch(block_rows=32, num_warps=4, num_stages=1),
     ("gqa_attention_fp8", "sm_100"): AttentionLaunch(block_rows=32, num_warps=4, num_stages=1),
     # Triton MoE (triton_moe.py): packed K steps of 128 on AMD (256 at 4 warps puts gfx942's fused
@@ -156,7 +160,7 @@ TABLE: dict[tuple[str, str], Launch] = {
     # 304 CUs, MI355X 256, H100 / H200 132 SMs, B200 148.
     ("moe", DEFAULT): MoeLaunch(block_m=16, max_block_n=64, max_block_k=32, num_warps=4, num_stages=2,
                                 max_packed_k=128),
-    ("moe", "gfx942"): MoeLaunch(block_m=16, max_block_n=64, max_block_k=64, num_warps=4, num_stages=1,
+    ("moe", "gfx942"): MoeLaunch(block_m=16, max_block_n=64, max_block_k=32, num_warps=4, num_stages=1,
                                  max_packed_k=128, target_programs=608),
     ("moe", "gfx950"): MoeLaunch(block_m=16, max_block_n=64, max_block_k=64, num_warps=4, num_stages=2,
                                  max_packed_k=128, target_programs=512),
