@@ -7,7 +7,7 @@ PYTHON ?= python3
 VENV := .venv
 VPY := $(VENV)/bin/python
 
-.PHONY: demo test venv clean-venv
+.PHONY: demo test test-heavy venv clean-venv
 
 venv: $(VPY)
 
@@ -33,8 +33,13 @@ demo: $(VENV)/.stamp-demo
 # optimizes the CPU programs at -O0 (same results, about a fifth less time), and two pytest
 # workers compile side by side (XLA compiles a program on one thread); a test file stays on one
 # worker, so its module fixtures are built once.
+PYTEST := XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0" $(VPY) -m pytest -q -n 2 --dist loadfile
 test: $(VENV)/.stamp-test
-	XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0" $(VPY) -m pytest -q -n 2 --dist loadfile
+	$(PYTEST)
+
+# The tests marked heavy (tests/conftest.py's HEAVY): CI runs them after `make test`.
+test-heavy: $(VENV)/.stamp-test
+	$(PYTEST) -m "heavy and not slow"
 
 clean-venv:
 	rm -rf $(VENV)

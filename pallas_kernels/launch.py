@@ -244,9 +244,7 @@ def shape_only():
 def call(kernel, out_shape, *inputs):
     """`kernel(*inputs)` (a pallas_call), or under `shape_only()` an optimization barrier that
     takes the inputs and gives buffers of `out_shape` (a ShapeDtypeStruct or a list of them)."""
-    if not _shape_only.get():
-        return kernel(*inputs)
-    return stand_in(out_shape, inputs)
+    return stand_in(out_shape, inputs) if is_shape_only() else kernel(*inputs)
 
 
 def is_shape_only() -> bool:

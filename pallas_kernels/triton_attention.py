@@ -175,15 +175,6 @@ def _block(width: int) -> int:
     return max(16, 1 << (max(width, 1) - 1).bit_length())
 
 
-def _strides(x: jax.Array) -> tuple[int, ...]:
-    """Element strides of a row-major array."""
-    out, step = [], 1
-    for n in reversed(x.shape):
-        out.append(step)
-        step *= n
-    return tuple(reversed(out))
-
-
 def paged_prefix_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array | None, layer, block_table: jax.Array,
                            lengths: jax.Array, *, scale: float, q2: jax.Array | None = None,
                            k2_pool: jax.Array | None = None, num_splits: int = 0, interpret: bool | None = None,
@@ -222,14 +213,14 @@ def paged_prefix_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array | 
                   jax.ShapeDtypeStruct((b, h, num_splits, rows), jnp.float32)]
 
     def pool_strides(x):  # [L, pages, slots, heads, lanes] -> the first four strides (0s for an absent one)
-        return _strides(x)[:4] if x.ndim == 5 else (0, 0, 0, 0)
+        return triton_call.strides(x)[:4] if x.ndim == 5 else (0, 0, 0, 0)
 
-    out_strides = _strides(jax.ShapeDtypeStruct(out_shapes[0].shape, jnp.float32))
-    lse_strides = _strides(jax.ShapeDtypeStruct(out_shapes[1].shape, jnp.float32))
+    out_strides = triton_call.strides(out_shapes[0])
+    lse_strides = triton_call.strides(out_shapes[1])
     args = [jnp.asarray(layer, jnp.int32).reshape(1), lengths.astype(jnp.int32), block_table.astype(jnp.int32), q,
             k_pool, k_scales, q2, k2, k2_scales, v, v_scales,
             float(scale), int(pages_per_split), int(block_table.shape[1]),
-            *_strides(q)[:3], *_strides(q2)[:3],
+            *triton_call.strides(q)[:3], *triton_call.strides(q2)[:3],
             *pool_strides(k_pool), *pool_strides(k_scales), *pool_strides(k2), *pool_strides(k2_scales),
             *pool_strides(v), *pool_strides(v_scales), *out_strides[:4], *lse_strides[:3]]
     out, lse = triton_call.call(

@@ -35,6 +35,15 @@ def on_gpu(backend: str | None = None) -> bool:
     return (backend or jax.default_backend()) in ("gpu", "cuda", "rocm")
 
 
+def strides(x) -> tuple[int, ...]:
+    """Element strides of a row-major array (or ShapeDtypeStruct): what a kernel's pointer arithmetic uses."""
+    out, step = [], 1
+    for n in reversed(x.shape):
+        out.append(step)
+        step *= n
+    return tuple(reversed(out))
+
+
 @dataclasses.dataclass(frozen=True)
 class JitLaunch:
     """One launch of a `triton.jit` kernel as `call` saw it, for compiling it on any host (isa.py):

@@ -35,7 +35,7 @@ from eagle3_jax.weights.quant import QArray, quantize_rows_int8
 from pallas_kernels import launch as launch_table
 from pallas_kernels import triton_call
 from pallas_kernels.launch import MoeLaunch
-from pallas_kernels.moe import _TILES, _largest_dividing, _tiles_up_to, layout_error, tile_plan
+from pallas_kernels.moe import _TILES, _largest_dividing, _split_even_odd, _tiles_up_to, layout_error, tile_plan
 
 
 @triton.jit
@@ -266,22 +266,9 @@ def choose_splits(programs: int, k_steps: int, launch: MoeLaunch) -> int:
     return max(1, min(want, k_steps // max(launch.min_split_steps, 1)))
 
 
-def _split_even_odd(x: jax.Array, step: int) -> jax.Array:
-    """Columns of each K step reordered as [even columns | odd columns]."""
-    n, k = x.shape
-    return x.reshape(n, k // step, step // 2, 2).swapaxes(-1, -2).reshape(n, k)
-
-
 def _bytes(values: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(values, jnp.uint8) if jnp.dtype(values.dtype).itemsize == 1 else values
 
-
-def _strides(a) -> tuple[int, ...]:
-    out, step = [], 1
-    for n in reversed(a.shape):
-        out.append(step)
-        step *= n
-    return tuple(reversed(out))
 
 
 def _grouped_call(x: jax.Array, ws: tuple, group_sizes: jax.Array, *, swiglu: bool, interpret: bool | None,
@@ -318,7 +305,7 @@ def _grouped_call(x: jax.Array, ws: tuple, group_sizes: jax.Array, *, swiglu: bo
     rows = n + block_m
     shape = (rows, n_out) if fused else (splits, len(ws), rows, n_out)
     out_shape = jax.ShapeDtypeStruct(shape, out_dtype if fused else jnp.float32)
-    o_strides = _strides(out_shape)
+    o_strides, w_strides, s_strides = (triton_call.strides(a) for a in (out_shape, values[0], scales[0]))
     two = len(ws) == 2
     [out] = triton_call.call(
         grouped_matmul_kernel, [out_shape], expert, first, end, x, row_scale, values[0], scales[0],
@@ -326,8 +313,8 @@ def _grouped_call(x: jax.Array, ws: tuple, group_sizes: jax.Array, *, swiglu: bo
         grid=(tiles, n_out // block_n, splits), num_warps=launch.num_warps, num_stages=launch.num_stages,
         interpret=interpret, name=f"{name}_{walk.label}",  # the weight format shows in profiles and the gate
         # every stride a constexpr: addresses fold into the code and scalar registers stay free
-        x_m=x.shape[1], w_e=_strides(values[0])[0], w_k=_strides(values[0])[1], s_e=_strides(scales[0])[0],
-        s_k=_strides(scales[0])[1], s_n=_strides(scales[0])[2], o_s=0 if fused else o_strides[0],
+        x_m=x.shape[1], w_e=w_strides[0], w_k=w_strides[1], s_e=s_strides[0], s_k=s_strides[1], s_n=s_strides[2],
+        o_s=0 if fused else o_strides[0],
         o_w=0 if fused else o_strides[1], o_m=o_strides[-2], steps_per_split=steps_per_split,
         NUM_EXPERTS=e, K_STEPS=k_steps, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=walk.block_k, FMT=_FMT[walk.fmt],
         GROUP=walk.group, SCALE_ROWS=walk.scale_rows, SCALE_COLS=walk.scale_cols, FNUZ=walk.fnuz,
