@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # CI's last leg, on the newest JAX the project supports (0.12.x, which needs Python >= 3.12) and
 # the newest Python, 3.13: what a JAX version can break. The tests marked `newest_jax` (the Triton
-# compile-to-ISA tests of every kernel form on gfx942 / gfx950 / sm_90, spill detection, the Pallas
-# kernels through the engine against XLA, the GPU check script, multi-host), then the default and
-# heavy tests of the files whose subject is JAX's own API surface (COMPAT_FILES: the Pallas kernels, lowering
-# to GPU platforms, KV pages, sharding and collectives, Orbax checkpoints). The behaviour suite
+# compile-to-ISA tests of every kernel form on gfx942 / gfx950 / sm_90, spill detection, the Triton
+# kernels through the engine against XLA (Triton's interpreter inside jax.pure_callback), the GPU
+# check script, multi-host), then the default and heavy tests of the files whose subject is JAX's
+# own API surface (COMPAT_FILES: lowering to GPU platforms, KV pages, sharding and collectives,
+# Orbax checkpoints). The behaviour suite
 # (the engine, scheduler, speculation, serving, scripts, benchmarks) runs on JAX 0.10 in the first
 # legs only: XLA:CPU of jaxlib 0.12 compiles the tests' programs about 1.6x slower (0.10 has the
 # elemental-emitter switch, conftest.py), and running that suite twice took CI past its 45 minutes;
@@ -95,7 +96,7 @@ if [ "${1:-}" = "--prepare" ]; then  # the Python and the environment only (.ci/
     exit 0
 fi
 
-COMPAT_FILES=(tests/test_{pallas_attention,pallas_moe,lowering,spec_lowering,kv_cache,checkpoint,sharding}.py)
+COMPAT_FILES=(tests/test_{lowering,spec_lowering,kv_cache,checkpoint,sharding}.py)
 export XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
 pytest=("$venv/bin/python" -m pytest -q -n 2 --dist loadfile -p no:cacheprovider)
 # -m lifts pyproject's default deselection of `newest_jax`

@@ -1,57 +1,28 @@
-"""Kernels compiled to GPU machine code on any host: Pallas -> Triton IR -> AMDGCN / PTX + cubin,
-and `triton.jit` kernels from their source (`compile_launch`, launches `triton_call` captured).
+"""`triton.jit` kernels compiled to GPU machine code on any host, from their source.
 
-The Triton lowering of `pallas_call` builds a Triton IR (TTIR) module per kernel. `capture`
-traces and lowers a function deviceless (`lowering_platforms=("rocm",)` or `("cuda",)`) for an
-architecture of the launch table and keeps each kernel's module as text, with the num_warps and
-num_stages it was launched with. `compile_kernel` then runs the `triton` package's own pipeline
-on it for that architecture (ttir -> ttgir -> llir -> amdgcn -> hsaco for AMD, ... -> ptx -> cubin
-for NVIDIA; both backends, the AMD linker and ptxas ship in the wheel), starting with the ttir
-passes (Pallas hands over an unoptimised module) and reading what the GPU would run:
-registers, spills, shared memory, occupancy and the matrix instructions used.
+`compile_launch` takes a launch `triton_call` captured (the kernel, its argument types, its
+constexprs, num_warps and num_stages: `triton_call.capturing`, what the compile gate records while
+it traces the engine's programs for an architecture) and runs the `triton` package's own pipeline
+for that architecture (ttir -> ttgir -> llir -> amdgcn -> hsaco for AMD, ... -> ptx -> cubin for
+NVIDIA; both backends, the AMD linker and ptxas ship in the wheel), reading what the GPU would
+run: registers, spills, shared memory, occupancy and the matrix instructions used.
 
 `check` turns a report into the compile gate's verdict: a compile error, any spill (scratch,
 VGPR or SGPR spills, AGPRs in use: on gfx942 / gfx950 a kernel past the 256 arch VGPRs copies
 into AGPRs, a spill in all but name that also drops it to one wave per SIMD; ptxas spill stores
 or loads) or shared memory over the architecture's limit fails it.
-
-Capturing hooks a private JAX function (`lower_jaxpr_to_triton_module`, the same on JAX 0.10 to
-0.12); `capture` fails loudly if it ever stops being called.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import hashlib
 import os
 import re
 import subprocess
-import sys
 import tempfile
-from typing import Any, Callable
-
-import jax
+from typing import Any
 
 from pallas_kernels import launch as launch_table
-
-
-@dataclasses.dataclass(frozen=True)
-class TritonModule:
-    """One kernel as the Triton lowering emitted it."""
-
-    name: str
-    ttir: str
-    num_warps: int
-    num_stages: int
-    operands: tuple[str, ...] = ()  # the kernel's refs, e.g. "bf16[64,1,32,512]" (per-device shapes)
-    grid: tuple[int, ...] = ()
-
-    @property
-    def key(self) -> str:
-        """Identifies the compiled code: equal keys compile to the same machine code."""
-        text = f"{self.num_warps}/{self.num_stages}/{self.ttir}"
-        return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 @dataclasses.dataclass
@@ -84,49 +55,6 @@ class CompileReport:
         return row
 
 
-# ---- capture --------------------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def capturing(into: list):
-    """Within: every Triton module the Pallas lowering builds is appended to `into`."""
-    from jax._src.pallas.triton import lowering
-
-    original = lowering.lower_jaxpr_to_triton_module
-
-    def hook(*args, **kwargs):
-        result = original(*args, **kwargs)
-        caller = sys._getframe(1).f_locals  # pallas_call_lowering: the launch knobs it resolved
-        jaxpr = args[0] if args else kwargs["jaxpr"]
-        into.append(TritonModule(name=str(result.module.operation.attributes["sym_name"]).strip('"'),
-                                 ttir=result.module.operation.get_asm(),
-                                 num_warps=int(caller["num_warps"]), num_stages=int(caller["num_stages"]),
-                                 operands=tuple(v.aval.str_short() for v in jaxpr.invars),
-                                 grid=tuple(int(g) for g in result.grid)))
-        return result
-
-    lowering.lower_jaxpr_to_triton_module = hook
-    try:
-        yield into
-    finally:
-        lowering.lower_jaxpr_to_triton_module = original
-
-
-def capture(fn: Callable, *args, arch: str) -> list[TritonModule]:
-    """The Triton modules of every Pallas kernel in `jax.jit(fn)(*args)` (args may be
-    ShapeDtypeStructs), traced and lowered for `arch` (a key of launch.ARCHS) without its device."""
-    target = launch_table.ARCHS[arch]
-    modules: list[TritonModule] = []
-    with launch_table.deviceless(arch), capturing(modules):
-        # a fresh wrapper per call: jit's caches key on the function, not on the architecture the
-        # launch table was read for
-        jax.jit(lambda *a: fn(*a)).trace(*args).lower(lowering_platforms=(target.platform,))
-    if not modules:
-        raise RuntimeError("no Triton module was captured: either the function launches no Pallas kernel or JAX's "
-                           "Triton lowering changed (pallas_kernels/isa.py hooks lower_jaxpr_to_triton_module)")
-    return modules
-
-
 # ---- compile --------------------------------------------------------------------------------------
 
 
@@ -136,37 +64,6 @@ def _gpu_target(arch: launch_table.Arch):
     if arch.vendor == "amd":
         return GPUTarget("hip", arch.name, arch.warp_size)
     return GPUTarget("cuda", int(arch.name.removeprefix("sm_")), arch.warp_size)
-
-
-def _stages(module: TritonModule, arch: launch_table.Arch) -> dict[str, Any]:
-    """Every stage of Triton's pipeline for `arch`, from the ttir passes on; {stage: IR}, plus the
-    pipeline's metadata under "metadata"."""
-    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9's default, stated (it warns otherwise)
-    from triton._C.libtriton import ir
-    from triton.backends.compiler import Language
-    from triton.compiler.compiler import make_backend
-
-    backend = make_backend(_gpu_target(arch))
-    context = ir.context()
-    ir.load_dialects(context)
-    backend.load_dialects(context)
-    with tempfile.NamedTemporaryFile("w", suffix=".ttir") as f:
-        f.write(module.ttir)
-        f.flush()
-        mod = ir.parse_mlir_module(f.name, context)
-    mod.context = context
-    options = backend.parse_options(dict(num_warps=module.num_warps, num_stages=module.num_stages))
-    stages: dict[str, Callable] = {}
-    backend.add_stages(stages, options, Language.TRITON)
-    metadata = {"target": _gpu_target(arch), **options.__dict__}
-    out: dict[str, Any] = {}
-    for stage, run in stages.items():
-        if stage == "cubin":  # run below with ptxas -v, whose log is what we read
-            break
-        mod = run(mod, metadata)
-        out[stage] = mod
-    out["metadata"] = metadata
-    return out
 
 
 def _amd_report(report: CompileReport, amdgcn: str) -> None:
@@ -219,24 +116,6 @@ def _nvidia_report(report: CompileReport, ptx: str, arch: launch_table.Arch) -> 
     report.notes = tuple(sorted({line.split("info    :")[-1].strip() for line in log.splitlines()
                                  if "warning" in line.lower() or "serializ" in line.lower()}))
     report.occupancy = _nvidia_occupancy(report.registers or 0, report.shared_bytes or 0, report.num_warps, arch)
-
-
-def compile_kernel(module: TritonModule, arch: str) -> CompileReport:
-    """Compile one captured kernel for `arch` with the `triton` package; a failure is reported,
-    not raised."""
-    target = launch_table.ARCHS[arch]
-    report = CompileReport(module.name, arch, module.num_warps, module.num_stages)
-    try:
-        stages = _stages(module, target)
-    except Exception as e:  # noqa: BLE001  (the compiler's own message is the finding)
-        report.error = f"{type(e).__name__}: {str(e).strip()[-2000:]}"
-        return report
-    report.shared_bytes = int(stages["metadata"].get("shared", 0))
-    if target.vendor == "amd":
-        _amd_report(report, stages["amdgcn"])
-    else:
-        _nvidia_report(report, stages["ptx"], target)
-    return report
 
 
 def compile_launch(launch, arch: str) -> CompileReport:

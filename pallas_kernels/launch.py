@@ -2,37 +2,35 @@
 compile gate (`isa.py`, scripts/compile_gate.py) both read.
 
 A kernel asks `launch(form)` at trace time. The architecture is, in order: the one named by an
-enclosing `for_arch(name)` (deviceless lowering for a GPU this host does not have, and the compile
-gate), else the first local GPU's (`gfx942` from ROCm's gfx name, `sm_90` from CUDA's compute
+enclosing `for_arch(name)` (a trace for a GPU this host does not have: the compile gate, the
+memory planner), else the first local GPU's (`gfx942` from ROCm's gfx name, `sm_90` from CUDA's compute
 capability 9.0), else "default" (a CPU host, where the kernels run interpreted). A GPU the table
 does not know gets the default entry and one log line saying so.
 
 Why the numbers differ by architecture (each entry compiled by scripts/compile_gate.py with 0
-spills and fitting shared memory at every shape the engine launches):
+spills and fitting shared memory at every shape the engine launches, triton 3.9):
 - MI300X / MI325X (gfx942) have 64 KB of LDS per workgroup and 512 VGPRs per lane split into 256
   arch VGPRs and AGPRs: past 256 the compiler copies into AGPRs (a spill in all but name) and the
   SIMD runs one wave. MI355X (gfx950) has 160 KB of LDS and the same register file.
 - H100 / H200 (sm_90) have 255 registers per thread and 227 KB of shared memory per block.
-- Attention keeps a float32 [block_rows, Dv] accumulator and the [block_rows, D] query in
+- Attention keeps a float32 [block_rows, Dv] accumulator and the [block_rows, D] queries in
   registers for the whole walk over the pages; MLA's Dv = 512 latent is what bounds its rows.
   Block rows are set for 2-byte operands and values of 512 (MLA) / 128 (GQA) lanes; wider values
-  or float32 operands get proportionally fewer rows (pallas_kernels/attention.py). Measured
-  (scripts/compile_gate.py, triton 3.9.0): MLA at 64 rows spills or lands in AGPRs on every
-  architecture at 4 warps; at 32 rows gfx950 needs one stage (two put 98 values in AGPRs).
-  On AMD pages are walked 16 slots per step: MLA with a whole 32- or 64-slot page per step spills
-  on gfx942 and gfx950 (and a 64-slot page needs 72 KB of LDS on gfx942).
-- MLA on sm_90 runs 16 rows at 4 warps and walks 64 slots per step (where pages are a multiple of
-  64): the fastest of the launches a sweep timed on one H200 (scripts/gpu_proof.sh's sweep part,
-  benchmarks/notes/2026-11-27-gpu-proof-h200.md): at batch 64 verify 2.5x XLA over 64-slot pages
-  where the 32-row, 8-warp entry it replaced ran 1.0x; over 16-slot pages 1.55x where that one
-  ran 0.82x.
-- MoE on sm_90 runs 8 warps and three stages: at 4 warps ptxas gives the bfloat16 down
-  projection an 8-byte stack frame (spill stores and loads) at 40-48 registers, at two stages for
-  DeepSeek-V3's shapes and at three for MiniMax-M2.5's.
+  or float32 operands get proportionally fewer rows (attention.block_rows_for). MLA at 64 rows
+  spills on every architecture (sm_90: 255 registers and 440 B spilled at 8 warps; at 16 warps the
+  register cap halves and it spills more), so MLA tiles are 16-32 rows until the accumulator is
+  split across warp groups. GQA on AMD runs 8 warps (4 left 14-25 SGPR spills at 64 rows).
+- On AMD pages are walked 16 slots per step (a whole 32- or 64-slot MLA page a step spills on
+  gfx942 and gfx950, and a 64-slot page needs 72 KB of LDS on gfx942); MLA on sm_90 walks 32
+  (64 spills 848 B).
+- The MoE's packed K steps (int4 / MXFP4 / W4A8, whole scale groups a step) are 128 on AMD (256 at
+  4 warps puts gfx942's fused int4 gate/up at 14 SGPR spills and gfx950's W4A8 into AGPRs) and
+  256 on sm_90 at 8 warps and three stages; gfx942's float8 K steps are 32 at one stage (64, or
+  two stages, left SGPR spills in the fused float8 gate/up). Split-K aims at two programs per
+  compute unit.
 
-The sm_90 entries ran on one H200 (benchmarks/notes/2026-11-27-gpu-proof-h200.md), equal to XLA:
-MLA attention's entry was picked there by timing (above), the MoE and GQA entries are the compile
-gate's and ran as set; the AMD entries have only been compiled.
+No entry has been timed on a GPU yet: they are the compile gate's (what compiles without spills
+at the engine's shapes), the first thing a GPU run sweeps (scripts/gpu_proof.sh).
 """
 
 from __future__ import annotations
@@ -42,7 +40,6 @@ import contextvars
 import dataclasses
 import functools
 import logging
-import warnings
 
 import jax
 
@@ -60,17 +57,16 @@ class Arch:
     warp_size: int
     max_registers: int  # per lane before spilling (AMD: arch VGPRs; NVIDIA: registers per thread)
     devices: str  # what it is
-    device_kind: str  # JAX's device kind for it: what an AbstractDevice names in a deviceless lowering
 
 
 ARCHS: dict[str, Arch] = {a.name: a for a in (
-    Arch("gfx942", "amd", "rocm", 64 * 1024, 64, 256, "MI300X / MI325X", "gfx942"),
-    Arch("gfx950", "amd", "rocm", 160 * 1024, 64, 256, "MI355X", "gfx950"),
-    Arch("sm_90", "nvidia", "cuda", 227 * 1024, 32, 255, "H100 / H200", "NVIDIA H100"),
-    Arch("sm_100", "nvidia", "cuda", 227 * 1024, 32, 255, "B200", "NVIDIA B200"),
+    Arch("gfx942", "amd", "rocm", 64 * 1024, 64, 256, "MI300X / MI325X"),
+    Arch("gfx950", "amd", "rocm", 160 * 1024, 64, 256, "MI355X"),
+    Arch("sm_90", "nvidia", "cuda", 227 * 1024, 32, 255, "H100 / H200"),
+    Arch("sm_100", "nvidia", "cuda", 227 * 1024, 32, 255, "B200"),
 )}
 DEFAULT = "default"
-# The architecture a deviceless lowering for a JAX platform assumes when none is named.
+# The architecture a trace for a JAX platform assumes when none is named.
 PLATFORM_ARCH = {"rocm": "gfx942", "cuda": "sm_90"}
 
 
@@ -127,10 +123,6 @@ FORMS = ("mla_attention", "gqa_attention", "mla_attention_fp8", "gqa_attention_f
 # (form, architecture) -> launch. "default" is the entry for CPU hosts and unknown GPUs: the most
 # conservative one (it compiles without spills on every architecture above: tests/test_compile_gate.py;
 # its MoE K step is 32, since 64 at 4 warps spills on sm_90).
-# For the Triton kernels (the compile gate over the engine's programs, triton 3.9): GQA on AMD at 8
-# warps (4 left 14-25 SGPR spills at 64 rows, 4-6 over FP8 pages at 32), MLA on sm_90 walking 32
-# slots a step (64, the Pallas kernel's fastest on the H200, spills 848 B), MoE K steps of 32 on
-# gfx942 (64 left one SGPR spill in the fused float8 per-channel gate/up). Not yet timed on a GPU.
 TABLE: dict[tuple[str, str], Launch] = {
     ("mla_attention", DEFAULT): AttentionLaunch(block_rows=16, num_warps=4, num_stages=2),
     ("mla_attention", "gfx942"): AttentionLaunch(block_rows=32, num_warps=8, num_stages=2),
@@ -142,7 +134,7 @@ TABLE: dict[tuple[str, str], Launch] = {
     ("gqa_attention", "gfx950"): AttentionLaunch(block_rows=64, num_warps=8, num_stages=2),
     ("gqa_attention", "sm_90"): AttentionLaunch(block_rows=64, num_warps=4, num_stages=2),
     ("gqa_attention", "sm_100"): AttentionLaunch(block_rows=64, num_warps=4, num_stages=2),
-    # Over FP8 pages (decoded in registers: pallas_kernels/attention.py) fewer rows and one stage; the
+    # Over FP8 pages (decoded in registers: triton_attention.py) fewer rows and one stage; the
     # bfloat16 entries spill there (gfx942 MLA at 32 rows x 2 stages, gfx950 MLA at 8 warps).
     ("mla_attention_fp8", DEFAULT): AttentionLaunch(block_rows=16, num_warps=4, num_stages=1),
     ("mla_attention_fp8", "gfx942"): AttentionLaunch(block_rows=16, num_warps=8, num_stages=1),
@@ -154,10 +146,8 @@ TABLE: dict[tuple[str, str], Launch] = {
     ("gqa_attention_fp8", "gfx950"): AttentionLaunch(block_rows=32, num_warps=8, num_stages=1),
     ("gqa_attention_fp8", "sm_90"): AttentionLaunch(block_rows=32, num_warps=4, num_stages=1),
     ("gqa_attention_fp8", "sm_100"): AttentionLaunch(block_rows=32, num_warps=4, num_stages=1),
-    # Triton MoE (triton_moe.py): packed K steps of 128 on AMD (256 at 4 warps puts gfx942's fused
-    # int4 gate/up at 14 SGPR spills and gfx950's W4A8 into AGPRs); gfx942 at one stage (two spill
-    # SGPRs in the float8 forms). Split-K aims at two programs per compute unit: MI300X / MI325X
-    # 304 CUs, MI355X 256, H100 / H200 132 SMs, B200 148.
+    # The MoE (triton_moe.py; see the module docstring). Split-K's target: two programs per compute
+    # unit (MI300X / MI325X 304 CUs, MI355X 256, H100 / H200 132 SMs, B200 148).
     ("moe", DEFAULT): MoeLaunch(block_m=16, max_block_n=64, max_block_k=32, num_warps=4, num_stages=2,
                                 max_packed_k=128),
     ("moe", "gfx942"): MoeLaunch(block_m=16, max_block_n=64, max_block_k=32, num_warps=4, num_stages=1,
@@ -194,29 +184,6 @@ def for_arch(name: str):
             jax.clear_caches()
 
 
-@contextlib.contextmanager
-def abstract_gpu(name: str | None = None):
-    """Lower for GPU architecture `name` (default: the one an enclosing `for_arch` names) on a host
-    without it. JAX >= 0.12's Triton lowering asks the abstract mesh which GPU it lowers for (an
-    `AbstractDevice`); this sets one on the current abstract mesh, so enter it inside any
-    `jax.set_mesh` (older JAX reads nothing from it). A no-op when no architecture is named."""
-    name = _override.get() if name is None else name
-    if name is None:
-        yield
-        return
-    device = jax.sharding.AbstractDevice(device_kind=ARCHS[name].device_kind, num_cores=None, platform="gpu")
-    with jax.sharding.use_abstract_mesh(jax.sharding.get_abstract_mesh().update(abstract_device=device)):
-        yield
-
-
-@contextlib.contextmanager
-def deviceless(name: str):
-    """`for_arch(name)` and `abstract_gpu()` together: trace and lower kernels for `name` here
-    (programs that set their own mesh enter `abstract_gpu()` inside it)."""
-    with for_arch(name) as arch, abstract_gpu(name):
-        yield arch
-
-
 _shape_only: contextvars.ContextVar[bool] = contextvars.ContextVar("eagle3_kernel_shape_only", default=False)
 
 
@@ -232,19 +199,13 @@ def _set(flag: contextvars.ContextVar[bool]):
 
 @contextlib.contextmanager
 def shape_only():
-    """Within: kernels stand in as opaque ops of their exact output shapes (`call`). What the
+    """Within: kernels stand in as opaque ops of their exact output shapes (`stand_in`). What the
     memory planner compiles to plan a GPU program on a host without the GPU: XLA's memory
     analysis then counts each kernel's outputs and keeps its inputs (packed weights, pools) alive
     to that point, and counts nothing a kernel does not allocate (no dequantized weight copies:
     the kernels dequantize in registers and use no global workspace)."""
     with _set(_shape_only):
         yield
-
-
-def call(kernel, out_shape, *inputs):
-    """`kernel(*inputs)` (a pallas_call), or under `shape_only()` an optimization barrier that
-    takes the inputs and gives buffers of `out_shape` (a ShapeDtypeStruct or a list of them)."""
-    return stand_in(out_shape, inputs) if is_shape_only() else kernel(*inputs)
 
 
 def is_shape_only() -> bool:
@@ -316,7 +277,7 @@ def _local_gpu_arch() -> str:
         return DEFAULT
     name = arch_of_device(device)
     if name not in ARCHS:
-        log.warning("Pallas kernels: GPU architecture %r has no tuned launch parameters; using the "
+        log.warning("kernels: GPU architecture %r has no tuned launch parameters; using the "
                     "conservative defaults (known: %s)", name, ", ".join(ARCHS))
         return DEFAULT
     return name
@@ -332,20 +293,8 @@ def current_arch() -> str:
     return _local_gpu_arch()
 
 
-TRITON_DEPRECATION = "The Pallas Triton backend is deprecated"
-
-
-@functools.lru_cache(maxsize=None)
-def _quiet_triton_deprecation() -> None:
-    """JAX >= 0.11 warns at every Pallas Triton lowering that the backend is deprecated; it is the
-    only Pallas GPU backend that runs on ROCm (BUILD.md says what happens when it goes). Filtered
-    by its exact text, once, when a kernel is first traced."""
-    warnings.filterwarnings("ignore", message=TRITON_DEPRECATION, category=DeprecationWarning)
-
-
 def launch(form: str, arch: str | None = None) -> Launch:
     """The launch parameters of kernel `form` (one of FORMS) on `arch` (default: current_arch())."""
-    _quiet_triton_deprecation()
     if form not in FORMS:
         raise ValueError(f"unknown kernel form {form!r}; known: {', '.join(FORMS)}")
     arch = current_arch() if arch is None else arch

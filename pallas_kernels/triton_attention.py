@@ -1,7 +1,7 @@
-"""Paged attention over a row's committed prefix as a `triton.jit` kernel (the kernel
-`attention.paged_prefix_attention` computes, in Triton proper, launched by `triton_call.call`).
+"""Paged attention over a row's committed prefix as a `triton.jit` kernel, launched by
+`triton_call.call` (through jax_triton on a GPU, Triton's interpreter on a CPU host).
 
-Same contract as the Pallas kernel (see attention.py): query rows of a KV head (GQA: the group's
+The contract is attention.py's: query rows of a KV head (GQA: the group's
 query heads x T tokens; absorbed MLA: every head x T tokens of the one latent "head") against the
 row's pages below its length, an online softmax in float32, partial (out, lse) per KV split,
 merged by `attention.merge_splits`. A program is one (row, KV head x row tile, KV split): it
@@ -37,8 +37,11 @@ _NEG = tl.constexpr(-1e30)  # a global the kernel reads must be a constexpr
 
 @triton.jit
 def _fp8_decode(bits, FNUZ: tl.constexpr):
-    """float8 e4m3 bits -> float32 (e4m3fn, or e4m3fnuz when FNUZ): the bits placed at float16's,
-    times 2^(15 - bias) (attention.fp8_decode's arithmetic)."""
+    """float8 e4m3 bits -> float32 (e4m3fn, bias 7, or e4m3fnuz, bias 8, when FNUZ): the sign,
+    exponent and mantissa bits placed at float16's read as the value times 2^(bias - 15), so one
+    multiply makes it (float16 subnormals convert exactly to float32). Integer ops, not a float8
+    cast: ROCm's Triton has no e4m3fnuz conversion, and sm_80 none of either. NaN codes are never
+    written."""
     b = bits.to(tl.int32)
     half = ((b & 0x80) << 8) | ((b & 0x7F) << 7)
     value = half.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
@@ -180,8 +183,20 @@ def paged_prefix_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array | 
                            k2_pool: jax.Array | None = None, num_splits: int = 0, interpret: bool | None = None,
                            launch: AttentionLaunch | None = None, scales: Fp8Scales | None = None
                            ) -> tuple[jax.Array, jax.Array]:
-    """`attention.paged_prefix_attention`, computed by the Triton kernel (same arguments and
-    results; `interpret` None: through jax_triton on a GPU, Triton's interpreter elsewhere)."""
+    """Attention of query rows over each row's committed prefix of paged K/V.
+
+    q: [B, H, M, D] (H KV heads, M query rows each); q2 [B, H, M, D2] with k2_pool: a second
+    score term (MLA's rope part). Pools [L, pages, page_size, H, D]; `v_pool` None = the values are
+    `k_pool` (MLA's latent). block_table [B, P] int32, lengths [B] int32 (slots visible per row),
+    `layer` the pool layer. `num_splits` 0 picks them (`attention.default_splits`). `launch` (block
+    rows, slots a step, num_warps, num_stages) defaults to the launch table's entry for this form
+    ("mla_attention" when the values are the keys, else "gqa_attention"; "..._fp8" over FP8 pages)
+    on the architecture traced for. `scales`: the pools hold float8 bits (uint8) with these scales
+    [L, pages, page_size, H, groups] (see `attention.Fp8Scales`). `interpret` None: through
+    jax_triton on a GPU, Triton's interpreter elsewhere. Returns out [B, H, M, Dv] float32
+    (softmax-normalised over the prefix) and lse [B, H, M] float32 (-inf where a row's prefix is
+    empty).
+    """
     b, h, m, d = q.shape
     _, _, page_size, _, _ = k_pool.shape
     shared_value = v_pool is None

@@ -35,6 +35,12 @@ def on_gpu(backend: str | None = None) -> bool:
     return (backend or jax.default_backend()) in ("gpu", "cuda", "rocm")
 
 
+def interpreted() -> bool:
+    """Whether a kernel launched now runs in Triton's interpreter: on a CPU host, unless the trace
+    is for a GPU named by `launch.for_arch` (the compile gate, the memory planner)."""
+    return not on_gpu() and not launch.is_overridden()
+
+
 def strides(x) -> tuple[int, ...]:
     """Element strides of a row-major array (or ShapeDtypeStruct): what a kernel's pointer arithmetic uses."""
     out, step = [], 1
@@ -95,12 +101,12 @@ def call(kernel, out_shapes: Sequence[jax.ShapeDtypeStruct], *args: Any, grid: t
     returns the outputs. `interpret` None: on a GPU through jax_triton, else interpreted.
 
     Where nothing can launch it, the kernel stands in as an opaque op of its exact outputs
-    (`launch.call`'s): under the memory planner's `launch.shape_only()`, and when tracing for a
-    GPU this host does not have (`launch.for_arch`: deviceless lowering), since jax_triton
+    (`launch.stand_in`): under the memory planner's `launch.shape_only()`, and when tracing for a
+    GPU this host does not have (`launch.for_arch`: a deviceless trace), since jax_triton
     compiles a kernel for the device it lowers on. `capturing` records it instead."""
     deviceless = launch.is_overridden() and not on_gpu()
     if interpret is None:
-        interpret = not on_gpu() and not deviceless
+        interpret = interpreted()
     interpret = interpret and not _CAPTURES
     if "INTERPRETED" in kernel.arg_names:
         constexprs = {**constexprs, "INTERPRETED": bool(interpret)}
@@ -155,7 +161,7 @@ def _interpreting(kernel):
             importlib.import_module(later)
     names = [n for n in list(sys.modules) if n == "triton.language" or n.startswith("triton.language.")]
     swapped = []
-    with _INTERPRETER_LOCK:
+    with _INTERPRETER_LOCK, _language_restored():
         try:
             for module in [sys.modules[n] for n in names] + [sys.modules[kernel.fn.__module__]]:
                 for name, value in list(vars(module).items()):
@@ -166,6 +172,41 @@ def _interpreting(kernel):
         finally:
             for module, name, value in reversed(swapped):
                 setattr(module, name, value)
+
+
+_MISSING = object()
+
+
+@contextlib.contextmanager
+def _language_restored():
+    """Every attribute of triton.language the interpreter patches during the block, put back as it
+    was before it. The interpreter restores what a kernel's launch patched, but a device function
+    the kernel calls patches the language again and leaves it so (triton 3.9): builtins bound to the
+    interpreter's semantics, which a later compile of any kernel in the process then fails on."""
+    from triton.runtime import interpreter
+
+    scope = getattr(interpreter, "_LangPatchScope", None)
+    if scope is None:  # a Triton without the patch scope: nothing to wrap
+        yield
+        return
+    originals: dict[tuple[int, str], tuple[Any, str, Any]] = {}
+    set_attr = scope.set_attr
+
+    def recording(self, obj, name, value):
+        originals.setdefault((id(obj), name), (obj, name, vars(obj).get(name, _MISSING)))  # own, not inherited
+        set_attr(self, obj, name, value)
+
+    scope.set_attr = recording
+    try:
+        yield
+    finally:
+        scope.set_attr = set_attr
+        for obj, name, value in originals.values():
+            if value is _MISSING:
+                if name in vars(obj):
+                    delattr(obj, name)
+            else:
+                setattr(obj, name, value)
 
 
 _INTERPRETER_LOCK = threading.RLock()

@@ -1,14 +1,14 @@
-"""Grouped matmuls for routed experts as `triton.jit` kernels (the kernels moe.py describes, in
-Triton proper, launched by `triton_call.call`): rows sorted by expert times each expert's weight,
-quantized weights dequantized in registers, never materialised.
+"""Grouped matmuls for routed experts as `triton.jit` kernels, launched by `triton_call.call`
+(through jax_triton on a GPU, Triton's interpreter on a CPU host): rows sorted by expert times each
+expert's weight, quantized weights dequantized in registers, never materialised.
 
-Same contract and weight formats as moe.py (`grouped_matmul`, `grouped_swiglu`, the XLA twins
-there), and the same tile plan: a program per (row tile of one expert, column tile, K split).
-What differs is how K is walked, which is where decode shapes spend their time:
-- A K step holds several scale groups (up to the launch table's `max_packed_k`), not one: int4 and
-  MXFP4 step over `block_k / group` groups at once, each byte row meeting its group's scale
-  broadcast over the group's rows in registers, so Kimi-K2.5's K = 7168 in groups of 32 is 28
-  steps of 256 instead of 224 steps of 32. The activations' columns are pre-split into even and
+The contract, the weight formats and the tile plan are moe.py's (the XLA twins are there): a
+program per (row tile of one expert, column tile, K split). How K is walked is where decode
+shapes spend their time:
+- A K step holds several scale groups (up to the launch table's `max_packed_k`): int4 and MXFP4
+  step over `block_k / group` groups at once, each byte row meeting its group's scale broadcast
+  over the group's rows in registers, so Kimi-K2.5's K = 7168 in groups of 32 is 28 steps of 256
+  (a step a group would be 224 serial steps of 32). The activations' columns are pre-split into even and
   odd halves per K step (not per group), so each step is still two plain 2-D dots.
 - W4A8 keeps its exact integer group sums with several groups per step: each group's int8 x int4
   products are summed by a dot batched over the step's groups ([groups, rows, group / 2] x
@@ -35,7 +35,7 @@ from eagle3_jax.weights.quant import QArray, quantize_rows_int8
 from pallas_kernels import launch as launch_table
 from pallas_kernels import triton_call
 from pallas_kernels.launch import MoeLaunch
-from pallas_kernels.moe import _TILES, _largest_dividing, _split_even_odd, _tiles_up_to, layout_error, tile_plan
+from pallas_kernels.moe import TILES, largest_dividing, layout_error, split_even_odd, tile_plan, tiles_up_to
 
 
 @triton.jit
@@ -236,9 +236,9 @@ def _walk(w, k: int, launch: MoeLaunch) -> _Walk:
     error = layout_error(w, k)
     if error:
         raise ValueError(f"the Triton grouped matmul cannot take this weight: {error}")
-    steps = _tiles_up_to(launch.max_block_k) or (16,)
+    steps = tiles_up_to(launch.max_block_k) or (16,)
     if not isinstance(w, QArray):
-        return _Walk("float", _largest_dividing(steps, k), k, k, 1)
+        return _Walk("float", largest_dividing(steps, k), k, k, 1)
     q = w.qformat
     bi, bo = q.scale_block(w.shape)
     if q.fmt in ("int4", "mxfp4"):  # whole groups a step: the largest power-of-two multiple of the group
@@ -247,13 +247,13 @@ def _walk(w, k: int, launch: MoeLaunch) -> _Walk:
             block_k *= 2
         return _Walk("w4a8" if q.act == "int8" else q.fmt, block_k, bi, bi, bo)
     # float8: a step stays within one scale block; a per-column scale is applied after the K loop
-    block_k = _largest_dividing(steps, k, bi) or _largest_dividing(_TILES, k, bi)
+    block_k = largest_dividing(steps, k, bi) or largest_dividing(TILES, k, bi)
     return _Walk(q.fmt, block_k, bi, bi, bo, fnuz=q.fnuz, column_scales=bi >= k and bo == 1)
 
 
 def _block_n(walk: _Walk, n_out: int, max_block_n: int) -> int:
     sizes = (n_out, *([walk.scale_cols] if walk.scale_cols > 1 else []))
-    return _largest_dividing(_tiles_up_to(max_block_n), *sizes) or _largest_dividing(_TILES, *sizes)
+    return largest_dividing(tiles_up_to(max_block_n), *sizes) or largest_dividing(TILES, *sizes)
 
 
 def choose_splits(programs: int, k_steps: int, launch: MoeLaunch) -> int:
@@ -287,7 +287,7 @@ def _grouped_call(x: jax.Array, ws: tuple, group_sizes: jax.Array, *, swiglu: bo
         xq, row_scale = quantize_rows_int8(x, walk.group)
         x = xq.reshape(n, k)
     if walk.fmt in ("int4", "mxfp4", "w4a8"):
-        x = _split_even_odd(x, walk.block_k)
+        x = split_even_odd(x, walk.block_k)
     expert, first, end, tiles = tile_plan(group_sizes, n, block_m)
     k_steps = k // walk.block_k
     if splits <= 0:

@@ -1,4 +1,4 @@
-"""Kernel benchmark: each Pallas kernel against its XLA reference, at a model's per-device shapes.
+"""Kernel benchmark: each Triton kernel against its XLA reference, at a model's per-device shapes.
 
     python scripts/bench_kernels.py                       # Kimi-K2.5 per-device shapes (on a GPU)
     python scripts/bench_kernels.py --kind=gqa --heads=48 --kv_heads=8 --head_dim=128 \\
@@ -17,7 +17,7 @@ fraction of --device's HBM peak. MLA shapes: --heads query heads x T rows over l
 MoE (--ops includes moe): for every token count (decode: batch x T; prefill: chunk sizes) it routes
 the tokens uniformly at random to --topk of --experts experts, of which this device holds the
 first --local_experts (expert parallelism: Kimi-K2.5 on 8 devices holds 48 of 384), and runs the
-device's routed-expert compute, `moe.local_experts`, through the Pallas kernels (fused gate/up +
+device's routed-expert compute, `moe.local_experts`, through the Triton kernels (fused gate/up +
 SiLU, then down) and through XLA (gathered matmuls at decode sizes, ragged_dot above). Weights are
 random bytes in --moe_format. The bytes are those of the distinct local experts the tokens hit
 (a lower bound on what either path must read).
@@ -61,6 +61,9 @@ flags.DEFINE_list("batches", ["1", "16", "64"], "Rows per step.")
 flags.DEFINE_list("tokens", ["1", "4", "16"], "New tokens per row (1 = decode, 4 = chain verify, 16 = tree verify).")
 flags.DEFINE_list("contexts", ["1024", "8192"], "Committed prefix length per row.")
 flags.DEFINE_integer("heads", 64, "Query heads on the device.", lower_bound=1)
+flags.DEFINE_enum("layout", "replicated", ["replicated", "tensor", "data"], "What the attention shapes stand for, "
+                  "recorded on each row: replicated (every head and sequence on each device), tensor (heads split over "
+                  "the devices, e.g. Kimi-K2.5's 64 as 8 per device on 8), data (sequences split, all heads).")
 flags.DEFINE_integer("kv_heads", 8, "GQA: KV heads on the device.", lower_bound=1)
 flags.DEFINE_integer("head_dim", 128, "GQA: head dimension.", lower_bound=1)
 flags.DEFINE_integer("latent", 512, "MLA: kv_lora_rank.", lower_bound=1)

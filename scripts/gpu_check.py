@@ -1,4 +1,4 @@
-"""One-shot GPU check: the Pallas kernels and the steps they serve, timed against XLA, and lossless.
+"""One-shot GPU check: the Triton kernels and the steps they serve, timed against XLA, and lossless.
 
     python scripts/gpu_check.py --json_out=gpu_check.json          # on a GPU: Kimi-K2.5 per-device shapes
     python scripts/gpu_check.py --small --json_out=/tmp/check.json   # anywhere (a CPU runs it interpreted)
@@ -20,7 +20,7 @@ Parts (--parts), one JSON, rewritten as each part finishes so a part cut short l
    expected to hit, the K/V prefix) and the steps' fractions of the peaks. A row is recorded once
    the kernels' step is timed (XLA's fields null until its own is), so a time limit during XLA's
    compile keeps the kernels' half. --step_shapes picks other (batch, T) pairs.
-3. demo: the bundled kimi-mini pair with kernels="pallas" and "xla", in float32 and bfloat16:
+3. demo: the bundled kimi-mini pair with kernels="triton" and "xla", in float32 and bfloat16:
    greedy outputs of plain decoding, chain 3/1/4 and tree 5/4/16 (Engine.generate over the demo
    prompts), and their ms per token (a second, timed pass); --demo_kernels, --demo_dtypes and
    --demo_specs narrow it. In float32 every output must equal its dtype's first row (plain
@@ -57,7 +57,7 @@ flags.DEFINE_list("parts", ["kernels", "steps", "demo"], "Parts to run, in this 
 flags.DEFINE_list("step_shapes", None, "Steps part: batch:T pairs, in order (default 1:1,1:4,64:1,64:4 on a GPU; "
                   "2:1,2:4 small).")
 flags.DEFINE_list("demo_dtypes", None, "Demo part: dtypes (default float32,bfloat16 on a GPU, float32 small).")
-flags.DEFINE_list("demo_kernels", ["xla", "pallas"], "Demo part: kernels choices, each as load_target takes it.")
+flags.DEFINE_list("demo_kernels", ["xla", "triton"], "Demo part: kernels choices, each as load_target takes it.")
 flags.DEFINE_list("demo_specs", None, "Demo part: settings (default none,chain:3:1:4,tree:5:4:16; small: the first two).")
 PARTS = ("kernels", "steps", "demo")  # eagle3_jax.bench.gpu_check.PARTS, checked here before JAX loads
 

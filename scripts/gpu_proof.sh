@@ -3,8 +3,13 @@
 # each in its own process under its own time limit, each writing its JSON as it finishes, so a
 # part cut short loses only itself. Everything lands in OUT_DIR: run.log and one JSON per part.
 #
-#   scripts/gpu_proof.sh OUT_DIR [PART ...]     # on a GPU; PART: kernels demo step-pallas steps step-xla
-#                                               # (or attention: the MLA attention rows alone; gqa: GQA's,
+#   scripts/gpu_proof.sh OUT_DIR [PART ...]     # on a GPU; PART: kernels demo step-triton steps step-xla
+#                                               # (or mla-tensor / mla-data: Kimi-K2.5's MLA attention per
+#                                               # device in the tensor-parallel layout, 8 heads at batch 64,
+#                                               # and the data-parallel one, 64 heads at batch 8, at 2K, 8K
+#                                               # and 32K context, T = 1 and 4; moe-kimi: the int4 MoE at 8,
+#                                               # 40, 64, 160 and 256 tokens over 48 of 384 experts;
+#                                               # attention: the MLA attention rows alone; gqa: GQA's,
 #                                               # 64 query heads over 8 KV heads of 128; sweep: the MLA
 #                                               # rows over SWEEP_LAUNCHES at SWEEP_PAGE-slot pages, default
 #                                               # 64; step-auto; moe-mini / moe-mid: the MoE rows on
@@ -21,13 +26,13 @@
 # DEMO_S, STEP_S, STEPS_S, MOE_S, HOST_S, SAMPLING_S (defaults below: about 8 minutes for the five default parts).
 # STEP_BATCHES and STEP_SPECS set the step accounting's batches and settings (default 1,8 and
 # none,chain:3:1:4,tree:5:4:16); STEP_SHAPES the steps part's batch:T pairs (e.g. 64:4); DEMO_FLAGS
-# adds flags to the demo part (e.g. --demo_kernels=pallas). Each Pallas program compiles for 30-60 s
-# on an H200: budget the limits by the programs a part compiles. Run from the repository root, with
+# adds flags to the demo part (e.g. --demo_kernels=triton). Budget the limits by the programs a part
+# compiles (the Pallas-era step programs took 30-60 s each on an H200). Run from the repository root, with
 # the project's dependencies importable (a machine without llguidance needs its wheel installed first).
 set -u
-out=${1:?usage: scripts/gpu_proof.sh OUT_DIR [kernels demo step-pallas steps step-xla]}
+out=${1:?usage: scripts/gpu_proof.sh OUT_DIR [kernels demo step-triton steps step-xla]}
 shift
-parts=${*:-kernels demo step-pallas steps step-xla}
+parts=${*:-kernels demo step-triton steps step-xla}
 mkdir -p "$out"
 log=$out/run.log
 export PYTHONUNBUFFERED=1 PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
@@ -43,6 +48,18 @@ if [ -n "${SMALL:-}" ]; then
   standin_flags=(--num_seqs="${STANDIN_SEQS:-2}" --warmup=4 --iterations=6 --min_tokens=3 --max_tokens=6)
   step_flags=(--batches="${STEP_BATCHES:-1}" --nophases --noengine --steps=3 --runs=2 --spec=none,chain:3:1:4)
   sampling_flags=(--rows=4 --vocab=64 --repeats=1)
+fi
+# the per-device kernel shapes of mla-tensor / mla-data / moe-kimi; SMALL: tiny ones the interpreter runs
+kimi_mla=(--ops=attention --kind=mla --tokens=1,4 --contexts=2048,8192,32768 --device=H200)
+kimi_moe=(--ops=moe --moe_format=int4 --moe_tokens=8,40,64,160,256 --device=H200)
+tensor_rows=(--heads=8 --batches=64)
+data_rows=(--heads=64 --batches=8)
+if [ -n "${SMALL:-}" ]; then
+  kimi_mla=(--ops=attention --kind=mla --tokens=1,4 --contexts=40 --latent=32 --rope=16 --repeats=1 --device=H200)
+  kimi_moe=(--ops=moe --moe_format=int4 --moe_tokens=8,40 --hidden=64 --moe_inter=64 --experts=16 --local_experts=4
+            --topk=2 --repeats=1 --device=H200)
+  tensor_rows=(--heads=2 --batches=4)
+  data_rows=(--heads=8 --batches=2)
 fi
 
 part() {  # name, limit in seconds, command...
@@ -60,6 +77,12 @@ for p in $parts; do
   case $p in
     kernels) part kernels "${KERNELS_S:-110}" python3 scripts/gpu_check.py "${small[@]}" --parts=kernels \
                --json_out="$out/kernels.json" --overwrite ;;
+    mla-tensor) part mla-tensor "${KERNELS_S:-110}" python3 scripts/bench_kernels.py "${kimi_mla[@]}" \
+                  "${tensor_rows[@]}" --layout=tensor --json_out="$out/mla-tensor.json" --overwrite ;;
+    mla-data) part mla-data "${KERNELS_S:-110}" python3 scripts/bench_kernels.py "${kimi_mla[@]}" "${data_rows[@]}" \
+                --layout=data --json_out="$out/mla-data.json" --overwrite ;;
+    moe-kimi) part moe-kimi "${MOE_S:-60}" python3 scripts/bench_kernels.py "${kimi_moe[@]}" \
+                --json_out="$out/moe-kimi.json" --overwrite ;;
     attention) part attention "${KERNELS_S:-110}" python3 scripts/bench_kernels.py --ops=attention --batches=1,64 \
                  --tokens=1,4 --contexts=8192 --device=H200 --json_out="$out/attention.json" --overwrite ;;
     gqa) part gqa "${KERNELS_S:-110}" python3 scripts/bench_kernels.py --ops=attention --kind=gqa --batches=1,64 \
@@ -79,7 +102,7 @@ for p in $parts; do
     steps) part steps "${STEPS_S:-90}" python3 scripts/gpu_check.py "${small[@]}" --parts=steps \
              ${STEP_SHAPES:+--step_shapes=$STEP_SHAPES} \
              --json_out="$out/steps.json" --overwrite ;;
-    step-pallas|step-xla|step-auto) part "$p" "${STEP_S:-80}" python3 scripts/bench_step.py --kernels="${p#step-}" \
+    step-triton|step-xla|step-auto) part "$p" "${STEP_S:-80}" python3 scripts/bench_step.py --kernels="${p#step-}" \
                             "${step_flags[@]}" --json_out="$out/$p.json" --overwrite ;;
     host) part host "${HOST_S:-150}" python3 scripts/bench_host.py --spec=none,chain:3:1:4 "${host_flags[@]}" --phases \
             --json_out="$out/host.json" ;;
@@ -87,7 +110,8 @@ for p in $parts; do
                     --spec=none,chain:3:1:4 "${standin_flags[@]}" --phases --json_out="$out/host-standin.json" ;;
     sampling) part sampling "${SAMPLING_S:-90}" python3 benchmarks/harness/sampling-sort-ab.py "${sampling_flags[@]}" \
                 --json_out="$out/sampling.json" --overwrite ;;
-    *) echo "gpu_proof.sh: unknown part $p (kernels attention gqa sweep moe-mini moe-mid host host-standin sampling" \
-            "demo step-pallas step-auto steps step-xla)" | tee -a "$log" ;;
+    *) echo "gpu_proof.sh: unknown part $p (kernels mla-tensor mla-data moe-kimi attention gqa sweep moe-mini moe-mid" \
+            "host host-standin sampling" \
+            "demo step-triton step-auto steps step-xla)" | tee -a "$log" ;;
   esac
 done

@@ -14,7 +14,7 @@ Meshes may use fewer devices than exist (the first N devices); on a CPU host, fa
 need with XLA_FLAGS=--xla_force_host_platform_device_count=8.
 
 By default it plans the XLA path, whose MoE dequantizes FP8 / int4 experts to bf16 before the dot.
-`--kernels=pallas --arch=gfx942` plans the program the GPU runs with the Pallas kernels (they
+`--kernels=triton --arch=gfx942` plans the program the GPU runs with the Triton kernels (they
 dequantize in registers): each kernel stands in as an op of its exact output shapes.
 
 With --concurrency it also predicts, per mesh and device, plain and speculative decoding at each
@@ -82,9 +82,9 @@ flags.DEFINE_float("hbm_efficiency", 1.0, "With --concurrency: the share of peak
 flags.DEFINE_float("step_overhead_ms", 0.0, "With --concurrency: a fixed cost added to every step (launches, "
                    "collectives, host work).", lower_bound=0.0)
 flags.DEFINE_string("kernels", "xla", "xla: plan the XLA path (its MoE dequantizes FP8 / int4 experts to bf16 before the "
-                    "dot); pallas (or per op, e.g. attention=xla,moe=pallas): plan the program a GPU runs with the Pallas "
+                    "dot); triton (or per op, e.g. attention=xla,moe=triton): plan the program a GPU runs with the Triton "
                     "kernels, each standing in as an op of its exact output shapes. Needs --arch.")
-flags.DEFINE_string("arch", None, "With --kernels=pallas: the GPU the kernels run on (gfx942 = MI300X / MI325X, gfx950 = "
+flags.DEFINE_string("arch", None, "With --kernels=triton: the GPU the kernels run on (gfx942 = MI300X / MI325X, gfx950 = "
                     "MI355X, sm_90 = H100 / H200, sm_100); its launch parameters are used.")
 define_kv_cache_dtype_flag()
 flags.mark_flag_as_required("target")

@@ -37,7 +37,7 @@ _cpu_compiles_without_fusion_emitters()  # before any test initialises the CPU b
 LONGEST_FIRST = (
     "test_lossless_sampling.py", "test_batch_invariant.py", "test_scheduler.py", "test_context_parallel.py",
     "test_prefix_cache.py", "test_bench.py", "test_logprobs.py", "test_structured_decoding.py", "test_tool_serving.py",
-    "test_readme.py", "test_safe_outputs.py", "test_pallas_attention.py", "test_stop_strings.py", "test_server.py",
+    "test_readme.py", "test_safe_outputs.py", "test_triton_attention.py", "test_stop_strings.py", "test_server.py",
     "test_fp8_kv.py", "test_script_errors.py", "test_adaptive.py", "test_target_vs_hf.py", "test_sharding.py",
     "test_quantized_models.py", "test_scripted_models.py", "test_harness.py", "test_data_parallel.py", "test_plan.py",
     "test_demo_pair.py", "test_long_context.py", "test_trainer.py", "test_synthetic_acceptance.py", "test_lm_eval.py",
@@ -112,10 +112,6 @@ HEAVY: dict[str, tuple[str, ...]] = {
         "test_greedy_speculation_with_mla_draft_equals_plain",
         "test_trained_mla_draft_exports_in_the_hf_layout_and_loads_back",
     ),
-    "test_pallas_attention.py": (
-        "test_fp8_pages_equal_the_reference_over_their_dequantized_values", "test_gqa_equals_reference",
-        "test_kernel_benchmark_runs_on_cpu",
-    ),
     "test_plan.py": (
         "test_kernel_path_plans_without_dequantized_expert_copies", "test_kimi_long_context_on_a_data_mesh",
     ),
@@ -151,7 +147,7 @@ HEAVY: dict[str, tuple[str, ...]] = {
         "test_n_choices_are_seeded_share_the_prompt_and_stream_by_index", "test_sampled_requests_are_seeded",
     ),
     "test_sharding.py": (
-        "test_pallas_kernels_on_a_mesh", "test_sharded_sampled_speculation_equals_unsharded",
+        "test_kernels_on_a_mesh", "test_sharded_sampled_speculation_equals_unsharded",
         "test_sharded_speculative_generation_equals_unsharded", "test_sharded_scheduler_equals_unsharded",
     ),
     "test_spec.py": ("test_no_recompilation_between_steps_or_calls",),
@@ -177,6 +173,7 @@ HEAVY: dict[str, tuple[str, ...]] = {
         "test_data_parallel_training_equals_single_device", "test_resume_continues_the_same_loss_curve",
         "test_training_lowers_loss_and_raises_acceptance",
     ),
+    "test_triton_attention.py": ("test_kernel_benchmark_runs_on_cpu",),
     "test_triton_moe.py": ("test_several_groups_a_step_and_split_k_equal_the_reference",),
     "test_ttt.py": ("test_ttt_loss_masks_and_metrics", "test_ttt_steps_equal_chain_inference_unroll",),
 }
@@ -193,7 +190,7 @@ def pytest_configure(config):
 # (Triton compiles to three GPU architectures; the kernels interpreted through the engine; the GPU
 # check script; two processes of a multi-host run): they start first, or the worker that draws one
 # late runs it alone at the end.
-LONGEST_FIRST_ALL = ("test_compile_gate.py", "test_multihost.py", "test_pallas_engine.py", "test_gpu_check.py",
+LONGEST_FIRST_ALL = ("test_compile_gate.py", "test_multihost.py", "test_kernel_engine.py", "test_gpu_check.py",
                      "test_structured_decoding.py")
 
 

@@ -144,21 +144,6 @@ def test_float32_kernel_dots_stay_float32(arch):
         assert not any("tf32" in m or "xf32" in m for m in report.matrix_instructions), report.matrix_instructions
 
 
-def test_triton_deprecation_warning_is_filtered_by_its_text_once():
-    import warnings
-
-    def ours():
-        return [f for f in warnings.filters if f[1] is not None and f[1].pattern == launch.TRITON_DEPRECATION]
-
-    launch._quiet_triton_deprecation.cache_clear()
-    with warnings.catch_warnings():
-        warnings.resetwarnings()  # without pytest's own copy of the filter (pyproject.toml)
-        launch.launch("moe")
-        launch.launch("mla_attention")
-        assert len(ours()) == 1 and len(warnings.filters) == 1  # once, however many kernels are traced
-        assert ours()[0][0] == "ignore" and ours()[0][2] is DeprecationWarning
-
-
 @pytest.mark.slow  # minutes of Triton compiles for the entries of GPUs the table does not know; scripts/compile_gate.py
 @needs_8_devices
 def test_default_launch_entries_compile_on_every_architecture(monkeypatch):

@@ -38,7 +38,7 @@ def test_gpu_check_runs_small_on_cpu(tmp_path):
     assert all(s["kernel_ms"] > 0 and s["xla_ms"] > 0 for s in result["steps"])
     demo = result["demo"]
     assert demo["equal"] and [(r["kernels"], r["spec"]) for r in demo["rows"]] == [
-        ("xla", "none"), ("xla", "chain:3:1:4"), ("pallas", "none"), ("pallas", "chain:3:1:4")]
+        ("xla", "none"), ("xla", "chain:3:1:4"), ("triton", "none"), ("triton", "chain:3:1:4")]
     plain = demo["rows"][0]["tokens"]
     assert all(r["tokens"] == plain and r["equal_first"] for r in demo["rows"])
     assert len(plain[0]) == demo["tokens"]
@@ -62,10 +62,10 @@ def test_the_plans_defaults_small_and_on_a_gpu():
     assert (big.step_repeats, big.greedy_tokens, big.demo_dtypes, big.demo_specs, big.step_shapes[-1]) == (
         20, 64, ("float32", "bfloat16"), gpu_check.DEMO_SPECS, (64, 4))
     given = gpu_check.check_plan(["steps"], False, H200, False, launches=["32:8:2:32"], step_shape_texts=["8:2"],
-                                 step_repeats=3, greedy_tokens=9, demo_dtypes=["bfloat16"], demo_kernels=["pallas"],
+                                 step_repeats=3, greedy_tokens=9, demo_dtypes=["bfloat16"], demo_kernels=["triton"],
                                  demo_specs=["tree:5:4:16"])
     assert (given.launches, given.step_shapes, given.step_repeats, given.greedy_tokens, given.demo_dtypes,
-            given.demo_kernels, given.demo_specs) == (("32:8:2:32",), ((8, 2),), 3, 9, ("bfloat16",), ("pallas",),
+            given.demo_kernels, given.demo_specs) == (("32:8:2:32",), ((8, 2),), 3, 9, ("bfloat16",), ("triton",),
                                                       ("tree:5:4:16",))
 
 

@@ -1,8 +1,8 @@
 """The kernel benchmark's library (eagle3_jax.bench.kernel_timing, attention_timing, moe_timing):
 its flags' parsing, the input sets a timed program rotates over, a row's figures and table line,
 the random inputs, and the row loops, with the kernels swapped for stand-ins (the XLA reference,
-a wrong answer, a launch that does not compile) so that no Pallas kernel compiles here.
-(tests/test_pallas_attention.py runs scripts/bench_kernels.py with the real kernels, interpreted.)"""
+a wrong answer, a launch that does not compile) so that no kernel runs here.
+(tests/test_triton_attention.py runs scripts/bench_kernels.py with the real kernels, interpreted.)"""
 
 from __future__ import annotations
 
@@ -151,7 +151,7 @@ def test_attention_rows_time_each_launch_and_record_one_that_does_not_compile(mo
     assert all(r["equal"] is None and "kernel_ms" not in r for r in refused)
     assert refused[0]["error"] == "triton: out of shared memory needs 300 KB [2 more lines]"
     assert len(lines) == 3 + len(rows) and "% of H200 peak" in lines[1] and "| launch |" in lines[1]
-    assert "interpret mode" in lines[0] and "64:4:1:16: does not compile (triton: out of" in lines[4]
+    assert "Triton's interpreter" in lines[0] and "64:4:1:16: does not compile (triton: out of" in lines[4]
     assert lines[3].startswith("| 1 | 1 | 20 |") and lines[3].split(" | ")[5] == "table"
 
 

@@ -18,7 +18,7 @@ from random_models import FAMILIES, mla_draft_config_dict, random_draft, random_
 
 import eagle3_jax as e3
 from eagle3_jax.cache import kv_cache
-from pallas_kernels import launch, triton_call
+from pallas_kernels import triton_call
 
 PROMPTS = [[1, 5, 9, 2], [3, 4, 5, 6, 7, 8, 9]]
 SP = e3.SamplingParams(max_tokens=12)
@@ -34,8 +34,8 @@ def pair():
     return target, draft, plain
 
 
-def with_pallas(target):
-    return dataclasses.replace(target, config=dataclasses.replace(target.config, kernels="pallas"))
+def with_kernels(target):
+    return dataclasses.replace(target, config=dataclasses.replace(target.config, kernels="triton"))
 
 
 def speculate(target, draft, engine_spec, scheduler_spec):
@@ -64,16 +64,16 @@ def test_greedy_speculation_with_mla_draft_equals_plain_other_layouts(pair):
 
 
 @pytest.mark.slow
-def test_greedy_speculation_with_mla_draft_on_pallas_attention(pair, kernel_calls):
-    """kernels="pallas": the MLA draft's extend and tree expansion attend through the paged kernel
+def test_greedy_speculation_with_mla_draft_on_kernel_attention(pair, kernel_calls):
+    """kernels="triton": the MLA draft's extend and tree expansion attend through the paged kernel
     (interpreted on CPU) and greedy speculation still equals plain decoding."""
     target, draft, plain = pair
-    engine, sched, _ = speculate(with_pallas(target), draft, TREE, CHAIN)
+    engine, sched, _ = speculate(with_kernels(target), draft, TREE, CHAIN)
     assert engine == plain and sched == plain
     assert "paged_prefix_attention" in kernel_calls
 
 
-def test_mla_draft_expansion_on_pallas_attention_equals_xla(pair, kernel_calls):
+def test_mla_draft_expansion_on_kernel_attention_equals_xla(pair, kernel_calls):
     """The draft's extend and tree expansion over scratch slots (attention.mla_block's window)
     through the attention kernel: the same logits and tree as the XLA path, on a paged cache."""
     import functools
@@ -97,7 +97,7 @@ def test_mla_draft_expansion_on_pallas_attention_equals_xla(pair, kernel_calls):
 
     want = propose(draft.params, draft.config)
     assert not kernel_calls
-    fast = with_target_kernels(draft, with_pallas(target))
+    fast = with_target_kernels(draft, with_kernels(target))
     got = propose(fast.params, fast.config)
     assert kernel_calls.count("paged_prefix_attention") == spec.num_steps  # the extend, then every expansion level
     np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), atol=2e-5 * float(np.abs(want[0]).max()))
@@ -106,18 +106,16 @@ def test_mla_draft_expansion_on_pallas_attention_equals_xla(pair, kernel_calls):
 
 
 @pytest.mark.parametrize("platform", ["rocm", pytest.param("cuda", marks=pytest.mark.slow)])
-def test_speculative_step_with_mla_draft_lowers_with_triton_attention(pair, platform, monkeypatch):
-    """Deviceless lowering of the whole tree step with kernels="pallas" (compiled, not
-    interpreted): the MLA draft's extend and both expansion levels call the Triton kernel too."""
+def test_speculative_step_with_mla_draft_lowers_with_triton_attention(pair, platform):
+    """Lowering of the whole tree step for a GPU platform with kernels="triton" (launches captured,
+    not interpreted): the MLA draft's extend and both expansion levels call the Triton kernel too."""
     from eagle3_jax.models.draft import with_target_kernels
-    from eagle3_jax.runtime import kernels as kernels_lib
     from eagle3_jax.sampling.sampler import SamplingArrays
     from eagle3_jax.spec_decode.propose import DraftRoot
     from eagle3_jax.spec_decode.step import spec_step
 
-    monkeypatch.setattr(kernels_lib, "interpret", lambda: False)
     target, draft, _ = pair
-    target = with_pallas(target)
+    target = with_kernels(target)
 
     def attention_launches(d) -> int:
         """The attention kernel launches of the step, lowered for `platform` (launches captured)."""
@@ -126,7 +124,7 @@ def test_speculative_step_with_mla_draft_lowers_with_triton_attention(pair, plat
         root = DraftRoot(token=np.zeros((2,), np.int32), hidden=np.zeros((2, d.config.hidden_size), d.dtype))
         sp = SamplingArrays.from_params([e3.SamplingParams()], 2)
         launches = []
-        with launch.abstract_gpu(launch.PLATFORM_ARCH[platform]), triton_call.capturing(launches):
+        with triton_call.capturing(launches):
             jax.jit(spec_step, static_argnames=("tcfg", "dcfg", "spec")).trace(
                 target.params, target.config, d.params, d.config, TREE, tcache, dcache, root, sp,
                 np.ones((2,), np.int32)).lower(lowering_platforms=(platform,))

@@ -109,21 +109,21 @@ def test_device_memory_is_in_decimal_gigabytes():
 def test_kernel_path_plans_without_dequantized_expert_copies():
     """DeepSeek-V3 FP8 on 8 devices at batch 32, planned as a GPU holds the programs. The XLA path
     dequantizes each layer's local experts to bf16 before the dot; the program a GPU runs with the
-    Pallas kernels (planned for gfx942, each kernel as an op of its exact output shapes) holds no
+    Triton kernels (planned for gfx942, each kernel as an op of its exact output shapes) holds no
     such copy, and its temps stay under a quarter of its arguments."""
     mesh = e3.make_mesh(1, 1, 8)
     cfg, draft = os.path.join(DATA, "deepseek-v3.config.json"), os.path.join(DATA, "deepseek-v3-eagle3.draft.json")
     kw = dict(mesh=mesh, batch=32, max_len=2304, programs=("step",))
     xla = plan_memory(cfg, draft, **kw)
-    kernels = plan_memory(cfg, draft, kernels="pallas", arch="gfx942", **kw)
-    assert xla.path == "xla" and "gfx942" in kernels.path and "attention=pallas,moe=pallas" in kernels.path
+    kernels = plan_memory(cfg, draft, kernels="triton", arch="gfx942", **kw)
+    assert xla.path == "xla" and "gfx942" in kernels.path and "attention=triton,moe=triton" in kernels.path
     assert kernels.argument_bytes == xla.argument_bytes
     mc = e3.load_model_config(cfg)
     one_layer_dequantized = mc.num_experts // 8 * 3 * mc.hidden_size * mc.moe_intermediate_size * 2  # bf16
     assert xla.temp_bytes - kernels.temp_bytes > one_layer_dequantized
     assert kernels.temp_bytes < 0.25 * kernels.argument_bytes and kernels.fits(DEVICES["MI325X"])
     with pytest.raises(ValueError, match="needs the GPU they run on"):
-        plan_memory(cfg, draft, kernels="pallas", **kw)
+        plan_memory(cfg, draft, kernels="triton", **kw)
 
 
 # ---- the speedup prediction (roofline per concurrency) -------------------------------------------------

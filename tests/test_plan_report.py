@@ -88,11 +88,11 @@ def test_title_names_what_is_planned_and_the_program_path():
     settings = report.PlanSettings("t", "d", SpecConfig(3, 1, 4), 2304)
     assert settings.title(1.0, "GiB", memory=True) == (
         "target t, draft d, spec chain:3:1:4, max_len 2304, quant auto, tau 1.0 (GiB per device); program: the XLA path")
-    pallas = report.PlanSettings("t", None, None, 16, quant="w4a8", kernels="pallas", arch="gfx942")
-    assert pallas.title(2.5, "MiB", memory=True) == (
-        "target t, max_len 16, quant w4a8, tau 2.5 (MiB per device); program: Pallas kernels (pallas) on gfx942, "
+    kernels = report.PlanSettings("t", None, None, 16, quant="w4a8", kernels="triton", arch="gfx942")
+    assert kernels.title(2.5, "MiB", memory=True) == (
+        "target t, max_len 16, quant w4a8, tau 2.5 (MiB per device); program: Triton kernels (triton) on gfx942, "
         "each as an op of its output shapes")
-    assert pallas.title(2.5, "MiB", memory=False) == "target t, max_len 16, quant w4a8"
+    assert kernels.title(2.5, "MiB", memory=False) == "target t, max_len 16, quant w4a8"
 
 
 def test_milliseconds_keep_three_digits_below_one():

@@ -186,8 +186,8 @@ KERNEL_MODELS = {  # expert widths the kernels tile (>= one 32-wide scale group)
 
 
 @pytest.mark.parametrize("name", sorted(KERNEL_MODELS))
-def test_pallas_expert_kernels_equal_xla(name, tmp_path, caplog, kernel_calls):
-    """kernels="moe=pallas" (interpret mode): the routed experts run the grouped kernels on the
+def test_expert_kernels_equal_xla(name, tmp_path, caplog, kernel_calls):
+    """kernels="moe=triton" (Triton's interpreter): the routed experts run the grouped kernels on the
     resident quantized weights, logits as the XLA path's; a layout the kernels cannot tile (int4
     groups of 16) keeps the XLA path and says so."""
     from eagle3_jax.runtime import kernels
@@ -200,7 +200,7 @@ def test_pallas_expert_kernels_equal_xla(name, tmp_path, caplog, kernel_calls):
     ids = np.random.default_rng(0).integers(0, 64, (2, 9))
     want = e3.load_target(tmp_path, dtype="float32", **options).logits(ids)
     with caplog.at_level("WARNING"):
-        got = e3.load_target(tmp_path, dtype="float32", kernels="moe=pallas", **options).logits(ids)
+        got = e3.load_target(tmp_path, dtype="float32", kernels="moe=triton", **options).logits(ids)
     np.testing.assert_allclose(got, want, atol=2e-5 * np.abs(want).max())
     if name == "kimi_int4_g16":
         assert not kernel_calls and "routed experts keep the XLA path: experts gate: int4 needs scale groups" in caplog.text

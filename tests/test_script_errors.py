@@ -57,7 +57,7 @@ FLAG_CASES = [(s, ("--no_such_flag=1",), "Unknown command line flag 'no_such_fla
     ("convert", ("--hf_dir=x",), "--out_dir is required"),
     ("generate", (f"--model={STORIES}", "--max_tokens=0"), "--max_tokens"),
     ("serve", (f"--target={KIMI}", "--kernels=fast"), "--kernels"),
-    ("generate", (f"--model={STORIES}", "--batch_invariant", "--kernels=pallas"), "use --kernels=xla"),
+    ("generate", (f"--model={STORIES}", "--batch_invariant", "--kernels=triton"), "use --kernels=xla"),
     ("train_draft", (f"--target={STORIES}", "--out=/tmp/x"), "exactly one of --prompts and --corpus"),
     ("train_draft", (f"--target={STORIES}", "--out=/tmp/x", "--corpus=/no/corpus.npy"), "/no/corpus.npy"),
 ]
@@ -77,7 +77,7 @@ INPUT_CASES = [
     ("gpu_check", ("--batches=8",), "gpu_check.py runs fixed shapes"),
     ("gpu_check", ("--parts=kernels,greedy",), "--parts takes kernels, steps, demo"),
     ("gpu_check", ("--parts=steps", "--step_shapes=64x4"), "--step_shapes: '64x4' is not batch:T"),
-    ("plan", ("--target=tests/data/llama-3.1-8b-instruct.config.json", "--kernels=pallas"), "name the GPU with --arch"),
+    ("plan", ("--target=tests/data/llama-3.1-8b-instruct.config.json", "--kernels=triton"), "name the GPU with --arch"),
     ("compile_gate", ("--configs=llama-9",), "--configs: unknown llama-9"),
     ("demo", ("--chain=chain:3:2:4",), "a chain has topk=1"),
     ("plan", (f"--target={KIMI}", "--draft=x", "--spec=tree:2:2:16"), "exceeds"),
@@ -91,7 +91,7 @@ INPUT_CASES = [
     ("plan", (f"--target={KIMI}", f"--draft={KIMI_DRAFT}", "--concurrency=4", "--acceptance=0.5,0.9"), "--acceptance"),
     ("bench_step", ("--batches=0",), "--batches must be"),
     ("bench_step", ("--spec=auto",), "fixed settings"),
-    ("bench_step", ("--kernels=triton",), "--kernels must be xla, pallas, auto"),
+    ("bench_step", ("--kernels=cuda",), "--kernels must be xla, triton, auto"),
 ]
 # More of the same kind, in the slow run.
 MORE_INPUT_CASES = [

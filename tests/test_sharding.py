@@ -121,8 +121,8 @@ def test_sharded_sampled_speculation_equals_unsharded(family):
 @pytest.mark.parametrize("mesh_shape,kernels", [((2, 1, 4), {"grouped_swiglu"}),
                                                 ((1, 1, 8), {"grouped_swiglu", "paged_prefix_attention"})],
                          ids=["data2-expert4", "expert8"])
-def test_pallas_kernels_on_a_mesh(mesh_shape, kernels, kernel_calls):
-    """kernels="pallas" on a mesh: the routed experts run the grouped kernels inside each
+def test_kernels_on_a_mesh(mesh_shape, kernels, kernel_calls):
+    """kernels="triton" on a mesh: the routed experts run the grouped kernels inside each
     expert-parallel shard; attention runs its kernel where the mesh replicates it (expert-only)
     and XLA where it splits the batch; decode / verify logits equal one device's XLA path."""
     import dataclasses
@@ -135,7 +135,7 @@ def test_pallas_kernels_on_a_mesh(mesh_shape, kernels, kernel_calls):
     ref = random_target(FAMILIES["deepseek_v3"])
     mesh = e3.make_mesh(*mesh_shape)
     sharded = random_target(FAMILIES["deepseek_v3"], mesh=mesh)
-    sharded = dataclasses.replace(sharded, config=dataclasses.replace(sharded.config, kernels="pallas"))
+    sharded = dataclasses.replace(sharded, config=dataclasses.replace(sharded.config, kernels="triton"))
     rng = np.random.default_rng(0)
     prompt = jnp.asarray(rng.integers(0, 64, (2, 10)), jnp.int32)
     cache = ref.init_cache(2, 32)

@@ -14,7 +14,7 @@ from eagle3_jax.spec_decode import step as step_lib
 
 # The pair's equality cases are slow: the default run covers greedy losslessness through
 # test_scheduler, test_logprobs, test_lossless_sampling, test_stop_strings, test_batch_invariant and
-# test_demo_pair, the newest-JAX leg through test_pallas_engine.
+# test_demo_pair, the newest-JAX leg through test_kernel_engine.
 
 SPECS = [e3.SpecConfig(3, 1, 4), e3.SpecConfig(3, 2, 6), e3.SpecConfig(4, 4, 12)]
 PROMPTS = [[1, 2, 3], [7] * 11, [5, 9, 11, 13, 17]]

@@ -15,10 +15,10 @@ PACKAGES = ("eagle3_jax", "pallas_kernels")
 MAX_MODULE_LINES, MAX_CLASS_LINES = 600, 330
 # Imports of the project's own modules inside functions, and why each is there.
 LAZY_IMPORTS = {
-    # the Pallas kernels load only when a kernel path runs (the XLA path never imports Pallas, whose
-    # Triton backend warns of its deprecation on import from JAX 0.11)
-    ("eagle3_jax.models.attention", "pallas_kernels.attention"): 3,
-    ("eagle3_jax.models.moe", "pallas_kernels.moe"): 2,
+    # the Triton kernels load only when a kernel path runs (`triton` is not a dependency of a
+    # CPU-only install; the XLA path never imports it)
+    ("eagle3_jax.models.attention", "pallas_kernels.triton_attention"): 1,
+    ("eagle3_jax.models.moe", "pallas_kernels.triton_moe"): 1,
     # compiling to ISA needs the `triton` wheel, which only the compile gate uses
     ("eagle3_jax.planning.compile_gate", "pallas_kernels.isa"): 1,
     # the scripts' shared flags load no JAX until a flag's value is checked (so --help answers at once)
@@ -205,3 +205,12 @@ def test_the_folders_the_library_finds_beside_itself_exist():
     for folder in (compile_gate.DATA, gsm8k._DATA_DIR, workloads.DEFAULT_DATA_DIR, gpu_check.ROOT):
         assert Path(folder).is_dir(), folder
     assert (Path(compile_gate.DATA) / "kimi-k2.5.config.json").is_file()
+
+
+def test_no_kernel_goes_through_pallas():
+    """Every kernel is a `triton.jit` kernel launched through jax_triton (or Triton's interpreter):
+    nothing imports Pallas, whose Triton backend JAX 0.11 deprecated."""
+    users = [name for name, path in _modules().items() for node in ast.walk(ast.parse(path.read_text()))
+             if isinstance(node, (ast.Import, ast.ImportFrom)) and "pallas" in ast.unparse(node).replace(
+                 "pallas_kernels", "")]
+    assert not users, users

@@ -1,13 +1,15 @@
 """The paged prefix attention as a `triton.jit` kernel (pallas_kernels/triton_attention.py), run by
 Triton's interpreter through `jax.pure_callback` on this CPU host: equal to the XLA reference at
 shapes the engine does not use (GQA with values wider than keys, MLA with its rope term, FP8 pages
-of both float8 flavours, several KV splits, row tiles), and compiled by the `triton` package to
-gfx942 and sm_90 ISA at Kimi-K2.5's MLA shapes."""
+of both float8 flavours, several KV splits, row tiles, pages walked in tiles of slots), its FP8
+decoding exact for every bit pattern, compiled by the `triton` package to gfx942, gfx950 and sm_90
+ISA at Kimi-K2.5's MLA shapes; and the pieces around it (splits, tiles, merges, the benchmark)."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import paged_attention_cases as cases
 import pytest
@@ -15,10 +17,13 @@ from paged_attention_cases import close
 
 pytest.importorskip("triton")
 
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
 from pallas_kernels import isa, launch, triton_call  # noqa: E402
-from pallas_kernels.attention import Fp8Scales, paged_prefix_attention_reference  # noqa: E402
+from pallas_kernels.attention import Fp8Scales, merge_partials, paged_prefix_attention_reference  # noqa: E402
 from pallas_kernels.launch import AttentionLaunch  # noqa: E402
-from pallas_kernels.triton_attention import paged_prefix_attention  # noqa: E402
+from pallas_kernels.triton_attention import _fp8_decode, paged_prefix_attention  # noqa: E402
 
 try:
     import torch  # the interpreter's tensors
@@ -125,6 +130,126 @@ def test_any_lane_width_and_page_size_is_masked_within_its_block(page):
     kw = dict(scale=0.2, q2=q2, k2_pool=jnp.asarray(rope))
     got = paged_prefix_attention(q, jnp.asarray(lat), None, 0, table, lengths, num_splits=1, interpret=True, **kw)
     close(got, paged_prefix_attention_reference(q, lat, None, 0, table, lengths, **kw), jnp.float32)
+
+
+@interpreted
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_pages_walked_in_tiles_of_slots(num_splits):
+    """Pages of 32 slots walked 16 (or 8) slots a step, as the launch table has it for large
+    pages: lengths ending inside a page's first or second tile, empty rows, KV splits."""
+    rng = np.random.default_rng(11)
+    page, width, d = 32, 4, 16
+    lengths = np.asarray([0, 5, 16, 17, 70, 128], np.int32)
+    k, v = (jnp.asarray(rng.standard_normal((1, 30, page, 2, d)), jnp.float32) for _ in range(2))
+    table = jnp.asarray(rng.permutation(np.arange(1, 30))[: len(lengths) * width].reshape(len(lengths), width), jnp.int32)
+    q = jnp.asarray(rng.standard_normal((len(lengths), 2, 8, d)), jnp.float32)
+    want = paged_prefix_attention_reference(q, k, v, 0, table, lengths, scale=0.25)
+    for slots in (16, 8):
+        got = paged_prefix_attention(q, k, v, 0, table, lengths, scale=0.25, num_splits=num_splits, interpret=True,
+                                     launch=AttentionLaunch(block_rows=16, num_warps=4, num_stages=2, block_slots=slots))
+        close(got, want, jnp.float32)
+
+
+@triton.jit
+def _decode_every_byte(bits_ptr, out_ptr, FNUZ: tl.constexpr):
+    offsets = tl.arange(0, 256)
+    tl.store(out_ptr + offsets, _fp8_decode(tl.load(bits_ptr + offsets), FNUZ))
+
+
+@interpreted
+@pytest.mark.parametrize("fnuz", [False, True], ids=["e4m3fn", "e4m3fnuz"])
+def test_fp8_bits_decode_as_the_format_defines_them(fnuz):
+    """Every byte but the NaN codes (never written) decodes to its float8 value, signed zeros and
+    subnormals included."""
+    dtype = ml_dtypes.float8_e4m3fnuz if fnuz else ml_dtypes.float8_e4m3fn
+    bits = np.arange(256, dtype=np.uint8)
+    [got] = triton_call.call(_decode_every_byte, [jax.ShapeDtypeStruct((256,), jnp.float32)], jnp.asarray(bits),
+                             grid=(1,), num_warps=4, num_stages=1, interpret=True, FNUZ=fnuz)
+    want = bits.view(dtype).astype(np.float32)
+    finite = ~np.isnan(want)
+    np.testing.assert_array_equal(np.asarray(got)[finite], want[finite])
+    np.testing.assert_array_equal(np.signbit(np.asarray(got)[finite]), np.signbit(want[finite]))
+
+
+@interpreted
+def test_interpreting_leaves_the_language_as_it_was():
+    """A kernel that calls a device function, interpreted, leaves triton.language's builtins as they
+    were (Triton's interpreter leaves a device call's patches behind), so the process still
+    compiles kernels after it (the compile gate beside the interpreter tests)."""
+    before = {name: vars(tl.core)[name] for name in ("load", "store", "where", "range")}
+    tensor_before = {k: v for k, v in vars(tl.core.tensor).items() if k != "__annotations__"}
+    triton_call.call(_decode_every_byte, [jax.ShapeDtypeStruct((256,), jnp.float32)], jnp.zeros((256,), jnp.uint8),
+                     grid=(1,), num_warps=4, num_stages=1, interpret=True, FNUZ=False)
+    assert {name: vars(tl.core)[name] for name in before} == before
+    assert {k: v for k, v in vars(tl.core.tensor).items() if k != "__annotations__"} == tensor_before
+
+
+def test_wide_pools_walk_fewer_slots_per_step():
+    """The launch's slots a step are set for 2-byte pools: a float32 pool walks at most 16 (a
+    32-slot float32 MLA tile spills on sm_90); a page no tile divides is walked whole when it is a
+    power of two >= 16, else the compiled kernel does not take it (the engine keeps XLA)."""
+    wide, narrow = (AttentionLaunch(block_rows=16, num_warps=4, num_stages=2, block_slots=s) for s in (64, 16))
+    assert [wide.tile(64, 2), wide.tile(64, 4), wide.tile(128, 4), wide.tile(16, 2), wide.tile(32, 2),
+            wide.tile(48, 2), wide.tile(96, 2)] == [64, 16, 16, 16, 32, 16, 32]
+    assert [narrow.tile(64, 2), narrow.tile(64, 4), narrow.tile(32, 4)] == [16, 16, 16]
+    assert [wide.walks(p) for p in (16, 48, 128, 256, 8, 24, 72)] == [True] * 4 + [False] * 3
+
+
+def test_splits_the_kernel_takes():
+    """KV splits give a launch about TARGET_PROGRAMS programs (an H200 walked Kimi-K2.5's 8K prefix
+    at batch 1 latency-bound with 16), within one page per split and MAX_SPLITS."""
+    from pallas_kernels.attention import MAX_SPLITS, TARGET_PROGRAMS, default_splits
+
+    with launch.for_arch("sm_90"):
+        assert default_splits(1, 1, 64, 512, 512, 2) == MAX_SPLITS  # MLA decode, batch 1: 4 row tiles
+        assert default_splits(16, 1, 64, 512, 512, 2) == TARGET_PROGRAMS // (16 * 4)  # 16-row tiles on sm_90
+        assert default_splits(64, 1, 256, 512, 512, 2) == 1  # verify at batch 64: programs enough
+        assert default_splits(1, 1, 64, 3, 512, 2) == 3  # a short table: one page per split
+
+
+def test_merging_with_the_new_tokens_equals_one_softmax():
+    """Prefix partial + the new tokens' partial = softmax over both key sets at once."""
+    rng = np.random.default_rng(0)
+    s = rng.standard_normal((3, 5, 11)).astype(np.float32)
+    v = rng.standard_normal((3, 11, 8)).astype(np.float32)
+
+    def partial(cols):
+        lse = jax.nn.logsumexp(s[..., cols], axis=-1)
+        return jnp.einsum("bms,bsd->bmd", jnp.exp(s[..., cols] - lse[..., None]), v[:, cols]), lse
+
+    want = jnp.einsum("bms,bsd->bmd", jax.nn.softmax(s, axis=-1), v)
+    got = merge_partials(*partial(slice(0, 7)), *partial(slice(7, 11)))
+    np.testing.assert_allclose(got, want, atol=1e-6)
+    empty = (jnp.zeros((3, 5, 8)), jnp.full((3, 5), -jnp.inf))  # a row with no prefix yet
+    np.testing.assert_allclose(merge_partials(*empty, *partial(slice(0, 11))), want, atol=1e-6)
+
+
+@interpreted
+def test_kernel_benchmark_runs_on_cpu(tmp_path):
+    """scripts/bench_kernels.py works on a CPU host (Triton's interpreter), so it runs the day a GPU does."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "k.json"
+    r = subprocess.run([sys.executable, os.path.join(root, "scripts", "bench_kernels.py"), "--batches=2", "--tokens=1,4",
+                        "--contexts=40", "--heads=4", "--latent=32", "--rope=16", "--repeats=1", "--hidden=64",
+                        "--moe_inter=64", "--experts=16", "--local_experts=4", "--topk=2", "--moe_tokens=1,32",
+                        "--moe_format=mxfp4", "--attention_launches=32:8:1:16", f"--json_out={out}"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "interpret" in r.stdout
+    record = json.loads(out.read_text())
+    rows = record["rows"]
+    attention = [x for x in rows if x["op"] == "attention"]
+    assert [(x["tokens"], x["context"], x["launch"]) for x in attention] == [
+        (1, 40, "table"), (1, 40, "32:8:1:16"), (4, 40, "table"), (4, 40, "32:8:1:16")]  # the table's, then the swept
+    assert all(x["max_abs_err"] < 5e-2 and x["equal"] for x in attention)
+    assert all(x["launcher"] == "triton_interpreter" for x in rows)
+    moe = [x for x in rows if x["op"] == "moe"]
+    assert [x["tokens"] for x in moe] == [1, 32] and all(x["max_rel_err"] < 5e-2 for x in moe)
 
 
 def kimi_mla(heads: int, tokens: int):

@@ -59,6 +59,9 @@ class AttentionShapes:
     contexts: tuple[int, ...]  # committed prefix per row
     launches: tuple[str, ...] = ()  # block_rows:num_warps:num_stages:block_slots, timed beside the table's
     repeats: int = 20
+    # what the per-device shapes stand for: "replicated" (every head, every sequence), "tensor" (the
+    # heads split over the devices: Kimi-K2.5 at 8 of 64 heads on 8), "data" (the sequences split)
+    layout: str = "replicated"
 
 
 def parse_launch(text: str) -> AttentionLaunch:
@@ -87,7 +90,8 @@ def attention_shapes(values: Any) -> AttentionShapes:
     return AttentionShapes(kind=values.kind, heads=values.heads, kv_heads=values.kv_heads, head_dim=values.head_dim,
                            latent=values.latent, rope=values.rope, page_size=values.page_size,
                            num_splits=values.num_splits, dtype=values.dtype, batches=batches, tokens=tokens,
-                           contexts=contexts, launches=launches, repeats=values.repeats)
+                           contexts=contexts, launches=launches, repeats=values.repeats,
+                           layout=getattr(values, "layout", "replicated"))
 
 
 def attention_bytes(shapes: AttentionShapes, batch: int, context: int) -> int:
@@ -185,7 +189,8 @@ def attention_rows(shapes: AttentionShapes, device: Device, interpret: bool,
                                                                  q.dtype.itemsize, launch, form)
                     kernel = functools.partial(paged_prefix_attention, layer=0, scale=SCALE, num_splits=splits,
                                                interpret=interpret, launch=launch)
-                    row = dict(op="attention", kind=shapes.kind, launch=name, launcher=launcher(interpret), batch=batch,
+                    row = dict(op="attention", kind=shapes.kind, layout=shapes.layout, launch=name,
+                               launcher=launcher(interpret), batch=batch,
                                tokens=t, context=context, splits=splits, input_sets=sets)
                     try:
                         got = jax.jit(kernel)(**arg_sets[0])

@@ -1,4 +1,4 @@
-"""The one-shot GPU check of `scripts/gpu_check.py`: the Pallas kernels and the target steps they
+"""The one-shot GPU check of `scripts/gpu_check.py`: the Triton kernels and the target steps they
 serve, timed against XLA, and the demo pair's greedy outputs through each, in one JSON record.
 
 `run_check` runs the parts a `CheckPlan` names, in PARTS' order, handing each part's value to a
@@ -83,7 +83,7 @@ class CheckPlan:
     step_repeats: int = 20
     greedy_tokens: int = 64
     demo_dtypes: tuple[str, ...] = ("float32", "bfloat16")
-    demo_kernels: tuple[str, ...] = ("xla", "pallas")
+    demo_kernels: tuple[str, ...] = ("xla", "triton")
     demo_specs: tuple[str, ...] = DEMO_SPECS
 
 
@@ -103,7 +103,7 @@ def step_shapes(texts: Sequence[str] | None, small: bool) -> tuple[tuple[int, in
 def check_plan(parts: Sequence[str], small: bool, device: Device, interpret: bool, *, launches: Sequence[str] = (),
                step_shape_texts: Sequence[str] | None = None, step_repeats: int | None = None,
                greedy_tokens: int | None = None, demo_dtypes: Sequence[str] | None = None,
-               demo_kernels: Sequence[str] = ("xla", "pallas"), demo_specs: Sequence[str] | None = None) -> CheckPlan:
+               demo_kernels: Sequence[str] = ("xla", "triton"), demo_specs: Sequence[str] | None = None) -> CheckPlan:
     """The plan with each setting left None at its default: on a GPU 20 step repeats, 64 greedy
     tokens, float32 and bfloat16, every DEMO_SPECS setting; small 2 repeats, 6 tokens, float32 and
     the first two settings. A ValueError for --step_shapes that are not batch:T."""
@@ -261,7 +261,7 @@ def step_part(plan: CheckPlan, record: Record, echo: Echo) -> list[dict]:
     dtype = resolve_dtype("bfloat16")
     params = random_params(cfg, dtype)
     peak = plan.device.hbm_gbps
-    where = "interpret mode: timings are not meaningful" if plan.interpret else jax.devices()[0].device_kind
+    where = "Triton's interpreter: timings are not meaningful" if plan.interpret else jax.devices()[0].device_kind
     echo(f"\ntarget steps: {cfg.num_layers} layers of {name}, {where}")
     echo("| batch | T | kernels ms | XLA ms | speedup | MB read | kernels % of peak | XLA % of peak |")
     echo("|---|---|---|---|---|---|---|---|")
@@ -271,7 +271,7 @@ def step_part(plan: CheckPlan, record: Record, echo: Echo) -> list[dict]:
         row = dict(op="step", batch=batch, tokens=t, context=context, bytes_read=read, kernel_ms=None, xla_ms=None,
                    peak_fraction=None, xla_peak_fraction=None)
         rows.append(row)
-        for impl, ms_key, fraction_key in (("pallas", "kernel_ms", "peak_fraction"),
+        for impl, ms_key, fraction_key in (("triton", "kernel_ms", "peak_fraction"),
                                            ("xla", "xla_ms", "xla_peak_fraction")):
             run_cfg = dataclasses.replace(cfg, kernels=f"attention={impl},moe={impl}")
             ms = step_ms(params, run_cfg, batch, t, context, dtype, plan.step_repeats)

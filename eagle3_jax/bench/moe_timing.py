@@ -161,6 +161,7 @@ def moe_rows(shapes: MoeShapes, ws: tuple, device: Device, interpret: bool,
         flops = 6 * h * inter * assignments  # gate, up and down: 2 flops per multiply-add
         k_ms, x_ms = per_set_ms(_kernel, arg_sets, shapes.repeats), per_set_ms(_xla, arg_sets, shapes.repeats)
         rows.append(dict(op="moe", format=shapes.fmt, launcher=launcher(interpret), tokens=n,
+                         layout="expert" if e < shapes.experts else "replicated",
                          local_assignments=local_assignments(first["ids"], e),
                          experts_hit=experts_hit(first["ids"], e), input_sets=sets,
                          **timing(k_ms, x_ms, read, flops, device.hbm_gbps, device.bf16_tflops),

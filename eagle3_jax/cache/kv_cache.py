@@ -450,7 +450,7 @@ class Visible:
     """Which cache slots each of T new queries sees: every slot below `prefix` [B], and of the W
     slots from there on those `window` [B, T, W] marks (a tree's ancestors, causal new tokens, or
     a draft frontier's scratch slots). `window_is_new`: the window is the slots the queries' own
-    K/V were written to (the Pallas path then uses them as computed rather than read back)."""
+    K/V were written to (the kernel path then uses them as computed rather than read back)."""
 
     prefix: jax.Array
     window: jax.Array

@@ -30,16 +30,16 @@ def define_quant_flags() -> None:
                       "tokens in bfloat16 too. Slower; one device, XLA ops only.")
     flags.register_multi_flags_validator(
         ["batch_invariant", "kernels"], _invariant_runs_xla,
-        message="--batch_invariant runs its own XLA ops, not Pallas kernels: use --kernels=xla or drop --batch_invariant")
+        message="--batch_invariant runs its own XLA ops, not Triton kernels: use --kernels=xla or drop --batch_invariant")
 
 
 def define_kernels_flag() -> None:
     """--kernels, checked as load_target takes it."""
-    flags.DEFINE_string("kernels", "xla", "Which ops run Pallas kernels: xla, pallas, auto (per op, and for the MoE per "
-                        "step, what was measured faster on this GPU; XLA on CPU), or per op like attention=pallas,moe=xla. On CPU Pallas "
-                        "kernels run interpreted (slow).")
-    flags.register_validator("kernels", _valid_kernels, message="--kernels must be xla, pallas, auto, or per op like "
-                             "attention=pallas,moe=xla (ops: attention, moe)")
+    flags.DEFINE_string("kernels", "xla", "Which ops run Triton kernels: xla, triton, auto (per op, and for the MoE per "
+                        "step, what was measured faster on this GPU; XLA on CPU), or per op like attention=triton,moe=xla ("
+                        "pallas is read as triton). On CPU the kernels run in Triton's interpreter (slow).")
+    flags.register_validator("kernels", _valid_kernels, message="--kernels must be xla, triton, auto, or per op like "
+                             "attention=triton,moe=xla (ops: attention, moe)")
 
 
 def _parse_kernels(value: str) -> dict[str, str]:

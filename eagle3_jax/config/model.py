@@ -157,7 +157,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     aux_layer_ids: tuple[int, ...] = ()  # hidden_states indices captured for the draft
-    # run time: which ops run Pallas kernels, e.g. "attention=pallas,moe=xla" (runtime/kernels.py; load_target's `kernels`)
+    # run time: which ops run Triton kernels, e.g. "attention=triton,moe=xla" (runtime/kernels.py; load_target's `kernels`)
     kernels: str = "xla"
     # run time: batch-invariant numerics (invariant.py; load_target's `batch_invariant`)
     batch_invariant: bool = False

@@ -6,10 +6,10 @@ committed slots plus a window, e.g. a tree's ancestors). Scores and softmax run 
 cache is walked a block of slots at a time (blockwise.py), so the XLA path's temporaries stay one
 block's whatever the context.
 
-When `cfg.kernels` picks Pallas for attention (see runtime/kernels.py), decode and verify (up to
-KERNEL_MAX_TOKENS new tokens) attend in two parts merged by their log-sum-exp: the committed prefix
-through the paged Pallas kernel (pallas_kernels/attention.py, which reads only the pages below each
-row's length) and a small window of slots after it through the tree mask, a [T, W] problem done
+When `cfg.kernels` picks the kernel for attention (see runtime/kernels.py), decode and verify (up
+to KERNEL_MAX_TOKENS new tokens) attend in two parts merged by their log-sum-exp: the committed
+prefix through the paged Triton kernel (pallas_kernels/triton_attention.py, which reads only the
+pages below each row's length) and a small window of slots after it through the tree mask, a [T, W] problem done
 here (W = T for the target's verify: the new tokens themselves). Prefill chunks keep the XLA path.
 
 MLA has two mathematically equal forms over the same latent cache:
@@ -23,7 +23,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import launch  # the launch table only: the kernels load when a kernel path runs
+from pallas_kernels import launch, triton_call  # the table and launcher: the kernel loads when its path runs
+from pallas_kernels.attention import Fp8Scales, merge_partials
 
 from ..cache import kv_cache
 from ..config.model import ModelConfig
@@ -47,7 +48,7 @@ def gqa_project(p: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Array
     return apply_rotary(q, cos, sin, cfg.rope), apply_rotary(k, cos, sin, cfg.rope), v
 
 
-KERNEL_MAX_TOKENS = 64  # new tokens per row up to which the Pallas path is used (decode, verify)
+KERNEL_MAX_TOKENS = 64  # new tokens per row up to which the kernel path is used (decode, verify)
 
 
 def _uses_kernel(cfg: ModelConfig, t: int, cache: kv_cache.KVCache) -> bool:
@@ -59,11 +60,12 @@ def _uses_kernel(cfg: ModelConfig, t: int, cache: kv_cache.KVCache) -> bool:
 
 def _kernel_walks(cfg: ModelConfig, cache: kv_cache.KVCache) -> bool:
     """Whether the prefix kernel can walk this cache's pages (a dense cache is viewed as pages of
-    16 slots when its length allows, else as one page per row, which a GPU kernel cannot tile)."""
+    16 slots when its length allows, else as one page per row, which a GPU kernel cannot tile);
+    interpreted, any page size runs (each page a step, masked within its power-of-two block)."""
     page_size = kv_cache.viewed_page_size(cache)
-    if kernels.interpret() or launch.launch(f"{cfg.attention}_attention").walks(page_size):
+    if triton_call.interpreted() or launch.launch(f"{cfg.attention}_attention").walks(page_size):
         return True
-    kernels.warn_once(f"attention keeps its XLA path for a cache of {page_size}-slot pages: the Pallas kernel walks "
+    kernels.warn_once(f"attention keeps its XLA path for a cache of {page_size}-slot pages: the kernel walks "
                       "pages of a multiple of 16 slots or one power-of-two page of at least 16 (a dense cache's length "
                       "must be one)")
     return False
@@ -78,7 +80,7 @@ def _mla_kernel_takes(cache_dtype) -> bool:
     if arch is None or arch.vendor != "amd" or jnp.dtype(cache_dtype).itemsize < 4:
         return True
     kernels.warn_once(f"MLA attention keeps its XLA path for {jnp.dtype(cache_dtype).name} caches on {arch.name} "
-                      "(the Pallas kernel spills there); bfloat16 caches run the kernel")
+                      "(the Triton kernel spills there); bfloat16 caches run the kernel")
     return False
 
 
@@ -101,7 +103,6 @@ def _as_cached(cache: kv_cache.KVCache, x: jax.Array) -> jax.Array:
 
 
 def _prefix_partial(cache: kv_cache.KVCache, layer, q, q2, scale: float, value_pool: bool):
-    from pallas_kernels.attention import Fp8Scales
     from pallas_kernels.triton_attention import paged_prefix_attention
 
     k_pool, v_pool, table = kv_cache.as_pages(cache)
@@ -124,7 +125,6 @@ def _gqa_kernel_attention(cfg: ModelConfig, q, k, v, cache, layer, tree_mask) ->
     """GQA decode / verify through the prefix kernel (slots < cache.lengths) + the tree part (k, v
     [B, W, kv, d]: the W window slots from cache.lengths on, as the cache returns them, tree_mask
     [B, T, W]); [B, T, heads * d]."""
-    from pallas_kernels.attention import merge_partials
 
     b, t, nh, d = q.shape
     nkv, g = cfg.num_kv_heads, nh // cfg.num_kv_heads
@@ -182,7 +182,6 @@ def _mla_query(p: dict, cfg: ModelConfig, x: jax.Array) -> jax.Array:
 def _mla_kernel_attention(cfg: ModelConfig, q_lat, q_pe, c_kv, k_pe, cache, layer, tree_mask) -> jax.Array:
     """Absorbed MLA decode / verify through the prefix kernel + the tree part (c_kv, k_pe: the window
     slots' latents and rope keys as the cache returns them): out_lat [B, T, heads, r]."""
-    from pallas_kernels.attention import merge_partials
 
     b, t, nh, r = q_lat.shape
     dt = cache.read_dtype
@@ -228,7 +227,7 @@ def mla_block(p: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Array, cac
               layer: jax.Array, visible: kv_cache.Visible, absorb: bool) -> tuple[jax.Array, kv_cache.KVCache]:
     """Multi-head latent attention; caches kv_a_layernorm(c_kv) and the roped k_pe only.
 
-    `visible` as in gqa_block (the Pallas path needs the absorbed form)."""
+    `visible` as in gqa_block (the kernel path needs the absorbed form)."""
     b, t, _ = x.shape
     nh, dv = cfg.num_heads, cfg.v_head_dim
     q_nope, q_pe, c_kv, k_pe = mla_project(p, cfg, x, positions)

@@ -12,7 +12,7 @@ one block is attended in one pass, as before.
 The walk is a `lax.scan` (reverse-differentiable, for training through `target.forward`). It
 also returns (out, lse) partials: a row spread over the data shards (cache/spread.py) is attended
 on each shard over the slots that shard holds, and the partials merged across the shards, as the
-Pallas kernel merges its KV splits.
+Triton kernel merges its KV splits.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ In an MLA draft the 2H input goes through the projections that read the layer in
 or `q_proj` without a q LoRA, and `kv_a_proj_with_mqa`); everything after them is the target's
 MLA: q/kv LoRA norms, nope + rope heads, DeepSeek interleaved rotary with YaRN (mscale in the
 softmax scale), and a KV cache holding the normalised latent and the roped shared rope key. The
-attention itself is attention.mla_block, the target's code (XLA or the Pallas kernel).
+attention itself is attention.mla_block, the target's code (XLA or the Triton kernel).
 
 Alignment: draft position t pairs the target feature at t with the embedding of token x_{t+1}
 and predicts x_{t+2}. Its output hidden (before the final norm) stands in for the target feature

@@ -24,7 +24,7 @@ Local expert compute has three forms, chosen from the static shapes (`expert_for
   token through every local expert with plain batched matmuls, each output weighted by the
   token's combine weight for that expert (0 where it did not choose it): nothing is gathered,
   sorted or scattered.
-When `cfg.kernels` picks Pallas for the MoE (runtime/kernels.py; under "auto", per step by its shapes:
+When `cfg.kernels` picks the Triton kernels for the MoE (runtime/kernels.py; under "auto", per step by its shapes:
 `runs_kernels`), both sizes instead sort the assignments
 and run the grouped kernels of pallas_kernels/moe.py: gate and up fused with SiLU, then down, the
 weights dequantized in registers; the kernels launch row tiles per assignment, not per expert, so
@@ -37,6 +37,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
+
+from pallas_kernels.moe import layout_error
 
 from ..config.model import ModelConfig
 from ..runtime import kernels
@@ -110,9 +112,7 @@ def kernel_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate, w_u
 
 
 def kernel_unfit(w_gate, w_up, w_down) -> str | None:
-    """Why the Pallas expert kernels cannot take these (local) weights, or None if they can."""
-    from pallas_kernels.moe import layout_error
-
+    """Why the Triton expert kernels cannot take these (local) weights, or None if they can."""
     for name, w in (("gate", w_gate), ("up", w_up), ("down", w_down)):
         error = layout_error(w, w.shape[-2])
         if error:
@@ -261,12 +261,12 @@ def _expert_mesh():
 
 
 def runs_kernels(choice: str, assignments: int, w_gate, w_up, w_down) -> bool:
-    """Whether a step of `assignments` (tokens x top-k) runs the Pallas expert kernels under the
+    """Whether a step of `assignments` (tokens x top-k) runs the Triton expert kernels under the
     config's `kernels`: as chosen, or under "auto", on a GPU that measured them, by
     `kernels.moe_kernel_pays` (the full weights: each expert's bytes as stored, int4 or not)."""
     impl = kernels.parse(choice)["moe"]
     if impl != "auto" or not kernels.decided_by_shape("moe"):
-        return impl == "pallas"
+        return impl == "triton"
     experts = w_gate.shape[0]
     stored = sum(leaf.size * leaf.dtype.itemsize for w in (w_gate, w_up, w_down) for leaf in jax.tree.leaves(w))
     int4 = isinstance(w_gate, QArray) and w_gate.qformat.fmt == "int4"

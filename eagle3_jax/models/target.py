@@ -216,8 +216,8 @@ def check_batch_invariant(batch_invariant: bool, kernels: str, mesh) -> str:
     if mesh is not None:
         raise ValueError("batch_invariant=True runs on one device for now; load without a mesh, or drop "
                          "batch_invariant")
-    if any(impl == "pallas" for impl in kernels_lib.parse(kernels).values()):
-        raise ValueError(f"batch_invariant=True runs its own XLA ops, not Pallas kernels; use kernels='xla' "
+    if any(impl == "triton" for impl in kernels_lib.parse(kernels).values()):
+        raise ValueError(f"batch_invariant=True runs its own XLA ops, not Triton kernels; use kernels='xla' "
                          f"(got {kernels!r})")
     return "xla"  # "auto" would pick kernels on a GPU; the invariant path uses none
 
@@ -234,12 +234,12 @@ def load_target(path: str | os.PathLike, dtype="bfloat16", mesh: jax.sharding.Me
     on-device float8 flavour ("auto": e4m3fnuz on gfx942, e4m3fn elsewhere). With a `mesh` (see
     sharding.make_mesh) params are placed by the logical-axis rules and MoE layers run
     expert-parallel. `aux_layer_ids` overrides which hidden states are captured for a draft
-    (default 2, L//2, L-3). `kernels`: "xla" (default), "pallas" (decode / verify attention through
-    the paged Pallas kernel, routed experts through the grouped-matmul kernels; interpreted on CPU),
+    (default 2, L//2, L-3). `kernels`: "xla" (default), "triton" (decode / verify attention through
+    the paged Triton kernel, routed experts through the grouped-matmul kernels; interpreted on CPU),
     "auto" (per op, the path measured faster on this GPU: on sm_90 the attention kernel, MLA and
     GQA, and, per step, the MoE kernels where `kernels.moe_kernel_pays`; XLA on CPU and on GPUs
     not yet measured) or one choice per op, e.g.
-    "attention=pallas,moe=xla" (see runtime/kernels.py; attention keeps XLA on a mesh).
+    "attention=triton,moe=xla" (see runtime/kernels.py; attention keeps XLA on a mesh).
     `batch_invariant=True` computes every token the same way whatever shares its pass
     (invariant.py): greedy speculative output then equals greedy plain
     decoding in bfloat16 too, at a cost in speed; it runs XLA ops on one device.

@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     from pallas_kernels import isa
 
 DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "tests", "data")
-KERNELS = "attention=pallas,moe=pallas"
+KERNELS = "attention=triton,moe=triton"
 TOKENS = (1, 4, 16, attention.KERNEL_MAX_TOKENS)
 BATCHES = (1, 64)
 CONTEXT = 8192

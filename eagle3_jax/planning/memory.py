@@ -76,7 +76,7 @@ class MemoryPlan:
     kv_bytes_per_token: int  # per device, one token of one sequence, target + draft
     step_read_bytes: int  # bytes one step reads on this device (roofline)
     programs: dict[str, dict[str, int]]  # memory_analysis of each compiled program
-    path: str = "xla"  # what was compiled: "xla", or "pallas kernels on <arch> (shape-only)"
+    path: str = "xla"  # what was compiled: "xla", or "<kernels> on <arch> (kernels shape-only)"
     kv_cache_dtype: str = "auto"
 
     @property
@@ -371,9 +371,9 @@ def plan_memory(target, draft=None, mesh: Mesh | None = None, batch: int = 1, ma
     so `kv_bytes` is this device's share.
 
     kernels: "xla" plans the XLA path (its MoE dequantizes FP8 / int4 experts to bf16 before the
-    dot, so their temps count). "pallas" (or per op, as `load_target` takes it, resolved as on
+    dot, so their temps count). "triton" (or per op, as `load_target` takes it, resolved as on
     the GPU: attention keeps XLA on a mesh that splits it) plans the program a GPU runs with the
-    Pallas kernels, for `arch` (a key of `pallas_kernels.launch.ARCHS`, e.g. "gfx942"; required,
+    Triton kernels, for `arch` (a key of `pallas_kernels.launch.ARCHS`, e.g. "gfx942"; required,
     since this host has no such GPU): each kernel stands in as an opaque op of its exact output
     shapes (`launch.shape_only`), so the plan counts the kernels' outputs and no dequantized
     weight copies. `MemoryPlan.path` says which path a plan is for.
@@ -385,7 +385,7 @@ def plan_memory(target, draft=None, mesh: Mesh | None = None, batch: int = 1, ma
     """
     wants_kernels = any(impl != "xla" for impl in parse(kernels).values())
     if wants_kernels and arch not in launch.ARCHS:
-        raise ValueError(f"planning the Pallas kernels needs the GPU they run on: arch={arch!r}; use one of "
+        raise ValueError(f"planning the Triton kernels needs the GPU they run on: arch={arch!r}; use one of "
                          f"{', '.join(launch.ARCHS)}")
     if wants_kernels:
         kernels = resolve(kernels, mesh, on_gpu=True, arch=arch)

@@ -50,7 +50,7 @@ class PlanSettings:
     """What is planned on every mesh: a target (+ draft, run with `spec`) at cache length `max_len`,
     its weights quantized as `quant` says ("auto": as the config stores them), unquantized weights
     and caches in `dtype` (the KV cache in float8 with kv_cache_dtype="fp8"), compiled for the XLA
-    path or, with `kernels` other than "xla", for the Pallas kernels on GPU `arch`."""
+    path or, with `kernels` other than "xla", for the Triton kernels on GPU `arch`."""
 
     target: str
     draft: str | None
@@ -71,7 +71,7 @@ class PlanSettings:
         and the program path the table is for."""
         program = ""
         if memory:
-            program = (f"; program: Pallas kernels ({self.kernels}) on {self.arch}, each as an op of its output shapes"
+            program = (f"; program: Triton kernels ({self.kernels}) on {self.arch}, each as an op of its output shapes"
                        if self.kernels != "xla" else "; program: the XLA path")
         return (f"target {self.target}" + (f", draft {self.draft}, spec {self.spec}" if self.draft else "")
                 + f", max_len {self.max_len}, quant {self.quant}"

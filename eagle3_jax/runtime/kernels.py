@@ -1,25 +1,26 @@
-"""Which implementation each op runs: the XLA path (the reference) or a Pallas kernel.
+"""Which implementation each op runs: the XLA path (the reference) or a Triton kernel.
 
-`load_target(..., kernels=...)` takes one choice for every op ("xla", "pallas", "auto") or one per
-op ("attention=pallas,moe=xla"). It is resolved once, on load, into the canonical per-op form
-("attention=pallas,moe=xla") that `ModelConfig.kernels` carries into every program: target
-prefill / decode / verify, the scheduler's, and the draft's. An op left at "auto" there (on a GPU
-a run has measured) decides per traced layer: attention by its form (MLA or GQA, `runs_kernel`),
-the MoE by the step's shapes (`moe_kernel_pays`).
+`load_target(..., kernels=...)` takes one choice for every op ("xla", "triton", "auto") or one per
+op ("attention=triton,moe=xla"); "pallas", the name from when the kernels went through Pallas'
+Triton lowering, is read as "triton" (said once). It is resolved once, on load, into the canonical
+per-op form ("attention=triton,moe=xla") that `ModelConfig.kernels` carries into every program:
+target prefill / decode / verify, the scheduler's, and the draft's. An op left at "auto" there (on
+a GPU a run has measured) decides per traced layer: attention by its form (MLA or GQA,
+`runs_kernel`), the MoE by the step's shapes (`moe_kernel_pays`).
 
-- attention: decode and verify over the committed prefix (pallas_kernels/attention.py), target
-  and draft. On a mesh that splits the batch or the heads (data or tensor > 1) it keeps the XLA
-  path (the kernel has no sharded form yet: the partitioner would gather its operands); asking for
-  it there is warned about. An expert-only mesh replicates attention, so the kernel runs there.
-- moe: the routed experts' grouped matmuls (pallas_kernels/moe.py), also inside each shard of
-  expert parallelism. Weights whose shapes the kernel cannot tile keep the XLA path, with a
+- attention: decode and verify over the committed prefix (pallas_kernels/triton_attention.py),
+  target and draft. On a mesh that splits the batch or the heads (data or tensor > 1) it keeps the
+  XLA path (the kernel has no sharded form yet: the partitioner would gather its operands); asking
+  for it there is warned about. An expert-only mesh replicates attention, so the kernel runs there.
+- moe: the routed experts' grouped matmuls (pallas_kernels/triton_moe.py), also inside each shard
+  of expert parallelism. Weights whose shapes the kernel cannot tile keep the XLA path, with a
   warning naming the weight.
 
-"auto" = per op, the path measured fastest on the GPU it runs on (`AUTO_PALLAS`, `AUTO_BY_SHAPE`):
-Pallas where a run on that architecture showed the kernel equal to XLA and not slower at the
-shapes the engine runs (for the MoE, at the shapes where it was: `moe_kernel_pays`), XLA
-elsewhere, and XLA on CPU (where kernels only run interpreted, far slower than XLA) and on GPUs
-no run has measured (AMD's are proven by ISA compile only).
+The kernels launch through jax_triton on a GPU and run in Triton's interpreter on a CPU host (far
+slower than XLA there: for tests). "auto" = per op, the path measured fastest on the GPU it runs
+on (`AUTO_KERNEL`, `AUTO_BY_SHAPE`): the kernel where a run on that architecture showed it equal to
+XLA and not slower at the shapes the engine runs, XLA elsewhere, on CPU, and on GPUs no run has
+measured. No GPU has timed these kernels yet, so today "auto" is XLA everywhere.
 """
 
 from __future__ import annotations
@@ -32,23 +33,18 @@ import jax
 from pallas_kernels import launch
 
 OPS = ("attention", "moe")
-IMPLEMENTATIONS = ("xla", "pallas")
+IMPLEMENTATIONS = ("xla", "triton")
+ALIASES = {"pallas": "triton"}  # the kernels' name before they moved from Pallas to Triton proper
 CHOICES = IMPLEMENTATIONS + ("auto",)
 # What "auto" runs, per architecture (pallas_kernels.launch.ARCHS) and kernel form (launch.FORMS),
-# from the runs recorded in benchmarks/ (benchmarks/notes/2026-11-27-gpu-proof-h200.md, one H200).
-# A form in AUTO_PALLAS runs its kernel at every shape; a form in AUTO_BY_SHAPE decides per traced
-# step (`moe_kernel_pays`); any other form, and every form on an architecture not listed, runs XLA.
-# - MLA attention (64 heads, 8K context, the sm_90 launch 16:4:2:64 picked by the sweep): 1.08-1.70x
-#   XLA at batch 1 / 64 and T 1 / 4 over 16-slot pages, 1.16-2.50x over 64-slot pages; only batch 1
-#   decode over 16-slot pages sat at 0.92-1.06x (within the run-to-run spread at 0.14 ms).
-# - GQA attention (MiniMax, Llama, every draft; 64 query heads over 8 KV heads of 128, 8K context,
-#   16-slot pages, the table's sm_90 launch): 1.29x / 1.40x XLA at batch 1 (T 1 / 4), 2.32x / 3.18x
-#   at batch 64, max abs error 1.8e-4.
-# - the routed experts: faster by 1.5-13x on int4 at Kimi-K2.5's per-device shapes, but slower on
-#   small bfloat16 experts (0.2-0.4x at kimi-mini's 128 x 96) and on few assignments (0.6-0.7x at
-#   2048 x 768 with 8-64 assignments over 128 experts, 1.4-4.9x with 512-2048).
-AUTO_PALLAS: dict[str, tuple[str, ...]] = {"sm_90": ("mla_attention", "gqa_attention")}
-AUTO_BY_SHAPE: dict[str, tuple[str, ...]] = {"sm_90": ("moe",)}
+# from GPU runs recorded in benchmarks/. A form in AUTO_KERNEL runs its kernel at every shape; a form
+# in AUTO_BY_SHAPE decides per traced step (`moe_kernel_pays`); any other form, and every form on an
+# architecture not listed, runs XLA. Empty: the Triton kernels have not been timed on a GPU. (The
+# Pallas kernels they replaced ran on one H200, benchmarks/notes/2026-11-27-gpu-proof-h200.md:
+# attention 1.1-3.2x XLA at Kimi-K2.5's and MiniMax's shapes, the routed experts 1.5-13x on int4
+# but slower on small or few experts: the crossovers `moe_kernel_pays` encodes.)
+AUTO_KERNEL: dict[str, tuple[str, ...]] = {}
+AUTO_BY_SHAPE: dict[str, tuple[str, ...]] = {}
 # Experts smaller than this (all three matrices, as stored) run XLA under "auto": the kernels' sort
 # and launches cost more than such a step's few microseconds of XLA work.
 KERNEL_MIN_EXPERT_BYTES = 1 << 20
@@ -60,18 +56,26 @@ def _on_gpu() -> bool:
     return jax.default_backend() in ("gpu", "cuda", "rocm")
 
 
+def _implementation(name: str) -> str:
+    """`name` with an old alias read as what it names now (said once per process)."""
+    if name in ALIASES:
+        warn_once(f"kernels: {name!r} is read as {ALIASES[name]!r} (the kernels are Triton kernels now); "
+                  f"write {ALIASES[name]!r}")
+    return ALIASES.get(name, name)
+
+
 def parse(kernels: str) -> dict[str, str]:
-    """{op: "xla" | "pallas" | "auto"} from "pallas" or "attention=pallas,moe=xla"."""
+    """{op: "xla" | "triton" | "auto"} from "triton" or "attention=triton,moe=xla"."""
     usage = (f"kernels {kernels!r} is not supported; use one of {', '.join(CHOICES)} for every op, or per op "
-             f"like 'attention=pallas,moe=xla' (ops: {', '.join(OPS)})")
-    if kernels in CHOICES:
-        return dict.fromkeys(OPS, kernels)
+             f"like 'attention=triton,moe=xla' (ops: {', '.join(OPS)})")
+    if kernels in CHOICES or kernels in ALIASES:
+        return dict.fromkeys(OPS, _implementation(kernels))
     choice = dict.fromkeys(OPS, "xla")
     for part in str(kernels).split(","):
         op, sep, impl = part.strip().partition("=")
-        if not sep or op not in OPS or impl not in CHOICES:
+        if not sep or op not in OPS or _implementation(impl) not in CHOICES:
             raise ValueError(usage)
-        choice[op] = impl
+        choice[op] = _implementation(impl)
     return choice
 
 
@@ -88,16 +92,16 @@ def auto_choice(op: str, arch: str) -> str:
     """What "auto" resolves to for `op` on architecture `arch` ("default": a CPU host or an unknown
     GPU): "auto" (each traced layer asks `runs_kernel`) where a run there measured one of the op's
     kernel forms, else "xla"."""
-    measured = AUTO_PALLAS.get(arch, ()) + AUTO_BY_SHAPE.get(arch, ())
+    measured = AUTO_KERNEL.get(arch, ()) + AUTO_BY_SHAPE.get(arch, ())
     return "auto" if any(form in measured for form in _forms(op)) else "xla"
 
 
 def runs_kernel(kernels: str, form: str) -> bool:
     """Whether an attention layer of kernel `form` ("mla_attention", "gqa_attention") runs its
-    Pallas kernel under a config's `kernels`: as chosen, or under "auto" where AUTO_PALLAS lists
+    Triton kernel under a config's `kernels`: as chosen, or under "auto" where AUTO_KERNEL lists
     the form for the architecture traced for (the MoE's rule: moe.runs_kernels)."""
     impl = parse(kernels)["attention"]
-    return impl == "pallas" or (impl == "auto" and form in AUTO_PALLAS.get(launch.current_arch(), ()))
+    return impl == "triton" or (impl == "auto" and form in AUTO_KERNEL.get(launch.current_arch(), ()))
 
 
 def decided_by_shape(form: str) -> bool:
@@ -117,7 +121,7 @@ def moe_kernel_pays(assignments: int, experts: int, expert_bytes: int, int4: boo
 
 
 def resolve(kernels: str, mesh: jax.sharding.Mesh | None, on_gpu: bool | None = None, arch: str | None = None) -> str:
-    """The canonical per-op form ("attention=xla,moe=pallas") of a `kernels` choice on this host
+    """The canonical per-op form ("attention=xla,moe=triton") of a `kernels` choice on this host
     (`on_gpu` True and `arch`: as on that GPU, for programs planned for one on a host without it)."""
     requested = parse(kernels)
     gpu = _on_gpu() if on_gpu is None else on_gpu
@@ -125,23 +129,17 @@ def resolve(kernels: str, mesh: jax.sharding.Mesh | None, on_gpu: bool | None = 
     choice = {op: (auto_choice(op, arch) if gpu else "xla") if impl == "auto" else impl
               for op, impl in requested.items()}
     if splits_attention(mesh) and choice["attention"] != "xla":
-        if requested["attention"] == "pallas":  # asked for by name: say why it is not used
-            log.warning("attention keeps its XLA path on mesh %s (the Pallas attention kernel does not split the "
+        if requested["attention"] == "triton":  # asked for by name: say why it is not used
+            log.warning("attention keeps its XLA path on mesh %s (the attention kernel does not split the "
                         "batch or the heads yet); the MoE kernels still run in every shard", dict(mesh.shape))
         choice["attention"] = "xla"
     return ",".join(f"{op}={choice[op]}" for op in OPS)
 
 
 def uses(kernels: str, op: str) -> bool:
-    """Whether `op` runs its Pallas kernel at every shape under a config's `kernels` (canonical or
+    """Whether `op` runs its Triton kernel at every shape under a config's `kernels` (canonical or
     plain); an op resolved to "auto" decides per traced layer (`runs_kernel`, moe.runs_kernels)."""
-    return parse(kernels)[op] == "pallas"
-
-
-def interpret() -> bool:
-    """Pallas kernels run interpreted on a CPU host, unless the trace is for a named GPU
-    architecture (`pallas_kernels.launch.for_arch`: deviceless lowering, the compile gate)."""
-    return jax.default_backend() == "cpu" and not launch.is_overridden()
+    return parse(kernels)[op] == "triton"
 
 
 @functools.lru_cache(maxsize=None)

@@ -34,7 +34,7 @@ import ml_dtypes
 import numpy as np
 from flax import struct
 
-# The precision every matmul of the model and of the Pallas kernels states: HIGHEST keeps float32
+# The precision every matmul of the model and of the Triton kernels states: HIGHEST keeps float32
 # operands in IEEE float32 on GPUs, where a default-precision float32 dot runs as TF32 (sm_90) or
 # xf32 (gfx942), so float32 reference runs are float32 there too.
 # bfloat16 and integer operands are unaffected, and XLA:CPU computes float32 dots in full anyway.

@@ -1,4 +1,4 @@
-"""The engine with kernels="pallas" (attention through the paged Triton kernel, routed experts
+"""The engine with kernels="triton" (attention through the paged Triton kernel, routed experts
 through the grouped kernels, Triton's interpreter on CPU) against the XLA path: logits of decode and verify steps, and greedy speculation (chain and
 tree) equal to greedy plain decoding, for the MLA+MoE and GQA+MoE families, dense cache (Engine)
 and paged cache (Scheduler)."""
@@ -22,14 +22,24 @@ from pallas_kernels import launch, triton_call
 pytestmark = pytest.mark.newest_jax
 
 
-def pallas(target):
-    return dataclasses.replace(target, config=dataclasses.replace(target.config, kernels="pallas"))
+def with_kernels(target):
+    return dataclasses.replace(target, config=dataclasses.replace(target.config, kernels="triton"))
+
+
+@pytest.fixture
+def measured_on_sm_90(monkeypatch):
+    """The "auto" tables as a GPU run fills them: both attention kernels and the MoE by shape
+    measured faster on sm_90 (today's tables are empty: no GPU has timed the Triton kernels)."""
+    from eagle3_jax.runtime import kernels as kernels_lib
+
+    monkeypatch.setattr(kernels_lib, "AUTO_KERNEL", {"sm_90": ("mla_attention", "gqa_attention")})
+    monkeypatch.setattr(kernels_lib, "AUTO_BY_SHAPE", {"sm_90": ("moe",)})
 
 
 @pytest.mark.parametrize("family", ["deepseek_v3", "minimax_m2", "llama"])
 def test_decode_and_verify_logits_equal_xla(family, kernel_calls):
     xla = random_target(FAMILIES[family])
-    ker = pallas(xla)
+    ker = with_kernels(xla)
     rng = np.random.default_rng(1)
     prompt = jnp.asarray(rng.integers(0, 64, (2, 11)), jnp.int32)
     cache = xla.init_cache(2, 64)
@@ -53,10 +63,10 @@ def test_decode_and_verify_logits_equal_xla(family, kernel_calls):
     pytest.param("minimax_m2", e3.SpecConfig(3, 2, 6), e3.SpecConfig(3, 1, 4),  # GQA+MoE: tree dense, chain paged
                  marks=pytest.mark.slow),  # GQA kernel logits: test_decode_and_verify_logits_equal_xla
 ])
-def test_greedy_speculation_with_pallas_kernels_equals_plain(family, engine_spec, scheduler_spec):
+def test_greedy_speculation_with_kernels_equals_plain(family, engine_spec, scheduler_spec):
     """Target attention, draft attention and the expert kernels all on: greedy speculation emits the
     plain greedy tokens, in the Engine (dense caches) and the Scheduler (paged caches)."""
-    target = pallas(random_target(FAMILIES[family]))
+    target = with_kernels(random_target(FAMILIES[family]))
     draft = random_draft(target)
     prompts, sp = [[1, 5, 9, 2], [3, 4, 5, 6, 7, 8, 9]], e3.SamplingParams(max_tokens=10)
     want = [o.token_ids for o in e3.Engine(target, max_batch_size=2, max_seq_len=64).generate(prompts, sp)]
@@ -73,7 +83,7 @@ def test_fp8_pages_through_the_kernels_equal_xla(family, kernel_calls):
     and verify logits equal XLA's; greedy chain speculation equals plain decoding through the
     kernels on FP8 pages."""
     xla = random_target(FAMILIES[family])
-    ker = pallas(xla)
+    ker = with_kernels(xla)
     rng = np.random.default_rng(2)
     prompt = jnp.asarray(rng.integers(0, 64, (2, 11)), jnp.int32)
     cache = xla.init_cache(2, 64, "fp8")
@@ -94,12 +104,20 @@ def test_fp8_pages_through_the_kernels_equal_xla(family, kernel_calls):
     assert [o.token_ids for o in chain.generate(prompts, sp)] == [o.token_ids for o in plain.generate(prompts, sp)]
 
 
-def test_kernel_choice_is_checked(caplog):
-    from eagle3_jax.runtime.kernels import resolve, runs_kernel, uses
+def test_auto_is_xla_until_a_gpu_has_timed_the_kernels():
+    from eagle3_jax.runtime.kernels import resolve
+
+    for arch in ("sm_90", "gfx942", "gfx950", "default"):
+        assert resolve("auto", None, on_gpu=True, arch=arch) == "attention=xla,moe=xla"
+    assert resolve("auto", None) == "attention=xla,moe=xla"  # CPU
+
+
+def test_kernel_choice_is_checked(caplog, measured_on_sm_90):
+    from eagle3_jax.runtime.kernels import resolve, runs_kernel, uses, warn_once
     from eagle3_jax.runtime.sharding import make_mesh
 
     assert resolve("auto", None) == "attention=xla,moe=xla"  # CPU
-    # on a GPU, per op as measured there (kernels.AUTO_PALLAS / AUTO_BY_SHAPE): sm_90 decides each
+    # on a GPU, per op as measured there (kernels.AUTO_KERNEL / AUTO_BY_SHAPE): sm_90 decides each
     # layer (attention by its form, the MoE by the step's shapes); GPUs no run has measured keep XLA
     assert resolve("auto", None, on_gpu=True, arch="sm_90") == "attention=auto,moe=auto"
     for arch in ("gfx942", "gfx950", "default"):
@@ -110,22 +128,28 @@ def test_kernel_choice_is_checked(caplog):
         assert runs_kernel("attention=auto,moe=auto", "mla_attention")
         assert runs_kernel("attention=auto,moe=auto", "gqa_attention")
         assert not runs_kernel("attention=xla,moe=auto", "gqa_attention")
-        assert runs_kernel("attention=pallas,moe=xla", "gqa_attention")
+        assert runs_kernel("attention=triton,moe=xla", "gqa_attention")
     with launch.for_arch("gfx942"):
         assert not runs_kernel("attention=auto,moe=auto", "mla_attention")
-    assert resolve("pallas", None) == "attention=pallas,moe=pallas"
-    assert resolve("moe=pallas", None) == "attention=xla,moe=pallas"
-    assert uses("attention=xla,moe=pallas", "moe") and not uses("attention=auto,moe=auto", "moe")
+    assert resolve("triton", None) == "attention=triton,moe=triton"
+    assert resolve("moe=triton", None) == "attention=xla,moe=triton"
+    assert uses("attention=xla,moe=triton", "moe") and not uses("attention=auto,moe=auto", "moe")
     with caplog.at_level("WARNING"):
-        assert resolve("pallas", make_mesh(1, 2, 4)) == "attention=xla,moe=pallas"
+        assert resolve("triton", make_mesh(1, 2, 4)) == "attention=xla,moe=triton"
     assert "attention keeps its XLA path" in caplog.text
-    assert resolve("pallas", make_mesh(1, 1, 8)) == "attention=pallas,moe=pallas"  # expert-only: attention replicated
-    for bad in ("triton", "attention=cuda", "mlp=pallas", "attention"):
-        with pytest.raises(ValueError, match="one of xla, pallas, auto"):
+    assert resolve("triton", make_mesh(1, 1, 8)) == "attention=triton,moe=triton"  # expert-only: attention replicated
+    for bad in ("pallas_triton", "attention=cuda", "mlp=triton", "attention"):
+        with pytest.raises(ValueError, match="one of xla, triton, auto"):
             resolve(bad, None)
+    # the kernels' old name is read as the new one, and said
+    warn_once.cache_clear()
+    with caplog.at_level("WARNING"):
+        assert resolve("pallas", None) == resolve("triton", None)
+        assert resolve("attention=pallas,moe=xla", None) == "attention=triton,moe=xla"
+    assert "'pallas' is read as 'triton'" in caplog.text
 
 
-def test_auto_runs_the_expert_kernels_where_they_were_measured_faster():
+def test_auto_runs_the_expert_kernels_where_they_were_measured_faster(measured_on_sm_90):
     """kernels.moe_kernel_pays, the H200's crossovers: small experts never (kimi-mini's 74 KB ran
     0.2-0.4x), int4 always (1.5x at one token), other experts once a step routes one assignment
     per expert of the model (2048 x 768 bfloat16: 0.6-0.7x below, 1.4-4.9x above)."""
@@ -144,19 +168,18 @@ def test_auto_runs_the_expert_kernels_where_they_were_measured_faster():
         assert runs_kernels("attention=xla,moe=auto", 4, large, large, large)
         assert not runs_kernels("attention=xla,moe=auto", 3, large, large, large)
         assert not runs_kernels("attention=xla,moe=auto", 64, small, small, small)
-        assert runs_kernels("attention=xla,moe=pallas", 1, small, small, small)
+        assert runs_kernels("attention=xla,moe=triton", 1, small, small, small)
         assert not runs_kernels("xla", 64, large, large, large)
     with launch.for_arch("gfx942"):
         assert not runs_kernels("attention=xla,moe=auto", 4, large, large, large)
 
 
 @pytest.mark.parametrize("min_bytes, kernel", [(1 << 20, False), (0, True)])
-def test_auto_experts_are_decided_in_the_traced_step(min_bytes, kernel, monkeypatch):
+def test_auto_experts_are_decided_in_the_traced_step(min_bytes, kernel, monkeypatch, measured_on_sm_90):
     """A config resolved to moe=auto (sm_90) runs the expert kernels in a step as its shapes
     decide: the test family's tiny experts keep XLA's path, unless the size floor is lowered."""
     from eagle3_jax.runtime import kernels as kernels_lib
 
-    monkeypatch.setattr(kernels_lib, "interpret", lambda: False)
     monkeypatch.setattr(kernels_lib, "KERNEL_MIN_EXPERT_BYTES", min_bytes)
     jax.clear_caches()  # the traces are cached by config, which the size floor is not part of
     target = random_target(FAMILIES["deepseek_v3"])
@@ -164,7 +187,7 @@ def test_auto_experts_are_decided_in_the_traced_step(min_bytes, kernel, monkeypa
     tokens = jnp.zeros((4, 16), jnp.int32)  # 64 tokens: more assignments than the family has experts
     positions = jnp.broadcast_to(jnp.arange(16, dtype=jnp.int32), (4, 16))
     launches = []
-    with launch.deviceless("sm_90"), triton_call.capturing(launches):
+    with launch.for_arch("sm_90"), triton_call.capturing(launches):
         jax.jit(forward, static_argnames=("cfg",)).trace(
             target.params, target.config, tokens, positions, target.init_cache(4, 32)).lower(
             lowering_platforms=("cuda",))
@@ -173,13 +196,13 @@ def test_auto_experts_are_decided_in_the_traced_step(min_bytes, kernel, monkeypa
 
 @pytest.mark.parametrize("platform", ["rocm", "cuda"])
 def test_speculative_step_lowers_with_triton_attention(platform):
-    """Deviceless lowering of the whole speculative step with kernels="pallas" for a GPU (compiled,
+    """Deviceless lowering of the whole speculative step with kernels="triton" for a GPU (compiled,
     not interpreted): it lowers, launching the attention kernel and both expert kernels."""
     from eagle3_jax.sampling.sampler import SamplingArrays
     from eagle3_jax.spec_decode.propose import DraftRoot
     from eagle3_jax.spec_decode.step import spec_step
 
-    target = pallas(random_target(FAMILIES["deepseek_v3"], dtype=jnp.bfloat16))  # float32 MLA keeps XLA on AMD
+    target = with_kernels(random_target(FAMILIES["deepseek_v3"], dtype=jnp.bfloat16))  # float32 MLA keeps XLA on AMD
     draft = random_draft(target)
     spec = e3.SpecConfig(3, 1, 4)
     tcache = target.init_cache(2, 64)
@@ -187,7 +210,7 @@ def test_speculative_step_lowers_with_triton_attention(platform):
     root = DraftRoot(token=jnp.zeros((2,), jnp.int32), hidden=jnp.zeros((2, draft.config.hidden_size), draft.dtype))
     sp = SamplingArrays.from_params([e3.SamplingParams()], 2)
     launches = []
-    with launch.deviceless(launch.PLATFORM_ARCH[platform]), triton_call.capturing(launches):
+    with launch.for_arch(launch.PLATFORM_ARCH[platform]), triton_call.capturing(launches):
         jax.jit(spec_step, static_argnames=("tcfg", "dcfg", "spec")).trace(
             target.params, target.config, draft.params, draft.config, spec, tcache, dcache, root, sp,
             jnp.ones((2,), jnp.int32)).lower(lowering_platforms=(platform,))
@@ -205,13 +228,12 @@ def test_a_cache_the_kernel_cannot_tile_keeps_xla_attention(slots, kernel, monke
     from eagle3_jax.models.target import forward
     from eagle3_jax.runtime import kernels as kernels_lib
 
-    monkeypatch.setattr(kernels_lib, "interpret", lambda: False)
     kernels_lib.warn_once.cache_clear()
-    target = pallas(random_target(FAMILIES["deepseek_v3"]))
+    target = with_kernels(random_target(FAMILIES["deepseek_v3"]))
     cache = kv_cache.advance(target.init_cache(2, slots), jnp.full((2,), 10, jnp.int32))
     tokens, positions = jnp.zeros((2, 1), jnp.int32), jnp.full((2, 1), 10, jnp.int32)
     launches = []
-    with launch.deviceless("sm_90"), triton_call.capturing(launches), caplog.at_level("WARNING", logger="eagle3_jax"):
+    with launch.for_arch("sm_90"), triton_call.capturing(launches), caplog.at_level("WARNING", logger="eagle3_jax"):
         jax.jit(forward, static_argnames=("cfg",)).trace(
             target.params, target.config, tokens, positions, cache, jnp.ones((2, 1, 1), bool)).lower(
             lowering_platforms=("cuda",))
@@ -219,7 +241,7 @@ def test_a_cache_the_kernel_cannot_tile_keeps_xla_attention(slots, kernel, monke
     assert ("keeps its XLA path for a cache of 72-slot pages" in caplog.text) == (not kernel)
 
 
-def test_draft_propose_with_pallas_attention_equals_xla(monkeypatch, kernel_calls):
+def test_draft_propose_with_kernel_attention_equals_xla(monkeypatch, kernel_calls):
     """The draft's extend (causal window) and tree expansion (scratch-slot window) through the
     attention kernel on a paged cache: every pass's logits as the XLA path's, the same draft tree.
     (Dense draft caches run the same code through kv_cache.as_pages; the Engine test above covers
@@ -257,7 +279,7 @@ def test_draft_propose_with_pallas_attention_equals_xla(monkeypatch, kernel_call
 
     want_logits, want_tree = run(draft)
     want_passes, passes[:] = list(passes), []
-    got_logits, got_tree = run(with_target_kernels(draft, pallas(target)))
+    got_logits, got_tree = run(with_target_kernels(draft, with_kernels(target)))
     assert len(passes) == len(want_passes) == 2 + spec.num_steps - 1
     for got, want in zip(passes, want_passes):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5 * float(np.abs(want).max()))
