@@ -158,15 +158,17 @@ def test_default_launch_entries_compile_on_every_architecture(monkeypatch):
     assert not failed, "\n".join(failed)
 
 
-def test_float32_mla_keeps_xla_attention_on_amd(caplog):
-    """float32 MLA spills in the kernel on gfx942 / gfx950 at every launch tried: the engine keeps
-    the XLA path there (and says so); bfloat16 and sm_90 run the kernel."""
-    from eagle3_jax.models.attention import _mla_kernel_takes
+def test_float32_attention_keeps_xla_on_gpus(caplog):
+    """float32 attention spills in the Triton kernel (MLA on every architecture, GQA on sm_90): the
+    engine keeps the XLA path there and says so; bfloat16 runs the kernel, and interpreted (a CPU
+    host) any dtype does."""
+    from eagle3_jax.models.attention import _kernel_takes
+    from eagle3_jax.runtime.kernels import warn_once
 
-    with launch.for_arch("gfx942"), caplog.at_level(logging.WARNING, logger="eagle3_jax"):
-        assert not _mla_kernel_takes(jnp.float32)
-        assert _mla_kernel_takes(jnp.bfloat16)
-    assert "keeps its XLA path for float32 caches on gfx942" in caplog.text
-    with launch.for_arch("sm_90"):
-        assert _mla_kernel_takes(jnp.float32)
-    assert _mla_kernel_takes(jnp.float32)  # CPU: interpreted, any dtype
+    warn_once.cache_clear()  # said once per process: this test's lines, whatever ran before
+    for arch in ("gfx942", "sm_90"):
+        with launch.for_arch(arch), caplog.at_level(logging.WARNING, logger="eagle3_jax"):
+            assert not _kernel_takes(jnp.float32)
+            assert _kernel_takes(jnp.bfloat16)
+        assert f"keeps its XLA path for float32 caches on {arch}" in caplog.text
+    assert _kernel_takes(jnp.float32)  # CPU: interpreted

@@ -57,7 +57,7 @@ def test_step_shapes_parse_or_default():
 def test_the_plans_defaults_small_and_on_a_gpu():
     small = gpu_check.check_plan(["demo"], True, H200, True)
     assert (small.parts, small.step_repeats, small.greedy_tokens, small.demo_dtypes, small.demo_specs) == (
-        ("demo",), 2, 6, ("float32",), ("none", "chain:3:1:4"))
+        ("demo",), 2, 4, ("float32",), ("none", "chain:3:1:4"))
     big = gpu_check.check_plan(gpu_check.PARTS, False, H200, False)
     assert (big.step_repeats, big.greedy_tokens, big.demo_dtypes, big.demo_specs, big.step_shapes[-1]) == (
         20, 64, ("float32", "bfloat16"), gpu_check.DEMO_SPECS, (64, 4))

@@ -202,7 +202,7 @@ def test_speculative_step_lowers_with_triton_attention(platform):
     from eagle3_jax.spec_decode.propose import DraftRoot
     from eagle3_jax.spec_decode.step import spec_step
 
-    target = with_kernels(random_target(FAMILIES["deepseek_v3"], dtype=jnp.bfloat16))  # float32 MLA keeps XLA on AMD
+    target = with_kernels(random_target(FAMILIES["deepseek_v3"], dtype=jnp.bfloat16))  # float32 keeps XLA on GPUs
     draft = random_draft(target)
     spec = e3.SpecConfig(3, 1, 4)
     tcache = target.init_cache(2, 64)
@@ -229,7 +229,7 @@ def test_a_cache_the_kernel_cannot_tile_keeps_xla_attention(slots, kernel, monke
     from eagle3_jax.runtime import kernels as kernels_lib
 
     kernels_lib.warn_once.cache_clear()
-    target = with_kernels(random_target(FAMILIES["deepseek_v3"]))
+    target = with_kernels(random_target(FAMILIES["deepseek_v3"], dtype=jnp.bfloat16))  # float32 keeps XLA on GPUs
     cache = kv_cache.advance(target.init_cache(2, slots), jnp.full((2,), 10, jnp.int32))
     tokens, positions = jnp.zeros((2, 1), jnp.int32), jnp.full((2, 1), 10, jnp.int32)
     launches = []

@@ -10,7 +10,7 @@ record (`CheckRecord`) as it grows, so a part cut short loses only itself:
 - steps: decode (T = 1) and verify (T > 1) steps of the target forward with the kernels and with
   XLA at (batch, T) pairs. Kimi-K2.5 does not fit one GPU, so the model is cut to its dense layers
   plus one MoE layer (all 384 int4 experts) over an 8K cache, with random weights made on the
-  device; small: kimi-mini's own config over 64 slots. A row counts the bytes a step must read.
+  device; small: kimi-mini cut the same way over 64 slots. A row counts the bytes a step must read.
 - demo: the bundled kimi-mini pair under each kernels choice and dtype: the greedy outputs of each
   speculation setting (Engine.generate over GREEDY_PROMPTS) and their ms per token. In float32
   every output must equal its dtype's first row.
@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from pallas_kernels import launch
 
 from ..cache import kv_cache
-from ..config.model import ModelConfig, load_model_config, parse_model_config
+from ..config.model import ModelConfig, parse_model_config
 from ..engine import Engine
 from ..models.draft import load_draft
 from ..models.target import forward, load_target, resolve_dtype
@@ -105,12 +105,12 @@ def check_plan(parts: Sequence[str], small: bool, device: Device, interpret: boo
                greedy_tokens: int | None = None, demo_dtypes: Sequence[str] | None = None,
                demo_kernels: Sequence[str] = ("xla", "triton"), demo_specs: Sequence[str] | None = None) -> CheckPlan:
     """The plan with each setting left None at its default: on a GPU 20 step repeats, 64 greedy
-    tokens, float32 and bfloat16, every DEMO_SPECS setting; small 2 repeats, 6 tokens, float32 and
+    tokens, float32 and bfloat16, every DEMO_SPECS setting; small 2 repeats, 4 tokens, float32 and
     the first two settings. A ValueError for --step_shapes that are not batch:T."""
     return CheckPlan(parts=tuple(parts), small=small, device=device, interpret=interpret, launches=tuple(launches),
                      step_shapes=step_shapes(step_shape_texts, small),
                      step_repeats=step_repeats or (2 if small else 20),
-                     greedy_tokens=greedy_tokens or (6 if small else 64),
+                     greedy_tokens=greedy_tokens or (4 if small else 64),
                      demo_dtypes=tuple(demo_dtypes or (("float32",) if small else ("float32", "bfloat16"))),
                      demo_kernels=tuple(demo_kernels), demo_specs=tuple(demo_specs or DEMO_SPECS[:2 if small else 3]))
 
@@ -221,12 +221,12 @@ def step_bytes(params: Any, cfg: ModelConfig, batch: int, t: int, context: int) 
 
 
 def step_model(small: bool) -> tuple[ModelConfig, int, str]:
-    """The steps part's target config, its context and its name: Kimi-K2.5 cut to one MoE layer
-    over 8192 slots, or (small) kimi-mini over 64."""
-    if small:
-        return load_model_config(os.path.join(DEMO_PAIR[0], "config.json")), 64, "kimi-mini"
-    with open(KIMI_CONFIG) as f:
-        return parse_model_config(one_moe_layer(json.load(f))), 8192, os.path.basename(KIMI_CONFIG)
+    """The steps part's target config, its context and its name: Kimi-K2.5 cut to its dense layers
+    and one MoE layer over 8192 slots, or (small) kimi-mini cut the same way over 64."""
+    path, context = (os.path.join(DEMO_PAIR[0], "config.json"), 64) if small else (KIMI_CONFIG, 8192)
+    with open(path) as f:
+        cfg = parse_model_config(one_moe_layer(json.load(f)))
+    return cfg, context, "kimi-mini" if small else os.path.basename(KIMI_CONFIG)
 
 
 def step_line(row: dict) -> str:

@@ -55,7 +55,8 @@ def _uses_kernel(cfg: ModelConfig, t: int, cache: kv_cache.KVCache) -> bool:
     return (kernels.runs_kernel(cfg.kernels, f"{cfg.attention}_attention")
             and t <= KERNEL_MAX_TOKENS
             and not kernels.splits_attention(jax.sharding.get_abstract_mesh())  # no sharded form yet
-            and _kernel_walks(cfg, cache))
+            and _kernel_walks(cfg, cache)
+            and _kernel_takes(cache.read_dtype))
 
 
 def _kernel_walks(cfg: ModelConfig, cache: kv_cache.KVCache) -> bool:
@@ -71,15 +72,16 @@ def _kernel_walks(cfg: ModelConfig, cache: kv_cache.KVCache) -> bool:
     return False
 
 
-def _mla_kernel_takes(cache_dtype) -> bool:
-    """Whether the MLA prefix kernel runs at this cache dtype on the architecture traced for. On
-    AMD (gfx942, gfx950) float32 MLA (a float32 dot over the 512-wide latent, in IEEE float32)
-    spills at every launch tried (16-32 rows, 4-8 warps, 1-2 stages), so float32 MLA keeps the XLA
-    path there, with a warning; bfloat16, the serving dtype, runs the kernel everywhere."""
+def _kernel_takes(cache_dtype) -> bool:
+    """Whether the prefix kernel runs at this cache dtype on the architecture traced for. Compiled
+    for a GPU, float32 attention (IEEE float32 dots, twice the registers a row) spills at the
+    table's launches (MLA's 512-wide latent on gfx942, gfx950 and sm_90, GQA's 32-row tiles on
+    sm_90: the compile gate's figures), so float32 caches keep the XLA path on GPUs, with a
+    warning; bfloat16, the serving dtype, runs the kernel. Interpreted (a CPU host), any dtype."""
     arch = launch.ARCHS.get(launch.current_arch())
-    if arch is None or arch.vendor != "amd" or jnp.dtype(cache_dtype).itemsize < 4:
+    if arch is None or jnp.dtype(cache_dtype).itemsize < 4:
         return True
-    kernels.warn_once(f"MLA attention keeps its XLA path for {jnp.dtype(cache_dtype).name} caches on {arch.name} "
+    kernels.warn_once(f"attention keeps its XLA path for {jnp.dtype(cache_dtype).name} caches on {arch.name} "
                       "(the Triton kernel spills there); bfloat16 caches run the kernel")
     return False
 
@@ -232,7 +234,7 @@ def mla_block(p: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Array, cac
     nh, dv = cfg.num_heads, cfg.v_head_dim
     q_nope, q_pe, c_kv, k_pe = mla_project(p, cfg, x, positions)
     w_uk, w_uv = mla_up_projections(p, cfg, x.dtype)  # [r, nh, dn], [r, nh, dv]
-    if absorb and _uses_kernel(cfg, t, cache) and _mla_kernel_takes(cache.read_dtype):
+    if absorb and _uses_kernel(cfg, t, cache):
         q_lat = jnp.einsum("bthd,rhd->bthr", q_nope, w_uk, precision=PRECISION)
         prefix = cache.replace(lengths=visible.prefix)
         if visible.window_is_new:  # the window is the new tokens: use them as computed
