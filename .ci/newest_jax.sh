@@ -1,18 +1,18 @@
 #!/usr/bin/env bash
 # CI's last leg, on the newest JAX the project supports (0.12.x, which needs Python >= 3.12) and
 # the newest Python, 3.13: what a JAX version can break. The tests marked `newest_jax` (the Triton
-# compile-to-ISA tests of every kernel form on gfx942 / gfx950 / sm_90, spill detection, the Triton
-# kernels through the engine against XLA (Triton's interpreter inside jax.pure_callback), the GPU
-# check script, multi-host), then the default and heavy tests of the files whose subject is JAX's
+# compile-to-ISA tests of every kernel form on gfx942 / gfx950 / sm_90, spill detection, the
+# engine's steps traced for GPU platforms, multi-host), then the default and heavy tests of the files whose subject is JAX's
 # own API surface (COMPAT_FILES: lowering to GPU platforms, KV pages, sharding and collectives,
 # Orbax checkpoints). The behaviour suite
 # (the engine, scheduler, speculation, serving, scripts, benchmarks) runs on JAX 0.10 in the first
 # legs only: XLA:CPU of jaxlib 0.12 compiles the tests' programs about 1.6x slower (0.10 has the
 # elemental-emitter switch, conftest.py), and running that suite twice took CI past its 45 minutes;
-# the engine still runs here through the kernel, GPU-check and multi-host tests. Those marked `slow`
+# the engine still runs here through the multi-host tests. Triton's interpreter runs on torch CPU
+# tensors, so the kernels through the engine and the GPU check script run in the heavy leg. Those marked `slow`
 # (longer variants of cases that default or newest_jax tests run) are left to `python -m pytest -m
 # slow`. The local CPU torch build is for Python 3.11 only, so torch / transformers are left out and
-# the tests that compare against them skip.
+# the tests that compare against them, or interpret the kernels, skip.
 #
 # Python: a working python3.13 (else 3.12) on PATH or under pyenv, else CPython 3.13 built from
 # Debian's trixie source package (the same Debian registry as the system's, a deb-src line for

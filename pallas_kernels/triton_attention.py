@@ -212,8 +212,9 @@ def paged_prefix_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array | 
         tile = page_size  # a page a step (its slots padded to a block and masked)
     kg = 1 if scales is None else scales.k.shape[-1]
     vg = 1 if scales is None else (scales.k if shared_value else scales.v).shape[-1]
-    if num_splits <= 0:
-        num_splits = default_splits(b, h, m, block_table.shape[1], dv, itemsize, launch, form)
+    if num_splits <= 0:  # interpreted, programs run one after another: a split only adds its overhead
+        interpreting = triton_call.interpreted() if interpret is None else interpret
+        num_splits = 1 if interpreting else default_splits(b, h, m, block_table.shape[1], dv, itemsize, launch, form)
     pages_per_split = -(-block_table.shape[1] // num_splits)
     pad = ((0, 0), (0, 0), (0, rows - m), (0, 0))
     q = jnp.pad(q, pad)

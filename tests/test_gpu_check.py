@@ -23,8 +23,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 H200 = DEVICES["H200"]
 
 
-@pytest.mark.newest_jax  # CI's newest-JAX leg runs it
-def test_gpu_check_runs_small_on_cpu(tmp_path):
+def test_gpu_check_runs_small_on_cpu(tmp_path):  # heavy (conftest): minutes of Triton's interpreter
+    pytest.importorskip("torch", reason="Triton's interpreter runs on torch CPU tensors; no torch here")
     out = tmp_path / "check.json"
     r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "gpu_check.py"), "--small", f"--json_out={out}"],
                        capture_output=True, text=True, timeout=600, cwd=ROOT, env=dict(os.environ, XLA_FLAGS=""))
@@ -57,7 +57,7 @@ def test_step_shapes_parse_or_default():
 def test_the_plans_defaults_small_and_on_a_gpu():
     small = gpu_check.check_plan(["demo"], True, H200, True)
     assert (small.parts, small.step_repeats, small.greedy_tokens, small.demo_dtypes, small.demo_specs) == (
-        ("demo",), 2, 4, ("float32",), ("none", "chain:3:1:4"))
+        ("demo",), 2, 3, ("float32",), ("none", "chain:3:1:4"))
     big = gpu_check.check_plan(gpu_check.PARTS, False, H200, False)
     assert (big.step_repeats, big.greedy_tokens, big.demo_dtypes, big.demo_specs, big.step_shapes[-1]) == (
         20, 64, ("float32", "bfloat16"), gpu_check.DEMO_SPECS, (64, 4))

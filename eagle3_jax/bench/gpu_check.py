@@ -105,12 +105,12 @@ def check_plan(parts: Sequence[str], small: bool, device: Device, interpret: boo
                greedy_tokens: int | None = None, demo_dtypes: Sequence[str] | None = None,
                demo_kernels: Sequence[str] = ("xla", "triton"), demo_specs: Sequence[str] | None = None) -> CheckPlan:
     """The plan with each setting left None at its default: on a GPU 20 step repeats, 64 greedy
-    tokens, float32 and bfloat16, every DEMO_SPECS setting; small 2 repeats, 4 tokens, float32 and
+    tokens, float32 and bfloat16, every DEMO_SPECS setting; small 2 repeats, 3 tokens, float32 and
     the first two settings. A ValueError for --step_shapes that are not batch:T."""
     return CheckPlan(parts=tuple(parts), small=small, device=device, interpret=interpret, launches=tuple(launches),
                      step_shapes=step_shapes(step_shape_texts, small),
                      step_repeats=step_repeats or (2 if small else 20),
-                     greedy_tokens=greedy_tokens or (4 if small else 64),
+                     greedy_tokens=greedy_tokens or (3 if small else 64),
                      demo_dtypes=tuple(demo_dtypes or (("float32",) if small else ("float32", "bfloat16"))),
                      demo_kernels=tuple(demo_kernels), demo_specs=tuple(demo_specs or DEMO_SPECS[:2 if small else 3]))
 
