@@ -30,7 +30,7 @@ import logging
 
 import jax
 
-from pallas_kernels import launch
+from pallas_kernels import launch, triton_call
 
 OPS = ("attention", "moe")
 IMPLEMENTATIONS = ("xla", "triton")
@@ -52,10 +52,6 @@ KERNEL_MIN_EXPERT_BYTES = 1 << 20
 log = logging.getLogger("eagle3_jax")
 
 
-def _on_gpu() -> bool:
-    return jax.default_backend() in ("gpu", "cuda", "rocm")
-
-
 def _implementation(name: str) -> str:
     """`name` with an old alias read as what it names now (said once per process)."""
     if name in ALIASES:
@@ -73,9 +69,10 @@ def parse(kernels: str) -> dict[str, str]:
     choice = dict.fromkeys(OPS, "xla")
     for part in str(kernels).split(","):
         op, sep, impl = part.strip().partition("=")
-        if not sep or op not in OPS or _implementation(impl) not in CHOICES:
+        impl = _implementation(impl)
+        if not sep or op not in OPS or impl not in CHOICES:
             raise ValueError(usage)
-        choice[op] = _implementation(impl)
+        choice[op] = impl
     return choice
 
 
@@ -124,7 +121,7 @@ def resolve(kernels: str, mesh: jax.sharding.Mesh | None, on_gpu: bool | None = 
     """The canonical per-op form ("attention=xla,moe=triton") of a `kernels` choice on this host
     (`on_gpu` True and `arch`: as on that GPU, for programs planned for one on a host without it)."""
     requested = parse(kernels)
-    gpu = _on_gpu() if on_gpu is None else on_gpu
+    gpu = triton_call.on_gpu() if on_gpu is None else on_gpu
     arch = launch.current_arch() if arch is None else arch
     choice = {op: (auto_choice(op, arch) if gpu else "xla") if impl == "auto" else impl
               for op, impl in requested.items()}
