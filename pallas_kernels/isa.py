@@ -7,6 +7,21 @@ for that architecture (ttir -> ttgir -> llir -> amdgcn -> hsaco for AMD, ... -> 
 NVIDIA; both backends, the AMD linker and ptxas ship in the wheel), reading what the GPU would
 run: registers, spills, shared memory, occupancy and the matrix instructions used.
 
+The kernel is compiled as jax_triton compiles it when it launches it (`KernelSpecialization.build`
+in jax_triton/triton_lib.py, the same rule in 0.3.1 and in 0.4.0 at jax-ml/jax-triton@2e27199;
+`jax_triton_specialization` here), since the specialisation changes the code (vector widths of
+loads and stores, folded arithmetic) and so its registers and spills:
+- every array argument, inputs and outputs, is taken to be 16-byte aligned: jax_triton runs
+  Triton's `native_specialize_impl` on a stand-in whose `data_ptr()` is 16, which gives the key
+  "D", `backend.parse_attr` turns into `tt.divisibility = 16` on the pointer;
+- a scalar argument equal to 1 (`value == 1`, so also True and 1.0) becomes the constexpr 1 and is
+  not passed;
+- no other scalar gets an attribute: jax_triton specialises them with `data_ptr()` 0 and alignment
+  off, so a scalar divisible by 16 gets no `tt.divisibility` (Triton's own launcher would give it
+  one; jax_triton does not), and scalar types are as `triton_call` records them.
+A bare `triton.compile(ASTSource(fn, signature, constexprs))` assumes none of this (no alignment
+known): the code it reads is not what a GPU runs.
+
 `check` turns a report into the compile gate's verdict: a compile error, any spill (scratch,
 VGPR or SGPR spills, AGPRs in use: on gfx942 / gfx950 a kernel past the 256 arch VGPRs copies
 into AGPRs, a spill in all but name that also drops it to one wave per SIMD; ptxas spill stores
@@ -20,6 +35,7 @@ import os
 import re
 import subprocess
 import tempfile
+import types
 from typing import Any
 
 from pallas_kernels import launch as launch_table
@@ -118,9 +134,40 @@ def _nvidia_report(report: CompileReport, ptx: str, arch: launch_table.Arch) -> 
     report.occupancy = _nvidia_occupancy(report.registers or 0, report.shared_bytes or 0, report.num_warps, arch)
 
 
+def folded_scalars(launch) -> tuple[str, ...]:
+    """The scalar parameters of a captured launch jax_triton folds into the kernel as the constexpr
+    1 (those whose value == 1)."""
+    return tuple(name for name, value in launch.scalars if value == 1)
+
+
+def jax_triton_specialization(launch, arch: str) -> tuple[dict[str, str], dict[str, Any], dict[tuple[int, ...], Any]]:
+    """The signature, constexprs and argument attributes jax_triton compiles the captured `launch`
+    with on `arch` (the module docstring's rule, computed as jax_triton computes it: Triton's
+    `native_specialize_impl` and the backend's `parse_attr`)."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.compiler import make_backend
+
+    backend = make_backend(_gpu_target(launch_table.ARCHS[arch]))
+    signature, constexprs = dict(launch.signature), dict(launch.constexprs)
+    attrs: dict[tuple[int, ...], Any] = {}
+    # keyed by the parameter's index: jax_triton's is among the non-constexpr parameters, the same
+    # one here, as triton_call's kernels take their constexprs last
+    for index, (name, kind) in enumerate(launch.signature):
+        if kind == "constexpr":
+            continue
+        alignment = 16 if kind.startswith("*") else 0
+        stand_in = types.SimpleNamespace(data_ptr=lambda a=alignment: a, dtype=kind.removeprefix("*"))
+        _, key = native_specialize_impl(backend, stand_in, False, True, alignment > 0)
+        attrs[(index,)] = backend.parse_attr(key)
+    for name in folded_scalars(launch):
+        signature[name], constexprs[name] = "constexpr", 1
+    return signature, constexprs, attrs
+
+
 def compile_launch(launch, arch: str) -> CompileReport:
     """Compile one captured `triton.jit` launch (`triton_call.JitLaunch`) for `arch` with the
-    `triton` package, from its source; a failure is reported, not raised."""
+    `triton` package, from its source, specialised as jax_triton specialises it
+    (`jax_triton_specialization`); a failure is reported, not raised."""
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     import triton
     from triton.compiler import ASTSource
@@ -128,7 +175,8 @@ def compile_launch(launch, arch: str) -> CompileReport:
     target = launch_table.ARCHS[arch]
     report = CompileReport(launch.name, arch, launch.num_warps, launch.num_stages)
     try:
-        source = ASTSource(fn=launch.kernel, signature=dict(launch.signature), constexprs=dict(launch.constexprs))
+        signature, constexprs, attrs = jax_triton_specialization(launch, arch)
+        source = ASTSource(fn=launch.kernel, signature=signature, constexprs=constexprs, attrs=attrs)
         compiled = triton.compile(source, target=_gpu_target(target),
                                   options=dict(num_warps=launch.num_warps, num_stages=launch.num_stages))
     except Exception as e:  # noqa: BLE001  (the compiler's own message is the finding)

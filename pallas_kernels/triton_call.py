@@ -53,7 +53,9 @@ def strides(x) -> tuple[int, ...]:
 @dataclasses.dataclass(frozen=True)
 class JitLaunch:
     """One launch of a `triton.jit` kernel as `call` saw it, for compiling it on any host (isa.py):
-    its Triton signature ({parameter: type}) and constexprs, launch parameters and grid."""
+    its Triton signature ({parameter: type}) and constexprs, launch parameters and grid, and the
+    values of its scalar arguments ({parameter: value}; jax_triton bakes them into the kernel it
+    compiles and specialises on them: `isa.jax_triton_specialization`)."""
 
     kernel: Any
     name: str
@@ -62,6 +64,7 @@ class JitLaunch:
     num_warps: int
     num_stages: int
     grid: tuple[int, ...]
+    scalars: tuple[tuple[str, Any], ...] = ()
 
 
 _CAPTURES: list[list[JitLaunch]] = []
@@ -113,9 +116,10 @@ def call(kernel, out_shapes: Sequence[jax.ShapeDtypeStruct], *args: Any, grid: t
     first_scalar = next((i for i, a in enumerate(args) if isinstance(a, (bool, int, float, np.number))), len(args))
     arrays, scalars = args[:first_scalar], args[first_scalar:]
     if _CAPTURES:
-        _CAPTURES[-1].append(JitLaunch(kernel, name or kernel.__name__,
-                                       _signature(kernel, arrays, scalars, out_shapes, constexprs),
-                                       tuple(constexprs.items()), num_warps, num_stages, tuple(grid)))
+        signature = _signature(kernel, arrays, scalars, out_shapes, constexprs)
+        scalar_names = [n for n, _ in signature[len(arrays):len(arrays) + len(scalars)]]
+        _CAPTURES[-1].append(JitLaunch(kernel, name or kernel.__name__, signature, tuple(constexprs.items()),
+                                       num_warps, num_stages, tuple(grid), tuple(zip(scalar_names, scalars))))
         return [jnp.zeros(s.shape, s.dtype) for s in out_shapes]
     if launch.is_shape_only() or (deviceless and not interpret):
         return list(launch.stand_in(list(out_shapes), arrays))

@@ -93,6 +93,47 @@ def test_compile_errors_and_oversized_shared_memory_fail_the_gate():
     assert any("shared memory" in p for p in isa.check(too_big))
 
 
+@triton.jit
+def _strided_copy(x_ptr, n, stride, o_ptr, BLOCK: tl.constexpr):
+    i = tl.arange(0, BLOCK)
+    tl.store(o_ptr + i * stride, tl.load(x_ptr + i * stride, mask=i < n, other=0.0), mask=i < n)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_launches_compile_as_jax_triton_specialises_them(arch, monkeypatch):
+    """compile_launch compiles what jax_triton would (isa's docstring): every array argument, input
+    or output, 16-byte aligned (tt.divisibility 16), a scalar equal to 1 folded as the constexpr 1,
+    no attribute on other scalars, even multiples of 16. The source it hands Triton is read, not
+    compiled."""
+    sds = jax.ShapeDtypeStruct
+
+    def copy(x, stride):
+        return triton_call.call(_strided_copy, [sds((64,), jnp.float32)], x, 32, stride, grid=(1,), num_warps=4,
+                                num_stages=1, BLOCK=64)[0]
+
+    [unit] = captured(lambda x: copy(x, 1), (sds((64,), jnp.float32),), arch)
+    [wide] = captured(lambda x: copy(x, 2), (sds((64,), jnp.float32),), arch)
+    assert unit.scalars == (("n", 32), ("stride", 1)) and wide.scalars == (("n", 32), ("stride", 2))
+    sources = []
+
+    def compile_(source, **_):
+        sources.append(source)
+        raise RuntimeError("read, not compiled")
+
+    monkeypatch.setattr(triton, "compile", compile_)
+    for one in (unit, wide):
+        assert isa.compile_launch(one, arch).error == "RuntimeError: read, not compiled"
+    folded, kept = sources
+    aligned = [["tt.divisibility", 16]]
+    assert folded.attrs[(0,)] == folded.attrs[(3,)] == aligned and folded.attrs[(1,)] == []  # x, out; n = 32
+    assert folded.signature["stride"] == "constexpr" and folded.constants[(2,)] == 1
+    assert kept.signature["stride"] == "i32" and (2,) not in kept.constants and kept.attrs[(2,)] == []
+    assert kept.constants[(4,)] == folded.constants[(4,)] == 64  # BLOCK
+    # the gate compiles the two apart (the code differs), and a second stride > 1 with the first
+    assert gate._launch_key(unit) != gate._launch_key(wide)
+    assert gate._launch_key(wide) == gate._launch_key(dataclasses.replace(wide, scalars=(("n", 32), ("stride", 3))))
+
+
 def test_launch_table_covers_every_form_and_architecture():
     for form in launch.FORMS:
         for arch in (*launch.ARCHS, launch.DEFAULT):

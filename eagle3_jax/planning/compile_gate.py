@@ -278,7 +278,12 @@ def run_gate(items, archs, progress: Callable[[str], None] = lambda _: None) -> 
 
 
 def _launch_key(captured: triton_call.JitLaunch) -> tuple:
-    return (captured.name, captured.signature, captured.constexprs, captured.num_warps, captured.num_stages)
+    """What the compiled code depends on: scalars' values only through which of them jax_triton
+    folds as the constant 1 (`isa.folded_scalars`)."""
+    from pallas_kernels import isa
+
+    return (captured.name, captured.signature, captured.constexprs, captured.num_warps, captured.num_stages,
+            isa.folded_scalars(captured))
 
 
 def _gate_arch(items, arch: str, progress: Callable[[str], None]) -> list[GateRow]:
