@@ -154,6 +154,55 @@ def test_kernel_choice_is_checked(caplog, measured_on_sm_90):
     assert "'pallas' is read as 'triton'" in caplog.text
 
 
+@pytest.fixture
+def uninstalled(monkeypatch):
+    """`uninstalled(*modules)`: the kernels' package check (kernels.installed) reports them missing."""
+    from eagle3_jax.runtime import kernels as kernels_lib
+
+    def missing(*modules):
+        monkeypatch.setattr(kernels_lib, "installed", lambda module: module not in modules)
+
+    return missing
+
+
+def test_kernels_without_their_packages_are_one_clear_error_on_load(uninstalled, monkeypatch, caplog, measured_on_sm_90):
+    """kernels="triton" where what runs the kernels is not installed: one MissingExtraError from
+    resolve (on load) naming the missing packages and the extra, not a ModuleNotFoundError from
+    inside the first step. On a CPU host Triton's interpreter needs triton and torch (the test
+    extra); on a GPU jax_triton (the rocm / cuda extra of the GPU's platform); tracing for a GPU
+    this host lacks (the memory planner) only triton. "auto" keeps XLA instead."""
+    from eagle3_jax.runtime import kernels as kernels_lib
+    from eagle3_jax.runtime.extras import MissingExtraError
+    from eagle3_jax.runtime.kernels import resolve, warn_once
+    from eagle3_jax.runtime.sharding import make_mesh
+
+    uninstalled("torch")
+    with pytest.raises(MissingExtraError, match=r"^kernels='triton': running the Triton kernels on a CPU host \(in "
+                       r"Triton's interpreter\) needs torch, which is not installed: pip install 'eagle3-jax\[test\]'$"):
+        resolve("triton", None)
+    uninstalled("triton", "torch")
+    with pytest.raises(MissingExtraError, match=r"needs triton and torch, which are not installed: .*\[test\]"):
+        resolve("moe=triton", make_mesh(1, 2, 4))
+    assert resolve("xla", None) == "attention=xla,moe=xla"  # nothing to check
+    uninstalled("torch", "jax_triton")  # planning for a GPU: the kernels are traced here, not run
+    assert resolve("triton", None, on_gpu=True, arch="gfx942") == "attention=triton,moe=triton"
+    uninstalled("triton")
+    with pytest.raises(MissingExtraError, match=r"tracing the Triton kernels for gfx942 needs triton"):
+        resolve("triton", None, on_gpu=True, arch="gfx942")
+    uninstalled("jax_triton")  # on this host's GPU
+    monkeypatch.setattr(kernels_lib.triton_call, "on_gpu", lambda backend=None: True)
+    for arch, extra in (("gfx942", "rocm"), ("sm_90", "cuda")):
+        with pytest.raises(MissingExtraError, match=rf"on a GPU \(through jax_triton\) needs jax_triton, which is not "
+                           rf"installed: pip install 'eagle3-jax\[{extra}\]'$"):
+            resolve("attention=triton", None, arch=arch)
+    warn_once.cache_clear()
+    with caplog.at_level("WARNING"):  # "auto" where a run measured the kernels: XLA without jax_triton
+        assert resolve("auto", None, arch="sm_90") == "attention=xla,moe=xla"
+    assert "'auto' keeps XLA" in caplog.text and "jax_triton" in caplog.text
+    uninstalled()
+    assert resolve("auto", None, arch="sm_90") == "attention=auto,moe=auto"
+
+
 def test_auto_runs_the_expert_kernels_where_they_were_measured_faster(measured_on_sm_90):
     """kernels.moe_kernel_pays, the H200's crossovers: small experts never (kimi-mini's 74 KB ran
     0.2-0.4x), int4 always (1.5x at one token), other experts once a step routes one assignment

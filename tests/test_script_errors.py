@@ -184,6 +184,19 @@ def test_user_errors_are_one_line_and_bugs_propagate():
     assert call(lambda argv: None) == (None, "")
 
 
+def test_kernels_without_their_packages_are_one_line(monkeypatch):
+    """--kernels=triton where Triton's interpreter is not installed (simulated): the load fails
+    with one line naming what is missing and the extra, before any weights are read."""
+    import eagle3_jax as e3
+    from eagle3_jax.runtime import kernels as kernels_lib
+
+    monkeypatch.setattr(kernels_lib, "installed", lambda module: module != "triton")
+    code, err = call(lambda argv: e3.load_target(os.path.join(ROOT, STORIES), kernels="triton"))
+    assert code == 2 and err.count("\n") == 1, err
+    assert ("error: kernels='triton': running the Triton kernels on a CPU host (in Triton's interpreter) needs "
+            "triton, which is not installed: pip install 'eagle3-jax[test]'") in err
+
+
 def test_usage_errors_turns_value_errors_of_user_input_into_usage_errors():
     from absl import app
 

@@ -17,7 +17,11 @@ a GPU a run has measured) decides per traced layer: attention by its form (MLA o
   warning naming the weight.
 
 The kernels launch through jax_triton on a GPU and run in Triton's interpreter on a CPU host (far
-slower than XLA there: for tests). "auto" = per op, the path measured fastest on the GPU it runs
+slower than XLA there: for tests). Either needs packages the engine does not: `jax_triton` on a GPU
+(the `rocm` / `cuda` extras), `triton` and `torch` on a CPU host (the `test` extra), `triton` to
+trace for a GPU this host does not have (the memory planner). `resolve` checks them on load: a
+kernel asked for by name without them is one `MissingExtraError` naming what is missing and the
+extra; "auto" keeps XLA instead. "auto" = per op, the path measured fastest on the GPU it runs
 on (`AUTO_KERNEL`, `AUTO_BY_SHAPE`): the kernel where a run on that architecture showed it equal to
 XLA and not slower at the shapes the engine runs, XLA elsewhere, on CPU, and on GPUs no run has
 measured. No GPU has timed these kernels yet, so today "auto" is XLA everywhere.
@@ -26,11 +30,14 @@ measured. No GPU has timed these kernels yet, so today "auto" is XLA everywhere.
 from __future__ import annotations
 
 import functools
+import importlib.util
 import logging
 
 import jax
 
 from pallas_kernels import launch, triton_call
+
+from .extras import MissingExtraError
 
 OPS = ("attention", "moe")
 IMPLEMENTATIONS = ("xla", "triton")
@@ -117,9 +124,43 @@ def moe_kernel_pays(assignments: int, experts: int, expert_bytes: int, int4: boo
     return int4 or assignments >= experts
 
 
+def installed(module: str) -> bool:
+    """Whether `module` is installed (found, not imported: importing torch takes seconds)."""
+    return importlib.util.find_spec(module) is not None
+
+
+def kernel_requirements(launched_here: bool, gpu: bool, arch: str) -> tuple[tuple[str, ...], str, str]:
+    """(modules, extra, what needs them) for the Triton kernels: launched on this host's GPU
+    (`jax_triton`, the `rocm` or `cuda` extra by `arch`'s platform), interpreted on this CPU host
+    (`triton` and `torch`, the `test` extra), or only traced for a GPU this host does not have
+    (`triton`)."""
+    if not launched_here:
+        return ("triton",), "test", f"tracing the Triton kernels for {arch}"
+    if not gpu:
+        return ("triton", "torch"), "test", "running the Triton kernels on a CPU host (in Triton's interpreter)"
+    platform = launch.ARCHS[arch].platform if arch in launch.ARCHS else "cuda' or 'eagle3-jax[rocm]"
+    return ("triton", "jax_triton"), platform, "running the Triton kernels on a GPU (through jax_triton)"
+
+
+def missing_kernel_modules(launched_here: bool, gpu: bool, arch: str) -> MissingExtraError | None:
+    """What running the Triton kernels here lacks (`kernel_requirements`), as the error that says
+    so; None when nothing is missing."""
+    modules, extra, purpose = kernel_requirements(launched_here, gpu, arch)
+    missing = [m for m in modules if not installed(m)]
+    if not missing:
+        return None
+    names = " and ".join(missing)
+    return MissingExtraError(f"{purpose} needs {names}, which "
+                             f"{'is' if len(missing) == 1 else 'are'} not installed: pip install 'eagle3-jax[{extra}]'")
+
+
 def resolve(kernels: str, mesh: jax.sharding.Mesh | None, on_gpu: bool | None = None, arch: str | None = None) -> str:
     """The canonical per-op form ("attention=xla,moe=triton") of a `kernels` choice on this host
-    (`on_gpu` True and `arch`: as on that GPU, for programs planned for one on a host without it)."""
+    (`on_gpu` True and `arch`: as on that GPU, for programs planned for one on a host without it).
+
+    A kernel the choice runs needs its packages (`kernel_requirements`): where one is missing, a
+    kernel asked for by name raises `MissingExtraError` (the one line a script prints), and "auto"
+    keeps XLA, said once."""
     requested = parse(kernels)
     gpu = triton_call.on_gpu() if on_gpu is None else on_gpu
     arch = launch.current_arch() if arch is None else arch
@@ -130,6 +171,14 @@ def resolve(kernels: str, mesh: jax.sharding.Mesh | None, on_gpu: bool | None = 
             log.warning("attention keeps its XLA path on mesh %s (the attention kernel does not split the "
                         "batch or the heads yet); the MoE kernels still run in every shard", dict(mesh.shape))
         choice["attention"] = "xla"
+    if any(impl != "xla" for impl in choice.values()):
+        # on_gpu=True names a GPU the programs are planned for: traced here, launched there
+        missing = missing_kernel_modules(launched_here=not on_gpu, gpu=gpu, arch=arch)
+        if missing is not None:
+            if "triton" in choice.values():
+                raise MissingExtraError(f"kernels={kernels!r}: {missing}")
+            warn_once(f"kernels: 'auto' keeps XLA: {missing}")
+            choice = dict.fromkeys(OPS, "xla")
     return ",".join(f"{op}={choice[op]}" for op in OPS)
 
 
