@@ -111,15 +111,16 @@ def paged_prefix_attention_reference(q, k_pool, v_pool, layer, block_table, leng
         k2_pool = None if k2_pool is None else dequantized_pool(k2_pool, scales.k2, scales.fnuz)
 
     def gather(pool):
-        pages = pool[layer][block_table]  # [B, P, ps, H, D]
+        pages = pool[layer][jnp.maximum(block_table, 0)]  # [B, P, ps, H, D]
         return pages.reshape((pages.shape[0], -1) + pages.shape[3:])
 
     keys = gather(k_pool)
+    held = jnp.repeat(block_table >= 0, k_pool.shape[2], axis=1)  # [B, S]: -1 entries are another device's pages
     scores = jnp.einsum("bhmd,bshd->bhms", q, keys, precision=PRECISION, preferred_element_type=jnp.float32)
     if q2 is not None:
         scores = scores + jnp.einsum("bhmd,bshd->bhms", q2, gather(k2_pool), precision=PRECISION,
                                      preferred_element_type=jnp.float32)
-    visible = jnp.arange(keys.shape[1])[None, :] < lengths[:, None]  # [B, S]
+    visible = (jnp.arange(keys.shape[1])[None, :] < lengths[:, None]) & held  # [B, S]
     scores = jnp.where(visible[:, None, None, :], scores * scale, -jnp.inf)
     lse = jax.nn.logsumexp(scores, axis=-1)
     probs = jnp.where(visible[:, None, None, :], jnp.exp(scores - jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None]), 0.0)

@@ -116,10 +116,12 @@ def paged_prefix_attention_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([VG, BLOCK_M, VW_P], tl.float32)
     step = tl.arange(0, TILE_P)
-    real = step < TILE  # the step's real slots
     for j in range(first, last):
         page = tl.load(table_ptr + b * table_stride + j // tiles_per_page)
         slots = (j % tiles_per_page) * TILE + step
+        # the step's real slots, on a page this device holds (compared as a block: Triton's
+        # interpreter cannot mask by a block and-ed with a scalar condition)
+        real = (step < TILE) & (tl.full([TILE_P], 0, tl.int32) <= page)
         key_at, key_lanes = _grouped(k_ptr + layer * k_l + page * k_p + h * k_h, k_s, slots, KG, KW, KW_P)
         keys = tl.load(key_at, mask=key_lanes & real[None, :, None], other=0)  # [KG, TILE_P, KW_P]
         if FP8:
@@ -187,11 +189,11 @@ def paged_prefix_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array | 
 
     q: [B, H, M, D] (H KV heads, M query rows each); q2 [B, H, M, D2] with k2_pool: a second
     score term (MLA's rope part). Pools [L, pages, page_size, H, D]; `v_pool` None = the values are
-    `k_pool` (MLA's latent). block_table [B, P] int32, lengths [B] int32 (slots visible per row),
-    `layer` the pool layer. `num_splits` 0 picks them (`attention.default_splits`). `launch` (block
-    rows, slots a step, num_warps, num_stages) defaults to the launch table's entry for this form
-    ("mla_attention" when the values are the keys, else "gqa_attention"; "..._fp8" over FP8 pages)
-    on the architecture traced for. `scales`: the pools hold float8 bits (uint8) with these scales
+    `k_pool` (MLA's latent). block_table [B, P] int32 (-1: a page another device holds, never
+    read), lengths [B] int32 (slots visible per row), `layer` the pool layer. `num_splits` 0 picks
+    them (`attention.default_splits`). `launch` (block rows, slots a step, num_warps, num_stages)
+    defaults to the launch table's entry for this form ("mla_attention" when the values are the
+    keys, else "gqa_attention"; "..._fp8" over FP8 pages) on the architecture traced for. `scales`: the pools hold float8 bits (uint8) with these scales
     [L, pages, page_size, H, groups] (see `attention.Fp8Scales`). `interpret` None: through
     jax_triton on a GPU, Triton's interpreter elsewhere. Returns out [B, H, M, Dv] float32
     (softmax-normalised over the prefix) and lse [B, H, M] float32 (-inf where a row's prefix is

@@ -203,7 +203,7 @@ def test_float32_attention_keeps_xla_on_gpus(caplog):
     """float32 attention spills in the Triton kernel (MLA on every architecture, GQA on sm_90): the
     engine keeps the XLA path there and says so; bfloat16 runs the kernel, and interpreted (a CPU
     host) any dtype does."""
-    from eagle3_jax.models.attention import _kernel_takes
+    from eagle3_jax.models.kernel_attention import kernel_takes as _kernel_takes
     from eagle3_jax.runtime.kernels import warn_once
 
     warn_once.cache_clear()  # said once per process: this test's lines, whatever ran before

@@ -113,22 +113,20 @@ def test_auto_is_xla_until_a_gpu_has_timed_the_kernels():
     from eagle3_jax.runtime.kernels import resolve
 
     for arch in ("sm_90", "gfx942", "gfx950", "default"):
-        assert resolve("auto", None, on_gpu=True, arch=arch) == "attention=xla,moe=xla"
-    assert resolve("auto", None) == "attention=xla,moe=xla"  # CPU
+        assert resolve("auto", on_gpu=True, arch=arch) == "attention=xla,moe=xla"
+    assert resolve("auto") == "attention=xla,moe=xla"  # CPU
 
 
 def test_kernel_choice_is_checked(caplog, measured_on_sm_90):
     from eagle3_jax.runtime.kernels import resolve, runs_kernel, uses, warn_once
-    from eagle3_jax.runtime.sharding import make_mesh
 
-    assert resolve("auto", None) == "attention=xla,moe=xla"  # CPU
+    assert resolve("auto") == "attention=xla,moe=xla"  # CPU
     # on a GPU, per op as measured there (kernels.AUTO_KERNEL / AUTO_BY_SHAPE): sm_90 decides each
     # layer (attention by its form, the MoE by the step's shapes); GPUs no run has measured keep XLA
-    assert resolve("auto", None, on_gpu=True, arch="sm_90") == "attention=auto,moe=auto"
+    assert resolve("auto", on_gpu=True, arch="sm_90") == "attention=auto,moe=auto"
     for arch in ("gfx942", "gfx950", "default"):
-        assert resolve("auto", None, on_gpu=True, arch=arch) == "attention=xla,moe=xla"
-    assert resolve("attention=xla,moe=auto", None, on_gpu=True, arch="sm_90") == "attention=xla,moe=auto"
-    assert resolve("auto", make_mesh(1, 2, 4), on_gpu=True, arch="sm_90") == "attention=xla,moe=auto"
+        assert resolve("auto", on_gpu=True, arch=arch) == "attention=xla,moe=xla"
+    assert resolve("attention=xla,moe=auto", on_gpu=True, arch="sm_90") == "attention=xla,moe=auto"
     with launch.for_arch("sm_90"):  # both attention kernels were measured faster there
         assert runs_kernel("attention=auto,moe=auto", "mla_attention")
         assert runs_kernel("attention=auto,moe=auto", "gqa_attention")
@@ -136,21 +134,17 @@ def test_kernel_choice_is_checked(caplog, measured_on_sm_90):
         assert runs_kernel("attention=triton,moe=xla", "gqa_attention")
     with launch.for_arch("gfx942"):
         assert not runs_kernel("attention=auto,moe=auto", "mla_attention")
-    assert resolve("triton", None) == "attention=triton,moe=triton"
-    assert resolve("moe=triton", None) == "attention=xla,moe=triton"
+    assert resolve("triton") == "attention=triton,moe=triton"
+    assert resolve("moe=triton") == "attention=xla,moe=triton"
     assert uses("attention=xla,moe=triton", "moe") and not uses("attention=auto,moe=auto", "moe")
-    with caplog.at_level("WARNING"):
-        assert resolve("triton", make_mesh(1, 2, 4)) == "attention=xla,moe=triton"
-    assert "attention keeps its XLA path" in caplog.text
-    assert resolve("triton", make_mesh(1, 1, 8)) == "attention=triton,moe=triton"  # expert-only: attention replicated
     for bad in ("pallas_triton", "attention=cuda", "mlp=triton", "attention"):
         with pytest.raises(ValueError, match="one of xla, triton, auto"):
-            resolve(bad, None)
+            resolve(bad)
     # the kernels' old name is read as the new one, and said
     warn_once.cache_clear()
     with caplog.at_level("WARNING"):
-        assert resolve("pallas", None) == resolve("triton", None)
-        assert resolve("attention=pallas,moe=xla", None) == "attention=triton,moe=xla"
+        assert resolve("pallas") == resolve("triton")
+        assert resolve("attention=pallas,moe=xla") == "attention=triton,moe=xla"
     assert "'pallas' is read as 'triton'" in caplog.text
 
 
@@ -174,33 +168,32 @@ def test_kernels_without_their_packages_are_one_clear_error_on_load(uninstalled,
     from eagle3_jax.runtime import kernels as kernels_lib
     from eagle3_jax.runtime.extras import MissingExtraError
     from eagle3_jax.runtime.kernels import resolve, warn_once
-    from eagle3_jax.runtime.sharding import make_mesh
 
     uninstalled("torch")
     with pytest.raises(MissingExtraError, match=r"^kernels='triton': running the Triton kernels on a CPU host \(in "
                        r"Triton's interpreter\) needs torch, which is not installed: pip install 'eagle3-jax\[test\]'$"):
-        resolve("triton", None)
+        resolve("triton")
     uninstalled("triton", "torch")
     with pytest.raises(MissingExtraError, match=r"needs triton and torch, which are not installed: .*\[test\]"):
-        resolve("moe=triton", make_mesh(1, 2, 4))
-    assert resolve("xla", None) == "attention=xla,moe=xla"  # nothing to check
+        resolve("moe=triton")
+    assert resolve("xla") == "attention=xla,moe=xla"  # nothing to check
     uninstalled("torch", "jax_triton")  # planning for a GPU: the kernels are traced here, not run
-    assert resolve("triton", None, on_gpu=True, arch="gfx942") == "attention=triton,moe=triton"
+    assert resolve("triton", on_gpu=True, arch="gfx942") == "attention=triton,moe=triton"
     uninstalled("triton")
     with pytest.raises(MissingExtraError, match=r"tracing the Triton kernels for gfx942 needs triton"):
-        resolve("triton", None, on_gpu=True, arch="gfx942")
+        resolve("triton", on_gpu=True, arch="gfx942")
     uninstalled("jax_triton")  # on this host's GPU
     monkeypatch.setattr(kernels_lib.triton_call, "on_gpu", lambda backend=None: True)
     for arch, extra in (("gfx942", "rocm"), ("sm_90", "cuda")):
         with pytest.raises(MissingExtraError, match=rf"on a GPU \(through jax_triton\) needs jax_triton, which is not "
                            rf"installed: pip install 'eagle3-jax\[{extra}\]'$"):
-            resolve("attention=triton", None, arch=arch)
+            resolve("attention=triton", arch=arch)
     warn_once.cache_clear()
     with caplog.at_level("WARNING"):  # "auto" where a run measured the kernels: XLA without jax_triton
-        assert resolve("auto", None, arch="sm_90") == "attention=xla,moe=xla"
+        assert resolve("auto", arch="sm_90") == "attention=xla,moe=xla"
     assert "'auto' keeps XLA" in caplog.text and "jax_triton" in caplog.text
     uninstalled()
-    assert resolve("auto", None, arch="sm_90") == "attention=auto,moe=auto"
+    assert resolve("auto", arch="sm_90") == "attention=auto,moe=auto"
 
 
 def test_auto_runs_the_expert_kernels_where_they_were_measured_faster(measured_on_sm_90):

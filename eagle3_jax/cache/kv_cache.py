@@ -336,10 +336,38 @@ def write(cache: KVCache, layer: jax.Array, k_new: jax.Array, v_new: jax.Array) 
 def read_slots(cache: KVCache, layer: jax.Array, slots: jax.Array) -> tuple[jax.Array, jax.Array]:
     """k, v [B, W, ...] of the logical slots [B, W] of each row at `layer` (slots past a row's end: 0)."""
     if _split(cache):
-        return on_data_shards(read_slots, cache, (layer, slots), (_WHOLE, _ROWS), (_ROWS, _ROWS), writes=False)
+        spread = jnp.zeros(cache.batch, bool) if cache.spread is None else cache.spread
+        return on_data_shards(_read_slots_on_shard, cache, (layer, slots, spread), (_WHOLE, _ROWS, _ROWS),
+                              (_ROWS, _ROWS), writes=False, held=True)
     idx = (layer,) + _slot_index(cache, slots)
     dt = cache.read_dtype
     return (_load(cache.k, idx, dt, mode="fill", fill_value=0), _load(cache.v, idx, dt, mode="fill", fill_value=0))
+
+
+def _held_slots(cache: KVCache, held: jax.Array, slots: jax.Array) -> jax.Array:
+    """Inside `on_data_shards`: which of the logical `slots` [B, W] lie on pages this shard holds."""
+    column = slots // cache.page_size
+    width = cache.block_table.shape[1]
+    return jnp.take_along_axis(held, jnp.clip(column, 0, width - 1), axis=1) & (column < width)
+
+
+def _read_slots_on_shard(cache: KVCache, held: jax.Array, layer: jax.Array, slots: jax.Array, spread: jax.Array):
+    """`read_slots` on one data shard: a spread row's slot on a page another shard holds is read
+    from there (`spread.gathered`, on the bits)."""
+    idx = (layer,) + _slot_index(cache, slots)
+    slot_held = _held_slots(cache, held, slots)
+
+    def take(buf):
+        bits = _bits(buf).at[idx].get(mode="fill", fill_value=0)[None]  # [1, B, W, ...]: gathered's layout
+        bits = jax.lax.cond(jnp.any(spread), lambda v: spreading.gathered(v, slot_held, spread, DATA_AXIS),
+                            lambda v: v, bits)
+        return jax.lax.bitcast_convert_type(bits[0], buf.dtype)
+
+    def load(buf):
+        out = _map(take, buf)
+        return dequantize(out, cache.read_dtype) if isinstance(out, Fp8Slots) else out
+
+    return load(cache.k), load(cache.v)
 
 
 def read(cache: KVCache, layer: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -389,9 +417,7 @@ def _move_on_shard(cache: KVCache, held: jax.Array, src: jax.Array, dst: jax.Arr
     page another shard holds, so its value comes from there (`spread.gathered`); a destination on
     another shard's page is dropped here and written there."""
     src_idx, dst_idx = _slot_index(cache, src), _slot_index(cache, dst)
-    column = src // cache.page_size
-    width = cache.block_table.shape[1]
-    src_held = jnp.take_along_axis(held, jnp.clip(column, 0, width - 1), axis=1) & (column < width)
+    src_held = _held_slots(cache, held, src)
 
     def copy(buf):
         every_layer = (slice(None),)

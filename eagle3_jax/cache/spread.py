@@ -46,21 +46,26 @@ def _rows(mask: jax.Array, ndim: int) -> jax.Array:
     return mask.reshape(mask.shape + (1,) * (ndim - 1))
 
 
-def merge_partials(out: jax.Array, lse: jax.Array, spread: jax.Array, shards: int) -> jax.Array:
+def merge_partials(out: jax.Array, lse: jax.Array, spread: jax.Array, shards: int) -> tuple[jax.Array, jax.Array]:
     """Attention partials out [B, ..., D] (normalised over the slots a shard holds) and lse
-    [B, ...] -> out with each spread row's replicas replaced by the softmax over all its slots
-    (the same value on every shard); other rows as they are. Skipped (no collective) when the
+    [B, ...] (finite: a shard that holds none of a row's visible slots gives ~-1e30) -> (out, lse)
+    with each spread row's replicas replaced by the softmax over all its slots and its log-sum-exp
+    (the same values on every shard); other rows as they are. Skipped (no collective) when the
     batch has no spread row."""
 
-    def merge(out):
+    def merge(parts):
+        out, lse = parts
         o, l = _parts(out.astype(jnp.float32), shards), _parts(lse, shards)
         top = l.max(axis=0)
         weight = jnp.exp(l - top)  # a shard that holds none of a row's visible slots: lse ~ -1e30, weight 0
-        merged = (weight[..., None] * o).sum(axis=0) / weight.sum(axis=0)[..., None]
+        total = weight.sum(axis=0)
+        merged = (weight[..., None] * o).sum(axis=0) / total[..., None]
         whole = jnp.broadcast_to(merged[None], o.shape).reshape(out.shape).astype(out.dtype)
-        return jnp.where(_rows(spread, out.ndim), whole, out)
+        whole_lse = jnp.broadcast_to((top + jnp.log(total))[None], l.shape).reshape(lse.shape)
+        return (jnp.where(_rows(spread, out.ndim), whole, out),
+                jnp.where(_rows(spread, lse.ndim), whole_lse, lse).astype(lse.dtype))
 
-    return jax.lax.cond(jnp.any(spread), merge, lambda out: out, out)
+    return jax.lax.cond(jnp.any(spread), merge, lambda parts: parts, (out, lse))
 
 
 def agree(x: jax.Array, spread: jax.Array | None, shards: int) -> jax.Array:

@@ -60,7 +60,7 @@ def attend(cache: kv_cache.KVCache, layer: jax.Array, visible: kv_cache.Visible,
     size = block_slots(cache, t, heads)
     if cache.spread is not None:  # rows spread over the data shards: each shard's part, merged
         out, lse = attend_partial(cache, layer, visible, scores_of, mix, min(size, cache.max_len))
-        return spread.merge_partials(out, lse, cache.spread, cache.data_shards)
+        return spread.merge_partials(out, lse, cache.spread, cache.data_shards)[0]
     if size >= cache.max_len:
         k, v = kv_cache.read(cache, layer)
         scores = scores_of(k, v)

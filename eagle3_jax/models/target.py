@@ -249,7 +249,7 @@ def load_target(path: str | os.PathLike, dtype="bfloat16", mesh: jax.sharding.Me
     cfg = load_model_config(path)
     if cfg.quant is not None and is_orbax_dir(path) and not keeps_quantized(path):
         dequantize = True  # converted with dequantization: the folder holds float weights only
-    cfg = dataclasses.replace(with_quant_options(cfg, dequantize, w4a8, fp8_format), kernels=kernels_lib.resolve(kernels, mesh),
+    cfg = dataclasses.replace(with_quant_options(cfg, dequantize, w4a8, fp8_format), kernels=kernels_lib.resolve(kernels),
                               batch_invariant=bool(batch_invariant))
     if aux_layer_ids is not None:
         cfg = cfg.with_aux_layers(tuple(aux_layer_ids))

@@ -388,7 +388,7 @@ def plan_memory(target, draft=None, mesh: Mesh | None = None, batch: int = 1, ma
         raise ValueError(f"planning the Triton kernels needs the GPU they run on: arch={arch!r}; use one of "
                          f"{', '.join(launch.ARCHS)}")
     if wants_kernels:
-        kernels = resolve(kernels, mesh, on_gpu=True, arch=arch)
+        kernels = resolve(kernels, on_gpu=True, arch=arch)
     setup = abstract_setup(target, draft, mesh, batch, max_len, spec, quant, dtype,
                            kernels=kernels if wants_kernels else None, fp8_format=fp8_format,
                            kv_cache_dtype=kv_cache_dtype)

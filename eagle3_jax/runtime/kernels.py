@@ -9,9 +9,8 @@ a GPU a run has measured) decides per traced layer: attention by its form (MLA o
 `runs_kernel`), the MoE by the step's shapes (`moe_kernel_pays`).
 
 - attention: decode and verify over the committed prefix (pallas_kernels/triton_attention.py),
-  target and draft. On a mesh that splits the batch or the heads (data or tensor > 1) it keeps the
-  XLA path (the kernel has no sharded form yet: the partitioner would gather its operands); asking
-  for it there is warned about. An expert-only mesh replicates attention, so the kernel runs there.
+  target and draft, on any mesh: under `shard_map`, each device over its own rows (data), heads
+  (tensor) and pages (models/kernel_attention.py).
 - moe: the routed experts' grouped matmuls (pallas_kernels/triton_moe.py), also inside each shard
   of expert parallelism. Weights whose shapes the kernel cannot tile keep the XLA path, with a
   warning naming the weight.
@@ -33,7 +32,6 @@ import functools
 import importlib.util
 import logging
 
-import jax
 
 from pallas_kernels import launch, triton_call
 
@@ -81,11 +79,6 @@ def parse(kernels: str) -> dict[str, str]:
             raise ValueError(usage)
         choice[op] = impl
     return choice
-
-
-def splits_attention(mesh) -> bool:
-    """Whether a (concrete or abstract) mesh splits attention's operands: batch or heads."""
-    return mesh is not None and not mesh.empty and any(mesh.shape.get(a, 1) > 1 for a in ("data", "tensor"))
 
 
 def _forms(op: str) -> tuple[str, ...]:
@@ -154,7 +147,7 @@ def missing_kernel_modules(launched_here: bool, gpu: bool, arch: str) -> Missing
                              f"{'is' if len(missing) == 1 else 'are'} not installed: pip install 'eagle3-jax[{extra}]'")
 
 
-def resolve(kernels: str, mesh: jax.sharding.Mesh | None, on_gpu: bool | None = None, arch: str | None = None) -> str:
+def resolve(kernels: str, on_gpu: bool | None = None, arch: str | None = None) -> str:
     """The canonical per-op form ("attention=xla,moe=triton") of a `kernels` choice on this host
     (`on_gpu` True and `arch`: as on that GPU, for programs planned for one on a host without it).
 
@@ -166,11 +159,6 @@ def resolve(kernels: str, mesh: jax.sharding.Mesh | None, on_gpu: bool | None = 
     arch = launch.current_arch() if arch is None else arch
     choice = {op: (auto_choice(op, arch) if gpu else "xla") if impl == "auto" else impl
               for op, impl in requested.items()}
-    if splits_attention(mesh) and choice["attention"] != "xla":
-        if requested["attention"] == "triton":  # asked for by name: say why it is not used
-            log.warning("attention keeps its XLA path on mesh %s (the attention kernel does not split the "
-                        "batch or the heads yet); the MoE kernels still run in every shard", dict(mesh.shape))
-        choice["attention"] = "xla"
     if any(impl != "xla" for impl in choice.values()):
         # on_gpu=True names a GPU the programs are planned for: traced here, launched there
         missing = missing_kernel_modules(launched_here=not on_gpu, gpu=gpu, arch=arch)
