@@ -35,7 +35,7 @@ _cpu_compiles_without_fusion_emitters()  # before any test initialises the CPU b
 # the long ones first leaves short files for the end, so no worker runs a long file alone while
 # the other has finished.
 LONGEST_FIRST = (
-    "test_gpu_check.py", "test_kernel_engine.py", "test_lossless_sampling.py", "test_batch_invariant.py", "test_scheduler.py", "test_context_parallel.py",
+    "test_gpu_check.py", "test_kernel_engine.py", "test_kernel_mesh.py", "test_lossless_sampling.py", "test_batch_invariant.py", "test_scheduler.py", "test_context_parallel.py",
     "test_prefix_cache.py", "test_bench.py", "test_logprobs.py", "test_structured_decoding.py", "test_tool_serving.py",
     "test_readme.py", "test_safe_outputs.py", "test_triton_attention.py", "test_stop_strings.py", "test_server.py",
     "test_fp8_kv.py", "test_script_errors.py", "test_adaptive.py", "test_target_vs_hf.py", "test_sharding.py",
@@ -175,6 +175,10 @@ HEAVY: dict[str, tuple[str, ...]] = {
     ),
     # the Triton kernels interpreted through the engine (on JAX 0.10: the newest-JAX leg has no torch)
     "test_gpu_check.py": ("test_gpu_check_runs_small_on_cpu",),
+    "test_kernel_mesh.py": (
+        "test_kernel_attention_on_a_mesh_equals_one_device",
+        "test_greedy_speculation_through_the_kernel_on_a_mesh_equals_plain",
+    ),
     "test_kernel_engine.py": (
         "test_decode_and_verify_logits_equal_xla", "test_greedy_speculation_with_kernels_equals_plain",
         "test_fp8_pages_through_the_kernels_equal_xla", "test_draft_propose_with_kernel_attention_equals_xla",

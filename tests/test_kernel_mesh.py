@@ -18,7 +18,10 @@ from eagle3_jax.cache import kv_cache
 from eagle3_jax.models.target import forward
 from eagle3_jax.runtime.sharding import mesh_context, shard_pages
 
-MESHES = [(8, 1, 1), (1, 8, 1), (2, 2, 2), (1, 4, 2), (2, 1, 4)]
+# (family, mesh, query heads, KV heads): MLA over data / tensor / both / data x expert; GQA with its
+# KV heads split over `tensor`, and with fewer KV heads than tensor shards (every head on each)
+CASES = [("deepseek_v3", (8, 1, 1), 8, 8), ("deepseek_v3", (1, 8, 1), 8, 8), ("deepseek_v3", (2, 2, 2), 8, 8),
+         ("deepseek_v3", (2, 1, 4), 4, 4), ("minimax_m2", (2, 2, 2), 8, 4), ("minimax_m2", (1, 4, 2), 4, 2)]
 
 
 def with_kernels(target):
@@ -26,17 +29,18 @@ def with_kernels(target):
 
 
 @needs_8
-@pytest.mark.parametrize("family", ["deepseek_v3", "minimax_m2"])
-@pytest.mark.parametrize("mesh_shape", MESHES, ids=lambda s: "x".join(map(str, s)))
-def test_kernel_attention_on_a_mesh_equals_one_device(family, mesh_shape, kernel_calls):
+@pytest.mark.parametrize("family,mesh_shape,heads,kv_heads", CASES,
+                         ids=[f"{c[0]}-{'x'.join(map(str, c[1]))}-{c[2]}:{c[3]}" for c in CASES])
+def test_kernel_attention_on_a_mesh_equals_one_device(family, mesh_shape, heads, kv_heads, kernel_calls):
     """Paged caches split over the data shards, with a spread row beside rows of one shard: decode
     and tree verify logits through the kernel on the mesh equal one device's XLA logits."""
     mesh = e3.make_mesh(*mesh_shape)
     shards, batch, page_size, per_row, spread_pages = mesh_shape[0], 8, 4, 4, 10
     rows = batch // shards
     per_shard = rows * per_row + spread_pages // shards + 2
-    ref = random_target(FAMILIES[family])
-    sharded = with_kernels(random_target(FAMILIES[family], mesh=mesh))
+    raw = {**FAMILIES[family], "num_attention_heads": heads, "num_key_value_heads": kv_heads}
+    ref = random_target(raw)
+    sharded = with_kernels(random_target(raw, mesh=mesh))
     table = spread_tables(batch, shards, per_shard, per_row, spread_pages) if shards > 1 else None
     if table is None:  # one data shard: every row its own pages
         table = 1 + np.arange(batch * per_row, dtype=np.int32).reshape(batch, per_row)
