@@ -129,7 +129,8 @@ def call(kernel, out_shapes: Sequence[jax.ShapeDtypeStruct], *args: Any, grid: t
         out = jt.triton_call(*args, kernel=kernel, out_shape=list(out_shapes), grid=grid, num_warps=num_warps,
                              num_stages=num_stages, name=name, **constexprs)
         return list(out) if isinstance(out, (list, tuple)) else [out]
-    host = functools.partial(_interpret, kernel, tuple(out_shapes), tuple(scalars), tuple(grid), constexprs)
+    host = functools.partial(_interpret, kernel, tuple(out_shapes), tuple(scalars), tuple(grid), constexprs,
+                             name or kernel.__name__)
     out = jax.pure_callback(host, list(out_shapes), *arrays)
     return list(out)
 
@@ -225,11 +226,15 @@ def _twin(function, interpreted):
     return _TWINS[id(function)][1]
 
 
-def _interpret(kernel, out_shapes, scalars, grid, constexprs, *arrays) -> list[np.ndarray]:
+def _interpret(kernel, out_shapes, scalars, grid, constexprs, name, *arrays) -> list[np.ndarray]:
     import torch
+
+    from pallas_kernels import traffic
 
     inputs = [_to_torch(np.asarray(a)) for a in arrays]
     outputs = [torch.zeros(s.shape, dtype=getattr(torch, str(jnp.dtype(s.dtype)))) for s in out_shapes]
-    with _interpreting(kernel) as interpreted:
+    params = kernel.arg_names
+    buffers = list(zip(params, inputs)) + list(zip(params[len(inputs) + len(scalars):], outputs))
+    with _interpreting(kernel) as interpreted, traffic.recording(name, grid, buffers):  # counted in traffic.counting()
         interpreted[grid](*inputs, *scalars, *outputs, **constexprs)
     return [_to_numpy(t, s.dtype) for t, s in zip(outputs, out_shapes)]
