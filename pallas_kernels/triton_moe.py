@@ -7,8 +7,8 @@ program per (row tile of one expert, column tile, K split). How K is walked is w
 shapes spend their time:
 - A K step holds several scale groups (up to the launch table's `max_packed_k`): int4 and MXFP4
   step over `block_k / group` groups at once, each byte row meeting its group's scale broadcast
-  over the group's rows in registers, so Kimi-K2.5's K = 7168 in groups of 32 is 28 steps of 256
-  (a step a group would be 224 serial steps of 32). The activations' columns are pre-split into even and
+  over the group's rows in registers, so Kimi-K2.5's K = 7168 in groups of 32 is 56 steps of 128
+  on sm_90 (a step a group would be 224 serial steps of 32). The activations' columns are pre-split into even and
   odd halves per K step (not per group), so each step is still two plain 2-D dots.
 - W4A8 keeps its exact integer group sums with several groups per step: each group's int8 x int4
   products are summed by a dot batched over the step's groups ([groups, rows, group / 2] x
@@ -18,6 +18,11 @@ shapes spend their time:
   `splits` programs that each write a float32 partial; the partials are summed in XLA (in a fixed
   order: deterministic), and the fused gate/up form then applies its SwiGLU there, as the one-split
   kernel does in registers.
+- Each byte once: a K step's activations are loaded once for both weights of the fused gate/up,
+  and only the tile's rows of its expert (the rest of the 16-row window is masked off). A program
+  still loads its rows once per column tile, which at decode shapes (a few rows per expert) is
+  what a wide column tile keeps small against the weights (the launch table's `max_block_n`;
+  pallas_kernels/traffic.py counts the bytes).
 Float8 K steps stay within one scale block (a 128 x 128 block holds two steps of 64, or one of 128);
 a per-column scale multiplies the accumulator once after the K loop.
 """
@@ -100,14 +105,32 @@ def _group_scales(s_ptr, s_e, s_k, expert, k, cols, BLOCK_K: tl.constexpr, GROUP
 
 
 @triton.jit
-def _packed_step(x_ptr, x_m, w_ptr, w_e, w_k, s_ptr, s_e, s_k, expert, rows, k, cols,
+def _activations(x_ptr, x_m, rows, live, k, BLOCK_K: tl.constexpr, PACKED: tl.constexpr):
+    """The tile's activations of K step `k`, read once for every weight of the step and only for
+    the tile's rows of its expert (`live`; the others are zeros, and their results are never
+    stored): packed formats' even and odd halves [BLOCK_M, BLOCK_K / 2] (`split_even_odd`), else
+    the step's [BLOCK_M, BLOCK_K] twice."""
+    if PACKED:
+        half: tl.constexpr = BLOCK_K // 2
+        lanes = tl.arange(0, half)
+        first = tl.load(x_ptr + rows[:, None] * x_m + k * BLOCK_K + lanes[None, :], mask=live[:, None], other=0)
+        second = tl.load(x_ptr + rows[:, None] * x_m + k * BLOCK_K + half + lanes[None, :], mask=live[:, None],
+                         other=0)
+    else:
+        lanes = k * BLOCK_K + tl.arange(0, BLOCK_K)
+        first = tl.load(x_ptr + rows[:, None] * x_m + lanes[None, :], mask=live[:, None], other=0)
+        second = first
+    return first, second
+
+
+@triton.jit
+def _packed_step(even, odd, w_ptr, w_e, w_k, s_ptr, s_e, s_k, expert, k, cols,
                  BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr, MXFP4: tl.constexpr,
                  W4A8: tl.constexpr, INTERPRETED: tl.constexpr):
-    """One K step of an int4 / MXFP4 / W4A8 weight: float32 [BLOCK_M, BLOCK_N]."""
+    """One K step of an int4 / MXFP4 / W4A8 weight against the step's even and odd activation
+    halves: float32 [BLOCK_M, BLOCK_N]."""
     half: tl.constexpr = BLOCK_K // 2
     lanes = tl.arange(0, half)
-    even = tl.load(x_ptr + rows[:, None] * x_m + k * BLOCK_K + lanes[None, :])
-    odd = tl.load(x_ptr + rows[:, None] * x_m + k * BLOCK_K + half + lanes[None, :])
     packed = tl.load(w_ptr + expert * w_e + (k * half + lanes)[:, None] * w_k + cols[None, :]).to(tl.int32)
     low, high = packed & 15, packed >> 4
     if W4A8:
@@ -137,15 +160,15 @@ def _packed_step(x_ptr, x_m, w_ptr, w_e, w_k, s_ptr, s_e, s_k, expert, rows, k, 
 
 
 @triton.jit
-def _step(x_ptr, x_m, w_ptr, w_e, w_k, s_ptr, s_e, s_k, s_n, expert, rows, k, cols, col_tile,
+def _step(xa, xb, w_ptr, w_e, w_k, s_ptr, s_e, s_k, s_n, expert, k, cols, col_tile,
           BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, FMT: tl.constexpr, GROUP: tl.constexpr,
           SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr, FNUZ: tl.constexpr, COLUMN_SCALES: tl.constexpr,
           INTERPRETED: tl.constexpr):
-    """One K step of one weight for one tile: float32 [BLOCK_M, BLOCK_N]. FMT: 0 float, 1 int4,
-    2 MXFP4, 3 W4A8, 4 float8."""
+    """One K step of one weight for one tile against the step's activations (`_activations`: xa
+    the step's, or xa / xb its even / odd halves): float32 [BLOCK_M, BLOCK_N]. FMT: 0 float,
+    1 int4, 2 MXFP4, 3 W4A8, 4 float8."""
     if FMT == 0 or FMT == 4:
         lanes = k * BLOCK_K + tl.arange(0, BLOCK_K)
-        xk = tl.load(x_ptr + rows[:, None] * x_m + lanes[None, :])
         w = tl.load(w_ptr + expert * w_e + lanes[:, None] * w_k + cols[None, :])
         if FMT == 4:
             w = _e4m3(w, FNUZ)
@@ -156,10 +179,10 @@ def _step(x_ptr, x_m, w_ptr, w_e, w_k, s_ptr, s_e, s_k, s_n, expert, rows, k, co
                     s = tl.load(s_ptr + expert * s_e + ((k * BLOCK_K) // SCALE_ROWS) * s_k
                                 + ((col_tile * BLOCK_N) // SCALE_COLS) * s_n)
                 w = w * s
-        out = _dot(xk, w.to(xk.dtype), INTERPRETED)
+        out = _dot(xa, w.to(xa.dtype), INTERPRETED)
     else:
-        out = _packed_step(x_ptr, x_m, w_ptr, w_e, w_k, s_ptr, s_e, s_k, expert, rows, k, cols, BLOCK_K, BLOCK_N,
-                           GROUP, FMT == 2, FMT == 3, INTERPRETED)
+        out = _packed_step(xa, xb, w_ptr, w_e, w_k, s_ptr, s_e, s_k, expert, k, cols, BLOCK_K, BLOCK_N, GROUP,
+                           FMT == 2, FMT == 3, INTERPRETED)
     return out
 
 
@@ -181,14 +204,16 @@ def grouped_matmul_kernel(
     if expert < NUM_EXPERTS:
         first, end = tl.load(first_ptr + tile), tl.load(end_ptr + tile)
         rows = first + tl.arange(0, BLOCK_M)
+        live = rows < end  # the window's rows past this expert's end are the next tile's
         cols = col_tile * BLOCK_N + tl.arange(0, BLOCK_N)
         acc1 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         acc2 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for k in range(split * steps_per_split, tl.minimum((split + 1) * steps_per_split, K_STEPS)):
-            acc1 += _step(x_ptr, x_m, w1_ptr, w_e, w_k, s1_ptr, s_e, s_k, s_n, expert, rows, k, cols, col_tile,
+            xa, xb = _activations(x_ptr, x_m, rows, live, k, BLOCK_K, FMT == 1 or FMT == 2 or FMT == 3)
+            acc1 += _step(xa, xb, w1_ptr, w_e, w_k, s1_ptr, s_e, s_k, s_n, expert, k, cols, col_tile,
                           BLOCK_K, BLOCK_N, FMT, GROUP, SCALE_ROWS, SCALE_COLS, FNUZ, COLUMN_SCALES, INTERPRETED)
             if TWO:
-                acc2 += _step(x_ptr, x_m, w2_ptr, w_e, w_k, s2_ptr, s_e, s_k, s_n, expert, rows, k, cols, col_tile,
+                acc2 += _step(xa, xb, w2_ptr, w_e, w_k, s2_ptr, s_e, s_k, s_n, expert, k, cols, col_tile,
                               BLOCK_K, BLOCK_N, FMT, GROUP, SCALE_ROWS, SCALE_COLS, FNUZ, COLUMN_SCALES,
                               INTERPRETED)
         if COLUMN_SCALES:  # one scale per output column over all of K (a linear factor: fine per split)
@@ -196,10 +221,10 @@ def grouped_matmul_kernel(
             if TWO:
                 acc2 = acc2 * tl.load(s2_ptr + expert * s_e + cols)[None, :]
         if FMT == 3:  # W4A8: each row's int8 quantization scale
-            row_scale = tl.load(xs_ptr + rows)[:, None]
+            row_scale = tl.load(xs_ptr + rows, mask=live, other=0.0)[:, None]
             acc1 = acc1 * row_scale
             acc2 = acc2 * row_scale
-        keep = (rows < end)[:, None]  # the window's rows past this expert's end are the next tile's
+        keep = live[:, None]
         where = rows[:, None] * o_m + cols[None, :]
         if FUSED_SWIGLU:  # as the XLA path: gate and up rounded to the output dtype, silu in float32
             gate = acc1.to(out_ptr.dtype.element_ty).to(tl.float32)
@@ -252,6 +277,12 @@ def _walk(w, k: int, launch: MoeLaunch) -> _Walk:
 
 
 def _block_n(walk: _Walk, n_out: int, max_block_n: int) -> int:
+    """The column tile: the largest power of two up to `max_block_n` dividing the columns and their
+    scale blocks. W4A8 holds each K step's group sums [groups, rows, columns] before it scales and
+    adds them, so its columns are cut by the groups a step: what a program holds stays that of a
+    [rows, max_block_n] tile."""
+    if walk.fmt == "w4a8":
+        max_block_n = max(TILES[-1], max_block_n // (walk.block_k // walk.group))
     sizes = (n_out, *([walk.scale_cols] if walk.scale_cols > 1 else []))
     return largest_dividing(tiles_up_to(max_block_n), *sizes) or largest_dividing(TILES, *sizes)
 
