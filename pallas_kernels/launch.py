@@ -13,16 +13,18 @@ spills and fitting shared memory at every shape the engine launches, triton 3.9)
   arch VGPRs and AGPRs: past 256 the compiler copies into AGPRs (a spill in all but name) and the
   SIMD runs one wave. MI355X (gfx950) has 160 KB of LDS and the same register file.
 - H100 / H200 (sm_90) have 255 registers per thread and 227 KB of shared memory per block.
-- Attention keeps a float32 [block_rows, Dv] accumulator and the [block_rows, D] queries in
-  registers for the whole walk over the pages; MLA's Dv = 512 latent is what bounds its rows.
-  Block rows are set for 2-byte operands and values of 512 (MLA) / 128 (GQA) lanes; wider values
-  or float32 operands get proportionally fewer rows (attention.block_rows_for). MLA at 64 rows
-  spills on every architecture (sm_90: 255 registers and 440 B spilled at 8 warps; at 16 warps the
-  register cap halves and it spills more), so MLA tiles are 16-32 rows until the accumulator is
-  split across warp groups. GQA on AMD runs 8 warps (4 left 14-25 SGPR spills at 64 rows).
-- On AMD pages are walked 16 slots per step (a whole 32- or 64-slot MLA page a step spills on
-  gfx942 and gfx950, and a 64-slot page needs 72 KB of LDS on gfx942); MLA on sm_90 walks 32
-  (64 spills 848 B).
+- Attention keeps a float32 [block_rows, Dv] accumulator in registers for the whole walk over the
+  pages (the queries stay in shared memory on sm_90, registers on AMD); MLA's Dv = 512 latent is
+  what bounds its rows. Block rows are set for 2-byte operands and values of 512 (MLA) / 128 (GQA)
+  lanes; wider values or float32 operands get proportionally fewer rows (attention.block_rows_for).
+  MLA tiles are 64 rows at 8 warps over compute-dtype pages, so Kimi-K2.5's 64 heads per device
+  at T = 1 (data-parallel attention) read each page once: sm_90 248 registers at two stages (one
+  stage spills 276 B), gfx942 216 VGPRs, gfx950 214 at one stage (two put it into AGPRs). 128 rows
+  (T = 4 there) do not fit: 128 KB of LDS on gfx942, 75-97 VGPR spills on AMD at 16 warps, and
+  more than sm_90's 128 registers a thread at 16 warps. Over FP8 pages 32 rows. GQA on AMD runs 8
+  warps (4 left 14-25 SGPR spills at 64 rows).
+- Pages are walked 16 slots per step (a whole 32- or 64-slot MLA page a step spills on gfx942 and
+  gfx950, and a 64-slot page needs 72 KB of LDS on gfx942; at 64 rows 32 slots spill on sm_90).
 - The MoE's column tiles are 256 wide: a program re-reads its rows' activations once per column
   tile, and at decode shapes (a few rows per expert) 64-wide tiles read the int4 experts'
   activations as many bytes as half their weights (1.26x the launch's minimum for Kimi-K2.5's
@@ -129,22 +131,22 @@ FORMS = ("mla_attention", "gqa_attention", "mla_attention_fp8", "gqa_attention_f
 # its MoE K step is 32, since 64 at 4 warps spills on sm_90).
 TABLE: dict[tuple[str, str], Launch] = {
     ("mla_attention", DEFAULT): AttentionLaunch(block_rows=16, num_warps=4, num_stages=2),
-    ("mla_attention", "gfx942"): AttentionLaunch(block_rows=32, num_warps=8, num_stages=2),
-    ("mla_attention", "gfx950"): AttentionLaunch(block_rows=32, num_warps=8, num_stages=1),
-    ("mla_attention", "sm_90"): AttentionLaunch(block_rows=16, num_warps=4, num_stages=2, block_slots=32),
-    ("mla_attention", "sm_100"): AttentionLaunch(block_rows=32, num_warps=8, num_stages=2),
+    ("mla_attention", "gfx942"): AttentionLaunch(block_rows=64, num_warps=8, num_stages=2),
+    ("mla_attention", "gfx950"): AttentionLaunch(block_rows=64, num_warps=8, num_stages=1),
+    ("mla_attention", "sm_90"): AttentionLaunch(block_rows=64, num_warps=8, num_stages=2),
+    ("mla_attention", "sm_100"): AttentionLaunch(block_rows=64, num_warps=8, num_stages=2),
     ("gqa_attention", DEFAULT): AttentionLaunch(block_rows=32, num_warps=4, num_stages=2),
     ("gqa_attention", "gfx942"): AttentionLaunch(block_rows=64, num_warps=8, num_stages=2),
     ("gqa_attention", "gfx950"): AttentionLaunch(block_rows=64, num_warps=8, num_stages=2),
     ("gqa_attention", "sm_90"): AttentionLaunch(block_rows=64, num_warps=4, num_stages=2),
     ("gqa_attention", "sm_100"): AttentionLaunch(block_rows=64, num_warps=4, num_stages=2),
-    # Over FP8 pages (decoded in registers: triton_attention.py) fewer rows and one stage; the
-    # bfloat16 entries spill there (gfx942 MLA at 32 rows x 2 stages, gfx950 MLA at 8 warps).
+    # Over FP8 pages (decoded in registers, the scores and probabilities scaled per lane group:
+    # triton_attention.py) 32 rows at one stage; 64 spill on every architecture.
     ("mla_attention_fp8", DEFAULT): AttentionLaunch(block_rows=16, num_warps=4, num_stages=1),
-    ("mla_attention_fp8", "gfx942"): AttentionLaunch(block_rows=16, num_warps=8, num_stages=1),
-    ("mla_attention_fp8", "gfx950"): AttentionLaunch(block_rows=16, num_warps=4, num_stages=1),
-    ("mla_attention_fp8", "sm_90"): AttentionLaunch(block_rows=16, num_warps=4, num_stages=1),
-    ("mla_attention_fp8", "sm_100"): AttentionLaunch(block_rows=16, num_warps=4, num_stages=1),
+    ("mla_attention_fp8", "gfx942"): AttentionLaunch(block_rows=32, num_warps=8, num_stages=1),
+    ("mla_attention_fp8", "gfx950"): AttentionLaunch(block_rows=32, num_warps=8, num_stages=1),
+    ("mla_attention_fp8", "sm_90"): AttentionLaunch(block_rows=32, num_warps=8, num_stages=1),
+    ("mla_attention_fp8", "sm_100"): AttentionLaunch(block_rows=32, num_warps=8, num_stages=1),
     ("gqa_attention_fp8", DEFAULT): AttentionLaunch(block_rows=16, num_warps=4, num_stages=1),
     ("gqa_attention_fp8", "gfx942"): AttentionLaunch(block_rows=32, num_warps=8, num_stages=1),
     ("gqa_attention_fp8", "gfx950"): AttentionLaunch(block_rows=32, num_warps=8, num_stages=1),

@@ -1,23 +1,32 @@
-"""Paged attention over a row's committed prefix as a `triton.jit` kernel, launched by
+"""Paged attention over a row's committed prefix as `triton.jit` kernels, launched by
 `triton_call.call` (through jax_triton on a GPU, Triton's interpreter on a CPU host).
 
-The contract is attention.py's: query rows of a KV head (GQA: the group's
-query heads x T tokens; absorbed MLA: every head x T tokens of the one latent "head") against the
-row's pages below its length, an online softmax in float32, partial (out, lse) per KV split,
-merged by `attention.merge_splits`. A program is one (row, KV head x row tile, KV split): it
-holds a row tile's queries and float32 accumulator in registers and reads each page of its
-split once, so a tile of `block_rows` rows reads the prefix once for all of them — with 64 rows
-per tile, Kimi-K2.5's 8 heads per device (tensor parallel) x 4 draft tokens read each page once
-per step, and its 64 heads x 4 tokens (data-parallel attention) 4 times.
+The contract is attention.py's: query rows of a KV head (GQA: the group's query heads x T tokens;
+absorbed MLA: every head x T tokens of the one latent "head") against the row's pages below its
+length, an online softmax in float32, partial (out, lse) per KV split, merged by
+`attention.merge_splits`. A program is one (row, KV head x row tile, KV split): it holds a row
+tile's float32 accumulator in registers and reads each page of its split once, so a tile of
+`block_rows` rows reads the prefix once for all of them. With 64-row tiles (the launch table's MLA
+entries) Kimi-K2.5's heads x draft tokens per device, 8 x 4 in the tensor-parallel layout and 64 x
+1 in the data-parallel one, read each page once per step; 64 x 4 reads it 4 times (128-row tiles do
+not fit a GPU's registers: launch.py). A block-table entry of -1 names a page this device does not
+hold (a row spread over the data shards): its slots are never read.
 
-Lanes come in groups: FP8 pages (uint8 bits, decoded in registers, a float32 scale per slot per
-group of lanes) scale each group's part of the scores, and for values the probabilities before
-the dot, so the decoded tile stays exact in the compute dtype; the queries, keys, values and the
-accumulator are [groups, rows, lanes] and every dot is batched over the groups (one group for
-bfloat16 pages). Any lane width (key group, rope, value group) and page size: a block is the
-power of two >= 16 that Triton's shapes and dots need, the real lanes and slots masked within it
-(Kimi's 512 + 64 lanes and pages of 16 or 64 slots fill their blocks; a small test model's 8-lane
-heads over 4-slot pages run the same code).
+Two kernels share the walk:
+- `paged_prefix_attention_kernel`, over pages in the compute dtype: [rows, lanes] tiles, two dots a
+  step (scores, then probabilities x values);
+- `paged_prefix_attention_fp8_kernel`, over FP8 pages (uint8 bits, decoded in registers, a float32
+  scale per slot per group of lanes): each group's part of the scores is scaled, and for values the
+  probabilities before the dot, so the decoded tile stays exact in the compute dtype; the queries,
+  keys, values and accumulator are [groups, rows, lanes] and the dots are batched over the groups.
+  (Scaling the decoded tile instead makes the compiler rebuild it in both dots' operand layouts,
+  which spills on AMD.)
+
+Strides are constexprs, so the compiler knows each slot's lanes start 16-byte aligned and loads
+them in vectors. Any lane width and page size: a block is the power of two >= 16 that Triton's
+shapes and dots need, the real lanes and slots masked within it (Kimi's 512 + 64 lanes and pages of
+16 or 64 slots fill their blocks; a small test model's 8-lane heads over 4-slot pages run the same
+code).
 """
 
 from __future__ import annotations
@@ -61,6 +70,85 @@ def _dot(a, b, IEEE: tl.constexpr, INTERPRETED: tl.constexpr):
 
 
 @triton.jit
+def _slots_tile(base, slot_stride, slots, real, WIDTH: tl.constexpr, LANES: tl.constexpr):
+    """The `slots` x LANES lanes of a page (WIDTH of them real), [slots, LANES]; 0 where not real."""
+    lanes = tl.arange(0, LANES)
+    return tl.load(base + slots[:, None] * slot_stride + lanes[None, :],
+                   mask=real[:, None] & (lanes < WIDTH)[None, :], other=0)
+
+
+@triton.jit
+def paged_prefix_attention_kernel(
+        layer_ptr, lengths_ptr, table_ptr, q_ptr, k_ptr, ks_ptr, q2_ptr, k2_ptr, k2s_ptr, v_ptr, vs_ptr,
+        scale, pages_per_split, out_ptr, lse_ptr,
+        table_stride: tl.constexpr, q_b: tl.constexpr, q_h: tl.constexpr, q_m: tl.constexpr,
+        q2_b: tl.constexpr, q2_h: tl.constexpr, q2_m: tl.constexpr,
+        k_l: tl.constexpr, k_p: tl.constexpr, k_s: tl.constexpr, k_h: tl.constexpr,
+        ks_l: tl.constexpr, ks_p: tl.constexpr, ks_s: tl.constexpr, ks_h: tl.constexpr,
+        k2_l: tl.constexpr, k2_p: tl.constexpr, k2_s: tl.constexpr, k2_h: tl.constexpr,
+        k2s_l: tl.constexpr, k2s_p: tl.constexpr, k2s_s: tl.constexpr, k2s_h: tl.constexpr,
+        v_l: tl.constexpr, v_p: tl.constexpr, v_s: tl.constexpr, v_h: tl.constexpr,
+        vs_l: tl.constexpr, vs_p: tl.constexpr, vs_s: tl.constexpr, vs_h: tl.constexpr,
+        o_b: tl.constexpr, o_h: tl.constexpr, o_s: tl.constexpr, o_m: tl.constexpr,
+        lse_b: tl.constexpr, lse_h: tl.constexpr, lse_s: tl.constexpr,
+        PAGE: tl.constexpr, TILE: tl.constexpr, TILE_P: tl.constexpr, BLOCK_M: tl.constexpr,
+        ROW_BLOCKS: tl.constexpr, KW: tl.constexpr, KW_P: tl.constexpr, D2: tl.constexpr, D2_P: tl.constexpr,
+        VW: tl.constexpr, VW_P: tl.constexpr, HAS_ROPE: tl.constexpr, SHARED_VALUE: tl.constexpr,
+        IEEE: tl.constexpr, INTERPRETED: tl.constexpr):
+    """Over pages in the compute dtype: [rows, lanes] tiles; *_P the power of two >= 16 a Triton
+    block needs, the real lanes (KW, D2, VW) and slots a step (TILE) masked within it."""
+    b, split = tl.program_id(0), tl.program_id(2)
+    h, row_block = tl.program_id(1) // ROW_BLOCKS, tl.program_id(1) % ROW_BLOCKS
+    # the layer's and the page's offsets in 64 bits: a pool's layer stride passes 2^31 elements
+    layer, length = tl.load(layer_ptr).to(tl.int64), tl.load(lengths_ptr + b)
+    rows = row_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    q_lanes = tl.arange(0, KW_P)
+    q = tl.load(q_ptr + b * q_b + h * q_h + rows[:, None] * q_m + q_lanes[None, :],
+                mask=(q_lanes < KW)[None, :], other=0.0)  # [BLOCK_M, KW_P]
+    if HAS_ROPE:
+        rope_lanes = tl.arange(0, D2_P)
+        q2 = tl.load(q2_ptr + b * q2_b + h * q2_h + rows[:, None] * q2_m + rope_lanes[None, :],
+                     mask=(rope_lanes < D2)[None, :], other=0.0)
+    tiles_per_page: tl.constexpr = PAGE // TILE
+    first = split * pages_per_split * tiles_per_page
+    last = tl.minimum(first + pages_per_split * tiles_per_page, tl.cdiv(length, TILE))
+    m_i = tl.full([BLOCK_M], _NEG, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, VW_P], tl.float32)
+    step = tl.arange(0, TILE_P)
+    for j in range(first, last):
+        page = tl.load(table_ptr + b * table_stride + j // tiles_per_page).to(tl.int64)
+        slots = (j % tiles_per_page) * TILE + step
+        # the step's real slots, on a page this device holds (compared as a block: Triton's
+        # interpreter cannot mask by a block and-ed with a scalar condition)
+        real = (step < TILE) & (tl.full([TILE_P], 0, tl.int32) <= page)
+        keys = _slots_tile(k_ptr + layer * k_l + page * k_p + h * k_h, k_s, slots, real, KW, KW_P)
+        scores = _dot(q, tl.trans(keys), IEEE, INTERPRETED)  # [BLOCK_M, TILE_P]
+        if HAS_ROPE:
+            rope = _slots_tile(k2_ptr + layer * k2_l + page * k2_p + h * k2_h, k2_s, slots, real, D2, D2_P)
+            scores += _dot(q2, tl.trans(rope), IEEE, INTERPRETED)
+        valid = real & ((j * TILE + step) < length)
+        scores = tl.where(valid[None, :], scores * scale, _NEG)
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        p = tl.where(valid[None, :], tl.exp(scores - m_new[:, None]), 0.0)
+        alpha = tl.exp(m_i - m_new)
+        if SHARED_VALUE:  # MLA: the values are the latent keys
+            values = keys
+        else:
+            values = _slots_tile(v_ptr + layer * v_l + page * v_p + h * v_h, v_s, slots, real, VW, VW_P)
+        acc = acc * alpha[:, None] + _dot(p.to(values.dtype), values, IEEE, INTERPRETED)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        m_i = m_new
+    seen = l_i > 0
+    out = tl.where(seen[:, None], acc / tl.where(seen, l_i, 1.0)[:, None], 0.0)
+    out_lanes = tl.arange(0, VW_P)
+    tl.store(out_ptr + b * o_b + h * o_h + split * o_s + rows[:, None] * o_m + out_lanes[None, :], out,
+             mask=(out_lanes < VW)[None, :])
+    tl.store(lse_ptr + b * lse_b + h * lse_h + split * lse_s + rows,
+             tl.where(seen, m_i + tl.log(tl.where(seen, l_i, 1.0)), float("-inf")))
+
+
+@triton.jit
 def _grouped(base, slot_stride, slots, GROUPS: tl.constexpr, WIDTH: tl.constexpr, LANES: tl.constexpr):
     """Pointers to `slots` x GROUPS x LANES lanes of a page (WIDTH of them real), as [GROUPS,
     slots, LANES], and the mask of the real ones."""
@@ -82,25 +170,31 @@ def _grouped_dot(a, b, GROUPS: tl.constexpr, IEEE: tl.constexpr, INTERPRETED: tl
 
 
 @triton.jit
-def paged_prefix_attention_kernel(
+def paged_prefix_attention_fp8_kernel(
         layer_ptr, lengths_ptr, table_ptr, q_ptr, k_ptr, ks_ptr, q2_ptr, k2_ptr, k2s_ptr, v_ptr, vs_ptr,
-        scale, pages_per_split, table_stride,
-        q_b, q_h, q_m, q2_b, q2_h, q2_m,
-        k_l, k_p, k_s, k_h, ks_l, ks_p, ks_s, ks_h,
-        k2_l, k2_p, k2_s, k2_h, k2s_l, k2s_p, k2s_s, k2s_h,
-        v_l, v_p, v_s, v_h, vs_l, vs_p, vs_s, vs_h,
-        o_b, o_h, o_s, o_m, lse_b, lse_h, lse_s,
-        out_ptr, lse_ptr,
+        scale, pages_per_split, out_ptr, lse_ptr,
+        table_stride: tl.constexpr, q_b: tl.constexpr, q_h: tl.constexpr, q_m: tl.constexpr,
+        q2_b: tl.constexpr, q2_h: tl.constexpr, q2_m: tl.constexpr,
+        k_l: tl.constexpr, k_p: tl.constexpr, k_s: tl.constexpr, k_h: tl.constexpr,
+        ks_l: tl.constexpr, ks_p: tl.constexpr, ks_s: tl.constexpr, ks_h: tl.constexpr,
+        k2_l: tl.constexpr, k2_p: tl.constexpr, k2_s: tl.constexpr, k2_h: tl.constexpr,
+        k2s_l: tl.constexpr, k2s_p: tl.constexpr, k2s_s: tl.constexpr, k2s_h: tl.constexpr,
+        v_l: tl.constexpr, v_p: tl.constexpr, v_s: tl.constexpr, v_h: tl.constexpr,
+        vs_l: tl.constexpr, vs_p: tl.constexpr, vs_s: tl.constexpr, vs_h: tl.constexpr,
+        o_b: tl.constexpr, o_h: tl.constexpr, o_s: tl.constexpr, o_m: tl.constexpr,
+        lse_b: tl.constexpr, lse_h: tl.constexpr, lse_s: tl.constexpr,
         PAGE: tl.constexpr, TILE: tl.constexpr, TILE_P: tl.constexpr, BLOCK_M: tl.constexpr,
         ROW_BLOCKS: tl.constexpr, KG: tl.constexpr, KW: tl.constexpr, KW_P: tl.constexpr, D2: tl.constexpr,
         D2_P: tl.constexpr, VG: tl.constexpr, VW: tl.constexpr, VW_P: tl.constexpr,
-        HAS_ROPE: tl.constexpr, SHARED_VALUE: tl.constexpr, FP8: tl.constexpr, FNUZ: tl.constexpr,
+        HAS_ROPE: tl.constexpr, SHARED_VALUE: tl.constexpr, FNUZ: tl.constexpr,
         IEEE: tl.constexpr, INTERPRETED: tl.constexpr):
-    """Widths: *_P is the power of two >= 16 a Triton block needs, the real lanes (KW, D2, VW) and
-    slots a step (TILE) masked within it."""
+    """Over FP8 pages: lanes in KG (keys) / VG (values) scale groups of KW / VW lanes, [groups, rows,
+    lanes] tiles; *_P the power of two >= 16 a Triton block needs, the real lanes and slots a step
+    (TILE) masked within it."""
     b, split = tl.program_id(0), tl.program_id(2)
     h, row_block = tl.program_id(1) // ROW_BLOCKS, tl.program_id(1) % ROW_BLOCKS
-    layer, length = tl.load(layer_ptr), tl.load(lengths_ptr + b)
+    # the layer's and the page's offsets in 64 bits: a pool's layer stride passes 2^31 elements
+    layer, length = tl.load(layer_ptr).to(tl.int64), tl.load(lengths_ptr + b)
     rows = row_block * BLOCK_M + tl.arange(0, BLOCK_M)
     q_lanes = tl.arange(0, KW_P)
     q = tl.load(q_ptr + b * q_b + h * q_h + tl.arange(0, KG)[:, None, None] * KW + rows[None, :, None] * q_m
@@ -117,30 +211,26 @@ def paged_prefix_attention_kernel(
     acc = tl.zeros([VG, BLOCK_M, VW_P], tl.float32)
     step = tl.arange(0, TILE_P)
     for j in range(first, last):
-        page = tl.load(table_ptr + b * table_stride + j // tiles_per_page)
+        page = tl.load(table_ptr + b * table_stride + j // tiles_per_page).to(tl.int64)
         slots = (j % tiles_per_page) * TILE + step
         # the step's real slots, on a page this device holds (compared as a block: Triton's
         # interpreter cannot mask by a block and-ed with a scalar condition)
         real = (step < TILE) & (tl.full([TILE_P], 0, tl.int32) <= page)
         key_at, key_lanes = _grouped(k_ptr + layer * k_l + page * k_p + h * k_h, k_s, slots, KG, KW, KW_P)
         keys = tl.load(key_at, mask=key_lanes & real[None, :, None], other=0)  # [KG, TILE_P, KW_P]
-        if FP8:
-            keys = _fp8_decode(keys, FNUZ).to(q.dtype)
+        keys = _fp8_decode(keys, FNUZ).to(q.dtype)
         parts = _grouped_dot(q, tl.permute(keys, (0, 2, 1)), KG, IEEE, INTERPRETED)  # [KG, BLOCK_M, TILE_P]
-        if FP8:
-            key_scales = tl.load(ks_ptr + layer * ks_l + page * ks_p + h * ks_h + slots[None, None, :] * ks_s
-                                 + tl.arange(0, KG)[:, None, None], mask=real[None, None, :], other=0.0)
-            parts = parts * key_scales
+        key_scales = tl.load(ks_ptr + layer * ks_l + page * ks_p + h * ks_h + slots[None, None, :] * ks_s
+                             + tl.arange(0, KG)[:, None, None], mask=real[None, None, :], other=0.0)
+        parts = parts * key_scales
         scores = tl.sum(parts, axis=0)
         if HAS_ROPE:
             rope = tl.load(k2_ptr + layer * k2_l + page * k2_p + h * k2_h + rope_lanes[:, None] + slots[None, :] * k2_s,
                            mask=(rope_lanes < D2)[:, None] & real[None, :], other=0)
-            if FP8:
-                rope = _fp8_decode(rope, FNUZ).to(q2.dtype)
+            rope = _fp8_decode(rope, FNUZ).to(q2.dtype)
             rope_part = _dot(q2, rope, IEEE, INTERPRETED)
-            if FP8:
-                rope_part = rope_part * tl.load(k2s_ptr + layer * k2s_l + page * k2s_p + h * k2s_h
-                                                + slots[None, :] * k2s_s, mask=real[None, :], other=0.0)
+            rope_part = rope_part * tl.load(k2s_ptr + layer * k2s_l + page * k2s_p + h * k2s_h
+                                            + slots[None, :] * k2s_s, mask=real[None, :], other=0.0)
             scores += rope_part
         valid = real & ((j * TILE + step) < length)
         scores = tl.where(valid[None, :], scores * scale, _NEG)
@@ -149,20 +239,14 @@ def paged_prefix_attention_kernel(
         alpha = tl.exp(m_i - m_new)
         if SHARED_VALUE:  # MLA: the values are the latent keys, with their scales
             values = keys
-            if FP8:
-                weights = p[None, :, :] * key_scales
-            else:
-                weights = p[None, :, :]
+            weights = p[None, :, :] * key_scales
         else:
             value_at, value_lanes = _grouped(v_ptr + layer * v_l + page * v_p + h * v_h, v_s, slots, VG, VW, VW_P)
             values = tl.load(value_at, mask=value_lanes & real[None, :, None], other=0)
-            if FP8:
-                values = _fp8_decode(values, FNUZ).to(q.dtype)
-                weights = p[None, :, :] * tl.load(vs_ptr + layer * vs_l + page * vs_p + h * vs_h
-                                                  + slots[None, None, :] * vs_s + tl.arange(0, VG)[:, None, None],
-                                                  mask=real[None, None, :], other=0.0)
-            else:
-                weights = p[None, :, :]
+            values = _fp8_decode(values, FNUZ).to(q.dtype)
+            weights = p[None, :, :] * tl.load(vs_ptr + layer * vs_l + page * vs_p + h * vs_h
+                                              + slots[None, None, :] * vs_s + tl.arange(0, VG)[:, None, None],
+                                              mask=real[None, None, :], other=0.0)
         acc = acc * alpha[None, :, None] + _grouped_dot(weights.to(values.dtype), values, VG, IEEE, INTERPRETED)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         m_i = m_new
@@ -212,8 +296,13 @@ def paged_prefix_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array | 
     tile = launch.tile(page_size, itemsize) or page_size
     if page_size % tile:
         tile = page_size  # a page a step (its slots padded to a block and masked)
-    kg = 1 if scales is None else scales.k.shape[-1]
-    vg = 1 if scales is None else (scales.k if shared_value else scales.v).shape[-1]
+    if scales is None:
+        kernel, widths = paged_prefix_attention_kernel, dict(KW=d, KW_P=_block(d), VW=dv, VW_P=_block(dv))
+    else:  # lanes in scale groups: the scores and probabilities scaled per group
+        kg, vg = scales.k.shape[-1], (scales.k if shared_value else scales.v).shape[-1]
+        kernel = paged_prefix_attention_fp8_kernel
+        widths = dict(KG=kg, KW=d // kg, KW_P=_block(d // kg), VG=vg, VW=dv // vg, VW_P=_block(dv // vg),
+                      FNUZ=bool(scales.fnuz))
     if num_splits <= 0:  # interpreted, programs run one after another: a split only adds its overhead
         interpreting = triton_call.interpreted() if interpret is None else interpret
         num_splits = 1 if interpreting else default_splits(b, h, m, block_table.shape[1], dv, itemsize, launch, form)
@@ -236,18 +325,21 @@ def paged_prefix_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array | 
     out_strides = triton_call.strides(out_shapes[0])
     lse_strides = triton_call.strides(out_shapes[1])
     args = [jnp.asarray(layer, jnp.int32).reshape(1), lengths.astype(jnp.int32), block_table.astype(jnp.int32), q,
-            k_pool, k_scales, q2, k2, k2_scales, v, v_scales,
-            float(scale), int(pages_per_split), int(block_table.shape[1]),
-            *triton_call.strides(q)[:3], *triton_call.strides(q2)[:3],
-            *pool_strides(k_pool), *pool_strides(k_scales), *pool_strides(k2), *pool_strides(k2_scales),
-            *pool_strides(v), *pool_strides(v_scales), *out_strides[:4], *lse_strides[:3]]
+            k_pool, k_scales, q2, k2, k2_scales, v, v_scales, float(scale), int(pages_per_split)]
+    # strides as constexprs: the compiler then knows each slot's lanes start 16-byte aligned and
+    # loads them in vectors (as scalar arguments they would be unknown, and loaded an element at a time)
+    stride_names = ("table_stride q_b q_h q_m q2_b q2_h q2_m k_l k_p k_s k_h ks_l ks_p ks_s ks_h k2_l k2_p k2_s k2_h "
+                    "k2s_l k2s_p k2s_s k2s_h v_l v_p v_s v_h vs_l vs_p vs_s vs_h o_b o_h o_s o_m lse_b lse_h lse_s").split()
+    stride_values = (block_table.shape[1], *triton_call.strides(q)[:3], *triton_call.strides(q2)[:3],
+                     *pool_strides(k_pool), *pool_strides(k_scales), *pool_strides(k2), *pool_strides(k2_scales),
+                     *pool_strides(v), *pool_strides(v_scales), *out_strides[:4], *lse_strides[:3])
     out, lse = triton_call.call(
-        paged_prefix_attention_kernel, out_shapes, *args, grid=(b, h * (rows // block), num_splits),
+        kernel, out_shapes, *args, grid=(b, h * (rows // block), num_splits),
         num_warps=launch.num_warps, num_stages=launch.num_stages, interpret=interpret,
-        name=f"eagle3_paged_prefix_attention_{form.split('_')[0]}",
-        PAGE=page_size, TILE=tile, TILE_P=_block(tile), BLOCK_M=block, ROW_BLOCKS=rows // block, KG=kg, KW=d // kg,
-        KW_P=_block(d // kg), D2=q2.shape[-1], D2_P=_block(q2.shape[-1]), VG=vg, VW=dv // vg, VW_P=_block(dv // vg),
-        HAS_ROPE=k2_pool is not None, SHARED_VALUE=shared_value,
-        FP8=scales is not None, FNUZ=bool(scales is not None and scales.fnuz), IEEE=q.dtype == jnp.float32)
+        name=f"eagle3_paged_prefix_attention_{form.split('_')[0]}{'' if scales is None else '_fp8'}",
+        **dict(zip(stride_names, stride_values)),
+        PAGE=page_size, TILE=tile, TILE_P=_block(tile), BLOCK_M=block, ROW_BLOCKS=rows // block,
+        D2=q2.shape[-1], D2_P=_block(q2.shape[-1]), HAS_ROPE=k2_pool is not None, SHARED_VALUE=shared_value,
+        IEEE=q.dtype == jnp.float32, **widths)
     out, lse = merge_splits(out, lse)
     return out[:, :, :m], lse[:, :, :m]

@@ -201,8 +201,9 @@ def test_splits_the_kernel_takes():
     from pallas_kernels.attention import MAX_SPLITS, TARGET_PROGRAMS, default_splits
 
     with launch.for_arch("sm_90"):
-        assert default_splits(1, 1, 64, 512, 512, 2) == MAX_SPLITS  # MLA decode, batch 1: 4 row tiles
-        assert default_splits(16, 1, 64, 512, 512, 2) == TARGET_PROGRAMS // (16 * 4)  # 16-row tiles on sm_90
+        assert default_splits(1, 1, 64, 512, 512, 2) == MAX_SPLITS  # MLA decode, batch 1: one row tile
+        assert default_splits(16, 1, 64, 512, 512, 2) == TARGET_PROGRAMS // 16  # 64-row tiles on sm_90
+        assert default_splits(16, 1, 256, 512, 512, 2) == TARGET_PROGRAMS // (16 * 4)  # verify: 4 row tiles
         assert default_splits(64, 1, 256, 512, 512, 2) == 1  # verify at batch 64: programs enough
         assert default_splits(1, 1, 64, 3, 512, 2) == 3  # a short table: one page per split
 
