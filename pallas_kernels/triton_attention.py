@@ -4,7 +4,7 @@
 The contract is attention.py's: query rows of a KV head (GQA: the group's query heads x T tokens;
 absorbed MLA: every head x T tokens of the one latent "head") against the row's pages below its
 length, an online softmax in float32, partial (out, lse) per KV split, merged by
-`attention.merge_splits`. A program is one (row, KV head x row tile, KV split): it holds a row
+`attention.merge_splits`. A program is one (KV head x row tile, row, KV split): it holds a row
 tile's float32 accumulator in registers and reads each page of its split once, so a tile of
 `block_rows` rows reads the prefix once for all of them. With 64-row tiles (the launch table's MLA
 entries) Kimi-K2.5's heads x draft tokens per device, 8 x 4 in the tensor-parallel layout and 64 x
@@ -97,8 +97,8 @@ def paged_prefix_attention_kernel(
         IEEE: tl.constexpr, INTERPRETED: tl.constexpr):
     """Over pages in the compute dtype: [rows, lanes] tiles; *_P the power of two >= 16 a Triton
     block needs, the real lanes (KW, D2, VW) and slots a step (TILE) masked within it."""
-    b, split = tl.program_id(0), tl.program_id(2)
-    h, row_block = tl.program_id(1) // ROW_BLOCKS, tl.program_id(1) % ROW_BLOCKS
+    b, split = tl.program_id(1), tl.program_id(2)
+    h, row_block = tl.program_id(0) // ROW_BLOCKS, tl.program_id(0) % ROW_BLOCKS
     # the layer's and the page's offsets in 64 bits: a pool's layer stride passes 2^31 elements
     layer, length = tl.load(layer_ptr).to(tl.int64), tl.load(lengths_ptr + b)
     rows = row_block * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -191,8 +191,8 @@ def paged_prefix_attention_fp8_kernel(
     """Over FP8 pages: lanes in KG (keys) / VG (values) scale groups of KW / VW lanes, [groups, rows,
     lanes] tiles; *_P the power of two >= 16 a Triton block needs, the real lanes and slots a step
     (TILE) masked within it."""
-    b, split = tl.program_id(0), tl.program_id(2)
-    h, row_block = tl.program_id(1) // ROW_BLOCKS, tl.program_id(1) % ROW_BLOCKS
+    b, split = tl.program_id(1), tl.program_id(2)
+    h, row_block = tl.program_id(0) // ROW_BLOCKS, tl.program_id(0) % ROW_BLOCKS
     # the layer's and the page's offsets in 64 bits: a pool's layer stride passes 2^31 elements
     layer, length = tl.load(layer_ptr).to(tl.int64), tl.load(lengths_ptr + b)
     rows = row_block * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -334,7 +334,9 @@ def paged_prefix_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array | 
                      *pool_strides(k_pool), *pool_strides(k_scales), *pool_strides(k2), *pool_strides(k2_scales),
                      *pool_strides(v), *pool_strides(v_scales), *out_strides[:4], *lse_strides[:3])
     out, lse = triton_call.call(
-        kernel, out_shapes, *args, grid=(b, h * (rows // block), num_splits),
+        # a row's heads and row tiles on the grid's first axis, which GPUs dispatch first: the tiles
+        # that read the same pages run side by side, so a page re-read by the next tile comes from L2
+        kernel, out_shapes, *args, grid=(h * (rows // block), b, num_splits),
         num_warps=launch.num_warps, num_stages=launch.num_stages, interpret=interpret,
         name=f"eagle3_paged_prefix_attention_{form.split('_')[0]}{'' if scales is None else '_fp8'}",
         **dict(zip(stride_names, stride_values)),
