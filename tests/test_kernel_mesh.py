@@ -120,3 +120,20 @@ def test_greedy_speculation_through_the_kernel_on_a_mesh_equals_plain(family, me
     spec = e3.Scheduler(target, draft, e3.SpecConfig(3, 2, 6), max_num_seqs=8, max_seq_len=64, page_size=16)
     assert [o.token_ids for o in spec.generate(prompts, sp)] == want
     assert "paged_prefix_attention" in kernel_calls
+
+
+@needs_8
+def test_engine_programs_on_split_meshes_launch_the_kernel_per_device():
+    """Traced for sm_90 (as the compile gate traces them), Kimi-K2.5's speculative step (batch 64,
+    T = 4) launches the MLA kernel on each device's own share: data=8 its 8 rows of 64 heads x 4
+    tokens (4 row tiles), tensor=8 all 64 rows of its 8 heads x 4 tokens (one tile), data=2 x
+    expert=4 its 32 rows."""
+    from eagle3_jax.planning import compile_gate as gate
+    from pallas_kernels import launch, triton_call
+
+    for mesh, row_tiles, rows in (((8, 1, 1), 4, 8), ((1, 8, 1), 1, 64), ((2, 1, 4), 4, 32)):
+        launches = []
+        with launch.for_arch("sm_90"), triton_call.capturing(launches):
+            gate.trace_case(gate.Case(gate.CONFIGS[0], mesh, None, 64, 4, "spec_step"), "sm_90")
+        mla = {l.grid for l in launches if l.name == "eagle3_paged_prefix_attention_mla"}
+        assert {grid[:2] for grid in mla} == {(row_tiles, rows)}, (mesh, mla)

@@ -1,7 +1,9 @@
 """The compile gate: every Triton kernel the engine launches, compiled to GPU machine code.
 
 For each bundled full-size configuration (`tests/data`: Kimi-K2.5 int4 and MXFP4, DeepSeek-V3 FP8,
-MiniMax-M2.5 FP8, Llama-3.1-8B, each with its EAGLE-3 draft) on its documented meshes, in the
+MiniMax-M2.5 FP8, Llama-3.1-8B, each with its EAGLE-3 draft) on its documented meshes (Kimi-K2.5's
+include data-parallel attention, data=8 and data=2 x expert=4, where attention runs under
+shard_map on each device's rows), in the
 formats its checkpoints come in plus bfloat16 (and W4A8 for int4), the engine's own programs are
 built from shapes alone (`plan.abstract_setup` / `plan.trace_programs`: the plain decode step,
 the speculative step of a chain (T = 4) and of trees (T = 16 and T = KERNEL_MAX_TOKENS = 64), and a
@@ -14,8 +16,9 @@ with the `triton` package (pallas_kernels/isa.py). Identical launches compile on
 
 Float8 weights are e4m3fnuz on gfx942 (what the engine converts to there) and OCP e4m3fn
 elsewhere. Beside the configurations, `EXTRA` adds kernel forms no bundled config reaches: float8
-per-channel experts at Kimi-K2.5's per-device expert shapes, attention over 64-slot pages, and
-attention over FP8 KV pages.
+per-channel experts at Kimi-K2.5's per-device expert shapes, and MLA and GQA attention over 32-
+and 64-slot pages (the server's `--page_size`) in bfloat16 and over FP8 KV pages of 16, 32 and 64
+slots.
 
 `representative_cases` is the subset the default test run compiles: each configuration at its
 largest launched shape (T = 64, batch 64) on its first mesh, in each of its formats; and the extras.
@@ -65,9 +68,9 @@ class GateConfig:
 
 CONFIGS: tuple[GateConfig, ...] = (
     GateConfig("kimi-k2.5-int4", "kimi-k2.5.config.json", "kimi-k2.5-eagle3.draft.json",
-               ((1, 1, 8), (1, 2, 4), (1, 8, 1)), (None, "w4a8", "dequantize")),
+               ((1, 1, 8), (1, 2, 4), (1, 8, 1), (8, 1, 1), (2, 1, 4)), (None, "w4a8", "dequantize")),
     GateConfig("kimi-k2.5-int4-mla-draft", "kimi-k2.5.config.json", "kimi-k2.5-eagle3-mla.draft.json",
-               ((1, 1, 8),), (None,)),
+               ((1, 1, 8), (8, 1, 1)), (None,)),
     GateConfig("kimi-k2.5-mxfp4", "kimi-k2.5-mxfp4.config.json", "kimi-k2.5-eagle3.draft.json",
                ((1, 1, 4), (1, 2, 2), (1, 4, 1)), (None,)),
     GateConfig("deepseek-v3-fp8", "deepseek-v3.config.json", "deepseek-v3-eagle3.draft.json",
@@ -177,49 +180,38 @@ def _fp8_channel_experts(fnuz: bool, swiglu: bool) -> Callable[[str], tuple[Call
     return build
 
 
-def _large_pages(kind: str, page_size: int) -> Callable[[str], tuple[Callable, tuple]]:
-    """Prefix attention over pages larger than the engine's default 16 slots (the scheduler's
-    `page_size`): Kimi-K2.5's MLA (64 heads x T 4) or MiniMax-M2.5's GQA (8 KV heads, 6 x T 64 rows)."""
+def _paged(kind: str, page_size: int, fp8: bool) -> Callable[[str], tuple[Callable, tuple]]:
+    """Prefix attention over pages of `page_size` slots (the scheduler's `page_size`; the bundled
+    configurations run the default 16) in bfloat16 or FP8 (`kv_cache_dtype="fp8"`: float8 bits and a
+    float32 scale per slot per 128 lanes, in the architecture's flavour), an 8K context: Kimi-K2.5's
+    MLA (64 heads x T 4) or MiniMax-M2.5's GQA (8 KV heads, 6 x T 64 rows; T 16 over FP8 pages)."""
     def build(arch: str):
         sds = jax.ShapeDtypeStruct
-        batch, pages = 4, CONTEXT // page_size
+        batch, pages, fnuz = 4, CONTEXT // page_size, _fp8_format(arch) == "e4m3fnuz"
         table, lengths = sds((batch, pages), jnp.int32), sds((batch,), jnp.int32)
-        if kind == "mla":
-            args = (sds((batch, 1, 256, 512), jnp.bfloat16), sds((batch, 1, 256, 64), jnp.bfloat16),
-                    sds((2, batch * pages, page_size, 1, 512), jnp.bfloat16),
-                    sds((2, batch * pages, page_size, 1, 64), jnp.bfloat16), table, lengths)
-            return (lambda q, q2, lat, rope, t, n: paged_prefix_attention(q, lat, None, 1, t, n, scale=0.1, q2=q2,
-                                                                           k2_pool=rope)), args
-        pool = sds((2, batch * pages, page_size, 8, 128), jnp.bfloat16)
-        args = (sds((batch, 8, 6 * 64, 128), jnp.bfloat16), pool, pool, table, lengths)
-        return (lambda q, k, v, t, n: paged_prefix_attention(q, k, v, 1, t, n, scale=0.1)), args
-
-    return build
-
-
-def _fp8_pages(kind: str) -> Callable[[str], tuple[Callable, tuple]]:
-    """Prefix attention over FP8 pages (`kv_cache_dtype="fp8"`: float8 bits and a float32 scale per
-    slot per 128 lanes, in the architecture's flavour), at Kimi-K2.5's MLA (64 heads x T 4) and
-    MiniMax-M2.5's GQA (8 KV heads, 6 x T 16 rows) shapes, pages of 16 slots, an 8K context."""
-    def build(arch: str):
-        sds = jax.ShapeDtypeStruct
-        batch, pages, fnuz = 4, CONTEXT // 16, _fp8_format(arch) == "e4m3fnuz"
-        table, lengths = sds((batch, pages), jnp.int32), sds((batch,), jnp.int32)
+        heads = 1 if kind == "mla" else 8
 
         def pool(width):
-            return sds((2, batch * pages, 16, 1 if kind == "mla" else 8, width), jnp.uint8)
+            return sds((2, batch * pages, page_size, heads, width), jnp.uint8 if fp8 else jnp.bfloat16)
 
         def scales(width):
-            return sds((2, batch * pages, 16, 1 if kind == "mla" else 8, max(width // 128, 1)), jnp.float32)
+            return sds((2, batch * pages, page_size, heads, max(width // 128, 1)), jnp.float32)
 
         if kind == "mla":
-            args = (sds((batch, 1, 256, 512), jnp.bfloat16), sds((batch, 1, 256, 64), jnp.bfloat16), pool(512), pool(64),
-                    scales(512), scales(64), table, lengths)
+            q, q2 = sds((batch, 1, 256, 512), jnp.bfloat16), sds((batch, 1, 256, 64), jnp.bfloat16)
+            if not fp8:
+                return (lambda q, q2, lat, rope, t, n: paged_prefix_attention(
+                    q, lat, None, 1, t, n, scale=0.1, q2=q2, k2_pool=rope)), (q, q2, pool(512), pool(64), table, lengths)
             return (lambda q, q2, lat, rope, ls, rs, t, n: paged_prefix_attention(
-                q, lat, None, 1, t, n, scale=0.1, q2=q2, k2_pool=rope, scales=Fp8Scales(ls, k2=rs, fnuz=fnuz))), args
-        args = (sds((batch, 8, 6 * 16, 128), jnp.bfloat16), pool(128), pool(128), scales(128), scales(128), table, lengths)
-        return (lambda q, k, v, ks, vs, t, n: paged_prefix_attention(q, k, v, 1, t, n, scale=0.1,
-                                                                      scales=Fp8Scales(ks, vs, fnuz=fnuz))), args
+                q, lat, None, 1, t, n, scale=0.1, q2=q2, k2_pool=rope, scales=Fp8Scales(ls, k2=rs, fnuz=fnuz))), (
+                q, q2, pool(512), pool(64), scales(512), scales(64), table, lengths)
+        q = sds((batch, 8, 6 * (16 if fp8 else 64), 128), jnp.bfloat16)
+        if not fp8:
+            return (lambda q, k, v, t, n: paged_prefix_attention(q, k, v, 1, t, n, scale=0.1)), (
+                q, pool(128), pool(128), table, lengths)
+        return (lambda q, k, v, ks, vs, t, n: paged_prefix_attention(
+            q, k, v, 1, t, n, scale=0.1, scales=Fp8Scales(ks, vs, fnuz=fnuz))), (
+            q, pool(128), pool(128), scales(128), scales(128), table, lengths)
 
     return build
 
@@ -228,9 +220,8 @@ EXTRA: tuple[Extra, ...] = tuple(
     Extra(f"fp8_channel{'_fnuz' if fnuz else ''} experts {'gate/up' if swiglu else 'down'} (Kimi-K2.5 shapes)",
           _fp8_channel_experts(fnuz, swiglu))
     for fnuz in (False, True) for swiglu in (True, False)) + tuple(
-    Extra(f"{kind} attention over {page_size}-slot pages", _large_pages(kind, page_size))
-    for kind in ("mla", "gqa") for page_size in (64,)) + tuple(
-    Extra(f"{kind} attention over FP8 pages", _fp8_pages(kind)) for kind in ("mla", "gqa"))
+    Extra(f"{kind} attention over {page_size}-slot {'FP8' if fp8 else 'bfloat16'} pages", _paged(kind, page_size, fp8))
+    for kind in ("mla", "gqa") for fp8 in (False, True) for page_size in ((16, 32, 64) if fp8 else (32, 64)))
 
 
 def trace_extra(extra: Extra, arch: str) -> None:
