@@ -3,6 +3,7 @@
     python scripts/compile_gate.py                               # the representative subset (about a minute)
     python scripts/compile_gate.py --scope=full --json_out=benchmarks/results/compile-gate.json \\
         --markdown_out=benchmarks/results/compile-gate.md          # every configuration, mesh, format, T, batch
+    python scripts/compile_gate.py --json_in=gfx942.json,sm_90.json --json_out=... # parts (--archs runs) as one record
 
 For each bundled full-size configuration on its documented meshes (eagle3_jax/planning/compile_gate.py
 lists them) the engine's own programs are traced for each architecture (gfx942 = MI300X / MI325X,
@@ -37,40 +38,62 @@ flags.DEFINE_enum("scope", "representative", ["representative", "full"],
                   "format x batch (1, 64) x tokens (1, 4, 16, 64) and a prefill chunk.")
 flags.DEFINE_list("archs", ["gfx942", "gfx950", "sm_90"], "Architectures to compile for (gfx942, gfx950, sm_90, sm_100).")
 flags.DEFINE_list("configs", [], "Only these configurations (names as printed; default: all).")
+flags.DEFINE_list("json_in", [], "Compile nothing: merge these --json_out records (e.g. one per --archs run) into "
+                  "one, written to --json_out / --markdown_out.")
 flags.DEFINE_string("json_out", None, "Also write every row as JSON here.")
 flags.DEFINE_string("markdown_out", None, "Also write the tables as Markdown here.")
 cli.define_overwrite_flag("--json_out / --markdown_out")
 
 
-def _table(rows) -> list[str]:
+def _shape(row: dict) -> str:
+    return " ".join(f"{k}={v}" for k, v in row["constexprs"].items() if k != "INTERPRETED")
+
+
+def _table(rows: list[dict]) -> list[str]:
     lines = ["| arch | kernel | constexprs | warps/stages | regs | AGPR | spills (scratch / VGPR / ptxas) | shared B | "
              "occupancy | matrix instructions | launches | verdict |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in sorted(rows, key=lambda r: (r.arch, r.kernel, r.shape)):
-        rep = r.report
-        spills = (f"{rep.scratch_bytes or 0} / {rep.vgpr_spills or 0} / "
-                  f"{(rep.spill_store_bytes or 0) + (rep.spill_load_bytes or 0)}")
-        lines.append(f"| {r.arch} | {r.kernel} | {r.shape} | {rep.num_warps}/{rep.num_stages} | "
-                     f"{rep.registers} | {rep.agprs if rep.agprs is not None else '-'} | {spills} | {rep.shared_bytes} | "
-                     f"{rep.occupancy} | {', '.join(rep.matrix_instructions) or '-'} | {len(r.launches)} | "
-                     f"{'ok' if not r.problems else '; '.join(r.problems)} |")
+    for r in sorted(rows, key=lambda r: (r["arch"], r["kernel"], _shape(r))):
+        spills = (f"{r['scratch_bytes'] or 0} / {r['vgpr_spills'] or 0} / "
+                  f"{(r['spill_store_bytes'] or 0) + (r['spill_load_bytes'] or 0)}")
+        lines.append(f"| {r['arch']} | {r['kernel']} | {_shape(r)} | {r['num_warps']}/{r['num_stages']} | "
+                     f"{r['registers']} | {r['agprs'] if r['agprs'] is not None else '-'} | {spills} | "
+                     f"{r['shared_bytes']} | {r['occupancy']} | {', '.join(r['matrix_instructions']) or '-'} | "
+                     f"{len(r['launches'])} | {'ok' if not r['problems'] else '; '.join(r['problems'])} |")
     return lines
 
 
-def _summary(rows) -> list[str]:
+def _summary(rows: list[dict]) -> list[str]:
     """Per kernel and architecture: the worst occupancy, the most registers and shared memory."""
     worst = collections.defaultdict(list)
     for r in rows:
-        worst[(r.kernel, r.arch)].append(r)
+        worst[(r["kernel"], r["arch"])].append(r)
     lines = ["| kernel | arch | distinct launches | worst occupancy | max regs | max shared B | all pass |",
              "|---|---|---|---|---|---|---|"]
     for (name, arch), group in sorted(worst.items()):
-        occ = [g.report.occupancy for g in group if g.report.occupancy is not None]
-        regs = [g.report.registers for g in group if g.report.registers is not None]
-        shared = [g.report.shared_bytes for g in group if g.report.shared_bytes is not None]
+        occ = [g["occupancy"] for g in group if g["occupancy"] is not None]
+        regs = [g["registers"] for g in group if g["registers"] is not None]
+        shared = [g["shared_bytes"] for g in group if g["shared_bytes"] is not None]
         lines.append(f"| {name} | {arch} | {len(group)} | {min(occ) if occ else '-'} | {max(regs) if regs else '-'} | "
-                     f"{max(shared) if shared else '-'} | {'yes' if all(not g.problems for g in group) else 'NO'} |")
+                     f"{max(shared) if shared else '-'} | {'yes' if all(not g['problems'] for g in group) else 'NO'} |")
     return lines
+
+
+def _merged(paths: list[str]) -> tuple[dict, list[dict]]:
+    """The header and rows of --json_in parts (one per architecture, say) as one record: each
+    part's command, date and seconds kept, in order."""
+    parts = []
+    for path in paths:
+        with open(path) as f:
+            parts.append(json.load(f))
+    header = {k: v for k, v in parts[0].items() if k != "rows"}
+    for key in ("date", "machine", "jax", "triton", "scope", "command", "seconds"):
+        values = [p[key] for p in parts]
+        same = len(parts) == 1 or key not in ("command", "seconds") and all(v == values[0] for v in values)
+        header[key] = values[0] if same else values
+    header["archs"] = [a for p in parts for a in p["archs"]]
+    header["merged"] = "python scripts/compile_gate.py " + " ".join(sys.argv[1:])
+    return header, [r for p in parts for r in p["rows"]]
 
 
 def main(argv):
@@ -85,9 +108,35 @@ def main(argv):
     unknown = [a for a in FLAGS.archs if a not in launch.ARCHS]
     if unknown:
         raise app.UsageError(f"--archs: unknown {', '.join(unknown)}; known: {', '.join(launch.ARCHS)}")
+    missing = [p for p in FLAGS.json_in if not os.path.isfile(p)]
+    if missing:
+        raise app.UsageError(f"--json_in: no such file {', '.join(missing)}")
+    if FLAGS.json_in:
+        header, rows = _merged(FLAGS.json_in)
+    else:
+        header, rows = _compile()
+    failed = [r for r in rows if r["problems"]]
+    tables = ["## Per kernel and architecture", "", *_summary(rows), "", "## Every distinct kernel", "", *_table(rows)]
+    print("\n".join(tables))
+    print(f"\n{len(rows)} distinct kernels; {len(failed)} fail")
+    if FLAGS.json_out:
+        cli.write_output("--json_out", FLAGS.json_out, json.dumps({**header, "rows": rows}, indent=1))
+    if FLAGS.markdown_out:
+        cli.write_output("--markdown_out", FLAGS.markdown_out, "# Compile gate\n\n" + "\n".join(
+            f"- {k}: {v}" for k, v in header.items()) + "\n\n" + "\n".join(tables) + "\n")
+    if failed:
+        for r in failed:
+            print(f"FAIL {r['arch']} {r['kernel']} {_shape(r)}: {'; '.join(r['problems'])} (e.g. {r['launches'][0]})",
+                  file=sys.stderr)
+        sys.exit(1)
+
+
+def _compile() -> tuple[dict, list[dict]]:
+    """Trace and compile the scope's programs: the record's header and its rows."""
     import jax
 
     from eagle3_jax.planning import compile_gate as gate
+    from pallas_kernels import isa
 
     configs = gate.CONFIGS
     if FLAGS.configs:
@@ -103,25 +152,11 @@ def main(argv):
     t0 = time.perf_counter()
     rows = gate.run_gate(items, FLAGS.archs, progress=lambda line: print("  " + line, flush=True))
     seconds = time.perf_counter() - t0
-    failed = [r for r in rows if r.problems]
-    tables = ["## Per kernel and architecture", "", *_summary(rows), "", "## Every distinct kernel", "", *_table(rows)]
-    print("\n".join(tables))
-    print(f"\n{len(rows)} distinct kernels compiled in {seconds:.0f} s; {len(failed)} fail")
+    print(f"{len(rows)} distinct kernels compiled in {seconds:.0f} s")
     header = {"date": datetime.date.today().isoformat(), "machine": f"{platform.machine()} {os.cpu_count()} CPU cores",
               "jax": jax.__version__, "triton": isa.triton_version(), "scope": FLAGS.scope, "archs": FLAGS.archs,
               "command": "python scripts/compile_gate.py " + " ".join(sys.argv[1:]), "seconds": round(seconds, 1)}
-    if FLAGS.json_out:
-        cli.write_output("--json_out", FLAGS.json_out, json.dumps({**header, "rows": [r.as_dict() for r in rows]},
-                                                                   indent=1))
-    if FLAGS.markdown_out:
-        cli.write_output("--markdown_out", FLAGS.markdown_out, "# Compile gate\n\n" + "\n".join(
-            f"- {k}: {v}" for k, v in header.items()) + "\n\n" + "\n".join(tables) + "\n")
-    if failed:
-        for r in failed:
-            print(f"FAIL {r.arch} {r.kernel} {r.shape}: {'; '.join(r.problems)} (e.g. {r.launches[0]})",
-                  file=sys.stderr)
-        sys.exit(1)
-
+    return header, [r.as_dict() for r in rows]
 
 if __name__ == "__main__":
     cli.run(main)

@@ -134,6 +134,38 @@ def test_launches_compile_as_jax_triton_specialises_them(arch, monkeypatch):
     assert gate._launch_key(wide) == gate._launch_key(dataclasses.replace(wide, scalars=(("n", 32), ("stride", 3))))
 
 
+def test_parts_merge_into_one_record(tmp_path):
+    """`--json_in`: records of separate `--archs` runs become one, their rows and commands kept; a
+    failing row still fails the merged record."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    report = isa.CompileReport("k", "gfx942", 4, 2, registers=40, shared_bytes=1024, occupancy=8,
+                               matrix_instructions=("v_mfma",)).as_row()
+    parts = []
+    for arch, problems in (("gfx942", []), ("sm_90", ["spills 8 B"])):
+        row = {**report, "arch": arch, "constexprs": {"BLOCK": 16}, "grid": [1], "problems": problems,
+               "passes": not problems, "launches": [f"case {arch}"]}
+        parts.append(tmp_path / f"{arch}.json")
+        parts[-1].write_text(json.dumps({"date": "2026-12-02", "machine": "m", "jax": "j", "triton": "t", "scope": "full",
+                                         "archs": [arch], "command": f"gate --archs={arch}", "seconds": 1.0,
+                                         "rows": [row]}))
+    out = tmp_path / "merged.json"
+    r = subprocess.run([sys.executable, os.path.join(root, "scripts", "compile_gate.py"),
+                        f"--json_in={parts[0]},{parts[1]}", f"--json_out={out}",
+                        f"--markdown_out={tmp_path / 'merged.md'}"], capture_output=True, text=True, cwd=root,
+                       env=dict(os.environ, PYTHONPATH=root), timeout=300)
+    assert r.returncode == 1 and "FAIL sm_90 k BLOCK=16: spills 8 B" in r.stderr, r.stderr[-2000:]
+    merged = json.loads(out.read_text())
+    assert merged["archs"] == ["gfx942", "sm_90"] and merged["date"] == "2026-12-02"
+    assert merged["command"] == ["gate --archs=gfx942", "gate --archs=sm_90"] and merged["seconds"] == [1.0, 1.0]
+    assert [row["arch"] for row in merged["rows"]] == ["gfx942", "sm_90"]
+    assert "| k | sm_90 | 1 | 8 | 40 | 1024 | NO |" in (tmp_path / "merged.md").read_text()
+
+
 def test_launch_table_covers_every_form_and_architecture():
     for form in launch.FORMS:
         for arch in (*launch.ARCHS, launch.DEFAULT):
