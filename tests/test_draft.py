@@ -5,12 +5,16 @@ The reference below is written from the HF `LlamaForCausalLMEagle3` description 
 layout), in float64 NumPy, and shares no code with `eagle3_jax`:
 
     h = aux @ fc.T; e = embed[x]
+        (EAGLE 3.1, as vLLM's deepseek_eagle3.py / SpecForge define it: with norm_before_fc,
+        aux = input_norm(aux) over the whole concatenation; with fc_norm, each of the three
+        target-width chunks of aux through its own fc_norm.{i} first)
     layer 0 ("midlayer"): residual = h (hidden_norm(h) with norm_before_residual)
         a_in = concat(input_layernorm(e), hidden_norm(h))            [2H]
         h1 = residual + o_proj(attn(rope(q(a_in)), rope(k(a_in)), v(a_in)))
         h2 = h1 + down(silu(gate(post_attention_layernorm(h1))) * up(...))
     layers 1..: ordinary Llama decoder layers on the hidden stream
     logits = norm(h_final) @ lm_head.T                                 [draft_vocab]
+    handed on to the next draft step: h_final (norm(h_final) with norm_output)
 
 MLA drafts (`Eagle3DeepseekV2ForCausalLM`) have their own reference below (section 1b).
 """
@@ -98,10 +102,24 @@ def np_mlp(x, w, p):
     return (g / (1 + np.exp(-g)) * u) @ w[p + "mlp.down_proj.weight"].T
 
 
+def np_features(w: dict, c: dict, aux: np.ndarray) -> np.ndarray:
+    """The concatenated target features [T, 3 Ht] as fc reads them: through input_norm
+    (norm_before_fc), then each feature through its fc_norm (EAGLE 3.1)."""
+    eps = c["rms_norm_eps"]
+    aux = np.asarray(aux, np.float64)
+    if c.get("norm_before_fc"):
+        aux = np_rms(aux, w["input_norm.weight"], eps)
+    if c.get("fc_norm"):
+        aux = np.concatenate([np_rms(part, w[f"fc_norm.{i}.weight"], eps)
+                              for i, part in enumerate(np.split(aux, 3, axis=-1))], axis=-1)
+    return aux
+
+
 def np_draft_logits(w: dict, c: dict, target_embed: np.ndarray, ids: np.ndarray, aux: np.ndarray,
-                    attention=None) -> np.ndarray:
+                    attention=None, handed: bool = False) -> np.ndarray:
     """float64 reference of a draft pass; `attention(x, w, prefix, c)` is the layers' attention
-    (default: np_attention, the Llama layer)."""
+    (default: np_attention, the Llama layer). `handed`: return the hidden the pass hands on
+    instead of the logits."""
     attention = attention or np_attention
     w = {k: np.asarray(v, np.float64) for k, v in w.items()}
     eps = c["rms_norm_eps"]
@@ -109,7 +127,7 @@ def np_draft_logits(w: dict, c: dict, target_embed: np.ndarray, ids: np.ndarray,
     p0 = "midlayer." if any(k.startswith("midlayer.") for k in w) else "layers.0."
     out = []
     for b in range(ids.shape[0]):
-        h = np.asarray(aux[b], np.float64) @ w["fc.weight"].T
+        h = np_features(w, c, aux[b]) @ w["fc.weight"].T
         e = embed[ids[b]]
         normed = np_rms(h, w[p0 + "hidden_norm.weight"], eps)
         residual = normed if c.get("norm_before_residual") else h
@@ -120,7 +138,9 @@ def np_draft_logits(w: dict, c: dict, target_embed: np.ndarray, ids: np.ndarray,
             p = f"layers.{i}."
             h1 = x + attention(np_rms(x, w[p + "input_layernorm.weight"], eps), w, p, c)
             x = h1 + np_mlp(np_rms(h1, w[p + "post_attention_layernorm.weight"], eps), w, p)
-        out.append(np_rms(x, w["norm.weight"], eps) @ w["lm_head.weight"].T)
+        normed = np_rms(x, w["norm.weight"], eps)
+        post_norm = c.get("norm_output") or (c.get("eagle_config") or {}).get("return_hidden_post_norm")
+        out.append(((normed if post_norm else x) if handed else normed @ w["lm_head.weight"].T))
     return np.stack(out)
 
 
@@ -168,6 +188,10 @@ def _hf_draft_weights(c: dict, seed: int, with_embed: bool, spelling: str, d2t, 
         return (1 + 0.1 * rng.standard_normal(n)).astype(np.float32)
 
     w = {"fc.weight": mat(h, 3 * target_h), "norm.weight": norm(h), "lm_head.weight": mat(vd, h)}
+    if c.get("norm_before_fc"):
+        w["input_norm.weight"] = norm(3 * target_h)
+    if c.get("fc_norm"):
+        w.update({f"fc_norm.{i}.weight": norm(target_h) for i in range(3)})
     if with_embed:
         w["embed_tokens.weight"] = rng.standard_normal((c["vocab_size"], h)).astype(np.float32)
     for i in range(c["num_hidden_layers"]):
@@ -246,6 +270,10 @@ VARIANTS = {
     "wide_draft_head_dim": (dict(hidden_size=48, target_hidden_size=TARGET_H, head_dim=16), True, "midlayer", None),
     "aux_ids": (dict(eagle_config={"eagle_aux_hidden_state_layer_ids": [0, 1, 2]}), True, "layers", 4),
     "norm_before_residual": (dict(norm_before_residual=True), True, "midlayer", None),
+    "eagle3.1": (dict(fc_norm=True, norm_output=True), True, "midlayer", None),
+    "eagle3.1_norm_before_fc_two_layers": (dict(fc_norm=True, norm_output=True, norm_before_fc=True,
+                                                 num_hidden_layers=2), False, "layers", None),
+    "post_norm_feedback_trtllm": (dict(eagle_config={"return_hidden_post_norm": True}), True, "midlayer", None),
     "llama3_rope": (dict(rope_scaling=LLAMA3_ROPE, head_dim=16, rope_theta=10000.0), False, "midlayer", None),
 }
 
@@ -267,7 +295,7 @@ def test_draft_forward_matches_numpy_reference(name, tmp_path):
     assert draft.config.draft_vocab_size == c.get("draft_vocab_size", VOCAB)
     assert draft.config.norm_before_residual == bool(c.get("norm_before_residual", False))
     assert draft.config.layers.num_layers == c["num_hidden_layers"]
-    if "eagle_config" in c:  # SpecForge/vLLM "output of layer i" = HF hidden_states[i + 1]
+    if "eagle_aux_hidden_state_layer_ids" in c.get("eagle_config", {}):  # "output of layer i" = hidden_states[i + 1]
         assert draft.config.aux_layer_ids == (1, 2, 3)
         assert draft.aux_layer_ids == (1, 2, 3) and target.config.aux_layer_ids == (2, 2, 1)  # the target untouched
     else:
@@ -283,10 +311,26 @@ def test_draft_forward_matches_numpy_reference(name, tmp_path):
     # a model that clamped them, so a match over all T positions already shows it; check the
     # tail explicitly too.
     assert rel_err(got[:, 16:], want[:, 16:]) <= 1e-5
+    # the hidden each pass hands to the next draft step (after the final norm for EAGLE 3.1)
+    want_hidden = np_draft_logits(w, c, np.asarray(target.params["embed"]), ids, aux, handed=True)
+    assert rel_err(handed_hidden(draft, ids, aux), want_hidden) <= 1e-5
     if c.get("draft_vocab_size"):
         np.testing.assert_array_equal(np.asarray(draft.params["d2t"]), d2t)
     else:  # full vocab: no d2t, draft ids are target ids
         assert "d2t" not in draft.params
+
+
+def handed_hidden(draft, ids, aux) -> np.ndarray:
+    """The hidden a causal draft pass over `ids` / `aux` hands on, as the engine's extend gets it."""
+    cfg, params = draft.config, draft.params
+    b, t = ids.shape
+    cache = kv_cache.init_cache(cfg.layers, b, t, jnp.float32)
+    visible = kv_cache.Visible(cache.lengths, kv_cache.causal_mask(b, t))
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    features = draft_lib.project_features(params, cfg, jnp.asarray(aux, jnp.float32))
+    _, hidden, _ = draft_lib.draft_forward(params, cfg, params["embed"][jnp.asarray(ids)], features, positions, cache,
+                                           visible)
+    return np.asarray(hidden)
 
 
 def test_aux_ids_follow_output_of_layer_convention():
@@ -547,8 +591,9 @@ def np_mla_attention(a_in, w, p, c):
     return np.einsum("hts,shd->thd", probs, v).reshape(t, nh * dv) @ w[p + "self_attn.o_proj.weight"].T
 
 
-def np_mla_draft_logits(w: dict, c: dict, target_embed: np.ndarray, ids: np.ndarray, aux: np.ndarray) -> np.ndarray:
-    return np_draft_logits(w, c, target_embed, ids, aux, attention=np_mla_attention)
+def np_mla_draft_logits(w: dict, c: dict, target_embed: np.ndarray, ids: np.ndarray, aux: np.ndarray,
+                        handed: bool = False) -> np.ndarray:
+    return np_draft_logits(w, c, target_embed, ids, aux, attention=np_mla_attention, handed=handed)
 
 
 MLA_VARIANTS = {
@@ -559,6 +604,10 @@ MLA_VARIANTS = {
     "kimi_k2_layout": (dict(model_type="kimi_k2", architectures=["Eagle3DeepseekV3ForCausalLM"], rope_scaling=KIMI_YARN,
                             rope_theta=50000.0, eagle_config={"eagle_aux_hidden_state_layer_ids": [0, 1, 2]}),
                        True, "midlayer", 4),
+    # lightseekorg/kimi-k2.6-eagle3.1-mla's layout: one MLA layer, both EAGLE 3.1 switches on, the
+    # aux ids in the input-to-layer convention
+    "kimi_k26_eagle31": (dict(model_type="kimi_k2", architectures=["Eagle3DeepseekV3ForCausalLM"], rope_scaling=KIMI_YARN,
+                              rope_theta=50000.0, fc_norm=True, norm_output=True), True, "midlayer", None),
 }
 
 
@@ -587,6 +636,8 @@ def test_mla_draft_forward_matches_numpy_reference(name, tmp_path):
     assert rel_err(got, want) <= 1e-5, rel_err(got, want)
     short = draft.logits(ids[:, :12], aux[:, :12])  # 12 pairs: the absorbed form (decode / verify sizes)
     assert rel_err(short, want[:, :12]) <= 1e-5, rel_err(short, want[:, :12])
+    want_hidden = np_mla_draft_logits(w, c, np.asarray(target.params["embed"]), ids, aux, handed=True)
+    assert rel_err(handed_hidden(draft, ids, aux), want_hidden) <= 1e-5
 
 
 def test_mla_draft_with_llama_attention_weights_is_refused(tmp_path):
@@ -700,7 +751,12 @@ BAD = {
     "missing_d2t": (dict(draft_vocab_size=40), True, _drop("d2t"), CheckpointError, "no d2t"),
     "architecture": (dict(architectures=["MedusaModel"]), True, None, ConfigError, "architecture 'MedusaModel'"),
     "draft_vocab_too_big": (dict(draft_vocab_size=80), True, None, ConfigError, "draft_vocab_size=80"),
-    "fc_norm_variant": (dict(fc_norm=True), True, None, ConfigError, "fc_norm=true"),
+    "fc_norm_without_its_weights": (dict(fc_norm=True), True, _drop("fc_norm.1.weight"), CheckpointError,
+                                    "missing tensor 'fc_norm.1'"),
+    "fc_norm_weights_without_the_switch": (dict(), True, _add("fc_norm.0.weight", np.ones(TARGET_H, np.float32)),
+                                           CheckpointError, "does not use.*fc_norm"),
+    "switch_not_a_boolean": (dict(norm_output="yes"), True, None, ConfigError, "norm_output must be true or false"),
+    "four_feature_layers": (dict(num_aux_hidden_states=4), True, None, ConfigError, "num_aux_hidden_states=4"),
     "no_embed_and_other_hidden": (dict(hidden_size=48, target_hidden_size=TARGET_H), False, None, CheckpointError,
                                   "no embed_tokens"),
 }

@@ -4,13 +4,17 @@ refused or rewritten, and a short run that trains, resumes and exports a loadabl
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 
 import numpy as np
 import pytest
 
 import eagle3_jax as e3
+from eagle3_jax.models import draft as draft_lib
 from eagle3_jax.train import draft_run
+from eagle3_jax.train.draft_model import assembled_params
 from eagle3_jax.train.data import Example, FeatureStore
 from eagle3_jax.train.trainer import TrainConfig
 from random_models import FAMILIES, random_target
@@ -101,3 +105,26 @@ def test_a_short_run_trains_resumes_and_exports_a_loadable_draft(target, tmp_pat
     logs.clear()
     assert again.fit(draft_run.train_batches(target, data, RECIPE), progress=False, log=logs.append) == []
     assert logs == ["all 4 steps were trained before; nothing left to train"]
+
+
+def test_an_eagle31_draft_trains_exports_and_reloads_as_it_trained(target, tmp_path):
+    """fc_norm, norm_output and norm_before_fc on: the trained draft's export carries the switches
+    and their weights, and the reloaded draft gives the logits the trained parameters give."""
+    recipe = dataclasses.replace(RECIPE, fc_norm=True, norm_output=True, norm_before_fc=True)
+    data = draft_run.prepare_data(_examples(12), 64, recipe)
+    tc = TrainConfig(epochs=1, learning_rate=3e-3, warmup_steps=1, compute_dtype="float32")
+    training = draft_run.DraftTraining(target, data, recipe, tc)
+    training.fit(draft_run.train_batches(target, data, recipe), progress=False, log=lambda _: None)
+    out = training.export(str(tmp_path / "draft"), dtype="float32")
+    with open(os.path.join(out, "config.json")) as f:
+        raw = json.load(f)
+    assert raw["fc_norm"] is raw["norm_output"] is raw["norm_before_fc"] is True
+    draft = e3.load_draft(out, target=target, dtype="float32")
+    assert draft.config.fc_norm and draft.config.norm_output and draft.config.norm_before_fc
+    assert not np.allclose(np.asarray(draft.params["fc_norm.0"]), 1.0)  # trained, not left at its init
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, 64, (1, 6))
+    aux = rng.standard_normal((1, 6, 3 * target.config.hidden_size)).astype(np.float32)
+    trained = assembled_params(training.trainer.state.params, training.frozen)
+    want = draft_lib.Draft(training.config, trained, np.dtype(np.float32), target).logits(ids, aux)
+    np.testing.assert_allclose(draft.logits(ids, aux), want, rtol=1e-5, atol=1e-5)

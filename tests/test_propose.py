@@ -32,7 +32,7 @@ def causal_draft(draft, hidden_in, tokens):
 
 def reference_tree(draft, feats, next_tokens, root_token, spec):
     """EAGLE-2 expansion by brute force for one row."""
-    base_h = list(project_features(draft.params, jnp.asarray(feats)))
+    base_h = list(project_features(draft.params, draft.config, jnp.asarray(feats)))
     base_t = [int(x) for x in next_tokens]
     logits, g = causal_draft(draft, base_h, base_t)
     k = spec.topk

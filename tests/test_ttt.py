@@ -17,18 +17,23 @@ from eagle3_jax.models.draft import project_features
 from eagle3_jax.train.ttt import ttt_loss, ttt_unroll
 
 
-@pytest.mark.parametrize("arch", ["llama", "mla"])
-def test_ttt_steps_equal_chain_inference_unroll(arch):
-    """Every step k at every origin equals a plain causal draft pass over the chain."""
+EAGLE31 = dict(fc_norm=True, norm_output=True, norm_before_fc=True)
+
+
+@pytest.mark.parametrize("arch,switches", [("llama", {}), ("mla", {}), ("llama", EAGLE31), ("mla", EAGLE31)],
+                         ids=["llama", "mla", "llama-eagle3.1", "mla-eagle3.1"])
+def test_ttt_steps_equal_chain_inference_unroll(arch, switches):
+    """Every step k at every origin equals a plain causal draft pass over the chain (with EAGLE
+    3.1's switches, the feature norms and the post-norm hidden handed on, as serving runs them)."""
     target = random_target(FAMILIES["llama"])
     make_config = mla_draft_config_dict if arch == "mla" else draft_config_dict
-    draft = random_draft(target, make_config(target.config, num_layers=2))
+    draft = random_draft(target, make_config(target.config, num_layers=2, **switches))
     rng = np.random.default_rng(0)
     t, steps = 9, 3
     aux = rng.standard_normal((1, t, 3 * target.config.hidden_size)).astype(np.float32)
     tokens = rng.integers(0, 64, (1, t)).astype(np.int32)
     got = [np.asarray(x[0]) for x in ttt_unroll(draft.params, draft.config, jnp.asarray(aux), jnp.asarray(tokens), steps)]
-    feats = list(project_features(draft.params, jnp.asarray(aux[0])))
+    feats = list(project_features(draft.params, draft.config, jnp.asarray(aux[0])))
     for origin in range(t - steps):
         hs = feats[: origin + 1]
         ts = [int(x) for x in tokens[0, 1: origin + 2]]

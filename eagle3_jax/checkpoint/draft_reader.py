@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 
 import ml_dtypes
 import numpy as np
@@ -75,6 +76,11 @@ def _map_draft_key(key: str) -> str | None:
     }
     if key in renames:
         return renames[key]
+    if key == "input_norm.weight":  # norm_before_fc
+        return "input_norm"
+    feature_norm = re.fullmatch(r"fc_norm\.(\d+)\.weight", key)  # EAGLE 3.1's fc_norm
+    if feature_norm:
+        return f"fc_norm.{feature_norm.group(1)}"
     if key.startswith("layers."):
         _, idx, rest = key.split(".", 2)
         sub = {

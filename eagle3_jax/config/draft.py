@@ -25,6 +25,12 @@ class DraftConfig:
     aux_layer_ids: tuple[int, ...] | None  # target hidden_states indices; None = target's default
     norm_before_residual: bool = False
     quant: QuantConfig | None = None  # AMD Quark ptpc_fp8 drafts: per-channel FP8 layer weights
+    # EAGLE 3.1 and its kin (models/draft.py): an RMSNorm over the concatenated features before fc
+    # (`input_norm`), one per feature (`fc_norm.{i}`, EAGLE 3.1), and the hidden handed to the next
+    # draft step taken after the final norm
+    norm_before_fc: bool = False
+    fc_norm: bool = False
+    norm_output: bool = False
 
     @property
     def hidden_size(self) -> int:
@@ -58,10 +64,6 @@ def parse_draft_config(raw: dict) -> DraftConfig:
             "(Llama-layer and MLA-layer EAGLE-3 drafts)"
         )
     mla = arch in MLA_ARCHITECTURES
-    for variant in ("fc_norm", "norm_output"):  # vLLM options that change the draft's inputs / outputs
-        if raw.get(variant):
-            raise ConfigError(f"draft config sets {variant}=true, a variant not supported here; supported: EAGLE-3 drafts "
-                              "that feed fc(features) and hand on the hidden state before the final norm")
     body = dict(raw, model_type="deepseek_v3" if mla else "llama")
     quant = _parse_draft_quant(body.pop("quantization_config", None))
     if mla:  # dense MLA decoder layers: no routed experts, whatever MoE fields the config carries
@@ -72,19 +74,39 @@ def parse_draft_config(raw: dict) -> DraftConfig:
     if not 0 < draft_vocab <= vocab:
         raise ConfigError(f"draft_vocab_size={draft_vocab} must be in [1, vocab_size={vocab}]")
     eagle = raw.get("eagle_config") or {}
+    if not isinstance(eagle, dict):
+        raise ConfigError(f"draft config eagle_config must be a JSON object; got {type(eagle).__name__}")
     ids = eagle.get("eagle_aux_hidden_state_layer_ids")
     if ids is not None:
         if len(ids) != 3:
             raise ConfigError(f"eagle_aux_hidden_state_layer_ids must list 3 target layers; got {ids}")
         ids = tuple(int(i) + 1 for i in ids)
+    features = raw.get("num_aux_hidden_states")
+    if features is not None and features != 3:
+        raise ConfigError(f"draft config num_aux_hidden_states={features}: drafts here read 3 target feature layers")
     return DraftConfig(
         layers=layers,
         draft_vocab_size=draft_vocab,
         target_hidden_size=int(raw.get("target_hidden_size") or layers.hidden_size),
         aux_layer_ids=ids,
-        norm_before_residual=bool(raw.get("norm_before_residual", False)),
+        norm_before_residual=_switch(raw, "norm_before_residual"),
         quant=quant,
+        # vLLM reads norm_before_fc from eagle_config too (NVIDIA's checkpoints put it there), and
+        # TensorRT-LLM names post-norm feedback eagle_config.return_hidden_post_norm
+        norm_before_fc=_switch(raw, "norm_before_fc") or _switch(eagle, "norm_before_fc", "eagle_config."),
+        fc_norm=_switch(raw, "fc_norm"),
+        norm_output=_switch(raw, "norm_output") or _switch(eagle, "return_hidden_post_norm", "eagle_config."),
     )
+
+
+def _switch(raw: dict, key: str, where: str = "") -> bool:
+    """A boolean config switch (absent or null: False); anything but a boolean is an error."""
+    value = raw.get(key)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise ConfigError(f"draft config {where}{key} must be true or false; got {value!r}")
+    return value
 
 
 def _parse_draft_quant(raw) -> QuantConfig | None:

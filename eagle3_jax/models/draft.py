@@ -18,6 +18,15 @@ attention itself is attention.mla_block, the target's code (XLA or the Triton ke
 Alignment: draft position t pairs the target feature at t with the embedding of token x_{t+1}
 and predicts x_{t+2}. Its output hidden (before the final norm) stands in for the target feature
 at t+1 when the draft runs ahead of the target.
+
+EAGLE 3.1 (vLLM's `fc_norm` / `norm_output`, SpecForge, TensorRT-LLM) and its kin, each a config
+switch (config/draft.py):
+- `norm_before_fc`: one RMSNorm (`input_norm`) over the concatenated features before fc;
+- `fc_norm`: an RMSNorm of its own (`fc_norm.{i}`, the target's width, the draft's eps) on each of
+  the three features before they are concatenated (after `input_norm` when both are set);
+- `norm_output` (TensorRT-LLM: `eagle_config.return_hidden_post_norm`): the hidden a draft pass
+  hands to the next step (and keeps as a tree's root) is the final norm's output rather than the
+  residual before it; the logits are the same either way.
 """
 
 from __future__ import annotations
@@ -36,7 +45,7 @@ from ..checkpoint.draft_reader import read_draft_checkpoint
 from ..checkpoint.errors import CheckpointError
 from ..config.draft import DraftConfig, check_fits_target, parse_draft_config  # noqa: F401 (the draft's config, re-exported)
 from ..config.model import ConfigError
-from ..weights.params import draft_specs  # noqa: F401 (the draft's layout, re-exported)
+from ..weights.params import draft_specs, feature_norm_names  # noqa: F401 (draft_specs: the draft's layout, re-exported)
 from ..weights.quant import PRECISION, QArray, linear
 from .attention import gqa_block, mla_block
 from .layers import rms_norm, swiglu
@@ -54,7 +63,8 @@ def draft_forward(params: dict, cfg: DraftConfig, embeds: jax.Array, hidden: jax
     the draft's own previous output hidden; positions [B, T]; visible: the cache slots each pair
     sees (K/V of the new pairs are written at slots cache.lengths[b] + t; see attention.gqa_block).
     absorb: the MLA form (see target.forward; default: absorbed up to ABSORB_MAX_TOKENS new pairs).
-    Returns draft-vocab logits [B, T, Vd] (float32), output hidden [B, T, H], cache.
+    Returns draft-vocab logits [B, T, Vd] (float32), the hidden handed on [B, T, H] (before the
+    final norm; after it for `norm_output` drafts), cache.
     """
     lc = cfg.layers
     if absorb is None:
@@ -73,19 +83,29 @@ def draft_forward(params: dict, cfg: DraftConfig, embeds: jax.Array, hidden: jax
             attn, cache = gqa_block(p, lc, x, positions, cache, jnp.int32(layer), visible)
         h = residual + attn
         residual = h + swiglu(rms_norm(h, p["mlp_norm"], lc.rms_norm_eps), p["gate_proj"], p["up_proj"], p["down_proj"])
-    logits = draft_head(params, cfg, residual)
-    return logits, residual, cache
+    handed = rms_norm(residual, params["final_norm"], lc.rms_norm_eps) if cfg.norm_output else residual
+    return draft_head(params, cfg, handed), handed, cache
 
 
 def draft_head(params: dict, cfg: DraftConfig, hidden: jax.Array) -> jax.Array:
-    """Draft-vocab logits (float32) from draft output hiddens (final norm, then lm_head)."""
-    return linear(rms_norm(hidden, params["final_norm"], cfg.layers.rms_norm_eps), params["lm_head"],
-                  out_dtype=jnp.float32)
+    """Draft-vocab logits (float32) from the hiddens a draft pass hands on: final norm (already
+    applied for `norm_output` drafts), then lm_head."""
+    if not cfg.norm_output:
+        hidden = rms_norm(hidden, params["final_norm"], cfg.layers.rms_norm_eps)
+    return linear(hidden, params["lm_head"], out_dtype=jnp.float32)
 
 
-def project_features(params: dict, aux: jax.Array) -> jax.Array:
-    """fc: concatenated target features [.., 3 * Ht] -> draft hidden [.., H]."""
-    return jnp.matmul(aux.astype(params["fc"].dtype), params["fc"], precision=PRECISION)
+def project_features(params: dict, cfg: DraftConfig, aux: jax.Array) -> jax.Array:
+    """fc: concatenated target features [.., 3 * Ht] -> draft hidden [.., H], after the draft's
+    feature norms (`norm_before_fc`'s over the concatenation, then `fc_norm`'s per feature)."""
+    aux = aux.astype(params["fc"].dtype)
+    eps = cfg.layers.rms_norm_eps
+    if cfg.norm_before_fc:
+        aux = rms_norm(aux, params["input_norm"], eps)
+    if cfg.fc_norm:
+        weights = jnp.stack([params[name] for name in feature_norm_names(cfg) if name.startswith("fc_norm.")])
+        aux = rms_norm(aux.reshape(aux.shape[:-1] + weights.shape), weights, eps).reshape(aux.shape)
+    return jnp.matmul(aux, params["fc"], precision=PRECISION)
 
 
 def draft_to_target_ids(params: dict, draft_ids: jax.Array) -> jax.Array:
@@ -140,8 +160,8 @@ def _causal_draft_logits(params, cfg: DraftConfig, ids, aux, dtype):
     cache = kv_cache.init_cache(cfg.layers, b, t, dtype)
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     visible = kv_cache.Visible(cache.lengths, kv_cache.causal_mask(b, t))
-    logits, _, _ = draft_forward(params, cfg, params["embed"][ids], project_features(params, aux), positions, cache,
-                                 visible)
+    logits, _, _ = draft_forward(params, cfg, params["embed"][ids], project_features(params, cfg, aux), positions,
+                                 cache, visible)
     return logits
 
 
@@ -181,7 +201,7 @@ def _assemble(flat: dict[str, np.ndarray], cfg: DraftConfig, dt, target: Target)
             return jax.tree.map(jnp.asarray, a)
         return jnp.asarray(np.asarray(a, np.float32), dt)
 
-    params = {"fc": cast(flat["fc"]), "final_norm": cast(flat["final_norm"]), "lm_head": cast(flat["lm_head"])}
+    params = {name: cast(flat[name]) for name in ("fc", "final_norm", "lm_head", *feature_norm_names(cfg))}
     if "embed" in flat:
         params["embed"] = cast(flat["embed"])
     else:

@@ -38,7 +38,7 @@ class DraftTree:
 @struct.dataclass
 class DraftRoot:
     token: jax.Array  # [B] last emitted token: the next tree's root, not yet in the target cache
-    hidden: jax.Array  # [B, H] draft output hidden (before the final norm) of the last accepted pair
+    hidden: jax.Array  # [B, H] the hidden the draft handed on (draft.draft_forward) for the last accepted pair
 
 
 def root_only(token: jax.Array) -> DraftTree:
@@ -81,7 +81,7 @@ def draft_extend(params: dict, cfg: DraftConfig, cache: kv_cache.KVCache, featur
     positions = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
     visible = kv_cache.Visible(cache.lengths, kv_cache.causal_mask(b, t))
     embeds = params["embed"][next_tokens]
-    logits, hidden, cache = draft_forward(params, cfg, embeds, project_features(params, features), positions, cache,
+    logits, hidden, cache = draft_forward(params, cfg, embeds, project_features(params, cfg, features), positions, cache,
                                           visible, absorb)
     last = (n_valid - 1)[:, None]
     root_logits = jnp.take_along_axis(logits, last[:, :, None], axis=1)[:, 0]

@@ -34,12 +34,16 @@ class DraftRecipe:
     the target's whole vocabulary), `num_layers` decoder layers of `arch` ("llama" or "mla") with
     an MLP `intermediate_size` wide (0: 4 x hidden), a training-time-test unroll `ttt_steps` deep,
     batches of `batch_size` sequences, an `eval_fraction` share held out and `seed` for the data
-    order and the initial weights."""
+    order and the initial weights. `fc_norm`, `norm_output`, `norm_before_fc`: the EAGLE 3.1
+    switches (models/draft.py), which the training-time test follows as serving does."""
 
     vocab_size: int = 0
     arch: str = "llama"
     num_layers: int = 1
     intermediate_size: int = 0
+    fc_norm: bool = False
+    norm_output: bool = False
+    norm_before_fc: bool = False
     ttt_steps: int = 7
     batch_size: int = 16
     eval_fraction: float = 0.05
@@ -127,8 +131,10 @@ class DraftTraining:
     def __init__(self, target: Target, data: DraftData, recipe: DraftRecipe, tc: TrainConfig, *,
                  ckpt_dir: str | None = None, mesh: Mesh | None = None):
         self.target, self.data, self.recipe = target, data, recipe
-        self.config = new_draft_config(target.config, data.vocab, arch=recipe.arch, num_layers=recipe.num_layers,
-                                       intermediate_size=recipe.intermediate_size or None)
+        self.config = dataclasses.replace(
+            new_draft_config(target.config, data.vocab, arch=recipe.arch, num_layers=recipe.num_layers,
+                             intermediate_size=recipe.intermediate_size or None),
+            fc_norm=recipe.fc_norm, norm_output=recipe.norm_output, norm_before_fc=recipe.norm_before_fc)
         params, self.frozen = init_draft_params(self.config, target, data.vocab, seed=recipe.seed)
         self.steps_per_epoch = len(data.train_tokens) // recipe.batch_size
         self.trainer = Trainer(make_ttt_loss(self.config, data.vocab, recipe.ttt_steps), params, self.frozen, tc,

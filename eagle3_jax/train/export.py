@@ -143,8 +143,9 @@ def draft_config_json(cfg: DraftConfig, dtype: str = "bfloat16") -> dict:
         raw["bos_token_id"] = int(lc.bos_token_id)
     if lc.eos_token_ids:
         raw["eos_token_id"] = int(lc.eos_token_ids[0]) if len(lc.eos_token_ids) == 1 else list(lc.eos_token_ids)
-    if cfg.norm_before_residual:
-        raw["norm_before_residual"] = True
+    for switch in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output"):
+        if getattr(cfg, switch):  # written only when on: a reader that predates a switch then refuses nothing
+            raw[switch] = True
     if cfg.aux_layer_ids is not None:
         if len(cfg.aux_layer_ids) != 3 or min(cfg.aux_layer_ids) < 1:
             raise ValueError(
@@ -226,7 +227,7 @@ def hf_draft_tensors(cfg: DraftConfig, params: dict, vocab: DraftVocab | None, *
             _, idx, sub = name.split(".", 2)
             key = ("midlayer." if single else f"layers.{idx}.") + _LAYER_KEYS[sub]
         else:
-            key = _TOP_KEYS[name]
+            key = _TOP_KEYS.get(name) or f"{name}.weight"  # input_norm, fc_norm.{i}: their HF names
         tensors[key] = np.ascontiguousarray(arr.astype(out_dt))
 
     v, vd = cfg.vocab_size, cfg.draft_vocab_size

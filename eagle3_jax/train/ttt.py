@@ -74,7 +74,7 @@ def ttt_unroll(params: dict, cfg: DraftConfig, aux: jax.Array, tokens: jax.Array
     """Draft logits [B, T, Vd] (float32) for steps 0..num_steps-1 at every origin t."""
     lc = cfg.layers
     b, t = tokens.shape
-    hidden = project_features(params, aux)
+    hidden = project_features(params, cfg, aux)
     cache_k: list[list[jax.Array]] = [[] for _ in params["layers"]]  # per layer: step 0, then diagonal steps
     cache_v: list[list[jax.Array]] = [[] for _ in params["layers"]]
     outs = []
@@ -94,9 +94,9 @@ def ttt_unroll(params: dict, cfg: DraftConfig, aux: jax.Array, tokens: jax.Array
             attn = _ttt_attention(q, cache_k[layer][0], cache_v[layer][0], cache_k[layer][1:], cache_v[layer][1:], scale)
             h = residual + jnp.matmul(attn, p["o_proj"], precision=PRECISION)
             residual = h + swiglu(rms_norm(h, p["mlp_norm"], lc.rms_norm_eps), p["gate_proj"], p["up_proj"], p["down_proj"])
-        hidden = residual
-        outs.append(jnp.dot(rms_norm(hidden, params["final_norm"], lc.rms_norm_eps), params["lm_head"],
-                            preferred_element_type=jnp.float32, precision=PRECISION))
+        normed_out = rms_norm(residual, params["final_norm"], lc.rms_norm_eps)
+        hidden = normed_out if cfg.norm_output else residual  # what the next step reads, as in draft_forward
+        outs.append(jnp.dot(normed_out, params["lm_head"], preferred_element_type=jnp.float32, precision=PRECISION))
     return outs
 
 

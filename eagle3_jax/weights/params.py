@@ -252,6 +252,16 @@ def unstack_to_flat(tree: Mapping, cfg: ModelConfig) -> dict:
     return flat
 
 
+FEATURE_LAYERS = 3  # target feature layers an EAGLE-3 draft reads
+
+
+def feature_norm_names(cfg: DraftConfig) -> list[str]:
+    """The draft's norms over the target features before fc: `input_norm` (norm_before_fc) and
+    `fc_norm.{i}`, one per feature layer (fc_norm, EAGLE 3.1), in the order they apply."""
+    return (["input_norm"] if cfg.norm_before_fc else []) + (
+        [f"fc_norm.{i}" for i in range(FEATURE_LAYERS)] if cfg.fc_norm else [])
+
+
 def draft_specs(cfg: DraftConfig, with_embed: bool) -> dict[str, ParamSpec]:
     """Flat param layout of a draft; matrices [in, out] like the target's.
 
@@ -265,6 +275,9 @@ def draft_specs(cfg: DraftConfig, with_embed: bool) -> dict[str, ParamSpec]:
         "final_norm": ParamSpec((h,), ("norm",)),
         "lm_head": ParamSpec((h, cfg.draft_vocab_size), ("embed", "vocab")),
     }
+    for name in feature_norm_names(cfg):  # norm_before_fc: over the concatenation; fc_norm: per feature
+        width = 3 * cfg.target_hidden_size if name == "input_norm" else cfg.target_hidden_size
+        s[name] = ParamSpec((width,), ("norm",))
     if with_embed:
         s["embed"] = ParamSpec((cfg.vocab_size, h), ("vocab", "embed"))
     for layer in range(lc.num_layers):
