@@ -22,6 +22,7 @@ MLA drafts (`Eagle3DeepseekV2ForCausalLM`) have their own reference below (secti
 from __future__ import annotations
 
 import collections
+import dataclasses
 import datetime
 import json
 import math
@@ -268,7 +269,7 @@ VARIANTS = {
     "two_layers_layers_spelling": (dict(num_hidden_layers=2), True, "layers", None),
     "two_layers_midlayer_spelling": (dict(num_hidden_layers=2), False, "midlayer", None),
     "wide_draft_head_dim": (dict(hidden_size=48, target_hidden_size=TARGET_H, head_dim=16), True, "midlayer", None),
-    "aux_ids": (dict(eagle_config={"eagle_aux_hidden_state_layer_ids": [0, 1, 2]}), True, "layers", 4),
+    "aux_ids": (dict(eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 1, 2]}), True, "layers", 4),
     "norm_before_residual": (dict(norm_before_residual=True), True, "midlayer", None),
     "eagle3.1": (dict(fc_norm=True, norm_output=True), True, "midlayer", None),
     "eagle3.1_norm_before_fc_two_layers": (dict(fc_norm=True, norm_output=True, norm_before_fc=True,
@@ -295,9 +296,9 @@ def test_draft_forward_matches_numpy_reference(name, tmp_path):
     assert draft.config.draft_vocab_size == c.get("draft_vocab_size", VOCAB)
     assert draft.config.norm_before_residual == bool(c.get("norm_before_residual", False))
     assert draft.config.layers.num_layers == c["num_hidden_layers"]
-    if "eagle_aux_hidden_state_layer_ids" in c.get("eagle_config", {}):  # "output of layer i" = hidden_states[i + 1]
-        assert draft.config.aux_layer_ids == (1, 2, 3)
-        assert draft.aux_layer_ids == (1, 2, 3) and target.config.aux_layer_ids == (2, 2, 1)  # the target untouched
+    if "eagle_aux_hidden_state_layer_ids" in c.get("eagle_config", {}):  # starting at 1: id i = hidden_states[i + 1]
+        assert draft.config.aux_layer_ids == (2, 2, 3)
+        assert draft.aux_layer_ids == (2, 2, 3) and target.config.aux_layer_ids == (2, 2, 1)  # the target untouched
     else:
         assert draft.config.aux_layer_ids is None
         assert draft.aux_layer_ids == target.config.aux_layer_ids == (1, 1, 0)  # default for 2 layers, clamped
@@ -333,18 +334,63 @@ def handed_hidden(draft, ids, aux) -> np.ndarray:
     return np.asarray(hidden)
 
 
-def test_aux_ids_follow_output_of_layer_convention():
-    """eagle ids [0, 1, 2] on a 4-layer target capture the outputs of layers 0, 1, 2 (HF
-    hidden_states[1..3]), computed here by a NumPy Llama forward."""
+# What the peers' loaders do with eagle_aux_hidden_state_layer_ids, written out as facts: vLLM's
+# capture stores the state after layer i as i + 1 and reads id k as hidden_states[k] (#36063,
+# #46788); SGLang adds one to every id when the first is 1 (output-of-layer ids) and reads the
+# others as they are (#25454).
+def vllm_reads(ids):
+    return tuple(ids)
+
+
+def sglang_reads(ids):
+    return tuple(i + 1 for i in ids) if ids[0] == 1 else tuple(ids)
+
+
+@pytest.mark.parametrize("ids,layers", [([1, 1, 2], (2, 2, 3)), ([2, 2, 3], (2, 2, 3)), ([0, 1, 2], (0, 1, 2)),
+                                        ([2, 0, 1], (2, 0, 1))])
+def test_aux_ids_are_read_in_both_conventions(ids, layers):
+    """A list starting at 1 is output-of-layer ids (hidden_states[i + 1]), any other input-to-layer
+    ids (hidden_states[k]), as SGLang reads them; the features captured are those hidden states,
+    computed here by a NumPy Llama forward on a 4-layer target (indices 0..3)."""
     target = fresh_target(4)
-    cfg = draft_lib.parse_draft_config(draft_cfg(eagle_config={"eagle_aux_hidden_state_layer_ids": [0, 1, 2]}))
+    cfg = draft_lib.parse_draft_config(draft_cfg(eagle_config={"eagle_aux_hidden_state_layer_ids": ids}))
+    assert cfg.aux_layer_ids == layers == sglang_reads(ids)
     draft_lib.check_fits_target(cfg, target.config)
-    ids = np.random.default_rng(3).integers(0, VOCAB, (1, 10))
-    _, aux = target.logits(ids, return_aux=True, aux_layer_ids=cfg.aux_layer_ids)
-    np.testing.assert_array_equal(aux, target.capturing(cfg.aux_layer_ids).logits(ids, return_aux=True)[1])
-    hs = np_llama_hidden_states(target, ids[0])
-    for j, layer in enumerate((0, 1, 2)):
-        assert rel_err(aux[0, :, j * TARGET_H:(j + 1) * TARGET_H], hs[layer + 1]) <= 1e-5
+    tokens = np.random.default_rng(3).integers(0, VOCAB, (1, 10))
+    _, aux = target.logits(tokens, return_aux=True, aux_layer_ids=cfg.aux_layer_ids)
+    np.testing.assert_array_equal(aux, target.capturing(cfg.aux_layer_ids).logits(tokens, return_aux=True)[1])
+    hs = np_llama_hidden_states(target, tokens[0])
+    for j, index in enumerate(layers):
+        assert rel_err(aux[0, :, j * TARGET_H:(j + 1) * TARGET_H], hs[index]) <= 1e-5
+
+
+def test_both_published_kimi_layouts_read_the_same_layers():
+    """Kimi-K2.5's MLA draft ships [1, 29, 57] (output of layers), Kimi-K2.6's EAGLE 3.1 draft
+    [2, 30, 58] (inputs to layers): both name hidden_states 2, 30, 58 of the 61-layer target."""
+    with open(os.path.join(TEST_DATA, "kimi-k2.5-eagle3-mla.draft.json")) as f:
+        k25 = json.load(f)
+    k26 = dict(k25, fc_norm=True, norm_output=True,
+               eagle_config=dict(k25["eagle_config"], eagle_aux_hidden_state_layer_ids=[2, 30, 58]))
+    target = load_model_config(os.path.join(TEST_DATA, "kimi-k2.5.config.json"))
+    for raw in (k25, k26):
+        cfg = draft_lib.parse_draft_config(raw)
+        assert cfg.aux_layer_ids == (2, 30, 58)
+        draft_lib.check_fits_target(cfg, target)
+    assert draft_lib.parse_draft_config(k26).fc_norm
+
+
+@pytest.mark.parametrize("layers", [(2, 16, 29), (0, 1, 2), (3, 3, 5)])
+def test_exported_ids_read_by_vllm_and_sglang_pick_the_trained_layers(layers):
+    """An exported draft's ids name its trained feature layers under vLLM's reading and SGLang's;
+    a first feature of hidden_states[1], which no list names for both, is refused at export."""
+    from eagle3_jax.train.export import draft_config_json
+
+    cfg = dataclasses.replace(draft_lib.parse_draft_config(draft_cfg()), aux_layer_ids=layers)
+    ids = draft_config_json(cfg, "float32")["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    assert vllm_reads(ids) == sglang_reads(ids) == layers == draft_lib.parse_draft_config(
+        draft_cfg(eagle_config={"eagle_aux_hidden_state_layer_ids": ids})).aux_layer_ids
+    with pytest.raises(ValueError, match="no eagle_aux_hidden_state_layer_ids list names for every reader"):
+        draft_config_json(dataclasses.replace(cfg, aux_layer_ids=(1, 2, 3)), "float32")
 
 
 def test_safetensors_and_pytorch_bin_load_identically(tmp_path):
@@ -458,11 +504,11 @@ def test_drafts_reading_other_layers_share_one_untouched_target(tmp_path):
     target = fresh_target(4)
     before = target.config
     drafts = []
-    for name, ids in (("a", [0, 1, 2]), ("b", [2, 0, 1])):
+    for name, ids in (("a", [1, 1, 2]), ("b", [3, 1, 2])):
         c = draft_cfg(eagle_config={"eagle_aux_hidden_state_layer_ids": ids})
         drafts.append(e3.load_draft(write_draft(tmp_path / name, c, hf_weights(c, seed=len(drafts))), target=target,
                                     dtype="float32"))
-    assert target.config is before and [d.aux_layer_ids for d in drafts] == [(1, 2, 3), (3, 1, 2)]
+    assert target.config is before and [d.aux_layer_ids for d in drafts] == [(2, 2, 3), (3, 1, 2)]
     prompts, sp = [[1, 2, 3], [9, 8, 7, 6, 5]], e3.SamplingParams(max_tokens=10)
     base = [o.token_ids for o in e3.Engine(target, max_batch_size=2, max_seq_len=48).generate(prompts, sp)]
     for draft in drafts:
@@ -602,7 +648,7 @@ MLA_VARIANTS = {
     "no_q_lora_two_layers_d2t": (dict(q_lora_rank=None, num_hidden_layers=2, draft_vocab_size=40, rope_scaling=None,
                                       norm_before_residual=True), True, "layers", None),
     "kimi_k2_layout": (dict(model_type="kimi_k2", architectures=["Eagle3DeepseekV3ForCausalLM"], rope_scaling=KIMI_YARN,
-                            rope_theta=50000.0, eagle_config={"eagle_aux_hidden_state_layer_ids": [0, 1, 2]}),
+                            rope_theta=50000.0, eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 1, 2]}),
                        True, "midlayer", 4),
     # lightseekorg/kimi-k2.6-eagle3.1-mla's layout: one MLA layer, both EAGLE 3.1 switches on, the
     # aux ids in the input-to-layer convention
@@ -624,7 +670,7 @@ def test_mla_draft_forward_matches_numpy_reference(name, tmp_path):
     assert lc.rope.interleaved and lc.q_lora_rank == c.get("q_lora_rank")
     assert draft.config.norm_before_residual == bool(c.get("norm_before_residual"))
     if "eagle_config" in c:
-        assert draft.aux_layer_ids == (1, 2, 3) and target.config.aux_layer_ids == (2, 2, 1)  # the target untouched
+        assert draft.aux_layer_ids == (2, 2, 3) and target.config.aux_layer_ids == (2, 2, 1)  # the target untouched
     # the draft cache is the MLA latent + rope key, like the target's MLA cache
     cache = kv_cache.init_cache(lc, 1, 8)
     assert cache.k.shape[-1] == c["kv_lora_rank"] and cache.v.shape[-1] == c["qk_rope_head_dim"]

@@ -184,7 +184,7 @@ def test_trained_mla_draft_exports_in_the_hf_layout_and_loads_back(tmp_path):
         q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, num_attention_heads=4,
         draft_vocab_size=48)
     assert config["rope_scaling"]["rope_type"] == "yarn" and config["rope_scaling"]["factor"] == 4.0
-    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 1, 0]
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 2, 1]  # input-to-layer: hidden_states[k]
     with safe_open(os.path.join(out, "model.safetensors"), "np") as f:
         keys = set(f.keys())
     assert keys == {"midlayer." + k for k in PUBLISHED_LAYER_KEYS} | {"fc.weight", "norm.weight", "lm_head.weight",

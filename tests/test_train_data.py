@@ -129,7 +129,7 @@ def test_export_round_trip(case, tmp_path):
     assert parse_draft_config(raw) == draft.config
     if opts.get("aux"):
         assert raw["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [0, 1, 2], "use_aux_hidden_state": True}
-        assert loaded_aux_ids(out, target) == (1, 2, 3)  # SpecForge/vLLM ids = HF hidden_states[i + 1]
+        assert loaded_aux_ids(out, target) == (0, 1, 2)  # a list not starting at 1: id k = hidden_states[k]
     assert raw.get("norm_before_residual", False) == draft.config.norm_before_residual
     loaded = e3.load_draft(out, target=target, dtype="float32")
     rng = np.random.default_rng(3)

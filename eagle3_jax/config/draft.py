@@ -49,12 +49,31 @@ class DraftConfig:
         return self.layers.attention == "mla"
 
 
-def parse_draft_config(raw: dict) -> DraftConfig:
-    """Parse an EAGLE-3 draft config.json.
+def aux_hidden_state_indices(ids) -> tuple[int, ...]:
+    """The HF `hidden_states` indices (0: the embedding output, k: the residual entering layer k)
+    a draft config's `eagle_config.eagle_aux_hidden_state_layer_ids` names.
 
-    `eagle_config.eagle_aux_hidden_state_layer_ids` is read in the SpecForge / vLLM convention:
-    id i means "output of target layer i", i.e. HF `hidden_states[i + 1]`.
-    """
+    The field is written in two conventions, told apart by the first id as SGLang does since its
+    #25454: a list starting at 1 is "output of layer i" (id i = hidden_states[i + 1]: SpecForge's
+    defaults [1, L//2 - 1, L - 4], Kimi-K2.5's MLA draft [1, 29, 57]); any other is "input to layer
+    k" (id k = hidden_states[k]: vLLM's capture, which stores the state after layer i as i + 1,
+    #36063 / #46788, and Kimi-K2.6's EAGLE 3.1 draft [2, 30, 58]). Both Kimi lists name
+    hidden_states 2, 30, 58."""
+    ids = tuple(int(i) for i in ids)
+    return tuple(i + 1 for i in ids) if ids and ids[0] == 1 else ids
+
+
+def aux_layer_ids_json(indices: tuple[int, ...]) -> list[int]:
+    """`eagle_aux_hidden_state_layer_ids` for a draft that reads `hidden_states[indices]`: the
+    input-to-layer convention, which vLLM reads as written, and SGLang and this project too as the
+    first id is not 1 (`aux_hidden_state_indices`; a first index of 1 has no list every reader
+    reads alike: the export refuses it)."""
+    return [int(i) for i in indices]
+
+
+def parse_draft_config(raw: dict) -> DraftConfig:
+    """Parse an EAGLE-3 draft config.json (`eagle_config.eagle_aux_hidden_state_layer_ids`: see
+    `aux_hidden_state_indices`)."""
     if not isinstance(raw, dict):
         raise ConfigError(f"draft config.json must hold a JSON object; got {type(raw).__name__}")
     arch = (raw.get("architectures") or ["LlamaForCausalLMEagle3"])[0]
@@ -80,7 +99,7 @@ def parse_draft_config(raw: dict) -> DraftConfig:
     if ids is not None:
         if len(ids) != 3:
             raise ConfigError(f"eagle_aux_hidden_state_layer_ids must list 3 target layers; got {ids}")
-        ids = tuple(int(i) + 1 for i in ids)
+        ids = aux_hidden_state_indices(ids)
     features = raw.get("num_aux_hidden_states")
     if features is not None and features != 3:
         raise ConfigError(f"draft config num_aux_hidden_states={features}: drafts here read 3 target feature layers")

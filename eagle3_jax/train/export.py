@@ -6,9 +6,10 @@ and SGLang load:
 
 - `config.json`: a Llama config, or for an MLA draft a DeepSeek-V3 one (`q_lora_rank`,
   `kv_lora_rank`, `qk_nope_head_dim`, `qk_rope_head_dim`, `v_head_dim`, YaRN `rope_scaling`),
-  plus `draft_vocab_size`, `target_hidden_size` and, when the draft names its feature layers,
-  `eagle_config.eagle_aux_hidden_state_layer_ids` in the SpecForge / vLLM convention (id i =
-  output of target layer i = HF `hidden_states[i + 1]`);
+  plus `draft_vocab_size`, `target_hidden_size`, the EAGLE 3.1 switches that are on and, when the
+  draft names its feature layers, `eagle_config.eagle_aux_hidden_state_layer_ids` in the
+  input-to-layer convention (id k = HF `hidden_states[k]`), which vLLM and SGLang both read as
+  trained (config/draft.py: `aux_layer_ids_json`);
 - `model.safetensors` with HF `[out, in]` weights: `fc.weight`; the decoder layer as `midlayer.*`
   (MLA attention under DeepSeek's names: `self_attn.q_a_proj`, `q_a_layernorm`, `q_b_proj` or
   `q_proj`, `kv_a_proj_with_mqa`, `kv_a_layernorm`, `kv_b_proj`, `o_proj`)
@@ -32,7 +33,7 @@ import ml_dtypes
 import numpy as np
 
 from ..checkpoint.atomic import atomic_dir
-from ..config.draft import LLAMA_ARCHITECTURES, MLA_ARCHITECTURES, DraftConfig
+from ..config.draft import LLAMA_ARCHITECTURES, MLA_ARCHITECTURES, DraftConfig, aux_layer_ids_json
 from ..config.model import ModelConfig, RopeConfig
 from ..weights.params import draft_specs
 from .vocab import DraftVocab
@@ -147,15 +148,17 @@ def draft_config_json(cfg: DraftConfig, dtype: str = "bfloat16") -> dict:
         if getattr(cfg, switch):  # written only when on: a reader that predates a switch then refuses nothing
             raw[switch] = True
     if cfg.aux_layer_ids is not None:
-        if len(cfg.aux_layer_ids) != 3 or min(cfg.aux_layer_ids) < 1:
+        if len(cfg.aux_layer_ids) != 3 or min(cfg.aux_layer_ids) < 0:
+            raise ValueError(f"aux_layer_ids {cfg.aux_layer_ids} cannot be written as eagle_aux_hidden_state_layer_ids: "
+                             "they must be 3 HF hidden_states indices >= 0")
+        if cfg.aux_layer_ids[0] == 1:
             raise ValueError(
-                f"aux_layer_ids {cfg.aux_layer_ids} cannot be written as eagle_aux_hidden_state_layer_ids: they must be "
-                "3 HF hidden_states indices >= 1 (index 0, the embedding output, has no SpecForge/vLLM layer id)"
-            )
-        raw["eagle_config"] = {
-            "eagle_aux_hidden_state_layer_ids": [int(i) - 1 for i in cfg.aux_layer_ids],
-            "use_aux_hidden_state": True,
-        }
+                f"the draft reads hidden_states {list(cfg.aux_layer_ids)}, which no eagle_aux_hidden_state_layer_ids "
+                "list names for every reader: one starting at 1 is read as output-of-layer ids (hidden_states[i + 1]) "
+                "by SGLang and eagle3-jax and as input-to-layer ids by vLLM; train on feature layers whose first is "
+                "not hidden_states[1] (the default starts at 2 for targets of 3 or more layers)")
+        raw["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": aux_layer_ids_json(cfg.aux_layer_ids),
+                               "use_aux_hidden_state": True}
     return raw
 
 
