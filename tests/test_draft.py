@@ -892,3 +892,41 @@ def test_bin_wrappers_and_non_tensor_entries(layout, tmp_path):
     else:
         with pytest.raises(CheckpointError, match="'step' is a int"):
             e3.load_draft(folder, target=fresh_target(), dtype="float32")
+
+
+# Every key vLLM's and SGLang's EAGLE-3 loaders read that changes what a draft computes (their
+# llama_eagle3.py / deepseek_eagle3.py and the layer classes they build, plus TensorRT-LLM's
+# eagle_config names), with a value that asks for something other than the default draft. Each is
+# either implemented (the parsed config changes) or refused by name; none is read and ignored.
+PEER_KEYS_IMPLEMENTED = {
+    "norm_before_residual": True, "fc_norm": True, "norm_output": True, "norm_before_fc": True,
+    "eagle_config.norm_before_fc": True, "eagle_config.return_hidden_post_norm": True,
+    "draft_vocab_size": 40, "target_hidden_size": 48, "num_hidden_layers": 2, "rms_norm_eps": 1e-3,
+    "rope_theta": 500.0, "rope_scaling": LLAMA3_ROPE, "head_dim": 16, "intermediate_size": 24,
+    "eagle_config.eagle_aux_hidden_state_layer_ids": [2, 2, 1],
+}
+PEER_KEYS_REFUSED = {
+    "qkv_bias": True, "bias": True, "attention_bias": True, "mlp_bias": True, "is_causal": False,
+    "logit_scale": 2.0, "use_sliding_window": True, "hidden_act": "gelu", "num_aux_hidden_states": 4,
+    "layer_types": ["sliding_attention"], "eagle_config.use_aux_hidden_state": False,
+    "eagle_config.use_input_layernorm_in_first_layer": False, "eagle_config.use_last_layernorm": False,
+    "eagle_config.use_mtp_layernorm": True,
+}
+
+
+def with_key(key: str, value) -> dict:
+    if key.startswith("eagle_config."):
+        return draft_cfg(eagle_config={key.split(".", 1)[1]: value})
+    return draft_cfg(**{key: value})
+
+
+@pytest.mark.parametrize("key", sorted(PEER_KEYS_IMPLEMENTED))
+def test_peer_draft_keys_are_implemented(key):
+    assert draft_lib.parse_draft_config(with_key(key, PEER_KEYS_IMPLEMENTED[key])) != \
+        draft_lib.parse_draft_config(draft_cfg())
+
+
+@pytest.mark.parametrize("key", sorted(PEER_KEYS_REFUSED))
+def test_peer_draft_keys_not_implemented_are_refused_by_name(key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        draft_lib.parse_draft_config(with_key(key, PEER_KEYS_REFUSED[key]))

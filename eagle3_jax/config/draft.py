@@ -6,6 +6,7 @@ checkpoint/draft_reader.py."""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 from .model import ConfigError, ModelConfig, QuantConfig, _parse_quant, parse_model_config
 
@@ -83,6 +84,10 @@ def parse_draft_config(raw: dict) -> DraftConfig:
             "(Llama-layer and MLA-layer EAGLE-3 drafts)"
         )
     mla = arch in MLA_ARCHITECTURES
+    eagle = raw.get("eagle_config") or {}
+    if not isinstance(eagle, dict):
+        raise ConfigError(f"draft config eagle_config must be a JSON object; got {type(eagle).__name__}")
+    refuse_unimplemented(raw, eagle)
     body = dict(raw, model_type="deepseek_v3" if mla else "llama")
     quant = _parse_draft_quant(body.pop("quantization_config", None))
     if mla:  # dense MLA decoder layers: no routed experts, whatever MoE fields the config carries
@@ -92,9 +97,6 @@ def parse_draft_config(raw: dict) -> DraftConfig:
     draft_vocab = int(raw.get("draft_vocab_size") or vocab)
     if not 0 < draft_vocab <= vocab:
         raise ConfigError(f"draft_vocab_size={draft_vocab} must be in [1, vocab_size={vocab}]")
-    eagle = raw.get("eagle_config") or {}
-    if not isinstance(eagle, dict):
-        raise ConfigError(f"draft config eagle_config must be a JSON object; got {type(eagle).__name__}")
     ids = eagle.get("eagle_aux_hidden_state_layer_ids")
     if ids is not None:
         if len(ids) != 3:
@@ -116,6 +118,43 @@ def parse_draft_config(raw: dict) -> DraftConfig:
         fc_norm=_switch(raw, "fc_norm"),
         norm_output=_switch(raw, "norm_output") or _switch(eagle, "return_hidden_post_norm", "eagle_config."),
     )
+
+
+# Keys the peers' EAGLE-3 loaders (vLLM's llama_eagle3.py / deepseek_eagle3.py, SGLang's
+# llama_eagle3.py and its MLA draft, TensorRT-LLM's eagle_config) read that change what the draft
+# computes, with the one value this project implements; any other value is refused by name, never
+# read and ignored. (Keys implemented in full: the layer config parse_model_config reads,
+# draft_vocab_size, target_hidden_size, norm_before_residual, the EAGLE 3.1 switches,
+# eagle_aux_hidden_state_layer_ids, num_aux_hidden_states; attention_bias / mlp_bias / hidden_act
+# are checked by parse_model_config.)
+FIXED_KEYS: dict[str, object] = {
+    "qkv_bias": False,  # vLLM: a bias on q / k / v only
+    "bias": False,  # vLLM: InternLM's name for attention_bias
+    "is_causal": True,  # vLLM: false makes the attention bidirectional
+    "logit_scale": 1.0,  # vLLM: the draft logits multiplied by it
+    "use_sliding_window": False,  # windowed attention (Qwen / Mistral configs)
+}
+FIXED_EAGLE_KEYS: dict[str, object] = {
+    "use_aux_hidden_state": True,  # vLLM: false = no fc, the draft reads one hidden state
+    "use_input_layernorm_in_first_layer": True,  # the published Kimi MLA draft's layout flags
+    "use_last_layernorm": True,
+    "use_mtp_layernorm": False,
+}
+
+
+def refuse_unimplemented(raw: dict, eagle: dict) -> None:
+    """ConfigError naming the first key (FIXED_KEYS, FIXED_EAGLE_KEYS, `layer_types`) whose value
+    asks for a draft this project does not compute."""
+    for where, keys, fields in (("", FIXED_KEYS, raw), ("eagle_config.", FIXED_EAGLE_KEYS, eagle)):
+        for key, value in keys.items():
+            if fields.get(key) is not None and fields[key] != value:
+                raise ConfigError(f"draft config {where}{key}={json.dumps(fields[key])} is not supported; supported: "
+                                  f"{json.dumps(value)} (or absent)")
+    kinds = raw.get("layer_types") or []
+    other = sorted({str(kind) for kind in kinds} - {"full_attention"})
+    if other:
+        raise ConfigError(f"draft config layer_types lists {', '.join(other)}: draft layers here attend over the whole "
+                          "context (full_attention); sliding-window draft layers are not supported")
 
 
 def _switch(raw: dict, key: str, where: str = "") -> bool:
