@@ -103,7 +103,7 @@ def dequantized_pool(bits: jax.Array, scales: jax.Array, fnuz: bool) -> jax.Arra
 
 
 def paged_prefix_attention_reference(q, k_pool, v_pool, layer, block_table, lengths, *, scale, q2=None, k2_pool=None,
-                                     scales: Fp8Scales | None = None, **_) -> tuple[jax.Array, jax.Array]:
+                                     scales: Fp8Scales | None = None, starts=None, **_) -> tuple[jax.Array, jax.Array]:
     """`paged_prefix_attention` in plain jnp: gather every page of the table, mask, softmax."""
     if scales is not None:
         k_pool = dequantized_pool(k_pool, scales.k, scales.fnuz)
@@ -120,10 +120,14 @@ def paged_prefix_attention_reference(q, k_pool, v_pool, layer, block_table, leng
     if q2 is not None:
         scores = scores + jnp.einsum("bhmd,bshd->bhms", q2, gather(k2_pool), precision=PRECISION,
                                      preferred_element_type=jnp.float32)
-    visible = (jnp.arange(keys.shape[1])[None, :] < lengths[:, None]) & held  # [B, S]
-    scores = jnp.where(visible[:, None, None, :], scores * scale, -jnp.inf)
+    slots = jnp.arange(keys.shape[1])
+    visible = ((slots[None, :] < lengths[:, None]) & held)[:, None, None, :]  # [B, 1, 1, S]
+    if starts is not None:  # row m is token m % T's, seeing no slot below its start
+        row_start = jnp.tile(starts, (1, q.shape[2] // starts.shape[1]))  # [B, M]
+        visible = visible & (slots[None, None, None, :] >= row_start[:, None, :, None])
+    scores = jnp.where(visible, scores * scale, -jnp.inf)
     lse = jax.nn.logsumexp(scores, axis=-1)
-    probs = jnp.where(visible[:, None, None, :], jnp.exp(scores - jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None]), 0.0)
+    probs = jnp.where(visible, jnp.exp(scores - jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None]), 0.0)
     values = keys if v_pool is None else gather(v_pool)
     out = jnp.einsum("bhms,bshd->bhmd", probs, values.astype(jnp.float32), precision=PRECISION)
     return out, lse

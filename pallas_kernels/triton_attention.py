@@ -79,7 +79,7 @@ def _slots_tile(base, slot_stride, slots, real, WIDTH: tl.constexpr, LANES: tl.c
 
 @triton.jit
 def paged_prefix_attention_kernel(
-        layer_ptr, lengths_ptr, table_ptr, q_ptr, k_ptr, ks_ptr, q2_ptr, k2_ptr, k2s_ptr, v_ptr, vs_ptr,
+        layer_ptr, lengths_ptr, table_ptr, q_ptr, k_ptr, ks_ptr, q2_ptr, k2_ptr, k2s_ptr, v_ptr, vs_ptr, starts_ptr,
         scale, pages_per_split, out_ptr, lse_ptr,
         table_stride: tl.constexpr, q_b: tl.constexpr, q_h: tl.constexpr, q_m: tl.constexpr,
         q2_b: tl.constexpr, q2_h: tl.constexpr, q2_m: tl.constexpr,
@@ -94,7 +94,7 @@ def paged_prefix_attention_kernel(
         PAGE: tl.constexpr, TILE: tl.constexpr, TILE_P: tl.constexpr, BLOCK_M: tl.constexpr,
         ROW_BLOCKS: tl.constexpr, KW: tl.constexpr, KW_P: tl.constexpr, D2: tl.constexpr, D2_P: tl.constexpr,
         VW: tl.constexpr, VW_P: tl.constexpr, HAS_ROPE: tl.constexpr, SHARED_VALUE: tl.constexpr,
-        IEEE: tl.constexpr, INTERPRETED: tl.constexpr):
+        SLIDING: tl.constexpr, TOKENS: tl.constexpr, IEEE: tl.constexpr, INTERPRETED: tl.constexpr):
     """Over pages in the compute dtype: [rows, lanes] tiles; *_P the power of two >= 16 a Triton
     block needs, the real lanes (KW, D2, VW) and slots a step (TILE) masked within it."""
     b, split = tl.program_id(1), tl.program_id(2)
@@ -112,6 +112,9 @@ def paged_prefix_attention_kernel(
     tiles_per_page: tl.constexpr = PAGE // TILE
     first = split * pages_per_split * tiles_per_page
     last = tl.minimum(first + pages_per_split * tiles_per_page, tl.cdiv(length, TILE))
+    if SLIDING:  # each row's first visible slot (its token's window); tiles below every row's are not read
+        row_start = tl.load(starts_ptr + b * TOKENS + rows % TOKENS)
+        first = tl.maximum(first, tl.min(row_start, axis=0) // TILE)
     m_i = tl.full([BLOCK_M], _NEG, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, VW_P], tl.float32)
@@ -127,10 +130,12 @@ def paged_prefix_attention_kernel(
         if HAS_ROPE:
             rope = _slots_tile(k2_ptr + layer * k2_l + page * k2_p + h * k2_h, k2_s, slots, real, D2, D2_P)
             scores += _dot(q2, tl.trans(rope), IEEE, INTERPRETED)
-        valid = real & ((j * TILE + step) < length)
-        scores = tl.where(valid[None, :], scores * scale, _NEG)
+        seen = (real & ((j * TILE + step) < length))[None, :]
+        if SLIDING:
+            seen = seen & ((j * TILE + step)[None, :] >= row_start[:, None])
+        scores = tl.where(seen, scores * scale, _NEG)
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        p = tl.where(valid[None, :], tl.exp(scores - m_new[:, None]), 0.0)
+        p = tl.where(seen, tl.exp(scores - m_new[:, None]), 0.0)
         alpha = tl.exp(m_i - m_new)
         if SHARED_VALUE:  # MLA: the values are the latent keys
             values = keys
@@ -171,7 +176,7 @@ def _grouped_dot(a, b, GROUPS: tl.constexpr, IEEE: tl.constexpr, INTERPRETED: tl
 
 @triton.jit
 def paged_prefix_attention_fp8_kernel(
-        layer_ptr, lengths_ptr, table_ptr, q_ptr, k_ptr, ks_ptr, q2_ptr, k2_ptr, k2s_ptr, v_ptr, vs_ptr,
+        layer_ptr, lengths_ptr, table_ptr, q_ptr, k_ptr, ks_ptr, q2_ptr, k2_ptr, k2s_ptr, v_ptr, vs_ptr, starts_ptr,
         scale, pages_per_split, out_ptr, lse_ptr,
         table_stride: tl.constexpr, q_b: tl.constexpr, q_h: tl.constexpr, q_m: tl.constexpr,
         q2_b: tl.constexpr, q2_h: tl.constexpr, q2_m: tl.constexpr,
@@ -187,7 +192,7 @@ def paged_prefix_attention_fp8_kernel(
         ROW_BLOCKS: tl.constexpr, KG: tl.constexpr, KW: tl.constexpr, KW_P: tl.constexpr, D2: tl.constexpr,
         D2_P: tl.constexpr, VG: tl.constexpr, VW: tl.constexpr, VW_P: tl.constexpr,
         HAS_ROPE: tl.constexpr, SHARED_VALUE: tl.constexpr, FNUZ: tl.constexpr,
-        IEEE: tl.constexpr, INTERPRETED: tl.constexpr):
+        SLIDING: tl.constexpr, TOKENS: tl.constexpr, IEEE: tl.constexpr, INTERPRETED: tl.constexpr):
     """Over FP8 pages: lanes in KG (keys) / VG (values) scale groups of KW / VW lanes, [groups, rows,
     lanes] tiles; *_P the power of two >= 16 a Triton block needs, the real lanes and slots a step
     (TILE) masked within it."""
@@ -206,6 +211,9 @@ def paged_prefix_attention_fp8_kernel(
     tiles_per_page: tl.constexpr = PAGE // TILE
     first = split * pages_per_split * tiles_per_page
     last = tl.minimum(first + pages_per_split * tiles_per_page, tl.cdiv(length, TILE))
+    if SLIDING:  # each row's first visible slot (its token's window); tiles below every row's are not read
+        row_start = tl.load(starts_ptr + b * TOKENS + rows % TOKENS)
+        first = tl.maximum(first, tl.min(row_start, axis=0) // TILE)
     m_i = tl.full([BLOCK_M], _NEG, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([VG, BLOCK_M, VW_P], tl.float32)
@@ -232,10 +240,12 @@ def paged_prefix_attention_fp8_kernel(
             rope_part = rope_part * tl.load(k2s_ptr + layer * k2s_l + page * k2s_p + h * k2s_h
                                             + slots[None, :] * k2s_s, mask=real[None, :], other=0.0)
             scores += rope_part
-        valid = real & ((j * TILE + step) < length)
-        scores = tl.where(valid[None, :], scores * scale, _NEG)
+        seen = (real & ((j * TILE + step) < length))[None, :]
+        if SLIDING:
+            seen = seen & ((j * TILE + step)[None, :] >= row_start[:, None])
+        scores = tl.where(seen, scores * scale, _NEG)
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        p = tl.where(valid[None, :], tl.exp(scores - m_new[:, None]), 0.0)
+        p = tl.where(seen, tl.exp(scores - m_new[:, None]), 0.0)
         alpha = tl.exp(m_i - m_new)
         if SHARED_VALUE:  # MLA: the values are the latent keys, with their scales
             values = keys
@@ -267,8 +277,8 @@ def _block(width: int) -> int:
 def paged_prefix_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array | None, layer, block_table: jax.Array,
                            lengths: jax.Array, *, scale: float, q2: jax.Array | None = None,
                            k2_pool: jax.Array | None = None, num_splits: int = 0, interpret: bool | None = None,
-                           launch: AttentionLaunch | None = None, scales: Fp8Scales | None = None
-                           ) -> tuple[jax.Array, jax.Array]:
+                           launch: AttentionLaunch | None = None, scales: Fp8Scales | None = None,
+                           starts: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """Attention of query rows over each row's committed prefix of paged K/V.
 
     q: [B, H, M, D] (H KV heads, M query rows each); q2 [B, H, M, D2] with k2_pool: a second
@@ -278,7 +288,9 @@ def paged_prefix_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array | 
     them (`attention.default_splits`). `launch` (block rows, slots a step, num_warps, num_stages)
     defaults to the launch table's entry for this form ("mla_attention" when the values are the
     keys, else "gqa_attention"; "..._fp8" over FP8 pages) on the architecture traced for. `scales`: the pools hold float8 bits (uint8) with these scales
-    [L, pages, page_size, H, groups] (see `attention.Fp8Scales`). `interpret` None: through
+    [L, pages, page_size, H, groups] (see `attention.Fp8Scales`). `starts` [B, T] int32 (a
+    sliding-window layer): row m is token m % T's, which sees no slot below starts[b, t]; tiles
+    below every row's are not read. `interpret` None: through
     jax_triton on a GPU, Triton's interpreter elsewhere. Returns out [B, H, M, Dv] float32
     (softmax-normalised over the prefix) and lse [B, H, M] float32 (-inf where a row's prefix is
     empty).
@@ -325,7 +337,8 @@ def paged_prefix_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array | 
     out_strides = triton_call.strides(out_shapes[0])
     lse_strides = triton_call.strides(out_shapes[1])
     args = [jnp.asarray(layer, jnp.int32).reshape(1), lengths.astype(jnp.int32), block_table.astype(jnp.int32), q,
-            k_pool, k_scales, q2, k2, k2_scales, v, v_scales, float(scale), int(pages_per_split)]
+            k_pool, k_scales, q2, k2, k2_scales, v, v_scales,
+            absent if starts is None else starts.astype(jnp.int32), float(scale), int(pages_per_split)]
     # strides as constexprs: the compiler then knows each slot's lanes start 16-byte aligned and
     # loads them in vectors (as scalar arguments they would be unknown, and loaded an element at a time)
     stride_names = ("table_stride q_b q_h q_m q2_b q2_h q2_m k_l k_p k_s k_h ks_l ks_p ks_s ks_h k2_l k2_p k2_s k2_h "
@@ -342,6 +355,7 @@ def paged_prefix_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array | 
         **dict(zip(stride_names, stride_values)),
         PAGE=page_size, TILE=tile, TILE_P=_block(tile), BLOCK_M=block, ROW_BLOCKS=rows // block,
         D2=q2.shape[-1], D2_P=_block(q2.shape[-1]), HAS_ROPE=k2_pool is not None, SHARED_VALUE=shared_value,
+        SLIDING=starts is not None, TOKENS=1 if starts is None else starts.shape[1],
         IEEE=q.dtype == jnp.float32, **widths)
     out, lse = merge_splits(out, lse)
     return out[:, :, :m], lse[:, :, :m]

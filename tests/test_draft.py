@@ -82,6 +82,17 @@ def np_rope(x, inv):
     return x * np.cos(emb) + rot * np.sin(emb)
 
 
+def np_visible(t: int, p: str, c: dict) -> np.ndarray:
+    """[T, T] causal mask of the layer at prefix `p`, within its sliding window when layer_types
+    makes it a "sliding_attention" layer (a query sees the last sliding_window tokens, itself too)."""
+    causal = np.tril(np.ones((t, t), bool))
+    kinds = c.get("layer_types")
+    layer = 0 if p.startswith("midlayer") else int(p.split(".")[1])
+    if kinds and kinds[layer] == "sliding_attention":
+        causal &= np.arange(t)[:, None] - np.arange(t)[None, :] < c["sliding_window"]
+    return causal
+
+
 def np_attention(a_in, w, p, c):
     nh, nkv = c["num_attention_heads"], c["num_key_value_heads"]
     d = c.get("head_dim") or c["hidden_size"] // nh
@@ -92,7 +103,7 @@ def np_attention(a_in, w, p, c):
     v = (a_in @ w[p + "self_attn.v_proj.weight"].T).reshape(t, nkv, d)
     k, v = np.repeat(k, nh // nkv, axis=1), np.repeat(v, nh // nkv, axis=1)  # GQA: head h uses kv h // group
     scores = np.einsum("thd,shd->hts", q, k) * d ** -0.5
-    scores = np.where(np.tril(np.ones((t, t), bool))[None], scores, -np.inf)
+    scores = np.where(np_visible(t, p, c)[None], scores, -np.inf)
     probs = np.exp(scores - scores.max(-1, keepdims=True))
     probs /= probs.sum(-1, keepdims=True)
     return np.einsum("hts,shd->thd", probs, v).reshape(t, nh * d) @ w[p + "self_attn.o_proj.weight"].T
@@ -275,6 +286,9 @@ VARIANTS = {
     "eagle3.1_norm_before_fc_two_layers": (dict(fc_norm=True, norm_output=True, norm_before_fc=True,
                                                  num_hidden_layers=2), False, "layers", None),
     "post_norm_feedback_trtllm": (dict(eagle_config={"return_hidden_post_norm": True}), True, "midlayer", None),
+    "sliding_window": (dict(layer_types=["sliding_attention"], sliding_window=5), True, "midlayer", None),
+    "sliding_then_full": (dict(num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"],
+                               sliding_window=3, fc_norm=True), False, "layers", None),
     "llama3_rope": (dict(rope_scaling=LLAMA3_ROPE, head_dim=16, rope_theta=10000.0), False, "midlayer", None),
 }
 
@@ -498,6 +512,24 @@ def test_engine_with_reduced_vocab_draft_is_lossless(reduced_pair):
     assert all(len(o.token_ids) == 12 for o in spec)
 
 
+def test_sliding_window_draft_speculates_losslessly(tmp_path):
+    """A draft whose layer attends over a 5-token window: chain and tree speculation emit plain
+    decoding's greedy tokens in the Engine (dense cache) and the Scheduler (paged); a speculation
+    as deep as the window is refused (a node must see all its ancestors)."""
+    target = fresh_target(4)
+    c = draft_cfg(layer_types=["sliding_attention"], sliding_window=5)
+    draft = e3.load_draft(write_draft(tmp_path / "d", c, hf_weights(c)), target=target, dtype="float32")
+    assert draft.config.layer_windows == (5,)
+    prompts, sp = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [9, 8, 7]], e3.SamplingParams(max_tokens=16)
+    base = [o.token_ids for o in e3.Engine(target, max_batch_size=2, max_seq_len=48).generate(prompts, sp)]
+    chain = e3.Engine(target, draft=draft, spec=e3.SpecConfig(3, 1, 4), max_batch_size=2, max_seq_len=48)
+    assert [o.token_ids for o in chain.generate(prompts, sp)] == base
+    tree = e3.Scheduler(target, draft, e3.SpecConfig(4, 2, 6), max_num_seqs=2, max_seq_len=48, page_size=4)
+    assert [o.token_ids for o in tree.generate(prompts, sp)] == base
+    with pytest.raises(ValueError, match="num_steps=5 is not below the draft's sliding_window=5"):
+        e3.Engine(target, draft=draft, spec=e3.SpecConfig(5, 1, 6), max_batch_size=2, max_seq_len=48)
+
+
 def test_drafts_reading_other_layers_share_one_untouched_target(tmp_path):
     """load_draft leaves the target as it was; each draft's scheduler runs a view of it that
     captures that draft's layers, and both stay lossless."""
@@ -631,7 +663,7 @@ def np_mla_attention(a_in, w, p, c):
     v = kv_b[..., dn:]
     q = np.concatenate([q[..., :dn], np_rope_interleaved(q[..., dn:], inv, factor)], axis=-1)
     scores = np.einsum("thd,shd->hts", q, k) * scale
-    scores = np.where(np.tril(np.ones((t, t), bool))[None], scores, -np.inf)
+    scores = np.where(np_visible(t, p, c)[None], scores, -np.inf)
     probs = np.exp(scores - scores.max(-1, keepdims=True))
     probs /= probs.sum(-1, keepdims=True)
     return np.einsum("hts,shd->thd", probs, v).reshape(t, nh * dv) @ w[p + "self_attn.o_proj.weight"].T
@@ -650,6 +682,7 @@ MLA_VARIANTS = {
     "kimi_k2_layout": (dict(model_type="kimi_k2", architectures=["Eagle3DeepseekV3ForCausalLM"], rope_scaling=KIMI_YARN,
                             rope_theta=50000.0, eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 1, 2]}),
                        True, "midlayer", 4),
+    "sliding_window": (dict(layer_types=["sliding_attention"], sliding_window=6), True, "midlayer", None),
     # lightseekorg/kimi-k2.6-eagle3.1-mla's layout: one MLA layer, both EAGLE 3.1 switches on, the
     # aux ids in the input-to-layer convention
     "kimi_k26_eagle31": (dict(model_type="kimi_k2", architectures=["Eagle3DeepseekV3ForCausalLM"], rope_scaling=KIMI_YARN,
@@ -903,12 +936,12 @@ PEER_KEYS_IMPLEMENTED = {
     "eagle_config.norm_before_fc": True, "eagle_config.return_hidden_post_norm": True,
     "draft_vocab_size": 40, "target_hidden_size": 48, "num_hidden_layers": 2, "rms_norm_eps": 1e-3,
     "rope_theta": 500.0, "rope_scaling": LLAMA3_ROPE, "head_dim": 16, "intermediate_size": 24,
-    "eagle_config.eagle_aux_hidden_state_layer_ids": [2, 2, 1],
+    "eagle_config.eagle_aux_hidden_state_layer_ids": [2, 2, 1], "layer_types": ["sliding_attention"],
 }
 PEER_KEYS_REFUSED = {
     "qkv_bias": True, "bias": True, "attention_bias": True, "mlp_bias": True, "is_causal": False,
     "logit_scale": 2.0, "use_sliding_window": True, "hidden_act": "gelu", "num_aux_hidden_states": 4,
-    "layer_types": ["sliding_attention"], "eagle_config.use_aux_hidden_state": False,
+    "layer_types": ["chunked_attention"], "eagle_config.use_aux_hidden_state": False,
     "eagle_config.use_input_layernorm_in_first_layer": False, "eagle_config.use_last_layernorm": False,
     "eagle_config.use_mtp_layernorm": True,
 }
@@ -917,13 +950,13 @@ PEER_KEYS_REFUSED = {
 def with_key(key: str, value) -> dict:
     if key.startswith("eagle_config."):
         return draft_cfg(eagle_config={key.split(".", 1)[1]: value})
-    return draft_cfg(**{key: value})
+    return draft_cfg(**{key: value}, sliding_window=8)  # the window a sliding_attention layer takes
 
 
 @pytest.mark.parametrize("key", sorted(PEER_KEYS_IMPLEMENTED))
 def test_peer_draft_keys_are_implemented(key):
     assert draft_lib.parse_draft_config(with_key(key, PEER_KEYS_IMPLEMENTED[key])) != \
-        draft_lib.parse_draft_config(draft_cfg())
+        draft_lib.parse_draft_config(draft_cfg(sliding_window=8))  # alone, sliding_window changes nothing (vLLM)
 
 
 @pytest.mark.parametrize("key", sorted(PEER_KEYS_REFUSED))

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from random_models import FAMILIES, random_draft, random_target
+from random_models import FAMILIES, draft_config_dict, random_draft, random_target
 
 import eagle3_jax as e3
 from eagle3_jax.cache import kv_cache
@@ -291,11 +291,13 @@ def test_a_cache_the_kernel_cannot_tile_keeps_xla_attention(slots, kernel, monke
     assert ("keeps its XLA path for a cache of 72-slot pages" in caplog.text) == (not kernel)
 
 
-def test_draft_propose_with_kernel_attention_equals_xla(monkeypatch, kernel_calls):
+@pytest.mark.parametrize("window", [None, 5], ids=["full", "sliding5"])
+def test_draft_propose_with_kernel_attention_equals_xla(window, monkeypatch, kernel_calls):
     """The draft's extend (causal window) and tree expansion (scratch-slot window) through the
-    attention kernel on a paged cache: every pass's logits as the XLA path's, the same draft tree.
-    (Dense draft caches run the same code through kv_cache.as_pages; the Engine test above covers
-    them end to end.)"""
+    attention kernel on a paged cache: every pass's logits as the XLA path's, the same draft tree;
+    also a sliding-window draft (each query's first slot bounds the kernel's walk). (Dense draft
+    caches run the same code through kv_cache.as_pages; the Engine test above covers them end to
+    end.)"""
     from eagle3_jax.models.draft import with_target_kernels
     from eagle3_jax.spec_decode import propose
     from eagle3_jax.spec_decode.propose import draft_extend, expand
@@ -310,7 +312,8 @@ def test_draft_propose_with_kernel_attention_equals_xla(monkeypatch, kernel_call
 
     monkeypatch.setattr(propose, "draft_forward", recording_forward)
     target = random_target(FAMILIES["minimax_m2"])
-    draft = random_draft(target)
+    sliding = {} if window is None else dict(layer_types=["sliding_attention"], sliding_window=window)
+    draft = random_draft(target, draft_config_dict(target.config, **sliding))
     rng = np.random.default_rng(3)
     h3 = 3 * target.config.hidden_size
     prompt_feats = jnp.asarray(rng.standard_normal((2, 9, h3)), jnp.float32)

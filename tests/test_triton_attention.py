@@ -67,6 +67,37 @@ def test_mla_latent_plus_rope_equals_reference(dtype):
     close(got, paged_prefix_attention_reference(q, lat, None, 0, table, lengths, **kw), dtype)
 
 
+@interpreted
+@pytest.mark.parametrize("kind", ["gqa", "mla"])
+def test_sliding_window_rows_read_only_their_window(kind):
+    """starts [B, T] (a sliding-window draft layer): row m is token m % T's and sees no slot below
+    its start; equal to the reference, and the pages wholly below every row's window are never
+    loaded: counted in the interpreter, the keys read are those of the tiles from the lowest start
+    on, not the whole prefix."""
+    from pallas_kernels import traffic
+
+    rng = np.random.default_rng(7)
+    t, group, d = 3, 2, 16
+    lengths = [45, 80, 17, 96, 33]
+    (k, v), table, lengths = cases.pools_and_table(rng, 1, [d, d], page=PAGE, lengths=lengths, num_pages=32, width=6)
+    k, v = jnp.asarray(k), jnp.asarray(v)
+    starts = jnp.asarray(np.maximum(np.asarray(lengths)[:, None] + np.arange(t)[None, :] - 9, 0), jnp.int32)  # 10-slot windows
+    q = jnp.asarray(rng.standard_normal((len(lengths), 1, group * t, d)), jnp.float32)
+    kw = dict(scale=d ** -0.5, starts=starts)
+    values = None if kind == "mla" else v
+    if kind == "mla":
+        kw.update(q2=jnp.asarray(rng.standard_normal((len(lengths), 1, group * t, 8)), jnp.float32),
+                  k2_pool=jnp.asarray(rng.standard_normal(k.shape[:-1] + (8,)), jnp.float32))
+    with traffic.counting() as launches:
+        got = paged_prefix_attention(q, k, values, 1, table, lengths, interpret=True, num_splits=1, **kw)
+    close(got, paged_prefix_attention_reference(q, k, values, 1, table, lengths, **kw), jnp.float32)
+    key_bytes = launches[-1].by_argument["k_ptr"]
+    first_tile = np.asarray(starts).min(axis=1) // PAGE
+    tiles = np.maximum(-(-np.asarray(lengths) // PAGE) - first_tile, 0)
+    assert key_bytes <= tiles.sum() * PAGE * d * 4  # the window's tiles only (lanes and slots masked within)
+    assert key_bytes < (-(-np.asarray(lengths) // PAGE)).sum() * PAGE * d * 4 / 2  # less than half the prefix
+
+
 def fp8_pool(x: np.ndarray, fnuz: bool) -> tuple[jax.Array, jax.Array]:
     """A float32 pool as float8 bits and its float32 scales (as the KV cache stores them)."""
     from eagle3_jax.cache.kv_cache import quantize

@@ -18,13 +18,16 @@ from eagle3_jax.train.ttt import ttt_loss, ttt_unroll
 
 
 EAGLE31 = dict(fc_norm=True, norm_output=True, norm_before_fc=True)
+SLIDING = dict(layer_types=["sliding_attention", "full_attention"], sliding_window=3)
 
 
-@pytest.mark.parametrize("arch,switches", [("llama", {}), ("mla", {}), ("llama", EAGLE31), ("mla", EAGLE31)],
-                         ids=["llama", "mla", "llama-eagle3.1", "mla-eagle3.1"])
+@pytest.mark.parametrize("arch,switches", [("llama", {}), ("mla", {}), ("llama", EAGLE31), ("mla", EAGLE31),
+                                           ("llama", SLIDING), ("mla", SLIDING)],
+                         ids=["llama", "mla", "llama-eagle3.1", "mla-eagle3.1", "llama-sliding3", "mla-sliding3"])
 def test_ttt_steps_equal_chain_inference_unroll(arch, switches):
     """Every step k at every origin equals a plain causal draft pass over the chain (with EAGLE
-    3.1's switches, the feature norms and the post-norm hidden handed on, as serving runs them)."""
+    3.1's switches, the feature norms and the post-norm hidden handed on, as serving runs them; with
+    a sliding-window layer, the window as serving bounds it, as deep as the window)."""
     target = random_target(FAMILIES["llama"])
     make_config = mla_draft_config_dict if arch == "mla" else draft_config_dict
     draft = random_draft(target, make_config(target.config, num_layers=2, **switches))

@@ -476,16 +476,38 @@ class Visible:
     """Which cache slots each of T new queries sees: every slot below `prefix` [B], and of the W
     slots from there on those `window` [B, T, W] marks (a tree's ancestors, causal new tokens, or
     a draft frontier's scratch slots). `window_is_new`: the window is the slots the queries' own
-    K/V were written to (the kernel path then uses them as computed rather than read back)."""
+    K/V were written to (the kernel path then uses them as computed rather than read back).
+    `start` [B, T] (a sliding-window layer, `sliding`): no slot below it is seen, where a cache's
+    slot index is its token's position (a draft's committed pairs, the new tokens after them)."""
 
     prefix: jax.Array
     window: jax.Array
     window_is_new: bool = struct.field(pytree_node=False, default=True)
+    start: jax.Array | None = None
 
     @property
     def end(self) -> jax.Array:
         """One past the last slot any query of the batch may see (a scalar)."""
         return jnp.max(self.prefix) + self.window.shape[-1]
+
+    @property
+    def first(self) -> jax.Array:
+        """The lowest slot any query of the batch may see (a scalar)."""
+        return jnp.int32(0) if self.start is None else jnp.min(self.start)
+
+    def sliding(self, positions: jax.Array, size: int | None) -> "Visible":
+        """These queries at `positions` [B, T] seeing only the last `size` tokens, themselves
+        included (None: all of them)."""
+        if size is None:
+            return self
+        return self.replace(start=jnp.maximum(positions - (size - 1), 0).astype(jnp.int32))
+
+    def window_seen(self) -> jax.Array:
+        """`window` [B, T, W] with a sliding window's bound applied to its slots (`prefix` on)."""
+        if self.start is None:
+            return self.window
+        slots = self.prefix[:, None, None] + jnp.arange(self.window.shape[-1], dtype=jnp.int32)[None, None, :]
+        return self.window & (slots >= self.start[:, :, None])
 
     def mask(self, slots: jax.Array) -> jax.Array:
         """bool [B, T, n]: which of the logical `slots` [n] each query sees."""
@@ -493,7 +515,10 @@ class Visible:
         rel = slots[None, :] - self.prefix[:, None]  # [B, n]: index among the window's slots
         in_window = (rel >= 0) & (rel < w)
         index = jnp.broadcast_to(jnp.clip(rel, 0, w - 1)[:, None, :], self.window.shape[:2] + slots.shape)
-        return (rel < 0)[:, None, :] | (in_window[:, None, :] & jnp.take_along_axis(self.window, index, axis=2))
+        seen = (rel < 0)[:, None, :] | (in_window[:, None, :] & jnp.take_along_axis(self.window, index, axis=2))
+        if self.start is not None:
+            seen = seen & (slots[None, None, :] >= self.start[:, :, None])
+        return seen
 
 
 def causal_mask(batch: int, t: int) -> jax.Array:

@@ -32,6 +32,13 @@ class DraftConfig:
     norm_before_fc: bool = False
     fc_norm: bool = False
     norm_output: bool = False
+    # per draft layer: the tokens a query sees, itself included (a "sliding_attention" layer of
+    # `layer_types`, `sliding_window` wide), or None (full attention)
+    layer_windows: tuple[int | None, ...] | None = None
+
+    def window(self, layer: int) -> int | None:
+        """Draft layer `layer`'s sliding window, or None (full attention)."""
+        return None if self.layer_windows is None else self.layer_windows[layer]
 
     @property
     def hidden_size(self) -> int:
@@ -117,6 +124,7 @@ def parse_draft_config(raw: dict) -> DraftConfig:
         norm_before_fc=_switch(raw, "norm_before_fc") or _switch(eagle, "norm_before_fc", "eagle_config."),
         fc_norm=_switch(raw, "fc_norm"),
         norm_output=_switch(raw, "norm_output") or _switch(eagle, "return_hidden_post_norm", "eagle_config."),
+        layer_windows=_layer_windows(raw, layers.num_layers),
     )
 
 
@@ -151,10 +159,29 @@ def refuse_unimplemented(raw: dict, eagle: dict) -> None:
                 raise ConfigError(f"draft config {where}{key}={json.dumps(fields[key])} is not supported; supported: "
                                   f"{json.dumps(value)} (or absent)")
     kinds = raw.get("layer_types") or []
-    other = sorted({str(kind) for kind in kinds} - {"full_attention"})
+    other = sorted({str(kind) for kind in kinds} - set(LAYER_TYPES))
     if other:
-        raise ConfigError(f"draft config layer_types lists {', '.join(other)}: draft layers here attend over the whole "
-                          "context (full_attention); sliding-window draft layers are not supported")
+        raise ConfigError(f"draft config layer_types lists {', '.join(other)}; supported: {', '.join(LAYER_TYPES)}")
+
+
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def _layer_windows(raw: dict, num_layers: int) -> tuple[int | None, ...] | None:
+    """Each draft layer's sliding window from `layer_types` and `sliding_window` (as vLLM reads a
+    Llama layer: only a "sliding_attention" layer of layer_types uses the window; vllm-project/
+    speculators' sliding-window drafts nest both in transformer_layer_config, which vLLM reads
+    flattened to the top level, as here)."""
+    kinds = raw.get("layer_types")
+    if not kinds or "sliding_attention" not in kinds:
+        return None
+    if len(kinds) != num_layers:
+        raise ConfigError(f"draft config layer_types lists {len(kinds)} layers but num_hidden_layers={num_layers}")
+    size = raw.get("sliding_window")
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+        raise ConfigError(f"draft config has sliding_attention layers but sliding_window={size!r}; it must be a "
+                          "positive number of tokens")
+    return tuple(size if kind == "sliding_attention" else None for kind in kinds)
 
 
 def _switch(raw: dict, key: str, where: str = "") -> bool:

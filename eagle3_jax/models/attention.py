@@ -57,12 +57,13 @@ def gqa_block(p: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Array, cac
     if uses_kernel(cfg, t, cache):
         prefix = cache.replace(lengths=visible.prefix)
         if visible.window_is_new:  # the window is the new tokens: use them as computed
-            out = gqa_attention(cfg, q, as_cached(cache, k), as_cached(cache, v), prefix, layer, visible.window)
+            out = gqa_attention(cfg, q, as_cached(cache, k), as_cached(cache, v), prefix, layer, visible.window_seen(),
+                                visible.start)
             return linear(out, p["o_proj"]), kv_cache.write(cache, layer, k, v)
         cache = kv_cache.write(cache, layer, k, v)
         window = visible.prefix[:, None] + jnp.arange(visible.window.shape[-1], dtype=jnp.int32)[None, :]
         kw, vw = kv_cache.read_slots(cache, layer, window)
-        out = gqa_attention(cfg, q, kw, vw, prefix, layer, visible.window)
+        out = gqa_attention(cfg, q, kw, vw, prefix, layer, visible.window_seen(), visible.start)
         return linear(out, p["o_proj"]), cache
     cache = kv_cache.write(cache, layer, k, v)
     qg = q.reshape(b, t, nkv, nh // nkv, d)
@@ -125,13 +126,13 @@ def mla_block(p: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Array, cac
         prefix = cache.replace(lengths=visible.prefix)
         if visible.window_is_new:  # the window is the new tokens: use them as computed
             out_lat = mla_attention(cfg, q_lat, q_pe, as_cached(cache, c_kv), as_cached(cache, k_pe), prefix,
-                                            layer, visible.window)
+                                    layer, visible.window_seen(), visible.start)
             cache = kv_cache.write(cache, layer, c_kv, k_pe)
         else:  # the draft's tree expansion: the window is scratch slots written by earlier levels and this one
             cache = kv_cache.write(cache, layer, c_kv, k_pe)
             window = visible.prefix[:, None] + jnp.arange(visible.window.shape[-1], dtype=jnp.int32)[None, :]
             lat_w, pe_w = kv_cache.read_slots(cache, layer, window)
-            out_lat = mla_attention(cfg, q_lat, q_pe, lat_w, pe_w, prefix, layer, visible.window)
+            out_lat = mla_attention(cfg, q_lat, q_pe, lat_w, pe_w, prefix, layer, visible.window_seen(), visible.start)
         out = jnp.einsum("bthr,rhd->bthd", out_lat, w_uv, precision=PRECISION)
         return linear(out.reshape(b, t, nh * dv), p["o_proj"]), cache
 

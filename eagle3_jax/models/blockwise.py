@@ -94,14 +94,18 @@ def attend_partial(cache: kv_cache.KVCache, layer: jax.Array, visible: kv_cache.
         acc = acc * fade[..., None] + mix(probs, k, v).astype(jnp.float32)
         return m_new, denom * fade + probs.sum(-1), acc
 
-    scores, mask, k, v = block(0)
-    m = scores.max(-1)
-    probs = jnp.where(mask, jnp.exp(scores - m[..., None]), 0.0)
-    carry = (m, probs.sum(-1), mix(probs, k, v).astype(jnp.float32))
+    def shapes(i):
+        scores, mask, k, v = block(i)
+        return scores.max(-1), mix(scores, k, v)
+
+    m_shape, acc_shape = jax.eval_shape(shapes, jnp.int32(0))
+    carry = (jnp.full(m_shape.shape, _NEG, jnp.float32), jnp.zeros(m_shape.shape, jnp.float32),
+             jnp.zeros(acc_shape.shape, jnp.float32))
+    first = visible.first  # blocks past every query's last slot or below a sliding window's first are skipped
 
     def step(carry, i):
-        return jax.lax.cond(i * size < end, update, lambda c, _: c, carry, i), None
+        return jax.lax.cond((i * size < end) & ((i + 1) * size > first), update, lambda c, _: c, carry, i), None
 
-    (m, denom, acc), _ = jax.lax.scan(step, carry, jnp.arange(1, num_blocks, dtype=jnp.int32))
+    (m, denom, acc), _ = jax.lax.scan(step, carry, jnp.arange(num_blocks, dtype=jnp.int32))
     denom = jnp.maximum(denom, 1e-30)  # a padding row may see nothing
     return acc / denom[..., None], m + jnp.log(denom)

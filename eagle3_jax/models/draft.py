@@ -27,6 +27,11 @@ switch (config/draft.py):
 - `norm_output` (TensorRT-LLM: `eagle_config.return_hidden_post_norm`): the hidden a draft pass
   hands to the next step (and keeps as a tree's root) is the final norm's output rather than the
   residual before it; the logits are the same either way.
+
+Sliding-window drafts (vllm-project/speculators): a layer `layer_types` names "sliding_attention"
+lets a query at position p see the draft pairs at positions p - sliding_window + 1 .. p only; the
+draft cache's slot index is the pair's position, so the window is a lower bound on the slots
+(`kv_cache.Visible.sliding`), and pages wholly below every query's window are not read.
 """
 
 from __future__ import annotations
@@ -77,10 +82,11 @@ def draft_forward(params: dict, cfg: DraftConfig, embeds: jax.Array, hidden: jax
     for layer, p in enumerate(layers):
         if layer > 0:
             x = rms_norm(residual, p["attn_norm"], lc.rms_norm_eps)
+        seen = visible.sliding(positions, cfg.window(layer))
         if cfg.is_mla:
-            attn, cache = mla_block(p, lc, x, positions, cache, jnp.int32(layer), visible, absorb)
+            attn, cache = mla_block(p, lc, x, positions, cache, jnp.int32(layer), seen, absorb)
         else:
-            attn, cache = gqa_block(p, lc, x, positions, cache, jnp.int32(layer), visible)
+            attn, cache = gqa_block(p, lc, x, positions, cache, jnp.int32(layer), seen)
         h = residual + attn
         residual = h + swiglu(rms_norm(h, p["mlp_norm"], lc.rms_norm_eps), p["gate_proj"], p["up_proj"], p["down_proj"])
     handed = rms_norm(residual, params["final_norm"], lc.rms_norm_eps) if cfg.norm_output else residual

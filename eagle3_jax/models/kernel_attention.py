@@ -106,7 +106,7 @@ def _kernel_pools(cache: kv_cache.KVCache, value_pool: bool):
     return k_pool, None, v_pool, scales, table
 
 
-def _local_prefix(layer, table, lengths, q, q2, k_pool, v_pool, k2_pool, scales, scale: float):
+def _local_prefix(layer, table, lengths, q, q2, k_pool, v_pool, k2_pool, scales, scale: float, starts=None):
     """The kernel on arrays one device holds: q [b, Hq, T, D] (query heads in KV-head order),
     pools with h KV heads (Hq / h query heads each) -> out [b, Hq, T, Dv], lse [b, Hq, T]."""
     from pallas_kernels.triton_attention import paged_prefix_attention
@@ -118,7 +118,7 @@ def _local_prefix(layer, table, lengths, q, q2, k_pool, v_pool, k2_pool, scales,
         return None if x is None else x.reshape(b, h, (hq // h) * t, x.shape[-1])
 
     out, lse = paged_prefix_attention(rows(q), k_pool, v_pool, layer, table, lengths, scale=scale, q2=rows(q2),
-                                      k2_pool=k2_pool, scales=scales)
+                                      k2_pool=k2_pool, scales=scales, starts=starts)
     return out.reshape(b, hq, t, out.shape[-1]), lse.reshape(b, hq, t)
 
 
@@ -144,16 +144,17 @@ def _held_pages(table: jax.Array, n_local: int) -> jax.Array:
 
 
 def prefix_partial(cache: kv_cache.KVCache, layer, q: jax.Array, q2: jax.Array | None, scale: float,
-                   value_pool: bool) -> tuple[jax.Array, jax.Array]:
+                   value_pool: bool, starts: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """Attention of q [B, Hq, T, D] (query heads in KV-head order; q2 the second score term, MLA's
     rope part) over each row's committed prefix (slots < cache.lengths) through the kernel, on this
     device or sharded over the mesh traced under (module docstring): out [B, Hq, T, Dv] float32,
     normalised over the prefix, and lse [B, Hq, T] (-inf where a row's prefix is empty).
-    `value_pool`: GQA's separate value pool; else the values are the latent keys (MLA)."""
+    `value_pool`: GQA's separate value pool; else the values are the latent keys (MLA). `starts`
+    [B, T]: a sliding window's first slot per token (`kv_cache.Visible.start`)."""
     k_pool, v_pool, k2_pool, scales, table = _kernel_pools(cache, value_pool)
     mesh = jax.sharding.get_abstract_mesh()
     if mesh is None or mesh.empty or mesh.size == 1:
-        return _local_prefix(layer, table, cache.lengths, q, q2, k_pool, v_pool, k2_pool, scales, scale)
+        return _local_prefix(layer, table, cache.lengths, q, q2, k_pool, v_pool, k2_pool, scales, scale, starts)
     rows, heads = _mesh_axes(mesh, cache, q, k_pool.shape[3])
     pool_spec = P(None, rows, None, None if k_pool.shape[3] == 1 else heads, None)
     q_spec = P(rows, heads, None, None)
@@ -161,9 +162,10 @@ def prefix_partial(cache: kv_cache.KVCache, layer, q: jax.Array, q2: jax.Array |
     fnuz = scales is not None and scales.fnuz
     arrays = {"q": q, "q2": q2, "k_pool": k_pool, "v_pool": v_pool, "k2_pool": k2_pool,
               "k_scales": None if scales is None else scales.k, "v_scales": None if scales is None else scales.v,
-              "k2_scales": None if scales is None else scales.k2}
+              "k2_scales": None if scales is None else scales.k2, "starts": starts}
     arrays = {name: x for name, x in arrays.items() if x is not None}
-    specs = {name: q_spec if name.startswith("q") else pool_spec for name in arrays}
+    specs = {name: q_spec if name.startswith("q") else P(rows, None) if name == "starts" else pool_spec
+             for name in arrays}
 
     def body(layer, table, lengths, arrays):
         get = arrays.get
@@ -171,7 +173,7 @@ def prefix_partial(cache: kv_cache.KVCache, layer, q: jax.Array, q2: jax.Array |
         if rows:
             table = _held_pages(table, n_local)
         return _local_prefix(layer, table, lengths, get("q"), get("q2"), get("k_pool"), get("v_pool"), get("k2_pool"),
-                             local_scales, scale)
+                             local_scales, scale, get("starts"))
 
     out, lse = jax.shard_map(body, mesh=mesh, axis_names=set(mesh.axis_names), check_vma=False,
                              in_specs=(P(), P(rows), P(rows), specs), out_specs=(q_spec, P(rows, heads, None)))(
@@ -194,14 +196,16 @@ def _tree_partial(scores: jax.Array, tree_mask: jax.Array, values: jax.Array, sp
     return jnp.einsum(spec, probs.astype(values.dtype), values, preferred_element_type=jnp.float32, precision=PRECISION), lse
 
 
-def gqa_attention(cfg: ModelConfig, q, k, v, cache, layer, tree_mask) -> jax.Array:
+def gqa_attention(cfg: ModelConfig, q, k, v, cache, layer, tree_mask, starts=None) -> jax.Array:
     """GQA decode / verify: q [B, T, heads, d] over the prefix (slots < cache.lengths) through the
     kernel and the window (k, v [B, W, kv, d]: the W slots from cache.lengths on, as the cache
-    returns them; tree_mask [B, T, W]); [B, T, heads * d]."""
+    returns them; tree_mask [B, T, W], a sliding window's bound already in it); [B, T, heads * d].
+    `starts` [B, T]: a sliding window's first slot per token."""
     b, t, nh, d = q.shape
     nkv, g = cfg.num_kv_heads, nh // cfg.num_kv_heads
     scale = d ** -0.5
-    out_a, lse_a = prefix_partial(cache, layer, q.transpose(0, 2, 1, 3).astype(cache.read_dtype), None, scale, True)
+    out_a, lse_a = prefix_partial(cache, layer, q.transpose(0, 2, 1, 3).astype(cache.read_dtype), None, scale, True,
+                                  starts)
     qg = q.reshape(b, t, nkv, g, d).transpose(0, 2, 3, 1, 4)  # [B, kv, g, T, d]
     scores = jnp.einsum("bkgtd,bjkd->bkgtj", qg, k, preferred_element_type=jnp.float32, precision=PRECISION) * scale
     out_b, lse_b = _tree_partial(scores.reshape(b, nh, t, k.shape[1]), tree_mask, jnp.repeat(v, g, axis=2),
@@ -210,13 +214,13 @@ def gqa_attention(cfg: ModelConfig, q, k, v, cache, layer, tree_mask) -> jax.Arr
     return out.transpose(0, 2, 1, 3).reshape(b, t, nh * d).astype(q.dtype)
 
 
-def mla_attention(cfg: ModelConfig, q_lat, q_pe, c_kv, k_pe, cache, layer, tree_mask) -> jax.Array:
+def mla_attention(cfg: ModelConfig, q_lat, q_pe, c_kv, k_pe, cache, layer, tree_mask, starts=None) -> jax.Array:
     """Absorbed MLA decode / verify: q_lat [B, T, heads, r], q_pe [B, T, heads, dr] over the prefix
     through the kernel and the window (c_kv, k_pe: its slots' latents and rope keys as the cache
-    returns them); out_lat [B, T, heads, r]."""
+    returns them; tree_mask and `starts` as in gqa_attention); out_lat [B, T, heads, r]."""
     dt = cache.read_dtype
     heads_first = lambda a: a.transpose(0, 2, 1, 3).astype(dt)  # noqa: E731
-    out_a, lse_a = prefix_partial(cache, layer, heads_first(q_lat), heads_first(q_pe), cfg.softmax_scale, False)
+    out_a, lse_a = prefix_partial(cache, layer, heads_first(q_lat), heads_first(q_pe), cfg.softmax_scale, False, starts)
     f32 = dict(preferred_element_type=jnp.float32, precision=PRECISION)
     scores = (jnp.einsum("bthr,bjr->bhtj", q_lat.astype(dt), c_kv, **f32)
               + jnp.einsum("bthd,bjd->bhtj", q_pe.astype(dt), k_pe, **f32))

@@ -207,6 +207,11 @@ def check_speculation(target, draft: Draft | None,
     topk = max(s.topk for s in shapes)
     if topk > draft.config.draft_vocab_size:
         raise ValueError(f"SpecConfig.topk={topk} exceeds the draft vocabulary ({draft.config.draft_vocab_size})")
+    windows = [w for w in draft.config.layer_windows or () if w is not None]
+    depth = max(s.num_steps for s in shapes)
+    if windows and min(windows) <= depth:  # a tree node must see all its ancestors (they are not position-indexed)
+        raise ValueError(f"SpecConfig.num_steps={depth} is not below the draft's sliding_window={min(windows)}; use "
+                         f"fewer draft steps")
     check_fits_target(draft.config, target.config)  # a draft loaded for another target
     target.capturing(draft.aux_layer_ids)  # raises when the target lacks a layer the draft reads
     return spec

@@ -52,17 +52,24 @@ def _heads(p: dict, lc: ModelConfig, x: jax.Array, positions: jax.Array
     return q, k, jnp.einsum("btr,rhd->bthd", c_kv, w_uv, precision=PRECISION), lc.softmax_scale
 
 
-def _ttt_attention(q, k0, v0, diag_k, diag_v, scale: float) -> jax.Array:
+def _ttt_attention(q, k0, v0, diag_k, diag_v, scale: float, window: int | None = None) -> jax.Array:
     """q [B,T,nh,dq]; step-0 keys [B,T,nkv,dq] and values [B,T,nkv,dv] (causal); diag_* lists of
-    the same shapes (same origin only). Returns [B,T,nh*dv]."""
+    the same shapes (same origin only). Returns [B,T,nh*dv]. `window`: a sliding-window layer's
+    width; the query at origin t of step k (position t + k) sees step-0 pairs from t + k - window + 1
+    on (its own steps at that origin are the window's last ones)."""
     b, t, nh, d = q.shape
     nkv, dv = k0.shape[2], v0.shape[-1]
     qg = q.reshape(b, t, nkv, nh // nkv, d)
     s0 = jnp.einsum("btkgd,bskd->bkgts", qg, k0, preferred_element_type=jnp.float32, precision=PRECISION) * scale
     causal = jnp.tril(jnp.ones((t, t), bool))
+    if window is not None:
+        origin, key = jnp.arange(t)[:, None], jnp.arange(t)[None, :]
+        causal = causal & (key > origin + len(diag_k) - window)
     s0 = jnp.where(causal, s0, _NEG)
+    step = len(diag_k)  # this query's step; diagonal j is its step-j predecessor (position t + j)
     diag = [jnp.einsum("btkgd,btkd->bkgt", qg, kj, preferred_element_type=jnp.float32, precision=PRECISION)[..., None]
-            * scale for kj in diag_k]
+            * scale if window is None or j + 1 > step - window else jnp.full(s0.shape[:-1] + (1,), _NEG, jnp.float32)
+            for j, kj in enumerate(diag_k)]
     probs = jax.nn.softmax(jnp.concatenate([s0] + diag, axis=-1), axis=-1)
     out = jnp.einsum("bkgts,bskd->btkgd", probs[..., :t].astype(v0.dtype), v0, precision=PRECISION)
     for j, vj in enumerate(diag_v):
@@ -91,7 +98,8 @@ def ttt_unroll(params: dict, cfg: DraftConfig, aux: jax.Array, tokens: jax.Array
             q, k, v, scale = _heads(p, lc, x, positions)
             cache_k[layer].append(k)
             cache_v[layer].append(v)
-            attn = _ttt_attention(q, cache_k[layer][0], cache_v[layer][0], cache_k[layer][1:], cache_v[layer][1:], scale)
+            attn = _ttt_attention(q, cache_k[layer][0], cache_v[layer][0], cache_k[layer][1:], cache_v[layer][1:], scale,
+                                  cfg.window(layer))
             h = residual + jnp.matmul(attn, p["o_proj"], precision=PRECISION)
             residual = h + swiglu(rms_norm(h, p["mlp_norm"], lc.rms_norm_eps), p["gate_proj"], p["up_proj"], p["down_proj"])
         normed_out = rms_norm(residual, params["final_norm"], lc.rms_norm_eps)
