@@ -54,6 +54,8 @@ flags.DEFINE_integer("draft_intermediate_size", 0, "Draft MLP width (0 = 4 x hid
 flags.DEFINE_bool("fc_norm", False, "EAGLE 3.1: an RMSNorm on each target feature before fc.")
 flags.DEFINE_bool("norm_output", False, "EAGLE 3.1: hand the next draft step the hidden after the final norm.")
 flags.DEFINE_bool("norm_before_fc", False, "An RMSNorm over the concatenated target features before fc.")
+flags.DEFINE_integer("sliding_window", 0, "Draft layers attend over this many tokens (0 = the whole context).",
+                     lower_bound=0)
 flags.DEFINE_integer("ttt_steps", 7, "Training-time-test unroll depth.", lower_bound=1)
 flags.DEFINE_integer("epochs", 2, "Epochs.", lower_bound=1)
 flags.DEFINE_integer("batch_size", 16, "Sequences per step (a multiple of the mesh's data axis).", lower_bound=1)
@@ -198,7 +200,8 @@ def main(argv: Sequence[str]) -> None:
                                    num_layers=FLAGS.draft_layers, intermediate_size=FLAGS.draft_intermediate_size,
                                    ttt_steps=FLAGS.ttt_steps, batch_size=FLAGS.batch_size,
                                    eval_fraction=FLAGS.eval_fraction, seed=FLAGS.seed, fc_norm=FLAGS.fc_norm,
-                                   norm_output=FLAGS.norm_output, norm_before_fc=FLAGS.norm_before_fc)
+                                   norm_output=FLAGS.norm_output, norm_before_fc=FLAGS.norm_before_fc,
+                                   sliding_window=FLAGS.sliding_window)
 
     start = time.perf_counter()
     target = e3.load_target(FLAGS.target, dtype=FLAGS.target_dtype)

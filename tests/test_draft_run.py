@@ -108,9 +108,10 @@ def test_a_short_run_trains_resumes_and_exports_a_loadable_draft(target, tmp_pat
 
 
 def test_an_eagle31_draft_trains_exports_and_reloads_as_it_trained(target, tmp_path):
-    """fc_norm, norm_output and norm_before_fc on: the trained draft's export carries the switches
-    and their weights, and the reloaded draft gives the logits the trained parameters give."""
-    recipe = dataclasses.replace(RECIPE, fc_norm=True, norm_output=True, norm_before_fc=True)
+    """fc_norm, norm_output and norm_before_fc on, and a sliding window: the trained draft's export
+    carries the switches, the window and their weights, and the reloaded draft gives the logits the
+    trained parameters give."""
+    recipe = dataclasses.replace(RECIPE, fc_norm=True, norm_output=True, norm_before_fc=True, sliding_window=4)
     data = draft_run.prepare_data(_examples(12), 64, recipe)
     tc = TrainConfig(epochs=1, learning_rate=3e-3, warmup_steps=1, compute_dtype="float32")
     training = draft_run.DraftTraining(target, data, recipe, tc)
@@ -119,12 +120,14 @@ def test_an_eagle31_draft_trains_exports_and_reloads_as_it_trained(target, tmp_p
     with open(os.path.join(out, "config.json")) as f:
         raw = json.load(f)
     assert raw["fc_norm"] is raw["norm_output"] is raw["norm_before_fc"] is True
+    assert raw["layer_types"] == ["sliding_attention"] and raw["sliding_window"] == 4
     draft = e3.load_draft(out, target=target, dtype="float32")
     assert draft.config.fc_norm and draft.config.norm_output and draft.config.norm_before_fc
+    assert draft.config.layer_windows == (4,)
     assert not np.allclose(np.asarray(draft.params["fc_norm.0"]), 1.0)  # trained, not left at its init
     rng = np.random.default_rng(0)
-    ids = rng.integers(0, 64, (1, 6))
-    aux = rng.standard_normal((1, 6, 3 * target.config.hidden_size)).astype(np.float32)
+    ids = rng.integers(0, 64, (1, 9))  # longer than the window
+    aux = rng.standard_normal((1, 9, 3 * target.config.hidden_size)).astype(np.float32)
     trained = assembled_params(training.trainer.state.params, training.frozen)
     want = draft_lib.Draft(training.config, trained, np.dtype(np.float32), target).logits(ids, aux)
     np.testing.assert_allclose(draft.logits(ids, aux), want, rtol=1e-5, atol=1e-5)

@@ -35,7 +35,8 @@ class DraftRecipe:
     an MLP `intermediate_size` wide (0: 4 x hidden), a training-time-test unroll `ttt_steps` deep,
     batches of `batch_size` sequences, an `eval_fraction` share held out and `seed` for the data
     order and the initial weights. `fc_norm`, `norm_output`, `norm_before_fc`: the EAGLE 3.1
-    switches (models/draft.py), which the training-time test follows as serving does."""
+    switches (models/draft.py), which the training-time test follows as serving does;
+    `sliding_window` > 0: every draft layer attends over that many tokens (0: the whole context)."""
 
     vocab_size: int = 0
     arch: str = "llama"
@@ -44,6 +45,7 @@ class DraftRecipe:
     fc_norm: bool = False
     norm_output: bool = False
     norm_before_fc: bool = False
+    sliding_window: int = 0
     ttt_steps: int = 7
     batch_size: int = 16
     eval_fraction: float = 0.05
@@ -134,7 +136,8 @@ class DraftTraining:
         self.config = dataclasses.replace(
             new_draft_config(target.config, data.vocab, arch=recipe.arch, num_layers=recipe.num_layers,
                              intermediate_size=recipe.intermediate_size or None),
-            fc_norm=recipe.fc_norm, norm_output=recipe.norm_output, norm_before_fc=recipe.norm_before_fc)
+            fc_norm=recipe.fc_norm, norm_output=recipe.norm_output, norm_before_fc=recipe.norm_before_fc,
+            layer_windows=(recipe.sliding_window,) * recipe.num_layers if recipe.sliding_window else None)
         params, self.frozen = init_draft_params(self.config, target, data.vocab, seed=recipe.seed)
         self.steps_per_epoch = len(data.train_tokens) // recipe.batch_size
         self.trainer = Trainer(make_ttt_loss(self.config, data.vocab, recipe.ttt_steps), params, self.frozen, tc,

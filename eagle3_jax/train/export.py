@@ -144,6 +144,12 @@ def draft_config_json(cfg: DraftConfig, dtype: str = "bfloat16") -> dict:
         raw["bos_token_id"] = int(lc.bos_token_id)
     if lc.eos_token_ids:
         raw["eos_token_id"] = int(lc.eos_token_ids[0]) if len(lc.eos_token_ids) == 1 else list(lc.eos_token_ids)
+    if cfg.layer_windows is not None:  # sliding-window layers, as vLLM reads them (flattened, per layer)
+        raw["layer_types"] = ["full_attention" if w is None else "sliding_attention" for w in cfg.layer_windows]
+        windows = {w for w in cfg.layer_windows if w is not None}
+        if len(windows) != 1:
+            raise ValueError(f"draft layers have sliding windows {sorted(windows)}: a config holds one sliding_window")
+        raw["sliding_window"] = windows.pop()
     for switch in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output"):
         if getattr(cfg, switch):  # written only when on: a reader that predates a switch then refuses nothing
             raw[switch] = True
