@@ -17,10 +17,17 @@ MAX_MODULE_LINES, MAX_CLASS_LINES = 600, 330
 LAZY_IMPORTS = {
     # the Triton kernels load only when a kernel path runs (`triton` is not a dependency of a
     # CPU-only install; the XLA path never imports it)
-    ("eagle3_jax.models.attention", "pallas_kernels.triton_attention"): 1,
+    ("eagle3_jax.models.kernel_attention", "pallas_kernels.triton_attention"): 1,
     ("eagle3_jax.models.moe", "pallas_kernels.triton_moe"): 1,
-    # compiling to ISA needs the `triton` wheel, which only the compile gate uses
-    ("eagle3_jax.planning.compile_gate", "pallas_kernels.isa"): 1,
+    ("eagle3_jax.bench.traffic", "pallas_kernels.triton_attention"): 1,
+    ("eagle3_jax.bench.traffic", "pallas_kernels.triton_moe"): 1,
+    # the load counter hooks the interpreter only while a count is open; its minimums read the
+    # quantized-weight layout only when asked for one
+    ("pallas_kernels.triton_call", "pallas_kernels.traffic"): 1,
+    ("pallas_kernels.traffic", "eagle3_jax.weights.quant"): 1,
+    # compiling to ISA needs the `triton` wheel, which only the compile gate uses (to compile, and
+    # to key launches by what jax_triton folds)
+    ("eagle3_jax.planning.compile_gate", "pallas_kernels.isa"): 2,
     # the scripts' shared flags load no JAX until a flag's value is checked (so --help answers at once)
     ("eagle3_jax.cli.flags", "eagle3_jax.runtime.kernels"): 1,
     ("eagle3_jax.cli.flags", "eagle3_jax.models.target"): 1,
