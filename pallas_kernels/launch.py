@@ -21,7 +21,7 @@ spills and fitting shared memory at every shape the engine launches, triton 3.9)
   at T = 1 (data-parallel attention) read each page once: sm_90 248 registers at two stages (one
   stage spills 276 B), gfx942 216 VGPRs, gfx950 214 at one stage (two put it into AGPRs). 128 rows
   (T = 4 there) do not fit: 128 KB of LDS on gfx942, 75-97 VGPR spills on AMD at 16 warps, and
-  more than sm_90's 128 registers a thread at 16 warps. Over FP8 pages 32 rows. GQA on AMD runs 8
+  more than sm_90's 128 registers a thread at 16 warps. Over FP8 pages 64 rows on NVIDIA, 32 on AMD. GQA on AMD runs 8
   warps (4 left 14-25 SGPR spills at 64 rows).
 - Pages are walked 16 slots per step (a whole 32- or 64-slot MLA page a step spills on gfx942 and
   gfx950, and a 64-slot page needs 72 KB of LDS on gfx942; at 64 rows 32 slots spill on sm_90).
@@ -141,12 +141,13 @@ TABLE: dict[tuple[str, str], Launch] = {
     ("gqa_attention", "sm_90"): AttentionLaunch(block_rows=64, num_warps=4, num_stages=2),
     ("gqa_attention", "sm_100"): AttentionLaunch(block_rows=64, num_warps=4, num_stages=2),
     # Over FP8 pages (decoded in registers, the scores and probabilities scaled per lane group:
-    # triton_attention.py) 32 rows at one stage; 64 spill on every architecture.
+    # triton_attention.py): 64 rows at two stages on sm_90 / sm_100 (251 / 250 registers); 32 at
+    # one stage on AMD, where 64 spill at 8 warps (52-75 VGPRs) and at 16 (450+).
     ("mla_attention_fp8", DEFAULT): AttentionLaunch(block_rows=16, num_warps=4, num_stages=1),
     ("mla_attention_fp8", "gfx942"): AttentionLaunch(block_rows=32, num_warps=8, num_stages=1),
     ("mla_attention_fp8", "gfx950"): AttentionLaunch(block_rows=32, num_warps=8, num_stages=1),
-    ("mla_attention_fp8", "sm_90"): AttentionLaunch(block_rows=32, num_warps=8, num_stages=1),
-    ("mla_attention_fp8", "sm_100"): AttentionLaunch(block_rows=32, num_warps=8, num_stages=1),
+    ("mla_attention_fp8", "sm_90"): AttentionLaunch(block_rows=64, num_warps=8, num_stages=2),
+    ("mla_attention_fp8", "sm_100"): AttentionLaunch(block_rows=64, num_warps=8, num_stages=2),
     ("gqa_attention_fp8", DEFAULT): AttentionLaunch(block_rows=16, num_warps=4, num_stages=1),
     ("gqa_attention_fp8", "gfx942"): AttentionLaunch(block_rows=32, num_warps=8, num_stages=1),
     ("gqa_attention_fp8", "gfx950"): AttentionLaunch(block_rows=32, num_warps=8, num_stages=1),
