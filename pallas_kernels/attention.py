@@ -40,6 +40,10 @@ _MIN_ROWS = 16
 # read its 8K prefix at 30 GB/s.
 TARGET_PROGRAMS = 256
 MAX_SPLITS = 32
+# Every split loads its row tile's queries again: a split reads at least this many times as many
+# key bytes as query bytes (the queries and keys of a slot are as wide), so they stay a small part
+# of its loads (at Kimi-K2.5's 64-row tiles over bfloat16 pages: 256 slots a split).
+MIN_KEYS_PER_QUERY_BYTE = 4
 
 
 def _rows_bucket(m: int) -> int:
@@ -47,13 +51,17 @@ def _rows_bucket(m: int) -> int:
 
 
 def default_splits(batch: int, heads: int, rows: int, table_pages: int, dv: int, itemsize: int,
-                   launch: AttentionLaunch | None = None, form: str = "mla_attention") -> int:
+                   launch: AttentionLaunch | None = None, form: str = "mla_attention", page_size: int = 16,
+                   kv_itemsize: int | None = None) -> int:
     """KV splits per (row, head x row block) so a launch has about TARGET_PROGRAMS programs, at most
-    MAX_SPLITS and one page of the table per split."""
+    MAX_SPLITS, one page of the table per split, and MIN_KEYS_PER_QUERY_BYTE key bytes a query byte
+    (pages of `page_size` slots of `kv_itemsize` bytes a lane: FP8 pages 1)."""
     launch = launch_table.launch(form) if launch is None else launch
     block = block_rows_for(rows, dv, itemsize, launch, 512 if form == "mla_attention" else 128)
     programs = batch * heads * -(-rows // block)
-    return int(max(1, min(MAX_SPLITS, table_pages, TARGET_PROGRAMS // programs)))
+    slots = table_pages * page_size
+    by_reads = slots * (kv_itemsize or itemsize) // (MIN_KEYS_PER_QUERY_BYTE * block * itemsize)
+    return int(max(1, min(MAX_SPLITS, table_pages, TARGET_PROGRAMS // programs, by_reads)))
 
 
 def block_rows_for(rows: int, dv: int, itemsize: int, launch: AttentionLaunch, reference_dv: int) -> int:

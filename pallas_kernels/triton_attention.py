@@ -317,7 +317,8 @@ def paged_prefix_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array | 
                       FNUZ=bool(scales.fnuz))
     if num_splits <= 0:  # interpreted, programs run one after another: a split only adds its overhead
         interpreting = triton_call.interpreted() if interpret is None else interpret
-        num_splits = 1 if interpreting else default_splits(b, h, m, block_table.shape[1], dv, itemsize, launch, form)
+        num_splits = 1 if interpreting else default_splits(b, h, m, block_table.shape[1], dv, itemsize, launch, form,
+                                                           page_size, jnp.dtype(k_pool.dtype).itemsize)
     pages_per_split = -(-block_table.shape[1] // num_splits)
     pad = ((0, 0), (0, 0), (0, rows - m), (0, 0))
     q = jnp.pad(q, pad)

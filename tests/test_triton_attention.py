@@ -236,7 +236,9 @@ def test_splits_the_kernel_takes():
         assert default_splits(16, 1, 64, 512, 512, 2) == TARGET_PROGRAMS // 16  # 64-row tiles on sm_90
         assert default_splits(16, 1, 256, 512, 512, 2) == TARGET_PROGRAMS // (16 * 4)  # verify: 4 row tiles
         assert default_splits(64, 1, 256, 512, 512, 2) == 1  # verify at batch 64: programs enough
-        assert default_splits(1, 1, 64, 3, 512, 2) == 3  # a short table: one page per split
+        assert default_splits(1, 1, 16, 3, 512, 2, page_size=64) == 3  # a short table: one page per split
+        # a split reads 4x its queries' bytes: a 64-row tile over 1K bfloat16 slots takes 4 splits, FP8 2
+        assert default_splits(1, 1, 64, 64, 512, 2) == 4 and default_splits(1, 1, 64, 64, 512, 2, kv_itemsize=1) == 2
 
 
 def test_merging_with_the_new_tokens_equals_one_softmax():
@@ -315,20 +317,20 @@ def test_compiles_to_each_architecture_without_spills_on_matrix_units(arch):
 @pytest.mark.newest_jax
 @pytest.mark.parametrize("arch", ["gfx942", "gfx950", "sm_90"])
 def test_the_gate_fails_a_kernel_that_spills(arch):
-    """Kimi-K2.5's MLA with 16 heads x 4 verify tokens in one row tile of 64 rows at 8 warps (a
-    float32 [64, 512] accumulator beside the queries) is past the register file on every
-    architecture: the gate says so (a spill on sm_90, AGPRs or scratch on AMD); the table's row
-    tiles at the same shape pass."""
+    """Kimi-K2.5's MLA with 32 heads x 4 verify tokens in one row tile of 128 rows at 8 warps (a
+    float32 [128, 512] accumulator, 256 KB) is past the register file on every architecture: the
+    gate says so (a spill on sm_90, AGPRs or scratch on AMD); the table's row tiles at the same
+    shape pass."""
     def captured(launch_params):
         launches = []
         with launch.for_arch(arch), triton_call.capturing(launches):
             jax.eval_shape(lambda q, q2, lat, rope, table, lengths: paged_prefix_attention(
                 q, lat, None, 1, table, lengths, scale=0.1, q2=q2, k2_pool=rope, launch=launch_params),
-                *kimi_mla(16, 4))
+                *kimi_mla(32, 4))
         [one] = launches
         return one
 
-    problems = isa.check(isa.compile_launch(captured(AttentionLaunch(block_rows=64, num_warps=8, num_stages=2)),
+    problems = isa.check(isa.compile_launch(captured(AttentionLaunch(block_rows=128, num_warps=8, num_stages=2)),
                                             arch))
     assert problems and any("spill" in p or "AGPR" in p or "scratch" in p for p in problems), problems
     assert isa.check(isa.compile_launch(captured(None), arch)) == []

@@ -186,7 +186,8 @@ def attention_rows(shapes: AttentionShapes, device: Device, interpret: bool,
                 x_ms = per_set_ms(ref, arg_sets, shapes.repeats)
                 for name, launch in launches:
                     splits = shapes.num_splits or default_splits(batch, heads, q.shape[2], tables.shape[2], dv,
-                                                                 q.dtype.itemsize, launch, form)
+                                                                 q.dtype.itemsize, launch, form, k.shape[2],
+                                                                 k.dtype.itemsize)
                     kernel = functools.partial(paged_prefix_attention, layer=0, scale=SCALE, num_splits=splits,
                                                interpret=interpret, launch=launch)
                     row = dict(op="attention", kind=shapes.kind, layout=shapes.layout, launch=name,

@@ -123,7 +123,7 @@ def attention_row(case: AttentionCase, archs: Sequence[str], batch: int, context
     q = args["q"]
     dv = case.latent if case.kind == "mla" else case.head_dim
     splits = default_splits(case.batch, q.shape[1], q.shape[2], args["block_table"].shape[1], dv, 2, launch,
-                            case.form.removesuffix("_fp8"))
+                            case.form.removesuffix("_fp8"), case.page_size, 1 if case.fp8 else 2)
     with traffic.counting() as launches:
         jax.block_until_ready(paged_prefix_attention(layer=0, scale=0.1, num_splits=splits, interpret=True,
                                                      launch=launch, **args))
