@@ -16,9 +16,9 @@ with the `triton` package (pallas_kernels/isa.py). Identical launches compile on
 
 Float8 weights are e4m3fnuz on gfx942 (what the engine converts to there) and OCP e4m3fn
 elsewhere. Beside the configurations, `EXTRA` adds kernel forms no bundled config reaches: float8
-per-channel experts at Kimi-K2.5's per-device expert shapes, and MLA and GQA attention over 32-
-and 64-slot pages (the server's `--page_size`) in bfloat16 and over FP8 KV pages of 16, 32 and 64
-slots.
+per-channel experts at Kimi-K2.5's per-device expert shapes, MLA and GQA attention over 32- and
+64-slot pages (the server's `--page_size`) in bfloat16 and over FP8 KV pages of 16, 32 and 64
+slots, and both in a sliding-window draft layer's form.
 
 `representative_cases` is the subset the default test run compiles: each configuration at its
 largest launched shape (T = 64, batch 64) on its first mesh, in each of its formats; and the extras.
@@ -180,16 +180,28 @@ def _fp8_channel_experts(fnuz: bool, swiglu: bool) -> Callable[[str], tuple[Call
     return build
 
 
-def _paged(kind: str, page_size: int, fp8: bool) -> Callable[[str], tuple[Callable, tuple]]:
+def _paged(kind: str, page_size: int, fp8: bool, sliding: bool = False) -> Callable[[str], tuple[Callable, tuple]]:
     """Prefix attention over pages of `page_size` slots (the scheduler's `page_size`; the bundled
     configurations run the default 16) in bfloat16 or FP8 (`kv_cache_dtype="fp8"`: float8 bits and a
     float32 scale per slot per 128 lanes, in the architecture's flavour), an 8K context: Kimi-K2.5's
-    MLA (64 heads x T 4) or MiniMax-M2.5's GQA (8 KV heads, 6 x T 64 rows; T 16 over FP8 pages)."""
+    MLA (64 heads x T 4) or MiniMax-M2.5's GQA (8 KV heads, 6 x T 64 rows; T 16 over FP8 pages).
+    `sliding` (bfloat16 pages): a sliding-window draft layer's form, each token's first slot an input."""
     def build(arch: str):
         sds = jax.ShapeDtypeStruct
         batch, pages, fnuz = 4, CONTEXT // page_size, _fp8_format(arch) == "e4m3fnuz"
         table, lengths = sds((batch, pages), jnp.int32), sds((batch,), jnp.int32)
         heads = 1 if kind == "mla" else 8
+        if sliding:
+            starts = sds((batch, 4 if kind == "mla" else 64), jnp.int32)
+            if kind == "mla":
+                return (lambda q, q2, lat, rope, t, n, s: paged_prefix_attention(
+                    q, lat, None, 1, t, n, scale=0.1, q2=q2, k2_pool=rope, starts=s)), (
+                    sds((batch, 1, 256, 512), jnp.bfloat16), sds((batch, 1, 256, 64), jnp.bfloat16),
+                    sds((2, batch * pages, page_size, 1, 512), jnp.bfloat16),
+                    sds((2, batch * pages, page_size, 1, 64), jnp.bfloat16), table, lengths, starts)
+            kv = sds((2, batch * pages, page_size, 8, 128), jnp.bfloat16)
+            return (lambda q, k, v, t, n, s: paged_prefix_attention(q, k, v, 1, t, n, scale=0.1, starts=s)), (
+                sds((batch, 8, 6 * 64, 128), jnp.bfloat16), kv, kv, table, lengths, starts)
 
         def pool(width):
             return sds((2, batch * pages, page_size, heads, width), jnp.uint8 if fp8 else jnp.bfloat16)
@@ -221,7 +233,9 @@ EXTRA: tuple[Extra, ...] = tuple(
           _fp8_channel_experts(fnuz, swiglu))
     for fnuz in (False, True) for swiglu in (True, False)) + tuple(
     Extra(f"{kind} attention over {page_size}-slot {'FP8' if fp8 else 'bfloat16'} pages", _paged(kind, page_size, fp8))
-    for kind in ("mla", "gqa") for fp8 in (False, True) for page_size in ((16, 32, 64) if fp8 else (32, 64)))
+    for kind in ("mla", "gqa") for fp8 in (False, True) for page_size in ((16, 32, 64) if fp8 else (32, 64))) + tuple(
+    Extra(f"{kind} attention of a sliding-window draft layer over 16-slot bfloat16 pages", _paged(kind, 16, False, True))
+    for kind in ("mla", "gqa"))
 
 
 def trace_extra(extra: Extra, arch: str) -> None:
