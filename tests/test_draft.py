@@ -87,8 +87,7 @@ def np_visible(t: int, p: str, c: dict) -> np.ndarray:
     makes it a "sliding_attention" layer (a query sees the last sliding_window tokens, itself too)."""
     causal = np.tril(np.ones((t, t), bool))
     kinds = c.get("layer_types")
-    layer = 0 if p.startswith("midlayer") else int(p.split(".")[1])
-    if kinds and kinds[layer] == "sliding_attention":
+    if kinds and kinds[0 if p.startswith("midlayer") else int(p.split(".")[1])] == "sliding_attention":
         causal &= np.arange(t)[:, None] - np.arange(t)[None, :] < c["sliding_window"]
     return causal
 
