@@ -230,8 +230,7 @@ def on_data_shards(op, cache: KVCache, args: tuple, arg_specs: tuple, out_specs,
     n_local = cache.k.shape[1] // cache.data_shards
 
     def body(k, v, table, lengths, *args):
-        local = table - jax.lax.axis_index(DATA_AXIS) * n_local
-        here = (local >= 0) & (local < n_local)
+        local, here = local_pages(table, n_local)
         local = jnp.where(here, local, n_local if writes else 0)
         local_cache = KVCache(k, v, lengths, local, cache.compute_dtype)
         return op(local_cache, here, *args) if held else op(local_cache, *args)
@@ -239,6 +238,13 @@ def on_data_shards(op, cache: KVCache, args: tuple, arg_specs: tuple, out_specs,
     return jax.shard_map(body, mesh=jax.sharding.get_abstract_mesh(), in_specs=(_POOL, _POOL, _ROWS, _ROWS, *arg_specs),
                          out_specs=out_specs, axis_names={DATA_AXIS}, check_vma=False)(
         cache.k, cache.v, cache.block_table, cache.lengths, *args)
+
+
+def local_pages(table: jax.Array, n_local: int) -> tuple[jax.Array, jax.Array]:
+    """Inside a shard_map over `data`: a block table's global page ids as this shard's local ids
+    (shard d holds pages [d * n_local, (d + 1) * n_local)), and which of them it holds."""
+    local = table - jax.lax.axis_index(DATA_AXIS) * n_local
+    return local, (local >= 0) & (local < n_local)
 
 
 def _pools(cache: KVCache) -> tuple:

@@ -139,8 +139,8 @@ def _mesh_axes(mesh, cache: kv_cache.KVCache, q: jax.Array, kv_heads: int) -> tu
 def _held_pages(table: jax.Array, n_local: int) -> jax.Array:
     """Inside the shard_map over `data`: the block table with this shard's pages as local ids and
     every other shard's as -1, which the kernel masks out (a spread row's pages on other shards)."""
-    local = table - jax.lax.axis_index("data") * n_local
-    return jnp.where((local >= 0) & (local < n_local), local, -1)
+    local, here = kv_cache.local_pages(table, n_local)
+    return jnp.where(here, local, -1)
 
 
 def prefix_partial(cache: kv_cache.KVCache, layer, q: jax.Array, q2: jax.Array | None, scale: float,
