@@ -69,6 +69,7 @@ flags.DEFINE_string("feature_dir", None, "Offline feature store (default: <out>.
 flags.DEFINE_string("ckpt_dir", None, "Orbax checkpoints for resuming (default: <out>.ckpt).")
 flags.DEFINE_float("eval_fraction", 0.05, "Held-out share of the examples.")
 flags.DEFINE_list("mesh", [], "data,tensor,expert mesh for data-parallel training (e.g. 8,1,1); empty = one device.")
+flags.DEFINE_bool("context_parallel", False, "Split each sequence over the --mesh data axis instead of the batch.")
 flags.DEFINE_enum("save_dtype", "bfloat16", ["float32", "bfloat16"], "Dtype of the exported weights.")
 flags.DEFINE_integer("seed", 0, "Seed for sampling, init and data order.")
 flags.DEFINE_string("out", None, "Output HF draft folder.")
@@ -80,7 +81,8 @@ flags.mark_flags_as_required(["target", "out"])
 RUN_FLAGS = ("prompt_len", "num_prompts", "max_tokens", "temperatures", "gen_batch_size", "draft_vocab_size",
              "draft_arch", "draft_layers", "draft_intermediate_size", "ttt_steps", "epochs", "batch_size",
              "learning_rate", "warmup_steps", "max_grad_norm", "compute_dtype", "target_dtype", "mode",
-             "eval_fraction", "mesh", "save_dtype", "seed")
+             "eval_fraction", "mesh", "context_parallel", "save_dtype", "seed", "fc_norm", "norm_output",
+             "norm_before_fc", "sliding_window")
 
 
 def check_settings() -> list[float]:
@@ -137,14 +139,17 @@ def check_enough_examples(num_prompts: int, num_temperatures: int) -> None:
 
 
 def check_mesh():
-    """The --mesh over this machine's devices (None without one); its data axis must divide --batch_size."""
+    """The --mesh over this machine's devices (None without one); its data axis must divide --batch_size
+    (with --context_parallel: it splits the sequences instead)."""
     import eagle3_jax as e3
     from eagle3_jax.runtime.sharding import parse_mesh
 
     with cli.usage_errors("--mesh"):
         dims = parse_mesh(FLAGS.mesh)
         mesh = None if dims is None else e3.make_mesh(*dims)
-    if dims is not None and FLAGS.batch_size % dims[0]:
+    if FLAGS.context_parallel and dims is None:
+        raise app.UsageError("--context_parallel splits each sequence over the --mesh data axis: give --mesh (e.g. 8,1,1)")
+    if dims is not None and FLAGS.batch_size % dims[0] and not FLAGS.context_parallel:
         raise app.UsageError(f"--batch_size={FLAGS.batch_size} is not a multiple of the --mesh data axis ({dims[0]})")
     return mesh
 
@@ -201,7 +206,7 @@ def main(argv: Sequence[str]) -> None:
                                    ttt_steps=FLAGS.ttt_steps, batch_size=FLAGS.batch_size,
                                    eval_fraction=FLAGS.eval_fraction, seed=FLAGS.seed, fc_norm=FLAGS.fc_norm,
                                    norm_output=FLAGS.norm_output, norm_before_fc=FLAGS.norm_before_fc,
-                                   sliding_window=FLAGS.sliding_window)
+                                   sliding_window=FLAGS.sliding_window, context_parallel=FLAGS.context_parallel)
 
     start = time.perf_counter()
     target = e3.load_target(FLAGS.target, dtype=FLAGS.target_dtype)
@@ -210,7 +215,8 @@ def main(argv: Sequence[str]) -> None:
                           batch_size=FLAGS.gen_batch_size, stop_token_ids=cfg_t.eos_token_ids)
     print(f"regenerated {len(examples)} responses ({len(prompts)} prompts x temperatures {temps}) "
           f"in {time.perf_counter() - start:.0f} s")
-    data = draft_run.prepare_data(examples, cfg_t.vocab_size, recipe)
+    shards = mesh.shape["data"] if FLAGS.context_parallel else 1
+    data = draft_run.prepare_data(examples, cfg_t.vocab_size, recipe, length_multiple=shards)
     print(f"draft vocabulary: {FLAGS.draft_vocab_size or cfg_t.vocab_size} of {cfg_t.vocab_size} ids, covering "
           f"{data.vocab.covered_mass:.4f} of response tokens")
     store = None
@@ -220,7 +226,8 @@ def main(argv: Sequence[str]) -> None:
                                             overwrite=FLAGS.overwrite)
         except draft_run.StaleFeatureStore as e:
             raise app.UsageError(f"{e}; pass --overwrite to write it again, or another --feature_dir") from None
-    training = draft_run.DraftTraining(target, data, recipe, tc, ckpt_dir=ckpt_dir, mesh=mesh)
+    with cli.usage_errors("--context_parallel"):  # sequences too short to split over the data axis
+        training = draft_run.DraftTraining(target, data, recipe, tc, ckpt_dir=ckpt_dir, mesh=mesh)
     run_record.write_record(ckpt_dir, settings, fingerprint)
     history = training.fit(draft_run.train_batches(target, data, recipe, store))
     log = json.dumps({"argv": sys.argv, "history": history, "covered_mass": data.vocab.covered_mass,

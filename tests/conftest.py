@@ -186,7 +186,10 @@ HEAVY: dict[str, tuple[str, ...]] = {
     ),
     "test_triton_attention.py": ("test_kernel_benchmark_runs_on_cpu",),
     "test_triton_moe.py": ("test_several_groups_a_step_and_split_k_equal_the_reference",),
-    "test_ttt.py": ("test_ttt_loss_masks_and_metrics", "test_ttt_steps_equal_chain_inference_unroll",),
+    "test_ttt.py": (
+        "test_ttt_loss_masks_and_metrics", "test_ttt_steps_equal_chain_inference_unroll",
+        "test_context_parallel_training_equals_one_device",
+    ),
 }
 
 

@@ -3,6 +3,7 @@
 import jax
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec
 
 import eagle3_jax as e3
 from eagle3_jax.train import data as data_lib
@@ -97,12 +98,16 @@ def test_resume_continues_the_same_loss_curve(setup, tmp_path):
 
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs XLA_FLAGS=--xla_force_host_platform_device_count=8 (make test sets it)")
 def test_data_parallel_training_equals_single_device(setup):
+    """Rows over 8 devices, or each sequence over 4 (context parallelism): the one-device losses."""
     target, _, vocab, tokens, mask, cfg = setup
     losses = {}
-    for name, mesh in [("single", None), ("data8", e3.make_mesh(data=8))]:
+    for name, mesh in [("single", None), ("data8", e3.make_mesh(data=8)), ("context4", e3.make_mesh(data=4, tensor=2))]:
         params, frozen = init_draft_params(cfg, target, vocab, seed=0)
         tc = TrainConfig(epochs=1, learning_rate=3e-3, warmup_steps=1, compute_dtype="float32")
-        trainer = Trainer(make_ttt_loss(cfg, vocab, num_steps=3), params, frozen, tc, total_steps=3, mesh=mesh)
+        split = name.startswith("context")  # each sequence over the data axis, not the batch's rows
+        trainer = Trainer(make_ttt_loss(cfg, vocab, num_steps=3, context=(mesh, "data") if split else None), params,
+                          frozen, tc, total_steps=3, mesh=mesh,
+                          batch_spec=PartitionSpec(None, "data") if split else PartitionSpec("data"))
         batches = lambda epoch: data_lib.online_batches(target, tokens, mask, vocab.draft_ids, BATCH, seed=0, epoch=epoch)  # noqa: E731
         got = []
         trainer.fit(batches, 3, progress=False, log=lambda s: None, on_step=lambda s, m: got.append(m["loss"]))
@@ -110,3 +115,4 @@ def test_data_parallel_training_equals_single_device(setup):
         if mesh is not None:
             assert trainer.state.params["fc"].sharding.is_fully_replicated
     np.testing.assert_allclose(losses["data8"], losses["single"], rtol=2e-5)
+    np.testing.assert_allclose(losses["context4"], losses["single"], rtol=2e-5)

@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import Mesh
 from random_models import (
     FAMILIES,
     causal_draft_pass,
@@ -14,7 +15,7 @@ from random_models import (
 )
 
 from eagle3_jax.models.draft import project_features
-from eagle3_jax.train.ttt import ttt_loss, ttt_unroll
+from eagle3_jax.train.ttt import TTTMemory, ttt_loss, ttt_unroll
 
 
 EAGLE31 = dict(fc_norm=True, norm_output=True, norm_before_fc=True)
@@ -76,3 +77,89 @@ def test_ttt_loss_masks_and_metrics():
     trainable = {k: v for k, v in draft.params.items() if k not in frozen}
     grads = jax.grad(lambda p: ttt_loss({**p, **frozen}, draft.config, batch, t2d, draft_ids, 3)[0])(trainable)
     assert float(jnp.abs(grads["fc"]).sum()) > 0
+
+
+def _loss_case(arch: str, switches: dict, length: int, seed: int = 1):
+    """A 2-layer draft with its own 32-id vocabulary and a batch of 2 x `length` positions."""
+    target = random_target(FAMILIES["llama"])
+    make_config = mla_draft_config_dict if arch == "mla" else draft_config_dict
+    draft = random_draft(target, make_config(target.config, num_layers=2, draft_vocab_size=32, **switches),
+                         d2t=np.full(32, 32, np.int64))
+    rng = np.random.default_rng(seed)
+    b = 2
+    in_vocab = rng.integers(32, 64, (b, length))
+    batch = dict(
+        tokens=jnp.asarray(rng.integers(0, 64, (b, length)), jnp.int32),
+        loss_mask=jnp.asarray(rng.random((b, length)) < 0.8),
+        aux=jnp.asarray(rng.standard_normal((b, length, 3 * target.config.hidden_size)), jnp.float32),
+        teacher_logits=jnp.asarray(rng.standard_normal((b, length, 32)) * 3, jnp.float32),
+        teacher_argmax=jnp.asarray(np.where(rng.random((b, length)) < 0.8, in_vocab, rng.integers(0, 64, (b, length))),
+                                   jnp.int32))
+    draft_ids = jnp.arange(32, 64)
+    frozen = {k: draft.params[k] for k in ("embed", "d2t")}
+    trainable = {k: v for k, v in draft.params.items() if k not in frozen}
+
+    def loss_and_grads(**options):
+        def loss(p):
+            return ttt_loss({**p, **frozen}, draft.config, batch, jnp.zeros(64, bool).at[draft_ids].set(True),
+                            draft_ids, 3, **options)
+        return jax.jit(jax.value_and_grad(loss, has_aux=True))(trainable)
+
+    return loss_and_grads
+
+
+def _assert_same_training(got, want):
+    (loss, metrics), grads = got
+    (want_loss, want_metrics), want_grads = want
+    np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-5)
+    assert set(metrics) == set(want_metrics)
+    for name in metrics:
+        np.testing.assert_allclose(float(metrics[name]), float(want_metrics[name]), rtol=1e-5, atol=1e-6, err_msg=name)
+    for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("arch,switches", [("llama", {}), ("mla", SLIDING)], ids=["llama", "mla-sliding3"])
+def test_blocks_chunks_and_remat_change_no_loss_or_gradient(arch, switches):
+    """Step 0's attention over query and key blocks that divide nothing evenly, the cross-entropy over
+    chunks and per-step rematerialisation: the same loss, metrics and gradients as holding it all."""
+    run = _loss_case(arch, switches, length=23)
+    _assert_same_training(run(memory=TTTMemory(query_block=5, key_block=3, loss_chunk=7)),
+                          run(memory=TTTMemory.whole()))
+
+
+@pytest.mark.parametrize("arch,switches", [("llama", SLIDING), ("mla", {})], ids=["llama-sliding3", "mla"])
+def test_context_parallel_training_equals_one_device(arch, switches):
+    """Each sequence split over 4 devices (keys all-gathered for step 0, the shifts' rows from the
+    neighbours): the one-device loss, metrics and gradients; a split the TTT depth does not fit is
+    refused by name."""
+    run = _loss_case(arch, switches, length=24)
+    mesh = Mesh(np.array(jax.devices()[:4]), ("data",))
+    want = run(memory=TTTMemory.whole())
+    _assert_same_training(run(context=(mesh, "data")), want)
+    _assert_same_training(run(context=(mesh, "data"), memory=TTTMemory(query_block=4, key_block=5, loss_chunk=5)), want)
+    with pytest.raises(ValueError, match="equal shards of at least 4"):
+        _loss_case(arch, switches, length=12)(context=(mesh, "data"))  # 3 positions a shard, depth 3
+
+
+def test_training_memory_is_linear_in_the_sequence():
+    """XLA's plan for a training step's gradient at 2x the sequence: at most 2.2x the bytes bounded,
+    against about 4x holding the T x T scores whole."""
+    target = random_target(FAMILIES["llama"])
+    draft = random_draft(target, draft_config_dict(target.config))
+
+    def planned_bytes(length: int, memory: TTTMemory) -> int:
+        h = target.config.hidden_size
+        batch = dict(tokens=jax.ShapeDtypeStruct((1, length), jnp.int32),
+                     loss_mask=jax.ShapeDtypeStruct((1, length), bool),
+                     aux=jax.ShapeDtypeStruct((1, length, 3 * h), jnp.float32),
+                     teacher_logits=jax.ShapeDtypeStruct((1, length, 64), jnp.float32),
+                     teacher_argmax=jax.ShapeDtypeStruct((1, length), jnp.int32))
+        loss = jax.grad(lambda p, b: ttt_loss(p, draft.config, b, jnp.ones(64, bool), jnp.arange(64), 3,
+                                              memory=memory)[0])
+        stats = jax.jit(loss).lower(draft.params, batch).compile().memory_analysis()
+        return stats.temp_size_in_bytes + stats.argument_size_in_bytes + stats.output_size_in_bytes
+
+    bounded = TTTMemory(query_block=256, key_block=256, loss_chunk=256)
+    assert planned_bytes(4096, bounded) <= 2.2 * planned_bytes(2048, bounded)
+    assert planned_bytes(4096, TTTMemory.whole()) >= 3 * planned_bytes(2048, TTTMemory.whole())

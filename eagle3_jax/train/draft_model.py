@@ -8,11 +8,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax.sharding import Mesh
+
 from ..config.draft import DraftConfig
 from ..config.model import ModelConfig, RopeConfig
 from ..models.target import Target
 from ..weights.params import draft_specs
-from .ttt import ttt_loss
+from .ttt import TTTMemory, ttt_loss
 from .vocab import DraftVocab
 
 DRAFT_ARCHS = ("llama", "mla")
@@ -112,15 +114,17 @@ def init_draft_params(cfg: DraftConfig, target: Target, vocab: DraftVocab, seed:
 
 
 def make_ttt_loss(cfg: DraftConfig, vocab: DraftVocab, num_steps: int, decay: float = 0.8,
-                  sim_steps: int = 3) -> Callable:
-    """loss_fn(params, frozen, batch) for trainer.Trainer."""
+                  sim_steps: int = 3, *, memory: TTTMemory = TTTMemory(),
+                  context: tuple[Mesh, str] | None = None) -> Callable:
+    """loss_fn(params, frozen, batch) for trainer.Trainer (`memory`, `context`: as ttt.ttt_loss takes them)."""
     t2d = jnp.asarray(vocab.t2d)
     draft_ids = jnp.asarray(vocab.draft_ids, jnp.int32)
 
     def loss_fn(params, frozen, batch):
         full = {**params, **frozen}
         full["embed"] = full["embed"].astype(params["fc"].dtype)
-        return ttt_loss(full, cfg, batch, t2d, draft_ids, num_steps, decay=decay, sim_steps=sim_steps)
+        return ttt_loss(full, cfg, batch, t2d, draft_ids, num_steps, decay=decay, sim_steps=sim_steps,
+                        memory=memory, context=context)
 
     return loss_fn
 

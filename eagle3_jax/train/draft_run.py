@@ -16,13 +16,14 @@ import os
 from typing import Callable, Iterable, Sequence
 
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import Mesh, PartitionSpec
 
 from ..models.target import Target
 from .data import Example, FeatureStore, online_batches, pack, write_feature_store
 from .draft_model import assembled_params, init_draft_params, make_ttt_loss, new_draft_config
 from .export import export_hf_draft
 from .trainer import TrainConfig, Trainer
+from .ttt import check_context_split
 from .vocab import DraftVocab, count_tokens, select_draft_vocab
 
 Batches = Callable[[int], Iterable[dict]]  # epoch -> that epoch's batches, in a fixed order
@@ -36,7 +37,9 @@ class DraftRecipe:
     batches of `batch_size` sequences, an `eval_fraction` share held out and `seed` for the data
     order and the initial weights. `fc_norm`, `norm_output`, `norm_before_fc`: the EAGLE 3.1
     switches (models/draft.py), which the training-time test follows as serving does;
-    `sliding_window` > 0: every draft layer attends over that many tokens (0: the whole context)."""
+    `sliding_window` > 0: every draft layer attends over that many tokens (0: the whole context).
+    `context_parallel`: each sequence split over the mesh's `data` axis (every device its share of
+    every sequence: for sequences one device cannot hold) instead of the batch's rows."""
 
     vocab_size: int = 0
     arch: str = "llama"
@@ -46,6 +49,7 @@ class DraftRecipe:
     norm_output: bool = False
     norm_before_fc: bool = False
     sliding_window: int = 0
+    context_parallel: bool = False
     ttt_steps: int = 7
     batch_size: int = 16
     eval_fraction: float = 0.05
@@ -77,13 +81,15 @@ class DraftData:
     eval_mask: np.ndarray
 
 
-def prepare_data(examples: Sequence[Example], target_vocab_size: int, recipe: DraftRecipe) -> DraftData:
+def prepare_data(examples: Sequence[Example], target_vocab_size: int, recipe: DraftRecipe,
+                 length_multiple: int = 1) -> DraftData:
     """The examples split (`split_examples`), the draft vocabulary chosen from the training
-    responses' token counts (held-out ones do not count), both sets packed to the longest length."""
+    responses' token counts (held-out ones do not count), both sets packed to the longest length
+    rounded up to a multiple of `length_multiple` (context parallelism's shard count)."""
     train, held_out = split_examples(examples, recipe.eval_fraction, recipe.batch_size, recipe.seed)
     counts = count_tokens([e.tokens for e in train], [e.loss_mask for e in train], vocab_size=target_vocab_size)
     vocab = select_draft_vocab(counts, recipe.vocab_size or target_vocab_size)
-    seq_len = max(len(e.tokens) for e in examples)
+    seq_len = -(-max(len(e.tokens) for e in examples) // length_multiple) * length_multiple
     train_tokens, train_mask, _ = pack(train, seq_len)
     eval_tokens, eval_mask, _ = pack(held_out, seq_len)
     return DraftData(vocab, train_tokens, train_mask, eval_tokens, eval_mask)
@@ -128,10 +134,14 @@ def train_batches(target: Target, data: DraftData, recipe: DraftRecipe, store: F
 class DraftTraining:
     """A new draft for `target` (config from the recipe, weights initialised from the target where
     they are shared) and its trainer: checkpoints in `ckpt_dir` (it resumes from the latest),
-    data-parallel over `mesh` when given."""
+    data-parallel over `mesh` when given (context-parallel with the recipe's `context_parallel`)."""
 
     def __init__(self, target: Target, data: DraftData, recipe: DraftRecipe, tc: TrainConfig, *,
                  ckpt_dir: str | None = None, mesh: Mesh | None = None):
+        if recipe.context_parallel and mesh is None:
+            raise ValueError("context parallelism splits each sequence over a mesh's data axis: give a mesh")
+        if recipe.context_parallel:
+            check_context_split(data.train_tokens.shape[1], mesh.shape["data"], recipe.ttt_steps)
         self.target, self.data, self.recipe = target, data, recipe
         self.config = dataclasses.replace(
             new_draft_config(target.config, data.vocab, arch=recipe.arch, num_layers=recipe.num_layers,
@@ -140,8 +150,11 @@ class DraftTraining:
             layer_windows=(recipe.sliding_window,) * recipe.num_layers if recipe.sliding_window else None)
         params, self.frozen = init_draft_params(self.config, target, data.vocab, seed=recipe.seed)
         self.steps_per_epoch = len(data.train_tokens) // recipe.batch_size
-        self.trainer = Trainer(make_ttt_loss(self.config, data.vocab, recipe.ttt_steps), params, self.frozen, tc,
-                               total_steps=self.steps_per_epoch * tc.epochs, ckpt_dir=ckpt_dir, mesh=mesh)
+        split = recipe.context_parallel
+        loss = make_ttt_loss(self.config, data.vocab, recipe.ttt_steps, context=(mesh, "data") if split else None)
+        self.trainer = Trainer(loss, params, self.frozen, tc, total_steps=self.steps_per_epoch * tc.epochs,
+                               ckpt_dir=ckpt_dir, mesh=mesh, batch_spec=PartitionSpec(None, "data") if split
+                               else PartitionSpec("data"))
 
     def evaluate(self) -> dict:
         """The held-out set's mean metrics under the current weights (teacher features online)."""

@@ -2,8 +2,9 @@
 
 - AdamW with linear warmup + cosine decay and global-norm gradient clipping (optax).
 - fp32 master weights; the loss runs on a `compute_dtype` copy (bf16 by default).
-- Data parallel over the mesh's `data` axis: the batch is sharded on its first axis, params are
-  replicated, and XLA inserts the gradient all-reduce.
+- Data parallel over the mesh's `data` axis: the batch is sharded on its first axis (or as
+  `batch_spec` says: context parallelism shards the sequence axis), params are replicated, and
+  XLA inserts the gradient all-reduce.
 - Orbax checkpoints of (params, optimizer state, step) every `checkpoint_every` steps and at each
   epoch end. A restart restores the latest one and skips the batches it already consumed, so
   with the same seed and data order it continues the same loss curve.
@@ -67,9 +68,11 @@ class Trainer:
     """Runs `loss_fn` over epochs of batches; params are the trainable fp32 pytree."""
 
     def __init__(self, loss_fn: LossFn, params: dict, frozen: dict, tc: TrainConfig, total_steps: int,
-                 ckpt_dir: str | None = None, mesh: jax.sharding.Mesh | None = None):
+                 ckpt_dir: str | None = None, mesh: jax.sharding.Mesh | None = None,
+                 batch_spec: PartitionSpec = PartitionSpec("data")):
         self.tc = tc
         self.mesh = mesh
+        self.batch_spec = batch_spec
         self.total_steps = int(total_steps)
         self.optimizer = make_optimizer(tc, total_steps)
         self.compute_dtype = resolve_dtype(tc.compute_dtype)
@@ -107,13 +110,14 @@ class Trainer:
     def _shard_batch(self, batch: dict) -> dict:
         if self.mesh is None:
             return {k: jnp.asarray(v) for k, v in batch.items()}
-        data = self.mesh.shape["data"]
         out = {}
         for k, v in batch.items():
             v = np.asarray(v)
-            if v.shape[0] % data:
-                raise ValueError(f"batch size {v.shape[0]} is not divisible by the mesh's data axis ({data})")
-            out[k] = jax.device_put(v, NamedSharding(self.mesh, PartitionSpec("data")))
+            for dim, (size, axis) in enumerate(zip(v.shape, self.batch_spec)):
+                if axis is not None and size % self.mesh.shape[axis]:
+                    what = "batch size" if dim == 0 else f"batch axis {dim} ({k})"
+                    raise ValueError(f"{what} {size} is not divisible by the mesh's {axis} axis ({self.mesh.shape[axis]})")
+            out[k] = jax.device_put(v, NamedSharding(self.mesh, self.batch_spec))
         return out
 
     # ---- checkpoints -----------------------------------------------------------------------------

@@ -10,12 +10,27 @@ its own predecessors (steps 1..k) at the same origin: exactly a depth-k node's a
 Loss = sum_k 0.8^k * soft cross-entropy against the target's distribution at position t+k+1
 restricted to (and renormalised over) the draft vocabulary, on response tokens only, and masked
 where the target's argmax falls outside the draft vocabulary.
+
+Memory is linear in the sequence: step 0's causal attention runs over blocks of queries (each
+block's scores against every key, recomputed in the backward pass), every TTT step is
+rematerialised, and the cross-entropy runs over chunks of positions, so neither the T x T scores
+nor the draft's logits over the whole sequence ever exist at once (`TTTMemory`). With `context`
+the sequence is split over a mesh axis (context parallelism): every position's work stays on its
+device except step 0's keys and values, which are all-gathered (only step 0 attends across the
+sequence), and the few rows the shifts read from the neighbouring shards.
 """
+
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+from typing import Callable
+
 import jax
 import jax.numpy as jnp
+from jax import lax
+from jax.sharding import Mesh, PartitionSpec
 
 from ..config.model import ModelConfig
 from ..models.attention import gqa_project, mla_project, mla_up_projections
@@ -24,6 +39,81 @@ from ..models.layers import rms_norm, swiglu
 from ..weights.quant import PRECISION
 
 _NEG = -1e30
+
+
+@dataclasses.dataclass(frozen=True)
+class TTTMemory:
+    """How the unroll bounds its memory: step 0's attention over blocks of `query_block` queries and
+    `key_block` keys, the cross-entropy over chunks of `loss_chunk` positions (None: all at once),
+    each TTT step rematerialised in the backward pass when `remat`. `TTTMemory.whole()` holds everything at once
+    (quadratic in the sequence: the reference the bounded form is measured against)."""
+
+    query_block: int | None = 512
+    key_block: int | None = 512
+    loss_chunk: int | None = 512
+    remat: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("query_block", "key_block", "loss_chunk"):
+            size = getattr(self, name)
+            if size is not None and size < 1:
+                raise ValueError(f"TTTMemory.{name} must be a positive number of positions (or None), got {size}")
+
+    @classmethod
+    def whole(cls) -> "TTTMemory":
+        return cls(query_block=None, key_block=None, loss_chunk=None, remat=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Span:
+    """The positions this device holds: the whole sequence, or (`axis`) its shard of a sequence split
+    in `shards` equal parts over that mesh axis, inside a shard_map."""
+
+    axis: str | None = None
+    shards: int = 1
+
+    def offset(self, length: int) -> jax.Array | int:
+        """The global position of this shard's first one (each shard holds `length`)."""
+        return 0 if self.axis is None else lax.axis_index(self.axis) * length
+
+    def gather(self, x: jax.Array) -> jax.Array:
+        """[B, local, ...] -> [B, whole sequence, ...]."""
+        return x if self.axis is None else lax.all_gather(x, self.axis, axis=1, tiled=True)
+
+    def following(self, x: jax.Array, n: int) -> jax.Array:
+        """The next shard's first n rows [B, n, ...] (zeros past the sequence's end)."""
+        if self.axis is None:
+            return jnp.zeros((x.shape[0], n) + x.shape[2:], x.dtype)
+        return lax.ppermute(x[:, :n], self.axis, [(i + 1, i) for i in range(self.shards - 1)])
+
+    def preceding(self, x: jax.Array, n: int) -> jax.Array:
+        """The previous shard's last n rows [B, n, ...] (zeros before the sequence's start)."""
+        if self.axis is None:
+            return jnp.zeros((x.shape[0], n) + x.shape[2:], x.dtype)
+        return lax.ppermute(x[:, x.shape[1] - n:], self.axis, [(i, i + 1) for i in range(self.shards - 1)])
+
+    def total(self, x: jax.Array) -> jax.Array:
+        """A sum over the shards."""
+        return x if self.axis is None else lax.psum(x, self.axis)
+
+
+def _blockwise(fn: Callable[[jax.Array], object], total: int, size: int | None):
+    """fn(start) over windows of `size` positions covering [0, total) (the last pulled back to end at
+    `total`), each returning [B, size, ...] arrays, assembled to [B, total, ...]. Each window is
+    recomputed in the backward pass, so one window's intermediates are live at a time. One window
+    (size None or >= total): fn(0) as it is."""
+    if size is None or size >= total:
+        return fn(0)
+    n = -(-total // size)
+    starts = jnp.asarray([min(i * size, total - size) for i in range(n)], jnp.int32)
+    repeated = n * size - total  # the last window's leading positions, the window before already has them
+
+    def assemble(x):  # [n, B, size, ...] -> [B, total, ...]
+        x = jnp.moveaxis(x, 0, 1)
+        x = x.reshape((x.shape[0], n * size) + x.shape[3:])
+        return x if not repeated else jnp.concatenate([x[:, :(n - 1) * size], x[:, (n - 1) * size + repeated:]], axis=1)
+
+    return jax.tree.map(assemble, lax.map(jax.checkpoint(fn), starts))
 
 
 def _shift(x: jax.Array, k: int, fill=0) -> jax.Array:
@@ -52,60 +142,151 @@ def _heads(p: dict, lc: ModelConfig, x: jax.Array, positions: jax.Array
     return q, k, jnp.einsum("btr,rhd->bthd", c_kv, w_uv, precision=PRECISION), lc.softmax_scale
 
 
-def _ttt_attention(q, k0, v0, diag_k, diag_v, scale: float, window: int | None = None) -> jax.Array:
-    """q [B,T,nh,dq]; step-0 keys [B,T,nkv,dq] and values [B,T,nkv,dv] (causal); diag_* lists of
-    the same shapes (same origin only). Returns [B,T,nh*dv]. `window`: a sliding-window layer's
-    width; the query at origin t of step k (position t + k) sees step-0 pairs from t + k - window + 1
-    on (its own steps at that origin are the window's last ones)."""
+def _step0_attention(qg: jax.Array, k0: jax.Array, v0: jax.Array, origin: jax.Array, step: int, window: int | None,
+                     scale: float, key_block: int | None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """A query block's attention to the step-0 pairs it sees, unnormalised, over blocks of `key_block`
+    keys (online softmax; blocks no query sees are skipped): (row max m [B,nkv,g,t], row sum l
+    [B,nkv,g,t], output sum [B,t,nkv,g,dv] float32). qg [B,t,nkv,g,dq] at global origins `origin` [t]."""
+    b, t, nkv, g, _ = qg.shape
+    length, dv = k0.shape[1], v0.shape[-1]
+    size = min(key_block or length, length)
+    n = -(-length // size)
+
+    def visible_keys(first: jax.Array, keys: jax.Array) -> jax.Array:  # [t, size]
+        seen = (keys[None, :] <= origin[:, None]) & (keys[None, :] >= first)  # `first`: the last block's fresh keys
+        return seen if window is None else seen & (keys[None, :] > origin[:, None] + step - window)
+
+    def attend(carry, starts):
+        first, start = starts[0], starts[1]
+        keys = start + jnp.arange(size)
+        visible = visible_keys(first, keys)
+
+        def update(carry):
+            m, l, acc = carry
+            kb, vb = (lax.dynamic_slice_in_dim(x, start, size, axis=1) for x in (k0, v0))
+            s = jnp.einsum("btkgd,bskd->bkgts", qg, kb, preferred_element_type=jnp.float32, precision=PRECISION) * scale
+            m_new = jnp.maximum(m, jnp.max(jnp.where(visible, s, _NEG), axis=-1))
+            # a row that sees none of this block has m_new = _NEG: exp only of what it sees (else inf * 0 in the grads)
+            p = jnp.where(visible, jnp.exp(jnp.where(visible, s - m_new[..., None], 0.0)), 0.0)
+            fade = jnp.exp(m - m_new)
+            acc = acc * jnp.moveaxis(fade, -1, 1)[..., None] + jnp.einsum(
+                "bkgts,bskd->btkgd", p.astype(vb.dtype), vb, preferred_element_type=jnp.float32, precision=PRECISION)
+            return m_new, l * fade + jnp.sum(p, axis=-1), acc
+
+        return lax.cond(jnp.any(visible), update, lambda c: c, carry), None
+
+    rows = jnp.zeros_like(jnp.moveaxis(qg[..., 0], 1, -1), jnp.float32)  # as the queries vary over a shard_map's axes
+    carry = (rows + _NEG, rows, jnp.zeros_like(qg[..., :1], jnp.float32) * jnp.zeros((dv,), jnp.float32))
+    starts = jnp.asarray([(i * size, min(i * size, length - size)) for i in range(n)], jnp.int32)
+    (m, l, acc), _ = lax.scan(jax.checkpoint(attend), carry, starts)
+    return m, l, acc
+
+
+def _ttt_attention(q, k0, v0, diag_k, diag_v, scale: float, window: int | None = None, *, offset=0,
+                   query_block: int | None = None, key_block: int | None = None) -> jax.Array:
+    """q [B,T,nh,dq] of the origins at global positions offset.. offset+T; step-0 keys [B,S,nkv,dq] and
+    values [B,S,nkv,dv] of the whole sequence (causal); diag_* lists of q's length (same origin
+    only). Returns [B,T,nh*dv], over blocks of `query_block` queries and `key_block` keys.
+    `window`: a sliding-window layer's width; the query at origin t of step k (position t + k) sees
+    step-0 pairs from t + k - window + 1 on (its own steps at that origin are the window's last ones)."""
     b, t, nh, d = q.shape
-    nkv, dv = k0.shape[2], v0.shape[-1]
-    qg = q.reshape(b, t, nkv, nh // nkv, d)
-    s0 = jnp.einsum("btkgd,bskd->bkgts", qg, k0, preferred_element_type=jnp.float32, precision=PRECISION) * scale
-    causal = jnp.tril(jnp.ones((t, t), bool))
-    if window is not None:
-        origin, key = jnp.arange(t)[:, None], jnp.arange(t)[None, :]
-        causal = causal & (key > origin + len(diag_k) - window)
-    s0 = jnp.where(causal, s0, _NEG)
-    step = len(diag_k)  # this query's step; diagonal j is its step-j predecessor (position t + j)
-    diag = [jnp.einsum("btkgd,btkd->bkgt", qg, kj, preferred_element_type=jnp.float32, precision=PRECISION)[..., None]
-            * scale if window is None or j + 1 > step - window else jnp.full(s0.shape[:-1] + (1,), _NEG, jnp.float32)
-            for j, kj in enumerate(diag_k)]
-    probs = jax.nn.softmax(jnp.concatenate([s0] + diag, axis=-1), axis=-1)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs[..., :t].astype(v0.dtype), v0, precision=PRECISION)
-    for j, vj in enumerate(diag_v):
-        out = out + jnp.einsum("bkgt,btkd->btkgd", probs[..., t + j].astype(vj.dtype), vj, precision=PRECISION)
-    return out.reshape(b, t, nh * dv)
+    nkv = k0.shape[2]
+    step = len(diag_k)  # this query's step; diagonal j is its step-(j+1) predecessor (position t + j + 1)
+    diag_seen = [window is None or j + 1 > step - window for j in range(step)]
+
+    def block(start):
+        size = min(query_block or t, t)
+        rows = lambda x: lax.dynamic_slice_in_dim(x, start, size, axis=1)  # noqa: E731
+        qg = rows(q).reshape(b, size, nkv, nh // nkv, d)
+        m, l, acc = _step0_attention(qg, k0, v0, offset + start + jnp.arange(size), step, window, scale, key_block)
+        diag = [jnp.einsum("btkgd,btkd->bkgt", qg, rows(kj), preferred_element_type=jnp.float32, precision=PRECISION)
+                * scale for kj, seen in zip(diag_k, diag_seen) if seen]
+        top = functools.reduce(jnp.maximum, diag, m)
+        fade = jnp.exp(m - top)
+        total = l * fade + sum(jnp.exp(s - top) for s in diag)
+        out = acc * jnp.moveaxis(fade, -1, 1)[..., None]
+        for s, vj in zip(diag, (vj for vj, seen in zip(diag_v, diag_seen) if seen)):
+            out = out + jnp.moveaxis(jnp.exp(s - top), -1, 1)[..., None] * rows(vj).astype(jnp.float32)[:, :, :, None]
+        out = out / jnp.moveaxis(total, -1, 1)[..., None]
+        return out.astype(v0.dtype).reshape(b, size, -1)
+
+    return _blockwise(block, t, query_block)
 
 
-def ttt_unroll(params: dict, cfg: DraftConfig, aux: jax.Array, tokens: jax.Array, num_steps: int) -> list[jax.Array]:
-    """Draft logits [B, T, Vd] (float32) for steps 0..num_steps-1 at every origin t."""
+def _ttt_step(params: dict, hidden: jax.Array, embeds: jax.Array, offset, keys: list, values: list, *,
+              cfg: DraftConfig, step: int, span: _Span, memory: TTTMemory):
+    """One TTT step through every draft layer: (final-norm output, the hidden the next step reads, this
+    step's keys and values per layer). keys / values: per layer, the earlier steps' (step 0's over the
+    whole sequence, the later ones this shard's)."""
     lc = cfg.layers
+    b, t = embeds.shape[:2]
+    positions = jnp.broadcast_to(offset + step + jnp.arange(t, dtype=jnp.int32), (b, t))
+    p0 = params["layers"][0]
+    normed = rms_norm(hidden, p0["hidden_norm"], lc.rms_norm_eps)
+    residual = normed if cfg.norm_before_residual else hidden
+    x = jnp.concatenate([rms_norm(embeds, p0["attn_norm"], lc.rms_norm_eps), normed], axis=-1)
+    new_k, new_v = [], []
+    for layer, p in enumerate(params["layers"]):
+        if layer > 0:
+            x = rms_norm(residual, p["attn_norm"], lc.rms_norm_eps)
+        q, k, v, scale = _heads(p, lc, x, positions)
+        if step == 0:  # the one attention across the sequence: every shard needs every key
+            k, v = span.gather(k), span.gather(v)
+        new_k.append(k)
+        new_v.append(v)
+        k_all, v_all = keys[layer] + [k], values[layer] + [v]
+        attn = _ttt_attention(q, k_all[0], v_all[0], k_all[1:], v_all[1:], scale, cfg.window(layer),
+                              offset=offset, query_block=memory.query_block, key_block=memory.key_block)
+        h = residual + jnp.matmul(attn, p["o_proj"], precision=PRECISION)
+        residual = h + swiglu(rms_norm(h, p["mlp_norm"], lc.rms_norm_eps), p["gate_proj"], p["up_proj"], p["down_proj"])
+    normed_out = rms_norm(residual, params["final_norm"], lc.rms_norm_eps)
+    return normed_out, (normed_out if cfg.norm_output else residual), new_k, new_v  # as draft_forward hands on
+
+
+def ttt_states(params: dict, cfg: DraftConfig, aux: jax.Array, tokens: jax.Array, num_steps: int, *,
+               memory: TTTMemory = TTTMemory(), span: _Span = _Span()) -> list[jax.Array]:
+    """The final-norm output [B, T, H] of steps 0..num_steps-1 at every origin (their logits: @ lm_head)."""
     b, t = tokens.shape
+    offset = span.offset(t)
+    tokens_ahead = jnp.concatenate([tokens, span.following(tokens, num_steps)], axis=1)
     hidden = project_features(params, cfg, aux)
-    cache_k: list[list[jax.Array]] = [[] for _ in params["layers"]]  # per layer: step 0, then diagonal steps
-    cache_v: list[list[jax.Array]] = [[] for _ in params["layers"]]
-    outs = []
+    keys: list[list[jax.Array]] = [[] for _ in params["layers"]]  # per layer: step 0, then diagonal steps
+    values: list[list[jax.Array]] = [[] for _ in params["layers"]]
+    states = []
     for step in range(num_steps):
-        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32) + step, (b, t))
-        embeds = params["embed"][_shift(tokens, step + 1)]
-        p0 = params["layers"][0]
-        normed = rms_norm(hidden, p0["hidden_norm"], lc.rms_norm_eps)
-        residual = normed if cfg.norm_before_residual else hidden
-        x = jnp.concatenate([rms_norm(embeds, p0["attn_norm"], lc.rms_norm_eps), normed], axis=-1)
-        for layer, p in enumerate(params["layers"]):
-            if layer > 0:
-                x = rms_norm(residual, p["attn_norm"], lc.rms_norm_eps)
-            q, k, v, scale = _heads(p, lc, x, positions)
-            cache_k[layer].append(k)
-            cache_v[layer].append(v)
-            attn = _ttt_attention(q, cache_k[layer][0], cache_v[layer][0], cache_k[layer][1:], cache_v[layer][1:], scale,
-                                  cfg.window(layer))
-            h = residual + jnp.matmul(attn, p["o_proj"], precision=PRECISION)
-            residual = h + swiglu(rms_norm(h, p["mlp_norm"], lc.rms_norm_eps), p["gate_proj"], p["up_proj"], p["down_proj"])
-        normed_out = rms_norm(residual, params["final_norm"], lc.rms_norm_eps)
-        hidden = normed_out if cfg.norm_output else residual  # what the next step reads, as in draft_forward
-        outs.append(jnp.dot(normed_out, params["lm_head"], preferred_element_type=jnp.float32, precision=PRECISION))
-    return outs
+        run = functools.partial(_ttt_step, cfg=cfg, step=step, span=span, memory=memory)
+        if memory.remat:
+            run = jax.checkpoint(run)
+        embeds = params["embed"][tokens_ahead[:, step + 1: step + 1 + t]]
+        normed, hidden, new_k, new_v = run(params, hidden, embeds, offset, keys, values)
+        for layer in range(len(keys)):
+            keys[layer].append(new_k[layer])
+            values[layer].append(new_v[layer])
+        states.append(normed)
+    return states
+
+
+def ttt_unroll(params: dict, cfg: DraftConfig, aux: jax.Array, tokens: jax.Array, num_steps: int, *,
+               memory: TTTMemory = TTTMemory()) -> list[jax.Array]:
+    """Draft logits [B, T, Vd] (float32) for steps 0..num_steps-1 at every origin t."""
+    return [jnp.dot(s, params["lm_head"], preferred_element_type=jnp.float32, precision=PRECISION)
+            for s in ttt_states(params, cfg, aux, tokens, num_steps, memory=memory)]
+
+
+def _soft_cross_entropy(states: jax.Array, teacher_logits: jax.Array, lm_head: jax.Array, chunk: int | None
+                        ) -> tuple[jax.Array, jax.Array]:
+    """Per position: the cross-entropy [B, T] of the draft's distribution (states @ lm_head) against the
+    teacher's softmax, and the draft's argmax [B, T] (a draft-vocabulary id); over chunks of `chunk`
+    positions, so the logits are never whole."""
+    def chunk_of(start):
+        size = min(chunk or states.shape[1], states.shape[1])
+        h = lax.dynamic_slice_in_dim(states, start, size, axis=1)
+        logits = jnp.dot(h, lm_head, preferred_element_type=jnp.float32, precision=PRECISION)
+        target_p = jax.nn.softmax(lax.dynamic_slice_in_dim(teacher_logits, start, size, axis=1).astype(jnp.float32),
+                                  axis=-1)
+        return -jnp.sum(target_p * jax.nn.log_softmax(logits, axis=-1), axis=-1), jnp.argmax(logits, axis=-1)
+
+    return _blockwise(chunk_of, states.shape[1], chunk)
 
 
 def simulated_chain_tau(correct: list[jax.Array], valid: list[jax.Array], depth: int) -> jax.Array:
@@ -137,8 +318,17 @@ def simulated_chain_tau(correct: list[jax.Array], valid: list[jax.Array], depth:
     return jnp.sum(total) / jnp.maximum(jnp.sum(count), 1)
 
 
+def check_context_split(length: int, shards: int, num_steps: int) -> None:
+    """A ValueError naming the fix unless a sequence of `length` positions splits in `shards` equal
+    shards of at least num_steps + 1 (the rows a shard's shifts read from the next shard)."""
+    if length % shards or length // shards < num_steps + 1:
+        raise ValueError(f"sequences of {length} positions do not split in {shards} equal shards of at least "
+                         f"{num_steps + 1} (the TTT depth + 1): pad them to a multiple of {shards} or use fewer shards")
+
+
 def ttt_loss(params: dict, cfg: DraftConfig, batch: dict, t2d: jax.Array, draft_ids: jax.Array, num_steps: int,
-             decay: float = 0.8, sim_steps: int = 3) -> tuple[jax.Array, dict]:
+             decay: float = 0.8, sim_steps: int = 3, *, memory: TTTMemory = TTTMemory(),
+             context: tuple[Mesh, str] | None = None) -> tuple[jax.Array, dict]:
     """Weighted TTT loss and metrics for a batch.
 
     batch: tokens [B,T] int, loss_mask [B,T] bool (True where the token is a response token to
@@ -146,26 +336,55 @@ def ttt_loss(params: dict, cfg: DraftConfig, batch: dict, t2d: jax.Array, draft_
     vocabulary), teacher_argmax [B,T] (target-vocab argmax). t2d [V] bool, draft_ids [Vd].
     Metrics: per-step loss and top-1 accuracy, and `sim_tau`: the acceptance length (bonus
     included) a greedy `sim_steps`-step chain would get walking these sequences.
+    context (mesh, axis): the sequence split over that mesh axis (each shard at least num_steps + 1
+    positions); the batch arrays' second axis is sharded over it.
     """
-    logits = ttt_unroll(params, cfg, batch["aux"], batch["tokens"], num_steps)
-    in_vocab = t2d[batch["teacher_argmax"]]
+    local = functools.partial(_local_loss, cfg=cfg, num_steps=num_steps, decay=decay, memory=memory)
+    if context is None:
+        total, metrics, correct, valid = local(params, batch, t2d, draft_ids, span=_Span())
+    else:
+        mesh, axis = context
+        shards = mesh.shape[axis]
+        check_context_split(batch["tokens"].shape[1], shards, num_steps)
+        whole, split = PartitionSpec(), PartitionSpec(None, axis)
+        total, metrics, correct, valid = jax.shard_map(
+            functools.partial(local, span=_Span(axis, shards)), mesh=mesh,
+            in_specs=(whole, {k: split for k in batch}, whole, whole),
+            out_specs=(whole, whole, split, split))(params, batch, t2d, draft_ids)
+    # per step, back to origins t (the proposal at t is scored at u = t + k + 1)
+    correct = [_shift(c, k + 1, False) for k, c in enumerate(correct)]
+    valid = [_shift(v, k + 1, False) for k, v in enumerate(valid)]
+    metrics = dict(metrics, sim_tau=simulated_chain_tau(correct, valid, min(sim_steps, num_steps)), loss=total)
+    return total, metrics
+
+
+def _local_loss(params: dict, batch: dict, t2d: jax.Array, draft_ids: jax.Array, *, cfg: DraftConfig, num_steps: int,
+                decay: float, memory: TTTMemory, span: _Span) -> tuple[jax.Array, dict, list, list]:
+    """ttt_loss over the positions `span` holds, summed over the shards: (loss, per-step metrics, and
+    per step whether the proposal scored at each u was right and counts).
+
+    Step k's proposal at origin t is scored against the teacher at u = t + k + 1; the loss runs in u's
+    coordinates (the draft states delayed by k + 1, cheap) so the teacher's [T, Vd] logits are never
+    shifted or copied."""
+    tokens, argmax = batch["tokens"], batch["teacher_argmax"]
+    t = tokens.shape[1]
+    states = ttt_states(params, cfg, batch["aux"], tokens, num_steps, memory=memory, span=span)
+    position = span.offset(t) + jnp.arange(t)
+    to_learn = (jnp.concatenate([batch["loss_mask"][:, 1:], span.following(batch["loss_mask"], 1)], axis=1)
+                & t2d[argmax])  # u's next token is a response token, u's argmax is in the draft vocabulary
     total = jnp.float32(0.0)
     metrics: dict = {}
     correct_steps, valid_steps = [], []
-    for k, lg in enumerate(logits):
-        teacher = _shift(batch["teacher_logits"], k + 1)
-        mask = _shift(batch["loss_mask"], k + 2, False) & _shift(in_vocab, k + 1, False)
-        target_p = jax.nn.softmax(teacher.astype(jnp.float32), axis=-1)
-        ce = -jnp.sum(target_p * jax.nn.log_softmax(lg, axis=-1), axis=-1)
-        count = jnp.maximum(mask.sum(), 1)
-        loss_k = jnp.sum(jnp.where(mask, ce, 0.0)) / count
+    for k, state in enumerate(states):
+        delayed = jnp.concatenate([span.preceding(state, k + 1), state], axis=1)[:, :t]  # origin u - k - 1's at u
+        ce, pred = _soft_cross_entropy(delayed, batch["teacher_logits"], params["lm_head"], memory.loss_chunk)
+        mask = to_learn & (position >= k + 1)
+        correct = draft_ids[pred] == argmax
+        count = jnp.maximum(span.total(mask.sum()), 1)
+        loss_k = span.total(jnp.sum(jnp.where(mask, ce, 0.0))) / count
         total = total + (decay ** k) * loss_k
-        pred = draft_ids[jnp.argmax(lg, axis=-1)]
-        correct = pred == _shift(batch["teacher_argmax"], k + 1)
         metrics[f"loss_{k}"] = loss_k
-        metrics[f"acc_{k}"] = jnp.sum(correct & mask) / count
+        metrics[f"acc_{k}"] = span.total(jnp.sum(correct & mask)) / count
         correct_steps.append(correct)
         valid_steps.append(mask)
-    metrics["sim_tau"] = simulated_chain_tau(correct_steps, valid_steps, min(sim_steps, num_steps))
-    metrics["loss"] = total
-    return total, metrics
+    return total, metrics, correct_steps, valid_steps
