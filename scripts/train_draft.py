@@ -43,6 +43,7 @@ flags.DEFINE_string("corpus", None, "Token corpus .npy [N, L]: prompts are the f
 flags.DEFINE_integer("prompt_len", 8, "Prompt tokens taken from each corpus row.", lower_bound=1)
 flags.DEFINE_integer("num_prompts", 1024, "Prompts to use.", lower_bound=2)
 flags.DEFINE_integer("max_tokens", 128, "Response tokens regenerated per prompt.", lower_bound=1)
+flags.DEFINE_bool("ignore_eos", False, "Regenerate every response --max_tokens long, past end-of-sequence tokens.")
 flags.DEFINE_list("temperatures", ["0"], "One response per prompt per temperature (0 = greedy).")
 flags.DEFINE_integer("gen_batch_size", 256, "Requests per regeneration wave.", lower_bound=1)
 flags.DEFINE_integer("draft_vocab_size", 0, "Draft vocabulary size (0 = the full target vocabulary).", lower_bound=0)
@@ -78,7 +79,7 @@ flags.mark_flags_as_required(["target", "out"])
 
 
 # The flags that shape the trained draft: a checkpoint folder resumes only a run with the same ones.
-RUN_FLAGS = ("prompt_len", "num_prompts", "max_tokens", "temperatures", "gen_batch_size", "draft_vocab_size",
+RUN_FLAGS = ("prompt_len", "num_prompts", "max_tokens", "ignore_eos", "temperatures", "gen_batch_size", "draft_vocab_size",
              "draft_arch", "draft_layers", "draft_intermediate_size", "ttt_steps", "epochs", "batch_size",
              "learning_rate", "warmup_steps", "max_grad_norm", "compute_dtype", "target_dtype", "mode",
              "eval_fraction", "mesh", "context_parallel", "save_dtype", "seed", "fc_norm", "norm_output",
@@ -212,7 +213,7 @@ def main(argv: Sequence[str]) -> None:
     target = e3.load_target(FLAGS.target, dtype=FLAGS.target_dtype)
     cfg_t = target.config
     examples = regenerate(target, prompts, max_tokens=FLAGS.max_tokens, temperatures=temps, seed=FLAGS.seed,
-                          batch_size=FLAGS.gen_batch_size, stop_token_ids=cfg_t.eos_token_ids)
+                          batch_size=FLAGS.gen_batch_size, stop_token_ids=() if FLAGS.ignore_eos else cfg_t.eos_token_ids)
     print(f"regenerated {len(examples)} responses ({len(prompts)} prompts x temperatures {temps}) "
           f"in {time.perf_counter() - start:.0f} s")
     shards = mesh.shape["data"] if FLAGS.context_parallel else 1

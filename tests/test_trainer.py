@@ -1,5 +1,9 @@
 """Draft training end to end (tiny): loss falls, acceptance rises, resume continues the same curve."""
 
+import json
+import subprocess
+import sys
+
 import jax
 import numpy as np
 import pytest
@@ -116,3 +120,22 @@ def test_data_parallel_training_equals_single_device(setup):
             assert trainer.state.params["fc"].sharding.is_fully_replicated
     np.testing.assert_allclose(losses["data8"], losses["single"], rtol=2e-5)
     np.testing.assert_allclose(losses["context4"], losses["single"], rtol=2e-5)
+
+
+def test_bench_train_records_memory_and_speed_against_the_length(tmp_path):
+    """scripts/bench_train.py: a row per length and form (bounded, and the whole form up to
+    --baseline_max_len), each with XLA's plan, the process's peak, tokens/s and the ratio to half
+    the length; the command and machine recorded."""
+    out = tmp_path / "train-memory.json"
+    r = subprocess.run([sys.executable, "scripts/bench_train.py", "--target=checkpoints/stories260K", "--seq_lens=64,128",
+                        "--baseline_max_len=64", "--ttt_steps=2", "--steps=1", f"--json_out={out}"],
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr
+    record = json.loads(out.read_text())
+    assert "bench_train.py" in record["command"] and record["machine"]["cpu_count"] >= 1
+    rows = record["rows"]
+    assert [(row["bounded"], row["length"]) for row in rows] == [(True, 64), (True, 128), (False, 64)]
+    for row in rows:
+        assert row["plan_peak_bytes"] > 0 and row["peak_resident_bytes"] > 0 and row["tokens_per_s"] > 0
+    assert "plan_peak_vs_half" in rows[1] and "plan_peak_vs_half" not in rows[0]
+    assert "| bounded T=128 |" in r.stdout

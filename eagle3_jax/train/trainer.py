@@ -120,6 +120,15 @@ class Trainer:
             out[k] = jax.device_put(v, NamedSharding(self.mesh, self.batch_spec))
         return out
 
+    def planned_bytes(self, batch: dict) -> dict[str, int]:
+        """XLA's plan for one training step on a batch of these shapes (arrays or ShapeDtypeStructs),
+        per device, from shapes alone: arguments (state, frozen params, batch), outputs, temporaries."""
+        shapes = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=None if self.mesh is None
+                                          else NamedSharding(self.mesh, self.batch_spec)) for k, v in batch.items()}
+        stats = self._train_step.lower(self.state, self.frozen, shapes).compile().memory_analysis()
+        return {"arguments": int(stats.argument_size_in_bytes), "outputs": int(stats.output_size_in_bytes),
+                "temporaries": int(stats.temp_size_in_bytes)}
+
     # ---- checkpoints -----------------------------------------------------------------------------
     def restore_latest(self) -> int:
         """Restore the newest checkpoint if there is one; returns the step reached (0 if none)."""
