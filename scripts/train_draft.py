@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from eagle3_jax.cli import script as cli  # noqa: E402
 from eagle3_jax.cli.flags import check_target_path, warn_without_chat_template  # noqa: E402
-from eagle3_jax.cli.runs import check_training_flags, plan_run, settings_of  # noqa: E402
+from eagle3_jax.cli.runs import check_enough_examples, check_mesh, check_training_flags, plan_run, settings_of  # noqa: E402,E501
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("target", None, "Target model folder (HF or Orbax).")
@@ -44,6 +44,8 @@ flags.DEFINE_integer("prompt_len", 8, "Prompt tokens taken from each corpus row.
 flags.DEFINE_integer("num_prompts", 1024, "Prompts to use.", lower_bound=2)
 flags.DEFINE_integer("max_tokens", 128, "Response tokens regenerated per prompt.", lower_bound=1)
 flags.DEFINE_bool("ignore_eos", False, "Regenerate every response --max_tokens long, past end-of-sequence tokens.")
+flags.DEFINE_string("regenerated", None, "Keep the regenerated responses here (.npz; default <ckpt_dir>/regenerated.npz); "
+                    "a run with the same target, prompts and generation flags reuses them.")
 flags.DEFINE_list("temperatures", ["0"], "One response per prompt per temperature (0 = greedy).")
 flags.DEFINE_integer("gen_batch_size", 256, "Requests per regeneration wave.", lower_bound=1)
 flags.DEFINE_integer("draft_vocab_size", 0, "Draft vocabulary size (0 = the full target vocabulary).", lower_bound=0)
@@ -78,6 +80,9 @@ cli.define_overwrite_flag("--out (and another run's --ckpt_dir)")
 flags.mark_flags_as_required(["target", "out"])
 
 
+# The flags that shape the regenerated responses (with the data's fingerprint: the key they are kept under).
+GEN_FLAGS = ("prompt_len", "num_prompts", "max_tokens", "ignore_eos", "temperatures", "gen_batch_size", "target_dtype",
+             "seed")
 # The flags that shape the trained draft: a checkpoint folder resumes only a run with the same ones.
 RUN_FLAGS = ("prompt_len", "num_prompts", "max_tokens", "ignore_eos", "temperatures", "gen_batch_size", "draft_vocab_size",
              "draft_arch", "draft_layers", "draft_intermediate_size", "ttt_steps", "epochs", "batch_size",
@@ -125,36 +130,6 @@ def read_corpus():
     return corpus
 
 
-def check_enough_examples(num_prompts: int, num_temperatures: int) -> None:
-    """A usage error when the prompts cannot fill one training batch after the held-out share."""
-    from eagle3_jax.train.draft_run import held_out_count
-
-    n = num_prompts * num_temperatures
-    n_eval = held_out_count(n, FLAGS.eval_fraction, FLAGS.batch_size)
-    if n - n_eval < FLAGS.batch_size:
-        source = f"--prompts {FLAGS.prompts}" if FLAGS.prompts else f"--corpus {FLAGS.corpus}"
-        raise app.UsageError(f"{source} gives {num_prompts} prompts x {num_temperatures} temperatures = {n} examples; "
-                             f"{n_eval} held out for evaluation (at least --batch_size) leave {max(n - n_eval, 0)}, "
-                             f"less than one batch of --batch_size={FLAGS.batch_size}: give at least "
-                             f"{-(-2 * FLAGS.batch_size // num_temperatures)} prompts or lower --batch_size")
-
-
-def check_mesh():
-    """The --mesh over this machine's devices (None without one); its data axis must divide --batch_size
-    (with --context_parallel: it splits the sequences instead)."""
-    import eagle3_jax as e3
-    from eagle3_jax.runtime.sharding import parse_mesh
-
-    with cli.usage_errors("--mesh"):
-        dims = parse_mesh(FLAGS.mesh)
-        mesh = None if dims is None else e3.make_mesh(*dims)
-    if FLAGS.context_parallel and dims is None:
-        raise app.UsageError("--context_parallel splits each sequence over the --mesh data axis: give --mesh (e.g. 8,1,1)")
-    if dims is not None and FLAGS.batch_size % dims[0] and not FLAGS.context_parallel:
-        raise app.UsageError(f"--batch_size={FLAGS.batch_size} is not a multiple of the --mesh data axis ({dims[0]})")
-    return mesh
-
-
 def main(argv: Sequence[str]) -> None:
     cli.reject_positional(argv)
     # everything the run will use is checked first: the flags, the inputs, the output, the checkpoints
@@ -190,7 +165,7 @@ def main(argv: Sequence[str]) -> None:
     from eagle3_jax.text.chat_template import render_prompts
     from eagle3_jax.text.tokenizer import load_tokenizer
     from eagle3_jax.train import draft_run
-    from eagle3_jax.train.data import regenerate
+    from eagle3_jax.train.data import load_examples, regenerate, save_examples
 
     if texts is not None:
         warn_without_chat_template(FLAGS.target, "the --prompts")
@@ -212,10 +187,19 @@ def main(argv: Sequence[str]) -> None:
     start = time.perf_counter()
     target = e3.load_target(FLAGS.target, dtype=FLAGS.target_dtype)
     cfg_t = target.config
-    examples = regenerate(target, prompts, max_tokens=FLAGS.max_tokens, temperatures=temps, seed=FLAGS.seed,
-                          batch_size=FLAGS.gen_batch_size, stop_token_ids=() if FLAGS.ignore_eos else cfg_t.eos_token_ids)
-    print(f"regenerated {len(examples)} responses ({len(prompts)} prompts x temperatures {temps}) "
-          f"in {time.perf_counter() - start:.0f} s")
+    kept, key = FLAGS.regenerated or os.path.join(ckpt_dir, run_record.REGENERATED_FILE), dict(
+        settings_of(GEN_FLAGS), data=fingerprint)
+    with cli.usage_errors("--regenerated"):  # kept for other settings: named, with the fix
+        examples = load_examples(kept, key)
+    if examples is not None:
+        print(f"{len(examples)} responses regenerated before, read from {kept}")
+    else:
+        examples = regenerate(target, prompts, max_tokens=FLAGS.max_tokens, temperatures=temps, seed=FLAGS.seed,
+                              batch_size=FLAGS.gen_batch_size, stop_token_ids=() if FLAGS.ignore_eos else cfg_t.eos_token_ids)
+        os.makedirs(os.path.dirname(os.path.abspath(kept)), exist_ok=True)
+        save_examples(kept, examples, key)
+        print(f"regenerated {len(examples)} responses ({len(prompts)} prompts x temperatures {temps}) "
+              f"in {time.perf_counter() - start:.0f} s (kept in {kept})")
     shards = mesh.shape["data"] if FLAGS.context_parallel else 1
     data = draft_run.prepare_data(examples, cfg_t.vocab_size, recipe, length_multiple=shards)
     print(f"draft vocabulary: {FLAGS.draft_vocab_size or cfg_t.vocab_size} of {cfg_t.vocab_size} ids, covering "

@@ -302,6 +302,28 @@ def test_regenerate_greedy_matches_engine_and_masks_responses(target):
     assert resp[-1] == stop and stop not in resp[:-1] and len(resp) <= 2
 
 
+def test_regenerated_examples_are_kept_and_read_back_only_for_their_key(tmp_path):
+    """save_examples / load_examples: the same examples back for the same key; nothing for a missing
+    file; the settings that differ named for another key."""
+    from eagle3_jax.train.data import Example, StaleExamples, load_examples, save_examples
+
+    rng = np.random.default_rng(0)
+    examples = [Example(tokens=rng.integers(0, 64, n).astype(np.int32), loss_mask=np.arange(n) >= 2) for n in (5, 9, 3)]
+    path = tmp_path / "regenerated.npz"
+    key = {"--max_tokens": 6, "--temperatures": ["0"], "data": "abc"}
+    assert load_examples(path, key) is None
+    save_examples(path, examples, key)
+    back = load_examples(path, dict(reversed(list(key.items()))))  # the key's order does not matter
+    assert len(back) == 3
+    for got, want in zip(back, examples):
+        np.testing.assert_array_equal(got.tokens, want.tokens)
+        np.testing.assert_array_equal(got.loss_mask, want.loss_mask)
+    with pytest.raises(StaleExamples, match="--max_tokens"):
+        load_examples(path, dict(key, **{"--max_tokens": 7}))
+    save_examples(path, [], key)
+    assert load_examples(path, key) == [] and os.listdir(tmp_path) == ["regenerated.npz"]
+
+
 def test_pack():
     exs = [Example(np.arange(1, 6, dtype=np.int32), np.array([0, 0, 1, 1, 1], bool)),
            Example(np.arange(10, 20, dtype=np.int32), np.arange(10) >= 2)]

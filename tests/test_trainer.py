@@ -139,3 +139,23 @@ def test_bench_train_records_memory_and_speed_against_the_length(tmp_path):
         assert row["plan_peak_bytes"] > 0 and row["peak_resident_bytes"] > 0 and row["tokens_per_s"] > 0
     assert "plan_peak_vs_half" in rows[1] and "plan_peak_vs_half" not in rows[0]
     assert "| bounded T=128 |" in r.stdout
+
+
+def test_train_draft_regenerates_once(tmp_path):
+    """A second draft trained on the same target, prompts and generation flags reads the first run's
+    regenerated responses (the target generates nothing) and trains on the same examples."""
+    common = ["--target=checkpoints/stories260K", "--prompts=checkpoints/demo_prompts.txt", "--max_tokens=12",
+              "--batch_size=2", "--epochs=1", "--ttt_steps=2", "--eval_fraction=0"]
+    first = subprocess.run([sys.executable, "scripts/train_draft.py", *common, f"--out={tmp_path / 'a'}"],
+                           capture_output=True, text=True, timeout=900)
+    assert first.returncode == 0, first.stderr[-2000:]
+    kept = tmp_path / "a.ckpt" / "regenerated.npz"
+    assert f"(kept in {kept})" in first.stdout
+    second = subprocess.run([sys.executable, "scripts/train_draft.py", *common, "--fc_norm", f"--regenerated={kept}",
+                             f"--out={tmp_path / 'b'}"], capture_output=True, text=True, timeout=900)
+    assert second.returncode == 0, second.stderr[-2000:]
+    assert f"regenerated before, read from {kept}" in second.stdout and "regenerated 8" not in second.stdout
+    stale = subprocess.run([sys.executable, "scripts/train_draft.py", *common, "--max_tokens=13",
+                            f"--regenerated={kept}", f"--out={tmp_path / 'c'}"], capture_output=True, text=True,
+                           timeout=900)
+    assert stale.returncode != 0 and "--max_tokens" in stale.stderr.strip().splitlines()[-1]

@@ -207,6 +207,36 @@ def regenerate(target: Target, prompts: Sequence[Sequence[int]], *, max_tokens: 
     return examples
 
 
+class StaleExamples(ValueError):
+    """Regenerated examples kept for other generation settings or data."""
+
+
+def save_examples(path: str | os.PathLike, examples: Sequence[Example], key: dict) -> None:
+    """Write `examples` (atomically) to the .npz `path`, with the `key` that made them (JSON-able)."""
+    lengths = np.asarray([len(e.tokens) for e in examples], np.int64)
+    tmp = os.fspath(path) + ".tmp.npz"
+    np.savez(tmp, tokens=np.concatenate([np.asarray(e.tokens, np.int32) for e in examples]) if examples else
+             np.zeros(0, np.int32), loss_mask=np.concatenate([np.asarray(e.loss_mask, bool) for e in examples])
+             if examples else np.zeros(0, bool), lengths=lengths, key=np.asarray(json.dumps(key, sort_keys=True)))
+    os.replace(tmp, path)
+
+
+def load_examples(path: str | os.PathLike, key: dict) -> list[Example] | None:
+    """The examples `save_examples` wrote to `path` with this `key`; None when there is no such file;
+    StaleExamples naming the settings that differ when it was made with another key."""
+    if not os.path.isfile(path):
+        return None
+    with np.load(path) as f:
+        kept = json.loads(str(f["key"]))
+        if kept != json.loads(json.dumps(key, sort_keys=True)):
+            differ = sorted(k for k in set(kept) | set(key) if kept.get(k) != key.get(k))
+            raise StaleExamples(f"{os.fspath(path)} holds responses regenerated with another {', '.join(differ)}; "
+                                "delete it or keep these elsewhere")
+        ends = np.cumsum(f["lengths"])
+        tokens, mask = np.split(f["tokens"], ends[:-1]), np.split(f["loss_mask"], ends[:-1])
+    return [Example(tokens=t, loss_mask=m) for t, m in zip(tokens, mask)] if len(ends) else []
+
+
 def pack(examples: Sequence[Example], seq_len: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Examples -> (tokens int32 [N, seq_len], loss_mask bool [N, seq_len], lengths int32 [N]).
 
