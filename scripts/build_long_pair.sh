@@ -3,12 +3,14 @@
 #   1. kimi-mini with its YaRN extended to 8,192 positions (benchmarks/harness/long-context.py --pair_dir);
 #   2. three EAGLE-3 drafts for it trained on its own greedy text: 40 GSM8K questions, each continued
 #      4,000 tokens past end-of-sequence (contexts up to 4K), the training-time test over whole sequences:
-#      plain EAGLE-3, EAGLE 3.1 (--fc_norm --norm_output) and a 256-token sliding window;
+#      plain EAGLE-3, EAGLE 3.1 (--fc_norm --norm_output) and a 256-token sliding window (the responses
+#      regenerated once, in $WORK/regenerated.npz, for all three);
 #   3. each draft's chain 3:1:4 acceptance at 256, 1K, 2K and 4K tokens of context, on the target's own
 #      text after held-out questions (benchmarks/results/long-pair-tau-<variant>.json).
 # Usage: scripts/build_long_pair.sh [work_dir] [variants]   (default /tmp/long-pair, "plain eagle3.1 sliding";
 # the bundled demo pair is not touched; a run interrupted in training resumes with the same work_dir)
 set -euo pipefail
+case ${1:-} in -h|--help) sed -n '2,11p' "$0"; exit 0 ;; esac
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PY=${PYTHON:-.venv/bin/python}
 WORK=${1:-/tmp/long-pair}
@@ -27,7 +29,7 @@ for variant in $VARIANTS; do
   $PY scripts/train_draft.py --target="$WORK/kimi-mini-8k" --prompts=data/gsm8k/test_full.jsonl --num_prompts=40 \
       --max_tokens=4000 --ignore_eos --temperatures=0 --gen_batch_size=40 --draft_intermediate_size=512 \
       --ttt_steps=5 --epochs=3 --batch_size=1 --learning_rate=3e-3 --warmup_steps=10 "${switches[@]}" \
-      --ckpt_dir="$WORK/draft-$variant.ckpt" --out="$WORK/draft-$variant"
+      --regenerated="$WORK/regenerated.npz" --ckpt_dir="$WORK/draft-$variant.ckpt" --out="$WORK/draft-$variant"
   $PY benchmarks/harness/long-context.py --target="$WORK/kimi-mini-8k" --draft="$WORK/draft-$variant" --text=own \
       --spec=chain:3:1:4 --contexts=256,1024,2048,4096 --batch=4 \
       --json_out="benchmarks/results/long-pair-tau-$variant.json" --overwrite
