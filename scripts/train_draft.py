@@ -16,8 +16,7 @@ Every flag, file and folder is checked before the target loads. Checkpoints (--c
 it resumes where it stopped ("resuming from step N of M"), or says it is finished and exits; with
 other settings or data it stops and names them (--overwrite starts again; or choose another --out).
 An existing --out is replaced only with --overwrite, and only once the new draft is complete.
---draft_arch=mla trains an MLA draft (Eagle3DeepseekV2ForCausalLM, like the Kimi-K2.5 EAGLE-3 MLA
-draft) instead of a Llama-layer one.
+The draft's layouts and switches, long sequences and kept regenerations: docs/training.md.
 """
 
 from __future__ import annotations
@@ -33,8 +32,8 @@ from absl import app, flags
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from eagle3_jax.cli import script as cli  # noqa: E402
-from eagle3_jax.cli.flags import check_target_path, warn_without_chat_template  # noqa: E402
-from eagle3_jax.cli.runs import check_enough_examples, check_mesh, check_training_flags, plan_run, settings_of  # noqa: E402,E501
+from eagle3_jax.cli.flags import check_target_path, mesh_from_flags, warn_without_chat_template  # noqa: E402
+from eagle3_jax.cli.runs import check_training_flags, plan_run, settings_of  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("target", None, "Target model folder (HF or Orbax).")
@@ -130,6 +129,32 @@ def read_corpus():
     return corpus
 
 
+def check_enough_examples(num_prompts: int, num_temperatures: int) -> None:
+    """A usage error when the prompts cannot fill one training batch after the held-out share."""
+    from eagle3_jax.train.draft_run import held_out_count
+
+    n = num_prompts * num_temperatures
+    n_eval = held_out_count(n, FLAGS.eval_fraction, FLAGS.batch_size)
+    if n - n_eval < FLAGS.batch_size:
+        source = f"--prompts {FLAGS.prompts}" if FLAGS.prompts else f"--corpus {FLAGS.corpus}"
+        raise app.UsageError(f"{source} gives {num_prompts} prompts x {num_temperatures} temperatures = {n} examples; "
+                             f"{n_eval} held out for evaluation (at least --batch_size) leave {max(n - n_eval, 0)}, "
+                             f"less than one batch of --batch_size={FLAGS.batch_size}: give at least "
+                             f"{-(-2 * FLAGS.batch_size // num_temperatures)} prompts or lower --batch_size")
+
+
+def check_mesh():
+    """The --mesh over this machine's devices (None without one); its data axis must divide --batch_size
+    (with --context_parallel: it splits the sequences instead)."""
+    mesh = mesh_from_flags()
+    if FLAGS.context_parallel and mesh is None:
+        raise app.UsageError("--context_parallel splits each sequence over the --mesh data axis: give --mesh (e.g. 8,1,1)")
+    if mesh is not None and FLAGS.batch_size % mesh.shape["data"] and not FLAGS.context_parallel:
+        raise app.UsageError(f"--batch_size={FLAGS.batch_size} is not a multiple of the --mesh data axis "
+                             f"({mesh.shape['data']})")
+    return mesh
+
+
 def main(argv: Sequence[str]) -> None:
     cli.reject_positional(argv)
     # everything the run will use is checked first: the flags, the inputs, the output, the checkpoints
@@ -165,7 +190,6 @@ def main(argv: Sequence[str]) -> None:
     from eagle3_jax.text.chat_template import render_prompts
     from eagle3_jax.text.tokenizer import load_tokenizer
     from eagle3_jax.train import draft_run
-    from eagle3_jax.train.data import load_examples, regenerate, save_examples
 
     if texts is not None:
         warn_without_chat_template(FLAGS.target, "the --prompts")
@@ -190,16 +214,11 @@ def main(argv: Sequence[str]) -> None:
     kept, key = FLAGS.regenerated or os.path.join(ckpt_dir, run_record.REGENERATED_FILE), dict(
         settings_of(GEN_FLAGS), data=fingerprint)
     with cli.usage_errors("--regenerated"):  # kept for other settings: named, with the fix
-        examples = load_examples(kept, key)
-    if examples is not None:
-        print(f"{len(examples)} responses regenerated before, read from {kept}")
-    else:
-        examples = regenerate(target, prompts, max_tokens=FLAGS.max_tokens, temperatures=temps, seed=FLAGS.seed,
-                              batch_size=FLAGS.gen_batch_size, stop_token_ids=() if FLAGS.ignore_eos else cfg_t.eos_token_ids)
-        os.makedirs(os.path.dirname(os.path.abspath(kept)), exist_ok=True)
-        save_examples(kept, examples, key)
-        print(f"regenerated {len(examples)} responses ({len(prompts)} prompts x temperatures {temps}) "
-              f"in {time.perf_counter() - start:.0f} s (kept in {kept})")
+        examples, read = draft_run.regenerated_examples(
+            target, prompts, kept, key, max_tokens=FLAGS.max_tokens, temperatures=temps, seed=FLAGS.seed,
+            batch_size=FLAGS.gen_batch_size, stop_token_ids=() if FLAGS.ignore_eos else cfg_t.eos_token_ids)
+    print(f"{len(examples)} responses regenerated before, read from {kept}" if read else f"regenerated {len(examples)} "
+          f"responses ({len(prompts)} prompts x temperatures {temps}) in {time.perf_counter() - start:.0f} s (kept in {kept})")
     shards = mesh.shape["data"] if FLAGS.context_parallel else 1
     data = draft_run.prepare_data(examples, cfg_t.vocab_size, recipe, length_multiple=shards)
     print(f"draft vocabulary: {FLAGS.draft_vocab_size or cfg_t.vocab_size} of {cfg_t.vocab_size} ids, covering "

@@ -26,6 +26,17 @@ import sys
 import time
 from typing import Sequence
 
+import jax
+import numpy as np
+from jax.sharding import PartitionSpec
+
+from ..models.target import load_target
+from ..runtime.sharding import make_mesh
+from ..train.draft_model import init_draft_params, make_ttt_loss, new_draft_config
+from ..train.trainer import TrainConfig, Trainer
+from ..train.ttt import TTTMemory
+from ..train.vocab import DraftVocab
+
 
 @dataclasses.dataclass(frozen=True)
 class TrainPoint:
@@ -59,9 +70,7 @@ def _resident_bytes() -> int:
         return 0
 
 
-def _random_batch(point: TrainPoint, hidden: int, vocab, rng) -> dict:
-    import numpy as np
-
+def _random_batch(point: TrainPoint, hidden: int, vocab: DraftVocab, rng: np.random.Generator) -> dict:
     b, t, vd = point.batch_size, point.length, vocab.draft_vocab_size
     return dict(tokens=rng.integers(0, vocab.vocab_size, (b, t)).astype(np.int32),
                 loss_mask=np.ones((b, t), bool),
@@ -72,24 +81,14 @@ def _random_batch(point: TrainPoint, hidden: int, vocab, rng) -> dict:
 
 def run_point(point: TrainPoint) -> dict:
     """Measure `point` in this process (see the module docstring)."""
-    import jax
-    import numpy as np
-    from jax.sharding import PartitionSpec
-
-    import eagle3_jax as e3
-    from ..train.draft_model import init_draft_params, make_ttt_loss, new_draft_config
-    from ..train.trainer import TrainConfig, Trainer
-    from ..train.ttt import TTTMemory
-    from ..train.vocab import DraftVocab
-
-    target = e3.load_target(point.target, dtype="float32")
+    target = load_target(point.target, dtype="float32")
     cfg_t = target.config
     rng = np.random.default_rng(point.seed)
     vd = point.draft_vocab_size or cfg_t.vocab_size
     vocab = DraftVocab.from_draft_ids(np.sort(rng.choice(cfg_t.vocab_size, vd, replace=False)), cfg_t.vocab_size)
     cfg = new_draft_config(cfg_t, vocab, arch=point.draft_arch)
     params, frozen = init_draft_params(cfg, target, vocab, seed=point.seed)
-    mesh = None if point.mesh is None else e3.make_mesh(*point.mesh)
+    mesh = None if point.mesh is None else make_mesh(*point.mesh)
     split = point.context_parallel
     loss = make_ttt_loss(cfg, vocab, point.ttt_steps, memory=TTTMemory() if point.bounded else TTTMemory.whole(),
                          context=(mesh, "data") if split else None)
@@ -102,7 +101,7 @@ def run_point(point: TrainPoint) -> dict:
     times = []
     for _ in range(point.steps + 1):
         start = time.perf_counter()
-        trainer.state, metrics = trainer._train_step(trainer.state, trainer.frozen, trainer._shard_batch(batch))
+        metrics = trainer.step(batch)
         jax.block_until_ready(metrics["loss"])
         times.append(time.perf_counter() - start)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB

@@ -87,15 +87,15 @@ def quant_options() -> dict:
 
 
 def mesh_from_flags():
-    """Join the multi-host job if --distributed, then the --mesh over every device (None without
-    --mesh); a bad --mesh is a usage error naming the problem."""
+    """Join the multi-host job if --distributed (where the script has it), then the --mesh over every
+    device (None without --mesh); a bad --mesh is a usage error naming the problem."""
     from ..runtime.sharding import initialize_distributed, make_mesh, parse_mesh
 
     try:
         dims = parse_mesh(FLAGS.mesh)
     except ValueError as e:
         raise app.UsageError(f"--mesh: {e}") from None
-    if FLAGS.distributed:
+    if "distributed" in FLAGS and FLAGS.distributed:
         initialize_distributed()
     if dims is None:
         return None

@@ -1,6 +1,5 @@
-"""What train_draft.py and train_target.py share: the checks of their training flags (and of
-train_draft.py's mesh and number of examples), and whether a run starts, resumes or is already
-done, decided before any model loads.
+"""What train_draft.py and train_target.py share: the checks of their training flags, and whether a
+run starts, resumes or is already done, decided before any model loads.
 
 A checkpoint folder resumes only the run that wrote it (eagle3_jax.train.run_record): the same
 settings and the same data. Anything else is refused with the settings that differ and the two ways
@@ -71,32 +70,3 @@ def plan_run(out: str, ckpt_dir: str, settings: Mapping[str, Any], fingerprint: 
         shutil.rmtree(ckpt_dir)
     cli.check_output("--out", out, inputs)
     return "start"
-
-
-def check_enough_examples(num_prompts: int, num_temperatures: int) -> None:
-    """A usage error when the prompts cannot fill one training batch after the held-out share."""
-    from ..train.draft_run import held_out_count
-
-    n = num_prompts * num_temperatures
-    n_eval = held_out_count(n, FLAGS.eval_fraction, FLAGS.batch_size)
-    if n - n_eval < FLAGS.batch_size:
-        source = f"--prompts {FLAGS.prompts}" if FLAGS.prompts else f"--corpus {FLAGS.corpus}"
-        raise app.UsageError(f"{source} gives {num_prompts} prompts x {num_temperatures} temperatures = {n} examples; "
-                             f"{n_eval} held out for evaluation (at least --batch_size) leave {max(n - n_eval, 0)}, "
-                             f"less than one batch of --batch_size={FLAGS.batch_size}: give at least "
-                             f"{-(-2 * FLAGS.batch_size // num_temperatures)} prompts or lower --batch_size")
-
-
-def check_mesh():
-    """The --mesh over this machine's devices (None without one); its data axis must divide --batch_size
-    (with --context_parallel: it splits the sequences instead)."""
-    from ..runtime.sharding import make_mesh, parse_mesh
-
-    with cli.usage_errors("--mesh"):
-        dims = parse_mesh(FLAGS.mesh)
-        mesh = None if dims is None else make_mesh(*dims)
-    if FLAGS.context_parallel and dims is None:
-        raise app.UsageError("--context_parallel splits each sequence over the --mesh data axis: give --mesh (e.g. 8,1,1)")
-    if dims is not None and FLAGS.batch_size % dims[0] and not FLAGS.context_parallel:
-        raise app.UsageError(f"--batch_size={FLAGS.batch_size} is not a multiple of the --mesh data axis ({dims[0]})")
-    return mesh

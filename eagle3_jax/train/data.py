@@ -211,14 +211,17 @@ class StaleExamples(ValueError):
     """Regenerated examples kept for other generation settings or data."""
 
 
-def save_examples(path: str | os.PathLike, examples: Sequence[Example], key: dict) -> None:
-    """Write `examples` (atomically) to the .npz `path`, with the `key` that made them (JSON-able)."""
+def save_examples(path: str | os.PathLike, examples: Sequence[Example], key: dict) -> Sequence[Example]:
+    """Write `examples` (atomically; the folder made if missing) to the .npz `path`, with the `key`
+    that made them (JSON-able); returns them."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     lengths = np.asarray([len(e.tokens) for e in examples], np.int64)
     tmp = os.fspath(path) + ".tmp.npz"
     np.savez(tmp, tokens=np.concatenate([np.asarray(e.tokens, np.int32) for e in examples]) if examples else
              np.zeros(0, np.int32), loss_mask=np.concatenate([np.asarray(e.loss_mask, bool) for e in examples])
              if examples else np.zeros(0, bool), lengths=lengths, key=np.asarray(json.dumps(key, sort_keys=True)))
     os.replace(tmp, path)
+    return examples
 
 
 def load_examples(path: str | os.PathLike, key: dict) -> list[Example] | None:

@@ -4,9 +4,10 @@ the draft vocabulary chosen from the training responses, both sets packed to one
 features computed on the fly or written once to a feature store, training-time-test training
 and the HF export.
 
-`DraftRecipe` holds the settings that shape the draft; `prepare_data` makes the `DraftData` the
-rest reads; `train_batches` picks the online or offline batches; `DraftTraining` builds the draft,
-its trainer (resuming from its checkpoints), trains and exports it.
+`regenerated_examples` has the target answer the prompts once and keeps the responses for a resume
+or another draft; `DraftRecipe` holds the settings that shape the draft; `prepare_data` makes the
+`DraftData` the rest reads; `train_batches` picks the online or offline batches; `DraftTraining`
+builds the draft, its trainer (resuming from its checkpoints), trains and exports it.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
 from ..models.target import Target
-from .data import Example, FeatureStore, online_batches, pack, write_feature_store
+from .data import (Example, FeatureStore, load_examples, online_batches, pack, regenerate, save_examples,
+                   write_feature_store)
 from .draft_model import assembled_params, init_draft_params, make_ttt_loss, new_draft_config
 from .export import export_hf_draft
 from .trainer import TrainConfig, Trainer
@@ -54,6 +56,18 @@ class DraftRecipe:
     batch_size: int = 16
     eval_fraction: float = 0.05
     seed: int = 0
+
+
+def regenerated_examples(target: Target, prompts: Sequence[Sequence[int]], kept: str, key: dict,
+                         **generation) -> tuple[Sequence[Example], bool]:
+    """The target's responses to `prompts` (`data.regenerate` with `generation`'s keywords), read
+    from the .npz `kept` when it holds them under `key` (the settings and data that made them),
+    else regenerated and kept there; and whether they were read. Kept under another key:
+    data.StaleExamples naming what differs."""
+    examples = load_examples(kept, key)
+    if examples is not None:
+        return examples, True
+    return save_examples(kept, regenerate(target, prompts, **generation), key), False
 
 
 def held_out_count(num_examples: int, eval_fraction: float, batch_size: int) -> int:

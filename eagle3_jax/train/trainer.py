@@ -120,6 +120,11 @@ class Trainer:
             out[k] = jax.device_put(v, NamedSharding(self.mesh, self.batch_spec))
         return out
 
+    def step(self, batch: dict) -> dict:
+        """One training step on `batch` (host arrays, placed on the mesh); its metrics (device arrays)."""
+        self.state, metrics = self._train_step(self.state, self.frozen, self._shard_batch(batch))
+        return metrics
+
     def planned_bytes(self, batch: dict) -> dict[str, int]:
         """XLA's plan for one training step on a batch of these shapes (arrays or ShapeDtypeStructs),
         per device, from shapes alone: arguments (state, frozen params, batch), outputs, temporaries."""
@@ -177,8 +182,7 @@ class Trainer:
             for i, batch in enumerate(_take(batches(epoch), steps_per_epoch)):
                 if first + i < done:
                     continue  # consumed before the restart
-                self.state, metrics = self._train_step(self.state, self.frozen, self._shard_batch(batch))
-                host = {k: float(v) for k, v in jax.device_get(metrics).items()}
+                host = {k: float(v) for k, v in jax.device_get(self.step(batch)).items()}
                 for k, v in host.items():
                     sums[k] = sums.get(k, 0.0) + v
                 count += 1
