@@ -1,11 +1,14 @@
-"""Train a target model from scratch on a token corpus and save it as an HF folder.
+"""Train a target model on a token corpus (from scratch, or further from --init_from's weights) and
+save it as an HF folder.
 
     python scripts/train_target.py --config=checkpoints/kimi-mini.config.json --corpus=/tmp/corpus.npy \\
         --tokenizer_from=checkpoints/stories260K --epochs=2 --batch_size=16 --out=checkpoints/kimi-mini
 
 The corpus is an int32 [N, seq_len] .npy of token ids (scripts/make_corpus.py). The result loads
 with e3.load_target and follows the HF layout of the config's model_type. Flags, files and --out are
-checked before training; checkpoints (--ckpt_dir, default <out>.ckpt) resume only the same run (same
+checked before training. --init_from starts from another folder's weights of the same sizes, e.g. the
+model itself with a longer context in --config (its rotary extended) and a corpus of longer rows, to
+train it at that length. Checkpoints (--ckpt_dir, default <out>.ckpt) resume only the same run (same
 flags, config and corpus), as in train_draft.py; --overwrite starts again and replaces --out.
 """
 
@@ -22,12 +25,15 @@ from absl import app, flags
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from eagle3_jax.cli import script as cli  # noqa: E402
+from eagle3_jax.cli.flags import check_target_path  # noqa: E402
 from eagle3_jax.cli.runs import check_training_flags, plan_run, settings_of  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("config", None, "HF config.json of the model to train.")
 flags.DEFINE_string("corpus", None, "Token corpus .npy [N, seq_len].")
 flags.DEFINE_string("tokenizer_from", None, "Folder whose tokenizer files are copied into --out.")
+flags.DEFINE_string("init_from", None, "Start from this model folder's weights (of --config's sizes) instead of a "
+                    "random initialisation.")
 flags.DEFINE_string("out", None, "Output HF folder.")
 flags.DEFINE_string("ckpt_dir", None, "Orbax checkpoint folder for resuming (default: <out>.ckpt).")
 flags.DEFINE_integer("epochs", 1, "Passes over the corpus.", lower_bound=1)
@@ -44,7 +50,7 @@ flags.mark_flags_as_required(["config", "corpus", "out"])
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
 # The flags that shape the trained model: a checkpoint folder resumes only a run with the same ones.
 RUN_FLAGS = ("epochs", "batch_size", "learning_rate", "warmup_steps", "eval_fraction", "compute_dtype", "save_dtype",
-             "seed")
+             "seed", "init_from")
 
 
 def read_config() -> dict:
@@ -78,6 +84,25 @@ def check_settings(corpus, vocab_size: int) -> None:
                              "the model whose tokenizer the corpus was made with")
 
 
+def starting_weights(cfg) -> dict:
+    """--init_from's weights, float32, in --config's layout; a usage error naming a tensor that does not fit."""
+    import numpy as np
+
+    import eagle3_jax as e3
+    from eagle3_jax.train.lm import params_to_flat
+    from eagle3_jax.weights.params import flat_specs, stack_flat
+
+    check_target_path("--init_from", FLAGS.init_from, draft_flag=None)
+    start = e3.load_target(FLAGS.init_from, dtype="float32")
+    with cli.usage_errors(f"--init_from {FLAGS.init_from}"):  # another architecture: its layout does not unstack
+        flat = params_to_flat(start.params, start.config)
+    for name, spec in flat_specs(cfg).items():
+        if name not in flat or tuple(flat[name].shape) != tuple(spec.shape):
+            raise app.UsageError(f"--init_from {FLAGS.init_from} has no {name} of shape {tuple(spec.shape)} (it has "
+                                 f"{tuple(flat[name].shape) if name in flat else 'none'}): give a model of --config's sizes")
+    return stack_flat({name: np.asarray(flat[name], np.float32) for name in flat_specs(cfg)}, cfg)
+
+
 def main(argv: Sequence[str]) -> None:
     cli.reject_positional(argv)
     import jax
@@ -95,13 +120,14 @@ def main(argv: Sequence[str]) -> None:
     with cli.usage_errors(f"--corpus {FLAGS.corpus}"):  # not a .npy file
         corpus = np.load(FLAGS.corpus)
     check_settings(corpus, cfg.vocab_size)
+    params = starting_weights(cfg) if FLAGS.init_from else init_target_params(cfg, FLAGS.seed)
     from eagle3_jax.train import run_record
 
     out = FLAGS.out.rstrip("/")
     ckpt_dir = FLAGS.ckpt_dir or out + ".ckpt"
     inputs = {"--config": FLAGS.config, "--corpus": FLAGS.corpus, "--tokenizer_from": FLAGS.tokenizer_from}
     settings = settings_of(RUN_FLAGS)
-    fingerprint = run_record.data_fingerprint([FLAGS.config, FLAGS.corpus])
+    fingerprint = run_record.data_fingerprint([FLAGS.config, FLAGS.corpus], [FLAGS.init_from] if FLAGS.init_from else [])
     state = plan_run(out, ckpt_dir, settings, fingerprint, inputs)
     if state == "finished":
         print(f"{out} already holds this run's model (its checkpoints in {ckpt_dir} are finished); nothing to do "
@@ -124,7 +150,7 @@ def main(argv: Sequence[str]) -> None:
                     for i in range(0, n_eval - FLAGS.batch_size + 1, FLAGS.batch_size)]
     tc = TrainConfig(epochs=FLAGS.epochs, learning_rate=FLAGS.learning_rate, warmup_steps=FLAGS.warmup_steps,
                      compute_dtype=FLAGS.compute_dtype, seed=FLAGS.seed, checkpoint_every=200)
-    trainer = Trainer(lambda p, frozen, b: lm_loss(p, cfg, b), init_target_params(cfg, FLAGS.seed), {}, tc,
+    trainer = Trainer(lambda p, frozen, b: lm_loss(p, cfg, b), params, {}, tc,
                       total_steps=steps_per_epoch * FLAGS.epochs, ckpt_dir=ckpt_dir)
     run_record.write_record(ckpt_dir, settings, fingerprint)
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(trainer.state.params))

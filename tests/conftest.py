@@ -129,7 +129,7 @@ HEAVY: dict[str, tuple[str, ...]] = {
     "test_readme.py": ("test_readme_examples_run",),
     "test_safe_outputs.py": (
         "test_one_liners_say_what_is_wrong", "test_train_draft_checks_first", "test_training_resumes_only_the_same_run",
-        "test_writers_refuse_what_they_must_not_replace",
+        "test_writers_refuse_what_they_must_not_replace", "test_train_target_continues_from_another_models_weights",
     ),
     "test_scheduler.py": (
         "test_chunked_prefill_equals_one_chunk",

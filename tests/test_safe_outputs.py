@@ -236,6 +236,35 @@ def test_training_resumes_only_the_same_run(tmp_path):
     assert digest(out) == trained and no_temporaries(str(tmp_path))
 
 
+def test_train_target_continues_from_another_models_weights(tmp_path):
+    """--init_from: a model trained further starts from that model's weights (at a learning rate too
+    small to move them, the saved weights are the starting model's); weights of other sizes are
+    refused in one line naming a tensor, and nothing is written."""
+    from safetensors.numpy import load_file
+
+    config, corpus = str(tmp_path / "config.json"), str(tmp_path / "corpus.npy")
+    with open(config, "w") as f:
+        json.dump(TINY_LLAMA, f)
+    np.save(corpus, np.random.default_rng(0).integers(3, 64, (24, 8)).astype(np.int32))
+    base = (f"--config={config}", f"--corpus={corpus}", "--batch_size=4", "--warmup_steps=1", "--save_dtype=float32")
+    first = str(tmp_path / "first")
+    assert run_script("train_target", *base, f"--out={first}").returncode == 0
+    again = str(tmp_path / "again")
+    r = run_script("train_target", *base, f"--init_from={first}", "--learning_rate=1e-12", f"--out={again}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    want, got = load_file(os.path.join(first, "model.safetensors")), load_file(os.path.join(again, "model.safetensors"))
+    assert set(got) == set(want)
+    for name in want:
+        np.testing.assert_allclose(got[name], want[name], atol=1e-6, err_msg=name)
+    wider = str(tmp_path / "wider.json")
+    with open(wider, "w") as f:
+        json.dump(dict(TINY_LLAMA, intermediate_size=48), f)
+    other = str(tmp_path / "other")
+    r = run_script("train_target", f"--config={wider}", *base[1:], f"--init_from={first}", f"--out={other}")
+    assert_one_line_error("train_target", r, f"--init_from {first}", "gate_proj of shape (16, 48)", "--config's sizes")
+    assert not os.path.exists(other) and not os.path.exists(other + ".ckpt")
+
+
 def test_train_draft_checks_first(models, tmp_path):
     stories = os.path.join(models, "stories260K")
     binary = tmp_path / "prompts.txt"
