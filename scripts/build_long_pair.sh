@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# A pair that speculates at length, rebuilt end to end (CPU, about 2 hours on 2 cores):
-#   1. kimi-mini with its YaRN extended to 8,192 positions (benchmarks/harness/long-context.py --pair_dir);
+# A pair that speculates at length, rebuilt end to end (CPU, a few hours on 2 cores):
+#   1. the target: kimi-mini with its YaRN extended to 8,192 positions, trained further at 4K on the
+#      stories260K-sampled corpus's rows laid end to end (train_target.py --init_from the bundled kimi-mini),
+#      so that it writes text at length (YaRN alone at factor 64 gives letter soup past a few hundred tokens);
 #   2. three EAGLE-3 drafts for it trained on its own greedy text: 40 GSM8K questions, each continued
 #      4,000 tokens past end-of-sequence (contexts up to 4K), the training-time test over whole sequences:
 #      plain EAGLE-3, EAGLE 3.1 (--fc_norm --norm_output) and a 256-token sliding window (the responses
@@ -10,14 +12,23 @@
 # Usage: scripts/build_long_pair.sh [work_dir] [variants]   (default /tmp/long-pair, "plain eagle3.1 sliding";
 # the bundled demo pair is not touched; a run interrupted in training resumes with the same work_dir)
 set -euo pipefail
-case ${1:-} in -h|--help) sed -n '2,11p' "$0"; exit 0 ;; esac
+case ${1:-} in -h|--help) sed -n '2,13p' "$0"; exit 0 ;; esac
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PY=${PYTHON:-.venv/bin/python}
 WORK=${1:-/tmp/long-pair}
 VARIANTS=${2:-plain eagle3.1 sliding}
 mkdir -p "$WORK"
 
-[ -d "$WORK/kimi-mini-8k" ] || $PY benchmarks/harness/long-context.py --positions=8192 --pair_dir="$WORK/kimi-mini-8k"
+[ -d "$WORK/kimi-mini-8k-yarn" ] || $PY benchmarks/harness/long-context.py --positions=8192 --pair_dir="$WORK/kimi-mini-8k-yarn"
+[ -f "$WORK/stories-4k.npy" ] || {
+  $PY scripts/make_corpus.py --model=checkpoints/stories260K --num_sequences=8192 --seq_len=128 --temperature=1.0 \
+      --batch_size=512 --seed=0 --out="$WORK/stories.npy" --overwrite
+  $PY -c "import numpy as np, sys; np.save(sys.argv[2], np.load(sys.argv[1]).reshape(-1, 4096))" \
+      "$WORK/stories.npy" "$WORK/stories-4k.npy"
+}
+$PY scripts/train_target.py --config="$WORK/kimi-mini-8k-yarn/config.json" --corpus="$WORK/stories-4k.npy" \
+    --init_from=checkpoints/kimi-mini --tokenizer_from=checkpoints/kimi-mini --epochs=1 --batch_size=1 \
+    --learning_rate=1e-3 --warmup_steps=10 --ckpt_dir="$WORK/kimi-mini-8k.ckpt" --out="$WORK/kimi-mini-8k"
 
 for variant in $VARIANTS; do
   case $variant in
