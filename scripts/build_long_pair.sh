@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# A pair that speculates at length, rebuilt end to end (CPU, a few hours on 2 cores):
+# A pair that speculates at length, rebuilt end to end (CPU, 4-5 hours on 2 cores: the target's 251 steps at 4K
+# take 30-45 s each and 11 GB; each draft about 40 minutes):
 #   1. the target: kimi-mini with its YaRN extended to 8,192 positions, trained further at 4K on the
 #      stories260K-sampled corpus's rows laid end to end (train_target.py --init_from the bundled kimi-mini),
 #      so that it writes text at length (YaRN alone at factor 64 gives letter soup past a few hundred tokens);
@@ -12,7 +13,7 @@
 # Usage: scripts/build_long_pair.sh [work_dir] [variants]   (default /tmp/long-pair, "plain eagle3.1 sliding";
 # the bundled demo pair is not touched; a run interrupted in training resumes with the same work_dir)
 set -euo pipefail
-case ${1:-} in -h|--help) sed -n '2,13p' "$0"; exit 0 ;; esac
+case ${1:-} in -h|--help) sed -n '2,14p' "$0"; exit 0 ;; esac
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PY=${PYTHON:-.venv/bin/python}
 WORK=${1:-/tmp/long-pair}
