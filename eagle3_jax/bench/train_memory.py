@@ -1,6 +1,6 @@
 """Draft training's memory and speed against the sequence length (`scripts/bench_train.py`).
 
-A point is one training-step program: a fresh draft for a target (as `train_draft.py` makes it),
+A point is one training-step program: a fresh draft for a target (`DraftTraining`, as `train_draft.py` makes it),
 `batch_size` sequences of `length` positions, the TTT unroll `ttt_steps` deep, in the bounded form
 (`TTTMemory()`: blocks, chunks, rematerialised steps) or held whole (`TTTMemory.whole()`, the
 quadratic baseline), on one device or a mesh (rows over `data`, or each sequence over it with
@@ -28,12 +28,11 @@ from typing import Sequence
 
 import jax
 import numpy as np
-from jax.sharding import PartitionSpec
 
 from ..models.target import load_target
 from ..runtime.sharding import make_mesh
-from ..train.draft_model import init_draft_params, make_ttt_loss, new_draft_config
-from ..train.trainer import TrainConfig, Trainer
+from ..train.draft_run import DraftData, DraftRecipe, DraftTraining
+from ..train.trainer import TrainConfig
 from ..train.ttt import TTTMemory
 from ..train.vocab import DraftVocab
 
@@ -86,16 +85,14 @@ def run_point(point: TrainPoint) -> dict:
     rng = np.random.default_rng(point.seed)
     vd = point.draft_vocab_size or cfg_t.vocab_size
     vocab = DraftVocab.from_draft_ids(np.sort(rng.choice(cfg_t.vocab_size, vd, replace=False)), cfg_t.vocab_size)
-    cfg = new_draft_config(cfg_t, vocab, arch=point.draft_arch)
-    params, frozen = init_draft_params(cfg, target, vocab, seed=point.seed)
-    mesh = None if point.mesh is None else make_mesh(*point.mesh)
-    split = point.context_parallel
-    loss = make_ttt_loss(cfg, vocab, point.ttt_steps, memory=TTTMemory() if point.bounded else TTTMemory.whole(),
-                         context=(mesh, "data") if split else None)
-    tc = TrainConfig(compute_dtype=point.compute_dtype, warmup_steps=0, seed=point.seed)
-    trainer = Trainer(loss, params, frozen, tc, total_steps=point.steps + 1, mesh=mesh,
-                      batch_spec=PartitionSpec(None, "data") if split else PartitionSpec("data"))
     batch = _random_batch(point, cfg_t.hidden_size, vocab, rng)
+    tokens, mask = batch["tokens"], batch["loss_mask"]
+    recipe = DraftRecipe(arch=point.draft_arch, ttt_steps=point.ttt_steps, batch_size=point.batch_size,
+                         context_parallel=point.context_parallel, seed=point.seed)
+    tc = TrainConfig(epochs=point.steps + 1, compute_dtype=point.compute_dtype, warmup_steps=0, seed=point.seed)
+    trainer = DraftTraining(target, DraftData(vocab, tokens, mask, tokens, mask), recipe, tc,
+                            mesh=None if point.mesh is None else make_mesh(*point.mesh),
+                            memory=TTTMemory() if point.bounded else TTTMemory.whole()).trainer
     plan = trainer.planned_bytes(batch)
     resident_before = _resident_bytes()
     times = []
@@ -105,12 +102,12 @@ def run_point(point: TrainPoint) -> dict:
         jax.block_until_ready(metrics["loss"])
         times.append(time.perf_counter() - start)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
-    tokens = point.batch_size * point.length
+    step_s = sorted(times[1:])[len(times[1:]) // 2]
     return {**dataclasses.asdict(point), "label": point.label, "plan_bytes": plan,
             "plan_peak_bytes": plan["arguments"] + plan["outputs"] + plan["temporaries"],
             "peak_resident_bytes": peak, "resident_before_steps_bytes": resident_before,
             "peak_over_start_bytes": peak - resident_before, "first_step_s": times[0],
-            "step_s": sorted(times[1:])[len(times[1:]) // 2], "tokens_per_s": tokens / sorted(times[1:])[len(times[1:]) // 2],
+            "step_s": step_s, "tokens_per_s": point.batch_size * point.length / step_s,
             "loss": float(metrics["loss"])}
 
 

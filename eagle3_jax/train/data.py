@@ -34,7 +34,7 @@ import ml_dtypes
 import numpy as np
 
 from ..cache import kv_cache
-from ..checkpoint.atomic import atomic_dir
+from ..checkpoint.atomic import atomic_dir, atomic_output
 from ..engine import Engine
 from ..models.target import Target, forward
 from ..sampling.sampler import SamplingParams
@@ -214,13 +214,12 @@ class StaleExamples(ValueError):
 def save_examples(path: str | os.PathLike, examples: Sequence[Example], key: dict) -> Sequence[Example]:
     """Write `examples` (atomically; the folder made if missing) to the .npz `path`, with the `key`
     that made them (JSON-able); returns them."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    lengths = np.asarray([len(e.tokens) for e in examples], np.int64)
-    tmp = os.fspath(path) + ".tmp.npz"
-    np.savez(tmp, tokens=np.concatenate([np.asarray(e.tokens, np.int32) for e in examples]) if examples else
-             np.zeros(0, np.int32), loss_mask=np.concatenate([np.asarray(e.loss_mask, bool) for e in examples])
-             if examples else np.zeros(0, bool), lengths=lengths, key=np.asarray(json.dumps(key, sort_keys=True)))
-    os.replace(tmp, path)
+    with atomic_output(path, name="regenerated examples", overwrite=True, is_file=True) as tmp:
+        with open(tmp, "wb") as f:  # a file object: np.savez would add .npz to the temporary's name
+            np.savez(f, tokens=np.concatenate([np.zeros(0, np.int32)] + [np.asarray(e.tokens, np.int32) for e in examples]),
+                     loss_mask=np.concatenate([np.zeros(0, bool)] + [np.asarray(e.loss_mask, bool) for e in examples]),
+                     lengths=np.asarray([len(e.tokens) for e in examples], np.int64),
+                     key=np.asarray(json.dumps(key, sort_keys=True)))
     return examples
 
 

@@ -25,7 +25,7 @@ from .data import (Example, FeatureStore, load_examples, online_batches, pack, r
 from .draft_model import assembled_params, init_draft_params, make_ttt_loss, new_draft_config
 from .export import export_hf_draft
 from .trainer import TrainConfig, Trainer
-from .ttt import check_context_split
+from .ttt import TTTMemory, check_context_split
 from .vocab import DraftVocab, count_tokens, select_draft_vocab
 
 Batches = Callable[[int], Iterable[dict]]  # epoch -> that epoch's batches, in a fixed order
@@ -148,13 +148,14 @@ def train_batches(target: Target, data: DraftData, recipe: DraftRecipe, store: F
 class DraftTraining:
     """A new draft for `target` (config from the recipe, weights initialised from the target where
     they are shared) and its trainer: checkpoints in `ckpt_dir` (it resumes from the latest),
-    data-parallel over `mesh` when given (context-parallel with the recipe's `context_parallel`)."""
+    data-parallel over `mesh` when given (context-parallel with the recipe's `context_parallel`), the
+    training-time test bounding its memory as `memory` says."""
 
     def __init__(self, target: Target, data: DraftData, recipe: DraftRecipe, tc: TrainConfig, *,
-                 ckpt_dir: str | None = None, mesh: Mesh | None = None):
-        if recipe.context_parallel and mesh is None:
-            raise ValueError("context parallelism splits each sequence over a mesh's data axis: give a mesh")
+                 ckpt_dir: str | None = None, mesh: Mesh | None = None, memory: TTTMemory = TTTMemory()):
         if recipe.context_parallel:
+            if mesh is None:
+                raise ValueError("context parallelism splits each sequence over a mesh's data axis: give a mesh")
             check_context_split(data.train_tokens.shape[1], mesh.shape["data"], recipe.ttt_steps)
         self.target, self.data, self.recipe = target, data, recipe
         self.config = dataclasses.replace(
@@ -164,11 +165,11 @@ class DraftTraining:
             layer_windows=(recipe.sliding_window,) * recipe.num_layers if recipe.sliding_window else None)
         params, self.frozen = init_draft_params(self.config, target, data.vocab, seed=recipe.seed)
         self.steps_per_epoch = len(data.train_tokens) // recipe.batch_size
-        split = recipe.context_parallel
-        loss = make_ttt_loss(self.config, data.vocab, recipe.ttt_steps, context=(mesh, "data") if split else None)
+        loss = make_ttt_loss(self.config, data.vocab, recipe.ttt_steps, memory=memory,
+                             context=(mesh, "data") if recipe.context_parallel else None)
         self.trainer = Trainer(loss, params, self.frozen, tc, total_steps=self.steps_per_epoch * tc.epochs,
-                               ckpt_dir=ckpt_dir, mesh=mesh, batch_spec=PartitionSpec(None, "data") if split
-                               else PartitionSpec("data"))
+                               ckpt_dir=ckpt_dir, mesh=mesh,
+                               batch_spec=PartitionSpec(None, "data") if recipe.context_parallel else PartitionSpec("data"))
 
     def evaluate(self) -> dict:
         """The held-out set's mean metrics under the current weights (teacher features online)."""
