@@ -16,7 +16,8 @@ The pipeline (as in SpecForge / the EAGLE-3 paper: the draft learns the target's
 
 Batches are dicts: tokens int32 [B, T], loss_mask bool [B, T], aux [B, T, 3H] (target dtype),
 teacher_logits float32 [B, T, Vd], teacher_argmax int32 [B, T] (target-vocabulary ids).
-`FeatureStore.batches` yields numpy arrays; `online_batches` yields device arrays.
+`FeatureStore.batches` yields numpy arrays; `online_batches` yields the teacher's outputs as device
+arrays (on a target's mesh, where it computed them) beside the host's tokens and mask.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from ..cache import kv_cache
 from ..checkpoint.atomic import atomic_dir, atomic_output
 from ..engine import Engine
 from ..models.target import Target, forward
+from ..runtime.sharding import mesh_context
 from ..sampling.sampler import SamplingParams
 
 STORE_FORMAT = "eagle3_jax.feature_store"
@@ -276,6 +278,19 @@ def _teacher(params, cfg, ids, draft_ids, dtype):
     }
 
 
+def _on_target(target: Target, rows, draft_ids: jax.Array) -> dict:
+    """The teacher over `rows` (int32 [B, T], host) where the target's weights are: on its mesh the
+    rows split over `data` (whole on every device when B does not divide), the forward sharded as
+    serving shards it; the outputs stay on the devices."""
+    mesh = target.mesh
+    if mesh is None:
+        return _teacher(target.params, target.config, jnp.asarray(rows), draft_ids, target.dtype)
+    split = "data" if len(rows) % mesh.shape["data"] == 0 else None
+    rows = jax.device_put(np.asarray(rows), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(split)))
+    with mesh_context(mesh):
+        return _teacher(target.params, target.config, rows, draft_ids, target.dtype)
+
+
 def _check_draft_ids(draft_ids, vocab: int) -> np.ndarray:
     d = np.asarray(draft_ids)
     if d.ndim != 1 or d.size == 0 or not np.issubdtype(d.dtype, np.integer):
@@ -308,7 +323,7 @@ def teacher_batch(target: Target, tokens, draft_ids) -> dict:
         raise ValueError(f"tokens must be an integer array [batch, tokens]; got shape {ids.shape}, dtype {ids.dtype}")
     _check_ids(ids, target.config.vocab_size)
     d = _check_draft_ids(draft_ids, target.config.vocab_size)
-    return _teacher(target.params, target.config, jnp.asarray(ids, jnp.int32), jnp.asarray(d), target.dtype)
+    return _on_target(target, ids.astype(np.int32), jnp.asarray(d))
 
 
 def batch_order(n: int, batch_size: int, *, seed: int, epoch: int, drop_last: bool = True) -> list[np.ndarray]:
@@ -338,9 +353,8 @@ def online_batches(target: Target, tokens, loss_mask, draft_ids, batch_size: int
     d = jnp.asarray(_check_draft_ids(draft_ids, target.config.vocab_size))
 
     def make(idx):
-        rows = jnp.asarray(tokens[idx])
-        out = {"tokens": rows, "loss_mask": jnp.asarray(loss_mask[idx])}
-        out.update(_teacher(target.params, target.config, rows, d, target.dtype))
+        out = {"tokens": tokens[idx], "loss_mask": loss_mask[idx]}
+        out.update(_on_target(target, tokens[idx], d))
         return out
 
     pending = None

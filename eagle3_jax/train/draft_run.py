@@ -19,7 +19,10 @@ from typing import Callable, Iterable, Sequence
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
+from ..config.model import ModelConfig
 from ..models.target import Target
+from ..planning.report import replication_notes
+from ..weights.params import flat_specs
 from .data import (Example, FeatureStore, load_examples, online_batches, pack, regenerate, save_examples,
                    write_feature_store)
 from .draft_model import assembled_params, init_draft_params, make_ttt_loss, new_draft_config
@@ -68,6 +71,15 @@ def regenerated_examples(target: Target, prompts: Sequence[Sequence[int]], kept:
     if examples is not None:
         return examples, True
     return save_examples(kept, regenerate(target, prompts, **generation), key), False
+
+
+def check_target_mesh(cfg: ModelConfig, mesh_shape: tuple[int, int, int], dtype: str) -> None:
+    """A ValueError when a mesh axis leaves some of the target's tensors whole on every device instead
+    of splitting them (its size does not divide theirs): a training mesh is there to spread the
+    target, so the nearest meshes that divide are named instead (planning/report.py)."""
+    notes = replication_notes(flat_specs(cfg), mesh_shape, dtype, 2**30, "GiB")
+    if notes:
+        raise ValueError(notes[0])
 
 
 def held_out_count(num_examples: int, eval_fraction: float, batch_size: int) -> int:
@@ -149,7 +161,9 @@ class DraftTraining:
     """A new draft for `target` (config from the recipe, weights initialised from the target where
     they are shared) and its trainer: checkpoints in `ckpt_dir` (it resumes from the latest),
     data-parallel over `mesh` when given (context-parallel with the recipe's `context_parallel`), the
-    training-time test bounding its memory as `memory` says."""
+    training-time test bounding its memory as `memory` says. On a mesh the draft's weights and AdamW
+    moments are split over every device (trainer.py, `shard_state`); the teacher runs where the
+    target's weights are (its own mesh, `data.online_batches`)."""
 
     def __init__(self, target: Target, data: DraftData, recipe: DraftRecipe, tc: TrainConfig, *,
                  ckpt_dir: str | None = None, mesh: Mesh | None = None, memory: TTTMemory = TTTMemory()):
@@ -168,7 +182,7 @@ class DraftTraining:
         loss = make_ttt_loss(self.config, data.vocab, recipe.ttt_steps, memory=memory,
                              context=(mesh, "data") if recipe.context_parallel else None)
         self.trainer = Trainer(loss, params, self.frozen, tc, total_steps=self.steps_per_epoch * tc.epochs,
-                               ckpt_dir=ckpt_dir, mesh=mesh,
+                               ckpt_dir=ckpt_dir, mesh=mesh, shard_state=True,
                                batch_spec=PartitionSpec(None, "data") if recipe.context_parallel else PartitionSpec("data"))
 
     def evaluate(self) -> dict:

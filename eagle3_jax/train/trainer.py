@@ -3,8 +3,11 @@
 - AdamW with linear warmup + cosine decay and global-norm gradient clipping (optax).
 - fp32 master weights; the loss runs on a `compute_dtype` copy (bf16 by default).
 - Data parallel over the mesh's `data` axis: the batch is sharded on its first axis (or as
-  `batch_spec` says: context parallelism shards the sequence axis), params are replicated, and
-  XLA inserts the gradient all-reduce.
+  `batch_spec` says: context parallelism shards the sequence axis). The state (weights, AdamW
+  moments) is replicated, XLA inserting the gradient all-reduce, or with `shard_state` split over
+  the mesh's devices (placement.py: ZeRO-3 style, the step gathering weights and reduce-scattering
+  gradients). A batch that is already on the devices (the teacher's features computed there) is
+  resharded there, never copied through the host.
 - Orbax checkpoints of (params, optimizer state, step) every `checkpoint_every` steps and at each
   epoch end. A restart restores the latest one and skips the batches it already consumed, so
   with the same seed and data order it continues the same loss curve.
@@ -24,6 +27,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from ..models.target import resolve_dtype
 from ..runtime.extras import require
+from .placement import replicated_shardings, sharded_shardings
 
 optax = require("optax", "train", "training")
 
@@ -65,20 +69,22 @@ LossFn = Callable[[dict, dict, dict], tuple[jax.Array, dict]]  # (compute params
 
 
 class Trainer:
-    """Runs `loss_fn` over epochs of batches; params are the trainable fp32 pytree."""
+    """Runs `loss_fn` over epochs of batches; params are the trainable fp32 pytree. On a `mesh` the
+    state and the frozen params are split over its devices with `shard_state`, else replicated."""
 
     def __init__(self, loss_fn: LossFn, params: dict, frozen: dict, tc: TrainConfig, total_steps: int,
                  ckpt_dir: str | None = None, mesh: jax.sharding.Mesh | None = None,
-                 batch_spec: PartitionSpec = PartitionSpec("data")):
+                 batch_spec: PartitionSpec = PartitionSpec("data"), shard_state: bool = False):
         self.tc = tc
         self.mesh = mesh
         self.batch_spec = batch_spec
         self.total_steps = int(total_steps)
         self.optimizer = make_optimizer(tc, total_steps)
         self.compute_dtype = resolve_dtype(tc.compute_dtype)
+        self._layout = sharded_shardings if shard_state else replicated_shardings
         params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
-        self.frozen = self._replicate(frozen)
-        self.state = self._replicate(TrainState(step=jnp.int32(0), params=params, opt_state=self.optimizer.init(params)))
+        self.frozen = self._place(frozen)
+        self.state = self._place(TrainState(step=jnp.int32(0), params=params, opt_state=self.optimizer.init(params)))
         self._manager = None
         if ckpt_dir is not None:
             import orbax.checkpoint as ocp
@@ -98,26 +104,29 @@ class Trainer:
             return TrainState(step=state.step + 1, params=optax.apply_updates(state.params, updates),
                               opt_state=opt_state), metrics
 
-        self._train_step = jax.jit(train_step, donate_argnums=(0,))
+        # The state keeps its layout from step to step (left to itself, XLA may return it gathered).
+        out_state = None if mesh is None else self._layout(self.state, mesh)
+        self._train_step = jax.jit(train_step, donate_argnums=(0,), out_shardings=(out_state, None))
         self._eval_step = jax.jit(lambda p, frozen, batch: compute_loss(p, frozen, batch)[1])
 
     # ---- placement -----------------------------------------------------------------------------
-    def _replicate(self, tree):
+    def _place(self, tree):
         if self.mesh is None:
             return tree
-        return jax.device_put(tree, NamedSharding(self.mesh, PartitionSpec()))
+        return jax.device_put(tree, self._layout(tree, self.mesh))
 
     def _shard_batch(self, batch: dict) -> dict:
         if self.mesh is None:
             return {k: jnp.asarray(v) for k, v in batch.items()}
         out = {}
         for k, v in batch.items():
-            v = np.asarray(v)
-            for dim, (size, axis) in enumerate(zip(v.shape, self.batch_spec)):
+            for dim, (size, axis) in enumerate(zip(np.shape(v), self.batch_spec)):
                 if axis is not None and size % self.mesh.shape[axis]:
                     what = "batch size" if dim == 0 else f"batch axis {dim} ({k})"
                     raise ValueError(f"{what} {size} is not divisible by the mesh's {axis} axis ({self.mesh.shape[axis]})")
-            out[k] = jax.device_put(v, NamedSharding(self.mesh, self.batch_spec))
+            # a device array (the teacher's output) moves between devices; a host array is uploaded
+            out[k] = jax.device_put(v if isinstance(v, jax.Array) else np.asarray(v),
+                                    NamedSharding(self.mesh, self.batch_spec))
         return out
 
     def step(self, batch: dict) -> dict:

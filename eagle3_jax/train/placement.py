@@ -1,0 +1,58 @@
+"""Where a training run's arrays live on the mesh.
+
+The trainable state (float32 weights and the two AdamW moments, and with them the gradients) is
+sharded ZeRO-3 style: each array split along one dimension over the mesh's devices, so a device
+holds 1 / n of it and the step all-gathers the weights it computes with and reduce-scatters the
+gradients (XLA's SPMD partitioner inserts both from the shardings alone). The split goes over as
+many devices as divide the dimension: every axis of the mesh together when they can (the draft is
+small beside the target, and every device of the target's mesh has room for its share), else the
+widest single axis, else the array stays whole on every device (vectors a few thousand long: the
+norms, a step counter). The batch is split over `data` as the trainer's `batch_spec` says.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+
+def axis_groups(mesh: Mesh) -> list[tuple[str, ...]]:
+    """The mesh axes an array may be split over, most devices first: every axis of size > 1
+    together, then each of them alone, widest first."""
+    wide = [a for a in mesh.axis_names if mesh.shape[a] > 1]
+    singles = sorted(wide, key=lambda a: -mesh.shape[a])
+    return ([tuple(wide)] if len(wide) > 1 else []) + [(a,) for a in singles]
+
+
+def sharded_spec(shape: tuple[int, ...], mesh: Mesh) -> PartitionSpec:
+    """The PartitionSpec splitting an array of `shape` over the most devices: the first axis group
+    (`axis_groups`) whose size divides one of its dimensions, along the largest such dimension;
+    replicated when none does."""
+    for axes in axis_groups(mesh):
+        n = int(np.prod([mesh.shape[a] for a in axes]))
+        dims = [d for d, size in enumerate(shape) if size % n == 0 and size >= n]
+        if dims:
+            dim = max(dims, key=lambda d: shape[d])
+            entry = axes[0] if len(axes) == 1 else axes
+            return PartitionSpec(*(entry if d == dim else None for d in range(len(shape))))
+    return PartitionSpec()
+
+
+def sharded_shardings(tree, mesh: Mesh):
+    """A NamedSharding per array leaf of `tree` (arrays or ShapeDtypeStructs): `sharded_spec`."""
+    return jax.tree.map(lambda x: NamedSharding(mesh, sharded_spec(tuple(np.shape(x)), mesh)), tree)
+
+
+def replicated_shardings(tree, mesh: Mesh):
+    """A NamedSharding per array leaf of `tree`: whole on every device."""
+    return jax.tree.map(lambda x: NamedSharding(mesh, PartitionSpec()), tree)
+
+
+def bytes_per_device(tree) -> int:
+    """Bytes the arrays of `tree` hold on their most loaded device (their shards' sizes)."""
+    per_device: dict = {}
+    for leaf in jax.tree.leaves(tree):
+        for shard in leaf.addressable_shards:
+            per_device[shard.device] = per_device.get(shard.device, 0) + shard.data.nbytes
+    return max(per_device.values(), default=0)
