@@ -10,12 +10,10 @@ tokens) -> the target's own responses (--temperatures) -> draft vocabulary by re
 in --feature_dir (--mode=offline) -> an HF folder that e3.load_draft, vLLM and SGLang load. With
 --mesh the target runs sharded as serving shards it and the draft's state is split over the devices.
 
-Every flag, file and folder is checked before the target loads. Checkpoints (--ckpt_dir, default
-<out>.ckpt) record the run's settings and a fingerprint of its data: run again with the same flags,
-it resumes where it stopped ("resuming from step N of M"), or says it is finished and exits; with
-other settings or data it stops and names them (--overwrite starts again; or choose another --out).
-An existing --out is replaced only with --overwrite, and only once the new draft is complete.
-The draft's layouts and switches, long sequences and kept regenerations: docs/training.md.
+Every flag, file and folder is checked before the target loads. An interrupted run resumes from
+--ckpt_dir (default <out>.ckpt), a finished one says so and exits, one with other settings or data is
+refused naming them (--overwrite starts again); --out is replaced only with --overwrite, once the new
+draft is complete. Layouts, switches, meshes and hosts, long sequences: docs/training.md.
 """
 
 from __future__ import annotations
@@ -31,7 +29,7 @@ from absl import app, flags
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from eagle3_jax.cli import script as cli  # noqa: E402
-from eagle3_jax.cli.flags import check_target_path, mesh_from_flags, warn_without_chat_template  # noqa: E402
+from eagle3_jax.cli.flags import check_target_path, define_mesh_flags, mesh_from_flags, warn_without_chat_template  # noqa: E402
 from eagle3_jax.cli.runs import check_training_flags, plan_run, settings_of  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -69,8 +67,9 @@ flags.DEFINE_enum("mode", "online", ["online", "offline"], "Teacher features on 
 flags.DEFINE_string("feature_dir", None, "Offline feature store (default: <out>.features).")
 flags.DEFINE_string("ckpt_dir", None, "Orbax checkpoints for resuming (default: <out>.ckpt).")
 flags.DEFINE_float("eval_fraction", 0.05, "Held-out share of the examples.")
-flags.DEFINE_list("mesh", [], "data,tensor,expert mesh (e.g. 1,1,8): the target loaded and run on it as serving "
-                  "shards it, the draft's rows split over data and its state over every device; empty = one device.")
+define_mesh_flags("Every host runs the same command; process 0 writes the files (a shared file system); --mode=online.")
+flags.register_multi_flags_validator(["distributed", "mode"], lambda v: not (v["distributed"] and v["mode"] == "offline"),
+                                     "--mode=offline writes its feature store from one process: drop --distributed")
 flags.DEFINE_bool("context_parallel", False, "Split each sequence over the --mesh data axis instead of the batch.")
 flags.DEFINE_enum("save_dtype", "bfloat16", ["float32", "bfloat16"], "Dtype of the exported weights.")
 flags.DEFINE_integer("seed", 0, "Seed for sampling, init and data order.")
@@ -82,11 +81,12 @@ flags.mark_flags_as_required(["target", "out"])
 # The flags that shape the regenerated responses (with the data's fingerprint: the key they are kept under).
 GEN_FLAGS = ("prompt_len", "num_prompts", "max_tokens", "ignore_eos", "temperatures", "gen_batch_size", "target_dtype",
              "seed")
-# The flags that shape the trained draft: a checkpoint folder resumes only a run with the same ones.
+# The flags that shape the trained draft: a checkpoint folder resumes only a run with the same ones (not
+# --mesh: the state is restored into whatever layout the new mesh gives it).
 RUN_FLAGS = ("prompt_len", "num_prompts", "max_tokens", "ignore_eos", "temperatures", "gen_batch_size", "draft_vocab_size",
              "draft_arch", "draft_layers", "draft_intermediate_size", "ttt_steps", "epochs", "batch_size",
              "learning_rate", "warmup_steps", "max_grad_norm", "compute_dtype", "target_dtype", "mode",
-             "eval_fraction", "mesh", "context_parallel", "save_dtype", "seed", "fc_norm", "norm_output",
+             "eval_fraction", "context_parallel", "save_dtype", "seed", "fc_norm", "norm_output",
              "norm_before_fc", "sliding_window")
 
 

@@ -78,3 +78,51 @@ def test_a_mesh_that_leaves_the_target_whole_is_refused(tmp_path):
     last = r.stderr.strip().splitlines()[-1]
     assert "--mesh" in last and "expert axis (3) does not divide experts=8" in last and "1,1,2; 1,1,4" in last, last
     assert not out.exists() and not (tmp_path / "d.ckpt").exists()
+
+
+def run_train_draft(args: list[str], num_processes: int, devices_each: int, timeout: int = 900) -> list[str]:
+    """scripts/train_draft.py in `num_processes` processes of `devices_each` fake CPU devices joined as
+    one job (EAGLE3_COORDINATOR on 127.0.0.1 with --distributed when more than one); their outputs."""
+    from test_multihost import child_xla_flags, free_port
+
+    port, procs = free_port(), []
+    for i in range(num_processes):
+        env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=child_xla_flags(devices_each))
+        if num_processes > 1:
+            env.update(EAGLE3_COORDINATOR=f"127.0.0.1:{port}", EAGLE3_NUM_PROCESSES=str(num_processes),
+                       EAGLE3_PROCESS_ID=str(i))
+        extra = ["--distributed"] if num_processes > 1 else []
+        procs.append(subprocess.Popen([sys.executable, "scripts/train_draft.py", *args, *extra], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outs = [p.communicate(timeout=timeout)[0] for p in procs]
+    for p, out in zip(procs, outs):
+        assert p.returncode == 0, out[-3000:]
+    return outs
+
+
+@pytest.mark.newest_jax
+def test_two_processes_train_like_one_and_resume_in_one(tmp_path):
+    """Two processes x 4 devices (mesh 2,1,4: the data axis across them) train and export the same
+    draft as one process x 8; the files are written once; a one-process run restores the two
+    processes' checkpoint and exports the same draft again."""
+    common = [f"--target={KIMI}", "--prompts=checkpoints/demo_prompts.txt", "--max_tokens=24", "--batch_size=2",
+              "--epochs=2", "--ttt_steps=2", "--compute_dtype=float32", "--save_dtype=float32", "--mesh=2,1,4"]
+    run_train_draft([*common, f"--out={tmp_path / 'one'}"], 1, 8)
+    outs = run_train_draft([*common, f"--out={tmp_path / 'two'}"], 2, 4)
+    assert all("exported" in out for out in outs)
+    one, two = load_file(tmp_path / "one" / "model.safetensors"), load_file(tmp_path / "two" / "model.safetensors")
+    assert one.keys() == two.keys()
+    for key in one:
+        np.testing.assert_allclose(two[key], one[key], rtol=1e-5, atol=1e-7, err_msg=key)
+    assert sorted(p.name for p in (tmp_path / "two").iterdir()) == sorted(p.name for p in (tmp_path / "one").iterdir())
+    # the finished two-process run, its output removed and its record reopened: one process restores its last step
+    record = tmp_path / "two.ckpt" / "run.json"
+    record.write_text(record.read_text().replace('"finished": true', '"finished": false'))
+    for f in (tmp_path / "two").iterdir():
+        f.unlink()
+    (tmp_path / "two").rmdir()
+    (out,) = run_train_draft([*common, f"--out={tmp_path / 'two'}"], 1, 8)
+    assert "nothing left to train" in out and "regenerated before" in out
+    again = load_file(tmp_path / "two" / "model.safetensors")
+    for key in one:
+        np.testing.assert_array_equal(again[key], two[key], err_msg=key)

@@ -40,6 +40,7 @@ from ..engine import Engine
 from ..models.target import Target, forward
 from ..runtime.sharding import mesh_context
 from ..sampling.sampler import SamplingParams
+from .placement import global_array
 
 STORE_FORMAT = "eagle3_jax.feature_store"
 STORE_VERSION = 1
@@ -286,7 +287,7 @@ def _on_target(target: Target, rows, draft_ids: jax.Array) -> dict:
     if mesh is None:
         return _teacher(target.params, target.config, jnp.asarray(rows), draft_ids, target.dtype)
     split = "data" if len(rows) % mesh.shape["data"] == 0 else None
-    rows = jax.device_put(np.asarray(rows), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(split)))
+    rows = global_array(rows, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(split)))
     with mesh_context(mesh):
         return _teacher(target.params, target.config, rows, draft_ids, target.dtype)
 

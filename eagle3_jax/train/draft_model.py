@@ -13,6 +13,7 @@ from jax.sharding import Mesh
 from ..config.draft import DraftConfig
 from ..config.model import ModelConfig, RopeConfig
 from ..models.target import Target
+from ..runtime.sharding import to_host
 from ..weights.params import draft_specs
 from .ttt import TTTMemory, ttt_loss
 from .vocab import DraftVocab
@@ -104,8 +105,9 @@ def init_draft_params(cfg: DraftConfig, target: Target, vocab: DraftVocab, seed:
             top[name] = value
     tcfg, tp = target.config, target.params
     head = tp["embed"].T if tcfg.tie_word_embeddings else tp["lm_head"]
-    top["lm_head"] = np.asarray(jnp.asarray(head, jnp.float32)[:, jnp.asarray(vocab.draft_ids)])
-    top["final_norm"] = np.asarray(tp["final_norm"], np.float32)
+    # the target's arrays may span other processes' devices: read back whole (to_host)
+    top["lm_head"] = to_host(jnp.asarray(head, jnp.float32)[:, jnp.asarray(vocab.draft_ids)])
+    top["final_norm"] = to_host(tp["final_norm"]).astype(np.float32)
     trainable = {**top, "layers": layers}
     frozen = {"embed": jnp.asarray(tp["embed"])}
     if cfg.has_draft_vocab:

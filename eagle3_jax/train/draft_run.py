@@ -27,6 +27,7 @@ from .data import (Example, FeatureStore, load_examples, online_batches, pack, r
                    write_feature_store)
 from .draft_model import assembled_params, init_draft_params, make_ttt_loss, new_draft_config
 from .export import export_hf_draft
+from .placement import host_copy, writes_files
 from .trainer import TrainConfig, Trainer
 from .ttt import TTTMemory, check_context_split
 from .vocab import DraftVocab, count_tokens, select_draft_vocab
@@ -70,7 +71,8 @@ def regenerated_examples(target: Target, prompts: Sequence[Sequence[int]], kept:
     examples = load_examples(kept, key)
     if examples is not None:
         return examples, True
-    return save_examples(kept, regenerate(target, prompts, **generation), key), False
+    examples = regenerate(target, prompts, **generation)  # every process alike (one Engine over the mesh)
+    return (save_examples(kept, examples, key) if writes_files() else examples), False
 
 
 def check_target_mesh(cfg: ModelConfig, mesh_shape: tuple[int, int, int], dtype: str) -> None:
@@ -199,8 +201,11 @@ class DraftTraining:
     def export(self, out: str, dtype: str = "bfloat16", overwrite: bool = False,
                extra_files: dict[str, str] | None = None) -> str:
         """The trained draft as an HF draft folder at `out` (its vocabulary mapping only when the
-        draft has its own vocabulary); returns the folder."""
-        params = assembled_params(self.trainer.state.params, self.frozen)
+        draft has its own vocabulary), written by process 0 once every process has gathered the
+        weights; returns the folder."""
+        params = host_copy(assembled_params(self.trainer.state.params, self.frozen))
         vocab = self.data.vocab if self.config.has_draft_vocab else None
+        if not writes_files():
+            return out
         return export_hf_draft(out, self.config, params, vocab, dtype=dtype, overwrite=overwrite,
                                extra_files=extra_files)

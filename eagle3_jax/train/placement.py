@@ -8,6 +8,11 @@ many devices as divide the dimension: every axis of the mesh together when they 
 small beside the target, and every device of the target's mesh has room for its share), else the
 widest single axis, else the array stays whole on every device (vectors a few thousand long: the
 norms, a step counter). The batch is split over `data` as the trainer's `batch_spec` says.
+
+Across hosts every process holds the same host data (its regenerated examples, its batch order) and
+builds a global array from it (`global_array`: each device's block cut from the host copy), and
+reads a sharded result back whole (`host_copy`, a collective every process makes); files are
+written by process 0 alone (`writes_files`).
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ from __future__ import annotations
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from ..runtime.sharding import to_host
 
 
 def axis_groups(mesh: Mesh) -> list[tuple[str, ...]]:
@@ -47,6 +54,24 @@ def sharded_shardings(tree, mesh: Mesh):
 def replicated_shardings(tree, mesh: Mesh):
     """A NamedSharding per array leaf of `tree`: whole on every device."""
     return jax.tree.map(lambda x: NamedSharding(mesh, PartitionSpec()), tree)
+
+
+def global_array(host: np.ndarray, sharding: NamedSharding) -> jax.Array:
+    """`host` (the same on every process) as one array laid out by `sharding`, which may span
+    other processes' devices: each process places its own devices' blocks."""
+    host = np.asarray(host)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
+def host_copy(tree):
+    """Every array of `tree` whole on this host (gathered from the other processes where it spans
+    them: every process must call it alike)."""
+    return jax.tree.map(to_host, tree)
+
+
+def writes_files() -> bool:
+    """Whether this process writes a run's files (checkpoints aside: Orbax coordinates those)."""
+    return jax.process_index() == 0
 
 
 def bytes_per_device(tree) -> int:

@@ -72,12 +72,14 @@ def read_record(ckpt_dir: str | os.PathLike) -> dict[str, Any] | None:
 
 def write_record(ckpt_dir: str | os.PathLike, settings: Mapping[str, Any], fingerprint: str, *,
                  finished: bool = False) -> None:
-    """Record (atomically) the run `ckpt_dir` belongs to; `finished` once its output is written."""
+    """Record (atomically) the run `ckpt_dir` belongs to; `finished` once its output is written. The
+    processes of a multi-host run all write the same record: each through a temporary of its own."""
     os.makedirs(ckpt_dir, exist_ok=True)
     path = os.path.join(ckpt_dir, RUN_FILE)
-    with open(path + ".tmp", "w", encoding="utf-8") as f:
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
         json.dump({"settings": dict(settings), "data": fingerprint, "finished": finished}, f, indent=1, sort_keys=True)
-    os.replace(path + ".tmp", path)
+    os.replace(tmp, path)
 
 
 def saved_steps(ckpt_dir: str | os.PathLike) -> list[int]:

@@ -27,7 +27,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from ..models.target import resolve_dtype
 from ..runtime.extras import require
-from .placement import replicated_shardings, sharded_shardings
+from .placement import global_array, replicated_shardings, sharded_shardings
 
 optax = require("optax", "train", "training")
 
@@ -125,8 +125,8 @@ class Trainer:
                     what = "batch size" if dim == 0 else f"batch axis {dim} ({k})"
                     raise ValueError(f"{what} {size} is not divisible by the mesh's {axis} axis ({self.mesh.shape[axis]})")
             # a device array (the teacher's output) moves between devices; a host array is uploaded
-            out[k] = jax.device_put(v if isinstance(v, jax.Array) else np.asarray(v),
-                                    NamedSharding(self.mesh, self.batch_spec))
+            sharding = NamedSharding(self.mesh, self.batch_spec)
+            out[k] = jax.device_put(v, sharding) if isinstance(v, jax.Array) else global_array(v, sharding)
         return out
 
     def step(self, batch: dict) -> dict:
