@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -14,7 +14,7 @@ from ..config.draft import DraftConfig
 from ..config.model import ModelConfig, RopeConfig
 from ..models.target import Target
 from ..runtime.sharding import to_host
-from ..weights.params import draft_specs
+from ..weights.params import ParamSpec, draft_specs
 from .ttt import TTTMemory, ttt_loss
 from .vocab import DraftVocab
 
@@ -84,6 +84,20 @@ def mla_layers(target_cfg: ModelConfig, num_layers: int, intermediate_size: int,
     )
 
 
+def trainable_tree(cfg: DraftConfig, leaf: Callable[[str, ParamSpec], Any]) -> dict:
+    """The draft's trainable tree (every draft param but the embedding, layers as a list of dicts),
+    each leaf `leaf(name, spec)`: initial values, or shapes for the training planner."""
+    layers: list[dict] = [{} for _ in range(cfg.layers.num_layers)]
+    top: dict = {}
+    for name, spec in draft_specs(cfg, with_embed=False).items():
+        if name.startswith("layers."):
+            _, i, sub = name.split(".", 2)
+            layers[int(i)][sub] = leaf(name, spec)
+        else:
+            top[name] = leaf(name, spec)
+    return {**top, "layers": layers}
+
+
 def init_draft_params(cfg: DraftConfig, target: Target, vocab: DraftVocab, seed: int = 0,
                       std: float = 0.02) -> tuple[dict, dict]:
     """(trainable float32 params, frozen params).
@@ -92,23 +106,13 @@ def init_draft_params(cfg: DraftConfig, target: Target, vocab: DraftVocab, seed:
     to the draft vocabulary, which gives the draft the target's output geometry from step one.
     """
     rng = np.random.default_rng(seed)
-    specs = draft_specs(cfg, with_embed=False)
-    layers: list[dict] = [{} for _ in range(cfg.layers.num_layers)]
-    top: dict = {}
-    for name, spec in specs.items():
-        value = np.ones(spec.shape, np.float32) if len(spec.shape) == 1 else (
-            rng.standard_normal(spec.shape) * std).astype(np.float32)
-        if name.startswith("layers."):
-            _, i, sub = name.split(".", 2)
-            layers[int(i)][sub] = value
-        else:
-            top[name] = value
+    trainable = trainable_tree(cfg, lambda name, spec: np.ones(spec.shape, np.float32) if len(spec.shape) == 1 else (
+        rng.standard_normal(spec.shape) * std).astype(np.float32))
     tcfg, tp = target.config, target.params
     head = tp["embed"].T if tcfg.tie_word_embeddings else tp["lm_head"]
     # the target's arrays may span other processes' devices: read back whole (to_host)
-    top["lm_head"] = to_host(jnp.asarray(head, jnp.float32)[:, jnp.asarray(vocab.draft_ids)])
-    top["final_norm"] = to_host(tp["final_norm"]).astype(np.float32)
-    trainable = {**top, "layers": layers}
+    trainable["lm_head"] = to_host(jnp.asarray(head, jnp.float32)[:, jnp.asarray(vocab.draft_ids)])
+    trainable["final_norm"] = to_host(tp["final_norm"]).astype(np.float32)
     frozen = {"embed": jnp.asarray(tp["embed"])}
     if cfg.has_draft_vocab:
         frozen["d2t"] = jnp.asarray(vocab.d2t, jnp.int32)

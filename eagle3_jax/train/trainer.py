@@ -68,6 +68,30 @@ def make_optimizer(tc: TrainConfig, total_steps: int) -> optax.GradientTransform
 LossFn = Callable[[dict, dict, dict], tuple[jax.Array, dict]]  # (compute params, frozen, batch) -> loss, metrics
 
 
+def compute_loss_fn(loss_fn: LossFn, compute_dtype) -> LossFn:
+    """`loss_fn` on a `compute_dtype` copy of the float32 weights (integer leaves kept)."""
+    def compute_loss(p, frozen, batch):
+        pc = jax.tree.map(lambda x: x.astype(compute_dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, p)
+        return loss_fn(pc, frozen, batch)
+
+    return compute_loss
+
+
+def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, compute_dtype) -> Callable:
+    """(state, frozen, batch) -> (next state, metrics with the gradient norm): one AdamW step of
+    `loss_fn` (what `Trainer` jits, and the training planner compiles from shapes)."""
+    compute_loss = compute_loss_fn(loss_fn, compute_dtype)
+
+    def train_step(state: TrainState, frozen, batch):
+        (_, metrics), grads = jax.value_and_grad(compute_loss, has_aux=True)(state.params, frozen, batch)
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        metrics = dict(metrics, grad_norm=optax.tree.norm(grads))
+        return TrainState(step=state.step + 1, params=optax.apply_updates(state.params, updates),
+                          opt_state=opt_state), metrics
+
+    return train_step
+
+
 class Trainer:
     """Runs `loss_fn` over epochs of batches; params are the trainable fp32 pytree. On a `mesh` the
     state and the frozen params are split over its devices with `shard_state`, else replicated."""
@@ -91,19 +115,8 @@ class Trainer:
 
             self._manager = ocp.CheckpointManager(
                 os.path.abspath(ckpt_dir), options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True))
-        cdt = self.compute_dtype
-
-        def compute_loss(p, frozen, batch):
-            pc = jax.tree.map(lambda x: x.astype(cdt) if jnp.issubdtype(x.dtype, jnp.floating) else x, p)
-            return loss_fn(pc, frozen, batch)
-
-        def train_step(state: TrainState, frozen, batch):
-            (_, metrics), grads = jax.value_and_grad(compute_loss, has_aux=True)(state.params, frozen, batch)
-            updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
-            metrics = dict(metrics, grad_norm=optax.tree.norm(grads))
-            return TrainState(step=state.step + 1, params=optax.apply_updates(state.params, updates),
-                              opt_state=opt_state), metrics
-
+        compute_loss = compute_loss_fn(loss_fn, self.compute_dtype)
+        train_step = make_train_step(loss_fn, self.optimizer, self.compute_dtype)
         # The state keeps its layout from step to step (left to itself, XLA may return it gathered).
         out_state = None if mesh is None else self._layout(self.state, mesh)
         self._train_step = jax.jit(train_step, donate_argnums=(0,), out_shardings=(out_state, None))
