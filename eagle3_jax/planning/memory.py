@@ -153,7 +153,7 @@ def _with_sharding(tree, shardings):
     return jax.tree.map(one, tree, shardings, is_leaf=lambda x: isinstance(x, QArray))
 
 
-def _float8_as_bytes(tree):
+def float8_as_bytes(tree):
     """FP8 weights' values declared as their raw bytes (uint8; quant.float8_view reads them as
     float8 where they are used): XLA:CPU has no float8 arithmetic and widens every float8 stack
     whole, ahead of the layer loop, where a GPU widens one layer's slice inside it."""
@@ -381,7 +381,7 @@ def plan_memory(target, draft=None, mesh: Mesh | None = None, batch: int = 1, ma
     Either way the programs are compiled as a GPU holds them, where XLA:CPU would hold more: KV
     cache writes count as in place (`launch.scatters_in_place`; XLA:CPU copies a bfloat16 cache
     through the bitcasts of its bit-level writes, `kv_cache._on_bits`) and FP8 weights are declared as their bytes
-    (`_float8_as_bytes`; XLA:CPU widens whole float8 stacks ahead of the layer loop).
+    (`float8_as_bytes`; XLA:CPU widens whole float8 stacks ahead of the layer loop).
     """
     wants_kernels = any(impl != "xla" for impl in parse(kernels).values())
     if wants_kernels and arch not in launch.ARCHS:
@@ -393,8 +393,8 @@ def plan_memory(target, draft=None, mesh: Mesh | None = None, batch: int = 1, ma
                            kernels=kernels if wants_kernels else None, fp8_format=fp8_format,
                            kv_cache_dtype=kv_cache_dtype)
     cfg, dcfg, spec, mesh = setup.cfg, setup.dcfg, setup.spec, setup.mesh
-    setup = dataclasses.replace(setup, tparams=_float8_as_bytes(setup.tparams),
-                                dparams=_float8_as_bytes(setup.dparams))
+    setup = dataclasses.replace(setup, tparams=float8_as_bytes(setup.tparams),
+                                dparams=float8_as_bytes(setup.dparams))
     tparams, tcache, dparams, dcache = setup.tparams, setup.tcache, setup.dparams, setup.dcache
     stand_ins = contextlib.ExitStack()
     stand_ins.enter_context(launch.scatters_in_place())

@@ -267,7 +267,8 @@ def pack(examples: Sequence[Example], seq_len: int) -> tuple[np.ndarray, np.ndar
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "dtype"))
-def _teacher(params, cfg, ids, draft_ids, dtype):
+def teacher_forward(params, cfg, ids, draft_ids, dtype):
+    """The teacher's signals over `ids` int32 [B, T] (one causal target forward; see teacher_batch)."""
     b, t = ids.shape
     cache = kv_cache.init_cache(cfg, b, t, dtype)
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
@@ -285,11 +286,11 @@ def _on_target(target: Target, rows, draft_ids: jax.Array) -> dict:
     serving shards it; the outputs stay on the devices."""
     mesh = target.mesh
     if mesh is None:
-        return _teacher(target.params, target.config, jnp.asarray(rows), draft_ids, target.dtype)
+        return teacher_forward(target.params, target.config, jnp.asarray(rows), draft_ids, target.dtype)
     split = "data" if len(rows) % mesh.shape["data"] == 0 else None
     rows = global_array(rows, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(split)))
     with mesh_context(mesh):
-        return _teacher(target.params, target.config, rows, draft_ids, target.dtype)
+        return teacher_forward(target.params, target.config, rows, draft_ids, target.dtype)
 
 
 def _check_draft_ids(draft_ids, vocab: int) -> np.ndarray:
@@ -449,7 +450,7 @@ def write_feature_store(out_dir: str | os.PathLike, target: Target, tokens, loss
             stop = min(start + batch_size, n)
             rows = np.zeros((batch_size, t), np.int32)  # pad the last batch: one compiled shape
             rows[: stop - start] = tokens[start:stop]
-            out = jax.device_get(_teacher(target.params, target.config, jnp.asarray(rows), jnp.asarray(d), target.dtype))
+            out = jax.device_get(teacher_forward(target.params, target.config, jnp.asarray(rows), jnp.asarray(d), target.dtype))
             batch = {"tokens": tokens[start:stop], "loss_mask": loss_mask[start:stop]}
             batch.update({k: np.asarray(v)[: stop - start] for k, v in out.items()})
             i = start

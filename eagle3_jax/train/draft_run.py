@@ -19,6 +19,7 @@ from typing import Callable, Iterable, Sequence
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
+from ..config.draft import DraftConfig
 from ..config.model import ModelConfig
 from ..models.target import Target
 from ..planning.report import replication_notes
@@ -60,6 +61,20 @@ class DraftRecipe:
     batch_size: int = 16
     eval_fraction: float = 0.05
     seed: int = 0
+
+
+def recipe_draft_config(target_cfg: ModelConfig, vocab: DraftVocab, recipe: DraftRecipe) -> DraftConfig:
+    """The config of the draft `recipe` describes, for a target of `target_cfg` and `vocab`."""
+    return dataclasses.replace(
+        new_draft_config(target_cfg, vocab, arch=recipe.arch, num_layers=recipe.num_layers,
+                         intermediate_size=recipe.intermediate_size or None),
+        fc_norm=recipe.fc_norm, norm_output=recipe.norm_output, norm_before_fc=recipe.norm_before_fc,
+        layer_windows=(recipe.sliding_window,) * recipe.num_layers if recipe.sliding_window else None)
+
+
+def batch_spec(recipe: DraftRecipe) -> PartitionSpec:
+    """How a batch lies on the mesh: rows over `data`, or with context parallelism each sequence."""
+    return PartitionSpec(None, "data") if recipe.context_parallel else PartitionSpec("data")
 
 
 def regenerated_examples(target: Target, prompts: Sequence[Sequence[int]], kept: str, key: dict,
@@ -174,18 +189,14 @@ class DraftTraining:
                 raise ValueError("context parallelism splits each sequence over a mesh's data axis: give a mesh")
             check_context_split(data.train_tokens.shape[1], mesh.shape["data"], recipe.ttt_steps)
         self.target, self.data, self.recipe = target, data, recipe
-        self.config = dataclasses.replace(
-            new_draft_config(target.config, data.vocab, arch=recipe.arch, num_layers=recipe.num_layers,
-                             intermediate_size=recipe.intermediate_size or None),
-            fc_norm=recipe.fc_norm, norm_output=recipe.norm_output, norm_before_fc=recipe.norm_before_fc,
-            layer_windows=(recipe.sliding_window,) * recipe.num_layers if recipe.sliding_window else None)
+        self.config = recipe_draft_config(target.config, data.vocab, recipe)
         params, self.frozen = init_draft_params(self.config, target, data.vocab, seed=recipe.seed)
         self.steps_per_epoch = len(data.train_tokens) // recipe.batch_size
         loss = make_ttt_loss(self.config, data.vocab, recipe.ttt_steps, memory=memory,
                              context=(mesh, "data") if recipe.context_parallel else None)
         self.trainer = Trainer(loss, params, self.frozen, tc, total_steps=self.steps_per_epoch * tc.epochs,
                                ckpt_dir=ckpt_dir, mesh=mesh, shard_state=True,
-                               batch_spec=PartitionSpec(None, "data") if recipe.context_parallel else PartitionSpec("data"))
+                               batch_spec=batch_spec(recipe))
 
     def evaluate(self) -> dict:
         """The held-out set's mean metrics under the current weights (teacher features online)."""

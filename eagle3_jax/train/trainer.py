@@ -68,6 +68,13 @@ def make_optimizer(tc: TrainConfig, total_steps: int) -> optax.GradientTransform
 LossFn = Callable[[dict, dict, dict], tuple[jax.Array, dict]]  # (compute params, frozen, batch) -> loss, metrics
 
 
+def compiled_bytes(compiled) -> dict[str, int]:
+    """XLA's plan of a compiled program, per device: arguments, outputs, temporaries."""
+    stats = compiled.memory_analysis()
+    return {"arguments": int(stats.argument_size_in_bytes), "outputs": int(stats.output_size_in_bytes),
+            "temporaries": int(stats.temp_size_in_bytes)}
+
+
 def compute_loss_fn(loss_fn: LossFn, compute_dtype) -> LossFn:
     """`loss_fn` on a `compute_dtype` copy of the float32 weights (integer leaves kept)."""
     def compute_loss(p, frozen, batch):
@@ -152,9 +159,7 @@ class Trainer:
         per device, from shapes alone: arguments (state, frozen params, batch), outputs, temporaries."""
         shapes = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=None if self.mesh is None
                                           else NamedSharding(self.mesh, self.batch_spec)) for k, v in batch.items()}
-        stats = self._train_step.lower(self.state, self.frozen, shapes).compile().memory_analysis()
-        return {"arguments": int(stats.argument_size_in_bytes), "outputs": int(stats.output_size_in_bytes),
-                "temporaries": int(stats.temp_size_in_bytes)}
+        return compiled_bytes(self._train_step.lower(self.state, self.frozen, shapes).compile())
 
     # ---- checkpoints -----------------------------------------------------------------------------
     def restore_latest(self) -> int:
