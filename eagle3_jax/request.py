@@ -20,7 +20,7 @@ import dataclasses
 import functools
 import logging
 import time
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Sequence
 
 from .sampling.logprobs import Logprob
 from .sampling.sampler import SamplingParams
@@ -269,3 +269,18 @@ class Request:
     def output_record(self, now: float, max_depth: int, text: str | None = None) -> RequestOutput:
         return RequestOutput(self.output, self.finish_reason, functools.partial(self.metrics, now, max_depth),
                              self.stop_reason, text, self.logprobs, self.prompt_logprobs)
+
+
+def pooled_acceptance(accept_lengths: Iterable[Sequence[int]], max_accept: int) -> dict:
+    """tau and per-position acceptance pooled over every verify step of every request (each request's
+    `accept_lengths`, as its metrics give them).
+
+    tau = mean accept length (bonus token included; 1.0 when there was no verify step);
+    per_position[d - 1] = fraction of steps with accept length - 1 >= d, for d = 1..max_accept.
+    """
+    steps = [int(a) for lengths in accept_lengths for a in lengths]
+    if not steps:
+        return {"tau": 1.0, "per_position": [0.0] * max_accept, "num_verify_steps": 0}
+    return {"tau": sum(steps) / len(steps),
+            "per_position": [sum(a - 1 >= d for a in steps) / len(steps) for d in range(1, max_accept + 1)],
+            "num_verify_steps": len(steps)}

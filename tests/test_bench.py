@@ -94,7 +94,7 @@ def test_summarize_hand_computed():
 
 def test_distribution_and_acceptance_edge_cases():
     assert M.distribution([]) == {"mean": None, "median": None, "p99": None, "count": 0}
-    assert M.acceptance([[], []], 2) == {"tau": 1.0, "per_position": [0.0, 0.0], "num_verify_steps": 0}
+    assert M.pooled_acceptance([[], []], 2) == {"tau": 1.0, "per_position": [0.0, 0.0], "num_verify_steps": 0}
 
 
 def test_speedups_against_no_spec_cell():

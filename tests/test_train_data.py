@@ -10,10 +10,11 @@ import os
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from random_models import LLAMA, draft_config_dict, random_draft, random_target
+from random_models import FAMILIES, LLAMA, draft_config_dict, random_draft, random_target
 
 import eagle3_jax as e3
 from eagle3_jax.models.draft import parse_draft_config
+from eagle3_jax.train.data import teacher_forward
 from eagle3_jax.train import (
     DraftVocab,
     Example,
@@ -419,3 +420,18 @@ def test_feature_store_bfloat16_and_validation(rows, tmp_path):
         FeatureStore(tmp_path)
     with pytest.raises(ValueError, match=r"\[N, T\]"):
         write_feature_store(tmp_path / "y", bf, tokens, mask[:2], draft_ids, progress=False)
+
+
+def test_the_teacher_in_passes_equals_one_pass():
+    """A sequence longer than the teacher's chunk runs as passes over a KV cache (the last one
+    padded): the same features, logits and argmax as one pass, for an MLA + MoE and a GQA target."""
+    for family in ("deepseek_v3", "llama"):
+        target = random_target(FAMILIES[family])
+        ids = jnp.asarray(np.random.default_rng(1).integers(1, 64, (2, 37)), jnp.int32)
+        draft_ids = jnp.asarray([1, 5, 9, 30], jnp.int32)
+        whole = teacher_forward(target.params, target.config, ids, draft_ids, target.dtype, chunk=64)
+        passes = teacher_forward(target.params, target.config, ids, draft_ids, target.dtype, chunk=8)
+        for key, value in whole.items():
+            assert passes[key].shape == value.shape
+            np.testing.assert_allclose(np.asarray(passes[key], np.float32), np.asarray(value, np.float32),
+                                       rtol=1e-5, atol=1e-5, err_msg=f"{family} {key}")

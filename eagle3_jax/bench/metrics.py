@@ -24,6 +24,8 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
+from ..request import pooled_acceptance
+
 
 @dataclasses.dataclass
 class RequestRecord:
@@ -89,20 +91,6 @@ def hit_rate_between(before: dict, after: dict, queries_key: str, hits_key: str)
     return (after.get(hits_key, 0) - before.get(hits_key, 0)) / queries if queries > 0 else None
 
 
-def acceptance(accept_lengths: Iterable[Sequence[int]], max_accept: int) -> dict:
-    """tau and per-position acceptance pooled over every verify step of every request.
-
-    tau = mean accept length (bonus token included; 1.0 when there was no verify step);
-    per_position[d - 1] = fraction of steps with accept length - 1 >= d, for d = 1..max_accept.
-    """
-    steps = np.asarray([a for req in accept_lengths for a in req], np.int64)
-    if steps.size == 0:
-        return {"tau": 1.0, "per_position": [0.0] * max_accept, "num_verify_steps": 0}
-    return {"tau": float(steps.mean()),
-            "per_position": [float(np.mean(steps - 1 >= d)) for d in range(1, max_accept + 1)],
-            "num_verify_steps": int(steps.size)}
-
-
 def summarize(records: Sequence[RequestRecord], duration_s: float, *, num_devices: int = 1,
               max_accept: int | None = None) -> dict:
     """All run metrics of one benchmark cell (see the module docstring); latencies in ms.
@@ -139,7 +127,7 @@ def summarize(records: Sequence[RequestRecord], duration_s: float, *, num_device
     if max_accept is not None:
         if any(r.accept_lengths is None for r in ok):
             raise ValueError("acceptance figures need accept_lengths on every completed record")
-        out["acceptance"] = acceptance((r.accept_lengths for r in ok), max_accept)  # type: ignore[misc]
+        out["acceptance"] = pooled_acceptance((r.accept_lengths for r in ok), max_accept)  # type: ignore[misc]
     return out
 
 

@@ -266,18 +266,36 @@ def pack(examples: Sequence[Example], seq_len: int) -> tuple[np.ndarray, np.ndar
 # ---- teacher signals -----------------------------------------------------------------------------------------
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "dtype"))
-def teacher_forward(params, cfg, ids, draft_ids, dtype):
-    """The teacher's signals over `ids` int32 [B, T] (one causal target forward; see teacher_batch)."""
+# Tokens per teacher forward pass: a sequence longer than this runs as a scan of passes over a KV
+# cache (as the scheduler's prefill chunks a prompt), so no pass's temporaries (the MoE's routed
+# tokens, the expanded attention's scores) grow with the whole sequence.
+TEACHER_CHUNK = 2048
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "dtype", "chunk"))
+def teacher_forward(params, cfg, ids, draft_ids, dtype, chunk: int = TEACHER_CHUNK):
+    """The teacher's signals over `ids` int32 [B, T] (see teacher_batch): one causal target forward,
+    in passes of `chunk` tokens over a KV cache when T is longer (the last pass padded at the end,
+    which no earlier position sees)."""
     b, t = ids.shape
-    cache = kv_cache.init_cache(cfg, b, t, dtype)
-    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    logits, aux, _ = forward(params, cfg, ids, positions, cache)
-    return {
-        "aux": aux,
-        "teacher_logits": jnp.take(logits, draft_ids, axis=-1).astype(jnp.float32),
-        "teacher_argmax": jnp.argmax(logits, axis=-1).astype(jnp.int32),
-    }
+    chunk = min(chunk, t)
+    passes = -(-t // chunk)
+    cache = kv_cache.init_cache(cfg, b, passes * chunk, dtype)
+
+    def one_pass(cache, part):
+        positions = cache.lengths[:, None] + jnp.arange(chunk, dtype=jnp.int32)[None, :]
+        logits, aux, cache = forward(params, cfg, part, positions, cache)
+        return kv_cache.advance(cache, jnp.full((b,), chunk, jnp.int32)), {
+            "aux": aux,
+            "teacher_logits": jnp.take(logits, draft_ids, axis=-1).astype(jnp.float32),
+            "teacher_argmax": jnp.argmax(logits, axis=-1).astype(jnp.int32),
+        }
+
+    if passes == 1:
+        return one_pass(cache, ids)[1]
+    parts = jnp.pad(ids, ((0, 0), (0, passes * chunk - t))).reshape(b, passes, chunk).swapaxes(0, 1)
+    _, out = jax.lax.scan(one_pass, cache, parts)  # each [passes, B, chunk, ...]
+    return {k: v.swapaxes(0, 1).reshape(b, passes * chunk, *v.shape[3:])[:, :t] for k, v in out.items()}
 
 
 def _on_target(target: Target, rows, draft_ids: jax.Array) -> dict:

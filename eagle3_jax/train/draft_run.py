@@ -13,6 +13,7 @@ builds the draft, its trainer (resuming from its checkpoints), trains and export
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from typing import Callable, Iterable, Sequence
 
@@ -28,6 +29,7 @@ from .data import (Example, FeatureStore, load_examples, online_batches, pack, r
                    write_feature_store)
 from .draft_model import assembled_params, init_draft_params, make_ttt_loss, new_draft_config
 from .export import export_hf_draft
+from .measure import Measurement, measured_acceptance, serving_draft
 from .placement import host_copy, writes_files
 from .trainer import TrainConfig, Trainer
 from .ttt import TTTMemory, check_context_split
@@ -122,6 +124,7 @@ class DraftData:
     train_mask: np.ndarray
     eval_tokens: np.ndarray
     eval_mask: np.ndarray
+    eval_prompts: tuple[tuple[int, ...], ...] = ()  # the held-out examples' prompts (tokens before the response)
 
 
 def prepare_data(examples: Sequence[Example], target_vocab_size: int, recipe: DraftRecipe,
@@ -135,7 +138,8 @@ def prepare_data(examples: Sequence[Example], target_vocab_size: int, recipe: Dr
     seq_len = -(-max(len(e.tokens) for e in examples) // length_multiple) * length_multiple
     train_tokens, train_mask, _ = pack(train, seq_len)
     eval_tokens, eval_mask, _ = pack(held_out, seq_len)
-    return DraftData(vocab, train_tokens, train_mask, eval_tokens, eval_mask)
+    prompts = tuple(tuple(int(t) for t in e.tokens[: int(np.argmax(e.loss_mask))]) for e in held_out if e.loss_mask.any())
+    return DraftData(vocab, train_tokens, train_mask, eval_tokens, eval_mask, tuple(p for p in prompts if p))
 
 
 class StaleFeatureStore(ValueError):
@@ -174,16 +178,25 @@ def train_batches(target: Target, data: DraftData, recipe: DraftRecipe, store: F
                                         recipe.batch_size, seed=recipe.seed, epoch=epoch)
 
 
+BEST_DIR, BEST_FILE = "best", "best.json"  # in the checkpoint folder: the best measured draft's weights and figures
+
+
 class DraftTraining:
     """A new draft for `target` (config from the recipe, weights initialised from the target where
     they are shared) and its trainer: checkpoints in `ckpt_dir` (it resumes from the latest),
     data-parallel over `mesh` when given (context-parallel with the recipe's `context_parallel`), the
     training-time test bounding its memory as `memory` says. On a mesh the draft's weights and AdamW
     moments are split over every device (trainer.py, `shard_state`); the teacher runs where the
-    target's weights are (its own mesh, `data.online_batches`)."""
+    target's weights are (its own mesh, `data.online_batches`).
+
+    With a `measurement` the draft is measured through the Engine as it trains (measure.py), and the
+    draft exported is the one with the highest measured tau (the later one of equals), not
+    necessarily the last: acceptance can peak before training ends. Its weights are kept in
+    `<ckpt_dir>/best`, so a resumed run still knows it."""
 
     def __init__(self, target: Target, data: DraftData, recipe: DraftRecipe, tc: TrainConfig, *,
-                 ckpt_dir: str | None = None, mesh: Mesh | None = None, memory: TTTMemory = TTTMemory()):
+                 ckpt_dir: str | None = None, mesh: Mesh | None = None, memory: TTTMemory = TTTMemory(),
+                 measurement: Measurement | None = None):
         if recipe.context_parallel:
             if mesh is None:
                 raise ValueError("context parallelism splits each sequence over a mesh's data axis: give a mesh")
@@ -197,26 +210,81 @@ class DraftTraining:
         self.trainer = Trainer(loss, params, self.frozen, tc, total_steps=self.steps_per_epoch * tc.epochs,
                                ckpt_dir=ckpt_dir, mesh=mesh, shard_state=True,
                                batch_spec=batch_spec(recipe))
+        self.measurement, self.ckpt_dir = measurement, ckpt_dir
+        self.measured: dict[int, dict] = {}  # step -> measured acceptance
+        self.best: dict | None = _read_best(ckpt_dir)
+        self._best_params: dict | None = None  # without a checkpoint folder, kept here
 
     def evaluate(self) -> dict:
-        """The held-out set's mean metrics under the current weights (teacher features online)."""
+        """The held-out set's mean metrics under the current weights (teacher features online), and
+        with a measurement the draft's measured acceptance (`measure`) at this step."""
         d = self.data
-        return self.trainer.evaluate(online_batches(self.target, d.eval_tokens, d.eval_mask, d.vocab.draft_ids,
-                                                    self.recipe.batch_size, seed=self.recipe.seed, epoch=0))
+        out = self.trainer.evaluate(online_batches(self.target, d.eval_tokens, d.eval_mask, d.vocab.draft_ids,
+                                                   self.recipe.batch_size, seed=self.recipe.seed, epoch=0))
+        if self.measurement is not None:
+            step = int(self.trainer.state.step)
+            measured = self.measured.get(step) or self.measure()
+            out["measured_tau"] = measured["tau"]
+            out.update({f"measured_acc_{i}": a for i, a in enumerate(measured["per_position"])})
+        return out
+
+    def measure(self, log: Callable[[str], None] | None = None) -> dict:
+        """The current draft's acceptance through the Engine on the held-out prompts; kept as the best
+        when its tau is the highest so far."""
+        step = int(self.trainer.state.step)
+        draft = serving_draft(self.config, self.trainer.state.params, self.trainer.frozen, self.target)
+        result = self.measured[step] = measured_acceptance(self.target, draft, self.measurement)
+        if self.best is None or result["tau"] >= self.best["tau"]:
+            self.best = dict(result, step=step)
+            if self.ckpt_dir is None:
+                self._best_params = host_copy(self.trainer.state.params)
+            else:
+                self.trainer.save_params(os.path.join(self.ckpt_dir, BEST_DIR))
+                if writes_files():
+                    with open(os.path.join(self.ckpt_dir, BEST_FILE), "w", encoding="utf-8") as f:
+                        json.dump(self.best, f)
+        if log is not None:
+            log(f"step {step}: measured tau {result['tau']:.3f} (best {self.best['tau']:.3f}, step {self.best['step']})")
+        return result
 
     def fit(self, batches: Batches, progress: bool = True, log: Callable[[str], None] = print) -> list[dict]:
-        """Train every epoch left (`Trainer.fit`), evaluating after each; the epochs' summaries."""
+        """Train every epoch left (`Trainer.fit`), evaluating after each (and measuring every
+        `measurement.every` steps); the epochs' summaries."""
+        every = self.measurement.every if self.measurement is not None else 0
+
+        def on_step(step: int, _metrics: dict) -> None:
+            if every and step % every == 0:
+                self.measure(log)
+
         return self.trainer.fit(batches, self.steps_per_epoch, evaluate=lambda _params: self.evaluate(),
-                                progress=progress, log=log)
+                                progress=progress, log=log, on_step=on_step)
+
+    def exported_params(self) -> tuple[dict, int]:
+        """The weights to export and their step: the best measured draft's, else the current ones."""
+        step = int(self.trainer.state.step)
+        if self.best is None or self.best["step"] == step:
+            return self.trainer.state.params, step
+        if self._best_params is not None:
+            return self._best_params, self.best["step"]
+        return self.trainer.load_params(os.path.join(self.ckpt_dir, BEST_DIR)), self.best["step"]
 
     def export(self, out: str, dtype: str = "bfloat16", overwrite: bool = False,
                extra_files: dict[str, str] | None = None) -> str:
-        """The trained draft as an HF draft folder at `out` (its vocabulary mapping only when the
-        draft has its own vocabulary), written by process 0 once every process has gathered the
-        weights; returns the folder."""
-        params = host_copy(assembled_params(self.trainer.state.params, self.frozen))
+        """The trained draft (`exported_params`) as an HF draft folder at `out` (its vocabulary
+        mapping only when the draft has its own vocabulary), written by process 0 once every process
+        has gathered the weights; returns the folder."""
+        params = host_copy(assembled_params(self.exported_params()[0], self.frozen))
         vocab = self.data.vocab if self.config.has_draft_vocab else None
         if not writes_files():
             return out
         return export_hf_draft(out, self.config, params, vocab, dtype=dtype, overwrite=overwrite,
                                extra_files=extra_files)
+
+
+def _read_best(ckpt_dir: str | None) -> dict | None:
+    """The best measured draft's figures a run recorded in `ckpt_dir` (None: none yet)."""
+    path = None if ckpt_dir is None else os.path.join(ckpt_dir, BEST_FILE)
+    if path is None or not os.path.isfile(path) or not os.path.isdir(os.path.join(ckpt_dir, BEST_DIR)):
+        return None
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)

@@ -18,6 +18,7 @@ The step's updated state aliases its donated input, so its outputs add nothing.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import jax
@@ -29,8 +30,9 @@ from pallas_kernels import launch
 
 from ..models.target import resolve_dtype
 from ..planning.memory import Device, abstract_setup, float8_as_bytes
+from ..runtime.kernels import parse, resolve
 from ..runtime.sharding import mesh_context
-from .data import teacher_forward
+from .data import TEACHER_CHUNK, teacher_forward
 from .draft_model import make_ttt_loss, trainable_tree
 from .draft_run import DraftRecipe, batch_spec, recipe_draft_config
 from .placement import sharded_shardings
@@ -94,16 +96,26 @@ def _sds(shape: tuple[int, ...], dtype, mesh: Mesh, spec: PartitionSpec) -> jax.
 
 def plan_training(target, mesh: Mesh, seq_len: int, recipe: DraftRecipe = DraftRecipe(), *,
                   quant: str | None = None, dtype="bfloat16", compute_dtype="bfloat16",
-                  memory: TTTMemory = TTTMemory()) -> TrainingPlan:
+                  memory: TTTMemory = TTTMemory(), teacher_chunk: int = TEACHER_CHUNK, kernels: str = "xla",
+                  arch: str | None = None) -> TrainingPlan:
     """Compile the teacher and the draft's training step for `recipe.batch_size` sequences of
     `seq_len` tokens on `mesh` from shapes alone; per-device bytes (see the module's docstring).
 
     target: an HF or converted folder, a config.json path or a ModelConfig (only its config is
     read); quant and dtype: as `plan_memory` takes them (the target's weights and teacher compute).
     The draft is `recipe`'s (architecture, layers, draft vocabulary of `recipe.vocab_size` ids, 0:
-    the target's; TTT depth; context parallelism), its compute in `compute_dtype`.
+    the target's; TTT depth; context parallelism), its compute in `compute_dtype`; the teacher runs
+    in passes of `teacher_chunk` tokens, as a run's does. kernels, arch: the teacher's path, as
+    `plan_memory` takes them ("xla" dequantizes int4 / FP8 experts to bfloat16 before the dot, so
+    those copies count; "triton" on `arch` plans the GPU's program, each kernel shape-only).
     """
-    setup = abstract_setup(target, mesh=mesh, batch=mesh.shape["data"], max_len=16, quant=quant, dtype=dtype)
+    wants_kernels = any(impl != "xla" for impl in parse(kernels).values())
+    if wants_kernels and arch not in launch.ARCHS:
+        raise ValueError(f"planning the Triton kernels needs the GPU they run on: arch={arch!r}; use one of "
+                         f"{', '.join(launch.ARCHS)}")
+    kernels = resolve(kernels, on_gpu=True, arch=arch) if wants_kernels else None
+    setup = abstract_setup(target, mesh=mesh, batch=mesh.shape["data"], max_len=16, quant=quant, dtype=dtype,
+                           kernels=kernels)
     cfg, dt, b = setup.cfg, resolve_dtype(dtype), recipe.batch_size
     vd = recipe.vocab_size or cfg.vocab_size
     # ids scattered as a counted vocabulary's are (XLA folds the loss's lookups of a contiguous range)
@@ -112,8 +124,13 @@ def plan_training(target, mesh: Mesh, seq_len: int, recipe: DraftRecipe = DraftR
     rows = PartitionSpec("data" if b % mesh.shape["data"] == 0 else None)
     ids = _sds((b, seq_len), jnp.int32, mesh, rows)
     draft_ids = _sds((vd,), jnp.int32, mesh, PartitionSpec())
-    with launch.scatters_in_place(), mesh_context(mesh):
-        teacher = teacher_forward.trace(float8_as_bytes(setup.tparams), cfg, ids, draft_ids, dt)
+    stand_ins = contextlib.ExitStack()
+    stand_ins.enter_context(launch.scatters_in_place())
+    if wants_kernels:
+        stand_ins.enter_context(launch.for_arch(arch))
+        stand_ins.enter_context(launch.shape_only())
+    with stand_ins, mesh_context(mesh):
+        teacher = teacher_forward.trace(float8_as_bytes(setup.tparams), cfg, ids, draft_ids, dt, chunk=teacher_chunk)
         teacher_bytes = compiled_bytes(teacher.lower().compile())
 
     optimizer = make_optimizer(TrainConfig(), total_steps=1000)

@@ -180,6 +180,22 @@ class Trainer:
             self._manager.save(int(self.state.step), args=ocp.args.StandardSave(self.state), force=True)
             self._manager.wait_until_finished()
 
+    def save_params(self, path: str | os.PathLike) -> None:
+        """The current weights alone as an Orbax checkpoint at `path`, replacing one there (a run's
+        best draft so far: the rolling checkpoints keep only the latest)."""
+        import orbax.checkpoint as ocp
+
+        checkpointer = ocp.StandardCheckpointer()
+        checkpointer.save(os.path.abspath(path), self.state.params, force=True)
+        checkpointer.wait_until_finished()
+
+    def load_params(self, path: str | os.PathLike) -> dict:
+        """Weights `save_params` wrote, in the layout of the current ones."""
+        import orbax.checkpoint as ocp
+
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, self.state.params)
+        return ocp.StandardCheckpointer().restore(os.path.abspath(path), abstract)
+
     # ---- loops -----------------------------------------------------------------------------------
     def fit(self, batches: Callable[[int], Iterable[dict]], steps_per_epoch: int,
             evaluate: Callable[[dict], dict] | None = None, progress: bool = True,
