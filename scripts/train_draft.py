@@ -7,8 +7,10 @@
 Pipeline: prompts (a prompts file in the model's chat template, or corpus rows' first --prompt_len
 tokens) -> the target's own responses (--temperatures) -> draft vocabulary by response-token counts
 -> training-time-test training on the teacher's features, on the fly (--mode=online) or stored once
-in --feature_dir (--mode=offline) -> an HF folder that e3.load_draft, vLLM and SGLang load. With
---mesh the target runs sharded as serving shards it and the draft's state is split over the devices.
+in --feature_dir (--mode=offline) -> an HF folder that e3.load_draft, vLLM and SGLang load. After
+each epoch the draft speculates through the Engine on held-out prompts (--measure_prompts): the one
+with the best measured tau is exported. With --mesh the target runs sharded as serving shards it and
+the draft's state is split over the devices.
 
 Every flag, file and folder is checked before the target loads. An interrupted run resumes from
 --ckpt_dir (default <out>.ckpt), a finished one says so and exits, one with other settings or data is
@@ -30,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from eagle3_jax.cli import script as cli  # noqa: E402
 from eagle3_jax.cli.flags import check_target_path, define_mesh_flags, mesh_from_flags, warn_without_chat_template  # noqa: E402
-from eagle3_jax.cli.runs import check_training_flags, plan_run, settings_of  # noqa: E402
+from eagle3_jax.cli.runs import check_enough_examples, check_training_flags, plan_run, settings_of  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("target", None, "Target model folder (HF or Orbax).")
@@ -72,6 +74,9 @@ flags.register_multi_flags_validator(["distributed", "mode"], lambda v: not (v["
                                      "--mode=offline writes its feature store from one process: drop --distributed")
 flags.DEFINE_bool("context_parallel", False, "Split each sequence over the --mesh data axis instead of the batch.")
 flags.DEFINE_enum("save_dtype", "bfloat16", ["float32", "bfloat16"], "Dtype of the exported weights.")
+flags.DEFINE_integer("measure_prompts", 16, "Held-out prompts the draft answers through the Engine (chain 3:1:4) after "
+                     "each epoch; the best measured tau's draft is exported (0: no measuring, the last).", lower_bound=0)
+flags.DEFINE_integer("measure_every", 0, "Also measure every this many steps (0 = after epochs only).", lower_bound=0)
 flags.DEFINE_integer("seed", 0, "Seed for sampling, init and data order.")
 flags.DEFINE_string("out", None, "Output HF draft folder.")
 cli.define_overwrite_flag("--out (and another run's --ckpt_dir)")
@@ -87,7 +92,7 @@ RUN_FLAGS = ("prompt_len", "num_prompts", "max_tokens", "ignore_eos", "temperatu
              "draft_arch", "draft_layers", "draft_intermediate_size", "ttt_steps", "epochs", "batch_size",
              "learning_rate", "warmup_steps", "max_grad_norm", "compute_dtype", "target_dtype", "mode",
              "eval_fraction", "context_parallel", "save_dtype", "seed", "fc_norm", "norm_output",
-             "norm_before_fc", "sliding_window")
+             "norm_before_fc", "sliding_window", "measure_prompts", "measure_every")
 
 
 def check_settings() -> list[float]:
@@ -129,23 +134,9 @@ def read_corpus():
     return corpus
 
 
-def check_enough_examples(num_prompts: int, num_temperatures: int) -> None:
-    """A usage error when the prompts cannot fill one training batch after the held-out share."""
-    from eagle3_jax.train.draft_run import held_out_count
-
-    n = num_prompts * num_temperatures
-    n_eval = held_out_count(n, FLAGS.eval_fraction, FLAGS.batch_size)
-    if n - n_eval < FLAGS.batch_size:
-        source = f"--prompts {FLAGS.prompts}" if FLAGS.prompts else f"--corpus {FLAGS.corpus}"
-        raise app.UsageError(f"{source} gives {num_prompts} prompts x {num_temperatures} temperatures = {n} examples; "
-                             f"{n_eval} held out for evaluation (at least --batch_size) leave {max(n - n_eval, 0)}, "
-                             f"less than one batch of --batch_size={FLAGS.batch_size}: give at least "
-                             f"{-(-2 * FLAGS.batch_size // num_temperatures)} prompts or lower --batch_size")
-
-
-def check_mesh():
+def check_mesh(model_cfg):
     """The --mesh over this machine's devices (None without one): its data axis divides --batch_size
-    (with --context_parallel: it splits the sequences instead)."""
+    (with --context_parallel: it splits the sequences instead), its axes the target's tensors."""
     mesh = mesh_from_flags()
     if mesh is None:
         if FLAGS.context_parallel:
@@ -154,6 +145,10 @@ def check_mesh():
     if FLAGS.batch_size % mesh.shape["data"] and not FLAGS.context_parallel:
         raise app.UsageError(f"--batch_size={FLAGS.batch_size} is not a multiple of the --mesh data axis "
                              f"({mesh.shape['data']})")
+    from eagle3_jax.train.draft_run import check_target_mesh
+
+    with cli.usage_errors("--mesh"):  # an axis that would leave the target's tensors whole on every device
+        check_target_mesh(model_cfg, tuple(mesh.shape.values()), FLAGS.target_dtype)
     return mesh
 
 
@@ -173,11 +168,10 @@ def main(argv: Sequence[str]) -> None:
     texts = read_prompt_texts()
     corpus = read_corpus() if texts is None else None
     num_prompts = len(texts) if texts is not None else min(len(corpus), FLAGS.num_prompts)
-    check_enough_examples(num_prompts, len(temps))
-    mesh = check_mesh()
-    if mesh is not None:  # an axis that would leave the target's tensors whole on every device is refused
-        with cli.usage_errors("--mesh"):
-            draft_run.check_target_mesh(model_cfg, tuple(mesh.shape.values()), FLAGS.target_dtype)
+    source = f"--prompts {FLAGS.prompts}" if FLAGS.prompts else f"--corpus {FLAGS.corpus}"
+    check_enough_examples(num_prompts * len(temps), f"{source} x {len(temps)} temperatures",
+                          f"give at least {-(-2 * FLAGS.batch_size // len(temps))} prompts")
+    mesh = check_mesh(model_cfg)
     out = FLAGS.out.rstrip("/")
     ckpt_dir = FLAGS.ckpt_dir or out + ".ckpt"
     feature_dir = FLAGS.feature_dir or out + ".features"
@@ -186,20 +180,16 @@ def main(argv: Sequence[str]) -> None:
         cli.check_output("--feature_dir", feature_dir, inputs)
     settings = settings_of(RUN_FLAGS)
     fingerprint = run_record.data_fingerprint([FLAGS.prompts or FLAGS.corpus], [FLAGS.target])
-    state = plan_run(out, ckpt_dir, settings, fingerprint, inputs)
+    state = plan_run(out, ckpt_dir, settings, fingerprint, inputs, what="draft")
     if state == "finished":
-        print(f"{out} already holds this run's draft (its checkpoints in {ckpt_dir} are finished); nothing to do "
-              "(--overwrite trains again)")
         return
 
-    from eagle3_jax.text.chat_template import render_prompts
-    from eagle3_jax.text.tokenizer import load_tokenizer
+    from eagle3_jax.text.tokenizer import load_tokenizer, tokenize_prompts
 
     if texts is not None:
         warn_without_chat_template(FLAGS.target, "the --prompts")
-        tok = load_tokenizer(FLAGS.target, bos_id=model_cfg.bos_token_id)
         with cli.usage_errors(f"--target {FLAGS.target}"):  # a chat template that rejects a prompt
-            prompts = [tok.encode(r, add_bos=True) for r in render_prompts(texts, FLAGS.target)]
+            prompts = tokenize_prompts(texts, FLAGS.target, load_tokenizer(FLAGS.target, bos_id=model_cfg.bos_token_id))
     else:
         prompts = [list(map(int, row[: FLAGS.prompt_len])) for row in corpus[: FLAGS.num_prompts]]
     with cli.usage_errors():  # TrainConfig names a field no check above covers
@@ -234,15 +224,16 @@ def main(argv: Sequence[str]) -> None:
                                             overwrite=FLAGS.overwrite)
         except draft_run.StaleFeatureStore as e:
             raise app.UsageError(f"{e}; pass --overwrite to write it again, or another --feature_dir") from None
+    measurement = draft_run.measurement_of(data, FLAGS.measure_prompts, FLAGS.measure_every)
     with cli.usage_errors("--context_parallel"):  # sequences too short to split over the data axis
-        training = draft_run.DraftTraining(target, data, recipe, tc, ckpt_dir=ckpt_dir, mesh=mesh)
+        training = draft_run.DraftTraining(target, data, recipe, tc, ckpt_dir=ckpt_dir, mesh=mesh, measurement=measurement)
     run_record.write_record(ckpt_dir, settings, fingerprint)
     history = training.fit(draft_run.train_batches(target, data, recipe, store))
     log = json.dumps({"argv": sys.argv, "history": history, "covered_mass": data.vocab.covered_mass,
                       "num_examples": len(examples), "seconds": time.perf_counter() - start}, indent=2)
     training.export(out, dtype=FLAGS.save_dtype, overwrite=FLAGS.overwrite, extra_files={"training_log.json": log})
     run_record.write_record(ckpt_dir, settings, fingerprint, finished=True)
-    print(f"exported {out} after {time.perf_counter() - start:.0f} s")
+    print(f"exported {out} ({training.export_note()}) after {time.perf_counter() - start:.0f} s")
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from eagle3_jax.cli import script as cli  # noqa: E402
 from eagle3_jax.cli.flags import check_target_path  # noqa: E402
-from eagle3_jax.cli.runs import check_training_flags, plan_run, settings_of  # noqa: E402
+from eagle3_jax.cli.runs import check_enough_examples, check_training_flags, plan_run, settings_of  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("config", None, "HF config.json of the model to train.")
@@ -74,11 +74,7 @@ def check_settings(corpus, vocab_size: int) -> None:
     if corpus.ndim != 2 or not np.issubdtype(corpus.dtype, np.integer) or corpus.min() < 0 or corpus.max() >= vocab_size:
         raise app.UsageError(f"--corpus must be integer token ids [N, seq_len] in [0, {vocab_size}); got {corpus.dtype} "
                              f"{corpus.shape}")
-    n_eval = max(int(len(corpus) * FLAGS.eval_fraction), FLAGS.batch_size)
-    if len(corpus) - n_eval < FLAGS.batch_size:
-        raise app.UsageError(f"--corpus has {len(corpus)} rows; {n_eval} held out for evaluation (at least "
-                             f"--batch_size) leave less than one batch of --batch_size={FLAGS.batch_size}: give at "
-                             f"least {2 * FLAGS.batch_size} rows or lower --batch_size")
+    check_enough_examples(len(corpus), f"--corpus {FLAGS.corpus}", f"give at least {2 * FLAGS.batch_size} rows")
     if FLAGS.tokenizer_from is not None and not os.path.isfile(os.path.join(FLAGS.tokenizer_from, "tokenizer.json")):
         raise app.UsageError(f"--tokenizer_from {FLAGS.tokenizer_from} holds no tokenizer.json; give the folder of "
                              "the model whose tokenizer the corpus was made with")
@@ -122,20 +118,19 @@ def main(argv: Sequence[str]) -> None:
     check_settings(corpus, cfg.vocab_size)
     params = starting_weights(cfg) if FLAGS.init_from else init_target_params(cfg, FLAGS.seed)
     from eagle3_jax.train import run_record
+    from eagle3_jax.train.split import held_out_count
 
     out = FLAGS.out.rstrip("/")
     ckpt_dir = FLAGS.ckpt_dir or out + ".ckpt"
     inputs = {"--config": FLAGS.config, "--corpus": FLAGS.corpus, "--tokenizer_from": FLAGS.tokenizer_from}
     settings = settings_of(RUN_FLAGS)
     fingerprint = run_record.data_fingerprint([FLAGS.config, FLAGS.corpus], [FLAGS.init_from] if FLAGS.init_from else [])
-    state = plan_run(out, ckpt_dir, settings, fingerprint, inputs)
+    state = plan_run(out, ckpt_dir, settings, fingerprint, inputs, what="model")
     if state == "finished":
-        print(f"{out} already holds this run's model (its checkpoints in {ckpt_dir} are finished); nothing to do "
-              "(--overwrite trains again)")
         return
     rng = np.random.default_rng(FLAGS.seed)
     order = rng.permutation(len(corpus))
-    n_eval = max(int(len(corpus) * FLAGS.eval_fraction), FLAGS.batch_size)
+    n_eval = held_out_count(len(corpus), FLAGS.eval_fraction, FLAGS.batch_size)
     eval_set, train_set = corpus[order[:n_eval]], corpus[order[n_eval:]]
     steps_per_epoch = len(train_set) // FLAGS.batch_size
     mask = np.ones(corpus.shape[1:], bool)

@@ -39,8 +39,8 @@ import numpy as np
 
 from ..sampling.sampler import SamplingParams
 from ..scheduler import Scheduler
-from ..text.chat_template import ChatTemplate, render_prompts
-from ..text.tokenizer import Tokenizer, load_tokenizer
+from ..text.chat_template import ChatTemplate
+from ..text.tokenizer import Tokenizer, encode_rendered, load_tokenizer, tokenize_prompts
 from ..train.data import load_prompts, read_utf8
 
 # InferenceX / SemiAnalysis fixed serving shapes: (input tokens, output tokens).
@@ -187,23 +187,6 @@ def dataset_path(name: str, data_dir: str | os.PathLike | None = None) -> str:
 def template_dir(tokenizer_path: str) -> str:
     """The folder a chat template is read from: the tokenizer folder, or the folder of a tokenizer file."""
     return tokenizer_path if os.path.isdir(tokenizer_path) else os.path.dirname(tokenizer_path)
-
-
-def encode_rendered(rendered: str, tokenizer: Tokenizer) -> list[int]:
-    """Token ids of a chat-template rendering, starting with BOS exactly once.
-
-    Templates usually write the BOS text themselves, so the tokenizer's own special tokens are
-    not added (as transformers' apply_chat_template does); BOS is prepended only when missing.
-    """
-    ids = tokenizer.encode(rendered, add_bos=False)
-    if tokenizer.bos_id is not None and (not ids or ids[0] != tokenizer.bos_id):
-        ids.insert(0, int(tokenizer.bos_id))
-    return ids
-
-
-def tokenize_prompts(texts: Iterable[str], tokenizer_dir: str | os.PathLike, tokenizer: Tokenizer) -> list[list[int]]:
-    """Each text as the user turn of the chat template (if any), tokenized (BOS exactly once)."""
-    return [encode_rendered(r, tokenizer) for r in render_prompts(list(texts), tokenizer_dir)]
 
 
 def dataset_workload(name: str, *, tokenizer_dir: str | os.PathLike, output_len: int, max_seq_len: int,

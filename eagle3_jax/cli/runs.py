@@ -17,6 +17,7 @@ from absl import app, flags
 
 from ..checkpoint.atomic import clash_with_input
 from ..train import run_record
+from ..train.split import held_out_count
 from . import script as cli
 
 FLAGS = flags.FLAGS
@@ -33,16 +34,28 @@ def check_training_flags(values: flags.FlagValues = FLAGS) -> None:
         raise app.UsageError(f"--eval_fraction must be in [0, 1); got {values.eval_fraction}")
 
 
+def check_enough_examples(num_examples: int, source: str, fix: str) -> None:
+    """A usage error when `num_examples` cannot fill one batch of --batch_size once the held-out share
+    (--eval_fraction, at least one batch) is taken; `source` says where they come from, `fix` how
+    to give more."""
+    n_eval = held_out_count(num_examples, FLAGS.eval_fraction, FLAGS.batch_size)
+    if num_examples - n_eval < FLAGS.batch_size:
+        raise app.UsageError(f"{source} gives {num_examples} examples; {n_eval} held out for evaluation (at least "
+                             f"--batch_size) leave {max(num_examples - n_eval, 0)}, less than one batch of "
+                             f"--batch_size={FLAGS.batch_size}: {fix} or lower --batch_size")
+
+
 def settings_of(names: tuple[str, ...]) -> dict[str, Any]:
     """{"--name": value} of the flags that shape a run's result."""
     return {f"--{name}": FLAGS[name].value for name in names}
 
 
 def plan_run(out: str, ckpt_dir: str, settings: Mapping[str, Any], fingerprint: str,
-             inputs: Mapping[str, str | None]) -> str:
-    """"start", "resume" or "finished" for a run writing `out` with checkpoints in `ckpt_dir`; a usage
-    error (one line) for checkpoints of another run or an output the run may not write. With
-    --overwrite, another run's checkpoints are deleted (only when they hold nothing else)."""
+             inputs: Mapping[str, str | None], what: str = "model") -> str:
+    """"start", "resume" or "finished" (said, naming the `what` it wrote) for a run writing `out` with
+    checkpoints in `ckpt_dir`; a usage error (one line) for checkpoints of another run or an output
+    the run may not write. With --overwrite, another run's checkpoints, or this run's finished ones,
+    are deleted (only when they hold nothing else): it trains again."""
     clash = clash_with_input(ckpt_dir, inputs, "--ckpt_dir")
     if clash:
         raise app.UsageError(clash)
@@ -56,13 +69,16 @@ def plan_run(out: str, ckpt_dir: str, settings: Mapping[str, Any], fingerprint: 
             if record.get("data") != fingerprint:
                 diffs.append("the data (prompts / corpus / model files changed)")
             why = "checkpoints of another run: " + ", ".join(diffs) if diffs else ""
-        if not why:
-            if record.get("finished") and os.path.isdir(out):
+        finished = record is not None and record.get("finished") and os.path.isdir(out)
+        if not why and not (finished and FLAGS.overwrite):
+            if finished:
+                print(f"{out} already holds this run's {what} (its checkpoints in {ckpt_dir} are finished); nothing "
+                      "to do (--overwrite trains again)")
                 return "finished"
             if os.path.lexists(out):  # an output this run did not write
                 cli.check_output("--out", out, inputs)
             return "resume"
-        if not FLAGS.overwrite:
+        if why and not FLAGS.overwrite:
             raise app.UsageError(f"{ckpt_dir} holds {why}; pass --overwrite to start again, or choose another --out")
         if not run_record.is_ours(ckpt_dir):
             raise app.UsageError(f"--ckpt_dir {ckpt_dir} holds files a training run did not write; choose another "

@@ -18,11 +18,11 @@ import dataclasses
 import functools
 import json
 import os
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import tokenizers
 
-from .chat_template import ChatTemplate, ChatTemplateError
+from .chat_template import ChatTemplate, ChatTemplateError, render_prompts
 from .tiktoken_tokenizer import VOCAB_FILE, TiktokenBackend, TiktokenFileError, load_tiktoken
 
 HF_FILE = "tokenizer.json"
@@ -305,3 +305,19 @@ def load_tokenizer(path: str | os.PathLike, bos_id: int | None = None,
         folder=folder or ".",
         adds_bos=bool(adds_bos),
     )
+
+def encode_rendered(rendered: str, tokenizer: Tokenizer) -> list[int]:
+    """Token ids of a chat-template rendering, starting with BOS exactly once.
+
+    Templates usually write the BOS text themselves, so the tokenizer's own special tokens are
+    not added (as transformers' apply_chat_template does); BOS is prepended only when missing.
+    """
+    ids = tokenizer.encode(rendered, add_bos=False)
+    if tokenizer.bos_id is not None and (not ids or ids[0] != tokenizer.bos_id):
+        ids.insert(0, int(tokenizer.bos_id))
+    return ids
+
+
+def tokenize_prompts(texts: Iterable[str], tokenizer_dir: str | os.PathLike, tokenizer: Tokenizer) -> list[list[int]]:
+    """Each text as the user turn of the chat template (if any), tokenized (BOS exactly once)."""
+    return [encode_rendered(r, tokenizer) for r in render_prompts(list(texts), tokenizer_dir)]

@@ -31,6 +31,7 @@ from .draft_model import assembled_params, init_draft_params, make_ttt_loss, new
 from .export import export_hf_draft
 from .measure import Measurement, measured_acceptance, serving_draft
 from .placement import host_copy, writes_files
+from .split import held_out_count, split_examples  # noqa: F401 (draft_run's names too)
 from .trainer import TrainConfig, Trainer
 from .ttt import TTTMemory, check_context_split
 from .vocab import DraftVocab, count_tokens, select_draft_vocab
@@ -101,19 +102,6 @@ def check_target_mesh(cfg: ModelConfig, mesh_shape: tuple[int, int, int], dtype:
         raise ValueError(notes[0])
 
 
-def held_out_count(num_examples: int, eval_fraction: float, batch_size: int) -> int:
-    """Examples held out for evaluation: `eval_fraction` of them, and at least one batch."""
-    return max(int(num_examples * eval_fraction), batch_size)
-
-
-def split_examples(examples: Sequence[Example], eval_fraction: float, batch_size: int,
-                   seed: int) -> tuple[list[Example], list[Example]]:
-    """(training, held-out) examples: a permutation by `seed`, its first `held_out_count` held out."""
-    order = np.random.default_rng(seed).permutation(len(examples))
-    n_eval = held_out_count(len(examples), eval_fraction, batch_size)
-    return [examples[i] for i in order[n_eval:]], [examples[i] for i in order[:n_eval]]
-
-
 @dataclasses.dataclass(frozen=True)
 class DraftData:
     """A run's packed data: token ids and loss masks [N, seq_len] of the training and held-out
@@ -176,6 +164,13 @@ def train_batches(target: Target, data: DraftData, recipe: DraftRecipe, store: F
         return lambda epoch: store.batches(recipe.batch_size, seed=recipe.seed, epoch=epoch)
     return lambda epoch: online_batches(target, data.train_tokens, data.train_mask, data.vocab.draft_ids,
                                         recipe.batch_size, seed=recipe.seed, epoch=epoch)
+
+
+def measurement_of(data: DraftData, num_prompts: int, every: int = 0, max_tokens: int = 64) -> Measurement | None:
+    """A measurement on the first `num_prompts` held-out prompts (all of them when fewer are held
+    out), every `every` steps and after each epoch; None for 0 prompts or none held out."""
+    prompts = data.eval_prompts[:num_prompts]
+    return Measurement(prompts=prompts, every=every, max_tokens=max_tokens) if prompts else None
 
 
 BEST_DIR, BEST_FILE = "best", "best.json"  # in the checkpoint folder: the best measured draft's weights and figures
@@ -251,6 +246,10 @@ class DraftTraining:
         """Train every epoch left (`Trainer.fit`), evaluating after each (and measuring every
         `measurement.every` steps); the epochs' summaries."""
         every = self.measurement.every if self.measurement is not None else 0
+        if self.measurement is not None:
+            m = self.measurement
+            log(f"measuring the draft through the Engine on {len(m.prompts)} held-out prompts ({m.spec.name}, "
+                f"{m.max_tokens} tokens each) after each epoch" + (f" and every {every} steps" if every else ""))
 
         def on_step(step: int, _metrics: dict) -> None:
             if every and step % every == 0:
@@ -267,6 +266,13 @@ class DraftTraining:
         if self._best_params is not None:
             return self._best_params, self.best["step"]
         return self.trainer.load_params(os.path.join(self.ckpt_dir, BEST_DIR)), self.best["step"]
+
+    def export_note(self) -> str:
+        """Which draft `export` writes, and why."""
+        params_step = self.best["step"] if self.best is not None else int(self.trainer.state.step)
+        if self.best is None:
+            return f"the last step's draft, step {params_step}"
+        return f"the draft of step {params_step}: the run's best measured tau, {self.best['tau']:.3f}"
 
     def export(self, out: str, dtype: str = "bfloat16", overwrite: bool = False,
                extra_files: dict[str, str] | None = None) -> str:

@@ -37,7 +37,7 @@ from .draft_model import make_ttt_loss, trainable_tree
 from .draft_run import DraftRecipe, batch_spec, recipe_draft_config
 from .placement import sharded_shardings
 from .trainer import TrainConfig, TrainState, compiled_bytes, make_optimizer, make_train_step
-from .ttt import TTTMemory
+from .ttt import TTTMemory, check_context_split
 from .vocab import DraftVocab
 
 
@@ -109,6 +109,12 @@ def plan_training(target, mesh: Mesh, seq_len: int, recipe: DraftRecipe = DraftR
     `plan_memory` takes them ("xla" dequantizes int4 / FP8 experts to bfloat16 before the dot, so
     those copies count; "triton" on `arch` plans the GPU's program, each kernel shape-only).
     """
+    shards = mesh.shape["data"]
+    if recipe.context_parallel:
+        check_context_split(seq_len, shards, recipe.ttt_steps)
+    elif recipe.batch_size % shards:
+        raise ValueError(f"{recipe.batch_size} sequences per step do not split over the data axis ({shards}): "
+                         "train a multiple of it, or split each sequence (context parallelism)")
     wants_kernels = any(impl != "xla" for impl in parse(kernels).values())
     if wants_kernels and arch not in launch.ARCHS:
         raise ValueError(f"planning the Triton kernels needs the GPU they run on: arch={arch!r}; use one of "
