@@ -168,8 +168,8 @@ def main(argv: Sequence[str]) -> None:
     texts = read_prompt_texts()
     corpus = read_corpus() if texts is None else None
     num_prompts = len(texts) if texts is not None else min(len(corpus), FLAGS.num_prompts)
-    source = f"--prompts {FLAGS.prompts}" if FLAGS.prompts else f"--corpus {FLAGS.corpus}"
-    check_enough_examples(num_prompts * len(temps), f"{source} x {len(temps)} temperatures",
+    source, n = f"--prompts {FLAGS.prompts}" if FLAGS.prompts else f"--corpus {FLAGS.corpus}", num_prompts * len(temps)
+    check_enough_examples(n, f"{source} gives {num_prompts} prompts x {len(temps)} temperatures = {n} examples",
                           f"give at least {-(-2 * FLAGS.batch_size // len(temps))} prompts")
     mesh = check_mesh(model_cfg)
     out = FLAGS.out.rstrip("/")

@@ -74,7 +74,8 @@ def check_settings(corpus, vocab_size: int) -> None:
     if corpus.ndim != 2 or not np.issubdtype(corpus.dtype, np.integer) or corpus.min() < 0 or corpus.max() >= vocab_size:
         raise app.UsageError(f"--corpus must be integer token ids [N, seq_len] in [0, {vocab_size}); got {corpus.dtype} "
                              f"{corpus.shape}")
-    check_enough_examples(len(corpus), f"--corpus {FLAGS.corpus}", f"give at least {2 * FLAGS.batch_size} rows")
+    check_enough_examples(len(corpus), f"--corpus {FLAGS.corpus} has {len(corpus)} rows",
+                          f"give at least {2 * FLAGS.batch_size} rows")
     if FLAGS.tokenizer_from is not None and not os.path.isfile(os.path.join(FLAGS.tokenizer_from, "tokenizer.json")):
         raise app.UsageError(f"--tokenizer_from {FLAGS.tokenizer_from} holds no tokenizer.json; give the folder of "
                              "the model whose tokenizer the corpus was made with")

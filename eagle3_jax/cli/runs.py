@@ -34,15 +34,15 @@ def check_training_flags(values: flags.FlagValues = FLAGS) -> None:
         raise app.UsageError(f"--eval_fraction must be in [0, 1); got {values.eval_fraction}")
 
 
-def check_enough_examples(num_examples: int, source: str, fix: str) -> None:
+def check_enough_examples(num_examples: int, given: str, fix: str) -> None:
     """A usage error when `num_examples` cannot fill one batch of --batch_size once the held-out share
-    (--eval_fraction, at least one batch) is taken; `source` says where they come from, `fix` how
-    to give more."""
+    (--eval_fraction, at least one batch) is taken; `given` says what gave them ("--corpus c.npy has
+    24 rows"), `fix` how to give more."""
     n_eval = held_out_count(num_examples, FLAGS.eval_fraction, FLAGS.batch_size)
     if num_examples - n_eval < FLAGS.batch_size:
-        raise app.UsageError(f"{source} gives {num_examples} examples; {n_eval} held out for evaluation (at least "
-                             f"--batch_size) leave {max(num_examples - n_eval, 0)}, less than one batch of "
-                             f"--batch_size={FLAGS.batch_size}: {fix} or lower --batch_size")
+        raise app.UsageError(f"{given}; {n_eval} held out for evaluation (at least --batch_size) leave "
+                             f"{max(num_examples - n_eval, 0)}, less than one batch of --batch_size={FLAGS.batch_size}: "
+                             f"{fix} or lower --batch_size")
 
 
 def settings_of(names: tuple[str, ...]) -> dict[str, Any]:
