@@ -39,6 +39,7 @@ class ChatOutput:
     reasoning: str | None
     tool_calls: list[dict[str, Any]]
     output: RequestOutput  # token ids, finish reason, metrics
+    prompt_token_ids: list[int] = dataclasses.field(default_factory=list)  # the rendered conversation it answered
 
 
 class Engine:
@@ -115,7 +116,7 @@ class Engine:
             text = out.text if out.text is not None else self.tokenizer.decode(out.token_ids)
             parsed = parse_output(text, parsers)
             calls = [call.openai(j, f"{reply}-{i}") for j, call in enumerate(parsed.tool_calls)]
-            answers.append(ChatOutput(text, parsed.message_content, parsed.reasoning, calls, out))
+            answers.append(ChatOutput(text, parsed.message_content, parsed.reasoning, calls, out, list(prompts[i])))
         return answers
 
     def _stopping_at_eos(self, sampling: SamplingParams | Sequence[SamplingParams] | None,

@@ -80,17 +80,22 @@ def batch_spec(recipe: DraftRecipe) -> PartitionSpec:
     return PartitionSpec(None, "data") if recipe.context_parallel else PartitionSpec("data")
 
 
-def regenerated_examples(target: Target, prompts: Sequence[Sequence[int]], kept: str, key: dict,
-                         **generation) -> tuple[Sequence[Example], bool]:
-    """The target's responses to `prompts` (`data.regenerate` with `generation`'s keywords), read
-    from the .npz `kept` when it holds them under `key` (the settings and data that made them),
-    else regenerated and kept there; and whether they were read. Kept under another key:
-    data.StaleExamples naming what differs."""
+def kept_examples(kept: str, key: dict, make: Callable[[], Sequence[Example]]) -> tuple[Sequence[Example], bool]:
+    """The examples kept in the .npz `kept` under `key` (the settings and data that made them), else
+    `make()`'s, kept there (by process 0; every process makes them alike); and whether they were
+    read. Kept under another key: data.StaleExamples naming what differs."""
     examples = load_examples(kept, key)
     if examples is not None:
         return examples, True
-    examples = regenerate(target, prompts, **generation)  # every process alike (one Engine over the mesh)
+    examples = make()
     return (save_examples(kept, examples, key) if writes_files() else examples), False
+
+
+def regenerated_examples(target: Target, prompts: Sequence[Sequence[int]], kept: str, key: dict,
+                         **generation) -> tuple[Sequence[Example], bool]:
+    """The target's responses to `prompts` (`data.regenerate` with `generation`'s keywords), kept in
+    or read from `kept` (`kept_examples`)."""
+    return kept_examples(kept, key, lambda: regenerate(target, prompts, **generation))
 
 
 def check_target_mesh(cfg: ModelConfig, mesh_shape: tuple[int, int, int], dtype: str) -> None:
