@@ -37,6 +37,8 @@ from eagle3_jax.cli.runs import check_enough_examples, check_training_flags, pla
 FLAGS = flags.FLAGS
 flags.DEFINE_string("target", None, "Target model folder (HF or Orbax).")
 flags.DEFINE_string("prompts", None, "Prompts file (.jsonl GSM8K / MT-Bench / Spec-Bench, ShareGPT .json, or .txt).")
+flags.DEFINE_bool("conversations", False, "--prompts holds whole conversations (OpenAI messages with tools, ShareGPT): "
+                  "every assistant turn answered again by the target, turn by turn, greedily; the loss on the answers.")
 flags.DEFINE_string("corpus", None, "Token corpus .npy [N, L]: prompts are the first --prompt_len tokens of each row.")
 flags.DEFINE_integer("prompt_len", 8, "Prompt tokens taken from each corpus row.", lower_bound=1)
 flags.DEFINE_integer("num_prompts", 1024, "Prompts to use.", lower_bound=2)
@@ -84,11 +86,11 @@ flags.mark_flags_as_required(["target", "out"])
 
 
 # The flags that shape the regenerated responses (with the data's fingerprint: the key they are kept under).
-GEN_FLAGS = ("prompt_len", "num_prompts", "max_tokens", "ignore_eos", "temperatures", "gen_batch_size", "target_dtype",
+GEN_FLAGS = ("conversations", "prompt_len", "num_prompts", "max_tokens", "ignore_eos", "temperatures", "gen_batch_size", "target_dtype",
              "seed")
 # The flags that shape the trained draft: a checkpoint folder resumes only a run with the same ones (not
 # --mesh: the state is restored into whatever layout the new mesh gives it).
-RUN_FLAGS = ("prompt_len", "num_prompts", "max_tokens", "ignore_eos", "temperatures", "gen_batch_size", "draft_vocab_size",
+RUN_FLAGS = ("conversations", "prompt_len", "num_prompts", "max_tokens", "ignore_eos", "temperatures", "gen_batch_size", "draft_vocab_size",
              "draft_arch", "draft_layers", "draft_intermediate_size", "ttt_steps", "epochs", "batch_size",
              "learning_rate", "warmup_steps", "max_grad_norm", "compute_dtype", "target_dtype", "mode",
              "eval_fraction", "context_parallel", "save_dtype", "seed", "fc_norm", "norm_output",
@@ -103,8 +105,9 @@ def check_settings() -> list[float]:
         temps = [float(t) for t in FLAGS.temperatures]
     except ValueError:
         raise app.UsageError(f"--temperatures must be numbers; got {','.join(FLAGS.temperatures)!r}") from None
-    if not temps or min(temps) < 0:
-        raise app.UsageError(f"--temperatures must be numbers >= 0 (0 = greedy); got {','.join(FLAGS.temperatures)!r}")
+    if not temps or min(temps) < 0 or (FLAGS.conversations and temps != [0.0]):
+        raise app.UsageError(f"--temperatures must be numbers >= 0 (0 = greedy; only 0 with --conversations); got "
+                             f"{','.join(FLAGS.temperatures)!r}")
     check_training_flags()
     return temps
 
@@ -115,9 +118,11 @@ def read_prompt_texts() -> list[str] | None:
         return None
     from eagle3_jax.train.data import load_prompts
 
+    from eagle3_jax.train.conversations import load_conversations
+
     cli.read_text(FLAGS.prompts, "--prompts")  # binary or non-UTF-8: named with the byte offset
     with cli.usage_errors(f"--prompts {FLAGS.prompts}"):  # a malformed record, an unknown extension
-        return load_prompts(FLAGS.prompts, limit=FLAGS.num_prompts)
+        return (load_conversations if FLAGS.conversations else load_prompts)(FLAGS.prompts, limit=FLAGS.num_prompts)
 
 
 def read_corpus():
@@ -168,7 +173,8 @@ def main(argv: Sequence[str]) -> None:
     texts = read_prompt_texts()
     corpus = read_corpus() if texts is None else None
     num_prompts = len(texts) if texts is not None else min(len(corpus), FLAGS.num_prompts)
-    source, n = f"--prompts {FLAGS.prompts}" if FLAGS.prompts else f"--corpus {FLAGS.corpus}", num_prompts * len(temps)
+    source = f"--prompts {FLAGS.prompts}" if FLAGS.prompts else f"--corpus {FLAGS.corpus}"
+    n = sum(len(c.assistant_turns) for c in texts) if FLAGS.conversations else num_prompts * len(temps)  # examples
     check_enough_examples(n, f"{source} gives {num_prompts} prompts x {len(temps)} temperatures = {n} examples",
                           f"give at least {-(-2 * FLAGS.batch_size // len(temps))} prompts")
     mesh = check_mesh(model_cfg)
@@ -186,7 +192,9 @@ def main(argv: Sequence[str]) -> None:
 
     from eagle3_jax.text.tokenizer import load_tokenizer, tokenize_prompts
 
-    if texts is not None:
+    if FLAGS.conversations:
+        prompts = texts  # rendered turn by turn as they are answered
+    elif texts is not None:
         warn_without_chat_template(FLAGS.target, "the --prompts")
         with cli.usage_errors(f"--target {FLAGS.target}"):  # a chat template that rejects a prompt
             prompts = tokenize_prompts(texts, FLAGS.target, load_tokenizer(FLAGS.target, bos_id=model_cfg.bos_token_id))
@@ -207,7 +215,7 @@ def main(argv: Sequence[str]) -> None:
     cfg_t = target.config
     kept, key = FLAGS.regenerated or os.path.join(ckpt_dir, run_record.REGENERATED_FILE), dict(
         settings_of(GEN_FLAGS), data=fingerprint)
-    with cli.usage_errors("--regenerated"):  # kept for other settings: named, with the fix
+    with cli.usage_errors():  # kept for other settings (named, with the fix); a conversation past the positions
         examples, read = draft_run.regenerated_examples(
             target, prompts, kept, key, max_tokens=FLAGS.max_tokens, temperatures=temps, seed=FLAGS.seed,
             batch_size=FLAGS.gen_batch_size, stop_token_ids=() if FLAGS.ignore_eos else cfg_t.eos_token_ids)
@@ -225,7 +233,7 @@ def main(argv: Sequence[str]) -> None:
         except draft_run.StaleFeatureStore as e:
             raise app.UsageError(f"{e}; pass --overwrite to write it again, or another --feature_dir") from None
     measurement = draft_run.measurement_of(data, FLAGS.measure_prompts, FLAGS.measure_every)
-    with cli.usage_errors("--context_parallel"):  # sequences too short to split over the data axis
+    with cli.usage_errors("--context_parallel" if FLAGS.context_parallel else ""):  # a split or a draft refused
         training = draft_run.DraftTraining(target, data, recipe, tc, ckpt_dir=ckpt_dir, mesh=mesh, measurement=measurement)
     run_record.write_record(ckpt_dir, settings, fingerprint)
     history = training.fit(draft_run.train_batches(target, data, recipe, store))

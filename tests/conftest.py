@@ -176,6 +176,7 @@ HEAVY: dict[str, tuple[str, ...]] = {
     ),
     "test_train_sharded.py": ("test_training_on_the_targets_mesh_equals_one_device",),
     "test_train_plan.py": ("test_the_plan_equals_a_real_runs_programs",),
+    "test_train_conversations.py": ("test_train_draft_trains_on_conversations",),
     # the Triton kernels interpreted through the engine (on JAX 0.10: the newest-JAX leg has no torch)
     "test_gpu_check.py": ("test_gpu_check_runs_small_on_cpu",),
     "test_kernel_mesh.py": (

@@ -83,3 +83,26 @@ def test_regenerated_conversations_are_kept_and_read_on_resume(kimi, tmp_path, m
     assert read and len(calls) == 2  # read back: the target is not asked again
     for a, b in zip(first, again):
         np.testing.assert_array_equal(a.tokens, b.tokens) and np.testing.assert_array_equal(a.loss_mask, b.loss_mask)
+
+
+def test_train_draft_trains_on_conversations(tmp_path):
+    """scripts/train_draft.py --conversations: a JSONL of multi-turn conversations (OpenAI and ShareGPT)
+    becomes one example per assistant turn, a draft trains and exports; asking for sampled answers is
+    refused first."""
+    import subprocess
+    import sys
+
+    story = [{"role": "user", "content": "Once upon a time"}, {"role": "assistant", "content": "there was a cat."},
+             {"role": "user", "content": "The cat"}, {"role": "assistant", "content": "ran away."}]
+    sharegpt = {"conversations": [{"from": "human", "value": "Tom had a ball"}, {"from": "gpt", "value": "It was red."}]}
+    data = tmp_path / "conversations.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in ({"messages": story}, {"messages": story[:2]}, sharegpt, sharegpt)))
+    common = [sys.executable, "scripts/train_draft.py", "--target=checkpoints/kimi-mini", f"--prompts={data}",
+              "--conversations", "--max_tokens=16", "--batch_size=1", "--ttt_steps=2", "--epochs=1",
+              "--measure_prompts=0", f"--out={tmp_path / 'draft'}"]
+    refused = subprocess.run([*common, "--temperatures=0,0.8"], capture_output=True, text=True, timeout=600)
+    assert refused.returncode == 2 and "only 0 with --conversations" in refused.stderr.strip().splitlines()[-1]
+    r = subprocess.run(common, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "regenerated 5 responses" in r.stdout  # 2 + 1 + 1 + 1 assistant turns
+    assert (tmp_path / "draft" / "model.safetensors").is_file()

@@ -11,6 +11,10 @@ thinking is a template switch (V3.1+), `deepseek_r1` when the template always op
 
 from __future__ import annotations
 
+import dataclasses
+
+from ..text.chat_template import ChatTemplate
+
 _KIMI = ("kimi_k2", "kimi_k25")
 _DEEPSEEK = ("deepseek_v3", "deepseek_v32")
 
@@ -39,3 +43,38 @@ def default_reasoning_parser(model_type: str, template: str | None) -> str | Non
     if model_type in _DEEPSEEK:
         return "deepseek_v3" if "thinking" in template else "deepseek_r1"
     return None
+
+
+AUTO, NONE = "auto", "none"  # parser names that mean "the model family's" and "off"
+
+
+@dataclasses.dataclass(frozen=True)
+class OutputParsers:
+    """The tool-call and reasoning parsers chat replies go through (vLLM's names; None: off), and
+    which of them were chosen for the model's family ("tool_call_parser", "reasoning_parser")
+    rather than asked for by name."""
+
+    tool_call_parser: str | None
+    reasoning_parser: str | None
+    auto: tuple[str, ...] = ()
+
+
+def template_text(template: ChatTemplate) -> str:
+    """Every source of a chat template (the default one and the named ones), one after another:
+    what the family's default parsers are read from."""
+    return "\n".join(filter(None, [template.source, *dict(template.named).values()]))
+
+
+def output_parsers(model_type: str, template: ChatTemplate, tool_call_parser: str = AUTO,
+                   reasoning_parser: str = AUTO) -> OutputParsers:
+    """The parsers in effect: a name as given ("none": off), "auto" as the family of `model_type`
+    and its chat template call for (off where none fits)."""
+    source = template_text(template)
+    chosen, auto = {}, []
+    for kind, value, default in (("tool_call_parser", tool_call_parser, default_tool_call_parser),
+                                 ("reasoning_parser", reasoning_parser, default_reasoning_parser)):
+        if value == AUTO:
+            value = default(model_type, source) or NONE
+            auto.append(kind)
+        chosen[kind] = None if value == NONE else value
+    return OutputParsers(chosen["tool_call_parser"], chosen["reasoning_parser"], tuple(auto))

@@ -22,13 +22,17 @@ from jax.sharding import Mesh, PartitionSpec
 
 from ..config.draft import DraftConfig
 from ..config.model import ModelConfig
+from ..engine import Engine
 from ..models.target import Target
+from ..parsers.defaults import output_parsers
+from ..text.tokenizer import load_tokenizer
 from ..planning.report import replication_notes
 from ..weights.params import flat_specs
 from .data import (Example, FeatureStore, load_examples, online_batches, pack, regenerate, save_examples,
                    write_feature_store)
 from .draft_model import assembled_params, init_draft_params, make_ttt_loss, new_draft_config
-from .export import export_hf_draft
+from .conversations import Conversation, regenerate_conversations
+from .export import draft_config_json, export_hf_draft
 from .measure import Measurement, measured_acceptance, serving_draft
 from .placement import host_copy, writes_files
 from .split import held_out_count, split_examples  # noqa: F401 (draft_run's names too)
@@ -91,11 +95,35 @@ def kept_examples(kept: str, key: dict, make: Callable[[], Sequence[Example]]) -
     return (save_examples(kept, examples, key) if writes_files() else examples), False
 
 
-def regenerated_examples(target: Target, prompts: Sequence[Sequence[int]], kept: str, key: dict,
-                         **generation) -> tuple[Sequence[Example], bool]:
-    """The target's responses to `prompts` (`data.regenerate` with `generation`'s keywords), kept in
-    or read from `kept` (`kept_examples`)."""
+def regenerated_examples(target: Target, prompts: Sequence[Sequence[int]] | Sequence[Conversation], kept: str,
+                         key: dict, **generation) -> tuple[Sequence[Example], bool]:
+    """The target's responses to `prompts` (`data.regenerate` with `generation`'s keywords), or to
+    every assistant turn of conversations (`regenerated_conversations`, greedy: of the keywords it
+    reads max_tokens and batch_size), kept in or read from `kept` (`kept_examples`)."""
+    if prompts and isinstance(prompts[0], Conversation):
+        return kept_examples(kept, key, lambda: regenerated_conversations(
+            target, prompts, max_tokens=generation["max_tokens"], batch_size=generation.get("batch_size", 32)))
     return kept_examples(kept, key, lambda: regenerate(target, prompts, **generation))
+
+
+def regenerated_conversations(target: Target, conversations: Sequence[Conversation], *, max_tokens: int,
+                              batch_size: int) -> list[Example]:
+    """Every assistant turn of `conversations` answered again by `target`, turn by turn
+    (conversations.regenerate_conversations), rendered with its chat template and parsed by the
+    parsers its family serves with (parsers.defaults.output_parsers); a ValueError naming the
+    conversation when one cannot fit the target's positions."""
+    tok = load_tokenizer(target.path, bos_id=target.config.bos_token_id)
+    parsers = output_parsers(target.config.model_type, tok.chat_template)
+    needs = [len(tok.encode(tok.apply_chat_template(list(c.messages), tools=c.tools, add_generation_prompt=False)))
+             + max_tokens * len(c.assistant_turns) for c in conversations]
+    positions = target.config.max_position_embeddings
+    if max(needs) > positions:
+        i = int(np.argmax(needs))
+        raise ValueError(f"conversation {i} may grow to {needs[i]} tokens (its turns plus max_tokens per answer), past "
+                         f"the target's {positions} positions: drop it or lower max_tokens")
+    engine = Engine(target, max_batch_size=batch_size, max_seq_len=max(needs), tokenizer=tok)
+    return regenerate_conversations(engine, conversations, max_tokens=max_tokens,
+                                    tool_call_parser=parsers.tool_call_parser, reasoning_parser=parsers.reasoning_parser)
 
 
 def check_target_mesh(cfg: ModelConfig, mesh_shape: tuple[int, int, int], dtype: str) -> None:
@@ -203,6 +231,7 @@ class DraftTraining:
             check_context_split(data.train_tokens.shape[1], mesh.shape["data"], recipe.ttt_steps)
         self.target, self.data, self.recipe = target, data, recipe
         self.config = recipe_draft_config(target.config, data.vocab, recipe)
+        draft_config_json(self.config)  # a draft the export would refuse is refused before it trains
         params, self.frozen = init_draft_params(self.config, target, data.vocab, seed=recipe.seed)
         self.steps_per_epoch = len(data.train_tokens) // recipe.batch_size
         loss = make_ttt_loss(self.config, data.vocab, recipe.ttt_steps, memory=memory,
