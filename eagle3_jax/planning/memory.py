@@ -352,6 +352,28 @@ def trace_programs(setup: AbstractSetup, prefill_chunk: int = 256,
     return traced
 
 
+def planned_kernels(kernels: str, arch: str | None) -> str | None:
+    """What a plan compiles: None for the XLA path, else `kernels` resolved as on `arch`'s GPU (a
+    ValueError for an arch the launch table does not know: kernels are planned for a GPU)."""
+    if all(impl == "xla" for impl in parse(kernels).values()):
+        return None
+    if arch not in launch.ARCHS:
+        raise ValueError(f"planning the Triton kernels needs the GPU they run on: arch={arch!r}; use one of "
+                         f"{', '.join(launch.ARCHS)}")
+    return resolve(kernels, on_gpu=True, arch=arch)
+
+
+def compiled_as_on_gpu(planned: str | None, arch: str | None) -> contextlib.ExitStack:
+    """Compile as a GPU holds a program: KV writes in place and, with `planned` kernels, each
+    kernel standing in as an op of its exact output shapes for `arch` (see `plan_memory`)."""
+    stand_ins = contextlib.ExitStack()
+    stand_ins.enter_context(launch.scatters_in_place())
+    if planned:
+        stand_ins.enter_context(launch.for_arch(arch))
+        stand_ins.enter_context(launch.shape_only())
+    return stand_ins
+
+
 def plan_memory(target, draft=None, mesh: Mesh | None = None, batch: int = 1, max_len: int = 2048,
                 spec: SpecConfig | None = None, quant: str | None = None, dtype="bfloat16",
                 prefill_chunk: int = 256, programs: Sequence[str] = ("step", "decode", "prefill"),
@@ -383,25 +405,14 @@ def plan_memory(target, draft=None, mesh: Mesh | None = None, batch: int = 1, ma
     through the bitcasts of its bit-level writes, `kv_cache._on_bits`) and FP8 weights are declared as their bytes
     (`float8_as_bytes`; XLA:CPU widens whole float8 stacks ahead of the layer loop).
     """
-    wants_kernels = any(impl != "xla" for impl in parse(kernels).values())
-    if wants_kernels and arch not in launch.ARCHS:
-        raise ValueError(f"planning the Triton kernels needs the GPU they run on: arch={arch!r}; use one of "
-                         f"{', '.join(launch.ARCHS)}")
-    if wants_kernels:
-        kernels = resolve(kernels, on_gpu=True, arch=arch)
-    setup = abstract_setup(target, draft, mesh, batch, max_len, spec, quant, dtype,
-                           kernels=kernels if wants_kernels else None, fp8_format=fp8_format,
-                           kv_cache_dtype=kv_cache_dtype)
+    planned = planned_kernels(kernels, arch)
+    setup = abstract_setup(target, draft, mesh, batch, max_len, spec, quant, dtype, kernels=planned,
+                           fp8_format=fp8_format, kv_cache_dtype=kv_cache_dtype)
     cfg, dcfg, spec, mesh = setup.cfg, setup.dcfg, setup.spec, setup.mesh
     setup = dataclasses.replace(setup, tparams=float8_as_bytes(setup.tparams),
                                 dparams=float8_as_bytes(setup.dparams))
     tparams, tcache, dparams, dcache = setup.tparams, setup.tcache, setup.dparams, setup.dcache
-    stand_ins = contextlib.ExitStack()
-    stand_ins.enter_context(launch.scatters_in_place())
-    if wants_kernels:
-        stand_ins.enter_context(launch.for_arch(arch))
-        stand_ins.enter_context(launch.shape_only())
-    with stand_ins, mesh_context(mesh):
+    with compiled_as_on_gpu(planned, arch), mesh_context(mesh):
         traced = trace_programs(setup, prefill_chunk, programs)
         results = {name: _analysis(t.lower().compile()) for name, t in traced.items()}
 
@@ -420,5 +431,5 @@ def plan_memory(target, draft=None, mesh: Mesh | None = None, batch: int = 1, ma
         argument_bytes=main["argument_bytes"], temp_bytes=main["temp_bytes"], output_bytes=main["output_bytes"],
         alias_bytes=main["alias_bytes"], weight_bytes=weight_held, kv_bytes=kv, kv_bytes_per_token=kv_per_token,
         step_read_bytes=weight_read + kv, programs=results,
-        path=f"{kernels} on {arch} (kernels shape-only)" if wants_kernels else "xla", kv_cache_dtype=kv_cache_dtype,
+        path=f"{planned} on {arch} (kernels shape-only)" if planned else "xla", kv_cache_dtype=kv_cache_dtype,
     )

@@ -18,7 +18,6 @@ The step's updated state aliases its donated input, so its outputs add nothing.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 
 import jax
@@ -26,11 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from pallas_kernels import launch
-
 from ..models.target import resolve_dtype
-from ..planning.memory import Device, abstract_setup, float8_as_bytes
-from ..runtime.kernels import parse, resolve
+from ..planning.memory import Device, abstract_setup, compiled_as_on_gpu, float8_as_bytes, planned_kernels
 from ..runtime.sharding import mesh_context
 from .data import TEACHER_CHUNK, teacher_forward
 from .draft_model import make_ttt_loss, trainable_tree
@@ -115,13 +111,9 @@ def plan_training(target, mesh: Mesh, seq_len: int, recipe: DraftRecipe = DraftR
     elif recipe.batch_size % shards:
         raise ValueError(f"{recipe.batch_size} sequences per step do not split over the data axis ({shards}): "
                          "train a multiple of it, or split each sequence (context parallelism)")
-    wants_kernels = any(impl != "xla" for impl in parse(kernels).values())
-    if wants_kernels and arch not in launch.ARCHS:
-        raise ValueError(f"planning the Triton kernels needs the GPU they run on: arch={arch!r}; use one of "
-                         f"{', '.join(launch.ARCHS)}")
-    kernels = resolve(kernels, on_gpu=True, arch=arch) if wants_kernels else None
+    planned = planned_kernels(kernels, arch)
     setup = abstract_setup(target, mesh=mesh, batch=mesh.shape["data"], max_len=16, quant=quant, dtype=dtype,
-                           kernels=kernels)
+                           kernels=planned)
     cfg, dt, b = setup.cfg, resolve_dtype(dtype), recipe.batch_size
     vd = recipe.vocab_size or cfg.vocab_size
     # ids scattered as a counted vocabulary's are (XLA folds the loss's lookups of a contiguous range)
@@ -130,12 +122,7 @@ def plan_training(target, mesh: Mesh, seq_len: int, recipe: DraftRecipe = DraftR
     rows = PartitionSpec("data" if b % mesh.shape["data"] == 0 else None)
     ids = _sds((b, seq_len), jnp.int32, mesh, rows)
     draft_ids = _sds((vd,), jnp.int32, mesh, PartitionSpec())
-    stand_ins = contextlib.ExitStack()
-    stand_ins.enter_context(launch.scatters_in_place())
-    if wants_kernels:
-        stand_ins.enter_context(launch.for_arch(arch))
-        stand_ins.enter_context(launch.shape_only())
-    with stand_ins, mesh_context(mesh):
+    with compiled_as_on_gpu(planned, arch), mesh_context(mesh):
         teacher = teacher_forward.trace(float8_as_bytes(setup.tparams), cfg, ids, draft_ids, dt, chunk=teacher_chunk)
         teacher_bytes = compiled_bytes(teacher.lower().compile())
 
