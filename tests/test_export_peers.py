@@ -23,6 +23,7 @@ from safetensors.numpy import load_file
 import eagle3_jax as e3
 from eagle3_jax.train.export import export_hf_draft
 from random_models import FAMILIES, draft_config_dict, mla_draft_config_dict, random_draft, random_target
+from test_train_data import _vllm_names
 
 LLAMA_STACKED = {".q_proj.": ".qkv_proj.", ".k_proj.": ".qkv_proj.", ".v_proj.": ".qkv_proj.",
                  ".gate_proj.": ".gate_up_proj.", ".up_proj.": ".gate_up_proj."}
@@ -42,16 +43,8 @@ def stacked(name: str, table: dict) -> str:
 
 
 def vllm_reads(keys, mla: bool) -> set[str]:
-    out = set()
-    for name in keys:
-        if "t2d" in name:
-            continue
-        if "d2t" in name:
-            out.add(name.replace("d2t", "draft_id_to_target_id"))
-            continue
-        name = name if "lm_head" in name else "model." + name
-        out.add(stacked(name.replace("midlayer.", "layers.0."), MLA_STACKED_VLLM if mla else LLAMA_STACKED))
-    return out
+    """The renames (test_train_data._vllm_names), then the stacked parameters."""
+    return {stacked(name, MLA_STACKED_VLLM if mla else LLAMA_STACKED) for name in _vllm_names(keys)}
 
 
 def vllm_params(mla: bool, reduced: bool, fc_norm: bool = False, norm_before_fc: bool = False) -> set[str]:

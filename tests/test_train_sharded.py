@@ -13,7 +13,7 @@ from safetensors.numpy import load_file
 import eagle3_jax as e3
 from eagle3_jax.train import data as data_lib
 from eagle3_jax.train import draft_run
-from eagle3_jax.train.placement import bytes_per_device, sharded_spec
+from eagle3_jax.train.placement import sharded_spec
 from eagle3_jax.train.trainer import TrainConfig
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs XLA_FLAGS=--xla_force_host_platform_device_count=8 "
@@ -28,6 +28,15 @@ def examples():
     rng = np.random.default_rng(0)
     prompts = [list(map(int, rng.integers(3, 500, 6))) for _ in range(20)]
     return data_lib.regenerate(target, prompts, max_tokens=26, batch_size=20)
+
+
+def bytes_per_device(tree) -> int:
+    """Bytes the arrays of `tree` hold on their most loaded device (their shards' sizes)."""
+    per_device: dict = {}
+    for leaf in jax.tree.leaves(tree):
+        for shard in leaf.addressable_shards:
+            per_device[shard.device] = per_device.get(shard.device, 0) + shard.data.nbytes
+    return max(per_device.values(), default=0)
 
 
 def train(examples, mesh, tmp_path, name, steps=50):

@@ -393,4 +393,3 @@ def render_prompts(texts: Sequence[str], tokenizer_dir: str | os.PathLike) -> li
 def render_prompt(text: str, tokenizer_dir: str | os.PathLike) -> str:
     """`text` as the user turn of the folder's chat template (see `render_prompts`)."""
     return render_prompts([text], tokenizer_dir)[0]
-

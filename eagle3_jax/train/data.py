@@ -304,9 +304,10 @@ def _on_target(target: Target, rows, draft_ids: jax.Array) -> dict:
     serving shards it; the outputs stay on the devices."""
     mesh = target.mesh
     if mesh is None:
-        return teacher_forward(target.params, target.config, jnp.asarray(rows), draft_ids, target.dtype)
-    split = "data" if len(rows) % mesh.shape["data"] == 0 else None
-    rows = global_array(rows, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(split)))
+        rows = jnp.asarray(rows)
+    else:
+        split = "data" if len(rows) % mesh.shape["data"] == 0 else None
+        rows = global_array(rows, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(split)))
     with mesh_context(mesh):
         return teacher_forward(target.params, target.config, rows, draft_ids, target.dtype)
 
@@ -373,8 +374,9 @@ def online_batches(target: Target, tokens, loss_mask, draft_ids, batch_size: int
     d = jnp.asarray(_check_draft_ids(draft_ids, target.config.vocab_size))
 
     def make(idx):
-        out = {"tokens": tokens[idx], "loss_mask": loss_mask[idx]}
-        out.update(_on_target(target, tokens[idx], d))
+        rows = tokens[idx]
+        out = {"tokens": rows, "loss_mask": loss_mask[idx]}
+        out.update(_on_target(target, rows, d))
         return out
 
     pending = None
@@ -468,7 +470,7 @@ def write_feature_store(out_dir: str | os.PathLike, target: Target, tokens, loss
             stop = min(start + batch_size, n)
             rows = np.zeros((batch_size, t), np.int32)  # pad the last batch: one compiled shape
             rows[: stop - start] = tokens[start:stop]
-            out = jax.device_get(teacher_forward(target.params, target.config, jnp.asarray(rows), jnp.asarray(d), target.dtype))
+            out = jax.device_get(_on_target(target, rows, jnp.asarray(d)))
             batch = {"tokens": tokens[start:stop], "loss_mask": loss_mask[start:stop]}
             batch.update({k: np.asarray(v)[: stop - start] for k, v in out.items()})
             i = start

@@ -303,10 +303,9 @@ class DraftTraining:
 
     def export_note(self) -> str:
         """Which draft `export` writes, and why."""
-        params_step = self.best["step"] if self.best is not None else int(self.trainer.state.step)
         if self.best is None:
-            return f"the last step's draft, step {params_step}"
-        return f"the draft of step {params_step}: the run's best measured tau, {self.best['tau']:.3f}"
+            return f"the last step's draft, step {int(self.trainer.state.step)}"
+        return f"the draft of step {self.best['step']}: the run's best measured tau, {self.best['tau']:.3f}"
 
     def export(self, out: str, dtype: str = "bfloat16", overwrite: bool = False,
                extra_files: dict[str, str] | None = None) -> str:

@@ -72,12 +72,3 @@ def host_copy(tree):
 def writes_files() -> bool:
     """Whether this process writes a run's files (checkpoints aside: Orbax coordinates those)."""
     return jax.process_index() == 0
-
-
-def bytes_per_device(tree) -> int:
-    """Bytes the arrays of `tree` hold on their most loaded device (their shards' sizes)."""
-    per_device: dict = {}
-    for leaf in jax.tree.leaves(tree):
-        for shard in leaf.addressable_shards:
-            per_device[shard.device] = per_device.get(shard.device, 0) + shard.data.nbytes
-    return max(per_device.values(), default=0)
