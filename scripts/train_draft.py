@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from eagle3_jax.cli import script as cli  # noqa: E402
 from eagle3_jax.cli.flags import check_target_path, define_mesh_flags, mesh_from_flags, warn_without_chat_template  # noqa: E402
-from eagle3_jax.cli.runs import check_enough_examples, check_training_flags, plan_run, settings_of  # noqa: E402
+from eagle3_jax.cli.runs import check_enough_examples, check_training_flags, defaults_of, plan_run, settings_of  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("target", None, "Target model folder (HF or Orbax).")
@@ -217,7 +217,7 @@ def main(argv: Sequence[str]) -> None:
         settings_of(GEN_FLAGS), data=fingerprint)
     with cli.usage_errors():  # kept for other settings (named, with the fix); a conversation past the positions
         examples, read = draft_run.regenerated_examples(
-            target, prompts, kept, key, max_tokens=FLAGS.max_tokens, temperatures=temps, seed=FLAGS.seed,
+            target, prompts, kept, key, defaults_of(key), max_tokens=FLAGS.max_tokens, temperatures=temps, seed=FLAGS.seed,
             batch_size=FLAGS.gen_batch_size, stop_token_ids=() if FLAGS.ignore_eos else cfg_t.eos_token_ids)
     print(f"{len(examples)} responses regenerated before, read from {kept}" if read else f"regenerated {len(examples)} "
           f"responses ({len(prompts)} prompts x temperatures {temps}) in {time.perf_counter() - start:.0f} s (kept in {kept})")

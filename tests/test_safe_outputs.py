@@ -224,6 +224,18 @@ def test_training_resumes_only_the_same_run(tmp_path):
     r = run_script("train_target", *args)
     assert r.returncode == 0 and "already holds this run's model" in r.stdout, r.stderr[-3000:]
     assert digest(out) == trained
+    # a record written before a flag existed (here --save_dtype, left at its default) is still this run's
+    from eagle3_jax.train.run_record import RUN_FILE
+
+    record_path = os.path.join(out + ".ckpt", RUN_FILE)
+    with open(record_path) as f:
+        record = json.load(f)
+    del record["settings"]["--save_dtype"]
+    with open(record_path, "w") as f:
+        json.dump(record, f)
+    for extra, says in (((), "already holds this run's model"), (("--save_dtype=float32",), "--save_dtype bfloat16 -> float32")):
+        r = run_script("train_target", *args, *extra)
+        assert says in r.stdout + r.stderr, (r.stdout + r.stderr)[-3000:]
     # other settings or data: one line naming them and the ways on
     np.save(str(tmp_path / "other.npy"), np.random.default_rng(1).integers(3, 64, (24, 8)).astype(np.int32))
     cases = [

@@ -319,8 +319,15 @@ def test_regenerated_examples_are_kept_and_read_back_only_for_their_key(tmp_path
     for got, want in zip(back, examples):
         np.testing.assert_array_equal(got.tokens, want.tokens)
         np.testing.assert_array_equal(got.loss_mask, want.loss_mask)
-    with pytest.raises(StaleExamples, match="--max_tokens"):
+    with pytest.raises(StaleExamples, match="--max_tokens 6 -> 7"):
         load_examples(path, dict(key, **{"--max_tokens": 7}))
+    # a flag added since the responses were kept: they ran as its default, and match only that
+    added, defaults = dict(key, **{"--conversations": None}), {"--conversations": None}
+    assert len(load_examples(path, added, defaults)) == 3
+    with pytest.raises(StaleExamples, match="--conversations None -> chats.jsonl"):
+        load_examples(path, dict(added, **{"--conversations": "chats.jsonl"}), defaults)
+    with pytest.raises(StaleExamples, match="--conversations unset -> None"):
+        load_examples(path, added)
     save_examples(path, [], key)
     assert load_examples(path, key) == [] and os.listdir(tmp_path) == ["regenerated.npz"]
 

@@ -50,6 +50,12 @@ def settings_of(names: tuple[str, ...]) -> dict[str, Any]:
     return {f"--{name}": FLAGS[name].value for name in names}
 
 
+def defaults_of(settings: Mapping[str, Any]) -> dict[str, Any]:
+    """{"--name": default} for the flags among `settings`' names: what a setting missing from a record
+    written before the flag existed stands for (the run ran as its default)."""
+    return {name: FLAGS[name[2:]].default for name in settings if name.startswith("--") and name[2:] in FLAGS}
+
+
 def plan_run(out: str, ckpt_dir: str, settings: Mapping[str, Any], fingerprint: str,
              inputs: Mapping[str, str | None], what: str = "model") -> str:
     """"start", "resume" or "finished" (said, naming the `what` it wrote) for a run writing `out` with
@@ -65,7 +71,7 @@ def plan_run(out: str, ckpt_dir: str, settings: Mapping[str, Any], fingerprint: 
         if record is None:
             why = "checkpoints that record no settings"
         else:
-            diffs = run_record.differences(record["settings"], settings)
+            diffs = run_record.differences(record["settings"], settings, defaults_of(settings))
             if record.get("data") != fingerprint:
                 diffs.append("the data (prompts / corpus / model files changed)")
             why = "checkpoints of another run: " + ", ".join(diffs) if diffs else ""

@@ -40,6 +40,7 @@ from ..engine import Engine
 from ..models.target import Target, forward
 from ..runtime.sharding import mesh_context
 from ..sampling.sampler import SamplingParams
+from . import run_record
 from .placement import global_array
 
 STORE_FORMAT = "eagle3_jax.feature_store"
@@ -226,16 +227,16 @@ def save_examples(path: str | os.PathLike, examples: Sequence[Example], key: dic
     return examples
 
 
-def load_examples(path: str | os.PathLike, key: dict) -> list[Example] | None:
+def load_examples(path: str | os.PathLike, key: dict, defaults: dict | None = None) -> list[Example] | None:
     """The examples `save_examples` wrote to `path` with this `key`; None when there is no such file;
-    StaleExamples naming the settings that differ when it was made with another key."""
+    StaleExamples naming the settings that differ when it was made with another key (a name in one
+    key only counts as its entry in `defaults`: a flag added since ran as its default)."""
     if not os.path.isfile(path):
         return None
     with np.load(path) as f:
-        kept = json.loads(str(f["key"]))
-        if kept != json.loads(json.dumps(key, sort_keys=True)):
-            differ = sorted(k for k in set(kept) | set(key) if kept.get(k) != key.get(k))
-            raise StaleExamples(f"{os.fspath(path)} holds responses regenerated with another {', '.join(differ)}; "
+        differ = run_record.differences(json.loads(str(f["key"])), json.loads(json.dumps(key)), defaults)
+        if differ:
+            raise StaleExamples(f"{os.fspath(path)} holds responses regenerated with other settings ({', '.join(differ)}); "
                                 "delete it or keep these elsewhere")
         ends = np.cumsum(f["lengths"])
         tokens, mask = np.split(f["tokens"], ends[:-1]), np.split(f["loss_mask"], ends[:-1])

@@ -84,11 +84,13 @@ def batch_spec(recipe: DraftRecipe) -> PartitionSpec:
     return PartitionSpec(None, "data") if recipe.context_parallel else PartitionSpec("data")
 
 
-def kept_examples(kept: str, key: dict, make: Callable[[], Sequence[Example]]) -> tuple[Sequence[Example], bool]:
+def kept_examples(kept: str, key: dict, make: Callable[[], Sequence[Example]],
+                  key_defaults: dict | None = None) -> tuple[Sequence[Example], bool]:
     """The examples kept in the .npz `kept` under `key` (the settings and data that made them), else
     `make()`'s, kept there (by process 0; every process makes them alike); and whether they were
-    read. Kept under another key: data.StaleExamples naming what differs."""
-    examples = load_examples(kept, key)
+    read. Kept under another key: data.StaleExamples naming what differs (`key_defaults`: what a
+    setting missing from one key stands for, data.load_examples)."""
+    examples = load_examples(kept, key, key_defaults)
     if examples is not None:
         return examples, True
     examples = make()
@@ -96,14 +98,15 @@ def kept_examples(kept: str, key: dict, make: Callable[[], Sequence[Example]]) -
 
 
 def regenerated_examples(target: Target, prompts: Sequence[Sequence[int]] | Sequence[Conversation], kept: str,
-                         key: dict, **generation) -> tuple[Sequence[Example], bool]:
+                         key: dict, key_defaults: dict | None = None, **generation) -> tuple[Sequence[Example], bool]:
     """The target's responses to `prompts` (`data.regenerate` with `generation`'s keywords), or to
     every assistant turn of conversations (`regenerated_conversations`, greedy: of the keywords it
     reads max_tokens and batch_size), kept in or read from `kept` (`kept_examples`)."""
     if prompts and isinstance(prompts[0], Conversation):
         return kept_examples(kept, key, lambda: regenerated_conversations(
-            target, prompts, max_tokens=generation["max_tokens"], batch_size=generation.get("batch_size", 32)))
-    return kept_examples(kept, key, lambda: regenerate(target, prompts, **generation))
+            target, prompts, max_tokens=generation["max_tokens"], batch_size=generation.get("batch_size", 32)),
+            key_defaults)
+    return kept_examples(kept, key, lambda: regenerate(target, prompts, **generation), key_defaults)
 
 
 def regenerated_conversations(target: Target, conversations: Sequence[Conversation], *, max_tokens: int,

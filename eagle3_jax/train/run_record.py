@@ -91,11 +91,15 @@ def saved_steps(ckpt_dir: str | os.PathLike) -> list[int]:
     return sorted(int(n) for n in names if n.isdigit() and os.path.isdir(os.path.join(ckpt_dir, n)))
 
 
-def differences(recorded: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
-    """`name recorded -> current` for every setting that differs (missing ones shown as unset)."""
+def differences(recorded: Mapping[str, Any], current: Mapping[str, Any],
+                defaults: Mapping[str, Any] | None = None) -> list[str]:
+    """`name recorded -> current` for every setting that differs. A name on one side only counts as its
+    entry in `defaults` there (a flag added since the record was written ran as its default), else
+    as unset."""
+    defaults = defaults or {}
     out = []
     for name in sorted(set(recorded) | set(current)):
-        old, new = recorded.get(name, "unset"), current.get(name, "unset")
+        old, new = (side.get(name, defaults.get(name, "unset")) for side in (recorded, current))
         if _normal(old) != _normal(new):
             out.append(f"{name} {_shown(old)} -> {_shown(new)}")
     return out
