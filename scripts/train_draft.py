@@ -184,7 +184,7 @@ def main(argv: Sequence[str]) -> None:
     inputs = {"--target": FLAGS.target, "--prompts": FLAGS.prompts, "--corpus": FLAGS.corpus}
     if FLAGS.mode == "offline" and not os.path.isdir(feature_dir):  # an existing store is reused once checked
         cli.check_output("--feature_dir", feature_dir, inputs)
-    settings = settings_of(RUN_FLAGS)
+    settings = dict(settings_of(RUN_FLAGS), rows="packed")  # runs before packing laid one example per row
     fingerprint = run_record.data_fingerprint([FLAGS.prompts or FLAGS.corpus], [FLAGS.target])
     state = plan_run(out, ckpt_dir, settings, fingerprint, inputs, what="draft")
     if state == "finished":
@@ -223,8 +223,7 @@ def main(argv: Sequence[str]) -> None:
           f"responses ({len(prompts)} prompts x temperatures {temps}) in {time.perf_counter() - start:.0f} s (kept in {kept})")
     shards = mesh.shape["data"] if FLAGS.context_parallel else 1
     data = draft_run.prepare_data(examples, cfg_t.vocab_size, recipe, length_multiple=shards)
-    print(f"draft vocabulary: {FLAGS.draft_vocab_size or cfg_t.vocab_size} of {cfg_t.vocab_size} ids, covering "
-          f"{data.vocab.covered_mass:.4f} of response tokens")
+    print(data.summary())
     store = None
     if FLAGS.mode == "offline":
         try:  # starting again (--overwrite over another run's checkpoints): fresh features

@@ -49,16 +49,20 @@ def test_split_is_a_seeded_permutation_with_the_held_out_first():
     assert [id(e) for e in again] == [id(e) for e in train]
 
 
-def test_prepare_data_counts_only_training_responses_and_packs_to_the_longest():
+def test_prepare_data_counts_only_training_responses_and_packs_in_rows_of_the_longest():
     examples = _examples(20)
     _, held_out = draft_run.split_examples(examples, RECIPE.eval_fraction, RECIPE.batch_size, RECIPE.seed)
     for e in held_out:  # a token only the held-out responses use: not worth a draft id
         e.tokens[-1] = 63
     data = draft_run.prepare_data(examples, 64, RECIPE)
     longest = max(len(e.tokens) for e in examples)
-    assert data.train_tokens.shape == (15, longest) and data.eval_tokens.shape == (5, longest)
-    assert data.train_mask.shape == data.train_tokens.shape and data.eval_mask.sum() == sum(e.loss_mask.sum()
-                                                                                            for e in held_out)
+    assert data.train_tokens.shape[1] == data.eval_tokens.shape[1] == longest
+    # packed: every example whole (its positions from 0), in fewer rows, at least a batch of them
+    assert RECIPE.batch_size <= len(data.train_tokens) < 15 and RECIPE.batch_size <= len(data.eval_tokens) <= 5
+    assert ((data.train_positions == 0) & (data.train_tokens == 1)).sum() == 15  # each starts with the prompt 1, 2, 3
+    assert data.train_mask.shape == data.train_positions.shape == data.train_tokens.shape
+    assert data.eval_mask.sum() == sum(e.loss_mask.sum() for e in held_out)
+    assert data.train_mask.sum() == sum(e.loss_mask.sum() for e in examples) - data.eval_mask.sum()
     assert data.vocab.draft_vocab_size == 40 and 63 not in set(data.vocab.draft_ids.tolist())
     full = draft_run.prepare_data(examples, 64, draft_run.DraftRecipe(batch_size=4, eval_fraction=0.25))
     assert full.vocab.draft_vocab_size == 64  # vocab_size 0: the target's vocabulary
@@ -73,7 +77,7 @@ def test_feature_store_is_reused_refused_or_rewritten(target, tmp_path):
     data = draft_run.prepare_data(_examples(20), 64, RECIPE)
     path = str(tmp_path / "features")
     store = draft_run.offline_store(path, target, data)
-    assert draft_run.store_matches(store, data) and len(store) == 15
+    assert draft_run.store_matches(store, data) and len(store) == len(data.train_tokens)
     written = os.path.getmtime(path)
     assert draft_run.store_matches(draft_run.offline_store(path, target, data), data)
     assert os.path.getmtime(path) == written  # a matching store is read, not written again
@@ -83,7 +87,16 @@ def test_feature_store_is_reused_refused_or_rewritten(target, tmp_path):
         draft_run.offline_store(path, target, other)
     assert draft_run.store_matches(draft_run.offline_store(path, target, other, overwrite=True), other)
     batches = list(draft_run.train_batches(target, other, RECIPE, FeatureStore(path))(0))
-    assert len(batches) == 15 // 4 and all(len(b["tokens"]) == 4 for b in batches)
+    assert len(batches) == len(other.train_tokens) // 4 and all(len(b["tokens"]) == 4 for b in batches)
+    # a store in another version of the format (one written before packing): refused by name, or rewritten
+    meta_path = os.path.join(path, "meta.json")
+    with open(meta_path) as f:
+        meta = json.load(f)
+    with open(meta_path, "w") as f:
+        json.dump(dict(meta, version=1), f)
+    with pytest.raises(draft_run.StaleFeatureStore, match="cannot be read .*store version 1"):
+        draft_run.offline_store(path, target, other)
+    assert draft_run.store_matches(draft_run.offline_store(path, target, other, overwrite=True), other)
 
 
 def test_a_short_run_trains_resumes_and_exports_a_loadable_draft(target, tmp_path):

@@ -332,16 +332,51 @@ def test_regenerated_examples_are_kept_and_read_back_only_for_their_key(tmp_path
     assert load_examples(path, key) == [] and os.listdir(tmp_path) == ["regenerated.npz"]
 
 
-def test_pack():
-    exs = [Example(np.arange(1, 6, dtype=np.int32), np.array([0, 0, 1, 1, 1], bool)),
-           Example(np.arange(10, 20, dtype=np.int32), np.arange(10) >= 2)]
-    tokens, mask, lengths = pack(exs, 8)
-    assert tokens.dtype == np.int32 and mask.dtype == np.bool_ and tokens.shape == mask.shape == (2, 8)
-    np.testing.assert_array_equal(tokens[0], [1, 2, 3, 4, 5, 0, 0, 0])
-    np.testing.assert_array_equal(mask[0], [0, 0, 1, 1, 1, 0, 0, 0])
-    np.testing.assert_array_equal(tokens[1], np.arange(10, 18))
-    np.testing.assert_array_equal(mask[1], np.arange(8) >= 2)
-    np.testing.assert_array_equal(lengths, [5, 8])
+def test_pack_lays_whole_examples_in_few_rows_each_counting_from_zero():
+    lengths = (6, 10, 3, 4, 12)
+    exs = [Example(np.arange(100 * i + 1, 100 * i + 1 + n, dtype=np.int32), np.arange(n) >= 2)
+           for i, n in enumerate(lengths)]
+    tokens, mask, positions = pack(exs, 10)
+    assert tokens.dtype == positions.dtype == np.int32 and mask.dtype == np.bool_ and tokens.shape == (4, 10)
+    # longest first, each into the roomiest row that holds it: [10], [12 cut to 10], [6, 4], [3, padding]
+    np.testing.assert_array_equal(tokens[0], np.arange(101, 111))
+    np.testing.assert_array_equal(tokens[1], np.arange(401, 411))
+    np.testing.assert_array_equal(tokens[2], np.concatenate([np.arange(1, 7), np.arange(301, 305)]))
+    np.testing.assert_array_equal(positions[2], [0, 1, 2, 3, 4, 5, 0, 1, 2, 3])
+    np.testing.assert_array_equal(mask[2], [0, 0, 1, 1, 1, 1, 0, 0, 1, 1])
+    np.testing.assert_array_equal(tokens[3], [201, 202, 203] + [0] * 7)
+    np.testing.assert_array_equal(positions[3], [0, 1, 2, 0, 1, 2, 3, 4, 5, 6])  # the padding: a sequence of its own
+    assert not mask[3, 3:].any()
+    # at least a batch of rows while there are examples for them: the short ones spread out
+    tokens, _, positions = pack(exs[:1] + exs[2:4], 20, min_rows=2)
+    assert tokens.shape == (2, 20) and [list(np.flatnonzero(p[:(t != 0).sum()] == 0)) for p, t in zip(positions, tokens)] \
+        == [[0], [0, 4]]
+    assert pack(exs[:1], 20, min_rows=4)[0].shape == (1, 20)
+
+
+def test_teacher_sees_each_packed_sequence_alone():
+    """Three sequences packed in rows of 32 and run in passes of 8 (sequences straddle the passes):
+    each one's features, logits and argmax equal its teacher alone, for MLA + MoE, GQA + MoE and a
+    dense GQA target; positions that do not count from 0 through each sequence are refused."""
+    rng = np.random.default_rng(2)
+    exs = [Example(rng.integers(1, 64, n).astype(np.int32), np.ones(n, bool)) for n in (13, 11, 8)]
+    tokens, _, positions = pack(exs, 32)
+    assert tokens.shape == (1, 32)
+    starts = list(np.flatnonzero(positions[0] == 0))[:3]
+    draft_ids = jnp.asarray([1, 5, 9, 30], jnp.int32)
+    for family in ("deepseek_v3", "minimax_m2", "llama"):
+        target = random_target(FAMILIES[family])
+        packed = teacher_forward(target.params, target.config, jnp.asarray(tokens), draft_ids, target.dtype, chunk=8,
+                                 positions=jnp.asarray(positions))
+        for ex, at in zip(exs, starts):
+            n = len(ex.tokens)
+            alone = teacher_forward(target.params, target.config, jnp.asarray(ex.tokens[None]), draft_ids, target.dtype)
+            for key, value in alone.items():
+                np.testing.assert_allclose(np.asarray(packed[key][0, at:at + n], np.float32),
+                                           np.asarray(value[0], np.float32), rtol=1e-5, atol=1e-5,
+                                           err_msg=f"{family} {key} at {at}")
+    with pytest.raises(ValueError, match="count 0, 1"):
+        teacher_batch(target, tokens, draft_ids, positions=positions + 1)
 
 
 # ---- teacher batches: online vs offline ------------------------------------------------------------------
@@ -380,27 +415,31 @@ def test_batch_order():
 
 def test_online_and_feature_store_batches_are_identical(target, rows, tmp_path):
     tokens, mask, draft_ids = rows
+    positions = np.tile(np.arange(12, dtype=np.int32), (10, 1))
+    positions[::2, 5:] -= 5  # the even rows hold two sequences
     path = write_feature_store(tmp_path / "store", target, tokens, mask, draft_ids, batch_size=3, progress=False,
-                               shard_size=3)
+                               shard_size=3, positions=positions)
     store = FeatureStore(path)
     assert len(store) == 10 and store.seq_len == 12
     np.testing.assert_array_equal(store.draft_ids, draft_ids)
     assert store.aux_layer_ids == tuple(target.config.aux_layer_ids)
     for drop_last in (True, False):
         off = list(store.batches(4, seed=7, epoch=2, drop_last=drop_last))
-        on = list(online_batches(target, tokens, mask, draft_ids, 4, seed=7, epoch=2, drop_last=drop_last))
+        on = list(online_batches(target, tokens, mask, draft_ids, 4, seed=7, epoch=2, drop_last=drop_last,
+                                 positions=positions))
         assert len(off) == len(on) == (2 if drop_last else 3)
         for a, b, idx in zip(off, on, batch_order(10, 4, seed=7, epoch=2, drop_last=drop_last)):
-            assert set(a) == set(b) == {"tokens", "loss_mask", "aux", "teacher_logits", "teacher_argmax"}
+            assert set(a) == set(b) == {"tokens", "loss_mask", "positions", "aux", "teacher_logits", "teacher_argmax"}
             for k in a:
                 assert a[k].dtype == np.asarray(b[k]).dtype, k
                 np.testing.assert_array_equal(a[k], np.asarray(b[k]), err_msg=k)  # bitwise (float32 target)
             np.testing.assert_array_equal(a["tokens"], tokens[idx])
             np.testing.assert_array_equal(a["loss_mask"], mask[idx])
+            np.testing.assert_array_equal(a["positions"], positions[idx])
     e2 = np.concatenate([b["tokens"] for b in store.batches(4, seed=7, epoch=2)])
     e3_ = np.concatenate([b["tokens"] for b in store.batches(4, seed=7, epoch=3)])
     assert not np.array_equal(e2, e3_)
-    ref = teacher_batch(target, tokens[[9, 0]], draft_ids)
+    ref = teacher_batch(target, tokens[[9, 0]], draft_ids, positions=positions[[9, 0]])
     got = store.rows([9, 0])
     np.testing.assert_array_equal(got["teacher_logits"], np.asarray(ref["teacher_logits"]))
 

@@ -24,9 +24,13 @@ def run():
 
 def test_held_out_prompts_are_the_held_out_examples_prompts(run):
     _, data, _ = run
-    assert len(data.eval_prompts) == len(data.eval_tokens) == 8
-    for prompt, row, mask in zip(data.eval_prompts, data.eval_tokens, data.eval_mask):
-        assert len(prompt) == 4 and list(row[:4]) == list(prompt) and not mask[:4].any() and mask[4]
+    assert len(data.eval_prompts) == 8
+    # each held-out example, packed where it fits, starts with its prompt (not learned) and then its response
+    starts = [(r, c) for r, c in zip(*np.nonzero(data.eval_positions == 0)) if data.eval_mask[r, c:c + 5].any()]
+    rows = sorted(tuple(data.eval_tokens[r, c:c + 4]) for r, c in starts)
+    assert rows == sorted(data.eval_prompts) and all(len(p) == 4 for p in data.eval_prompts)
+    for r, c in starts:
+        assert not data.eval_mask[r, c:c + 4].any() and data.eval_mask[r, c + 4]
 
 
 def test_the_best_measured_draft_is_exported(run, tmp_path):

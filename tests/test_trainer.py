@@ -28,13 +28,13 @@ def setup():
     examples = data_lib.regenerate(target, prompts, max_tokens=20, temperatures=(0.0,), batch_size=48)
     vocab = select_draft_vocab(count_tokens([e.tokens for e in examples], [e.loss_mask for e in examples],
                                             vocab_size=64), 48)
-    tokens, mask, _ = data_lib.pack(examples, 24)
+    tokens, mask, positions = data_lib.pack(examples, 24)
     cfg = new_draft_config(target.config, vocab, intermediate_size=64)
-    return target, prompts, vocab, tokens, mask, cfg
+    return target, prompts, vocab, tokens, mask, cfg, positions
 
 
 def make_trainer(setup, ckpt_dir=None, epochs=1, lr=3e-3):
-    target, _, vocab, tokens, mask, cfg = setup
+    target, _, vocab, tokens, mask, cfg, positions = setup
     params, frozen = init_draft_params(cfg, target, vocab, seed=0)
     steps = len(tokens) // BATCH
     tc = TrainConfig(epochs=epochs, learning_rate=lr, warmup_steps=2, checkpoint_every=2, compute_dtype="float32")
@@ -42,7 +42,8 @@ def make_trainer(setup, ckpt_dir=None, epochs=1, lr=3e-3):
                       ckpt_dir=ckpt_dir)
 
     def batches(epoch):
-        return data_lib.online_batches(target, tokens, mask, vocab.draft_ids, BATCH, seed=0, epoch=epoch)
+        return data_lib.online_batches(target, tokens, mask, vocab.draft_ids, BATCH, seed=0, epoch=epoch,
+                                       positions=positions)
 
     return trainer, batches, steps, frozen
 
@@ -54,7 +55,7 @@ def engine_tau(target, draft, prompts):
 
 
 def test_training_lowers_loss_and_raises_acceptance(setup, tmp_path):
-    target, prompts, vocab, tokens, mask, cfg = setup
+    target, prompts, vocab, tokens, mask, cfg, _ = setup
     trainer, batches, steps, frozen = make_trainer(setup, epochs=8)
     evaluate = lambda p: trainer.evaluate(batches(0))  # noqa: E731
     before = evaluate(None)
@@ -103,7 +104,7 @@ def test_resume_continues_the_same_loss_curve(setup, tmp_path):
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs XLA_FLAGS=--xla_force_host_platform_device_count=8 (make test sets it)")
 def test_data_parallel_training_equals_single_device(setup):
     """Rows over 8 devices, or each sequence over 4 (context parallelism): the one-device losses."""
-    target, _, vocab, tokens, mask, cfg = setup
+    target, _, vocab, tokens, mask, cfg, positions = setup
     losses = {}
     for name, mesh in [("single", None), ("data8", e3.make_mesh(data=8)), ("context4", e3.make_mesh(data=4, tensor=2))]:
         params, frozen = init_draft_params(cfg, target, vocab, seed=0)
@@ -112,7 +113,8 @@ def test_data_parallel_training_equals_single_device(setup):
         trainer = Trainer(make_ttt_loss(cfg, vocab, num_steps=3, context=(mesh, "data") if split else None), params,
                           frozen, tc, total_steps=3, mesh=mesh,
                           batch_spec=PartitionSpec(None, "data") if split else PartitionSpec("data"))
-        batches = lambda epoch: data_lib.online_batches(target, tokens, mask, vocab.draft_ids, BATCH, seed=0, epoch=epoch)  # noqa: E731
+        batches = lambda epoch: data_lib.online_batches(  # noqa: E731
+            target, tokens, mask, vocab.draft_ids, BATCH, seed=0, epoch=epoch, positions=positions)
         got = []
         trainer.fit(batches, 3, progress=False, log=lambda s: None, on_step=lambda s, m: got.append(m["loss"]))
         losses[name] = got

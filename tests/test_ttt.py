@@ -142,6 +142,65 @@ def test_context_parallel_training_equals_one_device(arch, switches):
         _loss_case(arch, switches, length=12)(context=(mesh, "data"))  # 3 positions a shard, depth 3
 
 
+@pytest.mark.parametrize("arch,switches", [("llama", {}), ("mla", SLIDING)], ids=["llama", "mla-sliding3"])
+def test_sequences_packed_in_a_row_train_as_if_alone(arch, switches):
+    """Three sequences packed in one row (data.pack, positions from 0 in each): every step's draft
+    logits at each sequence's origins equal that sequence's alone in a row of its own (with step 0's
+    attention over blocks that straddle the sequences too), and the loss, its per-step metrics and
+    the gradients equal the three in separate rows; split over 4 devices, the one-device ones."""
+    from eagle3_jax.train.data import Example, pack
+
+    target = random_target(FAMILIES["llama"])
+    make_config = mla_draft_config_dict if arch == "mla" else draft_config_dict
+    draft = random_draft(target, make_config(target.config, num_layers=2, draft_vocab_size=32, **switches),
+                         d2t=np.full(32, 32, np.int64))
+    rng = np.random.default_rng(3)
+    h3, steps = 3 * target.config.hidden_size, 3
+    lengths = (10, 7, 7)
+    seqs = [dict(tokens=rng.integers(0, 64, n), loss_mask=np.arange(n) >= 2, aux=rng.standard_normal((n, h3)),
+                 teacher_logits=rng.standard_normal((n, 32)) * 3, teacher_argmax=rng.integers(32, 64, n)) for n in lengths]
+    tokens, mask, positions = pack([Example(s["tokens"].astype(np.int32), s["loss_mask"]) for s in seqs], 24)
+    assert tokens.shape == (1, 24) and list(np.flatnonzero(positions[0] == 0)) == [0, 10, 17]
+    starts = (0, 10, 17)
+
+    def laid_out(rows: list[tuple[int, int]], length: int) -> dict:  # (row, start) of each sequence
+        out = {k: np.zeros((max(r for r, _ in rows) + 1, length) + np.shape(seqs[0][k])[1:], np.float32)
+               for k in ("aux", "teacher_logits")}
+        out.update({k: np.zeros(out["aux"].shape[:2], np.int32) for k in ("tokens", "teacher_argmax")})
+        out["loss_mask"] = np.zeros(out["aux"].shape[:2], bool)
+        for s, (r, at) in zip(seqs, rows):
+            for k in out:
+                out[k][r, at:at + len(s["tokens"])] = s[k]
+        return {k: jnp.asarray(v) for k, v in out.items()}
+
+    packed = dict(laid_out([(0, a) for a in starts], 24), positions=jnp.asarray(positions))
+    alone = laid_out([(i, 0) for i in range(3)], 24)
+    for memory in (TTTMemory.whole(), TTTMemory(query_block=4, key_block=3, loss_chunk=5)):
+        got = ttt_unroll(draft.params, draft.config, packed["aux"], packed["tokens"], steps,
+                         positions=packed["positions"], memory=memory)
+        want = ttt_unroll(draft.params, draft.config, alone["aux"], alone["tokens"], steps, memory=memory)
+        for i, (n, at) in enumerate(zip(lengths, starts)):
+            for k in range(steps):
+                np.testing.assert_allclose(np.asarray(got[k][0, at:at + n - steps]), np.asarray(want[k][i, :n - steps]),
+                                           rtol=1e-5, atol=1e-5, err_msg=f"sequence {i} step {k}")
+
+    draft_ids = jnp.arange(32, 64)
+    t2d = jnp.zeros(64, bool).at[draft_ids].set(True)
+    frozen = {k: draft.params[k] for k in ("embed", "d2t")}
+    trainable = {k: v for k, v in draft.params.items() if k not in frozen}
+
+    def run(batch, **options):
+        def loss(p):
+            return ttt_loss({**p, **frozen}, draft.config, batch, t2d, draft_ids, steps, **options)
+        (total, metrics), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(trainable)
+        return (total, {k: v for k, v in metrics.items() if k != "sim_tau"}), grads  # the chain walk differs
+
+    want = run(alone)
+    _assert_same_training(run(packed), want)
+    mesh = Mesh(np.array(jax.devices()[:4]), ("data",))
+    _assert_same_training(run(packed, context=(mesh, "data")), want)
+
+
 def test_training_memory_is_linear_in_the_sequence():
     """XLA's plan for a training step's gradient at 2x the sequence: at most 2.2x the bytes bounded,
     against about 4x holding the T x T scores whole."""

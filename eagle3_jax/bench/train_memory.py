@@ -31,6 +31,7 @@ import numpy as np
 
 from ..models.target import load_target
 from ..runtime.sharding import make_mesh
+from ..train.data import row_positions
 from ..train.draft_run import DraftData, DraftRecipe, DraftTraining
 from ..train.trainer import TrainConfig
 from ..train.ttt import TTTMemory
@@ -87,10 +88,11 @@ def run_point(point: TrainPoint) -> dict:
     vocab = DraftVocab.from_draft_ids(np.sort(rng.choice(cfg_t.vocab_size, vd, replace=False)), cfg_t.vocab_size)
     batch = _random_batch(point, cfg_t.hidden_size, vocab, rng)
     tokens, mask = batch["tokens"], batch["loss_mask"]
+    positions = row_positions(tokens)  # one sequence per row
     recipe = DraftRecipe(arch=point.draft_arch, ttt_steps=point.ttt_steps, batch_size=point.batch_size,
                          context_parallel=point.context_parallel, seed=point.seed)
     tc = TrainConfig(epochs=point.steps + 1, compute_dtype=point.compute_dtype, warmup_steps=0, seed=point.seed)
-    trainer = DraftTraining(target, DraftData(vocab, tokens, mask, tokens, mask), recipe, tc,
+    trainer = DraftTraining(target, DraftData(vocab, tokens, mask, positions, tokens, mask, positions), recipe, tc,
                             mesh=None if point.mesh is None else make_mesh(*point.mesh),
                             memory=TTTMemory() if point.bounded else TTTMemory.whole()).trainer
     plan = trainer.planned_bytes(batch)

@@ -50,12 +50,14 @@ def _layer(p: dict, cfg: ModelConfig, kind: str, x: jax.Array, positions: jax.Ar
 
 
 def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array, cache: kv_cache.KVCache,
-            tree_mask: jax.Array | None = None, absorb: bool | None = None,
+            tree_mask: jax.Array | None = None, absorb: bool | None = None, starts: jax.Array | None = None,
             ) -> tuple[jax.Array, jax.Array, kv_cache.KVCache]:
     """Run T new tokens per row through the target.
 
     tokens, positions: int [B, T] (positions are RoPE positions: for a draft tree, length + depth).
     tree_mask: bool [B, T, T], which new tokens each new token sees (None = causal).
+    starts: int [B, T], the first cache slot each new token sees (sequences packed one after another
+    in a row: its own sequence's first slot); None = every slot below it.
     Returns float32 logits [B, T, V], aux features [B, T, len(aux_layer_ids) * H] (the residual
     stream entering each aux layer, concatenated in `cfg.aux_layer_ids` order), and the cache with
     the new tokens' K/V written at slots `lengths[b] + t` (lengths unchanged: see kv_cache.advance).
@@ -65,13 +67,15 @@ def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, positions: jax.Ar
     if tree_mask is None:
         tree_mask = kv_cache.causal_mask(b, t)
     if cfg.batch_invariant:
+        if starts is not None:
+            raise ValueError("packed sequences (starts) run only without batch_invariant")
         anc = invariant.ancestor_slots(cache.lengths, tree_mask)
 
         def run_layer(p, kind, x, cache, layer):
             return invariant.layer(p, cfg, kind, x, positions, cache, layer, anc)
     else:
         absorb = t <= ABSORB_MAX_TOKENS if absorb is None else absorb
-        visible = kv_cache.Visible(cache.lengths, tree_mask)
+        visible = kv_cache.Visible(cache.lengths, tree_mask, start=starts)
 
         def run_layer(p, kind, x, cache, layer):
             return _layer(p, cfg, kind, x, positions, cache, layer, visible, absorb)

@@ -6,7 +6,8 @@ The pipeline (as in SpecForge / the EAGLE-3 paper: the draft learns the target's
    `eagle3_jax.text.chat_template.render_prompts` wraps each in the model's chat template;
 2. `regenerate` has the target answer every prompt (greedy and/or sampled), giving `Example`s
    whose `loss_mask` marks the response tokens;
-3. `pack` lays the examples into fixed-length rows;
+3. `pack` lays the examples into fixed-length rows, several to a row where they fit, each's
+   positions counting from 0 (no token sees another example's);
 4. the teacher signals come from one causal target forward per batch (`teacher_batch`): the
    draft's three feature layers (`aux`), the target logits restricted to the draft vocabulary
    and the full-vocabulary argmax. They are either computed once and stored ("offline":
@@ -14,7 +15,8 @@ The pipeline (as in SpecForge / the EAGLE-3 paper: the draft learns the target's
    Both modes share `teacher_batch` and `batch_order`, so they yield the same batches in the
    same order.
 
-Batches are dicts: tokens int32 [B, T], loss_mask bool [B, T], aux [B, T, 3H] (target dtype),
+Batches are dicts: tokens int32 [B, T], loss_mask bool [B, T], positions int32 [B, T] (each token's
+position in its own sequence), aux [B, T, 3H] (target dtype),
 teacher_logits float32 [B, T, Vd], teacher_argmax int32 [B, T] (target-vocabulary ids).
 `FeatureStore.batches` yields numpy arrays; `online_batches` yields the teacher's outputs as device
 arrays (on a target's mesh, where it computed them) beside the host's tokens and mask.
@@ -44,8 +46,8 @@ from . import run_record
 from .placement import global_array
 
 STORE_FORMAT = "eagle3_jax.feature_store"
-STORE_VERSION = 1
-STORE_KEYS = ("tokens", "loss_mask", "aux", "teacher_logits", "teacher_argmax")
+STORE_VERSION = 2  # 2: packed rows (positions)
+STORE_KEYS = ("tokens", "loss_mask", "positions", "aux", "teacher_logits", "teacher_argmax")
 
 
 # ---- prompts --------------------------------------------------------------------------------------------
@@ -243,25 +245,53 @@ def load_examples(path: str | os.PathLike, key: dict, defaults: dict | None = No
     return [Example(tokens=t, loss_mask=m) for t, m in zip(tokens, mask)] if len(ends) else []
 
 
-def pack(examples: Sequence[Example], seq_len: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Examples -> (tokens int32 [N, seq_len], loss_mask bool [N, seq_len], lengths int32 [N]).
+def pack(examples: Sequence[Example], seq_len: int, min_rows: int = 1) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Examples -> (tokens int32 [N, seq_len], loss_mask bool [N, seq_len], positions int32 [N, seq_len]).
 
-    One example per row, right-padded with token 0 / mask False; longer examples keep their first
-    `seq_len` tokens (lengths are the kept lengths).
+    Whole examples laid one after another in rows of `seq_len`, each's positions counting from 0: a
+    position 0 starts a sequence, and no token sees another sequence's (the teacher's forward and the
+    training-time test both bound attention at the sequence's first slot). Longest first, each into
+    the row with the most room that holds it, a new row only when none does, and at least `min_rows`
+    rows while there are examples for them (a batch's worth): few rows, evenly filled. A row's unused
+    end is token 0 / mask False, counted as a sequence of its own. Longer examples keep their first
+    `seq_len` tokens.
     """
     if seq_len < 1:
         raise ValueError(f"seq_len must be >= 1; got {seq_len}")
-    n = len(examples)
-    tokens = np.zeros((n, seq_len), np.int32)
-    mask = np.zeros((n, seq_len), bool)
-    lengths = np.zeros((n,), np.int32)
+    kept = []
     for i, ex in enumerate(examples):
         t, m = np.asarray(ex.tokens), np.asarray(ex.loss_mask, bool)
         if t.shape != m.shape or t.ndim != 1:
             raise ValueError(f"example {i}: tokens {t.shape} and loss_mask {m.shape} must be 1-D of the same length")
-        k = min(len(t), seq_len)
-        tokens[i, :k], mask[i, :k], lengths[i] = t[:k], m[:k], k
-    return tokens, mask, lengths
+        kept.append((t[:seq_len], m[:seq_len]))
+    rows: list[list[int]] = [[] for _ in range(min(min_rows, len(kept)))]  # the examples in each row
+    free = [seq_len] * len(rows)  # each row's unused length
+    for i in sorted(range(len(kept)), key=lambda i: -len(kept[i][0])):  # stable: equal lengths in given order
+        need = len(kept[i][0])
+        row = int(np.argmax(free)) if free and max(free) >= need else None  # the first of the roomiest
+        if row is None:
+            rows.append([])
+            free.append(seq_len)
+            row = len(rows) - 1
+        rows[row].append(i)
+        free[row] -= need
+    tokens = np.zeros((len(rows), seq_len), np.int32)
+    mask = np.zeros((len(rows), seq_len), bool)
+    positions = np.zeros((len(rows), seq_len), np.int32)
+    for r, members in enumerate(rows):
+        at = 0
+        for i in members:
+            t, m = kept[i]
+            tokens[r, at:at + len(t)], mask[r, at:at + len(t)] = t, m
+            positions[r, at:at + len(t)] = np.arange(len(t))
+            at += len(t)
+        positions[r, at:] = np.arange(seq_len - at)
+    return tokens, mask, positions
+
+
+def row_positions(tokens: np.ndarray) -> np.ndarray:
+    """The positions of rows that each hold one sequence: 0, 1, ... along every row."""
+    return np.broadcast_to(np.arange(tokens.shape[1], dtype=np.int32), tokens.shape).copy()
 
 
 # ---- teacher signals -----------------------------------------------------------------------------------------
@@ -274,18 +304,22 @@ TEACHER_CHUNK = 2048
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "dtype", "chunk"))
-def teacher_forward(params, cfg, ids, draft_ids, dtype, chunk: int = TEACHER_CHUNK):
-    """The teacher's signals over `ids` int32 [B, T] (see teacher_batch): one causal target forward,
-    in passes of `chunk` tokens over a KV cache when T is longer (the last pass padded at the end,
-    which no earlier position sees)."""
+def teacher_forward(params, cfg, ids, draft_ids, dtype, chunk: int = TEACHER_CHUNK, positions=None):
+    """The teacher's signals over `ids` int32 [B, T] at `positions` [B, T] (sequences packed in rows;
+    None: one per row) (see teacher_batch): one causal target forward, each token seeing only its own
+    sequence (from its slot less its position on), in passes of `chunk` tokens over a KV cache when T
+    is longer (the last pass padded at the end, which no earlier position sees)."""
     b, t = ids.shape
+    if positions is None:
+        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     chunk = min(chunk, t)
     passes = -(-t // chunk)
     cache = kv_cache.init_cache(cfg, b, passes * chunk, dtype)
 
     def one_pass(cache, part):
-        positions = cache.lengths[:, None] + jnp.arange(chunk, dtype=jnp.int32)[None, :]
-        logits, aux, cache = forward(params, cfg, part, positions, cache)
+        part, positions = part
+        slots = cache.lengths[:, None] + jnp.arange(chunk, dtype=jnp.int32)[None, :]
+        logits, aux, cache = forward(params, cfg, part, positions, cache, starts=slots - positions)
         return kv_cache.advance(cache, jnp.full((b,), chunk, jnp.int32)), {
             "aux": aux,
             "teacher_logits": jnp.take(logits, draft_ids, axis=-1).astype(jnp.float32),
@@ -293,24 +327,26 @@ def teacher_forward(params, cfg, ids, draft_ids, dtype, chunk: int = TEACHER_CHU
         }
 
     if passes == 1:
-        return one_pass(cache, ids)[1]
-    parts = jnp.pad(ids, ((0, 0), (0, passes * chunk - t))).reshape(b, passes, chunk).swapaxes(0, 1)
+        return one_pass(cache, (ids, positions))[1]
+    parts = [jnp.pad(x, ((0, 0), (0, passes * chunk - t))).reshape(b, passes, chunk).swapaxes(0, 1)
+             for x in (ids, positions)]  # the padding at positions 0: sequences of their own
     _, out = jax.lax.scan(one_pass, cache, parts)  # each [passes, B, chunk, ...]
     return {k: v.swapaxes(0, 1).reshape(b, passes * chunk, *v.shape[3:])[:, :t] for k, v in out.items()}
 
 
-def _on_target(target: Target, rows, draft_ids: jax.Array) -> dict:
-    """The teacher over `rows` (int32 [B, T], host) where the target's weights are: on its mesh the
-    rows split over `data` (whole on every device when B does not divide), the forward sharded as
-    serving shards it; the outputs stay on the devices."""
+def _on_target(target: Target, rows, positions, draft_ids: jax.Array) -> dict:
+    """The teacher over `rows` at `positions` (int32 [B, T], host) where the target's weights are: on
+    its mesh the rows split over `data` (whole on every device when B does not divide), the forward
+    sharded as serving shards it; the outputs stay on the devices."""
     mesh = target.mesh
     if mesh is None:
-        rows = jnp.asarray(rows)
+        rows, positions = jnp.asarray(rows), jnp.asarray(positions)
     else:
         split = "data" if len(rows) % mesh.shape["data"] == 0 else None
-        rows = global_array(rows, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(split)))
+        where = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(split))
+        rows, positions = global_array(rows, where), global_array(positions, where)
     with mesh_context(mesh):
-        return teacher_forward(target.params, target.config, rows, draft_ids, target.dtype)
+        return teacher_forward(target.params, target.config, rows, draft_ids, target.dtype, positions=positions)
 
 
 def _check_draft_ids(draft_ids, vocab: int) -> np.ndarray:
@@ -332,8 +368,9 @@ def _check_target(target: Target) -> None:
         raise ValueError(f"the target captures {len(target.config.aux_layer_ids)} feature layers; EAGLE-3 needs 3")
 
 
-def teacher_batch(target: Target, tokens, draft_ids) -> dict:
-    """One causal target forward over `tokens` int [B, T] (jitted once per shape).
+def teacher_batch(target: Target, tokens, draft_ids, positions=None) -> dict:
+    """One causal target forward over `tokens` int [B, T] (jitted once per shape), at `positions`
+    [B, T] (sequences packed in rows, `pack`; None: one per row).
 
     Returns device arrays: aux [B, T, 3H] (target dtype, the draft's feature layers),
     teacher_logits float32 [B, T, Vd] (target logits at `draft_ids`), teacher_argmax int32 [B, T]
@@ -345,7 +382,8 @@ def teacher_batch(target: Target, tokens, draft_ids) -> dict:
         raise ValueError(f"tokens must be an integer array [batch, tokens]; got shape {ids.shape}, dtype {ids.dtype}")
     _check_ids(ids, target.config.vocab_size)
     d = _check_draft_ids(draft_ids, target.config.vocab_size)
-    return _on_target(target, ids.astype(np.int32), jnp.asarray(d))
+    positions = _check_positions(ids, positions)
+    return _on_target(target, ids.astype(np.int32), positions, jnp.asarray(d))
 
 
 def batch_order(n: int, batch_size: int, *, seed: int, epoch: int, drop_last: bool = True) -> list[np.ndarray]:
@@ -365,19 +403,35 @@ def _check_rows(tokens, loss_mask) -> tuple[np.ndarray, np.ndarray]:
     return tokens.astype(np.int32), loss_mask.astype(bool)
 
 
+def _check_positions(tokens: np.ndarray, positions) -> np.ndarray:
+    """`positions` of packed rows as int32 (`row_positions` for None): a ValueError unless each row
+    counts 0, 1, ... through each of its sequences (a sequence starts at 0)."""
+    if positions is None:
+        return row_positions(tokens)
+    p = np.asarray(positions)
+    if p.shape != tokens.shape or not np.issubdtype(p.dtype, np.integer):
+        raise ValueError(f"positions must be integers shaped like the tokens {tokens.shape}; got {p.dtype} {p.shape}")
+    counts_on = (p[:, 1:] == p[:, :-1] + 1) | (p[:, 1:] == 0)
+    if p.size and not (np.all(p[:, 0] == 0) and np.all(counts_on)):
+        raise ValueError("positions must count 0, 1, ... through each sequence of a row (pack's positions)")
+    return p.astype(np.int32)
+
+
 def online_batches(target: Target, tokens, loss_mask, draft_ids, batch_size: int, *, seed: int, epoch: int,
-                   drop_last: bool = True) -> Iterator[dict]:
+                   drop_last: bool = True, positions=None) -> Iterator[dict]:
     """"Online" mode: the batches of `FeatureStore.batches` (same order, same values), with the
-    teacher computed on the fly. The next batch's forward is dispatched before a batch is yielded."""
+    teacher computed on the fly (`positions`: of packed rows, None for one sequence per row). The
+    next batch's forward is dispatched before a batch is yielded."""
     tokens, loss_mask = _check_rows(tokens, loss_mask)
+    positions = _check_positions(tokens, positions)
     _check_target(target)
     _check_ids(tokens, target.config.vocab_size)
     d = jnp.asarray(_check_draft_ids(draft_ids, target.config.vocab_size))
 
     def make(idx):
         rows = tokens[idx]
-        out = {"tokens": rows, "loss_mask": loss_mask[idx]}
-        out.update(_on_target(target, rows, d))
+        out = {"tokens": rows, "loss_mask": loss_mask[idx], "positions": positions[idx]}
+        out.update(_on_target(target, rows, positions[idx], d))
         return out
 
     pending = None
@@ -409,7 +463,7 @@ def _shard_file(root: str, shard: int, key: str) -> str:
 
 def write_feature_store(out_dir: str | os.PathLike, target: Target, tokens, loss_mask, draft_ids,
                         batch_size: int = 16, progress: bool = True, *, shard_size: int = 1024,
-                        overwrite: bool = False) -> str:
+                        overwrite: bool = False, positions=None) -> str:
     """"Offline" mode: run `teacher_batch` once per batch and store everything for training.
 
     Layout: `meta.json` plus, per shard of `shard_size` rows, one .npy per key
@@ -418,6 +472,7 @@ def write_feature_store(out_dir: str | os.PathLike, target: Target, tokens, loss
     Storage: teacher_logits take N * T * Vd * 4 bytes, aux N * T * 3H * itemsize.
     """
     tokens, loss_mask = _check_rows(tokens, loss_mask)
+    positions = _check_positions(tokens, positions)
     _check_target(target)
     d = _check_draft_ids(draft_ids, target.config.vocab_size)
     if batch_size < 1 or shard_size < 1:
@@ -426,10 +481,12 @@ def write_feature_store(out_dir: str | os.PathLike, target: Target, tokens, loss
     _check_ids(tokens, target.config.vocab_size)
     h3 = len(target.config.aux_layer_ids) * target.config.hidden_size
     dtypes = {
-        "tokens": np.dtype(np.int32), "loss_mask": np.dtype(np.bool_), "aux": np.dtype(target.dtype),
+        "tokens": np.dtype(np.int32), "loss_mask": np.dtype(np.bool_), "positions": np.dtype(np.int32),
+        "aux": np.dtype(target.dtype),
         "teacher_logits": np.dtype(np.float32), "teacher_argmax": np.dtype(np.int32),
     }
-    row_shapes = {"tokens": [t], "loss_mask": [t], "aux": [t, h3], "teacher_logits": [t, len(d)], "teacher_argmax": [t]}
+    row_shapes = {"tokens": [t], "loss_mask": [t], "positions": [t], "aux": [t, h3], "teacher_logits": [t, len(d)],
+                  "teacher_argmax": [t]}
     num_shards = -(-n // shard_size)
     meta = {
         "format": STORE_FORMAT,
@@ -471,8 +528,10 @@ def write_feature_store(out_dir: str | os.PathLike, target: Target, tokens, loss
             stop = min(start + batch_size, n)
             rows = np.zeros((batch_size, t), np.int32)  # pad the last batch: one compiled shape
             rows[: stop - start] = tokens[start:stop]
-            out = jax.device_get(_on_target(target, rows, jnp.asarray(d)))
-            batch = {"tokens": tokens[start:stop], "loss_mask": loss_mask[start:stop]}
+            at = row_positions(rows)
+            at[: stop - start] = positions[start:stop]
+            out = jax.device_get(_on_target(target, rows, at, jnp.asarray(d)))
+            batch = {"tokens": tokens[start:stop], "loss_mask": loss_mask[start:stop], "positions": positions[start:stop]}
             batch.update({k: np.asarray(v)[: stop - start] for k, v in out.items()})
             i = start
             while i < stop:  # copy the batch into the shard(s) it spans

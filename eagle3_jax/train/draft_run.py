@@ -140,30 +140,42 @@ def check_target_mesh(cfg: ModelConfig, mesh_shape: tuple[int, int, int], dtype:
 
 @dataclasses.dataclass(frozen=True)
 class DraftData:
-    """A run's packed data: token ids and loss masks [N, seq_len] of the training and held-out
-    examples (one length: the longest example's), and the draft vocabulary."""
+    """A run's packed data: token ids, loss masks and positions [N, seq_len] of the training and held-out
+    examples (rows of the longest example's length, several examples to a row where they fit:
+    `data.pack`), and the draft vocabulary."""
 
     vocab: DraftVocab
     train_tokens: np.ndarray
     train_mask: np.ndarray
+    train_positions: np.ndarray
     eval_tokens: np.ndarray
     eval_mask: np.ndarray
+    eval_positions: np.ndarray
     eval_prompts: tuple[tuple[int, ...], ...] = ()  # the held-out examples' prompts (tokens before the response)
+    train_lengths: tuple[int, ...] = ()  # the training examples' lengths
+
+    def summary(self) -> str:
+        """The draft vocabulary's coverage and how the training examples were packed, in a line."""
+        v, rows = self.vocab, self.train_tokens
+        return (f"draft vocabulary: {v.draft_vocab_size} of {v.vocab_size} ids, covering {v.covered_mass:.4f} of "
+                f"response tokens; {len(self.train_lengths)} training examples packed in {len(rows)} rows of "
+                f"{rows.shape[1]} positions ({sum(self.train_lengths) / max(rows.size, 1):.0%} used)")
 
 
 def prepare_data(examples: Sequence[Example], target_vocab_size: int, recipe: DraftRecipe,
                  length_multiple: int = 1) -> DraftData:
     """The examples split (`split_examples`), the draft vocabulary chosen from the training
-    responses' token counts (held-out ones do not count), both sets packed to the longest length
-    rounded up to a multiple of `length_multiple` (context parallelism's shard count)."""
+    responses' token counts (held-out ones do not count), both sets packed (`data.pack`, at least a
+    batch of rows each) in rows of the longest length rounded up to a multiple of `length_multiple`
+    (context parallelism's shard count)."""
     train, held_out = split_examples(examples, recipe.eval_fraction, recipe.batch_size, recipe.seed)
     counts = count_tokens([e.tokens for e in train], [e.loss_mask for e in train], vocab_size=target_vocab_size)
     vocab = select_draft_vocab(counts, recipe.vocab_size or target_vocab_size)
     seq_len = -(-max(len(e.tokens) for e in examples) // length_multiple) * length_multiple
-    train_tokens, train_mask, _ = pack(train, seq_len)
-    eval_tokens, eval_mask, _ = pack(held_out, seq_len)
     prompts = tuple(tuple(int(t) for t in e.tokens[: int(np.argmax(e.loss_mask))]) for e in held_out if e.loss_mask.any())
-    return DraftData(vocab, train_tokens, train_mask, eval_tokens, eval_mask, tuple(p for p in prompts if p))
+    rows = recipe.batch_size  # at least a batch of rows each (check_enough_examples counted the examples)
+    return DraftData(vocab, *pack(train, seq_len, rows), *pack(held_out, seq_len, rows), tuple(p for p in prompts if p),
+                     tuple(len(e.tokens) for e in train))
 
 
 class StaleFeatureStore(ValueError):
@@ -171,8 +183,13 @@ class StaleFeatureStore(ValueError):
 
 
 def store_matches(store: FeatureStore, data: DraftData) -> bool:
-    """Whether `store` holds the features of `data`'s training rows over its draft vocabulary."""
-    return len(store) == len(data.train_tokens) and np.array_equal(store.draft_ids, data.vocab.draft_ids)
+    """Whether `store` holds the features of `data`'s training rows (the same tokens at the same
+    positions) over its draft vocabulary."""
+    if len(store) != len(data.train_tokens) or store.seq_len != data.train_tokens.shape[1]:
+        return False
+    rows = store.rows(np.arange(len(store)))
+    return (np.array_equal(store.draft_ids, data.vocab.draft_ids) and np.array_equal(rows["tokens"], data.train_tokens)
+            and np.array_equal(rows["positions"], data.train_positions))
 
 
 def offline_store(feature_dir: str, target: Target, data: DraftData, *, fresh: bool = False,
@@ -182,14 +199,20 @@ def offline_store(feature_dir: str, target: Target, data: DraftData, *, fresh: b
     `overwrite`, else refused (StaleFeatureStore)."""
     def write(replace: bool) -> FeatureStore:
         write_feature_store(feature_dir, target, data.train_tokens, data.train_mask, data.vocab.draft_ids,
-                            overwrite=replace)
+                            overwrite=replace, positions=data.train_positions)
         return FeatureStore(feature_dir)
 
-    store = write(overwrite) if not os.path.isdir(feature_dir) or fresh else FeatureStore(feature_dir)
-    if store_matches(store, data):
+    if not os.path.isdir(feature_dir) or fresh:
+        return write(overwrite)
+    try:
+        store = FeatureStore(feature_dir)
+        why = None if store_matches(store, data) else "was written for other data or another draft vocabulary"
+    except (OSError, ValueError) as e:  # another version of the store's format, or a damaged one
+        store, why = None, f"cannot be read ({e})"
+    if why is None:
         return store
     if not overwrite:
-        raise StaleFeatureStore(f"feature store {feature_dir} was written for other data or another draft vocabulary")
+        raise StaleFeatureStore(f"feature store {feature_dir} {why}")
     return write(True)
 
 
@@ -199,7 +222,8 @@ def train_batches(target: Target, data: DraftData, recipe: DraftRecipe, store: F
     if store is not None:
         return lambda epoch: store.batches(recipe.batch_size, seed=recipe.seed, epoch=epoch)
     return lambda epoch: online_batches(target, data.train_tokens, data.train_mask, data.vocab.draft_ids,
-                                        recipe.batch_size, seed=recipe.seed, epoch=epoch)
+                                        recipe.batch_size, seed=recipe.seed, epoch=epoch,
+                                        positions=data.train_positions)
 
 
 def measurement_of(data: DraftData, num_prompts: int, every: int = 0, max_tokens: int = 64) -> Measurement | None:
@@ -252,7 +276,8 @@ class DraftTraining:
         with a measurement the draft's measured acceptance (`measure`) at this step."""
         d = self.data
         out = self.trainer.evaluate(online_batches(self.target, d.eval_tokens, d.eval_mask, d.vocab.draft_ids,
-                                                   self.recipe.batch_size, seed=self.recipe.seed, epoch=0))
+                                                   self.recipe.batch_size, seed=self.recipe.seed, epoch=0,
+                                                   positions=d.eval_positions))
         if self.measurement is not None:
             step = int(self.trainer.state.step)
             measured = self.measured.get(step) or self.measure()

@@ -7,6 +7,10 @@ x_{t+k+1}, its rotary position t + k, and it attends to the step-0 pairs at posi
 its own predecessors (steps 1..k) at the same origin: exactly a depth-k node's ancestors. Llama
 (GQA) and MLA drafts unroll alike; MLA attends over keys and values expanded from its latents.
 
+A row may hold several sequences (data.pack, `positions` counting from 0 in each): an origin
+attends only to its own sequence's pairs, its rotary position counts from its sequence's start,
+and no loss reaches across a sequence's end.
+
 Loss = sum_k 0.8^k * soft cross-entropy against the target's distribution at position t+k+1
 restricted to (and renormalised over) the draft vocabulary, on response tokens only, and masked
 where the target's argmax falls outside the draft vocabulary.
@@ -142,24 +146,27 @@ def _heads(p: dict, lc: ModelConfig, x: jax.Array, positions: jax.Array
     return q, k, jnp.einsum("btr,rhd->bthd", c_kv, w_uv, precision=PRECISION), lc.softmax_scale
 
 
-def _step0_attention(qg: jax.Array, k0: jax.Array, v0: jax.Array, origin: jax.Array, step: int, window: int | None,
-                     scale: float, key_block: int | None) -> tuple[jax.Array, jax.Array, jax.Array]:
+def _step0_attention(qg: jax.Array, k0: jax.Array, v0: jax.Array, origin: jax.Array, seq_start: jax.Array, step: int,
+                     window: int | None, scale: float, key_block: int | None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """A query block's attention to the step-0 pairs it sees, unnormalised, over blocks of `key_block`
     keys (online softmax; blocks no query sees are skipped): (row max m [B,nkv,g,t], row sum l
-    [B,nkv,g,t], output sum [B,t,nkv,g,dv] float32). qg [B,t,nkv,g,dq] at global origins `origin` [t]."""
+    [B,nkv,g,t], output sum [B,t,nkv,g,dv] float32). qg [B,t,nkv,g,dq] at global origins `origin` [t],
+    each seeing no key below its sequence's first, `seq_start` [B,t]."""
     b, t, nkv, g, _ = qg.shape
     length, dv = k0.shape[1], v0.shape[-1]
     size = min(key_block or length, length)
     n = -(-length // size)
 
-    def visible_keys(first: jax.Array, keys: jax.Array) -> jax.Array:  # [t, size]
+    def visible_keys(first: jax.Array, keys: jax.Array) -> jax.Array:  # [B, t, size]
         seen = (keys[None, :] <= origin[:, None]) & (keys[None, :] >= first)  # `first`: the last block's fresh keys
-        return seen if window is None else seen & (keys[None, :] > origin[:, None] + step - window)
+        if window is not None:
+            seen &= keys[None, :] > origin[:, None] + step - window
+        return seen[None] & (keys[None, None, :] >= seq_start[:, :, None])
 
     def attend(carry, starts):
         first, start = starts[0], starts[1]
         keys = start + jnp.arange(size)
-        visible = visible_keys(first, keys)
+        visible = visible_keys(first, keys)[:, None, None]  # [B, 1, 1, t, size], as the scores
 
         def update(carry):
             m, l, acc = carry
@@ -182,23 +189,26 @@ def _step0_attention(qg: jax.Array, k0: jax.Array, v0: jax.Array, origin: jax.Ar
     return m, l, acc
 
 
-def _ttt_attention(q, k0, v0, diag_k, diag_v, scale: float, window: int | None = None, *, offset=0,
+def _ttt_attention(q, k0, v0, diag_k, diag_v, scale: float, window: int | None = None, *, offset=0, seq_start=None,
                    query_block: int | None = None, key_block: int | None = None) -> jax.Array:
     """q [B,T,nh,dq] of the origins at global positions offset.. offset+T; step-0 keys [B,S,nkv,dq] and
-    values [B,S,nkv,dv] of the whole sequence (causal); diag_* lists of q's length (same origin
-    only). Returns [B,T,nh*dv], over blocks of `query_block` queries and `key_block` keys.
+    values [B,S,nkv,dv] of the whole row (causal, each origin seeing none below its sequence's first
+    key, `seq_start` [B,T], None: 0); diag_* lists of q's length (same origin only). Returns
+    [B,T,nh*dv], over blocks of `query_block` queries and `key_block` keys.
     `window`: a sliding-window layer's width; the query at origin t of step k (position t + k) sees
     step-0 pairs from t + k - window + 1 on (its own steps at that origin are the window's last ones)."""
     b, t, nh, d = q.shape
     nkv = k0.shape[2]
     step = len(diag_k)  # this query's step; diagonal j is its step-(j+1) predecessor (position t + j + 1)
     diag_seen = [window is None or j + 1 > step - window for j in range(step)]
+    seq_start = jnp.zeros((b, t), jnp.int32) if seq_start is None else seq_start
 
     def block(start):
         size = min(query_block or t, t)
         rows = lambda x: lax.dynamic_slice_in_dim(x, start, size, axis=1)  # noqa: E731
         qg = rows(q).reshape(b, size, nkv, nh // nkv, d)
-        m, l, acc = _step0_attention(qg, k0, v0, offset + start + jnp.arange(size), step, window, scale, key_block)
+        m, l, acc = _step0_attention(qg, k0, v0, offset + start + jnp.arange(size), rows(seq_start), step, window, scale,
+                                     key_block)
         diag = [jnp.einsum("btkgd,btkd->bkgt", qg, rows(kj), preferred_element_type=jnp.float32, precision=PRECISION)
                 * scale for kj, seen in zip(diag_k, diag_seen) if seen]
         top = functools.reduce(jnp.maximum, diag, m)
@@ -213,14 +223,15 @@ def _ttt_attention(q, k0, v0, diag_k, diag_v, scale: float, window: int | None =
     return _blockwise(block, t, query_block)
 
 
-def _ttt_step(params: dict, hidden: jax.Array, embeds: jax.Array, offset, keys: list, values: list, *,
-              cfg: DraftConfig, step: int, span: _Span, memory: TTTMemory):
+def _ttt_step(params: dict, hidden: jax.Array, embeds: jax.Array, offset, positions: jax.Array, keys: list,
+              values: list, *, cfg: DraftConfig, step: int, span: _Span, memory: TTTMemory):
     """One TTT step through every draft layer: (final-norm output, the hidden the next step reads, this
-    step's keys and values per layer). keys / values: per layer, the earlier steps' (step 0's over the
-    whole sequence, the later ones this shard's)."""
+    step's keys and values per layer). positions [B, T]: each origin's in its own sequence. keys /
+    values: per layer, the earlier steps' (step 0's over the whole row, the later ones this shard's)."""
     lc = cfg.layers
     b, t = embeds.shape[:2]
-    positions = jnp.broadcast_to(offset + step + jnp.arange(t, dtype=jnp.int32), (b, t))
+    seq_start = offset + jnp.arange(t, dtype=jnp.int32)[None, :] - positions  # each origin's sequence's first key
+    positions = positions + step
     p0 = params["layers"][0]
     normed = rms_norm(hidden, p0["hidden_norm"], lc.rms_norm_eps)
     residual = normed if cfg.norm_before_residual else hidden
@@ -235,19 +246,32 @@ def _ttt_step(params: dict, hidden: jax.Array, embeds: jax.Array, offset, keys: 
         new_k.append(k)
         new_v.append(v)
         k_all, v_all = keys[layer] + [k], values[layer] + [v]
-        attn = _ttt_attention(q, k_all[0], v_all[0], k_all[1:], v_all[1:], scale, cfg.window(layer),
-                              offset=offset, query_block=memory.query_block, key_block=memory.key_block)
+        attn = _ttt_attention(q, k_all[0], v_all[0], k_all[1:], v_all[1:], scale, cfg.window(layer), offset=offset,
+                              seq_start=seq_start, query_block=memory.query_block, key_block=memory.key_block)
         h = residual + jnp.matmul(attn, p["o_proj"], precision=PRECISION)
         residual = h + swiglu(rms_norm(h, p["mlp_norm"], lc.rms_norm_eps), p["gate_proj"], p["up_proj"], p["down_proj"])
     normed_out = rms_norm(residual, params["final_norm"], lc.rms_norm_eps)
     return normed_out, (normed_out if cfg.norm_output else residual), new_k, new_v  # as draft_forward hands on
 
 
+def _positions(tokens: jax.Array, positions: jax.Array | None, span: _Span) -> jax.Array:
+    """Each token's position in its own sequence [B, T]: `positions` of packed rows, else (one
+    sequence per row) its global index."""
+    if positions is not None:
+        return positions.astype(jnp.int32)
+    t = tokens.shape[1]
+    return jnp.broadcast_to(span.offset(t) + jnp.arange(t, dtype=jnp.int32), tokens.shape)
+
+
 def ttt_states(params: dict, cfg: DraftConfig, aux: jax.Array, tokens: jax.Array, num_steps: int, *,
-               memory: TTTMemory = TTTMemory(), span: _Span = _Span()) -> list[jax.Array]:
-    """The final-norm output [B, T, H] of steps 0..num_steps-1 at every origin (their logits: @ lm_head)."""
+               positions: jax.Array | None = None, memory: TTTMemory = TTTMemory(),
+               span: _Span = _Span()) -> list[jax.Array]:
+    """The final-norm output [B, T, H] of steps 0..num_steps-1 at every origin (their logits: @ lm_head).
+    positions [B, T]: of sequences packed in rows (data.pack; None: one per row); an origin attends
+    only to its own sequence."""
     b, t = tokens.shape
     offset = span.offset(t)
+    positions = _positions(tokens, positions, span)
     tokens_ahead = jnp.concatenate([tokens, span.following(tokens, num_steps)], axis=1)
     hidden = project_features(params, cfg, aux)
     keys: list[list[jax.Array]] = [[] for _ in params["layers"]]  # per layer: step 0, then diagonal steps
@@ -258,7 +282,7 @@ def ttt_states(params: dict, cfg: DraftConfig, aux: jax.Array, tokens: jax.Array
         if memory.remat:
             run = jax.checkpoint(run)
         embeds = params["embed"][tokens_ahead[:, step + 1: step + 1 + t]]
-        normed, hidden, new_k, new_v = run(params, hidden, embeds, offset, keys, values)
+        normed, hidden, new_k, new_v = run(params, hidden, embeds, offset, positions, keys, values)
         for layer in range(len(keys)):
             keys[layer].append(new_k[layer])
             values[layer].append(new_v[layer])
@@ -267,10 +291,10 @@ def ttt_states(params: dict, cfg: DraftConfig, aux: jax.Array, tokens: jax.Array
 
 
 def ttt_unroll(params: dict, cfg: DraftConfig, aux: jax.Array, tokens: jax.Array, num_steps: int, *,
-               memory: TTTMemory = TTTMemory()) -> list[jax.Array]:
+               positions: jax.Array | None = None, memory: TTTMemory = TTTMemory()) -> list[jax.Array]:
     """Draft logits [B, T, Vd] (float32) for steps 0..num_steps-1 at every origin t."""
     return [jnp.dot(s, params["lm_head"], preferred_element_type=jnp.float32, precision=PRECISION)
-            for s in ttt_states(params, cfg, aux, tokens, num_steps, memory=memory)]
+            for s in ttt_states(params, cfg, aux, tokens, num_steps, positions=positions, memory=memory)]
 
 
 def _soft_cross_entropy(states: jax.Array, teacher_logits: jax.Array, lm_head: jax.Array, chunk: int | None
@@ -332,7 +356,7 @@ def ttt_loss(params: dict, cfg: DraftConfig, batch: dict, t2d: jax.Array, draft_
     """Weighted TTT loss and metrics for a batch.
 
     batch: tokens [B,T] int, loss_mask [B,T] bool (True where the token is a response token to
-    predict), aux [B,T,3Ht], teacher_logits [B,T,Vd] (target logits restricted to the draft
+    predict), optionally positions [B,T] (sequences packed in rows: data.pack), aux [B,T,3Ht], teacher_logits [B,T,Vd] (target logits restricted to the draft
     vocabulary), teacher_argmax [B,T] (target-vocab argmax). t2d [V] bool, draft_ids [Vd].
     Metrics: per-step loss and top-1 accuracy, and `sim_tau`: the acceptance length (bonus
     included) a greedy `sim_steps`-step chain would get walking these sequences.
@@ -368,17 +392,18 @@ def _local_loss(params: dict, batch: dict, t2d: jax.Array, draft_ids: jax.Array,
     shifted or copied."""
     tokens, argmax = batch["tokens"], batch["teacher_argmax"]
     t = tokens.shape[1]
-    states = ttt_states(params, cfg, batch["aux"], tokens, num_steps, memory=memory, span=span)
-    position = span.offset(t) + jnp.arange(t)
-    to_learn = (jnp.concatenate([batch["loss_mask"][:, 1:], span.following(batch["loss_mask"], 1)], axis=1)
-                & t2d[argmax])  # u's next token is a response token, u's argmax is in the draft vocabulary
+    position = _positions(tokens, batch.get("positions"), span)
+    states = ttt_states(params, cfg, batch["aux"], tokens, num_steps, positions=position, memory=memory, span=span)
+    ahead = lambda x: jnp.concatenate([x[:, 1:], span.following(x, 1)], axis=1)  # noqa: E731 (x at u + 1)
+    # u's next token is a response token of u's own sequence, u's argmax is in the draft vocabulary
+    to_learn = ahead(batch["loss_mask"]) & (ahead(position) == position + 1) & t2d[argmax]
     total = jnp.float32(0.0)
     metrics: dict = {}
     correct_steps, valid_steps = [], []
     for k, state in enumerate(states):
         delayed = jnp.concatenate([span.preceding(state, k + 1), state], axis=1)[:, :t]  # origin u - k - 1's at u
         ce, pred = _soft_cross_entropy(delayed, batch["teacher_logits"], params["lm_head"], memory.loss_chunk)
-        mask = to_learn & (position >= k + 1)
+        mask = to_learn & (position >= k + 1)  # the origin u - k - 1 is in u's sequence
         correct = draft_ids[pred] == argmax
         count = jnp.maximum(span.total(mask.sum()), 1)
         loss_k = span.total(jnp.sum(jnp.where(mask, ce, 0.0))) / count
