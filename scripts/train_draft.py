@@ -231,6 +231,7 @@ def main(argv: Sequence[str]) -> None:
                                             overwrite=FLAGS.overwrite)
         except draft_run.StaleFeatureStore as e:
             raise app.UsageError(f"{e}; pass --overwrite to write it again, or another --feature_dir") from None
+        print(f"feature store {feature_dir}: {len(store)} rows, {store.bytes_per_token:,.0f} bytes per token")
     measurement = draft_run.measurement_of(data, FLAGS.measure_prompts, FLAGS.measure_every)
     with cli.usage_errors("--context_parallel" if FLAGS.context_parallel else ""):  # a split or a draft refused
         training = draft_run.DraftTraining(target, data, recipe, tc, ckpt_dir=ckpt_dir, mesh=mesh, measurement=measurement)

@@ -77,15 +77,20 @@ def test_feature_store_is_reused_refused_or_rewritten(target, tmp_path):
     data = draft_run.prepare_data(_examples(20), 64, RECIPE)
     path = str(tmp_path / "features")
     store = draft_run.offline_store(path, target, data)
-    assert draft_run.store_matches(store, data) and len(store) == len(data.train_tokens)
+    assert draft_run.store_matches(store, data, target) and len(store) == len(data.train_tokens)
     written = os.path.getmtime(path)
-    assert draft_run.store_matches(draft_run.offline_store(path, target, data), data)
+    assert draft_run.store_matches(draft_run.offline_store(path, target, data), data, target)
     assert os.path.getmtime(path) == written  # a matching store is read, not written again
-    other = draft_run.prepare_data(_examples(20), 64, draft_run.DraftRecipe(vocab_size=30, batch_size=4,
-                                                                            eval_fraction=0.25))
-    with pytest.raises(draft_run.StaleFeatureStore, match="written for other data or another draft vocabulary"):
+    # another draft vocabulary: the same store (it keeps the hidden state the logits are made from)
+    revocab = draft_run.prepare_data(_examples(20), 64, draft_run.DraftRecipe(vocab_size=30, batch_size=4,
+                                                                              eval_fraction=0.25))
+    assert revocab.vocab.draft_vocab_size != data.vocab.draft_vocab_size
+    assert draft_run.store_matches(draft_run.offline_store(path, target, revocab), revocab, target)
+    assert os.path.getmtime(path) == written
+    other = draft_run.prepare_data(_examples(20, seed=1), 64, RECIPE)
+    with pytest.raises(draft_run.StaleFeatureStore, match="written for other data or another target"):
         draft_run.offline_store(path, target, other)
-    assert draft_run.store_matches(draft_run.offline_store(path, target, other, overwrite=True), other)
+    assert draft_run.store_matches(draft_run.offline_store(path, target, other, overwrite=True), other, target)
     batches = list(draft_run.train_batches(target, other, RECIPE, FeatureStore(path))(0))
     assert len(batches) == len(other.train_tokens) // 4 and all(len(b["tokens"]) == 4 for b in batches)
     # a store in another version of the format (one written before packing): refused by name, or rewritten
@@ -96,7 +101,19 @@ def test_feature_store_is_reused_refused_or_rewritten(target, tmp_path):
         json.dump(dict(meta, version=1), f)
     with pytest.raises(draft_run.StaleFeatureStore, match="cannot be read .*store version 1"):
         draft_run.offline_store(path, target, other)
-    assert draft_run.store_matches(draft_run.offline_store(path, target, other, overwrite=True), other)
+    assert draft_run.store_matches(draft_run.offline_store(path, target, other, overwrite=True), other, target)
+
+
+def test_a_feature_store_of_another_target_is_not_reused(tmp_path):
+    """The store records the target folder it came from: the same rows under another target are
+    refused by name (and rewritten with overwrite)."""
+    kimi, stories = (e3.load_target(f"checkpoints/{name}", dtype="float32") for name in ("kimi-mini", "stories260K"))
+    data = draft_run.prepare_data(_examples(12), 512, RECIPE)
+    path = str(tmp_path / "features")
+    draft_run.offline_store(path, kimi, data)
+    with pytest.raises(draft_run.StaleFeatureStore, match="another target"):
+        draft_run.offline_store(path, stories, data)
+    assert draft_run.store_matches(draft_run.offline_store(path, stories, data, overwrite=True), data, stories)
 
 
 def test_a_short_run_trains_resumes_and_exports_a_loadable_draft(target, tmp_path):

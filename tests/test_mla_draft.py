@@ -169,7 +169,7 @@ def test_trained_mla_draft_exports_in_the_hf_layout_and_loads_back(tmp_path):
     params, frozen = init_draft_params(cfg, target, vocab, seed=0)
     tc = TrainConfig(epochs=1, learning_rate=3e-3, warmup_steps=1, compute_dtype="float32")
     trainer = Trainer(make_ttt_loss(cfg, vocab, num_steps=2), params, frozen, tc, total_steps=2)
-    batches = lambda epoch: data_lib.online_batches(target, tokens, mask, vocab.draft_ids, 4, seed=0, epoch=epoch)  # noqa: E731
+    batches = lambda epoch: data_lib.online_batches(target, tokens, mask, 4, seed=0, epoch=epoch)  # noqa: E731
     losses = []
     trainer.fit(batches, 2, progress=False, log=lambda s: None, on_step=lambda s, m: losses.append(m["loss"]))
     assert len(losses) == 2 and all(np.isfinite(losses))

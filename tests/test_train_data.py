@@ -28,6 +28,7 @@ from eagle3_jax.train import (
     regenerate,
     select_draft_vocab,
     teacher_batch,
+    teacher_head,
     write_feature_store,
 )
 
@@ -363,20 +364,19 @@ def test_teacher_sees_each_packed_sequence_alone():
     tokens, _, positions = pack(exs, 32)
     assert tokens.shape == (1, 32)
     starts = list(np.flatnonzero(positions[0] == 0))[:3]
-    draft_ids = jnp.asarray([1, 5, 9, 30], jnp.int32)
     for family in ("deepseek_v3", "minimax_m2", "llama"):
         target = random_target(FAMILIES[family])
-        packed = teacher_forward(target.params, target.config, jnp.asarray(tokens), draft_ids, target.dtype, chunk=8,
+        packed = teacher_forward(target.params, target.config, jnp.asarray(tokens), target.dtype, chunk=8,
                                  positions=jnp.asarray(positions))
         for ex, at in zip(exs, starts):
             n = len(ex.tokens)
-            alone = teacher_forward(target.params, target.config, jnp.asarray(ex.tokens[None]), draft_ids, target.dtype)
+            alone = teacher_forward(target.params, target.config, jnp.asarray(ex.tokens[None]), target.dtype)
             for key, value in alone.items():
                 np.testing.assert_allclose(np.asarray(packed[key][0, at:at + n], np.float32),
                                            np.asarray(value[0], np.float32), rtol=1e-5, atol=1e-5,
                                            err_msg=f"{family} {key} at {at}")
     with pytest.raises(ValueError, match="count 0, 1"):
-        teacher_batch(target, tokens, draft_ids, positions=positions + 1)
+        teacher_batch(target, tokens, positions=positions + 1)
 
 
 # ---- teacher batches: online vs offline ------------------------------------------------------------------
@@ -392,16 +392,22 @@ def rows():
 
 
 def test_teacher_batch_matches_target_logits(target, rows):
+    """The teacher's hidden state times the head at the draft ids is the target's logits there (as
+    the loss makes them); its argmax and features are the target's."""
     tokens, _, draft_ids = rows
-    tb = teacher_batch(target, tokens[:4], draft_ids)
+    tb = teacher_batch(target, tokens[:4])
     logits, aux = target.logits(tokens[:4], return_aux=True)
-    assert tb["teacher_logits"].dtype == jnp.float32 and tb["teacher_argmax"].dtype == jnp.int32
+    assert tb["teacher_hidden"].dtype == target.dtype and tb["teacher_hidden"].shape == (4, 12, 32)
+    assert tb["teacher_argmax"].dtype == jnp.int32
     assert tb["aux"].dtype == target.dtype and tb["aux"].shape == (4, 12, 3 * 32)
-    np.testing.assert_array_equal(np.asarray(tb["teacher_logits"]), logits[..., draft_ids])
+    head = teacher_head(target, draft_ids)
+    assert head.shape == (32, len(draft_ids))
+    remade = jnp.dot(tb["teacher_hidden"], head, preferred_element_type=jnp.float32)
+    np.testing.assert_allclose(np.asarray(remade), logits[..., draft_ids], rtol=1e-6, atol=1e-6)
     np.testing.assert_array_equal(np.asarray(tb["teacher_argmax"]), logits.argmax(-1))
     np.testing.assert_array_equal(np.asarray(tb["aux"]), aux)
     with pytest.raises(ValueError, match="draft_ids"):
-        teacher_batch(target, tokens[:1], [V])
+        teacher_head(target, [V])
 
 
 def test_batch_order():
@@ -417,19 +423,20 @@ def test_online_and_feature_store_batches_are_identical(target, rows, tmp_path):
     tokens, mask, draft_ids = rows
     positions = np.tile(np.arange(12, dtype=np.int32), (10, 1))
     positions[::2, 5:] -= 5  # the even rows hold two sequences
-    path = write_feature_store(tmp_path / "store", target, tokens, mask, draft_ids, batch_size=3, progress=False,
+    path = write_feature_store(tmp_path / "store", target, tokens, mask, batch_size=3, progress=False,
                                shard_size=3, positions=positions)
     store = FeatureStore(path)
     assert len(store) == 10 and store.seq_len == 12
-    np.testing.assert_array_equal(store.draft_ids, draft_ids)
+    # per token: 3 feature layers and the hidden state (float32, hidden 32), argmax, token, position, mask
+    assert store.bytes_per_token == (3 + 1) * 32 * 4 + 4 + 4 + 4 + 1
     assert store.aux_layer_ids == tuple(target.config.aux_layer_ids)
     for drop_last in (True, False):
         off = list(store.batches(4, seed=7, epoch=2, drop_last=drop_last))
-        on = list(online_batches(target, tokens, mask, draft_ids, 4, seed=7, epoch=2, drop_last=drop_last,
+        on = list(online_batches(target, tokens, mask, 4, seed=7, epoch=2, drop_last=drop_last,
                                  positions=positions))
         assert len(off) == len(on) == (2 if drop_last else 3)
         for a, b, idx in zip(off, on, batch_order(10, 4, seed=7, epoch=2, drop_last=drop_last)):
-            assert set(a) == set(b) == {"tokens", "loss_mask", "positions", "aux", "teacher_logits", "teacher_argmax"}
+            assert set(a) == set(b) == {"tokens", "loss_mask", "positions", "aux", "teacher_hidden", "teacher_argmax"}
             for k in a:
                 assert a[k].dtype == np.asarray(b[k]).dtype, k
                 np.testing.assert_array_equal(a[k], np.asarray(b[k]), err_msg=k)  # bitwise (float32 target)
@@ -439,25 +446,26 @@ def test_online_and_feature_store_batches_are_identical(target, rows, tmp_path):
     e2 = np.concatenate([b["tokens"] for b in store.batches(4, seed=7, epoch=2)])
     e3_ = np.concatenate([b["tokens"] for b in store.batches(4, seed=7, epoch=3)])
     assert not np.array_equal(e2, e3_)
-    ref = teacher_batch(target, tokens[[9, 0]], draft_ids, positions=positions[[9, 0]])
+    ref = teacher_batch(target, tokens[[9, 0]], positions=positions[[9, 0]])
     got = store.rows([9, 0])
-    np.testing.assert_array_equal(got["teacher_logits"], np.asarray(ref["teacher_logits"]))
+    np.testing.assert_array_equal(got["teacher_hidden"], np.asarray(ref["teacher_hidden"]))
 
 
 def test_feature_store_bfloat16_and_validation(rows, tmp_path):
-    tokens, mask, draft_ids = rows
+    tokens, mask, _ = rows
     bf = random_target(LLAMA, dtype=jnp.bfloat16)
-    path = write_feature_store(tmp_path / "s", bf, tokens[:5], mask[:5], draft_ids, batch_size=8, progress=False)
+    path = write_feature_store(tmp_path / "s", bf, tokens[:5], mask[:5], batch_size=8, progress=False)
     store = FeatureStore(path)
     (batch,) = store.batches(5, seed=0, epoch=0)
-    (online,) = online_batches(bf, tokens[:5], mask[:5], draft_ids, 5, seed=0, epoch=0)
+    (online,) = online_batches(bf, tokens[:5], mask[:5], 5, seed=0, epoch=0)
     assert batch["aux"].dtype == jnp.bfloat16
     np.testing.assert_allclose(batch["aux"].astype(np.float32), np.asarray(online["aux"], np.float32), rtol=0.02, atol=0.02)
-    np.testing.assert_allclose(batch["teacher_logits"], np.asarray(online["teacher_logits"]), rtol=0.02, atol=0.05)
+    assert batch["teacher_hidden"].dtype == jnp.bfloat16 and FeatureStore(path).bytes_per_token == 4 * 32 * 2 + 13
+    np.testing.assert_array_equal(batch["teacher_hidden"].astype(np.float32), np.asarray(online["teacher_hidden"], np.float32))
     # a store is replaced only when asked
     with pytest.raises(ValueError, match="already exists"):
-        write_feature_store(path, bf, tokens[:2], mask[:2], draft_ids, batch_size=8, progress=False)
-    write_feature_store(path, bf, tokens[:2], mask[:2], draft_ids, batch_size=8, progress=False, overwrite=True)
+        write_feature_store(path, bf, tokens[:2], mask[:2], batch_size=8, progress=False)
+    write_feature_store(path, bf, tokens[:2], mask[:2], batch_size=8, progress=False, overwrite=True)
     assert len(FeatureStore(path)) == 2
     os.remove(os.path.join(path, "shard00000.aux.npy"))
     with pytest.raises(FileNotFoundError, match="shard00000.aux.npy"):
@@ -465,7 +473,7 @@ def test_feature_store_bfloat16_and_validation(rows, tmp_path):
     with pytest.raises(FileNotFoundError, match="meta.json"):
         FeatureStore(tmp_path)
     with pytest.raises(ValueError, match=r"\[N, T\]"):
-        write_feature_store(tmp_path / "y", bf, tokens, mask[:2], draft_ids, progress=False)
+        write_feature_store(tmp_path / "y", bf, tokens, mask[:2], progress=False)
 
 
 def test_the_teacher_in_passes_equals_one_pass():
@@ -474,9 +482,8 @@ def test_the_teacher_in_passes_equals_one_pass():
     for family in ("deepseek_v3", "llama"):
         target = random_target(FAMILIES[family])
         ids = jnp.asarray(np.random.default_rng(1).integers(1, 64, (2, 37)), jnp.int32)
-        draft_ids = jnp.asarray([1, 5, 9, 30], jnp.int32)
-        whole = teacher_forward(target.params, target.config, ids, draft_ids, target.dtype, chunk=64)
-        passes = teacher_forward(target.params, target.config, ids, draft_ids, target.dtype, chunk=8)
+        whole = teacher_forward(target.params, target.config, ids, target.dtype, chunk=64)
+        passes = teacher_forward(target.params, target.config, ids, target.dtype, chunk=8)
         for key, value in whole.items():
             assert passes[key].shape == value.shape
             np.testing.assert_allclose(np.asarray(passes[key], np.float32), np.asarray(value, np.float32),

@@ -42,7 +42,7 @@ def make_trainer(setup, ckpt_dir=None, epochs=1, lr=3e-3):
                       ckpt_dir=ckpt_dir)
 
     def batches(epoch):
-        return data_lib.online_batches(target, tokens, mask, vocab.draft_ids, BATCH, seed=0, epoch=epoch,
+        return data_lib.online_batches(target, tokens, mask, BATCH, seed=0, epoch=epoch,
                                        positions=positions)
 
     return trainer, batches, steps, frozen
@@ -114,7 +114,7 @@ def test_data_parallel_training_equals_single_device(setup):
                           frozen, tc, total_steps=3, mesh=mesh,
                           batch_spec=PartitionSpec(None, "data") if split else PartitionSpec("data"))
         batches = lambda epoch: data_lib.online_batches(  # noqa: E731
-            target, tokens, mask, vocab.draft_ids, BATCH, seed=0, epoch=epoch, positions=positions)
+            target, tokens, mask, BATCH, seed=0, epoch=epoch, positions=positions)
         got = []
         trainer.fit(batches, 3, progress=False, log=lambda s: None, on_step=lambda s, m: got.append(m["loss"]))
         losses[name] = got

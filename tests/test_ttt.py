@@ -201,6 +201,30 @@ def test_sequences_packed_in_a_row_train_as_if_alone(arch, switches):
     _assert_same_training(run(packed, context=(mesh, "data")), want)
 
 
+def test_the_teacher_as_its_hidden_state_and_head_trains_as_its_logits():
+    """A batch of the teacher's hidden state with its head at the draft ids (the loss makes the logits
+    chunk by chunk) trains exactly as the logits they make; without the head it is refused."""
+    target = random_target(FAMILIES["llama"])
+    draft = random_draft(target, draft_config_dict(target.config, draft_vocab_size=32), d2t=np.full(32, 32, np.int64))
+    rng = np.random.default_rng(4)
+    b, t, h = 2, 13, target.config.hidden_size
+    draft_ids = jnp.arange(32, 64)
+    hidden = jnp.asarray(rng.standard_normal((b, t, h)), jnp.float32)
+    head = jnp.asarray(rng.standard_normal((h, 32)), jnp.float32)
+    batch = dict(tokens=jnp.asarray(rng.integers(0, 64, (b, t)), jnp.int32), loss_mask=jnp.ones((b, t), bool),
+                 aux=jnp.asarray(rng.standard_normal((b, t, 3 * h)), jnp.float32),
+                 teacher_argmax=jnp.asarray(rng.integers(32, 64, (b, t)), jnp.int32))
+    t2d = jnp.zeros(64, bool).at[draft_ids].set(True)
+    memory = TTTMemory(loss_chunk=5)
+    got, _ = ttt_loss(dict(draft.params, teacher_head=head), draft.config, dict(batch, teacher_hidden=hidden), t2d,
+                      draft_ids, 3, memory=memory)
+    want, _ = ttt_loss(draft.params, draft.config, dict(batch, teacher_logits=hidden @ head), t2d, draft_ids, 3,
+                       memory=memory)
+    np.testing.assert_allclose(float(got), float(want), rtol=1e-5)
+    with pytest.raises(ValueError, match="teacher_head"):
+        ttt_loss(draft.params, draft.config, dict(batch, teacher_hidden=hidden), t2d, draft_ids, 3)
+
+
 def test_training_memory_is_linear_in_the_sequence():
     """XLA's plan for a training step's gradient at 2x the sequence: at most 2.2x the bytes bounded,
     against about 4x holding the T x T scores whole."""

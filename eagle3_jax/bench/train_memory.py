@@ -75,7 +75,7 @@ def _random_batch(point: TrainPoint, hidden: int, vocab: DraftVocab, rng: np.ran
     return dict(tokens=rng.integers(0, vocab.vocab_size, (b, t)).astype(np.int32),
                 loss_mask=np.ones((b, t), bool),
                 aux=rng.standard_normal((b, t, 3 * hidden)).astype(np.float32),
-                teacher_logits=rng.standard_normal((b, t, vd)).astype(np.float32),
+                teacher_hidden=rng.standard_normal((b, t, hidden)).astype(np.float32),
                 teacher_argmax=vocab.draft_ids[rng.integers(0, vd, (b, t))].astype(np.int32))
 
 

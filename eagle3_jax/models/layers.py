@@ -118,8 +118,16 @@ def apply_rotary(x: jax.Array, cos: jax.Array, sin: jax.Array, rope: RopeConfig)
     return jnp.concatenate([out, rest], axis=-1) if rest.shape[-1] else out
 
 
+def final_hidden(params: dict, cfg, x: jax.Array) -> jax.Array:
+    """The final norm of a target's last residual `x`: what its LM head reads."""
+    return rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+
+
+def lm_head(params: dict, cfg):
+    """A target's LM head [H, V] (the embedding's transpose when they are tied)."""
+    return params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
+
+
 def final_logits(params: dict, cfg, x: jax.Array) -> jax.Array:
     """Final norm + LM head of a target (`params` its tree, `cfg` its ModelConfig): float32 logits."""
-    h = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
-    head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
-    return linear(h, head, out_dtype=jnp.float32)
+    return linear(final_hidden(params, cfg, x), lm_head(params, cfg), out_dtype=jnp.float32)

@@ -52,16 +52,28 @@ def _layer(p: dict, cfg: ModelConfig, kind: str, x: jax.Array, positions: jax.Ar
 def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array, cache: kv_cache.KVCache,
             tree_mask: jax.Array | None = None, absorb: bool | None = None, starts: jax.Array | None = None,
             ) -> tuple[jax.Array, jax.Array, kv_cache.KVCache]:
-    """Run T new tokens per row through the target.
+    """Run T new tokens per row through the target: float32 logits [B, T, V], aux features and the
+    cache, as `forward_hidden` describes them."""
+    x, aux, cache = forward_hidden(params, cfg, tokens, positions, cache, tree_mask, absorb, starts)
+    logits = invariant.final_logits(params, cfg, x) if cfg.batch_invariant else final_logits(params, cfg, x)
+    return logits, aux, cache
+
+
+def forward_hidden(params: dict, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array, cache: kv_cache.KVCache,
+                   tree_mask: jax.Array | None = None, absorb: bool | None = None, starts: jax.Array | None = None,
+                   ) -> tuple[jax.Array, jax.Array, kv_cache.KVCache]:
+    """Run T new tokens per row through the target's layers, up to its final norm.
 
     tokens, positions: int [B, T] (positions are RoPE positions: for a draft tree, length + depth).
     tree_mask: bool [B, T, T], which new tokens each new token sees (None = causal).
     starts: int [B, T], the first cache slot each new token sees (sequences packed one after another
     in a row: its own sequence's first slot); None = every slot below it.
-    Returns float32 logits [B, T, V], aux features [B, T, len(aux_layer_ids) * H] (the residual
-    stream entering each aux layer, concatenated in `cfg.aux_layer_ids` order), and the cache with
-    the new tokens' K/V written at slots `lengths[b] + t` (lengths unchanged: see kv_cache.advance).
-    With `cfg.batch_invariant` the layers run invariant.layer (absorbed MLA whatever `absorb` says).
+    Returns the last layer's residual [B, T, H] (float32 with `cfg.batch_invariant`, else the
+    activation dtype; `layers.final_logits` makes the logits), aux features [B, T, len(aux_layer_ids)
+    * H] (the residual stream entering each aux layer, concatenated in `cfg.aux_layer_ids` order),
+    and the cache with the new tokens' K/V written at slots `lengths[b] + t` (lengths unchanged: see
+    kv_cache.advance). With `cfg.batch_invariant` the layers run invariant.layer (absorbed MLA
+    whatever `absorb` says).
     """
     b, t = tokens.shape
     if tree_mask is None:
@@ -98,9 +110,8 @@ def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, positions: jax.Ar
         layers = jnp.arange(start, stop, dtype=jnp.int32)
         (x, cache, aux), _ = jax.lax.scan(body, (x, cache, aux), (seg, layers))
 
-    logits = invariant.final_logits(params, cfg, x) if cfg.batch_invariant else final_logits(params, cfg, x)
     aux = jnp.moveaxis(aux, 0, 2).reshape(b, t, -1) if cfg.aux_layer_ids else aux[:0].reshape(b, t, 0)
-    return logits, aux.astype(act_dtype), cache
+    return x, aux.astype(act_dtype), cache
 
 
 # ---- the public handle ------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ _WHERE = {
     "render_prompt": "..text.chat_template",
     "select_draft_vocab": ".vocab",
     "teacher_batch": ".data",
+    "teacher_head": ".data",
     "write_feature_store": ".data",
 }
 __all__ = sorted(_WHERE)
@@ -31,6 +32,7 @@ __getattr__, __dir__ = lazy_exports(__name__, _WHERE)
 
 if TYPE_CHECKING:  # the same names for type checkers and the structure test
     from ..text.chat_template import render_prompt
-    from .data import Example, FeatureStore, batch_order, load_prompts, online_batches, pack, regenerate, teacher_batch, write_feature_store
+    from .data import (Example, FeatureStore, batch_order, load_prompts, online_batches, pack, regenerate, teacher_batch,
+                       teacher_head, write_feature_store)
     from .export import export_hf_draft
     from .vocab import DraftVocab, count_tokens, select_draft_vocab

@@ -9,15 +9,17 @@ The pipeline (as in SpecForge / the EAGLE-3 paper: the draft learns the target's
 3. `pack` lays the examples into fixed-length rows, several to a row where they fit, each's
    positions counting from 0 (no token sees another example's);
 4. the teacher signals come from one causal target forward per batch (`teacher_batch`): the
-   draft's three feature layers (`aux`), the target logits restricted to the draft vocabulary
-   and the full-vocabulary argmax. They are either computed once and stored ("offline":
+   draft's three feature layers (`aux`), the final hidden state its LM head reads (the logits
+   over the draft vocabulary are recomputed from it in the loss: `teacher_head`) and the
+   full-vocabulary argmax. They are either computed once and stored ("offline":
    `write_feature_store` + `FeatureStore.batches`) or on the fly ("online": `online_batches`).
    Both modes share `teacher_batch` and `batch_order`, so they yield the same batches in the
    same order.
 
 Batches are dicts: tokens int32 [B, T], loss_mask bool [B, T], positions int32 [B, T] (each token's
-position in its own sequence), aux [B, T, 3H] (target dtype),
-teacher_logits float32 [B, T, Vd], teacher_argmax int32 [B, T] (target-vocabulary ids).
+position in its own sequence), aux [B, T, 3H] (target dtype), teacher_hidden [B, T, H] (target
+dtype: the final-norm output, whose product with `teacher_head` is the teacher's logits over the
+draft vocabulary), teacher_argmax int32 [B, T] (target-vocabulary ids).
 `FeatureStore.batches` yields numpy arrays; `online_batches` yields the teacher's outputs as device
 arrays (on a target's mesh, where it computed them) beside the host's tokens and mask.
 """
@@ -39,15 +41,18 @@ import numpy as np
 from ..cache import kv_cache
 from ..checkpoint.atomic import atomic_dir, atomic_output
 from ..engine import Engine
-from ..models.target import Target, forward
+from ..models.layers import final_hidden, lm_head
+from ..models.target import Target, forward_hidden
 from ..runtime.sharding import mesh_context
 from ..sampling.sampler import SamplingParams
+from ..weights.quant import QArray, dequantize, linear
 from . import run_record
+from .run_record import model_digest
 from .placement import global_array
 
 STORE_FORMAT = "eagle3_jax.feature_store"
-STORE_VERSION = 2  # 2: packed rows (positions)
-STORE_KEYS = ("tokens", "loss_mask", "positions", "aux", "teacher_logits", "teacher_argmax")
+STORE_VERSION = 2  # 2: packed rows (positions), the final hidden state for the logits
+STORE_KEYS = ("tokens", "loss_mask", "positions", "aux", "teacher_hidden", "teacher_argmax")
 
 
 # ---- prompts --------------------------------------------------------------------------------------------
@@ -304,7 +309,7 @@ TEACHER_CHUNK = 2048
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "dtype", "chunk"))
-def teacher_forward(params, cfg, ids, draft_ids, dtype, chunk: int = TEACHER_CHUNK, positions=None):
+def teacher_forward(params, cfg, ids, dtype, chunk: int = TEACHER_CHUNK, positions=None):
     """The teacher's signals over `ids` int32 [B, T] at `positions` [B, T] (sequences packed in rows;
     None: one per row) (see teacher_batch): one causal target forward, each token seeing only its own
     sequence (from its slot less its position on), in passes of `chunk` tokens over a KV cache when T
@@ -319,12 +324,11 @@ def teacher_forward(params, cfg, ids, draft_ids, dtype, chunk: int = TEACHER_CHU
     def one_pass(cache, part):
         part, positions = part
         slots = cache.lengths[:, None] + jnp.arange(chunk, dtype=jnp.int32)[None, :]
-        logits, aux, cache = forward(params, cfg, part, positions, cache, starts=slots - positions)
+        x, aux, cache = forward_hidden(params, cfg, part, positions, cache, starts=slots - positions)
+        hidden = final_hidden(params, cfg, x)
+        logits = linear(hidden, lm_head(params, cfg), out_dtype=jnp.float32)  # as forward's: only for the argmax
         return kv_cache.advance(cache, jnp.full((b,), chunk, jnp.int32)), {
-            "aux": aux,
-            "teacher_logits": jnp.take(logits, draft_ids, axis=-1).astype(jnp.float32),
-            "teacher_argmax": jnp.argmax(logits, axis=-1).astype(jnp.int32),
-        }
+            "aux": aux, "teacher_hidden": hidden, "teacher_argmax": jnp.argmax(logits, axis=-1).astype(jnp.int32)}
 
     if passes == 1:
         return one_pass(cache, (ids, positions))[1]
@@ -334,7 +338,19 @@ def teacher_forward(params, cfg, ids, draft_ids, dtype, chunk: int = TEACHER_CHU
     return {k: v.swapaxes(0, 1).reshape(b, passes * chunk, *v.shape[3:])[:, :t] for k, v in out.items()}
 
 
-def _on_target(target: Target, rows, positions, draft_ids: jax.Array) -> dict:
+def teacher_head(target: Target, draft_ids) -> jax.Array:
+    """The target's LM head at the draft vocabulary's ids [H, Vd], in its dtype (a quantized head
+    dequantized): a batch's `teacher_hidden` @ it is the teacher's logits over the draft vocabulary,
+    as the target computes them (ttt.ttt_loss takes it as `teacher_head`)."""
+    d = _check_draft_ids(draft_ids, target.config.vocab_size)
+    head = lm_head(target.params, target.config)
+    if isinstance(head, QArray):
+        head = dequantize(head, target.dtype)
+    with mesh_context(target.mesh):
+        return jax.jit(lambda w: jnp.take(w, jnp.asarray(d), axis=1))(head)
+
+
+def _on_target(target: Target, rows, positions) -> dict:
     """The teacher over `rows` at `positions` (int32 [B, T], host) where the target's weights are: on
     its mesh the rows split over `data` (whole on every device when B does not divide), the forward
     sharded as serving shards it; the outputs stay on the devices."""
@@ -346,7 +362,7 @@ def _on_target(target: Target, rows, positions, draft_ids: jax.Array) -> dict:
         where = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(split))
         rows, positions = global_array(rows, where), global_array(positions, where)
     with mesh_context(mesh):
-        return teacher_forward(target.params, target.config, rows, draft_ids, target.dtype, positions=positions)
+        return teacher_forward(target.params, target.config, rows, target.dtype, positions=positions)
 
 
 def _check_draft_ids(draft_ids, vocab: int) -> np.ndarray:
@@ -368,22 +384,22 @@ def _check_target(target: Target) -> None:
         raise ValueError(f"the target captures {len(target.config.aux_layer_ids)} feature layers; EAGLE-3 needs 3")
 
 
-def teacher_batch(target: Target, tokens, draft_ids, positions=None) -> dict:
+def teacher_batch(target: Target, tokens, positions=None) -> dict:
     """One causal target forward over `tokens` int [B, T] (jitted once per shape), at `positions`
     [B, T] (sequences packed in rows, `pack`; None: one per row).
 
     Returns device arrays: aux [B, T, 3H] (target dtype, the draft's feature layers),
-    teacher_logits float32 [B, T, Vd] (target logits at `draft_ids`), teacher_argmax int32 [B, T]
-    (argmax over the full target vocabulary).
+    teacher_hidden [B, T, H] (target dtype: the final norm's output, which the LM head reads; @
+    `teacher_head` gives the logits over a draft vocabulary), teacher_argmax int32 [B, T] (argmax
+    over the full target vocabulary).
     """
     _check_target(target)
     ids = np.asarray(tokens)
     if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer):
         raise ValueError(f"tokens must be an integer array [batch, tokens]; got shape {ids.shape}, dtype {ids.dtype}")
     _check_ids(ids, target.config.vocab_size)
-    d = _check_draft_ids(draft_ids, target.config.vocab_size)
     positions = _check_positions(ids, positions)
-    return _on_target(target, ids.astype(np.int32), positions, jnp.asarray(d))
+    return _on_target(target, ids.astype(np.int32), positions)
 
 
 def batch_order(n: int, batch_size: int, *, seed: int, epoch: int, drop_last: bool = True) -> list[np.ndarray]:
@@ -417,7 +433,7 @@ def _check_positions(tokens: np.ndarray, positions) -> np.ndarray:
     return p.astype(np.int32)
 
 
-def online_batches(target: Target, tokens, loss_mask, draft_ids, batch_size: int, *, seed: int, epoch: int,
+def online_batches(target: Target, tokens, loss_mask, batch_size: int, *, seed: int, epoch: int,
                    drop_last: bool = True, positions=None) -> Iterator[dict]:
     """"Online" mode: the batches of `FeatureStore.batches` (same order, same values), with the
     teacher computed on the fly (`positions`: of packed rows, None for one sequence per row). The
@@ -426,12 +442,11 @@ def online_batches(target: Target, tokens, loss_mask, draft_ids, batch_size: int
     positions = _check_positions(tokens, positions)
     _check_target(target)
     _check_ids(tokens, target.config.vocab_size)
-    d = jnp.asarray(_check_draft_ids(draft_ids, target.config.vocab_size))
 
     def make(idx):
         rows = tokens[idx]
         out = {"tokens": rows, "loss_mask": loss_mask[idx], "positions": positions[idx]}
-        out.update(_on_target(target, rows, positions[idx], d))
+        out.update(_on_target(target, rows, positions[idx]))
         return out
 
     pending = None
@@ -461,20 +476,23 @@ def _shard_file(root: str, shard: int, key: str) -> str:
 
 
 
-def write_feature_store(out_dir: str | os.PathLike, target: Target, tokens, loss_mask, draft_ids,
-                        batch_size: int = 16, progress: bool = True, *, shard_size: int = 1024,
-                        overwrite: bool = False, positions=None) -> str:
+def write_feature_store(out_dir: str | os.PathLike, target: Target, tokens, loss_mask, batch_size: int = 16,
+                        progress: bool = True, *, shard_size: int = 1024, overwrite: bool = False,
+                        positions=None) -> str:
     """"Offline" mode: run `teacher_batch` once per batch and store everything for training.
 
     Layout: `meta.json` plus, per shard of `shard_size` rows, one .npy per key
     (`shard00000.aux.npy`, ...; bfloat16 kept as uint16, its dtype named in meta.json). Written
     into a temporary folder and renamed into place. Returns the store's path.
-    Storage: teacher_logits take N * T * Vd * 4 bytes, aux N * T * 3H * itemsize.
+    What is stored is the least the training needs exactly: per token the three feature layers and
+    the final hidden state in the target's dtype ((3 + 1) H * itemsize), the target's argmax, token,
+    position and mask (13 bytes); the logits over the draft vocabulary are recomputed from the
+    hidden state in the loss's chunks (`teacher_head`), so the store serves any draft vocabulary
+    (`FeatureStore.bytes_per_token`).
     """
     tokens, loss_mask = _check_rows(tokens, loss_mask)
     positions = _check_positions(tokens, positions)
     _check_target(target)
-    d = _check_draft_ids(draft_ids, target.config.vocab_size)
     if batch_size < 1 or shard_size < 1:
         raise ValueError(f"batch_size and shard_size must be >= 1; got {batch_size}, {shard_size}")
     n, t = tokens.shape
@@ -482,11 +500,10 @@ def write_feature_store(out_dir: str | os.PathLike, target: Target, tokens, loss
     h3 = len(target.config.aux_layer_ids) * target.config.hidden_size
     dtypes = {
         "tokens": np.dtype(np.int32), "loss_mask": np.dtype(np.bool_), "positions": np.dtype(np.int32),
-        "aux": np.dtype(target.dtype),
-        "teacher_logits": np.dtype(np.float32), "teacher_argmax": np.dtype(np.int32),
+        "aux": np.dtype(target.dtype), "teacher_hidden": np.dtype(target.dtype), "teacher_argmax": np.dtype(np.int32),
     }
-    row_shapes = {"tokens": [t], "loss_mask": [t], "positions": [t], "aux": [t, h3], "teacher_logits": [t, len(d)],
-                  "teacher_argmax": [t]}
+    row_shapes = {"tokens": [t], "loss_mask": [t], "positions": [t], "aux": [t, h3],
+                  "teacher_hidden": [t, target.config.hidden_size], "teacher_argmax": [t]}
     num_shards = -(-n // shard_size)
     meta = {
         "format": STORE_FORMAT,
@@ -497,7 +514,7 @@ def write_feature_store(out_dir: str | os.PathLike, target: Target, tokens, loss
         "num_shards": num_shards,
         "arrays": {k: {"dtype": dtypes[k].name, "storage_dtype": _storage(dtypes[k]).str, "row_shape": row_shapes[k]}
                    for k in STORE_KEYS},
-        "draft_ids": [int(x) for x in d],
+        "target": model_digest(target.path) if target.path else None,
         "aux_layer_ids": [int(x) for x in target.config.aux_layer_ids],
         "target_hidden_size": target.config.hidden_size,
         "vocab_size": target.config.vocab_size,
@@ -530,7 +547,7 @@ def write_feature_store(out_dir: str | os.PathLike, target: Target, tokens, loss
             rows[: stop - start] = tokens[start:stop]
             at = row_positions(rows)
             at[: stop - start] = positions[start:stop]
-            out = jax.device_get(_on_target(target, rows, at, jnp.asarray(d)))
+            out = jax.device_get(_on_target(target, rows, at))
             batch = {"tokens": tokens[start:stop], "loss_mask": loss_mask[start:stop], "positions": positions[start:stop]}
             batch.update({k: np.asarray(v)[: stop - start] for k, v in out.items()})
             i = start
@@ -599,8 +616,16 @@ class FeatureStore:
         return self._n
 
     @property
-    def draft_ids(self) -> np.ndarray:
-        return np.asarray(self.meta["draft_ids"], np.int32)
+    def target(self) -> str | None:
+        """The digest of the target folder that wrote it (run_record.model_digest)."""
+        return self.meta.get("target")
+
+    @property
+    def bytes_per_token(self) -> float:
+        """What the store keeps per token position (every array's row bytes over the row length)."""
+        arrays = self.meta["arrays"]
+        return sum(np.dtype(arrays[k]["storage_dtype"]).itemsize * int(np.prod(arrays[k]["row_shape"]))
+                   for k in STORE_KEYS) / max(self.seq_len, 1)
 
     @property
     def aux_layer_ids(self) -> tuple[int, ...]:

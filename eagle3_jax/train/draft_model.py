@@ -15,6 +15,7 @@ from ..config.model import ModelConfig, RopeConfig
 from ..models.target import Target
 from ..runtime.sharding import to_host
 from ..weights.params import ParamSpec, draft_specs
+from .data import teacher_head
 from .ttt import TTTMemory, ttt_loss
 from .vocab import DraftVocab
 
@@ -103,17 +104,18 @@ def init_draft_params(cfg: DraftConfig, target: Target, vocab: DraftVocab, seed:
     """(trainable float32 params, frozen params).
 
     The embedding is the target's (frozen). The LM head starts from the target's head restricted
-    to the draft vocabulary, which gives the draft the target's output geometry from step one.
+    to the draft vocabulary, which gives the draft the target's output geometry from step one; that
+    head also stays, frozen, as `teacher_head`: the loss makes the teacher's logits with it.
     """
     rng = np.random.default_rng(seed)
     trainable = trainable_tree(cfg, lambda name, spec: np.ones(spec.shape, np.float32) if len(spec.shape) == 1 else (
         rng.standard_normal(spec.shape) * std).astype(np.float32))
-    tcfg, tp = target.config, target.params
-    head = tp["embed"].T if tcfg.tie_word_embeddings else tp["lm_head"]
+    tp = target.params
+    head = teacher_head(target, vocab.draft_ids)
     # the target's arrays may span other processes' devices: read back whole (to_host)
-    trainable["lm_head"] = to_host(jnp.asarray(head, jnp.float32)[:, jnp.asarray(vocab.draft_ids)])
+    trainable["lm_head"] = to_host(head).astype(np.float32)
     trainable["final_norm"] = to_host(tp["final_norm"]).astype(np.float32)
-    frozen = {"embed": jnp.asarray(tp["embed"])}
+    frozen = {"embed": jnp.asarray(tp["embed"]), "teacher_head": head}
     if cfg.has_draft_vocab:
         frozen["d2t"] = jnp.asarray(vocab.d2t, jnp.int32)
     return jax.tree.map(jnp.asarray, trainable), frozen

@@ -35,6 +35,7 @@ from .conversations import Conversation, regenerate_conversations
 from .export import draft_config_json, export_hf_draft
 from .measure import Measurement, measured_acceptance, serving_draft
 from .placement import host_copy, writes_files
+from .run_record import model_digest
 from .split import held_out_count, split_examples  # noqa: F401 (draft_run's names too)
 from .trainer import TrainConfig, Trainer
 from .ttt import TTTMemory, check_context_split
@@ -182,14 +183,15 @@ class StaleFeatureStore(ValueError):
     """A feature store written for other data or another draft vocabulary."""
 
 
-def store_matches(store: FeatureStore, data: DraftData) -> bool:
-    """Whether `store` holds the features of `data`'s training rows (the same tokens at the same
-    positions) over its draft vocabulary."""
+def store_matches(store: FeatureStore, data: DraftData, target: Target) -> bool:
+    """Whether `store` holds `target`'s features of `data`'s training rows (the same tokens at the
+    same positions; any draft vocabulary: the store keeps the hidden state its logits come from)."""
     if len(store) != len(data.train_tokens) or store.seq_len != data.train_tokens.shape[1]:
         return False
+    if target.path and store.target != model_digest(target.path):
+        return False
     rows = store.rows(np.arange(len(store)))
-    return (np.array_equal(store.draft_ids, data.vocab.draft_ids) and np.array_equal(rows["tokens"], data.train_tokens)
-            and np.array_equal(rows["positions"], data.train_positions))
+    return np.array_equal(rows["tokens"], data.train_tokens) and np.array_equal(rows["positions"], data.train_positions)
 
 
 def offline_store(feature_dir: str, target: Target, data: DraftData, *, fresh: bool = False,
@@ -198,15 +200,15 @@ def offline_store(feature_dir: str, target: Target, data: DraftData, *, fresh: b
     starts again), reused when it matches. One that does not match is written again with
     `overwrite`, else refused (StaleFeatureStore)."""
     def write(replace: bool) -> FeatureStore:
-        write_feature_store(feature_dir, target, data.train_tokens, data.train_mask, data.vocab.draft_ids,
-                            overwrite=replace, positions=data.train_positions)
+        write_feature_store(feature_dir, target, data.train_tokens, data.train_mask, overwrite=replace,
+                            positions=data.train_positions)
         return FeatureStore(feature_dir)
 
     if not os.path.isdir(feature_dir) or fresh:
         return write(overwrite)
     try:
         store = FeatureStore(feature_dir)
-        why = None if store_matches(store, data) else "was written for other data or another draft vocabulary"
+        why = None if store_matches(store, data, target) else "was written for other data or another target"
     except (OSError, ValueError) as e:  # another version of the store's format, or a damaged one
         store, why = None, f"cannot be read ({e})"
     if why is None:
@@ -221,9 +223,8 @@ def train_batches(target: Target, data: DraftData, recipe: DraftRecipe, store: F
     features computed by `target` as they are drawn (online)."""
     if store is not None:
         return lambda epoch: store.batches(recipe.batch_size, seed=recipe.seed, epoch=epoch)
-    return lambda epoch: online_batches(target, data.train_tokens, data.train_mask, data.vocab.draft_ids,
-                                        recipe.batch_size, seed=recipe.seed, epoch=epoch,
-                                        positions=data.train_positions)
+    return lambda epoch: online_batches(target, data.train_tokens, data.train_mask, recipe.batch_size,
+                                        seed=recipe.seed, epoch=epoch, positions=data.train_positions)
 
 
 def measurement_of(data: DraftData, num_prompts: int, every: int = 0, max_tokens: int = 64) -> Measurement | None:
@@ -275,9 +276,8 @@ class DraftTraining:
         """The held-out set's mean metrics under the current weights (teacher features online), and
         with a measurement the draft's measured acceptance (`measure`) at this step."""
         d = self.data
-        out = self.trainer.evaluate(online_batches(self.target, d.eval_tokens, d.eval_mask, d.vocab.draft_ids,
-                                                   self.recipe.batch_size, seed=self.recipe.seed, epoch=0,
-                                                   positions=d.eval_positions))
+        out = self.trainer.evaluate(online_batches(self.target, d.eval_tokens, d.eval_mask, self.recipe.batch_size,
+                                                   seed=self.recipe.seed, epoch=0, positions=d.eval_positions))
         if self.measurement is not None:
             step = int(self.trainer.state.step)
             measured = self.measured.get(step) or self.measure()

@@ -121,23 +121,25 @@ def plan_training(target, mesh: Mesh, seq_len: int, recipe: DraftRecipe = DraftR
     dcfg = recipe_draft_config(cfg, vocab, recipe)
     rows = PartitionSpec("data" if b % mesh.shape["data"] == 0 else None)
     ids = _sds((b, seq_len), jnp.int32, mesh, rows)
-    draft_ids = _sds((vd,), jnp.int32, mesh, PartitionSpec())
     with compiled_as_on_gpu(planned, arch), mesh_context(mesh):
-        teacher = teacher_forward.trace(float8_as_bytes(setup.tparams), cfg, ids, draft_ids, dt, chunk=teacher_chunk)
+        teacher = teacher_forward.trace(float8_as_bytes(setup.tparams), cfg, ids, dt, chunk=teacher_chunk)
         teacher_bytes = compiled_bytes(teacher.lower().compile())
 
     optimizer = make_optimizer(TrainConfig(), total_steps=1000)
     params = trainable_tree(dcfg, lambda name, spec: jax.ShapeDtypeStruct(spec.shape, jnp.float32))
     state = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=params,
                        opt_state=jax.eval_shape(optimizer.init, params))
-    frozen = {"embed": jax.ShapeDtypeStruct((cfg.vocab_size, cfg.hidden_size), dt)}
+    frozen = {"embed": jax.ShapeDtypeStruct((cfg.vocab_size, cfg.hidden_size), dt),
+              "teacher_head": jax.ShapeDtypeStruct((cfg.hidden_size, vd), dt)}
     if dcfg.has_draft_vocab:
         frozen["d2t"] = jax.ShapeDtypeStruct((vd,), jnp.int32)
     state_shardings = sharded_shardings(state, mesh)
     spec = batch_spec(recipe)
     h3 = len(cfg.aux_layer_ids) * cfg.hidden_size
     batch = {"tokens": _sds((b, seq_len), jnp.int32, mesh, spec), "loss_mask": _sds((b, seq_len), jnp.bool_, mesh, spec),
-             "aux": _sds((b, seq_len, h3), dt, mesh, spec), "teacher_logits": _sds((b, seq_len, vd), jnp.float32, mesh, spec),
+             "positions": _sds((b, seq_len), jnp.int32, mesh, spec),
+             "aux": _sds((b, seq_len, h3), dt, mesh, spec),
+             "teacher_hidden": _sds((b, seq_len, cfg.hidden_size), dt, mesh, spec),
              "teacher_argmax": _sds((b, seq_len), jnp.int32, mesh, spec)}
     loss = make_ttt_loss(dcfg, vocab, recipe.ttt_steps, memory=memory,
                          context=(mesh, "data") if recipe.context_parallel else None)

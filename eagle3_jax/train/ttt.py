@@ -297,17 +297,20 @@ def ttt_unroll(params: dict, cfg: DraftConfig, aux: jax.Array, tokens: jax.Array
             for s in ttt_states(params, cfg, aux, tokens, num_steps, positions=positions, memory=memory)]
 
 
-def _soft_cross_entropy(states: jax.Array, teacher_logits: jax.Array, lm_head: jax.Array, chunk: int | None
-                        ) -> tuple[jax.Array, jax.Array]:
+def _soft_cross_entropy(states: jax.Array, teacher: jax.Array, lm_head: jax.Array, chunk: int | None,
+                        teacher_head: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """Per position: the cross-entropy [B, T] of the draft's distribution (states @ lm_head) against the
     teacher's softmax, and the draft's argmax [B, T] (a draft-vocabulary id); over chunks of `chunk`
-    positions, so the logits are never whole."""
+    positions, so neither side's logits are ever whole. `teacher`: its logits [B, T, Vd], or with
+    `teacher_head` [H, Vd] its hidden state [B, T, H], the logits made per chunk as the target makes them."""
     def chunk_of(start):
         size = min(chunk or states.shape[1], states.shape[1])
         h = lax.dynamic_slice_in_dim(states, start, size, axis=1)
         logits = jnp.dot(h, lm_head, preferred_element_type=jnp.float32, precision=PRECISION)
-        target_p = jax.nn.softmax(lax.dynamic_slice_in_dim(teacher_logits, start, size, axis=1).astype(jnp.float32),
-                                  axis=-1)
+        seen = lax.dynamic_slice_in_dim(teacher, start, size, axis=1)
+        if teacher_head is not None:
+            seen = jnp.dot(seen, teacher_head, preferred_element_type=jnp.float32, precision=PRECISION)
+        target_p = jax.nn.softmax(seen.astype(jnp.float32), axis=-1)
         return -jnp.sum(target_p * jax.nn.log_softmax(logits, axis=-1), axis=-1), jnp.argmax(logits, axis=-1)
 
     return _blockwise(chunk_of, states.shape[1], chunk)
@@ -356,7 +359,9 @@ def ttt_loss(params: dict, cfg: DraftConfig, batch: dict, t2d: jax.Array, draft_
     """Weighted TTT loss and metrics for a batch.
 
     batch: tokens [B,T] int, loss_mask [B,T] bool (True where the token is a response token to
-    predict), optionally positions [B,T] (sequences packed in rows: data.pack), aux [B,T,3Ht], teacher_logits [B,T,Vd] (target logits restricted to the draft
+    predict), optionally positions [B,T] (sequences packed in rows: data.pack), aux [B,T,3Ht], teacher_hidden
+    [B,T,Ht] (the target's final-norm output; `params["teacher_head"]` [Ht,Vd] makes the logits) or
+    teacher_logits [B,T,Vd] (target logits restricted to the draft
     vocabulary), teacher_argmax [B,T] (target-vocab argmax). t2d [V] bool, draft_ids [Vd].
     Metrics: per-step loss and top-1 accuracy, and `sim_tau`: the acceptance length (bonus
     included) a greedy `sim_steps`-step chain would get walking these sequences.
@@ -382,6 +387,17 @@ def ttt_loss(params: dict, cfg: DraftConfig, batch: dict, t2d: jax.Array, draft_
     return total, metrics
 
 
+def _teacher(params: dict, batch: dict) -> tuple[jax.Array, jax.Array | None]:
+    """The teacher as the batch gives it: its hidden state with the params' `teacher_head`
+    (data.teacher_batch), or its logits over the draft vocabulary."""
+    if "teacher_hidden" in batch:
+        if "teacher_head" not in params:
+            raise ValueError("a batch of teacher_hidden needs the target's head at the draft ids as params['teacher_head'] "
+                             "(data.teacher_head)")
+        return batch["teacher_hidden"], params["teacher_head"]
+    return batch["teacher_logits"], None
+
+
 def _local_loss(params: dict, batch: dict, t2d: jax.Array, draft_ids: jax.Array, *, cfg: DraftConfig, num_steps: int,
                 decay: float, memory: TTTMemory, span: _Span) -> tuple[jax.Array, dict, list, list]:
     """ttt_loss over the positions `span` holds, summed over the shards: (loss, per-step metrics, and
@@ -392,6 +408,7 @@ def _local_loss(params: dict, batch: dict, t2d: jax.Array, draft_ids: jax.Array,
     shifted or copied."""
     tokens, argmax = batch["tokens"], batch["teacher_argmax"]
     t = tokens.shape[1]
+    teacher, teacher_head = _teacher(params, batch)
     position = _positions(tokens, batch.get("positions"), span)
     states = ttt_states(params, cfg, batch["aux"], tokens, num_steps, positions=position, memory=memory, span=span)
     ahead = lambda x: jnp.concatenate([x[:, 1:], span.following(x, 1)], axis=1)  # noqa: E731 (x at u + 1)
@@ -402,7 +419,7 @@ def _local_loss(params: dict, batch: dict, t2d: jax.Array, draft_ids: jax.Array,
     correct_steps, valid_steps = [], []
     for k, state in enumerate(states):
         delayed = jnp.concatenate([span.preceding(state, k + 1), state], axis=1)[:, :t]  # origin u - k - 1's at u
-        ce, pred = _soft_cross_entropy(delayed, batch["teacher_logits"], params["lm_head"], memory.loss_chunk)
+        ce, pred = _soft_cross_entropy(delayed, teacher, params["lm_head"], memory.loss_chunk, teacher_head)
         mask = to_learn & (position >= k + 1)  # the origin u - k - 1 is in u's sequence
         correct = draft_ids[pred] == argmax
         count = jnp.maximum(span.total(mask.sum()), 1)
