@@ -65,7 +65,10 @@ def plan_run(out: str, ckpt_dir: str, settings: Mapping[str, Any], fingerprint: 
     clash = clash_with_input(ckpt_dir, inputs, "--ckpt_dir")
     if clash:
         raise app.UsageError(clash)
-    has_checkpoints = os.path.isdir(ckpt_dir) and bool(os.listdir(ckpt_dir))
+    # the responses a run kept before it stopped, ahead of any checkpoint, are not a run's checkpoints:
+    # they carry their own key (data.load_examples) and are reused where it matches
+    has_checkpoints = os.path.isdir(ckpt_dir) and any(not n.startswith(run_record.REGENERATED_FILE)
+                                                      for n in os.listdir(ckpt_dir))
     if has_checkpoints:
         record = run_record.read_record(ckpt_dir)
         if record is None:

@@ -35,7 +35,7 @@ from .conversations import Conversation, regenerate_conversations
 from .export import draft_config_json, export_hf_draft
 from .measure import Measurement, measured_acceptance, serving_draft
 from .placement import host_copy, writes_files
-from .run_record import model_digest
+from .run_record import BEST_DIR, BEST_FILE, model_digest
 from .split import held_out_count, split_examples  # noqa: F401 (draft_run's names too)
 from .trainer import TrainConfig, Trainer
 from .ttt import TTTMemory, check_context_split
@@ -234,7 +234,6 @@ def measurement_of(data: DraftData, num_prompts: int, every: int = 0, max_tokens
     return Measurement(prompts=prompts, every=every, max_tokens=max_tokens) if prompts else None
 
 
-BEST_DIR, BEST_FILE = "best", "best.json"  # in the checkpoint folder: the best measured draft's weights and figures
 
 
 class DraftTraining:

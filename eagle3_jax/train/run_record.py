@@ -16,6 +16,7 @@ from typing import Any, Mapping, Sequence
 
 RUN_FILE = "run.json"
 REGENERATED_FILE = "regenerated.npz"  # the responses the run trains on, kept for a resume
+BEST_DIR, BEST_FILE = "best", "best.json"  # the best measured draft's weights and figures
 _CHUNK = 1 << 20
 
 
@@ -117,9 +118,11 @@ def _shown(value: Any) -> str:
 
 def is_ours(ckpt_dir: str | os.PathLike) -> bool:
     """Whether `ckpt_dir` holds only what a training run writes (step folders, Orbax temporaries,
-    the run record, the regenerated examples), so that starting again may delete it."""
+    the run record, the regenerated examples, the best measured draft), so that starting again may
+    delete it."""
     try:
         names = os.listdir(ckpt_dir)
     except OSError:
         return False
-    return all(n.split(".", 1)[0].isdigit() or n.startswith((RUN_FILE, REGENERATED_FILE)) for n in names)
+    return all(n.split(".", 1)[0].isdigit() or n.split(".", 1)[0] == BEST_DIR or n.startswith((RUN_FILE, REGENERATED_FILE))
+               for n in names)
