@@ -71,9 +71,8 @@ flags.DEFINE_enum("mode", "online", ["online", "offline"], "Teacher features on 
 flags.DEFINE_string("feature_dir", None, "Offline feature store (default: <out>.features).")
 flags.DEFINE_string("ckpt_dir", None, "Orbax checkpoints for resuming (default: <out>.ckpt).")
 flags.DEFINE_float("eval_fraction", 0.05, "Held-out share of the examples.")
-define_mesh_flags("Every host runs the same command; process 0 writes the files (a shared file system); --mode=online.")
-flags.register_multi_flags_validator(["distributed", "mode"], lambda v: not (v["distributed"] and v["mode"] == "offline"),
-                                     "--mode=offline writes its feature store from one process: drop --distributed")
+define_mesh_flags("Every host runs the same command; process 0 writes the files (a shared file system; each process "
+                  "writes and reads its own rows of the --mode=offline store there).")
 flags.DEFINE_bool("context_parallel", False, "Split each sequence over the --mesh data axis instead of the batch.")
 flags.DEFINE_enum("save_dtype", "bfloat16", ["float32", "bfloat16"], "Dtype of the exported weights.")
 flags.DEFINE_integer("measure_prompts", 16, "Held-out prompts the draft answers through the Engine (chain 3:1:4) after "

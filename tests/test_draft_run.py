@@ -15,7 +15,8 @@ import eagle3_jax as e3
 from eagle3_jax.models import draft as draft_lib
 from eagle3_jax.train import draft_run
 from eagle3_jax.train.draft_model import assembled_params
-from eagle3_jax.train.data import Example, FeatureStore
+from eagle3_jax.train.data import Example
+from eagle3_jax.train.feature_store import FeatureStore
 from eagle3_jax.train.trainer import TrainConfig
 from random_models import FAMILIES, random_target
 

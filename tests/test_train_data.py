@@ -443,6 +443,12 @@ def test_online_and_feature_store_batches_are_identical(target, rows, tmp_path):
             np.testing.assert_array_equal(a["tokens"], tokens[idx])
             np.testing.assert_array_equal(a["loss_mask"], mask[idx])
             np.testing.assert_array_equal(a["positions"], positions[idx])
+    # read lazily (as training lays a batch on the mesh, each process its own rows): the same values
+    for a, b in zip(store.batches(4, seed=7, epoch=2, lazy=True), store.batches(4, seed=7, epoch=2)):
+        for k in a:
+            assert a[k].shape == b[k].shape and a[k].dtype == b[k].dtype
+            np.testing.assert_array_equal(np.asarray(a[k]), b[k], err_msg=k)
+            np.testing.assert_array_equal(a[k][1:3], b[k][1:3], err_msg=k)
     e2 = np.concatenate([b["tokens"] for b in store.batches(4, seed=7, epoch=2)])
     e3_ = np.concatenate([b["tokens"] for b in store.batches(4, seed=7, epoch=3)])
     assert not np.array_equal(e2, e3_)

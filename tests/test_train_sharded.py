@@ -112,8 +112,9 @@ def run_train_draft(args: list[str], num_processes: int, devices_each: int, time
 @pytest.mark.newest_jax
 def test_two_processes_train_like_one_and_resume_in_one(tmp_path):
     """Two processes x 4 devices (mesh 2,1,4: the data axis across them) train and export the same
-    draft as one process x 8; the files are written once; a one-process run restores the two
-    processes' checkpoint and exports the same draft again."""
+    draft as one process x 8, with the teacher online or from one offline store that each process
+    writes and reads its own rows of; the files are written once; a one-process run restores the
+    two processes' checkpoint and exports the same draft again."""
     common = [f"--target={KIMI}", "--prompts=checkpoints/demo_prompts.txt", "--max_tokens=24", "--batch_size=2",
               "--epochs=2", "--ttt_steps=2", "--compute_dtype=float32", "--save_dtype=float32", "--mesh=2,1,4"]
     run_train_draft([*common, f"--out={tmp_path / 'one'}"], 1, 8)
@@ -124,6 +125,11 @@ def test_two_processes_train_like_one_and_resume_in_one(tmp_path):
     for key in one:
         np.testing.assert_allclose(two[key], one[key], rtol=1e-5, atol=1e-7, err_msg=key)
     assert sorted(p.name for p in (tmp_path / "two").iterdir()) == sorted(p.name for p in (tmp_path / "one").iterdir())
+    outs = run_train_draft([*common, "--mode=offline", f"--out={tmp_path / 'offline'}"], 2, 4)
+    assert all("bytes per token" in out for out in outs)
+    offline = load_file(tmp_path / "offline" / "model.safetensors")
+    for key in one:
+        np.testing.assert_allclose(offline[key], one[key], rtol=1e-5, atol=1e-7, err_msg=key)
     # the finished two-process run, its output removed and its record reopened: one process restores its last step
     record = tmp_path / "two.ckpt" / "run.json"
     record.write_text(record.read_text().replace('"finished": true', '"finished": false'))

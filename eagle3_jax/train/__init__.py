@@ -13,7 +13,7 @@ from ..runtime.exports import lazy_exports
 _WHERE = {
     "DraftVocab": ".vocab",
     "Example": ".data",
-    "FeatureStore": ".data",
+    "FeatureStore": ".feature_store",
     "batch_order": ".data",
     "count_tokens": ".vocab",
     "export_hf_draft": ".export",
@@ -25,14 +25,15 @@ _WHERE = {
     "select_draft_vocab": ".vocab",
     "teacher_batch": ".data",
     "teacher_head": ".data",
-    "write_feature_store": ".data",
+    "write_feature_store": ".feature_store",
 }
 __all__ = sorted(_WHERE)
 __getattr__, __dir__ = lazy_exports(__name__, _WHERE)
 
 if TYPE_CHECKING:  # the same names for type checkers and the structure test
     from ..text.chat_template import render_prompt
-    from .data import (Example, FeatureStore, batch_order, load_prompts, online_batches, pack, regenerate, teacher_batch,
-                       teacher_head, write_feature_store)
+    from .data import (Example, batch_order, load_prompts, online_batches, pack, regenerate, teacher_batch,
+                       teacher_head)
+    from .feature_store import FeatureStore, write_feature_store
     from .export import export_hf_draft
     from .vocab import DraftVocab, count_tokens, select_draft_vocab

@@ -12,16 +12,15 @@ The pipeline (as in SpecForge / the EAGLE-3 paper: the draft learns the target's
    draft's three feature layers (`aux`), the final hidden state its LM head reads (the logits
    over the draft vocabulary are recomputed from it in the loss: `teacher_head`) and the
    full-vocabulary argmax. They are either computed once and stored ("offline":
-   `write_feature_store` + `FeatureStore.batches`) or on the fly ("online": `online_batches`).
-   Both modes share `teacher_batch` and `batch_order`, so they yield the same batches in the
-   same order.
+   feature_store.py) or on the fly ("online": `online_batches`). Both modes share `run_teacher`
+   and `batch_order`, so they yield the same batches in the same order.
 
 Batches are dicts: tokens int32 [B, T], loss_mask bool [B, T], positions int32 [B, T] (each token's
 position in its own sequence), aux [B, T, 3H] (target dtype), teacher_hidden [B, T, H] (target
 dtype: the final-norm output, whose product with `teacher_head` is the teacher's logits over the
 draft vocabulary), teacher_argmax int32 [B, T] (target-vocabulary ids).
-`FeatureStore.batches` yields numpy arrays; `online_batches` yields the teacher's outputs as device
-arrays (on a target's mesh, where it computed them) beside the host's tokens and mask.
+`online_batches` yields the teacher's outputs as device arrays (on a target's mesh, where it
+computed them) beside the host's tokens, mask and positions.
 """
 
 from __future__ import annotations
@@ -35,11 +34,10 @@ from typing import Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 
 from ..cache import kv_cache
-from ..checkpoint.atomic import atomic_dir, atomic_output
+from ..checkpoint.atomic import atomic_output
 from ..engine import Engine
 from ..models.layers import final_hidden, lm_head
 from ..models.target import Target, forward_hidden
@@ -47,12 +45,8 @@ from ..runtime.sharding import mesh_context
 from ..sampling.sampler import SamplingParams
 from ..weights.quant import QArray, dequantize, linear
 from . import run_record
-from .run_record import model_digest
 from .placement import global_array
 
-STORE_FORMAT = "eagle3_jax.feature_store"
-STORE_VERSION = 2  # 2: packed rows (positions), the final hidden state for the logits
-STORE_KEYS = ("tokens", "loss_mask", "positions", "aux", "teacher_hidden", "teacher_argmax")
 
 
 # ---- prompts --------------------------------------------------------------------------------------------
@@ -350,7 +344,7 @@ def teacher_head(target: Target, draft_ids) -> jax.Array:
         return jax.jit(lambda w: jnp.take(w, jnp.asarray(d), axis=1))(head)
 
 
-def _on_target(target: Target, rows, positions) -> dict:
+def run_teacher(target: Target, rows, positions) -> dict:
     """The teacher over `rows` at `positions` (int32 [B, T], host) where the target's weights are: on
     its mesh the rows split over `data` (whole on every device when B does not divide), the forward
     sharded as serving shards it; the outputs stay on the devices."""
@@ -374,12 +368,12 @@ def _check_draft_ids(draft_ids, vocab: int) -> np.ndarray:
     return d.astype(np.int32)
 
 
-def _check_ids(ids: np.ndarray, vocab: int) -> None:
+def check_ids(ids: np.ndarray, vocab: int) -> None:
     if ids.size and (ids.min() < 0 or ids.max() >= vocab):
         raise ValueError(f"token ids must lie in [0, {vocab}); got range [{ids.min()}, {ids.max()}]")
 
 
-def _check_target(target: Target) -> None:
+def check_target(target: Target) -> None:
     if len(target.config.aux_layer_ids) != 3:
         raise ValueError(f"the target captures {len(target.config.aux_layer_ids)} feature layers; EAGLE-3 needs 3")
 
@@ -393,13 +387,13 @@ def teacher_batch(target: Target, tokens, positions=None) -> dict:
     `teacher_head` gives the logits over a draft vocabulary), teacher_argmax int32 [B, T] (argmax
     over the full target vocabulary).
     """
-    _check_target(target)
+    check_target(target)
     ids = np.asarray(tokens)
     if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer):
         raise ValueError(f"tokens must be an integer array [batch, tokens]; got shape {ids.shape}, dtype {ids.dtype}")
-    _check_ids(ids, target.config.vocab_size)
-    positions = _check_positions(ids, positions)
-    return _on_target(target, ids.astype(np.int32), positions)
+    check_ids(ids, target.config.vocab_size)
+    positions = check_positions(ids, positions)
+    return run_teacher(target, ids.astype(np.int32), positions)
 
 
 def batch_order(n: int, batch_size: int, *, seed: int, epoch: int, drop_last: bool = True) -> list[np.ndarray]:
@@ -412,14 +406,14 @@ def batch_order(n: int, batch_size: int, *, seed: int, epoch: int, drop_last: bo
     return [perm[i:i + batch_size] for i in range(0, stop, batch_size)]
 
 
-def _check_rows(tokens, loss_mask) -> tuple[np.ndarray, np.ndarray]:
+def check_rows(tokens, loss_mask) -> tuple[np.ndarray, np.ndarray]:
     tokens, loss_mask = np.asarray(tokens), np.asarray(loss_mask)
     if tokens.ndim != 2 or loss_mask.shape != tokens.shape:
         raise ValueError(f"tokens and loss_mask must both be [N, T]; got {tokens.shape} and {loss_mask.shape}")
     return tokens.astype(np.int32), loss_mask.astype(bool)
 
 
-def _check_positions(tokens: np.ndarray, positions) -> np.ndarray:
+def check_positions(tokens: np.ndarray, positions) -> np.ndarray:
     """`positions` of packed rows as int32 (`row_positions` for None): a ValueError unless each row
     counts 0, 1, ... through each of its sequences (a sequence starts at 0)."""
     if positions is None:
@@ -438,15 +432,15 @@ def online_batches(target: Target, tokens, loss_mask, batch_size: int, *, seed: 
     """"Online" mode: the batches of `FeatureStore.batches` (same order, same values), with the
     teacher computed on the fly (`positions`: of packed rows, None for one sequence per row). The
     next batch's forward is dispatched before a batch is yielded."""
-    tokens, loss_mask = _check_rows(tokens, loss_mask)
-    positions = _check_positions(tokens, positions)
-    _check_target(target)
-    _check_ids(tokens, target.config.vocab_size)
+    tokens, loss_mask = check_rows(tokens, loss_mask)
+    positions = check_positions(tokens, positions)
+    check_target(target)
+    check_ids(tokens, target.config.vocab_size)
 
     def make(idx):
         rows = tokens[idx]
         out = {"tokens": rows, "loss_mask": loss_mask[idx], "positions": positions[idx]}
-        out.update(_on_target(target, rows, positions[idx]))
+        out.update(run_teacher(target, rows, positions[idx]))
         return out
 
     pending = None
@@ -457,202 +451,3 @@ def online_batches(target: Target, tokens, loss_mask, batch_size: int, *, seed: 
         pending = nxt
     if pending is not None:
         yield pending
-
-
-# ---- the offline feature store ------------------------------------------------------------------------------
-
-
-def _storage(dtype: np.dtype) -> np.dtype:
-    """How a dtype is kept in .npy: ml_dtypes types (bfloat16, ...) as unsigned ints of their width."""
-    return np.dtype(f"<u{dtype.itemsize}") if dtype.kind == "V" else dtype
-
-
-def _dtype_named(name: str) -> np.dtype:
-    return np.dtype(getattr(ml_dtypes, name)) if hasattr(ml_dtypes, name) else np.dtype(name)
-
-
-def _shard_file(root: str, shard: int, key: str) -> str:
-    return os.path.join(root, f"shard{shard:05d}.{key}.npy")
-
-
-
-def write_feature_store(out_dir: str | os.PathLike, target: Target, tokens, loss_mask, batch_size: int = 16,
-                        progress: bool = True, *, shard_size: int = 1024, overwrite: bool = False,
-                        positions=None) -> str:
-    """"Offline" mode: run `teacher_batch` once per batch and store everything for training.
-
-    Layout: `meta.json` plus, per shard of `shard_size` rows, one .npy per key
-    (`shard00000.aux.npy`, ...; bfloat16 kept as uint16, its dtype named in meta.json). Written
-    into a temporary folder and renamed into place. Returns the store's path.
-    What is stored is the least the training needs exactly: per token the three feature layers and
-    the final hidden state in the target's dtype ((3 + 1) H * itemsize), the target's argmax, token,
-    position and mask (13 bytes); the logits over the draft vocabulary are recomputed from the
-    hidden state in the loss's chunks (`teacher_head`), so the store serves any draft vocabulary
-    (`FeatureStore.bytes_per_token`).
-    """
-    tokens, loss_mask = _check_rows(tokens, loss_mask)
-    positions = _check_positions(tokens, positions)
-    _check_target(target)
-    if batch_size < 1 or shard_size < 1:
-        raise ValueError(f"batch_size and shard_size must be >= 1; got {batch_size}, {shard_size}")
-    n, t = tokens.shape
-    _check_ids(tokens, target.config.vocab_size)
-    h3 = len(target.config.aux_layer_ids) * target.config.hidden_size
-    dtypes = {
-        "tokens": np.dtype(np.int32), "loss_mask": np.dtype(np.bool_), "positions": np.dtype(np.int32),
-        "aux": np.dtype(target.dtype), "teacher_hidden": np.dtype(target.dtype), "teacher_argmax": np.dtype(np.int32),
-    }
-    row_shapes = {"tokens": [t], "loss_mask": [t], "positions": [t], "aux": [t, h3],
-                  "teacher_hidden": [t, target.config.hidden_size], "teacher_argmax": [t]}
-    num_shards = -(-n // shard_size)
-    meta = {
-        "format": STORE_FORMAT,
-        "version": STORE_VERSION,
-        "num_examples": n,
-        "seq_len": t,
-        "shard_size": shard_size,
-        "num_shards": num_shards,
-        "arrays": {k: {"dtype": dtypes[k].name, "storage_dtype": _storage(dtypes[k]).str, "row_shape": row_shapes[k]}
-                   for k in STORE_KEYS},
-        "target": model_digest(target.path) if target.path else None,
-        "aux_layer_ids": [int(x) for x in target.config.aux_layer_ids],
-        "target_hidden_size": target.config.hidden_size,
-        "vocab_size": target.config.vocab_size,
-        "target_dtype": np.dtype(target.dtype).name,
-        "target_config": os.path.join(target.path, "config.json") if target.path else None,
-    }
-    try:
-        from tqdm import tqdm
-    except ImportError:  # tqdm is a dependency, but progress bars are optional
-        tqdm = None
-    with atomic_dir(out_dir, "feature store", overwrite=overwrite) as tmp:
-        maps: dict[int, dict[str, np.ndarray]] = {}
-
-        def shard_maps(s: int) -> dict[str, np.ndarray]:
-            if s not in maps:
-                rows = min(shard_size, n - s * shard_size)
-                maps[s] = {k: np.lib.format.open_memmap(_shard_file(tmp, s, k), mode="w+", dtype=_storage(dtypes[k]),
-                                                        shape=(rows, *row_shapes[k])) for k in STORE_KEYS}
-            return maps[s]
-
-        def close(s: int) -> None:
-            for mm in maps.pop(s).values():
-                mm.flush()
-
-        starts = range(0, n, batch_size)
-        bar = tqdm(starts, desc="teacher features", unit="batch", disable=not progress) if tqdm else starts
-        for start in bar:
-            stop = min(start + batch_size, n)
-            rows = np.zeros((batch_size, t), np.int32)  # pad the last batch: one compiled shape
-            rows[: stop - start] = tokens[start:stop]
-            at = row_positions(rows)
-            at[: stop - start] = positions[start:stop]
-            out = jax.device_get(_on_target(target, rows, at))
-            batch = {"tokens": tokens[start:stop], "loss_mask": loss_mask[start:stop], "positions": positions[start:stop]}
-            batch.update({k: np.asarray(v)[: stop - start] for k, v in out.items()})
-            i = start
-            while i < stop:  # copy the batch into the shard(s) it spans
-                s, r = divmod(i, shard_size)
-                rows_in_shard = min(shard_size, n - s * shard_size)
-                j = min(stop, s * shard_size + rows_in_shard)
-                mm = shard_maps(s)
-                for k in STORE_KEYS:
-                    mm[k][r:r + j - i] = batch[k][i - start:j - start].view(_storage(dtypes[k]))
-                if r + j - i == rows_in_shard:
-                    close(s)
-                i = j
-        for s in list(maps):
-            close(s)
-        with open(os.path.join(tmp, "meta.json"), "w") as f:
-            json.dump(meta, f, indent=1)
-            f.write("\n")
-    return os.path.abspath(os.fspath(out_dir))
-
-
-class FeatureStore:
-    """A folder written by `write_feature_store`, read through memory maps."""
-
-    def __init__(self, path: str | os.PathLike):
-        self.path = os.fspath(path)
-        meta_path = os.path.join(self.path, "meta.json")
-        if not os.path.isfile(meta_path):
-            raise FileNotFoundError(f"{self.path} is not a feature store (no meta.json); write one with write_feature_store")
-        try:
-            with open(meta_path) as f:
-                meta = json.load(f)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{meta_path} is not valid JSON: {e}") from e
-        if not isinstance(meta, dict) or meta.get("format") != STORE_FORMAT:
-            raise ValueError(f"{meta_path} is not an eagle3_jax feature store (format {STORE_FORMAT!r})")
-        if meta.get("version") != STORE_VERSION:
-            raise ValueError(f"{meta_path} has store version {meta.get('version')}; this code reads version {STORE_VERSION}")
-        try:
-            n, shard_size, num_shards = int(meta["num_examples"]), int(meta["shard_size"]), int(meta["num_shards"])
-            arrays = meta["arrays"]
-            self.dtypes = {k: _dtype_named(arrays[k]["dtype"]) for k in STORE_KEYS}
-            storage = {k: np.dtype(arrays[k]["storage_dtype"]) for k in STORE_KEYS}
-            row_shapes = {k: tuple(int(x) for x in arrays[k]["row_shape"]) for k in STORE_KEYS}
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
-            raise ValueError(f"{meta_path} is malformed ({type(e).__name__}: {e}); rewrite the store") from e
-        if num_shards != -(-n // shard_size):
-            raise ValueError(f"{meta_path}: {num_shards} shards cannot hold {n} examples of {shard_size} per shard")
-        self.meta = meta
-        self._n, self._shard_size = n, shard_size
-        self._maps: list[dict[str, np.ndarray]] = []
-        for s in range(num_shards):
-            rows = min(shard_size, n - s * shard_size)
-            shard = {}
-            for k in STORE_KEYS:
-                f = _shard_file(self.path, s, k)
-                if not os.path.isfile(f):
-                    raise FileNotFoundError(f"feature store {self.path} is missing {os.path.basename(f)}; rewrite the store")
-                mm = np.load(f, mmap_mode="r", allow_pickle=False)
-                if mm.shape != (rows, *row_shapes[k]) or mm.dtype != storage[k]:
-                    raise ValueError(f"{f} holds {mm.dtype} {mm.shape}; meta.json says {storage[k]} {(rows, *row_shapes[k])}")
-                shard[k] = mm
-            self._maps.append(shard)
-
-    def __len__(self) -> int:
-        return self._n
-
-    @property
-    def target(self) -> str | None:
-        """The digest of the target folder that wrote it (run_record.model_digest)."""
-        return self.meta.get("target")
-
-    @property
-    def bytes_per_token(self) -> float:
-        """What the store keeps per token position (every array's row bytes over the row length)."""
-        arrays = self.meta["arrays"]
-        return sum(np.dtype(arrays[k]["storage_dtype"]).itemsize * int(np.prod(arrays[k]["row_shape"]))
-                   for k in STORE_KEYS) / max(self.seq_len, 1)
-
-    @property
-    def aux_layer_ids(self) -> tuple[int, ...]:
-        return tuple(self.meta["aux_layer_ids"])
-
-    @property
-    def seq_len(self) -> int:
-        return int(self.meta["seq_len"])
-
-    def rows(self, idx) -> dict[str, np.ndarray]:
-        """The examples at indices `idx` (in that order), as numpy arrays."""
-        idx = np.asarray(idx, np.int64).reshape(-1)
-        if idx.size and (idx.min() < 0 or idx.max() >= self._n):
-            raise IndexError(f"feature store has {self._n} examples; asked for indices in [{idx.min()}, {idx.max()}]")
-        shard, row = np.divmod(idx, self._shard_size)
-        out = {}
-        for k in STORE_KEYS:
-            first = self._maps[0][k] if self._maps else None
-            buf = np.empty((idx.size, *(first.shape[1:] if first is not None else ())),
-                           first.dtype if first is not None else self.dtypes[k])
-            for s in np.unique(shard):
-                sel = shard == s
-                buf[sel] = self._maps[s][k][row[sel]]
-            out[k] = buf.view(self.dtypes[k])
-        return out
-
-    def batches(self, batch_size: int, *, seed: int, epoch: int, drop_last: bool = True) -> Iterator[dict]:
-        """Batches in `batch_order(len(self), batch_size, seed=seed, epoch=epoch)` order."""
-        for idx in batch_order(self._n, batch_size, seed=seed, epoch=epoch, drop_last=drop_last):
-            yield self.rows(idx)

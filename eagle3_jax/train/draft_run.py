@@ -28,8 +28,8 @@ from ..parsers.defaults import output_parsers
 from ..text.tokenizer import load_tokenizer
 from ..planning.report import replication_notes
 from ..weights.params import flat_specs
-from .data import (Example, FeatureStore, load_examples, online_batches, pack, regenerate, save_examples,
-                   write_feature_store)
+from .data import Example, load_examples, online_batches, pack, regenerate, save_examples
+from .feature_store import FeatureStore, write_feature_store
 from .draft_model import assembled_params, init_draft_params, make_ttt_loss, new_draft_config
 from .conversations import Conversation, regenerate_conversations
 from .export import draft_config_json, export_hf_draft
@@ -219,10 +219,10 @@ def offline_store(feature_dir: str, target: Target, data: DraftData, *, fresh: b
 
 
 def train_batches(target: Target, data: DraftData, recipe: DraftRecipe, store: FeatureStore | None = None) -> Batches:
-    """Each epoch's training batches: streamed from `store` (offline), else with the teacher's
-    features computed by `target` as they are drawn (online)."""
+    """Each epoch's training batches: streamed from `store` (offline: each process reads the rows its
+    devices take), else with the teacher's features computed by `target` as they are drawn (online)."""
     if store is not None:
-        return lambda epoch: store.batches(recipe.batch_size, seed=recipe.seed, epoch=epoch)
+        return lambda epoch: store.batches(recipe.batch_size, seed=recipe.seed, epoch=epoch, lazy=True)
     return lambda epoch: online_batches(target, data.train_tokens, data.train_mask, recipe.batch_size,
                                         seed=recipe.seed, epoch=epoch, positions=data.train_positions)
 

@@ -56,11 +56,14 @@ def replicated_shardings(tree, mesh: Mesh):
     return jax.tree.map(lambda x: NamedSharding(mesh, PartitionSpec()), tree)
 
 
-def global_array(host: np.ndarray, sharding: NamedSharding) -> jax.Array:
+def global_array(host, sharding: NamedSharding) -> jax.Array:
     """`host` (the same on every process) as one array laid out by `sharding`, which may span
-    other processes' devices: each process places its own devices' blocks."""
-    host = np.asarray(host)
-    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+    other processes' devices: each process places its own devices' blocks. `host`: an array, or
+    anything shaped and indexed like one (feature_store.StoreRows), of which only those blocks are
+    read."""
+    if not (hasattr(host, "shape") and hasattr(host, "__getitem__")):
+        host = np.asarray(host)
+    return jax.make_array_from_callback(tuple(host.shape), sharding, lambda index: np.asarray(host[index]))
 
 
 def host_copy(tree):

@@ -137,7 +137,7 @@ class Trainer:
 
     def _shard_batch(self, batch: dict) -> dict:
         if self.mesh is None:
-            return {k: jnp.asarray(v) for k, v in batch.items()}
+            return {k: v if isinstance(v, jax.Array) else jnp.asarray(np.asarray(v)) for k, v in batch.items()}
         out = {}
         for k, v in batch.items():
             for dim, (size, axis) in enumerate(zip(np.shape(v), self.batch_spec)):
