@@ -31,8 +31,9 @@ from absl import app, flags
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from eagle3_jax.cli import script as cli  # noqa: E402
-from eagle3_jax.cli.flags import check_target_path, define_mesh_flags, mesh_from_flags, warn_without_chat_template  # noqa: E402
-from eagle3_jax.cli.runs import check_enough_examples, check_training_flags, defaults_of, plan_run, settings_of  # noqa: E402
+from eagle3_jax.cli.flags import check_draft_path, check_target_path, define_mesh_flags, mesh_from_flags, warn_without_chat_template  # noqa: E402
+from eagle3_jax.cli.runs import (check_enough_examples, check_training_flags, defaults_of, plan_run,  # noqa: E402
+                                 read_token_corpus, settings_of)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("target", None, "Target model folder (HF or Orbax).")
@@ -48,6 +49,8 @@ flags.DEFINE_string("regenerated", None, "Keep the regenerated responses here (.
                     "a run with the same target, prompts and generation flags reuses them.")
 flags.DEFINE_list("temperatures", ["0"], "One response per prompt per temperature (0 = greedy).")
 flags.DEFINE_integer("gen_batch_size", 256, "Requests per regeneration wave.", lower_bound=1)
+flags.DEFINE_string("regen_draft", None, "An EAGLE-3 draft for --target that speculates while it regenerates the "
+                    "responses (they stay the target's own: greedy the same tokens, sampled the same distribution).")
 flags.DEFINE_integer("draft_vocab_size", 0, "Draft vocabulary size (0 = the full target vocabulary).", lower_bound=0)
 flags.DEFINE_enum("draft_arch", "llama", ["llama", "mla"],
                   "Draft decoder layers: llama (LlamaForCausalLMEagle3, GQA) or mla (Eagle3DeepseekV2ForCausalLM: DeepSeek "
@@ -85,15 +88,14 @@ flags.mark_flags_as_required(["target", "out"])
 
 
 # The flags that shape the regenerated responses (with the data's fingerprint: the key they are kept under).
-GEN_FLAGS = ("conversations", "prompt_len", "num_prompts", "max_tokens", "ignore_eos", "temperatures", "gen_batch_size", "target_dtype",
-             "seed")
+GEN_FLAGS = ("conversations", "prompt_len", "num_prompts", "max_tokens", "ignore_eos", "temperatures", "gen_batch_size",
+             "regen_draft", "target_dtype", "seed")
 # The flags that shape the trained draft: a checkpoint folder resumes only a run with the same ones (not
 # --mesh: the state is restored into whatever layout the new mesh gives it).
-RUN_FLAGS = ("conversations", "prompt_len", "num_prompts", "max_tokens", "ignore_eos", "temperatures", "gen_batch_size", "draft_vocab_size",
-             "draft_arch", "draft_layers", "draft_intermediate_size", "ttt_steps", "epochs", "batch_size",
-             "learning_rate", "warmup_steps", "max_grad_norm", "compute_dtype", "target_dtype", "mode",
-             "eval_fraction", "context_parallel", "save_dtype", "seed", "fc_norm", "norm_output",
-             "norm_before_fc", "sliding_window", "measure_prompts", "measure_every")
+RUN_FLAGS = GEN_FLAGS + ("draft_vocab_size", "draft_arch", "draft_layers", "draft_intermediate_size", "ttt_steps", "epochs",
+                         "batch_size", "learning_rate", "warmup_steps", "max_grad_norm", "compute_dtype", "mode",
+                         "eval_fraction", "context_parallel", "save_dtype", "fc_norm", "norm_output", "norm_before_fc",
+                         "sliding_window", "measure_prompts", "measure_every")
 
 
 def check_settings() -> list[float]:
@@ -124,20 +126,6 @@ def read_prompt_texts() -> list[str] | None:
         return (load_conversations if FLAGS.conversations else load_prompts)(FLAGS.prompts, limit=FLAGS.num_prompts)
 
 
-def read_corpus():
-    """The --corpus rows (memory-mapped), checked for shape."""
-    import numpy as np
-
-    if not os.path.isfile(FLAGS.corpus):
-        raise app.UsageError(f"--corpus {FLAGS.corpus} does not exist or is not a file")
-    with cli.usage_errors(f"--corpus {FLAGS.corpus}"):  # not a .npy file
-        corpus = np.load(FLAGS.corpus, mmap_mode="r")
-    if corpus.ndim != 2 or corpus.shape[1] < FLAGS.prompt_len or not np.issubdtype(corpus.dtype, np.integer):
-        raise app.UsageError(f"--corpus must be integer token ids [N, L >= --prompt_len={FLAGS.prompt_len}]; got "
-                             f"{corpus.dtype} {corpus.shape}")
-    return corpus
-
-
 def check_mesh(model_cfg):
     """The --mesh over this machine's devices (None without one): its data axis divides --batch_size
     (with --context_parallel: it splits the sequences instead), its axes the target's tensors."""
@@ -161,6 +149,7 @@ def main(argv: Sequence[str]) -> None:
     # everything the run will use is checked first: the flags, the inputs, the output, the checkpoints
     temps = check_settings()
     check_target_path("--target", FLAGS.target, draft_flag=None)
+    check_draft_path("--regen_draft", FLAGS.regen_draft)
     import eagle3_jax as e3
     from eagle3_jax.train import draft_run, run_record
     from eagle3_jax.train.trainer import TrainConfig  # needs the train extra: checked before any work
@@ -170,7 +159,7 @@ def main(argv: Sequence[str]) -> None:
         raise app.UsageError(f"--draft_vocab_size={FLAGS.draft_vocab_size} exceeds the target's vocabulary "
                              f"({model_cfg.vocab_size}); lower it (0 = the full vocabulary)")
     texts = read_prompt_texts()
-    corpus = read_corpus() if texts is None else None
+    corpus = read_token_corpus(FLAGS.corpus, FLAGS.prompt_len, model_cfg.vocab_size) if texts is None else None
     num_prompts = len(texts) if texts is not None else min(len(corpus), FLAGS.num_prompts)
     source = f"--prompts {FLAGS.prompts}" if FLAGS.prompts else f"--corpus {FLAGS.corpus}"
     n = sum(len(c.assistant_turns) for c in texts) if FLAGS.conversations else num_prompts * len(temps)  # examples
@@ -202,22 +191,23 @@ def main(argv: Sequence[str]) -> None:
     with cli.usage_errors():  # TrainConfig names a field no check above covers
         tc = TrainConfig(epochs=FLAGS.epochs, learning_rate=FLAGS.learning_rate, warmup_steps=FLAGS.warmup_steps,
                          max_grad_norm=FLAGS.max_grad_norm, compute_dtype=FLAGS.compute_dtype, seed=FLAGS.seed)
-    recipe = draft_run.DraftRecipe(vocab_size=FLAGS.draft_vocab_size, arch=FLAGS.draft_arch,
-                                   num_layers=FLAGS.draft_layers, intermediate_size=FLAGS.draft_intermediate_size,
-                                   ttt_steps=FLAGS.ttt_steps, batch_size=FLAGS.batch_size,
-                                   eval_fraction=FLAGS.eval_fraction, seed=FLAGS.seed, fc_norm=FLAGS.fc_norm,
-                                   norm_output=FLAGS.norm_output, norm_before_fc=FLAGS.norm_before_fc,
-                                   sliding_window=FLAGS.sliding_window, context_parallel=FLAGS.context_parallel)
+    same_names = ("ttt_steps", "batch_size", "eval_fraction", "seed", "fc_norm", "norm_output", "norm_before_fc",
+                  "sliding_window", "context_parallel")  # the recipe's fields named as their flags
+    recipe = draft_run.DraftRecipe(vocab_size=FLAGS.draft_vocab_size, arch=FLAGS.draft_arch, num_layers=FLAGS.draft_layers,
+                                   intermediate_size=FLAGS.draft_intermediate_size, **{k: FLAGS[k].value for k in same_names})
 
     start = time.perf_counter()
     target = e3.load_target(FLAGS.target, dtype=FLAGS.target_dtype, mesh=mesh)
     cfg_t = target.config
+    with cli.usage_errors(f"--regen_draft {FLAGS.regen_draft}"):  # a draft for another target
+        regen_draft = e3.load_draft(FLAGS.regen_draft, target=target, dtype=FLAGS.target_dtype) if FLAGS.regen_draft else None
     kept, key = FLAGS.regenerated or os.path.join(ckpt_dir, run_record.REGENERATED_FILE), dict(
         settings_of(GEN_FLAGS), data=fingerprint)
     with cli.usage_errors():  # kept for other settings (named, with the fix); a conversation past the positions
         examples, read = draft_run.regenerated_examples(
             target, prompts, kept, key, defaults_of(key), max_tokens=FLAGS.max_tokens, temperatures=temps, seed=FLAGS.seed,
-            batch_size=FLAGS.gen_batch_size, stop_token_ids=() if FLAGS.ignore_eos else cfg_t.eos_token_ids)
+            batch_size=FLAGS.gen_batch_size, stop_token_ids=() if FLAGS.ignore_eos else cfg_t.eos_token_ids,
+            draft=regen_draft)
     print(f"{len(examples)} responses regenerated before, read from {kept}" if read else f"regenerated {len(examples)} "
           f"responses ({len(prompts)} prompts x temperatures {temps}) in {time.perf_counter() - start:.0f} s (kept in {kept})")
     shards = mesh.shape["data"] if FLAGS.context_parallel else 1

@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from eagle3_jax.cli import script as cli  # noqa: E402
 from eagle3_jax.cli.flags import check_target_path  # noqa: E402
-from eagle3_jax.cli.runs import check_enough_examples, check_training_flags, plan_run, settings_of  # noqa: E402
+from eagle3_jax.cli.runs import check_enough_examples, check_training_flags, plan_run, read_token_corpus, settings_of  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("config", None, "HF config.json of the model to train.")
@@ -66,14 +66,9 @@ def read_config() -> dict:
     return raw
 
 
-def check_settings(corpus, vocab_size: int) -> None:
-    """The flags and the corpus, checked before any work."""
-    import numpy as np
-
+def check_settings(corpus) -> None:
+    """The flags and the corpus's size, checked before any work."""
     check_training_flags()
-    if corpus.ndim != 2 or not np.issubdtype(corpus.dtype, np.integer) or corpus.min() < 0 or corpus.max() >= vocab_size:
-        raise app.UsageError(f"--corpus must be integer token ids [N, seq_len] in [0, {vocab_size}); got {corpus.dtype} "
-                             f"{corpus.shape}")
     check_enough_examples(len(corpus), f"--corpus {FLAGS.corpus} has {len(corpus)} rows",
                           f"give at least {2 * FLAGS.batch_size} rows")
     if FLAGS.tokenizer_from is not None and not os.path.isfile(os.path.join(FLAGS.tokenizer_from, "tokenizer.json")):
@@ -112,11 +107,8 @@ def main(argv: Sequence[str]) -> None:
 
     raw = read_config()
     cfg = parse_model_config(raw)
-    if not os.path.isfile(FLAGS.corpus):
-        raise app.UsageError(f"--corpus {FLAGS.corpus} does not exist or is not a file")
-    with cli.usage_errors(f"--corpus {FLAGS.corpus}"):  # not a .npy file
-        corpus = np.load(FLAGS.corpus)
-    check_settings(corpus, cfg.vocab_size)
+    corpus = np.asarray(read_token_corpus(FLAGS.corpus, vocab_size=cfg.vocab_size))
+    check_settings(corpus)
     params = starting_weights(cfg) if FLAGS.init_from else init_target_params(cfg, FLAGS.seed)
     from eagle3_jax.train import run_record
     from eagle3_jax.train.split import held_out_count

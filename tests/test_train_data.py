@@ -304,6 +304,18 @@ def test_regenerate_greedy_matches_engine_and_masks_responses(target):
     assert resp[-1] == stop and stop not in resp[:-1] and len(resp) <= 2
 
 
+def test_regeneration_speculating_with_a_draft_gives_the_targets_own_responses(target):
+    """train_draft.py --regen_draft: the target regenerates with a draft speculating (chain), and the
+    greedy responses are the plain ones token for token."""
+    draft = random_draft(target, draft_config_dict(target.config))
+    prompts = [[1, 5, 9], [7, 8, 9, 10, 11], [3, 4]]
+    kw = dict(max_tokens=8, batch_size=3, max_seq_len=32)
+    plain, speculated = regenerate(target, prompts, **kw), regenerate(target, prompts, draft=draft, **kw)
+    for a, b in zip(plain, speculated):
+        np.testing.assert_array_equal(a.tokens, b.tokens)
+        np.testing.assert_array_equal(a.loss_mask, b.loss_mask)
+
+
 def test_regenerated_examples_are_kept_and_read_back_only_for_their_key(tmp_path):
     """save_examples / load_examples: the same examples back for the same key; nothing for a missing
     file; the settings that differ named for another key."""

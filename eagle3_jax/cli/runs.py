@@ -45,6 +45,23 @@ def check_enough_examples(num_examples: int, given: str, fix: str) -> None:
                              f"{fix} or lower --batch_size")
 
 
+def read_token_corpus(path: str, min_len: int = 1, vocab_size: int | None = None):
+    """The --corpus token rows, memory-mapped: a usage error (one line) unless `path` is an integer
+    .npy [N, L >= min_len] whose ids lie in [0, vocab_size) (when given)."""
+    import numpy as np
+
+    if not os.path.isfile(path):
+        raise app.UsageError(f"--corpus {path} does not exist or is not a file")
+    with cli.usage_errors(f"--corpus {path}"):  # not a .npy file
+        corpus = np.load(path, mmap_mode="r")
+    if corpus.ndim != 2 or corpus.shape[1] < min_len or not np.issubdtype(corpus.dtype, np.integer):
+        raise app.UsageError(f"--corpus must be integer token ids [N, L >= {min_len}]; got {corpus.dtype} {corpus.shape}")
+    if vocab_size is not None and corpus.size and (corpus.min() < 0 or corpus.max() >= vocab_size):
+        raise app.UsageError(f"--corpus token ids must lie in [0, {vocab_size}) (the model's vocabulary); got "
+                             f"[{corpus.min()}, {corpus.max()}]")
+    return corpus
+
+
 def settings_of(names: tuple[str, ...]) -> dict[str, Any]:
     """{"--name": value} of the flags that shape a run's result."""
     return {f"--{name}": FLAGS[name].value for name in names}

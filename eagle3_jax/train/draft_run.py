@@ -23,6 +23,7 @@ from jax.sharding import Mesh, PartitionSpec
 from ..config.draft import DraftConfig
 from ..config.model import ModelConfig
 from ..engine import Engine
+from ..models.draft import Draft
 from ..models.target import Target
 from ..parsers.defaults import output_parsers
 from ..text.tokenizer import load_tokenizer
@@ -102,17 +103,18 @@ def regenerated_examples(target: Target, prompts: Sequence[Sequence[int]] | Sequ
                          key: dict, key_defaults: dict | None = None, **generation) -> tuple[Sequence[Example], bool]:
     """The target's responses to `prompts` (`data.regenerate` with `generation`'s keywords), or to
     every assistant turn of conversations (`regenerated_conversations`, greedy: of the keywords it
-    reads max_tokens and batch_size), kept in or read from `kept` (`kept_examples`)."""
+    reads max_tokens, batch_size and draft), kept in or read from `kept` (`kept_examples`)."""
     if prompts and isinstance(prompts[0], Conversation):
         return kept_examples(kept, key, lambda: regenerated_conversations(
-            target, prompts, max_tokens=generation["max_tokens"], batch_size=generation.get("batch_size", 32)),
-            key_defaults)
+            target, prompts, max_tokens=generation["max_tokens"], batch_size=generation.get("batch_size", 32),
+            draft=generation.get("draft")), key_defaults)
     return kept_examples(kept, key, lambda: regenerate(target, prompts, **generation), key_defaults)
 
 
 def regenerated_conversations(target: Target, conversations: Sequence[Conversation], *, max_tokens: int,
-                              batch_size: int) -> list[Example]:
-    """Every assistant turn of `conversations` answered again by `target`, turn by turn
+                              batch_size: int, draft: Draft | None = None) -> list[Example]:
+    """Every assistant turn of `conversations` answered again by `target` (speculating with `draft`
+    when given: the same tokens), turn by turn
     (conversations.regenerate_conversations), rendered with its chat template and parsed by the
     parsers its family serves with (parsers.defaults.output_parsers); a ValueError naming the
     conversation when one cannot fit the target's positions."""
@@ -125,7 +127,7 @@ def regenerated_conversations(target: Target, conversations: Sequence[Conversati
         i = int(np.argmax(needs))
         raise ValueError(f"conversation {i} may grow to {needs[i]} tokens (its turns plus max_tokens per answer), past "
                          f"the target's {positions} positions: drop it or lower max_tokens")
-    engine = Engine(target, max_batch_size=batch_size, max_seq_len=max(needs), tokenizer=tok)
+    engine = Engine(target, draft, max_batch_size=batch_size, max_seq_len=max(needs), tokenizer=tok)
     return regenerate_conversations(engine, conversations, max_tokens=max_tokens,
                                     tool_call_parser=parsers.tool_call_parser, reasoning_parser=parsers.reasoning_parser)
 
