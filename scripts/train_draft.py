@@ -188,6 +188,10 @@ def main(argv: Sequence[str]) -> None:
             prompts = tokenize_prompts(texts, FLAGS.target, load_tokenizer(FLAGS.target, bos_id=model_cfg.bos_token_id))
     else:
         prompts = [list(map(int, row[: FLAGS.prompt_len])) for row in corpus[: FLAGS.num_prompts]]
+    longest = 0 if FLAGS.conversations else max(map(len, prompts))  # conversations: checked turn by turn
+    if longest + FLAGS.max_tokens > model_cfg.max_position_embeddings:
+        raise app.UsageError(f"a prompt of {longest} tokens plus --max_tokens={FLAGS.max_tokens} passes the target's "
+                             f"{model_cfg.max_position_embeddings} positions: lower --max_tokens (or shorten the prompts)")
     with cli.usage_errors():  # TrainConfig names a field no check above covers
         tc = TrainConfig(epochs=FLAGS.epochs, learning_rate=FLAGS.learning_rate, warmup_steps=FLAGS.warmup_steps,
                          max_grad_norm=FLAGS.max_grad_norm, compute_dtype=FLAGS.compute_dtype, seed=FLAGS.seed)

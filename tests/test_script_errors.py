@@ -60,6 +60,9 @@ FLAG_CASES = [(s, ("--no_such_flag=1",), "Unknown command line flag 'no_such_fla
     ("generate", (f"--model={STORIES}", "--batch_invariant", "--kernels=triton"), "use --kernels=xla"),
     ("train_draft", (f"--target={STORIES}", "--out=/tmp/x"), "exactly one of --prompts and --corpus"),
     ("train_draft", (f"--target={STORIES}", "--out=/tmp/x", "--corpus=/no/corpus.npy"), "/no/corpus.npy"),
+    ("train_draft", (f"--target={STORIES}", "--out=/tmp/x", "--prompts=checkpoints/demo_prompts.txt", "--max_tokens=600",
+                     "--batch_size=2"),
+     "passes the target's 512 positions"),
 ]
 INPUT_CASES = [
     ("generate", ("--model=/no/model",), "no config.json at /no/model"),
