@@ -30,7 +30,7 @@ from ..text.tokenizer import load_tokenizer
 from ..planning.report import replication_notes
 from ..weights.params import flat_specs
 from .data import Example, load_examples, online_batches, pack, regenerate, save_examples
-from .feature_store import FeatureStore, write_feature_store
+from .feature_store import FeatureStore, rows_digest, write_feature_store
 from .draft_model import assembled_params, init_draft_params, make_ttt_loss, new_draft_config
 from .conversations import Conversation, regenerate_conversations
 from .export import draft_config_json, export_hf_draft
@@ -192,8 +192,7 @@ def store_matches(store: FeatureStore, data: DraftData, target: Target) -> bool:
         return False
     if target.path and store.target != model_digest(target.path):
         return False
-    rows = store.rows(np.arange(len(store)))
-    return np.array_equal(rows["tokens"], data.train_tokens) and np.array_equal(rows["positions"], data.train_positions)
+    return store.rows_digest == rows_digest(data.train_tokens, data.train_positions)
 
 
 def offline_store(feature_dir: str, target: Target, data: DraftData, *, fresh: bool = False,

@@ -18,6 +18,7 @@ take (`FeatureStore.batches(lazy=True)`: the rows are read when the batch is lai
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 from typing import Iterator
@@ -82,6 +83,7 @@ def write_feature_store(out_dir: str | os.PathLike, target: Target, tokens, loss
         "arrays": {k: {"dtype": dtypes[k].name, "storage_dtype": _storage(dtypes[k]).str, "row_shape": row_shapes[k]}
                    for k in STORE_KEYS},
         "target": model_digest(target.path) if target.path else None,
+        "rows": rows_digest(tokens, positions),
         "aux_layer_ids": [int(x) for x in target.config.aux_layer_ids],
         "target_hidden_size": target.config.hidden_size,
         "vocab_size": target.config.vocab_size,
@@ -142,6 +144,15 @@ def write_feature_store(out_dir: str | os.PathLike, target: Target, tokens, loss
                 f.write("\n")
     _sync("feature store in place")
     return os.path.abspath(os.fspath(out_dir))
+
+
+def rows_digest(tokens: np.ndarray, positions: np.ndarray) -> str:
+    """A fingerprint of packed rows (their tokens at their positions): what a store was written for,
+    checked without reading the store's rows back."""
+    digest = hashlib.sha256(f"{tokens.shape}".encode())
+    for a in (tokens, positions):
+        digest.update(np.ascontiguousarray(a, np.int32).tobytes())
+    return digest.hexdigest()
 
 
 def _own_rows(array: jax.Array) -> Iterator[tuple[int, np.ndarray]]:
@@ -232,6 +243,11 @@ class FeatureStore:
     def target(self) -> str | None:
         """The digest of the target folder that wrote it (run_record.model_digest)."""
         return self.meta.get("target")
+
+    @property
+    def rows_digest(self) -> str | None:
+        """The fingerprint of the rows it was written for (`rows_digest`)."""
+        return self.meta.get("rows")
 
     @property
     def bytes_per_token(self) -> float:
