@@ -189,11 +189,11 @@ def _step0_attention(qg: jax.Array, k0: jax.Array, v0: jax.Array, origin: jax.Ar
     return m, l, acc
 
 
-def _ttt_attention(q, k0, v0, diag_k, diag_v, scale: float, window: int | None = None, *, offset=0, seq_start=None,
+def _ttt_attention(q, k0, v0, diag_k, diag_v, scale: float, window: int | None, *, offset, seq_start,
                    query_block: int | None = None, key_block: int | None = None) -> jax.Array:
     """q [B,T,nh,dq] of the origins at global positions offset.. offset+T; step-0 keys [B,S,nkv,dq] and
     values [B,S,nkv,dv] of the whole row (causal, each origin seeing none below its sequence's first
-    key, `seq_start` [B,T], None: 0); diag_* lists of q's length (same origin only). Returns
+    key, `seq_start` [B,T]); diag_* lists of q's length (same origin only). Returns
     [B,T,nh*dv], over blocks of `query_block` queries and `key_block` keys.
     `window`: a sliding-window layer's width; the query at origin t of step k (position t + k) sees
     step-0 pairs from t + k - window + 1 on (its own steps at that origin are the window's last ones)."""
@@ -201,7 +201,6 @@ def _ttt_attention(q, k0, v0, diag_k, diag_v, scale: float, window: int | None =
     nkv = k0.shape[2]
     step = len(diag_k)  # this query's step; diagonal j is its step-(j+1) predecessor (position t + j + 1)
     diag_seen = [window is None or j + 1 > step - window for j in range(step)]
-    seq_start = jnp.zeros((b, t), jnp.int32) if seq_start is None else seq_start
 
     def block(start):
         size = min(query_block or t, t)
