@@ -37,7 +37,7 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 CALL = {"role": "assistant", "content": "Let me check.", "tool_calls": [
     {"id": "functions.get_weather:0", "type": "function",
      "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]}
-RESULT = {"role": "tool", "tool_call_id": "functions.get_weather:0", "content": "sunny, 21 C"}
+RESULT = {"role": "tool", "tool_call_id": "functions.get_weather:0", "content": "sunny\n21 C"}
 NO_THINKING = [{"role": "user", "content": "Name the capital of France."}]
 # (request, what the model answers, the parsed reply: reasoning, content, calls, finish_reason)
 TURNS = {
@@ -254,8 +254,11 @@ A_TOOLS = [{"name": "get_weather", "description": "Current weather of a city",
 A_CALL = {"role": "assistant", "content": [
     {"type": "text", "text": "Let me check."},
     {"type": "tool_use", "id": "functions.get_weather:0", "name": "get_weather", "input": {"city": "Paris"}}]}
+# A tool's output in two text blocks reads as two lines, as vLLM joins them (the scripted answer
+# follows only the prompt whose tool message is "sunny\n21 C").
 A_RESULT = {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "functions.get_weather:0",
-                                         "content": [{"type": "text", "text": "sunny, 21 C"}]}]}
+                                         "content": [{"type": "text", "text": "sunny"},
+                                                     {"type": "text", "text": "21 C"}]}]}
 GREEDY = {"temperature": 0}  # in the body: today's anthropic SDK no longer types temperature, top_p, top_k
 A_TURNS = {"call": dict(messages=ASK, tools=A_TOOLS), "answer": dict(messages=ASK + [A_CALL, A_RESULT], tools=A_TOOLS),
            "no_thinking": dict(messages=NO_THINKING, thinking={"type": "disabled"})}
@@ -321,6 +324,12 @@ def test_anthropic_forced_tool_use_stop_sequences_and_errors(served):
     with pytest.raises(anthropic.NotFoundError) as e:
         claude.messages.create(model="other", max_tokens=8, messages=ASK)
     assert e.value.body["error"]["type"] == "not_found_error"
+    for temperature in (1.5, -0.1):  # Anthropic's range is 0-1
+        with pytest.raises(anthropic.BadRequestError) as e:
+            claude.messages.create(model="kimi", max_tokens=8, messages=ASK, extra_body={"temperature": temperature})
+        assert "'temperature' must be between 0 and 1" in e.value.body["error"]["message"]
+    assert claude.messages.create(model="kimi", max_tokens=200, messages=NO_THINKING, thinking={"type": "disabled"},
+                                  extra_body={"temperature": 1.0}).stop_reason == "end_turn"
 
 
 def _claude_code_tools() -> list[dict]:
@@ -392,7 +401,7 @@ R_TURNS = {"call": dict(input=ASK, tools=R_TOOLS),
                                        {"type": "function_call", "call_id": "functions.get_weather:0",
                                         "name": "get_weather", "arguments": '{"city": "Paris"}'},
                                        {"type": "function_call_output", "call_id": "functions.get_weather:0",
-                                        "output": "sunny, 21 C"}], tools=R_TOOLS),
+                                        "output": "sunny\n21 C"}], tools=R_TOOLS),
            "no_thinking": dict(input="Name the capital of France.", reasoning={"effort": "none"})}
 
 
@@ -441,7 +450,9 @@ def test_responses_cut_forced_and_refused(served):
     assert [(i.name, json.loads(i.arguments)) for i in forced.output if i.type == "function_call"] == [
         ("get_weather", {"city": "Paris"})]
     for extra, param in (({"store": True}, "store"), ({"previous_response_id": "resp_1"}, "previous_response_id"),
-                         ({"background": True}, "background"), ({"tools": [{"type": "web_search"}]}, "tools[0].type")):
+                         ({"background": True}, "background"), ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
+                         ({"include": ["message.output_text.logprobs"], "top_logprobs": 2}, "include"),
+                         ({"top_logprobs": 2}, "top_logprobs")):
         with pytest.raises(openai.BadRequestError) as e:
             client.responses.create(model="kimi", input="hi", **extra)
         assert e.value.body["param"] == param
@@ -630,3 +641,35 @@ def test_a_template_refusing_the_conversation_is_a_400_with_its_message(kimi):
     with pytest.raises(ApiError, match="a tool result needs its tool_call_id") as e:
         ChatRequest.from_body(body, limits, tok, strict, PARSING)
     assert e.value.status == 400 and e.value.param == "messages"
+
+
+def test_a_call_the_tokenizer_cannot_spell_is_refused_not_forced(caplog):
+    """DeepSeek's markup (`<｜tool▁calls▁begin｜>`) through a vocabulary that reads `▁` as its space
+    marker (the bundled kimi-mini's): the start-up says so in one line, and a forced call through
+    either SDK is a 400 naming the marker, never a 200 carrying broken markup; an unforced request
+    is still answered."""
+    anthropic = pytest.importorskip("anthropic")
+    folder = os.path.join(ROOT, "checkpoints", "kimi-mini")
+    tok = e3.load_tokenizer(folder)
+    scheduler = Scheduler(e3.load_target(folder, dtype="float32"), max_num_seqs=2, max_seq_len=512, tokenizer=tok)
+    engine = AsyncEngine(scheduler, tokenizer=tok).start()
+    with caplog.at_level("WARNING", logger="eagle3_jax.serving.app"):
+        server = ServerThread(make_app(engine, "mini", tool_call_parser="deepseek_v3"))
+    try:
+        [line] = [r.getMessage() for r in caplog.records if "cannot write" in r.getMessage()]
+        assert line.startswith("--tool_call_parser=deepseek_v3") and "tool▁calls▁begin" in line
+        gpt = openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0)
+        for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+            with pytest.raises(openai.BadRequestError) as e:
+                gpt.chat.completions.create(model="mini", max_tokens=16, messages=ASK, tools=TOOLS,
+                                            tool_choice=choice)
+            assert "cannot write" in e.value.body["message"] and e.value.body["param"] == "tool_choice"
+        claude = anthropic.Anthropic(base_url=server.base_url, api_key="none", max_retries=0)
+        with pytest.raises(anthropic.BadRequestError) as e:
+            claude.messages.create(model="mini", max_tokens=16, messages=ASK, tools=A_TOOLS, tool_choice={"type": "any"})
+        assert "tool▁calls▁begin" in e.value.body["error"]["message"]
+        free = gpt.chat.completions.create(model="mini", max_tokens=4, messages=ASK, tools=TOOLS, temperature=0)
+        assert free.choices[0].finish_reason == "length"
+    finally:
+        server.stop()
+        engine.shutdown(timeout=10)

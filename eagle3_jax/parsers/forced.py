@@ -29,10 +29,42 @@ def marker_terminal(tokenizer: Tokenizer):
     return terminal
 
 
+def markup_markers(parser: ToolCallParser) -> list[str]:
+    """The marker texts of `parser`'s call markup, as its grammar writes them (read off a grammar of
+    calls to a placeholder tool)."""
+    markers: list[str] = []
+
+    def record(text: str) -> str:
+        markers.append(text)
+        return literal(text)
+
+    parser.calls_grammar({"f": {"type": "object"}}, False, record)
+    return list(dict.fromkeys(markers))
+
+
+def unspellable_markers(parser: ToolCallParser, tokenizer: Tokenizer) -> list[str]:
+    """The markers of `parser`'s markup this tokenizer cannot write: neither one token of that text
+    nor a text that its own encoding decodes back to (a vocabulary that reads DeepSeek's `▁` as its
+    space marker writes a space there). A call in such markup can be parsed but not forced."""
+    terminal = marker_terminal(tokenizer)
+
+    def spelled(text: str) -> bool:
+        return terminal(text).startswith("<[") or \
+            tokenizer.decode(tokenizer.encode(text, add_bos=False), skip_special_tokens=False) == text
+
+    return [m for m in markup_markers(parser) if not spelled(m)]
+
+
 def forced_calls(parser: ToolCallParser, tools: Sequence[Mapping[str, Any]], choice: str | Mapping[str, Any],
                  tokenizer: Tokenizer) -> Constraint:
     """The constraint of `tool_choice` `choice` ("required", or {"type": "function", "function":
     {"name": ...}}) over `tools` in `parser`'s markup; ParserError for a name the tools lack."""
+    unspellable = unspellable_markers(parser, tokenizer)
+    if unspellable:
+        raise ParserError(f"tool_choice forces a call in {parser.name}'s markup, whose marker(s) "
+                          f"{', '.join(map(repr, unspellable))} this model's tokenizer cannot write; send tool_choice "
+                          "'auto' (calls the model writes are still parsed) or serve with the --tool_call_parser of "
+                          "this model's family")
     schemas = tool_schemas(tools) or {}
     single = choice != "required"
     if single:

@@ -6,10 +6,10 @@ prompt, hence the same tokens).
 - `system` (a string or text blocks; `cache_control` on any block is accepted and ignored: the
   prefix cache needs no marks) becomes the first, system message;
 - a user turn's `tool_result` blocks become `tool` messages (answering the calls by `tool_use_id`,
-  in their order, ahead of the turn's text); `is_error` results are marked in their text, as the
-  model reads them; an assistant turn's `tool_use` blocks become its `tool_calls` (`input` as JSON
-  arguments), its `thinking` blocks its `reasoning_content` (`redacted_thinking` is dropped: there is
-  nothing to read);
+  in their order, ahead of the turn's text; a result's text blocks joined by newlines); `is_error`
+  results are marked in their text, as the model reads them; an assistant turn's `tool_use` blocks
+  become its `tool_calls` (`input` as JSON arguments), its `thinking` blocks its `reasoning_content`
+  (`redacted_thinking` is dropped: there is nothing to read);
 - `tools` (`name`, `description`, `input_schema`) become functions; `tool_choice` auto / any /
   tool / none becomes chat's "auto" / "required" / a named function / "none";
 - `thinking` {type: enabled | disabled} turns the chat template's thinking switch on or off
@@ -18,7 +18,8 @@ prompt, hence the same tokens).
   enforced (`max_tokens` caps thinking and answer together, as Anthropic's does): told in
   `warnings`;
 - `output_config.format` (json_schema) becomes `response_format`; `stop_sequences` `stop`;
-  `max_tokens` (required), `temperature`, `top_p`, `top_k` and `stream` keep their meaning;
+  `max_tokens` (required), `temperature` (0-1, Anthropic's range), `top_p`, `top_k` and `stream` keep
+  their meaning;
   `metadata` is accepted and ignored.
 A field Messages does not define is ignored and told (`warnings`), as chat's unknown fields are.
 """
@@ -54,6 +55,7 @@ def chat_body(body: Any) -> tuple[dict[str, Any], list[str]]:
     if body.get("model") is not None:
         chat["model"] = body["model"]
     chat.update({key: body[key] for key in _PASSED if body.get(key) is not None})
+    _check_temperature(body.get("temperature"))
     if body.get("stop_sequences") is not None:
         chat["stop"] = _stop_sequences(body["stop_sequences"])
     tools = _tools(body.get("tools"))
@@ -71,8 +73,16 @@ def chat_body(body: Any) -> tuple[dict[str, Any], list[str]]:
     return chat, warnings
 
 
-def _text_blocks(content: Any, where: str) -> str:
-    """A string, or text blocks joined (their `cache_control` and `citations` ignored)."""
+def _check_temperature(temperature: Any) -> None:
+    """Messages' temperature lies in 0-1 (Anthropic's range; 1 is its default): a value past it is
+    a 400, not a hotter sample than the client could ask of Anthropic."""
+    if isinstance(temperature, (int, float)) and not isinstance(temperature, bool) and not 0 <= temperature <= 1:
+        raise ApiError(f"'temperature' must be between 0 and 1 for the Messages API; got {temperature}",
+                       param="temperature", code="invalid_value")
+
+
+def _text_blocks(content: Any, where: str, joiner: str = "") -> str:
+    """A string, or text blocks joined by `joiner` (their `cache_control` and `citations` ignored)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
@@ -84,7 +94,7 @@ def _text_blocks(content: Any, where: str) -> str:
             raise ApiError(f"{where}[{i}] must be a text block {{'type': 'text', 'text': ...}}; got {block!r}",
                            param=f"{where}[{i}]", code="invalid_type")
         texts.append(block["text"])
-    return "".join(texts)
+    return joiner.join(texts)
 
 
 def _system(system: Any) -> list[dict[str, Any]]:
@@ -142,7 +152,9 @@ def _user_turn(blocks: list, where: str) -> list[dict[str, Any]]:
                 raise ApiError(f"{at}.tool_use_id must be the id of the tool_use it answers; got {call_id!r}",
                                param=f"{at}.tool_use_id", code="invalid_type")
             content = block.get("content", "")
-            text = _text_blocks(content, f"{at}.content") if content is not None else ""
+            # A tool's output in several blocks reads as lines, as vLLM joins them (a turn's own text
+            # blocks are one text cut in pieces, joined as they are).
+            text = _text_blocks(content, f"{at}.content", "\n") if content is not None else ""
             if block.get("is_error"):
                 text = f"Error: {text}" if text else "Error"
             results.append({"role": "tool", "tool_call_id": call_id, "content": text})

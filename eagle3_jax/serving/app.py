@@ -24,6 +24,7 @@ import os
 from typing import Callable, Sequence
 
 from ..parsers import OutputParsing
+from ..parsers.forced import unspellable_markers
 from ..text.chat_template import ChatTemplate
 from .anthropic import count_tokens, messages
 from .async_engine import AsyncEngine, EngineDeadError, EngineError
@@ -69,6 +70,7 @@ def make_app(engine: AsyncEngine, model_name: str, *, max_seq_len: int | None = 
                     eos_token_ids=tuple(int(t) for t in (tok.eos_ids if eos_token_ids is None else eos_token_ids)),
                     default_max_tokens=int(default_max_tokens), allow_synthetic_acceptance=bool(allow_synthetic_acceptance))
     parsing = OutputParsing(tool_call_parser, reasoning_parser)  # ParserError for an unknown name
+    _check_markup(parsing, tok)
     if chat_template is None:
         chat_template = ChatTemplate.from_dir(tokenizer_dir) if tokenizer_dir is not None else tok.chat_template
     state = ServerState(engine, tok, model_name, limits, chat_template, parsing)
@@ -87,6 +89,18 @@ def make_app(engine: AsyncEngine, model_name: str, *, max_seq_len: int | None = 
 
     app.router.add_get("/metrics", scrape)
     return app
+
+
+def _check_markup(parsing: OutputParsing, tokenizer) -> None:
+    """Say at start-up, in one line, when the tool-call parser's markers cannot be written by this
+    tokenizer: such calls parse, but a forced call (`tool_choice` required or named) is refused."""
+    if parsing.tool_calls is None:
+        return
+    unspellable = unspellable_markers(parsing.tool_calls, tokenizer)
+    if unspellable:
+        logger.warning("--tool_call_parser=%s: this tokenizer cannot write its marker(s) %s, so requests forcing a "
+                       "call (tool_choice required or named) are refused; is it this model's family's parser?",
+                       parsing.tool_calls.name, ", ".join(map(repr, unspellable)))
 
 
 def _with_state(handler: Callable) -> Callable:

@@ -134,7 +134,10 @@ class ChatRequest(GenerationRequest):
                 raise ApiError(f"tool_choice {tool_choice!r} constrains the output to a call, and "
                                f"'{common['constraint_field']}' constrains it too; send one of them",
                                param="tool_choice", code="invalid_value")
-            constraint = forced_calls(parsing.tool_calls, tools, tool_choice, tokenizer)
+            try:
+                constraint = forced_calls(parsing.tool_calls, tools, tool_choice, tokenizer)
+            except ParserError as e:
+                raise ApiError(str(e), param="tool_choice", code="unsupported_value") from e
             common.update(sampling=dataclasses.replace(common["sampling"], constraint=constraint),
                           constraint_field="tool_choice")
         try:  # the reasoning is free, the answer constrained

@@ -13,7 +13,9 @@ same conversation: the mapping that lets a Responses request take the chat reque
   and "minimal" off, low / medium / high on);
 - `text.format` json_schema / json_object to `response_format`; `max_output_tokens`, `temperature`,
   `top_p` and `stream` keep their meaning; `metadata`, `user`, `parallel_tool_calls`, `truncation`
-  ("disabled"), `include` and `store: false` are accepted.
+  ("disabled"), `include` and `store: false` are accepted; token logprobs (`include`
+  "message.output_text.logprobs", `top_logprobs`) are a 400 pointing to chat completions, which
+  serves them.
 This server keeps no responses: `store: true`, `previous_response_id` and `background: true` are
 400s saying so. A field the API does not define is ignored and told (`warnings`).
 """
@@ -37,6 +39,7 @@ def chat_body(body: Any) -> tuple[dict[str, Any], list[str]]:
     if not isinstance(body, dict):
         raise ApiError(f"the request body must be a JSON object; got {type(body).__name__}", code="invalid_type")
     _refuse_state(body)
+    _refuse_logprobs(body)
     warnings = [f"'{key}' is not supported and was ignored" for key in body if key not in _KNOWN]
     for key in ("conversation", "prompt"):
         if body.get(key) is not None:
@@ -72,6 +75,23 @@ def _refuse_state(body: dict) -> None:
     if body.get("background"):
         raise ApiError("background responses are not supported: send the request without 'background' (stream it "
                        "to see its progress)", param="background", code="unsupported_value")
+
+
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+
+
+def _refuse_logprobs(body: dict) -> None:
+    """Token logprobs are served by chat completions only: a Responses request asking for them (by
+    `include` or `top_logprobs`) is a 400 saying where they are, never a reply quietly without them."""
+    include = body.get("include")
+    if include is not None and not (isinstance(include, list) and all(isinstance(x, str) for x in include)):
+        raise ApiError(f"'include' must be a list of strings; got {include!r}", param="include", code="invalid_type")
+    top = body.get("top_logprobs")
+    if LOGPROBS_INCLUDE in (include or ()) or (top is not None and top != 0):
+        raise ApiError(f"token logprobs ('include': [{LOGPROBS_INCLUDE!r}], 'top_logprobs') are not served by "
+                       "/v1/responses here; ask /v1/chat/completions with 'logprobs': true and 'top_logprobs'",
+                       param="include" if LOGPROBS_INCLUDE in (include or ()) else "top_logprobs",
+                       code="unsupported_value")
 
 
 def _string(value: Any, where: str) -> str:
