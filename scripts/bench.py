@@ -68,9 +68,9 @@ from eagle3_jax.cli.flags import (  # noqa: E402
     check_target_path,
     define_kv_cache_dtype_flag,
     define_max_seq_len_flags,
-    define_mesh_flags,
+    define_runtime_flags,
     define_quant_flags,
-    mesh_from_flags,
+    runtime_from_flags,
     quant_options,
     warn_without_chat_template,
 )
@@ -129,7 +129,7 @@ flags.DEFINE_integer("repeats", 1, "Clean measured passes per cell (warm-ups onc
 flags.DEFINE_bool("interleave", True, "Run all settings at each concurrency in turn (one scheduler each, all held at "
                   "once) so slow spells hit every setting alike, their order rotating from one (seed, concurrency) to the "
                   "next; --nointerleave runs the settings one after another.")
-define_mesh_flags("In-process runs only: every process drives the same requests (the scheduler's steps "
+define_runtime_flags("In-process runs only: every process drives the same requests (the scheduler's steps "
                   "depend only on them); process 0 writes and prints the report.")
 flags.DEFINE_string("base_url", None, "Benchmark the server at this URL (e.g. http://localhost:8000) over HTTP "
                     "instead of running the model in-process.")
@@ -180,7 +180,7 @@ def main(argv: Sequence[str]) -> None:
         settings = ordered(parse_specs(FLAGS.spec))
     with cli.usage_errors():
         serving_run.check_server_choices(settings, FLAGS.base_url, bool(FLAGS.mesh or FLAGS.distributed))
-    mesh = mesh_from_flags()
+    mesh = runtime_from_flags()
     with cli.usage_errors():
         serving_run.check_workload_choice(FLAGS.workload, FLAGS.base_url)
         cfg = RunConfig(concurrencies=flag_checks.int_list(FLAGS.concurrency, "concurrency", 1),

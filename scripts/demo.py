@@ -39,6 +39,8 @@ from eagle3_jax.cli import script as cli  # noqa: E402
 from eagle3_jax.cli.flags import (  # noqa: E402
     check_draft_path,
     check_target_path,
+    compilation_cache_from_flags,
+    define_compilation_cache_flag,
     define_kv_cache_dtype_flag,
     parse_spec_text,
 )
@@ -47,6 +49,7 @@ FLAGS = flags.FLAGS
 flags.DEFINE_string("target", "checkpoints/kimi-mini", "Target model folder.")
 flags.DEFINE_string("draft", "checkpoints/kimi-mini-eagle3", "EAGLE-3 draft folder.")
 flags.DEFINE_string("prompts", "checkpoints/demo_prompts.txt", "One prompt per line.")
+define_compilation_cache_flag()
 flags.DEFINE_integer("max_tokens", 128, "Tokens generated per prompt.", lower_bound=1)
 flags.DEFINE_string("chain", "chain:3:1:4", "The chain: chain:num_steps:1:num_draft_tokens (or the older "
                     "num_steps,topk,num_draft_tokens).")
@@ -153,6 +156,7 @@ def main(argv: Sequence[str]) -> None:
     from eagle3_jax.text.tokenizer import load_tokenizer
 
     start = time.perf_counter()
+    progress(str(compilation_cache_from_flags()))
     progress(f"loading {FLAGS.target} and {FLAGS.draft} ...")
     target = e3.load_target(FLAGS.target, dtype=FLAGS.dtype, batch_invariant=FLAGS.batch_invariant)
     draft = e3.load_draft(FLAGS.draft, target=target, dtype=FLAGS.dtype)

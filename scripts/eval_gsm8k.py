@@ -53,9 +53,9 @@ from eagle3_jax.cli.flags import (  # noqa: E402
     check_draft_path,
     check_target_path,
     define_chat_template_flag,
-    define_mesh_flags,
+    define_runtime_flags,
     define_quant_flags,
-    mesh_from_flags,
+    runtime_from_flags,
     quant_options,
 )
 
@@ -91,7 +91,7 @@ flags.DEFINE_integer("max_seq_len", None, "Prompt + answer tokens per sequence (
 flags.DEFINE_integer("page_size", None, "KV-cache page size in tokens (default: the scheduler's).", lower_bound=1)
 flags.DEFINE_integer("prefill_chunk", None, "Prompt tokens per prefill chunk (default: the scheduler's).",
                      lower_bound=1)
-define_mesh_flags("Every process runs the same questions; process 0 prints and writes the report.")
+define_runtime_flags("Every process runs the same questions; process 0 prints and writes the report.")
 flags.DEFINE_string("output", None, "Write the report as JSON here (scores, tau, tokens/s, agreement, and every "
                     "question's completions and extracted answers).")
 flags.DEFINE_bool("warmup", True, "Answer the first --concurrency questions once, untimed, before each timed run, "
@@ -141,7 +141,7 @@ def run_in_process(problems, shots) -> tuple[list, dict]:
     needs_draft = any(s.spec is not None for s in settings)
     if needs_draft and FLAGS.draft is None:
         raise app.UsageError("a speculative --spec setting needs --draft (an EAGLE-3 draft folder); or use --spec=none")
-    mesh = mesh_from_flags()
+    mesh = runtime_from_flags()
     tok_path = FLAGS.tokenizer or FLAGS.target
     try:  # config, tokenizer and prompts first: their errors come before a long weight load
         model_cfg = e3.load_model_config(FLAGS.target)

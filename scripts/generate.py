@@ -36,10 +36,10 @@ from eagle3_jax.cli.flags import (  # noqa: E402
     check_target_path,
     define_kv_cache_dtype_flag,
     define_max_seq_len_flags,
-    define_mesh_flags,
+    define_runtime_flags,
     define_quant_flags,
     define_spec_flags,
-    mesh_from_flags,
+    runtime_from_flags,
     quant_options,
     spec_from_flags,
 )
@@ -59,7 +59,7 @@ flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16", "float16"], "Compu
 define_max_seq_len_flags("Prompt + generated tokens per request (default: min(model max positions, 2048)).")
 flags.DEFINE_integer("batch_size", None, "Requests per batch (default: the number of prompts).", lower_bound=1)
 define_quant_flags()
-define_mesh_flags("Every process generates the same tokens; process 0 prints them.")
+define_runtime_flags("Every process generates the same tokens; process 0 prints them.")
 flags.DEFINE_bool("warmup", True, "Run generate once before the timed run so tokens/s excludes compilation.")
 flags.DEFINE_string("draft", None, "EAGLE-3 draft folder (HF LlamaForCausalLMEagle3 layout); unset = plain decoding.")
 define_spec_flags()
@@ -108,7 +108,7 @@ def main(argv: Sequence[str]) -> None:
     import eagle3_jax as e3  # imported here so that --help works without loading JAX
     from eagle3_jax.text.tokenizer import load_tokenizer
 
-    mesh = mesh_from_flags()
+    mesh = runtime_from_flags()
     # config, tokenizer and the checks of what the flags ask for first: their errors come before a
     # long weight load
     model_cfg = e3.load_model_config(FLAGS.model)

@@ -59,10 +59,10 @@ from eagle3_jax.cli.flags import (  # noqa: E402
     define_chat_template_flag,
     define_kv_cache_dtype_flag,
     define_max_seq_len_flags,
-    define_mesh_flags,
+    define_runtime_flags,
     define_quant_flags,
     define_spec_flags,
-    mesh_from_flags,
+    runtime_from_flags,
     quant_options,
     spec_from_flags,
 )
@@ -103,7 +103,7 @@ flags.DEFINE_integer("prefill_chunk", 256, "Prompt tokens prefilled per schedule
 flags.DEFINE_integer("max_compiled_programs", 48, "Compiled step programs kept, the least recently used dropped "
                      "past it (--warmup compiles at most this many). On a CPU each holds hundreds of memory "
                      "mappings; on an accelerator raise it so that the warm-up covers larger batches.", lower_bound=2)
-define_mesh_flags("Process 0 serves HTTP and schedules; the other processes run its steps on their devices.")
+define_runtime_flags("Process 0 serves HTTP and schedules; the other processes run its steps on their devices.")
 flags.DEFINE_bool("warmup", True, "Before listening, compile the programs of bursts of up to --max_num_seqs "
                   "requests of up to one --prefill_chunk, for greedy and sampled batches (within the program "
                   "cache's bound), so the first clients do not wait for compilation (--nowarmup to skip).")
@@ -150,12 +150,14 @@ def main(argv: Sequence[str]) -> None:
     import jax
 
     import eagle3_jax as e3  # imported here so that --help works without loading JAX
+    from eagle3_jax.runtime import compile_cache
     from eagle3_jax.scheduler import Scheduler
     from eagle3_jax.serving import AsyncEngine, launch, make_app
     from eagle3_jax.text.tokenizer import load_tokenizer
 
     tok_path = FLAGS.tokenizer or FLAGS.target
-    mesh = mesh_from_flags()
+    mesh = runtime_from_flags()
+    say(str(compile_cache.status()))
     leader = jax.process_index() == 0
     if leader:  # process 0 listens: a busy port fails now, not after a long load and warm-up
         check_port_free(FLAGS.host, FLAGS.port)

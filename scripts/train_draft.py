@@ -31,7 +31,7 @@ from absl import app, flags
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from eagle3_jax.cli import script as cli  # noqa: E402
-from eagle3_jax.cli.flags import check_draft_path, check_target_path, define_mesh_flags, mesh_from_flags, warn_without_chat_template  # noqa: E402
+from eagle3_jax.cli.flags import check_draft_path, check_target_path, define_runtime_flags, runtime_from_flags, warn_without_chat_template  # noqa: E402
 from eagle3_jax.cli.runs import (check_enough_examples, check_training_flags, defaults_of, plan_run,  # noqa: E402
                                  read_token_corpus, settings_of)
 
@@ -74,7 +74,7 @@ flags.DEFINE_enum("mode", "online", ["online", "offline"], "Teacher features on 
 flags.DEFINE_string("feature_dir", None, "Offline feature store (default: <out>.features).")
 flags.DEFINE_string("ckpt_dir", None, "Orbax checkpoints for resuming (default: <out>.ckpt).")
 flags.DEFINE_float("eval_fraction", 0.05, "Held-out share of the examples.")
-define_mesh_flags("Every host runs the same command; process 0 writes the files (a shared file system; each process "
+define_runtime_flags("Every host runs the same command; process 0 writes the files (a shared file system; each process "
                   "writes and reads its own rows of the --mode=offline store there).")
 flags.DEFINE_bool("context_parallel", False, "Split each sequence over the --mesh data axis instead of the batch.")
 flags.DEFINE_enum("save_dtype", "bfloat16", ["float32", "bfloat16"], "Dtype of the exported weights.")
@@ -129,7 +129,7 @@ def read_prompt_texts() -> list[str] | None:
 def check_mesh(model_cfg):
     """The --mesh over this machine's devices (None without one): its data axis divides --batch_size
     (with --context_parallel: it splits the sequences instead), its axes the target's tensors."""
-    mesh = mesh_from_flags()
+    mesh = runtime_from_flags()
     if mesh is None:
         if FLAGS.context_parallel:
             raise app.UsageError("--context_parallel splits each sequence over the --mesh data axis: give --mesh (e.g. 8,1,1)")

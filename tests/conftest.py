@@ -277,11 +277,20 @@ def _compilation_cache(tmp_path_factory):
     """
     import jax
 
-    jax.config.update("jax_compilation_cache_dir", str(tmp_path_factory.mktemp("xla_cache")))
+    directory = str(tmp_path_factory.mktemp("xla_cache"))
+    jax.config.update("jax_compilation_cache_dir", directory)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    # The scripts the tests run open the same cache (their --compilation_cache_dir default), not
+    # the user's.
+    before = os.environ.get("JAX_COMPILATION_CACHE_DIR")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = directory
     yield
     jax.config.update("jax_compilation_cache_dir", None)
+    if before is None:
+        os.environ.pop("JAX_COMPILATION_CACHE_DIR", None)
+    else:
+        os.environ["JAX_COMPILATION_CACHE_DIR"] = before
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -71,11 +71,28 @@ def _invariant_runs_xla(values: dict) -> bool:
     return True
 
 
-def define_mesh_flags(distributed_help: str) -> None:
+def define_runtime_flags(distributed_help: str) -> None:
+    """Where and how the programs run: --mesh, --distributed, --compilation_cache_dir."""
     flags.DEFINE_list("mesh", [], "Device mesh sizes data,tensor,expert (e.g. 1,1,8: experts over 8 devices); "
                       "empty = one device.")
     flags.DEFINE_bool("distributed", False, "Multi-host: call jax.distributed.initialize first (see BUILD.md "
                       "\"Multi-host\"). " + distributed_help)
+    define_compilation_cache_flag()
+
+
+def define_compilation_cache_flag() -> None:
+    flags.DEFINE_string("compilation_cache_dir", None, "JAX's persistent compilation cache: programs compiled by an "
+                        "earlier run load instead of compiling again (default: $JAX_COMPILATION_CACHE_DIR, else "
+                        "$XDG_CACHE_HOME/eagle3-jax/xla, else ~/.cache/eagle3-jax/xla; none: off). JAX keys each program on its HLO, devices, XLA flags and "
+                        "versions, so another model, mesh, dtype or JAX never loads a wrong one.")
+
+
+def compilation_cache_from_flags():
+    """Open --compilation_cache_dir (see runtime/compile_cache.py); its problems are said in one line
+    each, never raised. Returns its CacheStatus."""
+    from ..runtime.compile_cache import enable
+
+    return enable(FLAGS.compilation_cache_dir)
 
 
 def quant_options() -> dict:
@@ -86,9 +103,10 @@ def quant_options() -> dict:
             "batch_invariant": FLAGS.batch_invariant}
 
 
-def mesh_from_flags():
-    """Join the multi-host job if --distributed (where the script has it), then the --mesh over every
-    device (None without --mesh); a bad --mesh is a usage error naming the problem."""
+def runtime_from_flags():
+    """Join the multi-host job if --distributed (where the script has it), open the compilation cache
+    (--compilation_cache_dir), then the --mesh over every device (None without --mesh); a bad --mesh
+    is a usage error naming the problem."""
     from ..runtime.sharding import initialize_distributed, make_mesh, parse_mesh
 
     try:
@@ -97,6 +115,7 @@ def mesh_from_flags():
         raise app.UsageError(f"--mesh: {e}") from None
     if "distributed" in FLAGS and FLAGS.distributed:
         initialize_distributed()
+    compilation_cache_from_flags()
     if dims is None:
         return None
     try:
