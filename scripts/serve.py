@@ -21,8 +21,8 @@ process runs process 0's step programs on its own devices.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions, POST /v1/messages and
 /v1/messages/count_tokens (Anthropic's Messages API), POST /v1/responses (OpenAI's Responses API, stateless;
-both on the chat path), GET /v1/models, GET /health,
-GET /metrics (Prometheus). Chat messages go through the tokenizer folder's chat template (the
+both on the chat path), GET /v1/models, GET /health (200 while the engine runs), GET /ready (200 once
+a lone request's programs are compiled), GET /metrics (Prometheus). Chat messages go through the tokenizer folder's chat template (the
 bundled demo models carry one), or --chat_template=<file.jinja>; --chat_template=join joins their
 contents with newlines on any model; without a template, chat requests get a 400 naming the flag.
 Chat replies carry OpenAI `tool_calls` and `reasoning_content` as --tool_call_parser and
@@ -104,9 +104,11 @@ flags.DEFINE_integer("max_compiled_programs", 48, "Compiled step programs kept, 
                      "past it (--warmup compiles at most this many). On a CPU each holds hundreds of memory "
                      "mappings; on an accelerator raise it so that the warm-up covers larger batches.", lower_bound=2)
 define_runtime_flags("Process 0 serves HTTP and schedules; the other processes run its steps on their devices.")
-flags.DEFINE_bool("warmup", True, "Before listening, compile the programs of bursts of up to --max_num_seqs "
-                  "requests of up to one --prefill_chunk, for greedy and sampled batches (within the program "
-                  "cache's bound), so the first clients do not wait for compilation (--nowarmup to skip).")
+flags.DEFINE_bool("warmup", True, "Compile the programs of bursts of up to --max_num_seqs requests of up to one "
+                  "--prefill_chunk, for greedy and sampled batches (within the program cache's bound), a lone greedy "
+                  "request's first, while listening: one at a time whenever no request runs; GET /ready answers 200 "
+                  "once a lone request's are compiled (--nowarmup: each compiles on first use).")
+flags.DEFINE_bool("warmup_before_listening", False, "With --warmup, compile them all before listening instead.")
 flags.DEFINE_integer("max_logprobs", 20, "Most top alternatives a request may ask for per token (completions "
                      "`logprobs`, chat `top_logprobs`).", lower_bound=0)
 flags.DEFINE_enum("logprobs_mode", "raw", ["raw", "processed"], "Which distribution logprobs are read from: raw (the "
@@ -157,7 +159,6 @@ def main(argv: Sequence[str]) -> None:
 
     tok_path = FLAGS.tokenizer or FLAGS.target
     mesh = runtime_from_flags()
-    say(str(compile_cache.status()))
     leader = jax.process_index() == 0
     if leader:  # process 0 listens: a busy port fails now, not after a long load and warm-up
         check_port_free(FLAGS.host, FLAGS.port)
@@ -188,8 +189,9 @@ def main(argv: Sequence[str]) -> None:
     if jax.process_count() > 1:
         scheduler.lead()
 
+    say(str(compile_cache.status()))  # (after every check of the flags: a mistake is one line)
     engine = AsyncEngine(scheduler, tokenizer=tok).start()
-    if FLAGS.warmup:
+    if FLAGS.warmup and FLAGS.warmup_before_listening:
         say("warming up: compiling the prefill and decode programs of the first bursts...")
         say(f"warm-up {engine.warm_up()} (not counted in /metrics)")
     launch.settle_heap()
@@ -204,6 +206,10 @@ def main(argv: Sequence[str]) -> None:
             "outputs are not the model's)")
     say(f"serving {FLAGS.target} as {model_name!r} ({mode}, max_num_seqs {FLAGS.max_num_seqs}, max_seq_len "
         f"{max_seq_len}) on http://{FLAGS.host}:{FLAGS.port}/v1")
+    if FLAGS.warmup and not FLAGS.warmup_before_listening:
+        queued = engine.warm_up(background=True, progress=say)
+        say(f"warming up while listening: {queued} programs to compile, a lone request's first (GET /ready: 503 "
+            "until they are; requests are taken meanwhile)")
     try:
         launch.serve_until_stopped(application, engine, FLAGS.host, FLAGS.port)
     finally:

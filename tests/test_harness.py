@@ -18,7 +18,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HARNESS = os.path.join(ROOT, "benchmarks", "harness")
 SCRIPTS = ("aa-noise-floor", "aa-ratios", "auto-host-ab", "auto-steps-costed", "layers-unrolled-ab", "long-context",
-           "long-prompt", "moe-dense-ab", "moe-small-dense-ab", "sampling-sort-ab")
+           "long-pair-ab", "long-prompt", "moe-dense-ab", "moe-small-dense-ab", "sampling-sort-ab")
 
 
 def run_harness(script: str, *args: str, cwd: str = ROOT, timeout: int = 600) -> subprocess.CompletedProcess:
@@ -107,6 +107,20 @@ def test_sampling_sort_ab(tmp_path):
     run_harness("sampling-sort-ab", "--rows=4", "--vocab=64", "--repeats=1", f"--json_out={out}")
     rows = json.loads(out.read_text())["rows"]
     assert [(r["rows"], r["vocab"]) for r in rows] == [(4, 64)] and rows[0]["temperature alone ms"] > 0
+
+
+def test_long_pair_ab_on_the_demo_pair(tmp_path):
+    """Three rounds of two prompts on the bundled pair: every setting's greedy outputs equal (the
+    script checks), the compiling rounds left out of the ratios and said."""
+    out = tmp_path / "ab.json"
+    run_harness("long-pair-ab", "--target=checkpoints/kimi-mini", "--draft=checkpoints/kimi-mini-eagle3",
+                "--specs=none,chain:3:1:4", "--input_len=24", "--output_len=12", "--rounds=3", "--concurrency=2",
+                f"--json_out={out}")
+    record = json.loads(out.read_text())
+    assert record["greedy_outputs_equal"] and len(record["rows"]) == 6
+    assert set(record["rounds_left_out"]) < {0, 1, 2}
+    chain = record["summary"]["chain:3:1:4"]
+    assert chain["tau"] > 1.0 and len(chain["tpot_speedup_by_round"]) == 3 - len(record["rounds_left_out"])
 
 
 @pytest.mark.slow

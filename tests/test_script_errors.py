@@ -27,8 +27,9 @@ SCRIPTS = os.path.join(ROOT, "scripts")
 
 STORIES = "checkpoints/stories260K"
 KIMI, KIMI_DRAFT = "checkpoints/kimi-mini", "checkpoints/kimi-mini-eagle3"
-ALL_SCRIPTS = ("generate", "serve", "bench", "bench_burst", "bench_kernels", "bench_step", "bench_structured",
-               "compile_gate", "convert", "demo", "gpu_check", "plan", "quantize", "train_draft", "train_target", "make_corpus")
+ALL_SCRIPTS = ("generate", "serve", "bench", "bench_burst", "bench_startup", "bench_kernels", "bench_step",
+               "bench_structured", "compile_gate", "convert", "demo", "gpu_check", "plan", "quantize", "train_draft",
+               "train_target", "make_corpus")
 
 
 def run_script(script: str, *args: str) -> subprocess.CompletedProcess:

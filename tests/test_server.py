@@ -310,6 +310,7 @@ def test_models_health_metrics(served):
     status, _, body = request(server.port, "GET", "/v1/models")
     assert status == 200 and body["object"] == "list" and body["data"][0]["max_model_len"] == MAX_SEQ_LEN
     assert request(server.port, "GET", "/health")[:3:2] == (200, {"status": "ok"})
+    assert request(server.port, "GET", "/ready")[:3:2] == (200, {"status": "ready"})  # no warm-up running
 
     status, ctype, text = request(server.port, "GET", "/metrics")
     assert status == 200 and ctype.startswith("text/plain; version=0.0.4")
@@ -643,6 +644,64 @@ class _StubScheduler:
 
     def stats(self):
         return {"num_waiting": 0, "num_running": 0, "num_pages": 8, "num_free_pages": 8}
+
+
+def test_a_server_warming_up_in_the_background_answers_and_turns_ready():
+    """warm_up(background=True): /health is 200 at once, /ready 503 with the progress until a lone
+    greedy request's programs are compiled, then 200; a request sent before it is ready is answered
+    with the tokens of a scheduler that never warmed up; the whole warm-up ends with its report
+    and compiles what Scheduler.warm_up does."""
+    import eagle3_jax as e3
+    from eagle3_jax.scheduler import Scheduler
+    from eagle3_jax.serving import AsyncEngine, make_app
+    from eagle3_jax.text.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(TARGET)
+    target = e3.load_target(TARGET, dtype="float32")
+
+    def scheduler():
+        return Scheduler(target, max_num_seqs=2, max_seq_len=MAX_SEQ_LEN, prefill_chunk=32)
+
+    ids = tok.encode(PROMPTS[0])
+    greedy = e3.SamplingParams(temperature=0.0, max_tokens=8, stop_token_ids=tok.eos_ids)
+    ref = scheduler().generate([ids], greedy)[0].token_ids
+    everything = scheduler().warm_up()
+    sched = scheduler()
+    engine = AsyncEngine(sched, tokenizer=tok).start()
+    lines: list[str] = []
+    gate = threading.Event()
+    first_program = sched.warm
+
+    def held_warm(program):  # the first compile waits until the test has looked at /ready
+        gate.wait(30)
+        first_program(program)
+
+    sched.warm = held_warm
+    server = ServerThread(make_app(engine, MODEL, eos_token_ids=tok.eos_ids, tokenizer_dir=TARGET))
+    try:
+        total = engine.warm_up(background=True, progress=lines.append)
+        assert total == everything.programs
+        assert request(server.port, "GET", "/health")[:3:2] == (200, {"status": "ok"})
+        status, _, body = request(server.port, "GET", "/ready")
+        assert status == 503 and body == {"status": "warming_up", "programs_compiled": 0, "programs_total": total}
+        answer: dict = {}
+        asking = threading.Thread(target=lambda: answer.update(request(
+            server.port, "POST", "/v1/completions", {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 8,
+                                                     "temperature": 0})[2]))
+        asking.start()
+        gate.set()
+        asking.join(120)
+        assert answer["choices"][0]["text"] == tok.decode_continuation(ids, ref)
+        deadline = time.monotonic() + 300
+        while engine.warming.compiled < total and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert engine.warming.compiled == total and engine.warming.ready
+        assert request(server.port, "GET", "/ready")[:3:2] == (200, {"status": "ready"})
+        assert any(line.startswith("ready: a lone request's programs compiled") for line in lines), lines
+        assert lines[-1].startswith(f"warm-up compiled {total} programs"), lines
+    finally:
+        server.stop()
+        engine.shutdown(timeout=30)
 
 
 def test_metrics_count_from_engine_start():

@@ -32,6 +32,7 @@ LAZY_IMPORTS = {
     ("eagle3_jax.cli.flags", "eagle3_jax.runtime.kernels"): 1,
     ("eagle3_jax.cli.flags", "eagle3_jax.models.target"): 1,
     ("eagle3_jax.cli.flags", "eagle3_jax.runtime.sharding"): 1,
+    ("eagle3_jax.cli.flags", "eagle3_jax.runtime.compile_cache"): 1,
 }
 
 

@@ -47,7 +47,7 @@ def test_each_assistant_turn_is_answered_by_the_target_and_alone_trained_on(kimi
     assert trained(answer) == scripted("answer")
     said = lambda e: tok.decode(trained(e))  # noqa: E731
     context = tok.decode([int(t) for t in answer.tokens[~answer.loss_mask]])
-    assert "sunny, 21 C" in context and TURNS["call"][2][0] in context and "It is raining." not in context
+    assert "sunny\n21 C" in context and TURNS["call"][2][0] in context and "It is raining." not in context
     assert "sunny, 21 C" not in said(answer) and "What is the weather" not in said(answer)
     np.testing.assert_array_equal(alone.tokens, call.tokens)  # the same first turn, in the same wave: answered alike
 

@@ -47,7 +47,7 @@ import dataclasses
 import itertools
 import logging
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -68,7 +68,7 @@ from .batch import DONE, MIN_PAGES_BUCKET, PREFILL_CHUNK, RunningBatch, Schedule
 from .launches import Launch, Launcher, time_steady_steps_only
 from .metrics import SchedulerCounters
 from .programs import Executor
-from .warmup import WarmUp, run_on_padding, warmup_programs
+from .warmup import WarmProgram, WarmUp, WarmUpQueue, run_on_padding, warmup_programs
 
 logger = logging.getLogger(__name__)
 
@@ -369,18 +369,23 @@ class Scheduler:
         """Compile the programs that bursts of requests of up to one prefill chunk run (warmup.py), for greedy
         batches and (`sampled`) batches with a sampled row, smallest first, within the program cache's bound,
         by running each once on padding rows: no request, counter or step time sees them. Call it idle."""
-        if self.has_unfinished():
-            raise RuntimeError("warm_up() runs before any request: this scheduler has unfinished requests")
+        return self.warm_up_queue(sampled).run(self.warm)
+
+    def warm_up_queue(self, sampled: bool = True, progress: Callable[[str], None] | None = None) -> WarmUpQueue:
+        """`warm_up`'s programs to compile one by one with `warm`, a lone greedy request's first."""
         wanted = warmup_programs(self.policy, sampled, max_num_seqs=self.max_num_seqs, prefill_chunk=self.prefill_chunk,
                                  prefill_width=self._prefill_width, max_pages_per_seq=self.max_pages_per_seq,
                                  data_shards=self._batch.shards)
-        chosen, start = wanted[: self.programs.capacity], time.perf_counter()
-        for program in chosen:
-            outputs = run_on_padding(program, self._batch, self._launcher.run)
-            self._launcher.reading(1)
-            self._executor.read(outputs)
-        return WarmUp.of(wanted, chosen, self.programs.capacity, self.page_size, self.lookahead + self._overshoot,
-                         time.perf_counter() - start)
+        return WarmUpQueue(wanted, self.programs.capacity, self.page_size, self.lookahead + self._overshoot, progress)
+
+    def warm(self, program: WarmProgram) -> None:
+        """Compile `program` by running it once on padding rows (no request running)."""
+        if self.has_unfinished():
+            raise RuntimeError("warm-up programs run before any request or between requests: this scheduler has "
+                               "unfinished requests")
+        outputs = run_on_padding(program, self._batch, self._launcher.run)
+        self._launcher.reading(1)
+        self._executor.read(outputs)
 
     # ---- results -------------------------------------------------------------------------------
     def _collect(self, launches: list[Launch]) -> tuple[list[RequestDelta], float]:
@@ -394,21 +399,13 @@ class Scheduler:
             waited += now - start
             live = launch.live(self._batch.table)  # requests preempted, aborted or finished since: void
             if launch.kind == "prefill":
-                self.policy.observe_prefill(launch.with_draft, launch.key, launch.tokens, self._step_seconds(launch, now))
+                seconds = launch.seconds(now, self._last_read, self.programs.num_compiles)
+                self.policy.observe_prefill(launch.with_draft, launch.key, launch.tokens, seconds)
                 deltas += self._collect_prefill(launch, live, outputs, now)
             else:
                 deltas += self._collect_decode(launch, live, outputs, now)
             self._last_read = now
         return deltas, waited
-
-    def _step_seconds(self, launch: Launch, now: float) -> float | None:
-        """What a program cost the serving loop: the wall time since the previous program's
-        outputs were read (the previous step's, or a prefill's of the same iteration), or since
-        its launch if later (an idle loop), so host work the device did not hide counts too. None
-        when a program compiled meanwhile (the host was busy compiling) or after a catch-up."""
-        if launch.untimed or self.programs.num_compiles != launch.compiles:
-            return None
-        return now - max(launch.launched, self._last_read)
 
     def _collect_prefill(self, launch: Launch, live: np.ndarray, outputs: list[np.ndarray],
                          now: float) -> list[RequestDelta]:
@@ -434,7 +431,8 @@ class Scheduler:
         rows = live.tolist()
         requests = launch.requests if len(rows) == len(launch.requests) else [launch.requests[i] for i in rows]
         counts = count[live]
-        self.policy.observe(plan, launch.key, self._step_seconds(launch, now), requests, counts)
+        self.policy.observe(plan, launch.key, launch.seconds(now, self._last_read, self.programs.num_compiles), requests,
+                            counts)
         self.counters.decode_step(counts, plan.depth)
         table, slots, out = self._batch.table, launch.slots[live], out[live]
         bulk = table.bulk_rows(slots, out, counts)  # (before the step log advances their lengths)

@@ -53,6 +53,16 @@ class Launch:
         finished since): its slot's generation unchanged, for the whole batch in one compare."""
         return np.flatnonzero(table.generation[self.slots] == self.generations)
 
+    def seconds(self, now: float, last_read: float, compiles: int) -> float | None:
+        """What it cost the serving loop, read at `now`: the wall time since the previous program's
+        outputs were read (`last_read`: the previous step's, or a prefill's of the same iteration),
+        or since its launch if later (an idle loop), so host work the device did not hide counts
+        too. None when a program compiled meanwhile (`compiles`, the count now: the host was busy
+        compiling) or after a catch-up."""
+        if self.untimed or compiles != self.compiles:
+            return None
+        return now - max(self.launched, last_read)
+
 
 def time_steady_steps_only(ready: list[Launch], launched: list[Launch]) -> None:
     """Leave untimed a decode step read after a different one was launched (another program or

@@ -14,12 +14,16 @@ them by running each once on padding rows.
 from __future__ import annotations
 
 import dataclasses
+import logging
+import time
 from typing import Callable, Sequence
 
 from ..sampling.sampler import GREEDY_BATCH, SAMPLED_BATCH, TRUNCATED_BATCH, BatchFeatures
 from ..spec_decode.policy import SpeculationPolicy, StepPlan
 from .batch import MIN_CHUNK_BUCKET, MIN_PAGES_BUCKET, RunningBatch, buckets, chunk_cap, prefill_fits
 from .slot_table import prefill_chunks
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,3 +97,79 @@ class WarmUp:
             text += (f"; {self.wanted - self.programs} more, for larger batches, compile on first use (the program "
                      f"cache holds {self.capacity})")
         return text
+
+
+class WarmUpQueue:
+    """A warm-up a server runs while it serves (`AsyncEngine.warm_up(background=True)`): the programs
+    still to compile, one at a time on the engine thread whenever no request is running, the lone
+    greedy request's first (`first`: the server is ready once they are compiled), then the rest.
+    A request that comes meanwhile is served at once, compiling on first use what it needs."""
+
+    def __init__(self, wanted: Sequence[WarmProgram], capacity: int, page_size: int, reserved: int,
+                 progress: Callable[[str], None] | None = None, every_s: float = 10.0):
+        chosen = wanted[:capacity]  # what the program cache holds, smallest batches first
+        # A lone greedy request's programs lead: the first requests, and a health check's readiness.
+        first = [p for p in chosen if p.batch == chosen[0].batch and p.features == GREEDY_BATCH] if chosen else []
+        self._order = first + [p for p in chosen if p not in first]
+        self.first = len(first)
+        self._wanted, self._capacity, self._page_size, self._reserved = wanted, capacity, page_size, reserved
+        self._progress, self._every_s = progress, every_s
+        self.compiled = 0
+        self.failed = False  # a program failed to compile: the rest are left to compile on first use
+        self.start = time.perf_counter()
+        self.ready_seconds: float | None = None if self.first else 0.0
+        self._said = self.start
+
+    @property
+    def total(self) -> int:
+        return len(self._order)
+
+    @property
+    def ready(self) -> bool:
+        """The lone greedy request's programs are compiled."""
+        return self.compiled >= self.first
+
+    @property
+    def finished(self) -> bool:
+        return self.failed or self.compiled >= len(self._order)
+
+    def run(self, warm: Callable[[WarmProgram], None]) -> WarmUp:
+        """Compile every program left with `warm` (a program's failure raises) -> the report."""
+        while not self.finished:
+            warm(self._order[self.compiled])
+            self._done()
+        return self.report()
+
+    def compile_next(self, warm: Callable[[WarmProgram], None]) -> None:
+        """Compile the next program with `warm`. One that fails ends the warm-up, not its caller:
+        it is logged, and what is left compiles on first use."""
+        try:
+            warm(self._order[self.compiled])
+        except Exception:
+            logger.exception("the warm-up stopped at %d of %d programs; the rest compile on first use", self.compiled,
+                             self.total)
+            self.failed = True
+            return
+        self._done()
+
+    def _done(self) -> None:
+        """The next program is compiled: count it, and say how far the warm-up is now and then."""
+        self.compiled += 1
+        now = time.perf_counter()
+        if self.compiled == self.first:
+            self.ready_seconds = now - self.start
+            self._say(f"ready: a lone request's programs compiled ({self.first} of {self.total}) in "
+                      f"{self.ready_seconds:.1f} s; the rest compile while no request runs")
+        elif self.finished:
+            self._say(f"warm-up {self.report()} (not counted in /metrics)")
+        elif now - self._said >= self._every_s:
+            self._say(f"warm-up: {self.compiled} of {self.total} programs compiled")
+
+    def _say(self, line: str) -> None:
+        self._said = time.perf_counter()
+        if self._progress is not None:
+            self._progress(line)
+
+    def report(self) -> WarmUp:
+        return WarmUp.of(self._wanted, self._order[: self.compiled], self._capacity, self._page_size, self._reserved,
+                         time.perf_counter() - self.start)

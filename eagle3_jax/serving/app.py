@@ -80,7 +80,7 @@ def make_app(engine: AsyncEngine, model_name: str, *, max_seq_len: int | None = 
     routes = (("POST", "/v1/completions", completions), ("POST", "/v1/chat/completions", chat_completions),
               ("POST", "/v1/messages", messages), ("POST", "/v1/messages/count_tokens", count_tokens),
               ("POST", "/v1/responses", responses),
-              ("GET", "/v1/models", _models), ("GET", "/health", _health))
+              ("GET", "/v1/models", _models), ("GET", "/health", _health), ("GET", "/ready", _ready))
     for method, path, handler in routes:
         app.router.add_route(method, path, _with_state(handler))
 
@@ -163,6 +163,19 @@ async def _health(request: web.Request, state: ServerState) -> web.Response:
         return web.json_response({"status": "ok"})
     reason = state.engine.error or "the engine is not running"
     return error_response(str(reason), status=503, type="server_error", code="engine_unavailable")
+
+
+async def _ready(request: web.Request, state: ServerState) -> web.Response:
+    """Readiness, apart from /health's liveness (Kubernetes' two probes): 200 once a background
+    warm-up has compiled a lone request's programs; 503 with its progress before (requests are
+    taken meanwhile, and wait for the compiles they need)."""
+    engine, warming = state.engine, state.engine.warming
+    if not engine.is_healthy:
+        return await _health(request, state)
+    if warming is None or warming.ready:
+        return web.json_response({"status": "ready"})
+    return web.json_response({"status": "warming_up", "programs_compiled": warming.compiled,
+                              "programs_total": warming.total}, status=503)
 
 
 async def _models(request: web.Request, state: ServerState) -> web.Response:

@@ -41,10 +41,11 @@ import logging
 import queue
 import threading
 import uuid
-from typing import Any, AsyncIterator, Sequence
+from typing import Any, AsyncIterator, Callable, Sequence
 
 from ..sampling.sampler import SamplingParams
 from ..scheduler import CapacityError, RequestDelta, Scheduler, WarmUp  # noqa: F401 (CapacityError: the engine's face)
+from ..scheduler.warmup import WarmUpQueue
 from ..scheduler.metrics import stats_since
 from ..text.stream import ChoiceText
 from ..text.tokenizer import Tokenizer
@@ -157,6 +158,7 @@ class AsyncEngine:
         self._stats: dict[str, Any] = {}
         self._baseline: dict[str, Any] = {}  # the scheduler's counters at start()
         self._dead: EngineDeadError | None = None
+        self._warming: WarmUpQueue | None = None  # a warm-up compiling while the engine serves
 
     # ---- lifecycle -------------------------------------------------------------------------------------
 
@@ -194,6 +196,11 @@ class AsyncEngine:
     def is_healthy(self) -> bool:
         """True while the engine thread runs and has not given up after repeated step failures."""
         return self.is_running and self._dead is None and not self._closing
+
+    @property
+    def warming(self) -> WarmUpQueue | None:
+        """A background warm-up (`warm_up(background=True)`): its `ready`, `compiled`, `total`."""
+        return self._warming
 
     @property
     def error(self) -> EngineDeadError | None:
@@ -279,15 +286,19 @@ class AsyncEngine:
         snap["engine_healthy"] = self.is_healthy
         return snap
 
-    def warm_up(self) -> "WarmUp":
-        """`Scheduler.warm_up` on the engine thread (blocks until done; call it before serving).
-
-        On this thread because JAX's dispatch caches are per thread: programs first run on another
-        thread would still pay a slower first dispatch here, in the first burst of requests.
-        """
+    def warm_up(self, background: bool = False, progress: Callable[[str], None] | None = None) -> "WarmUp | int":
+        """`Scheduler.warm_up` on the engine thread (JAX's dispatch caches are per thread); blocking, before
+        serving: its report. `background`: its programs compile one at a time between requests, a lone
+        greedy request's first (then `warming.ready`), while requests are served (one waits at most for
+        the compile under way); `progress` hears how far it is, on the engine thread. Returns their number."""
         self._check_accepting()
         done: concurrent.futures.Future = concurrent.futures.Future()
-        self._commands.put(_Call(lambda scheduler: scheduler.warm_up(), done))
+
+        def queue(scheduler: Scheduler) -> int:
+            self._warming = scheduler.warm_up_queue(progress=progress)
+            return self._warming.total
+
+        self._commands.put(_Call(queue if background else lambda scheduler: scheduler.warm_up(), done))
         return done.result()
 
     def _abort(self, request_id: str, detach: bool) -> None:
@@ -307,7 +318,8 @@ class AsyncEngine:
     def _run(self) -> None:
         try:
             while True:
-                busy = self._dead is None and self.scheduler.has_unfinished()
+                warming = self._warming is not None and not self._warming.finished
+                busy = self._dead is None and (self.scheduler.has_unfinished() or warming)
                 commands = self._take_commands(block=not busy)
                 if any(c is _STOP for c in commands):
                     self._finish_commands(commands)
@@ -316,6 +328,8 @@ class AsyncEngine:
                     self._handle(command)
                 if self._dead is None and self.scheduler.has_unfinished():
                     self._step()
+                elif self._dead is None and warming:
+                    self._warming.compile_next(self.scheduler.warm)
                 elif commands:
                     self._stats = self._snapshot()
         except BaseException as e:  # a bug in this loop: never leave consumers waiting forever
