@@ -83,8 +83,9 @@ def define_runtime_flags(distributed_help: str) -> None:
 def define_compilation_cache_flag() -> None:
     flags.DEFINE_string("compilation_cache_dir", None, "JAX's persistent compilation cache: programs compiled by an "
                         "earlier run load instead of compiling again (default: $JAX_COMPILATION_CACHE_DIR, else "
-                        "$XDG_CACHE_HOME/eagle3-jax/xla, else ~/.cache/eagle3-jax/xla; none: off). JAX keys each program on its HLO, devices, XLA flags and "
-                        "versions, so another model, mesh, dtype or JAX never loads a wrong one.")
+                        "$XDG_CACHE_HOME/eagle3-jax/xla, else ~/.cache/eagle3-jax/xla; none: off). JAX keys each "
+                        "program on its HLO, devices, XLA flags and versions, so another model, mesh, dtype or JAX "
+                        "never loads a wrong one.")
 
 
 def compilation_cache_from_flags():

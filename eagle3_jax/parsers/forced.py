@@ -7,6 +7,7 @@ starts when the model reasons first (after its end-of-thinking token: the reason
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Mapping, Sequence
 
 from ..sampling.sampler import SamplingParams
@@ -42,17 +43,19 @@ def markup_markers(parser: ToolCallParser) -> list[str]:
     return list(dict.fromkeys(markers))
 
 
-def unspellable_markers(parser: ToolCallParser, tokenizer: Tokenizer) -> list[str]:
+@functools.lru_cache(maxsize=8)
+def unspellable_markers(parser: ToolCallParser, tokenizer: Tokenizer) -> tuple[str, ...]:
     """The markers of `parser`'s markup this tokenizer cannot write: neither one token of that text
     nor a text that its own encoding decodes back to (a vocabulary that reads DeepSeek's `▁` as its
-    space marker writes a space there). A call in such markup can be parsed but not forced."""
+    space marker writes a space there). A call in such markup can be parsed but not forced. Kept per
+    (parser, tokenizer), which a server holds for its life: a forced request does not redo it."""
     terminal = marker_terminal(tokenizer)
 
     def spelled(text: str) -> bool:
         return terminal(text).startswith("<[") or \
             tokenizer.decode(tokenizer.encode(text, add_bos=False), skip_special_tokens=False) == text
 
-    return [m for m in markup_markers(parser) if not spelled(m)]
+    return tuple(m for m in markup_markers(parser) if not spelled(m))
 
 
 def forced_calls(parser: ToolCallParser, tools: Sequence[Mapping[str, Any]], choice: str | Mapping[str, Any],

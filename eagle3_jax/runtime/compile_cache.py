@@ -51,7 +51,6 @@ class CacheStatus:
 
     directory: str | None
     entries: int = 0
-    problems: tuple[str, ...] = ()
 
     def __str__(self) -> str:
         if self.directory is None:
@@ -127,7 +126,7 @@ def _open(directory: str | None) -> CacheStatus:
         problem = (f"compilation cache {directory} cannot be written ({e.strerror or e}); programs compile afresh at "
                    "every start: give --compilation_cache_dir a writable folder (or none)")
         logger.warning(problem)
-        return CacheStatus(None, problems=(problem,))
+        return CacheStatus(None)
     now = _writer()
     stale = _stale_note(directory, now)
     if stale:
@@ -147,7 +146,7 @@ def _open(directory: str | None) -> CacheStatus:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     _reset_jax_cache()
-    return CacheStatus(directory, _count_entries(directory), tuple(problems))
+    return CacheStatus(directory, _count_entries(directory))
 
 
 def _reset_jax_cache() -> None:

@@ -117,7 +117,6 @@ class WarmUpQueue:
         self.compiled = 0
         self.failed = False  # a program failed to compile: the rest are left to compile on first use
         self.start = time.perf_counter()
-        self.ready_seconds: float | None = None if self.first else 0.0
         self._said = self.start
 
     @property
@@ -157,9 +156,8 @@ class WarmUpQueue:
         self.compiled += 1
         now = time.perf_counter()
         if self.compiled == self.first:
-            self.ready_seconds = now - self.start
             self._say(f"ready: a lone request's programs compiled ({self.first} of {self.total}) in "
-                      f"{self.ready_seconds:.1f} s; the rest compile while no request runs")
+                      f"{now - self.start:.1f} s; the rest compile while no request runs")
         elif self.finished:
             self._say(f"warm-up {self.report()} (not counted in /metrics)")
         elif now - self._said >= self._every_s:

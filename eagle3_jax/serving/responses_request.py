@@ -86,12 +86,11 @@ def _refuse_logprobs(body: dict) -> None:
     include = body.get("include")
     if include is not None and not (isinstance(include, list) and all(isinstance(x, str) for x in include)):
         raise ApiError(f"'include' must be a list of strings; got {include!r}", param="include", code="invalid_type")
-    top = body.get("top_logprobs")
-    if LOGPROBS_INCLUDE in (include or ()) or (top is not None and top != 0):
+    included, top = LOGPROBS_INCLUDE in (include or ()), body.get("top_logprobs")
+    if included or (top is not None and top != 0):
         raise ApiError(f"token logprobs ('include': [{LOGPROBS_INCLUDE!r}], 'top_logprobs') are not served by "
                        "/v1/responses here; ask /v1/chat/completions with 'logprobs': true and 'top_logprobs'",
-                       param="include" if LOGPROBS_INCLUDE in (include or ()) else "top_logprobs",
-                       code="unsupported_value")
+                       param="include" if included else "top_logprobs", code="unsupported_value")
 
 
 def _string(value: Any, where: str) -> str:
