@@ -66,7 +66,7 @@ from eagle3_jax.cli.flags import (  # noqa: E402
     check_draft_path,
     check_max_seq_len,
     check_target_path,
-    define_kv_cache_dtype_flag,
+    define_kv_cache_flags,
     define_max_seq_len_flags,
     define_runtime_flags,
     define_quant_flags,
@@ -113,7 +113,6 @@ flags.DEFINE_float("top_p", 1.0, "Top-p of every request (with --temperature > 0
 flags.DEFINE_integer("top_k", 0, "Top-k of every request (with --temperature > 0); 0 = no top-k.", lower_bound=0)
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16", "float16"], "Compute dtype of the weights.")
 define_quant_flags()
-define_kv_cache_dtype_flag()
 define_max_seq_len_flags("Prompt + output tokens per sequence. Workloads must fit it; default: the model's "
                          "max_position_embeddings for that check, and the workload's longest prompt plus output "
                          "for the scheduler.")
@@ -143,9 +142,9 @@ flags.DEFINE_bool("progress", True, "Show tqdm progress bars.")
 cli.define_overwrite_flag("reports (<out_dir>/<name>.json, .md, _throughput.png, _tpot.png)")
 flags.adopt_module_key_flags(shared_flags)
 flags.adopt_module_key_flags(cli)
-flags.DEFINE_bool("prefix_caching", False, "In-process: the schedulers keep a prefix cache (reports then show its hit "
-                  "rate; a cell measured again after a compile finds its own prompts cached). Over HTTP the "
-                  "server's own setting applies, and reports show its hit rate from /metrics.")
+define_kv_cache_flags(False, "In-process: the schedulers keep a prefix cache (reports then show its hit rate; a "
+                          "cell measured again after a compile finds its own prompts cached). Over HTTP the server's "
+                          "own settings apply, and reports show its hit rate from /metrics.")
 flags.DEFINE_list("synthetic_acceptance", None, "Benchmarking only: force verification to accept these per-position "
                   "rates (non-increasing, in [0, 1]; rate d: a step accepts at least d draft tokens), e.g. 0.9,0.8,0.7, "
                   "to measure the speculative step's cost at a realistic acceptance without a trained draft. Outputs are "
@@ -232,7 +231,8 @@ def main(argv: Sequence[str]) -> None:
                                                     fp8_format=FLAGS.fp8_format),
             draft_path=FLAGS.draft, max_seq_len=FLAGS.max_seq_len, page_size=FLAGS.page_size,
             prefill_chunk=FLAGS.prefill_chunk, num_devices=FLAGS.num_devices, overlap=FLAGS.overlap,
-            prefix_caching=FLAGS.prefix_caching, kv_cache_dtype=FLAGS.kv_cache_dtype, num_pages=FLAGS.num_pages)
+            prefix_caching=FLAGS.prefix_caching, kv_cache_dtype=FLAGS.kv_cache_dtype, num_pages=FLAGS.num_pages,
+            host_kv_cache_gb=FLAGS.host_kv_cache_gb)
 
     if jax.process_index() > 0:  # multi-host: process 0 reports
         return

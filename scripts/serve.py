@@ -57,7 +57,7 @@ from eagle3_jax.cli.flags import (  # noqa: E402
     check_max_seq_len,
     check_target_path,
     define_chat_template_flag,
-    define_kv_cache_dtype_flag,
+    define_kv_cache_flags,
     define_max_seq_len_flags,
     define_runtime_flags,
     define_quant_flags,
@@ -114,15 +114,14 @@ flags.DEFINE_integer("max_logprobs", 20, "Most top alternatives a request may as
 flags.DEFINE_enum("logprobs_mode", "raw", ["raw", "processed"], "Which distribution logprobs are read from: raw (the "
                   "target's, before any sampling setting; vLLM's default) or processed (what each token was sampled "
                   "or judged from: after min_tokens, temperature and, when sampled, top-k / top-p).")
-flags.DEFINE_bool("prefix_caching", True, "Keep full KV pages after their request ends, keyed by their tokens, so "
-                  "requests that share a prefix (a system prompt, earlier turns, the n choices of one request) "
-                  "compute it once; least recently used pages are evicted when pages run short "
-                  "(--noprefix_caching to turn it off).")
+define_kv_cache_flags(True, "Keep full KV pages after their request ends, keyed by their tokens, so requests "
+                          "that share a prefix (a system prompt, earlier turns, the n choices of one request) compute "
+                          "it once; least recently used pages are evicted when pages run short (--noprefix_caching to "
+                          "turn it off).")
 flags.DEFINE_bool("allow_synthetic_acceptance", False, "Benchmarking only: let requests carry `synthetic_acceptance` "
                   "(per-position rates a speculative step is forced to accept; their outputs are then not the model's), "
                   "as scripts/bench.py --synthetic_acceptance sends. Off: such requests get a 400.")
 define_chat_template_flag()
-define_kv_cache_dtype_flag()
 _PARSER_HELP = ("auto = the one the model's family uses (from config.json's model_type and the chat template; said at "
                 "start), none = off")
 flags.DEFINE_enum("tool_call_parser", "auto", ["auto", "none", "kimi_k2", "minimax_m2", "deepseek_v3", "deepseek_v31",

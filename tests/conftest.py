@@ -92,6 +92,9 @@ HEAVY: dict[str, tuple[str, ...]] = {
         "test_in_process_stop_string_ends_a_request_early",
     ),
     "test_harness.py": ("test_aa_noise_floor_then_aa_ratios", "test_layers_unrolled_ab",),
+    "test_host_tier.py": (
+        "test_host_tier_on_data_shards_equals_one_device", "test_sessions_through_a_small_pool_find_their_prefixes_on_the_host",
+    ),
     "test_lm_eval.py": ("test_lm_eval_runs_unmodified_and_speculation_changes_nothing",),
     "test_logprobs.py": (
         "test_greedy_logprobs_equal_plain_decoding_and_a_forward", "test_prompt_logprobs_across_chunks_and_preemption",

@@ -277,6 +277,9 @@ def run_http_benchmark(base_url: str, setting: SpecSetting, workload: Workload, 
                 if before and after:
                     cell["metrics"]["prefix_cache_hit_rate"] = hit_rate_between(
                         before, after, "eagle3_prefix_cache_queries_total", "eagle3_prefix_cache_hits_total")
+                    if "eagle3_host_kv_pages_total" in after:
+                        cell["metrics"]["prefix_cache_host_hit_rate"] = hit_rate_between(
+                            before, after, "eagle3_prefix_cache_queries_total", "eagle3_prefix_cache_host_hits_total")
                 passes.append(cell)
                 m = cell["metrics"]
                 log(f"{setting.label:>24} C={c:<4} seed={seed}{pass_label(repeat, cfg.repeats)}: "

@@ -36,6 +36,7 @@ from typing import Callable, Sequence
 
 from ..sampling.sampler import SamplingParams
 from ..scheduler import Scheduler
+from ..scheduler.metrics import HOST_TIER_KEYS
 from .metrics import RequestRecord, attach_speedups, hit_rate_between, summarize
 from .settings import NO_SPEC, SpecSetting
 from .workloads import MEASURED, WARMUP, Workload
@@ -293,6 +294,9 @@ def run_cell(sched, setting: SpecSetting, workload: Workload, concurrency: int, 
                      with_acceptance=True, extra=extra)
     cell["metrics"]["prefix_cache_hit_rate"] = hit_rate_between(before, after, "prefix_cache_queries_total",
                                                                 "prefix_cache_hits_total")
+    if "num_host_pages" in after:
+        cell["metrics"]["prefix_cache_host_hit_rate"] = hit_rate_between(
+            before, after, "prefix_cache_queries_total", "prefix_cache_host_hits_total")
     return cell
 
 
@@ -316,10 +320,14 @@ def median_pass(passes: Sequence[dict]) -> dict:
 
 def scheduler_figures(before: dict, after: dict) -> dict:
     """What the scheduler did between two `stats()`: host time per iteration (time in `step()` not
-    spent waiting for the device) and, with adaptive speculation, the steps each shape ran."""
+    spent waiting for the device), the host tier's counters and, with adaptive speculation, the
+    steps each shape ran."""
     iterations = after.get("num_iterations_total", 0) - before.get("num_iterations_total", 0)
     host = after.get("host_seconds_total", 0.0) - before.get("host_seconds_total", 0.0)
     figures = {"host_ms_per_iteration": 1e3 * host / iterations if iterations else None}
+    if "num_host_pages" in after:  # the prefix cache's host tier: its share of the hits, what it copied
+        figures["host_tier"] = {key: after.get(key, 0) - before.get(key, 0)
+                                for key in ("prefix_cache_host_hits_total", *HOST_TIER_KEYS)}
     if "adaptive" in after:
         old = before.get("adaptive", {}).get("steps_by_shape", {})
         figures["steps_by_shape"] = {k: v - old.get(k, 0) for k, v in after["adaptive"]["steps_by_shape"].items()
@@ -337,7 +345,8 @@ def num_devices_of(target) -> int:
 
 def make_scheduler(target, draft, setting: SpecSetting, *, max_num_seqs: int, max_seq_len: int,
                    page_size: int | None = None, prefill_chunk: int | None = None, num_pages: int | None = None,
-                   overlap: bool = True, prefix_caching: bool = False, kv_cache_dtype: str = "auto"):
+                   overlap: bool = True, prefix_caching: bool = False, kv_cache_dtype: str = "auto",
+                   host_kv_cache_gb: float = 0.0):
     """A Scheduler for one speculation setting (the draft is attached only for speculative ones)."""
     if setting.spec is not None and draft is None:
         raise ValueError(f"setting {setting.name} needs a draft model; pass --draft")
@@ -345,7 +354,7 @@ def make_scheduler(target, draft, setting: SpecSetting, *, max_num_seqs: int, ma
           if v is not None}
     return Scheduler(target, draft=draft if setting.spec is not None else None, spec=setting.spec,
                      max_num_seqs=max_num_seqs, max_seq_len=max_seq_len, overlap=overlap, prefix_caching=prefix_caching,
-                     kv_cache_dtype=kv_cache_dtype, **kw)
+                     kv_cache_dtype=kv_cache_dtype, host_kv_cache_gb=host_kv_cache_gb, **kw)
 
 
 def ordered(settings: Sequence[SpecSetting]) -> list[SpecSetting]:
@@ -362,7 +371,7 @@ def rotated(items: Sequence, k: int) -> list:
 def run_benchmark(target, draft, settings: Sequence[SpecSetting], workload: Workload, cfg: RunConfig, *,
                   max_seq_len: int, page_size: int | None = None, prefill_chunk: int | None = None,
                   num_pages: int | None = None, num_devices: int | None = None, overlap: bool = True,
-                  prefix_caching: bool = False, kv_cache_dtype: str = "auto",
+                  prefix_caching: bool = False, kv_cache_dtype: str = "auto", host_kv_cache_gb: float = 0.0,
                   log: Callable[[str], None] = print) -> list[dict]:
     """Every cell of the grid (settings x concurrencies x seeds), with speedups and identity checks.
 
@@ -380,7 +389,8 @@ def run_benchmark(target, draft, settings: Sequence[SpecSetting], workload: Work
     max_c = max(cfg.concurrencies)
     build = lambda s: make_scheduler(target, draft, s, max_num_seqs=max_c, max_seq_len=max_seq_len,  # noqa: E731
                                      page_size=page_size, prefill_chunk=prefill_chunk, num_pages=num_pages,
-                                     overlap=overlap, prefix_caching=prefix_caching, kv_cache_dtype=kv_cache_dtype)
+                                     overlap=overlap, prefix_caching=prefix_caching, kv_cache_dtype=kv_cache_dtype,
+                                     host_kv_cache_gb=host_kv_cache_gb)
     passes: dict[tuple[str, int, int], list[dict]] = {}
 
     def one(sched, s: SpecSetting, c: int, seed: int, position: int = 0, repeat: int = 0) -> None:

@@ -114,14 +114,15 @@ def run_record_config(cfg: RunConfig, *, dtype: str, limit: int, page_size: int 
 
 
 def in_process_config(target: Target, mesh: Mesh | None, *, draft: str | None, scheduler_max_seq_len: int,
-                      overlap: bool, prefix_caching: bool, kv_cache_dtype: str = "auto") -> dict:
+                      overlap: bool, prefix_caching: bool, kv_cache_dtype: str = "auto",
+                      host_kv_cache_gb: float = 0.0) -> dict:
     """The report's `config` entries of an in-process run: the mesh's shape, the target's kernels
     and batch invariance, the draft folder (None without a speculative setting), the schedulers'
-    sequence length, overlap, prefix caching and KV cache dtype."""
+    sequence length, overlap, prefix caching (and its host tier's GiB) and KV cache dtype."""
     return {"mesh": None if mesh is None else list(mesh.devices.shape), "kernels": target.config.kernels,
             "batch_invariant": target.config.batch_invariant, "draft": draft,
             "scheduler_max_seq_len": scheduler_max_seq_len, "overlap": overlap, "prefix_caching": prefix_caching,
-            "kv_cache_dtype": kv_cache_dtype}
+            "kv_cache_dtype": kv_cache_dtype, "host_kv_cache_gb": host_kv_cache_gb}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,7 +147,8 @@ def run_in_process(settings: Sequence[SpecSetting], workload: Workload, cfg: Run
                    target: Target | None, load_target: Callable[[], Target], load_draft: Callable[[Target], Draft],
                    draft_path: str, mesh: Mesh | None, max_seq_len: int | None, page_size: int | None,
                    prefill_chunk: int | None, num_devices: int | None, overlap: bool,
-                   prefix_caching: bool, kv_cache_dtype: str = "auto", num_pages: int | None = None) -> BenchRun:
+                   prefix_caching: bool, kv_cache_dtype: str = "auto", num_pages: int | None = None,
+                   host_kv_cache_gb: float = 0.0) -> BenchRun:
     """The cells in this process: the target (`target`, or `load_target()` when None) and, for a
     speculative setting, the draft (`load_draft(target)`); schedulers of `max_seq_len` tokens (by
     default the workload's longest prompt plus output) and `num_pages` KV pages (None: the
@@ -157,9 +159,11 @@ def run_in_process(settings: Sequence[SpecSetting], workload: Workload, cfg: Run
     sched_len = max_seq_len or workload.max_total_len
     config = {**config, **in_process_config(target, mesh, draft=draft_path if needs_draft else None,
                                              scheduler_max_seq_len=sched_len, overlap=overlap,
-                                             prefix_caching=prefix_caching, kv_cache_dtype=kv_cache_dtype),
+                                             prefix_caching=prefix_caching, kv_cache_dtype=kv_cache_dtype,
+                                             host_kv_cache_gb=host_kv_cache_gb),
               "num_pages": num_pages}
     cells = run_benchmark(target, draft, settings, workload, cfg, max_seq_len=sched_len, page_size=page_size,
                           prefill_chunk=prefill_chunk, num_devices=num_devices, overlap=overlap,
-                          prefix_caching=prefix_caching, kv_cache_dtype=kv_cache_dtype, num_pages=num_pages)
+                          prefix_caching=prefix_caching, kv_cache_dtype=kv_cache_dtype, num_pages=num_pages,
+                          host_kv_cache_gb=host_kv_cache_gb)
     return BenchRun(cells, "in-process", config)

@@ -136,6 +136,9 @@ class PrefixCache:
         self._by_key: dict[PageKey, _Entry] = {}
         self._key_of: dict[int, PageKey] = {}
         self._evictable: collections.OrderedDict[int, None] = collections.OrderedDict()
+        # With a host tier (host_tier.py): (key, page, draft_valid) of the pages evicted since the
+        # tier last took them, to be copied before anything writes them again.
+        self.evicted: list[tuple[PageKey, int, bool]] | None = None
 
     @property
     def num_evictable(self) -> int:
@@ -148,14 +151,19 @@ class PrefixCache:
     def has(self, page: int) -> bool:
         return page in self._key_of
 
+    def find(self, key: PageKey, with_draft: bool) -> int | None:
+        """The cached page of `key` (a draft-valid one if `with_draft`), or None."""
+        entry = self._by_key.get(key)
+        return None if entry is None or (with_draft and not entry.draft_valid) else entry.page
+
     def lookup(self, keys: Sequence[PageKey], with_draft: bool) -> list[int]:
         """The cached pages of the longest prefix of `keys` (draft-valid ones if `with_draft`)."""
         pages = []
         for key in keys:
-            entry = self._by_key.get(key)
-            if entry is None or (with_draft and not entry.draft_valid):
+            page = self.find(key, with_draft)
+            if page is None:
                 break
-            pages.append(entry.page)
+            pages.append(page)
         return pages
 
     def register(self, key: PageKey, page: int, draft_valid: bool) -> None:
@@ -190,5 +198,8 @@ class PrefixCache:
     def evict(self) -> int:
         """The least recently used evictable page, forgotten by the cache."""
         page, _ = self._evictable.popitem(last=False)
-        del self._by_key[self._key_of.pop(page)]
+        key = self._key_of.pop(page)
+        entry = self._by_key.pop(key)
+        if self.evicted is not None:
+            self.evicted.append((key, page, entry.draft_valid))
         return page

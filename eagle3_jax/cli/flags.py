@@ -204,6 +204,20 @@ def define_kv_cache_dtype_flag() -> None:
                       "lanes: about half the bytes per token, no calibration; attention then runs its XLA path).")
 
 
+def define_kv_cache_flags(caching_default: bool, caching_help: str) -> None:
+    """A serving scheduler's KV cache: --kv_cache_dtype, --prefix_caching (`caching_help`) and
+    --host_kv_cache_gb, the prefix cache's host-memory tier, which needs it."""
+    define_kv_cache_dtype_flag()
+    flags.DEFINE_bool("prefix_caching", caching_default, caching_help)
+    flags.DEFINE_float("host_kv_cache_gb", 0.0, "GiB of host memory for the KV pages the prefix cache evicts (target "
+                       "and draft, stored as on the device): a request whose prefix is there gets its pages back by "
+                       "copy instead of computing them (SGLang's hierarchical cache, vLLM's CPU offloading); capped, "
+                       "with a warning, by the memory the machine has available. 0: off.", lower_bound=0)
+    flags.register_multi_flags_validator(
+        ["prefix_caching", "host_kv_cache_gb"], lambda f: f["prefix_caching"] or not f["host_kv_cache_gb"],
+        "--host_kv_cache_gb keeps the pages the prefix cache evicts: turn --prefix_caching on, or drop --host_kv_cache_gb")
+
+
 # ---- sequence length -------------------------------------------------------------------------------
 
 

@@ -16,7 +16,8 @@ FLAGS = flags.FLAGS
 
 # serve.py's flags that are the scheduler's keyword arguments of the same names
 SCHEDULER_FLAGS = ("max_num_seqs", "page_size", "num_pages", "prefill_chunk", "max_compiled_programs",
-                   "max_logprobs", "logprobs_mode", "prefix_caching", "kv_cache_dtype", "context_parallel_len")
+                   "max_logprobs", "logprobs_mode", "prefix_caching", "kv_cache_dtype", "context_parallel_len",
+                   "host_kv_cache_gb")
 
 
 def check_port_free(host: str, port: int) -> None:

@@ -49,7 +49,7 @@ from ..request import Request
 from ..sampling.sampler import GREEDY_BATCH, BatchFeatures
 from ..spec_decode.policy import SpeculationPolicy
 from .metrics import SchedulerCounters
-from .shard_pages import SPREAD, ShardPages
+from .shard_pages import SPREAD, CachedPrefix, ShardPages
 from .slot_table import BatchRows, SlotTable
 
 logger = logging.getLogger(__name__)
@@ -184,19 +184,19 @@ class RunningBatch:
             key = None if self.last_decode_key is None else (bucket(rows, 1, self.max_num_seqs), *self.last_decode_key[1:])
             with_draft = self.policy.admit(key, rows, len(req.prefill_ids), req.budget - len(req.output))
             if self.policy.uses_draft and not with_draft and req.shard != SPREAD:
-                cached = self._cached_prefix(req, False, self.allocs[req.shard])  # target-only pages serve it too
+                cached = self._cached_prefix(req, False, req.shard)  # target-only pages serve it too
             self._count_hits(req, cached)
             need = pages_for(len(req.prefill_ids) + self.lookahead, self.page_size) - len(cached)
             self.waiting.popleft()
             req.slot, req.table = self.free_slots.pop(), self.table
-            if cached:
-                self.allocs[req.shard].hold(cached)
+            if cached.on_device:
+                self.allocs[req.shard].hold(cached.on_device)
             req.state, req.computed = PREFILL, len(cached) * self.page_size
             self.table.admit(req.slot, len(req.prompt), req.sampling, length=req.computed,
                              reserve=self.policy.reserve(with_draft), budget=req.budget,
                              reads_tokens=req.reads_tokens, constrained=req.grammar is not None, shard=req.shard)
-            self.table.set_pages(req.slot, 0, cached)
-            req.pages = list(cached)
+            req.pages = self.pages.take_prefix(req.shard, cached, req.page_keys) if cached else []
+            self.table.set_pages(req.slot, 0, req.pages)
             self._give_pages(req, need)
             req.with_draft = with_draft
             if req.admitted is None:
@@ -211,43 +211,43 @@ class RunningBatch:
         spread over the shards), the one with the longest cached prefix, then the most free pages;
         None when none fits."""
         if self.shards == 1:
-            cached = self._cached_prefix(req, self.policy.uses_draft, self.allocs[0])
+            cached = self._cached_prefix(req, self.policy.uses_draft, 0)
             return None if self._pages_short(req, cached, reserve, self.allocs[0]) else (0, cached)
         rows = self.pages.per_shard(r.shard for r in self.running.values())
         growth = self.pages.per_shard(r.shard for r in self.decoders.values())
         if self.pages.spreads(len(req.prompt) + req.budget):
             pages = pages_for(len(req.prefill_ids) + self.lookahead, self.page_size)
             fits = rows.max() < self.rows_per_shard and self.pages.fits_spread(pages, growth)
-            return (SPREAD, []) if fits else None
+            return (SPREAD, CachedPrefix()) if fits else None
         best = None
         for d, alloc in enumerate(self.allocs):
             if rows[d] >= self.rows_per_shard:
                 continue
-            cached = self._cached_prefix(req, self.policy.uses_draft, alloc)
+            cached = self._cached_prefix(req, self.policy.uses_draft, d)
             if not self._pages_short(req, cached, int(growth[d]), alloc):
                 score = (len(cached), alloc.num_free)
                 if best is None or score > best[0]:
                     best = (score, d, cached)
         return None if best is None else best[1:]
 
-    def _cached_prefix(self, req: ScheduledRequest, with_draft: bool, alloc: PageAllocator) -> list[int]:
-        """The cached pages of a request's longest cached prefix in `alloc`'s prefix cache
-        (draft-valid ones `with_draft`). At least the prompt's last token is left to compute (its
-        logits give the first token), and each page's key needs the token after it."""
-        cache = alloc.cache
-        if cache is None or req.reads_whole_prompt:
-            return []
+    def _cached_prefix(self, req: ScheduledRequest, with_draft: bool, shard: int) -> CachedPrefix:
+        """A request's longest cached prefix on `shard` (draft-valid pages `with_draft`), on the
+        device or the host tier. At least the prompt's last token is left to compute (its logits
+        give the first token), and each page's key needs the token after it."""
+        if self.allocs[shard].cache is None or req.reads_whole_prompt:
+            return CachedPrefix()
         full = (len(req.prefill_ids) - 1) // self.page_size
-        return cache.lookup(req.keys(req.prefill_ids, self.page_size, full), with_draft)
+        return self.pages.lookup(shard, req.keys(req.prefill_ids, self.page_size, full), with_draft)
 
-    def _pages_short(self, req: ScheduledRequest, cached: list[int], reserve: int, alloc: PageAllocator) -> bool:
-        """Whether the pages a request needs beyond `cached` (and the cached ones nobody holds,
-        which count as free) exceed `alloc`'s free pages less `reserve`."""
-        need = pages_for(len(req.prefill_ids) + self.lookahead, self.page_size) - len(cached)
-        return need + sum(alloc.refs(p) == 0 for p in cached) + reserve > alloc.num_free
+    def _pages_short(self, req: ScheduledRequest, cached: CachedPrefix, reserve: int, alloc: PageAllocator) -> bool:
+        """Whether the pages a request needs beyond `cached`'s device pages (and the cached ones
+        nobody holds, which count as free) exceed `alloc`'s free pages less `reserve`."""
+        on_device = cached.on_device
+        need = pages_for(len(req.prefill_ids) + self.lookahead, self.page_size) - len(on_device)
+        return need + sum(alloc.refs(p) == 0 for p in on_device) + reserve > alloc.num_free
 
-    def _count_hits(self, req: ScheduledRequest, cached: list[int]) -> None:
-        """The prefix cache's hit-rate counters (tokens and requests), at admission."""
+    def _count_hits(self, req: ScheduledRequest, cached: CachedPrefix) -> None:
+        """The prefix cache's hit-rate counters (tokens and requests; the host tier's part), at admission."""
         if self.allocs[0].cache is None:
             return
         if not req.num_preemptions:  # as first admitted (a recomputation after preemption is not the client's)
@@ -257,6 +257,7 @@ class RunningBatch:
         totals["prefix_cache_hits_total"] += len(cached) * self.page_size
         totals["prefix_cache_requests_total"] += 1
         totals["prefix_cache_hit_requests_total"] += bool(cached)
+        totals["prefix_cache_host_hits_total"] += len(cached.host_slots) * self.page_size
 
     def cache_pages(self, req: ScheduledRequest, tokens: list[int], valid: int, draft_valid: int) -> None:
         """Cache `req`'s full pages whose slots below `valid` hold the final K/V of `tokens` (as

@@ -150,6 +150,21 @@ def _spread_len(context_parallel_len: int | None, num_pages: int, max_num_seqs: 
     return int(context_parallel_len)
 
 
+def _attach_host_tier(launcher: Launcher, gib: float, prefix_caching: bool, shards: int) -> None:
+    """Give the prefix cache a host tier of `gib` GiB (none for 0), copied by `launcher`."""
+    if not gib:
+        return
+    if not prefix_caching:
+        raise ValueError("host_kv_cache_gb keeps the prefix cache's evicted pages: turn prefix_caching on with it")
+    slots = launcher.executor.enable_host_tier(gib, shards)
+    if not slots:
+        logger.warning("host_kv_cache_gb=%g holds less than a KV page per data shard: no host KV tier", gib)
+        return
+    launcher.batch.pages.attach_host_tier(slots, launcher)
+    logger.info("host KV tier: %d pages (%.2f GiB) in host memory", slots * shards,
+                slots * shards * launcher.executor.host_pages.bytes_per_page / (1 << 30))
+
+
 class Scheduler:
     """Continuous-batching generation over a target, with an optional EAGLE-3 draft.
 
@@ -182,7 +197,7 @@ class Scheduler:
                  num_pages: int | None = None, prefill_chunk: int = PREFILL_CHUNK, max_compiled_programs: int = 48,
                  overlap: bool = True, tokenizer: Tokenizer | None = None, max_logprobs: int = 20,
                  logprobs_mode: str = "raw", prefix_caching: bool = False, kv_cache_dtype: str = "auto",
-                 context_parallel_len: int | None = None):
+                 context_parallel_len: int | None = None, host_kv_cache_gb: float = 0.0):
         for name, value, low in (("max_num_seqs", max_num_seqs, 1), ("max_seq_len", max_seq_len, 2),
                                  ("page_size", page_size, 1), ("prefill_chunk", prefill_chunk, 1),
                                  ("max_compiled_programs", max_compiled_programs, 2), ("max_logprobs", max_logprobs, 0)):
@@ -222,6 +237,7 @@ class Scheduler:
         self.programs = self._executor.programs
         self._launcher = Launcher(self._executor, self._batch, self.policy, self.counters, self._logprob_settings,
                                   prefill_chunk=self.prefill_chunk, prefill_width=self._prefill_width)
+        _attach_host_tier(self._launcher, float(host_kv_cache_gb), bool(prefix_caching), shards)
         self._inflight: list[Launch] = []  # launched last iteration, read in the next (overlap)
         self._last_read = 0.0  # when the host last had a program's outputs
         self._requests: dict[str, ScheduledRequest] = {}
@@ -304,10 +320,9 @@ class Scheduler:
         return outputs
 
     def reset_prefix_cache(self) -> None:
-        """Forget every cached page (vLLM's reset_prefix_cache; benchmarks start cold with it).
-        Pages running requests hold stay theirs."""
-        for alloc in self._batch.allocs:
-            alloc.reset_cache()
+        """Forget every cached page, the host tier's too (vLLM's reset_prefix_cache; benchmarks
+        start cold with it). Pages running requests hold stay theirs."""
+        self._batch.pages.reset_cache()
 
     def stats(self) -> dict:
         """Counters and gauges for monitoring (see serving's /metrics)."""

@@ -107,6 +107,26 @@ class Launcher:
             self.leader.launched(kind, plan_shape, rows, args, settings, masks)
         return self.executor.execute(kind, plan_shape, rows, *args, logprobs=settings, masks=masks)
 
+    def save_pages(self, pages: list[int], slots: list[int]) -> None:
+        """Copy device `pages` to the host tier's `slots` (prefix-cache pages evicted)."""
+        if self.leader is not None:
+            self.leader.moved("save_pages", pages, slots)
+        self.executor.save_pages(pages, slots)
+        self.counters.totals["host_kv_pages_saved_total"] += len(pages)
+        self.counters.totals["host_kv_bytes_saved_total"] += len(pages) * self.executor.host_pages.bytes_per_page
+
+    def restore_pages(self, slots: list[int], pages: list[int]) -> None:
+        """Copy the host tier's `slots` into device `pages` (a prefix found on the host), timing
+        the host's part: reading the slots and launching the copy."""
+        start = time.perf_counter()
+        if self.leader is not None:
+            self.leader.moved("restore_pages", slots, pages)
+        self.executor.restore_pages(slots, pages)
+        totals = self.counters.totals
+        totals["host_kv_pages_restored_total"] += len(pages)
+        totals["host_kv_bytes_restored_total"] += len(pages) * self.executor.host_pages.bytes_per_page
+        totals["host_kv_restore_seconds_total"] += time.perf_counter() - start
+
     @property
     def mask_words(self) -> int:
         return mask_words(self.executor.target.config.vocab_size)

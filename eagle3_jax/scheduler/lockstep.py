@@ -6,7 +6,9 @@ next step is. `StepChannel` carries that decision: before each step program the 
 program's host inputs (a small pickled message: the program kind, the batch's rows of the slot
 tables, tokens), and each follower, blocked in `follow` (`Scheduler.follow`), receives them and runs the
 same program on its shards (`Leader` is the sending side, `Scheduler.lead`). The transport is `multihost_utils.broadcast_one_to_all`, a collective over every
-process's devices, so messages arrive in order and nothing else is needed. Payloads are padded to a
+process's devices, so messages arrive in order and nothing else is needed. Copies between the device
+pool and the host tier of the prefix cache travel the same way: each process keeps its own host
+copy of the pages. Payloads are padded to a
 power of two so the broadcast compiles for a handful of sizes only.
 """
 
@@ -71,6 +73,10 @@ class Leader:
     def launched(self, kind: str, shape, rows, args: tuple, logprobs=None, masks=None) -> None:
         self.channel.send((kind, shape, rows, jax.tree.map(np.asarray, args), logprobs, masks))
 
+    def moved(self, method: str, *pages: list[int]) -> None:
+        """The leader copies pages between the device and the host tier (`method` of the executor)."""
+        self.channel.send(("move", method, pages))
+
     def reading(self, launches: int) -> None:
         """The leader now reads the outputs of its `launches` oldest unread programs."""
         self.channel.send(("read", launches))
@@ -92,6 +98,9 @@ def follow(executor) -> int:
         if message[0] == "read":
             for _ in range(message[1]):
                 executor.read(unread.popleft())
+            continue
+        if message[0] == "move":  # every process keeps its own copy of the host tier's pages
+            getattr(executor, message[1])(*message[2])
             continue
         kind, shape, rows, args, logprobs, masks = message
         outputs = executor.execute(kind, shape, rows, *args, logprobs=logprobs, masks=masks)

@@ -7,6 +7,10 @@ from typing import Any
 
 import numpy as np
 
+# The host tier's counters (cache/host_tier.py): pages and bytes copied each way, host seconds restoring.
+HOST_TIER_KEYS = ("host_kv_pages_saved_total", "host_kv_bytes_saved_total", "host_kv_pages_restored_total",
+                  "host_kv_bytes_restored_total", "host_kv_restore_seconds_total")
+
 
 class SchedulerCounters:
     """Totals since the scheduler started, updated a batch at a time."""
@@ -60,6 +64,9 @@ class SchedulerCounters:
             "prefix_cache_hits_total": c["prefix_cache_hits_total"],  # prompt tokens found
             "prefix_cache_requests_total": c["prefix_cache_requests_total"],
             "prefix_cache_hit_requests_total": c["prefix_cache_hit_requests_total"],
+            # the host tier's part of the hits, and the pages it copied (cache/host_tier.py)
+            "prefix_cache_host_hits_total": c["prefix_cache_host_hits_total"],
+            **{key: c[key] for key in HOST_TIER_KEYS},
             "num_iterations_total": c["num_iterations_total"],
             "host_seconds_total": c["host_seconds_total"],  # step() time not spent waiting for the device
         }
@@ -70,7 +77,7 @@ COUNTER_KEYS = ("num_preemptions", "num_requests_finished", "num_requests_aborte
                 "generation_tokens_total", "num_decode_steps_total", "accepted_tokens_total", "num_iterations_total",
                 "host_seconds_total", "launch_seconds_total", "num_drafts_total", "num_draft_tokens_total",
                 "num_accepted_draft_tokens_total", "prefix_cache_queries_total", "prefix_cache_hits_total", "prefix_cache_requests_total",
-                "prefix_cache_hit_requests_total")
+                "prefix_cache_hit_requests_total", "prefix_cache_host_hits_total", *HOST_TIER_KEYS)
 ADAPTIVE_COUNTER_KEYS = ("steps_without_draft", "requests_with_draft", "requests_without_draft")
 
 

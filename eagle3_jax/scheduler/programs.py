@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from ..cache import kv_cache
+from ..cache import host_tier, kv_cache
 from ..config.model import ModelConfig
 from ..models.draft import Draft, DraftConfig
 from ..models.target import Target, uses_fnuz
@@ -422,6 +422,7 @@ class Executor:
         self.state = init_state(target, draft, policy, num_pages, page_size, num_slots, kv_fp8)
         self.programs = ProgramCache(max_compiled_programs)
         self._host_is_device = jax.tree.leaves(target.params)[0].devices().pop().platform == "cpu"
+        self.host_pages: host_tier.HostPagePool | None = None
 
     def execute(self, kind: str, shape: SpecConfig | None, rows: BatchRows, *args,
                 logprobs: LogprobSettings | None = None, masks: np.ndarray | None = None) -> list[jax.Array]:
@@ -445,6 +446,30 @@ class Executor:
                                              dparams, state, rows, *args)
         self.state = state.replace(**held) if held else state
         return outs
+
+    # ---- the host tier of the prefix cache (cache/host_tier.py) -------------------------------------
+    def enable_host_tier(self, gib: float, shards: int) -> int:
+        """Keep up to `gib` GiB of evicted pages in host memory (capped by what the machine has,
+        said in a warning); returns the host slots per data shard."""
+        pools = self._pools()
+        per_shard = host_tier.host_slots_for(gib, host_tier.page_bytes(pools), host_tier.available_host_bytes()) // shards
+        self.host_pages = host_tier.HostPagePool(pools, per_shard * shards) if per_shard else None
+        return per_shard
+
+    def _pools(self) -> tuple:
+        s = self.state
+        return s.tk, s.tv, s.dk, s.dv
+
+    def save_pages(self, pages: list[int], slots: list[int]) -> None:
+        """Copy device `pages` (target and draft pools) to the host tier's `slots`."""
+        with mesh_context(self.target.mesh):
+            self.host_pages.save(self._pools(), pages, slots)
+
+    def restore_pages(self, slots: list[int], pages: list[int]) -> None:
+        """Copy the host tier's `slots` into device `pages`, ahead of every program launched later."""
+        with mesh_context(self.target.mesh):
+            tk, tv, dk, dv = self.host_pages.restore(self._pools(), slots, pages)
+        self.state = self.state.replace(tk=tk, tv=tv, dk=dk, dv=dv)
 
     def prefetch(self, outputs: list[jax.Array]) -> None:
         """Start copying `outputs`, which the host reads later, to the host now: queued behind the

@@ -12,11 +12,14 @@ Metric names carry the `eagle3_` prefix:
   `..._num_accepted_tokens_total`, `..._num_accepted_tokens_per_pos_total{position}`), the prefix
   cache's as vLLM names them (`eagle3_prefix_cache_queries_total`, `eagle3_prefix_cache_hits_total`:
   prompt tokens looked up and found, and `eagle3_prefix_cache_requests_total`,
-  `eagle3_prefix_cache_hit_requests_total`), `eagle3_http_requests_total{route, status}`;
+  `eagle3_prefix_cache_hit_requests_total`; of them, the host tier's: `eagle3_prefix_cache_host_hits_total`),
+  the host tier's copies (`eagle3_host_kv_{pages,bytes}_{saved,restored}_total`,
+  `eagle3_host_kv_restore_seconds_total`), `eagle3_http_requests_total{route, status}`;
 - gauges: `eagle3_num_requests_waiting`, `eagle3_num_requests_running`, `eagle3_request_queue_depth`,
   `eagle3_kv_pages_free`, `eagle3_kv_pages_total`, `eagle3_kv_page_size`, `eagle3_kv_cache_usage_ratio`,
   `eagle3_mean_accept_length`, `eagle3_spec_acceptance_rate{position="k"}` (the fraction of
   verify passes accepting at least k draft tokens), `eagle3_kv_pages_cached`,
+  `eagle3_host_kv_pages_total`, `eagle3_host_kv_pages_cached` (with a host tier),
   `eagle3_prefix_cache_hit_rate` (hit tokens / queried tokens), `eagle3_engine_healthy`.
 """
 
@@ -59,6 +62,15 @@ COUNTERS: tuple[tuple[str, str, str], ...] = (
     ("eagle3_prefix_cache_requests", "Admitted requests looked up in the prefix cache.", "prefix_cache_requests_total"),
     ("eagle3_prefix_cache_hit_requests", "Admitted requests that found part of their prompt in the prefix cache.",
      "prefix_cache_hit_requests_total"),
+    ("eagle3_prefix_cache_host_hits", "Prompt tokens found in the prefix cache's host tier (copied back, part of the "
+     "hits).", "prefix_cache_host_hits_total"),
+    ("eagle3_host_kv_pages_saved", "KV pages copied to the host tier as the device pool evicted them.",
+     "host_kv_pages_saved_total"),
+    ("eagle3_host_kv_bytes_saved", "Bytes of KV pages copied to the host tier.", "host_kv_bytes_saved_total"),
+    ("eagle3_host_kv_pages_restored", "KV pages copied back from the host tier.", "host_kv_pages_restored_total"),
+    ("eagle3_host_kv_bytes_restored", "Bytes of KV pages copied back from the host tier.", "host_kv_bytes_restored_total"),
+    ("eagle3_host_kv_restore_seconds", "Host time restoring pages from the host tier (reading them, launching the "
+     "copy).", "host_kv_restore_seconds_total"),
 )
 GAUGES: tuple[tuple[str, str, str], ...] = (
     ("eagle3_num_requests_waiting", "Requests queued in the scheduler, not yet running.", "num_waiting"),
@@ -69,6 +81,8 @@ GAUGES: tuple[tuple[str, str, str], ...] = (
     ("eagle3_kv_pages_total", "Usable KV cache pages.", "num_pages"),
     ("eagle3_kv_page_size", "Tokens per KV cache page.", "page_size"),
     ("eagle3_kv_pages_cached", "KV pages the prefix cache holds (in use or evictable).", "num_cached_pages"),
+    ("eagle3_host_kv_pages_total", "KV pages the prefix cache's host tier can hold.", "num_host_pages"),
+    ("eagle3_host_kv_pages_cached", "KV pages the prefix cache's host tier holds.", "num_host_cached_pages"),
     ("eagle3_mean_accept_length", "Mean acceptance length tau (tokens per verify pass, bonus included).",
      "mean_accept_length"),
 )
