@@ -62,18 +62,24 @@ def generate_all(target_path: str, draft_path: str, mesh_shape: tuple[int, int, 
         result[name] = [o.token_ids for o in sched.generate(prompts, greedy)]
         sched.release_followers()
     # The prefix cache is the leader's bookkeeping: the followers run the block tables it sends.
-    cached = e3.Scheduler(target, draft, e3.SpecConfig(3, 1, 4), max_num_seqs=2, max_seq_len=64, page_size=4,
-                          prefix_caching=True)
-    if jax.process_index() > 0:
-        result["follower_steps_scheduler_cached"] = cached.follow()
-        return result
-    if jax.process_count() > 1:
-        cached.lead()
-    first = [o.token_ids for o in cached.generate(prompts, greedy)]
-    second = [o.token_ids for o in cached.generate([p + o + [7] for p, o in zip(prompts, first)], greedy)]
-    cached.release_followers()
-    result["scheduler_cached"] = first + second
-    result["scheduler_cached_hits"] = cached.stats()["prefix_cache_hits_total"]
+    # With a host tier and a pool too small to keep the first turns' pages past longer requests
+    # in between, each process keeps its own host copy of them, copied as the leader says.
+    for name, kw in (("scheduler_cached", {}), ("scheduler_host_tier", dict(num_pages=20, host_kv_cache_gb=0.001))):
+        cached = e3.Scheduler(target, draft, e3.SpecConfig(3, 1, 4), max_num_seqs=2, max_seq_len=64, page_size=4,
+                              prefix_caching=True, **kw)
+        if jax.process_index() > 0:
+            result[f"follower_steps_{name}"] = cached.follow()
+            continue
+        if jax.process_count() > 1:
+            cached.lead()
+        first = [o.token_ids for o in cached.generate(prompts, greedy)]
+        if kw:
+            cached.generate([[11 + i] * 16 for i in range(2)], greedy)
+        second = [o.token_ids for o in cached.generate([p + o + [7] for p, o in zip(prompts, first)], greedy)]
+        cached.release_followers()
+        result[name] = first + second
+        stats = cached.stats()
+        result[f"{name}_hits"] = [stats["prefix_cache_hits_total"], stats["prefix_cache_host_hits_total"]]
     return result
 
 

@@ -109,6 +109,7 @@ def test_writers_refuse_what_they_must_not_replace(models, tmp_path):
         ("bench_kernels", (f"--json_out={existing}",), ("--json_out", "already exists"), existing),
         ("bench_burst", (f"--json_out={existing}",), ("--json_out", "already exists"), existing),
         ("bench_startup", (f"--json_out={existing}",), ("--json_out", "already exists"), existing),
+        ("bench_host_tier", (f"--json_out={existing}",), ("--json_out", "already exists"), existing),
         ("gpu_check", (f"--json_out={existing}",), ("--json_out", "already exists"), existing),
         ("compile_gate", (f"--json_out={existing}",), ("--json_out", "already exists"), existing),
         ("bench", (f"--target={kimi}", f"--draft={draft}", f"--out_dir={report_dir}", "--name=run"),

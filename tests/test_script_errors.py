@@ -27,9 +27,9 @@ SCRIPTS = os.path.join(ROOT, "scripts")
 
 STORIES = "checkpoints/stories260K"
 KIMI, KIMI_DRAFT = "checkpoints/kimi-mini", "checkpoints/kimi-mini-eagle3"
-ALL_SCRIPTS = ("generate", "serve", "bench", "bench_burst", "bench_startup", "bench_kernels", "bench_step",
-               "bench_structured", "compile_gate", "convert", "demo", "gpu_check", "plan", "quantize", "train_draft",
-               "train_target", "make_corpus")
+ALL_SCRIPTS = ("generate", "serve", "bench", "bench_burst", "bench_startup", "bench_host_tier", "bench_kernels",
+               "bench_step", "bench_structured", "compile_gate", "convert", "demo", "gpu_check", "plan", "quantize",
+               "train_draft", "train_target", "make_corpus")
 
 
 def run_script(script: str, *args: str) -> subprocess.CompletedProcess:
@@ -58,6 +58,7 @@ FLAG_CASES = [(s, ("--no_such_flag=1",), "Unknown command line flag 'no_such_fla
     ("convert", ("--hf_dir=x",), "--out_dir is required"),
     ("generate", (f"--model={STORIES}", "--max_tokens=0"), "--max_tokens"),
     ("serve", (f"--target={KIMI}", "--kernels=fast"), "--kernels"),
+    ("serve", (f"--target={KIMI}", "--noprefix_caching", "--host_kv_cache_gb=1"), "turn --prefix_caching on"),
     ("generate", (f"--model={STORIES}", "--batch_invariant", "--kernels=triton"), "use --kernels=xla"),
     ("train_draft", (f"--target={STORIES}", "--out=/tmp/x"), "exactly one of --prompts and --corpus"),
     ("train_draft", (f"--target={STORIES}", "--out=/tmp/x", "--corpus=/no/corpus.npy"), "/no/corpus.npy"),

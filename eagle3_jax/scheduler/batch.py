@@ -7,7 +7,8 @@ settings and prompt lengths are kept per state slot (slot_table.py), so a batch'
 by its slots.
 
 With prefix caching (cache.pages.PrefixCache), a request admitted takes the cached pages of
-its longest cached prefix and prefills only the rest. A page is cached only when its contents are
+its longest cached prefix and prefills only the rest (pages of it on the host tier, when there is
+one, are copied into pages allocated for them: shard_pages.py). A page is cached only when its contents are
 final and named by its key: a request's prompt pages once the prefill chunk that completes them
 is launched (`cache_prefilled`: every later program runs after it), the rest of its committed
 pages when it leaves the batch (`release`). A page's key covers the

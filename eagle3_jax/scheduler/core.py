@@ -182,7 +182,9 @@ class Scheduler:
     leaves, keyed by the tokens they hold (and the token after: the draft's slots pair with it),
     and a request whose prompt starts with cached pages takes them instead of computing them
     again (batch.py says when a page is cached and when it may be shared); they are evicted least
-    recently used when pages run short. `stats()` counts the hits (tokens and requests).
+    recently used when pages run short. `stats()` counts the hits (tokens and requests). With
+    `host_kv_cache_gb` too, evicted pages are kept in that much host memory and copied back
+    instead of computed again (cache/host_tier.py).
 
     `kv_cache_dtype`: "auto" (KV pages in the compute dtype) or "fp8" (float8 with a scale per
     token per 128 lanes, about half the bytes: kv_cache.Fp8Slots), for target and draft alike. On
