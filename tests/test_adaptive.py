@@ -297,6 +297,23 @@ def test_requests_get_the_draft_only_while_speculation_pays():
     assert ctl.wants_draft(KEY)
 
 
+def test_admission_follows_the_step_choice_that_settled_on_no_speculation():
+    """Inside the hysteresis band the step choice keeps no speculation while admission keeps the
+    draft: requests would pay the draft's prefill and never speculate. Admission withholds it
+    once the step choice there settled on no speculation, and gives it back only when
+    speculation promises a clear win, when the steps switch too."""
+    ctl = AdaptiveSpeculation(AutoSpec(menu=(None, C1), hysteresis=0.2))
+    teach(ctl, {"none": 1.0, "chain:1:1:2": 1.8}, accepted=1)
+    ctl.acceptance.chain[:] = 0.9  # chain 1: 1.9 tokens for 1.8 steps' time, 1.06x: within the margin
+    ctl.current = None
+    assert ctl.wants_draft(KEY)  # no step chose at this key yet: the figures alone say yes
+    assert ctl.choose(["a"], KEY) is None  # the steps keep no speculation
+    assert not ctl.wants_draft(KEY) and not ctl.wants_draft((KEY[0], 2 * KEY[1]))  # ... and so does admission, nearby too
+    ctl.acceptance.chain[:] = 1.0
+    teach(ctl, {"none": 1.0, "chain:1:1:2": 1.2}, accepted=1)  # 2 tokens for 1.2 steps' time: 1.67x
+    assert ctl.wants_draft(KEY) and ctl.choose(["a"], KEY) == C1
+
+
 def test_the_draft_must_pay_for_its_prefill_over_the_whole_request():
     ctl = AdaptiveSpeculation(AutoSpec.chains(1))
     # Per step, chain 1 emits 2 tokens for 1.25x a plain step: 1.6x plain decoding's rate.

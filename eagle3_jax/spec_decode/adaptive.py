@@ -50,14 +50,16 @@ to its end. That judgement is one verdict for the batch (a step speculates only 
 has the draft, so per-request verdicts would leave mixed batches that never speculate), with
 hysteresis, and it weighs a whole typical request, not one step: the mean prompt of recent
 admissions' prefill (timed per prompt token with and without the draft, by chunk program:
-`PrefillCosts`) plus its expected output (the mean length of recent finished requests, at most
+`step_costs.PrefillCosts`) plus its expected output (the mean length of recent finished requests, at most
 its budget) at its share of the step time of the batch it joins, plain or at the best
 speculative shape's time per expected token (as its ratio to the steps without speculation
 timed beside it, applied to the plain step of now: the two are timed at different moments).
 Workloads of long prompts with short outputs
 therefore stay plain even where a speculative step pays: the draft's prefill over the prompts
 costs more than its steps save (at 8K-token prompts and 1K outputs this is where the gain goes).
-A key without the step timings to judge uses the nearest judged key's. A step speculates only
+A key without the step timings to judge uses the nearest judged key's. Nor does a request get
+the draft while the step choice at the nearest key has settled on no speculation: a request
+that never speculates would pay the draft's prefill for nothing. A step speculates only
 when every row has the draft (a row without it reserves KV pages for one token a step), and a
 batch in which no row has it runs the plain decode program, as if speculation were off. One
 request in a while gets the draft anyway (`resample_every`), so acceptance stays measured and
@@ -70,13 +72,13 @@ same whatever runs (sampled output keeps the target's distribution).
 from __future__ import annotations
 
 import collections
-import math
 import statistics
 from typing import Iterable, Sequence
 
 import numpy as np
 
 from .settings import NO_SPEC, AutoSpec, Shape, SpecConfig, is_chain, shape_depth, shape_name  # noqa: F401 (re-exported)
+from .step_costs import PLAIN, Key, PrefillCosts, StepCosts, key_distance  # noqa: F401 (Key re-exported)
 
 # ---- acceptance --------------------------------------------------------------------------------------
 
@@ -251,144 +253,6 @@ class Acceptance:
                 else 1.0 + self.tree[shape_name(s)] for s in shapes]
 
 
-# ---- step cost -----------------------------------------------------------------------------------------
-
-# (batch bucket, block-table width bucket) of a program, then for a decode program what else
-# picks it (the batch's sampling.BatchFeatures): programs that differ there are timed apart.
-Key = tuple
-
-
-def key_distance(a: Key, b: Key) -> float:
-    """How far apart two program keys are: octaves of batch plus octaves of block-table width, plus
-    one where the rest differs (another program form: the nearest key of the same form is
-    nearer than the same shape of another form, up to an octave)."""
-    return abs(math.log2(a[0] / b[0])) + abs(math.log2(a[1] / b[1])) + (a[2:] != b[2:])
-
-
-# StepCosts also times this program, which is not a menu shape: a step without speculation in which
-# no row has the draft (no pairs stored), the alternative to keeping the draft for a new request.
-PLAIN = "plain"
-
-
-def _cost_name(shape: Shape | str) -> str:
-    return shape if isinstance(shape, str) else shape_name(shape)
-
-
-class StepCosts:
-    """Measured wall time of each (shape, batch, width) program: the median of its last `window`
-    samples (a shared host's hiccups and collections land in single samples; a median ignores them),
-    once it has `min_samples`. The first `skip_first` samples of each are dropped: a program's
-    first runs after its compile touch fresh buffers and cold caches (on a CPU they ran up to
-    twice as long as later ones), and a shape timed only while it explores would keep that
-    verdict. Medians are taken when read, not per step: most steps only add a sample."""
-
-    def __init__(self, window: int = 31, min_samples: int = 5, skip_first: int = 2):
-        self.window, self.min_samples, self.skip_first = window, min_samples, skip_first
-        self._clock = 0  # samples observed
-        self._last: dict[tuple[str, Key], int] = {}  # (name, key) -> _clock at its last sample
-        self._skipped: collections.Counter = collections.Counter()
-        self._samples: dict[tuple[str, Key], collections.deque] = {}
-        self._stale: set[tuple[str, Key]] = set()  # samples added since the last median
-        self._medians: dict[str, dict[Key, float]] = collections.defaultdict(dict)  # shape name -> key -> s
-
-    def observe(self, shape: Shape | str, key: Key, seconds: float) -> None:
-        entry = (_cost_name(shape), key)
-        if self._skipped[entry] < self.skip_first:
-            self._skipped[entry] += 1
-            return
-        samples = self._samples.get(entry)
-        if samples is None:
-            samples = self._samples[entry] = collections.deque(maxlen=self.window)
-        samples.append(seconds)
-        self._stale.add(entry)
-        self._clock += 1
-        self._last[entry] = self._clock
-
-    def last_timed(self, shape: Shape | str, key: Key) -> int:
-        """When `shape` was last timed at `key`, in samples observed (any program): 0 if never."""
-        return self._last.get((_cost_name(shape), key), 0)
-
-    @property
-    def _seconds(self) -> dict[str, dict[Key, float]]:
-        """Shape name -> key -> median seconds, for entries with `min_samples` (fewer: still being measured)."""
-        for name, key in self._stale:
-            samples = self._samples[name, key]
-            if len(samples) >= self.min_samples:
-                self._medians[name][key] = statistics.median(samples)
-        self._stale.clear()
-        return self._medians
-
-    def forget(self, shape: Shape | str, key: Key) -> None:
-        """Drop a program's samples at `key`: it counts as not timed there until timed again."""
-        entry = (_cost_name(shape), key)
-        self._samples.pop(entry, None)
-        self._stale.discard(entry)
-        self._medians[entry[0]].pop(key, None)
-
-    def measured(self, shape: Shape | str, key: Key) -> float | None:
-        return self._seconds[_cost_name(shape)].get(key)
-
-    def predicted(self, shape: Shape | str, key: Key, references: Sequence[Shape | str]) -> float | None:
-        """An estimate for an untimed (shape, key) from the nearest key where it and one of the
-        reference programs were timed, scaled by that reference's time here; None when nothing
-        supports one."""
-        best, best_distance = None, math.inf
-        timed = self._seconds[_cost_name(shape)]
-        for ref in references:
-            ref_times = self._reference_times(ref)
-            here = ref_times.get(key)
-            if ref == shape or here is None:
-                continue
-            for other, seconds in timed.items():
-                ref_there = ref_times.get(other)
-                if other == key or ref_there is None:
-                    continue
-                distance = key_distance(other, key)
-                if distance < best_distance:
-                    best, best_distance = here * seconds / ref_there, distance
-        return best
-
-    def estimated(self, shape: Shape | str, key: Key, references: Sequence[Shape | str]) -> float | None:
-        """The measured time at `key`, else the prediction from other keys (see `predicted`)."""
-        seconds = self.measured(shape, key)
-        return seconds if seconds is not None else self.predicted(shape, key, references)
-
-    def _reference_times(self, ref: Shape | str) -> dict[Key, float]:
-        """`ref`'s times by key, where steps without speculation stand in for each other (the plain
-        program and the one storing pairs for the draft differ by a few stores)."""
-        name, seconds = _cost_name(ref), self._seconds
-        if name not in (NO_SPEC, PLAIN):
-            return seconds[name]
-        return {**seconds[PLAIN if name == NO_SPEC else NO_SPEC], **seconds[name]}
-
-
-# Prefill program names in PrefillCosts.
-PREFILL, PLAIN_PREFILL = "prefill", "plain_prefill"
-
-
-class PrefillCosts:
-    """Prefill seconds per prompt token with the draft and without, by program key (batch bucket,
-    chunk bucket): the median of each (kind, key)'s last samples (a chunk batch's wall time over
-    its prompt tokens). Read at the key of the last prefill: a kind not timed there is predicted
-    from the nearest key where both ran, so the draft's share compares like with like (per-token
-    times depend on how full a chunk batch is)."""
-
-    def __init__(self, window: int = 15, min_samples: int = 3, skip_first: int = 1):
-        self._costs = StepCosts(window, min_samples, skip_first)
-        self._last_key: Key | None = None
-
-    def observe(self, with_draft: bool, key: Key, tokens: int, seconds: float) -> None:
-        if tokens > 0:
-            self._costs.observe(PREFILL if with_draft else PLAIN_PREFILL, key, seconds / tokens)
-            self._last_key = key
-
-    def per_token(self, with_draft: bool) -> float | None:
-        if self._last_key is None:
-            return None
-        name, other = (PREFILL, PLAIN_PREFILL) if with_draft else (PLAIN_PREFILL, PREFILL)
-        return self._costs.estimated(name, self._last_key, (other,))
-
-
 # ---- the choice ----------------------------------------------------------------------------------------
 
 
@@ -421,12 +285,16 @@ class AdaptiveSpeculation:
         self._judged: dict[Key, tuple[float, float]] = {}
         self.plain_steps = 0
         self.admitted: collections.Counter = collections.Counter()  # requests admitted with / without the draft
+        # Per key: whether the step choice's last verdict there (a timed shape, not an exploration) speculates.
+        self._speculates: dict[Key, bool] = {}
 
     def choose(self, request_ids: Sequence[str], key: Key) -> Shape:
         """The shape the next decode step of these requests (all with the draft) runs, at program key `key`."""
         self.acceptance.tick()
         rates = self.rates(request_ids, key)
         shape = self.current = self._choose(rates, key)
+        if self.costs.measured(shape, key) is not None:
+            self._speculates[key] = shape is not None
         if shape is None and not self.probe_left and self.steps_without_speculation >= self.auto.probe_every:
             self.probe_left = self.auto.probe_steps
         if shape is None and self.probe_left:
@@ -461,8 +329,10 @@ class AdaptiveSpeculation:
         its prompt's prefill plus its output at its share of a step, plain or at the best
         speculative shape's time per expected token for a new request (the global acceptance
         rates). The draft is given once it promises to finish such a request sooner by the
-        hysteresis margin, and withheld once it no longer promises to finish it sooner at all;
-        in between the verdict stands. At a key without the step timings to judge (plain or
+        hysteresis margin, and withheld once it no longer promises to finish it sooner at all,
+        or once the step choice at the nearest key settled on no speculation (a request given the
+        draft then pays its prefill and stored pairs and never speculates: inside the hysteresis
+        band each verdict keeps what it had, so they can part there); in between the verdict stands. At a key without the step timings to judge (plain or
         every speculative shape unknown there), the nearest judged key's per-row figures stand
         in: a batch whose context grows into a new block-table width has not changed its mind,
         and drafting every request admitted there would compile and time programs that lost one
@@ -475,7 +345,7 @@ class AdaptiveSpeculation:
         if figures is not None:
             plain, spec = self.request_seconds(figures, statistics.fmean(self.prompt_lens), max_tokens)
             if self.drafting:
-                self.drafting = plain >= spec
+                self.drafting = plain >= spec and self._step_speculates(key) is not False
             else:
                 self.drafting = plain >= (1 + self.auto.hysteresis) * spec
         want = self.drafting
@@ -483,6 +353,11 @@ class AdaptiveSpeculation:
             want, self.steps_without_draft = True, 0
         self.admitted["with_draft" if want else "without_draft"] += 1
         return want
+
+    def _step_speculates(self, key: Key) -> bool | None:
+        """The step choice's last verdict at the key nearest `key` (None before any)."""
+        nearest = min(self._speculates, key=lambda k: key_distance(k, key), default=None)
+        return None if nearest is None else self._speculates[nearest]
 
     def request_seconds(self, figures: tuple[float, float], prompt_len: float, max_tokens: int | None
                         ) -> tuple[float, float]:
