@@ -167,7 +167,7 @@ def main() -> None:
         now = time.perf_counter()
         if now - window_start >= args.window_s or (not serving and not sched.has_unfinished()):
             stats = sched.stats()
-            windows.append(window_row(now - start, window_stats, stats, finished))
+            windows.append(dict(window_row(now - start, window_stats, stats, finished), draining=not serving))
             w = windows[-1]
             print(f"{w['t_s']:7.0f} s  tau {w['tau'] or 0:.3f}  finished {finished:4d}  hit rate "
                   f"{w['hit_rate'] or 0:.2f} (host {w['host_hit_rate'] or 0:.2f})  preemptions {w['preemptions']}  "
@@ -180,7 +180,7 @@ def main() -> None:
     equal = sum(r.token_ids == t for r, (_, t) in zip(replayed, checks))
     # The first window is the ramp-up (programs compiling, every session on its first turn at once)
     # and the last one past --minutes the drain: the trend is read over the windows between.
-    full = [w for w in windows[1:] if w["t_s"] <= 60 * args.minutes + 1 and w["tau"] is not None]
+    full = [w for w in windows[1:] if not w["draining"] and w["tau"] is not None]
     acceptance = trend([w["t_s"] for w in full], [w["tau"] for w in full])
     summary = {"minutes": args.minutes, "answers": answers, "sessions_started": sessions.started,
                "preemptions": end_stats["num_preemptions"], "host_pages_restored": end_stats["host_kv_pages_restored_total"],
