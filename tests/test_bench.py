@@ -574,7 +574,7 @@ def test_bench_workload_choice_and_record_config():
     assert S.in_process_config(fake, mesh, draft="d", scheduler_max_seq_len=80, overlap=False,
                                prefix_caching=True) == {
         "mesh": [1, 2, 4], "kernels": "xla", "batch_invariant": False, "draft": "d", "scheduler_max_seq_len": 80,
-        "overlap": False, "prefix_caching": True, "kv_cache_dtype": "auto"}
+        "overlap": False, "prefix_caching": True, "kv_cache_dtype": "auto", "host_kv_cache_gb": 0.0}
 
 
 def test_bench_runs_in_process_and_over_http(monkeypatch):
@@ -593,7 +593,7 @@ def test_bench_runs_in_process_and_over_http(monkeypatch):
     assert run.cells == ["cell"] and run.mode == "in-process" and drafts == []  # no speculative setting: no draft
     assert run.config == {"dtype": "float32", "target": "t", "mesh": None, "kernels": "xla", "batch_invariant": True,
                           "draft": None, "scheduler_max_seq_len": 128, "overlap": True, "prefix_caching": False,
-                          "kv_cache_dtype": "auto", "num_pages": None}
+                          "kv_cache_dtype": "auto", "host_kv_cache_gb": 0.0, "num_pages": None}
     (_, args, kw), = calls
     assert args[:2] == (fake, None) and kw["max_seq_len"] == 128 and kw["page_size"] == 16
     run = S.run_in_process([none, chain], wl, cfg, config, **{**common, "max_seq_len": 200})

@@ -17,7 +17,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HARNESS = os.path.join(ROOT, "benchmarks", "harness")
-SCRIPTS = ("aa-noise-floor", "aa-ratios", "auto-host-ab", "auto-steps-costed", "layers-unrolled-ab", "long-context",
+SCRIPTS = ("aa-noise-floor", "aa-ratios", "agent-soak", "auto-host-ab", "auto-steps-costed", "layers-unrolled-ab", "long-context",
            "long-pair-ab", "long-prompt", "moe-dense-ab", "moe-small-dense-ab", "sampling-sort-ab")
 
 

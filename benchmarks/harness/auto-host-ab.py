@@ -16,6 +16,7 @@ must take the constructor arguments and answer the calls the working tree's sche
 import argparse
 import gc
 import importlib.util
+import re
 import subprocess
 import sys
 import tempfile
@@ -32,7 +33,8 @@ def acceptance_at(commit: str):
             break
     else:
         sys.exit(f"auto-host-ab.py: error: no adaptive module at {commit}: {r.stderr.strip()}")
-    source = r.stdout.replace("from .settings import", "from eagle3_jax.spec_decode.settings import")
+    # Relative imports name the package, whichever its name was then: spec_decode/'s modules now.
+    source = re.sub(r"^from \.(\w+) import", r"from eagle3_jax.spec_decode.\1 import", r.stdout, flags=re.M)
     with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
         f.write(source)
     spec = importlib.util.spec_from_file_location("adaptive_before", f.name)
