@@ -25,7 +25,6 @@ import os
 import platform
 import statistics
 import sys
-import time
 
 from absl import flags
 
@@ -63,32 +62,22 @@ def session_pages(prompts: list[tuple[int, ...]], output_len: int, page_size: in
     return sum(-(-(len(p) + output_len) // page_size) for p in last)
 
 
-def drive(sched, prompts, sampling, concurrency: int) -> tuple[list, float]:
-    """Run prompts in order with `concurrency` in flight; (outputs in prompt order, wall seconds)."""
-    pending, ids, done, start = list(enumerate(prompts)), {}, {}, time.perf_counter()
-    while pending or sched.has_unfinished():
-        while pending and len(ids) - len(done) < concurrency:
-            i, prompt = pending.pop(0)
-            ids[sched.add_request(list(prompt), sampling)] = i
-        for delta in sched.step():
-            if delta.finished:
-                done[ids[delta.request_id]] = delta.output
-    return [done[i] for i in range(len(prompts))], time.perf_counter() - start
-
-
-def measure(sched, prompts, later: list[bool], sampling) -> dict:
+def measure(sched, name: str, prompts, later: list[bool], sampling) -> dict:
     """The trace from empty caches, measured (see the module doc)."""
-    drive(sched, prompts, sampling, FLAGS.concurrency)
+    from eagle3_jax.bench.metrics import ttft_s
+    from eagle3_jax.bench.runner import drive
+
+    drive(sched, prompts, lambda i: sampling, FLAGS.concurrency, tag=f"{name}-warm-up")
     for attempt in range(1, 4):
         sched.reset_prefix_cache()
         before, compiles = sched.stats(), sched.programs.num_compiles
-        outs, wall = drive(sched, prompts, sampling, FLAGS.concurrency)
+        records, wall = drive(sched, prompts, lambda i: sampling, FLAGS.concurrency, tag=f"{name}-{attempt}")
         after, compiles = sched.stats(), sched.programs.num_compiles - compiles
         if not compiles:
             break
     delta = {k: after.get(k, 0) - before.get(k, 0) for k in after if isinstance(after[k], (int, float))}
-    ttft = [o.metrics["ttft_s"] * 1e3 for o in outs]
-    tokens = sum(len(o.token_ids) for o in outs)
+    ttft = [ttft_s(r) * 1e3 for r in records]
+    tokens = sum(len(r.token_ids) for r in records)
     return {"wall_s": wall, "throughput_tok_s": tokens / wall,
             "hit_rate": delta["prefix_cache_hits_total"] / delta["prefix_cache_queries_total"],
             "host_hit_rate": delta["prefix_cache_host_hits_total"] / delta["prefix_cache_queries_total"],
@@ -99,7 +88,7 @@ def measure(sched, prompts, later: list[bool], sampling) -> dict:
                                                        "host_kv_pages_restored_total", "host_kv_bytes_restored_total",
                                                        "host_kv_restore_seconds_total")},
             "pages_free_at_end": after["num_free_pages"] == after["num_pages"],
-            "compiles_while_measured": compiles, "measure_attempts": attempt, "tokens": [o.token_ids for o in outs]}
+            "compiles_while_measured": compiles, "measure_attempts": attempt, "tokens": [r.token_ids for r in records]}
 
 
 def main(argv) -> None:
@@ -129,7 +118,7 @@ def main(argv) -> None:
     for name, kw in settings.items():
         sched = Scheduler(target, draft, spec, max_num_seqs=FLAGS.concurrency, max_seq_len=FLAGS.max_seq_len,
                           page_size=FLAGS.page_size, prefix_caching=True, **kw)
-        row = {"setting": name, **kw, **measure(sched, prompts, later, sampling)}
+        row = {"setting": name, **kw, **measure(sched, name, prompts, later, sampling)}
         tokens = row.pop("tokens")
         reference = reference or tokens
         row["greedy_identical"] = tokens == reference
