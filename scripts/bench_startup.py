@@ -18,6 +18,7 @@ import datetime
 import json
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import sys
@@ -37,8 +38,9 @@ from eagle3_jax.cli import script as cli  # noqa: E402
 FLAGS = flags.FLAGS
 flags.DEFINE_string("target", "checkpoints/kimi-mini", "Target model folder, passed to serve.py.")
 flags.DEFINE_string("draft", "checkpoints/kimi-mini-eagle3", "EAGLE-3 draft folder, passed to serve.py ('' for none).")
-flags.DEFINE_list("serve_flags", ["--spec=chain:3:1:4", "--max_seq_len=512"],
-                  "More serve.py flags (the default: the demo pair as the README serves it).")
+flags.DEFINE_string("serve_flags", "--spec=chain:3:1:4 --max_seq_len=512",
+                    "More serve.py flags, split as a shell splits them (the default: the demo pair as the README "
+                    "serves it).")
 flags.DEFINE_list("runs", ["cold", "warm"], "Start-ups in order: cold (the cache emptied first) or warm.")
 flags.DEFINE_string("cache_dir", None, "The compilation cache the runs use (default: a fresh temporary folder).")
 flags.DEFINE_integer("port", 8766, "Port serve.py listens on (127.0.0.1).", lower_bound=1, upper_bound=65535)
@@ -78,7 +80,7 @@ def start_up(kind: str, cache_dir: str) -> dict:
         shutil.rmtree(cache_dir, ignore_errors=True)
     args = [sys.executable, os.path.join(ROOT, "scripts", "serve.py"), f"--target={FLAGS.target}",
             f"--port={FLAGS.port}", f"--compilation_cache_dir={cache_dir}",
-            *([f"--draft={FLAGS.draft}"] if FLAGS.draft else []), *FLAGS.serve_flags]
+            *([f"--draft={FLAGS.draft}"] if FLAGS.draft else []), *shlex.split(FLAGS.serve_flags)]
     start = time.perf_counter()
     proc = subprocess.Popen(args, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     row: dict = {"run": kind, "lines": []}

@@ -652,3 +652,35 @@ def test_convert_script(tmp_path, llama):
     assert not re.search(r"^I\d{4} ", r.stderr, re.M), r.stderr[:500]  # Orbax's INFO lines only with --verbose
     assert "converted llama" in r.stdout and "bfloat16" in r.stdout
     assert_flat_equal(read_flat_params(tmp_path / "out", cfg), read_flat_params(folder, cfg, dtype="bfloat16"))
+
+
+def test_random_target_script_writes_a_sharded_folder_that_loads(tmp_path):
+    """A random int4 Kimi-shaped MoE (kimi-mini's config with Kimi-K2.5's quantization) cut to one MoE
+    layer: shards and index agree, the experts load quantized, each expert distinct."""
+    from eagle3_jax.weights.quant import QArray
+
+    with open(os.path.join(REPO, "checkpoints", "kimi-mini", "config.json")) as f:
+        raw = json.load(f)
+    with open(os.path.join(DATA, "kimi-k2.5.config.json")) as f:
+        raw["quantization_config"] = json.load(f)["quantization_config"]
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    out = tmp_path / "random"
+    args = [sys.executable, os.path.join(REPO, "scripts", "random_target.py"), f"--config={tmp_path / 'config.json'}",
+            f"--out={out}", "--one_moe_layer", f"--tokenizer_from={REPO}/checkpoints/kimi-mini"]
+    r = subprocess.run(args, capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert r.returncode == 0, r.stderr
+    cfg = load_model_config(out)
+    assert cfg.num_layers == raw["first_k_dense_replace"] + 1 and cfg.quant.method == "int4_pack"
+    assert "(random weights)" in r.stdout and os.path.isfile(out / "tokenizer.json")
+    with open(out / "model.safetensors.index.json") as f:
+        index = json.load(f)
+    assert sorted(set(index["weight_map"].values())) == sorted(glob.glob("model-*.safetensors", root_dir=out))
+    flat = read_flat_params(out, cfg)
+    experts = {n: a for n, a in flat.items() if "experts_" in n}
+    assert experts and all(isinstance(a, QArray) for a in experts.values())
+    gate = np.asarray(next(a for n, a in experts.items() if n.endswith("experts_gate")).values)
+    assert not np.array_equal(gate[0], gate[1])
+    norms = [np.asarray(a) for n, a in flat.items() if n.endswith("norm")]
+    assert norms and all(np.all(a == 1) for a in norms)
+    r = subprocess.run(args, capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert r.returncode == 2 and "--overwrite" in r.stderr and len(r.stderr.strip().splitlines()) == 1

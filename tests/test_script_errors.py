@@ -29,7 +29,7 @@ STORIES = "checkpoints/stories260K"
 KIMI, KIMI_DRAFT = "checkpoints/kimi-mini", "checkpoints/kimi-mini-eagle3"
 ALL_SCRIPTS = ("generate", "serve", "bench", "bench_burst", "bench_startup", "bench_host_tier", "bench_kernels",
                "bench_step", "bench_structured", "compile_gate", "convert", "demo", "gpu_check", "plan", "quantize",
-               "train_draft", "train_target", "make_corpus")
+               "train_draft", "train_target", "make_corpus", "random_target")
 
 
 def run_script(script: str, *args: str) -> subprocess.CompletedProcess:
@@ -97,6 +97,10 @@ INPUT_CASES = [
     ("bench_step", ("--batches=0",), "--batches must be"),
     ("bench_step", ("--spec=auto",), "fixed settings"),
     ("bench_step", ("--kernels=cuda",), "--kernels must be xla, triton, auto"),
+    ("random_target", ("--config=/no/config.json", "--out=/tmp/never"), "--config /no/config.json is not a file"),
+    ("random_target", (f"--config={STORIES}/config.json", "--out=/tmp/never", "--one_moe_layer"), "has no MoE layer"),
+    ("random_target", (f"--config={KIMI}/config.json", "--out=/tmp/never", "--tokenizer_from=scripts"),
+     "holds none of tokenizer.json"),
 ]
 # More of the same kind, in the slow run.
 MORE_INPUT_CASES = [

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from pallas_kernels import launch
 
 from ..cache import kv_cache
-from ..config.model import ModelConfig, parse_model_config
+from ..config.model import ModelConfig, one_moe_layer, parse_model_config
 from ..engine import Engine
 from ..models.draft import load_draft
 from ..models.target import forward, load_target, resolve_dtype
@@ -173,14 +173,6 @@ def kernel_part(plan: CheckPlan, record: Record, echo: Echo) -> list[dict]:
     attention_rows(attention, plan.device, plan.interpret, add, echo)
     moe_rows(moe, expert_weights(moe), plan.device, plan.interpret, add, echo)
     return rows
-
-
-def one_moe_layer(raw: dict) -> dict:
-    """A config (a whole HF config.json, or its text_config) cut to its dense layers plus one MoE
-    layer; changed in place and returned."""
-    text = raw.get("text_config", raw)
-    text["num_hidden_layers"] = int(text.get("first_k_dense_replace", 0)) + 1
-    return raw
 
 
 def random_params(cfg: ModelConfig, dtype: Any) -> dict:

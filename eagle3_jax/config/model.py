@@ -496,6 +496,14 @@ def _parse_model_config(raw: Mapping[str, Any]) -> ModelConfig:
     )
 
 
+def one_moe_layer(raw: dict) -> dict:
+    """A config (a whole HF config.json, or its text_config) cut to its dense layers plus one MoE
+    layer; changed in place and returned."""
+    text = raw.get("text_config", raw)
+    text["num_hidden_layers"] = int(text.get("first_k_dense_replace", 0)) + 1
+    return raw
+
+
 def load_model_config(path: str | os.PathLike) -> ModelConfig:
     """Parse `path` (a config.json file or a folder holding one)."""
     p = os.fspath(path)
