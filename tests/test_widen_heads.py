@@ -1,5 +1,6 @@
 """Widening a Llama-family pair's heads (checkpoint/widen_heads.py) computes what the narrow pair did:
-logits here and in transformers, greedy speculative outputs and acceptance."""
+logits here and in transformers, greedy speculative outputs and acceptance; so does a draft whose
+repeated feature layers are made distinct (checkpoint/distinct_aux.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import numpy as np
 import pytest
 
 import eagle3_jax as e3
-from eagle3_jax.checkpoint.widen_heads import head_lanes, widen_head_dim, widen_tensors
+from eagle3_jax.checkpoint.distinct_aux import distinct_aux_layers
+from eagle3_jax.checkpoint.widen_heads import head_lanes, rewrite_hf_folder, widen_head_dim, widen_tensors
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STORIES, STORIES_DRAFT = (os.path.join(ROOT, "checkpoints", n) for n in ("stories260K", "stories260K-eagle3"))
@@ -21,6 +23,14 @@ PROMPT = [1, 403, 258, 300, 50, 99, 12, 7, 410, 33]
 def widened(tmp_path_factory):
     folder = tmp_path_factory.mktemp("widened")
     return widen_head_dim(STORIES, folder / "target", 32), widen_head_dim(STORIES_DRAFT, folder / "draft", 32)
+
+
+def speculate(target_dir: str, draft_dir: str) -> list[tuple[list[int], float]]:
+    target = e3.load_target(target_dir, dtype="float32")
+    engine = e3.Engine(target, draft=e3.load_draft(draft_dir, target), spec=e3.SpecConfig.parse("chain:3:1:4"),
+                       max_seq_len=128)
+    out = engine.generate([PROMPT, PROMPT[:4]], e3.SamplingParams(max_tokens=40))
+    return [(o.token_ids, o.metrics["mean_accept_length"]) for o in out]
 
 
 def test_rotary_lanes_keep_their_frequency():
@@ -61,12 +71,23 @@ def test_transformers_reads_the_widened_target_as_the_narrow_one(widened):
 
 
 def test_widened_pair_speculates_as_the_narrow_pair(widened):
-    runs = []
-    for target_dir, draft_dir in ((STORIES, STORIES_DRAFT), widened):
-        target = e3.load_target(target_dir, dtype="float32")
-        engine = e3.Engine(target, draft=e3.load_draft(draft_dir, target), spec=e3.SpecConfig.parse("chain:3:1:4"),
-                           max_seq_len=128)
-        out = engine.generate([PROMPT, PROMPT[:4]], e3.SamplingParams(max_tokens=40))
-        runs.append([(o.token_ids, o.metrics["mean_accept_length"]) for o in out])
-    assert runs[0] == runs[1]
-    assert max(accept for _, accept in runs[0]) > 1.0  # the draft is accepted at all: the comparison means something
+    narrow, wide = speculate(STORIES, STORIES_DRAFT), speculate(*widened)
+    assert narrow == wide
+    assert max(accept for _, accept in narrow) > 1.0  # the draft is accepted at all: the comparison means something
+
+
+def test_a_draft_reading_one_layer_thrice_reads_three_and_speculates_alike(tmp_path):
+    with open(os.path.join(STORIES, "config.json")) as f:
+        layers = json.load(f)["num_hidden_layers"]
+    folder = rewrite_hf_folder(STORIES_DRAFT, tmp_path / "draft", lambda t, c: distinct_aux_layers(t, c, layers))
+    with open(os.path.join(folder, "config.json")) as f:
+        ids = json.load(f)["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    assert ids == [2, 3, 4]  # the repeated hidden_states[2] first, fillers after, ascending
+    narrow, distinct = speculate(STORIES, STORIES_DRAFT), speculate(STORIES, folder)
+    assert [tokens for tokens, _ in distinct] == [tokens for tokens, _ in narrow]
+    np.testing.assert_allclose([a for _, a in distinct], [a for _, a in narrow], atol=0.05)
+    tensors = {"fc.weight": np.ones((2, 6), np.float32)}
+    with pytest.raises(ValueError, match="cannot be folded"):
+        distinct_aux_layers(tensors, {"fc_norm": True, "eagle_config": {"eagle_aux_hidden_state_layer_ids": [2, 2, 2]}}, 5)
+    same = {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 2, 3]}}
+    assert distinct_aux_layers(tensors, same, 5) == (tensors, same)

@@ -10,7 +10,8 @@ Concurrency follows `--max-concurrency C --request-rate inf`: every request is r
 an asyncio semaphore keeps at most C in flight. Each cell runs 2 x C warm-up requests (not
 measured) before its measured ones. The server runs one speculation setting, so a run has one
 setting. tau and per-position acceptance come from the server's Prometheus `/metrics` counters,
-scraped before and after the measured requests, when it exposes them (scripts/serve.py does).
+scraped before and after the measured requests, when it exposes them (scripts/serve.py does, and
+vLLM's spec-decode counters are read too).
 """
 
 from __future__ import annotations
@@ -174,14 +175,15 @@ def parse_prometheus(text: str) -> dict[str, float]:
 def acceptance_between(before: dict[str, float], after: dict[str, float]) -> dict | None:
     """tau and per-position acceptance of the verify passes between two /metrics scrapes.
 
-    Reads the counters `eagle3_decode_steps_total` and `eagle3_accepted_tokens_total` and the
-    gauges `eagle3_spec_acceptance_rate{position="k"}` (cumulative fractions, turned back into
-    counts by multiplying with the step counter). None when the server does not expose them or no
-    verify pass ran in between.
+    Reads this project's counters `eagle3_decode_steps_total` and `eagle3_accepted_tokens_total`
+    and the gauges `eagle3_spec_acceptance_rate{position="k"}` (cumulative fractions, turned back
+    into counts by multiplying with the step counter), else vLLM's counters
+    (`vllm_acceptance_between`). None when the server exposes neither or no verify pass ran in
+    between.
     """
     steps_key, acc_key = "eagle3_decode_steps_total", "eagle3_accepted_tokens_total"
     if any(k not in d for k in (steps_key, acc_key) for d in (before, after)):
-        return None
+        return vllm_acceptance_between(before, after)
     steps = after[steps_key] - before[steps_key]
     if steps <= 0:
         return None
@@ -194,6 +196,33 @@ def acceptance_between(before: dict[str, float], after: dict[str, float]) -> dic
         k += 1
     return {"tau": (after[acc_key] - before[acc_key]) / steps, "per_position": per_position,
             "num_verify_steps": int(steps), "source": "server /metrics"}
+
+
+def _summed(samples: dict[str, float], name: str, **labels: str) -> float | None:
+    """The sum of the samples of metric `name` whose labels include `labels` (None if there is none)."""
+    found = [value for key, value in samples.items()
+             if key.split("{", 1)[0] == name and all(f'{k}="{v}"' in key for k, v in labels.items())]
+    return sum(found) if found else None
+
+
+def vllm_acceptance_between(before: dict[str, float], after: dict[str, float]) -> dict | None:
+    """tau and per-position acceptance from vLLM's counters between two scrapes: drafts
+    (`vllm:spec_decode_num_drafts_total`, one per verify pass of a request), accepted draft tokens
+    and their split by position (`..._per_pos_total{position="k"}`, k from 0). tau counts the
+    verify pass's own token as this project's does: 1 + accepted / drafts."""
+    prefix = "vllm:spec_decode_num_"
+    drafts = [_summed(d, prefix + "drafts_total") for d in (before, after)]
+    accepted = [_summed(d, prefix + "accepted_tokens_total") for d in (before, after)]
+    if None in drafts or None in accepted or drafts[1] - drafts[0] <= 0:
+        return None
+    steps = drafts[1] - drafts[0]
+    per_position, k = [], 0
+    while (n_after := _summed(after, prefix + "accepted_tokens_per_pos_total", position=str(k))) is not None:
+        per_position.append((n_after - (_summed(before, prefix + "accepted_tokens_per_pos_total", position=str(k))
+                                        or 0.0)) / steps)
+        k += 1
+    return {"tau": 1 + (accepted[1] - accepted[0]) / steps, "per_position": per_position,
+            "num_verify_steps": int(steps), "source": "vLLM /metrics"}
 
 
 async def scrape_metrics(base_url: str) -> dict[str, float] | None:

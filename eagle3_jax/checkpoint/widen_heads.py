@@ -14,17 +14,19 @@ from d to D = f x d lanes (f a power of two) keeps every attention score and out
 
 The weights of an EAGLE-3 draft (`midlayer.self_attn.*`) widen the same way. Only the projections'
 output rows (q, k, v) and o_proj's input columns change; config.json's `head_dim` is set to D.
-The folder is read whole (meant for small models); the output is written beside its place and
-swapped in complete.
+`rewrite_hf_folder` applies such a rewrite to a folder, read whole (meant for small models), the
+output written beside its place and swapped in complete.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import glob
 import json
 import math
 import os
 import shutil
+from typing import Callable
 
 import numpy as np
 
@@ -78,9 +80,19 @@ def widen_tensors(tensors: dict[str, np.ndarray], config: dict, head_dim: int) -
     return widened
 
 
-def widen_head_dim(src: str | os.PathLike, out: str | os.PathLike, head_dim: int, *, overwrite: bool = False) -> str:
-    """Write `src` (an HF folder: config.json + safetensors) with its heads widened to `head_dim`
-    lanes to `out`, every other file copied. Returns `out`'s absolute path."""
+def widened(tensors: dict[str, np.ndarray], config: dict, head_dim: int) -> tuple[dict[str, np.ndarray], dict]:
+    """(tensors, config.json dict) -> the same model with heads of `head_dim` lanes."""
+    return widen_tensors(tensors, config, head_dim), {**config, "head_dim": head_dim}
+
+
+Rewrite = Callable[[dict[str, np.ndarray], dict], tuple[dict[str, np.ndarray], dict]]
+
+
+def rewrite_hf_folder(src: str | os.PathLike, out: str | os.PathLike, rewrite: Rewrite, *,
+                      overwrite: bool = False) -> str:
+    """Write `src` (an HF folder: config.json + safetensors, read whole) to `out` with its tensors and
+    config as `rewrite(tensors, config)` returns them, in one model.safetensors, every other file
+    copied. Returns `out`'s absolute path."""
     from safetensors import safe_open
     from safetensors.numpy import save_file
 
@@ -94,13 +106,18 @@ def widen_head_dim(src: str | os.PathLike, out: str | os.PathLike, head_dim: int
             tensors.update({k: f.get_tensor(k) for k in f.keys()})
     if not tensors:
         raise ValueError(f"{src} holds no .safetensors files")
-    widened = widen_tensors(tensors, config, head_dim)
-    with atomic_dir(out, "widened model folder", overwrite=overwrite, inputs={"the source folder": src}) as tmp:
+    tensors, config = rewrite(tensors, config)
+    with atomic_dir(out, "rewritten model folder", overwrite=overwrite, inputs={"the source folder": src}) as tmp:
         for name in os.listdir(src):
             path = os.path.join(src, name)
-            if os.path.isfile(path) and not any(glob.fnmatch.fnmatch(name, p) for p in _WEIGHT_FILES):
+            if os.path.isfile(path) and not any(fnmatch.fnmatch(name, p) for p in _WEIGHT_FILES):
                 shutil.copyfile(path, os.path.join(tmp, name))
         with open(os.path.join(tmp, "config.json"), "w") as f:
-            json.dump({**config, "head_dim": head_dim}, f, indent=2)
-        save_file(widened, os.path.join(tmp, "model.safetensors"), metadata=metadata)
+            json.dump(config, f, indent=2)
+        save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata=metadata)
     return os.path.abspath(out)
+
+
+def widen_head_dim(src: str | os.PathLike, out: str | os.PathLike, head_dim: int, *, overwrite: bool = False) -> str:
+    """Write `src` with its heads widened to `head_dim` lanes to `out` (`rewrite_hf_folder`)."""
+    return rewrite_hf_folder(src, out, lambda tensors, config: widened(tensors, config, head_dim), overwrite=overwrite)
