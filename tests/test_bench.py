@@ -445,6 +445,27 @@ def test_acceptance_from_server_metrics():
     assert acceptance_between(before, before) is None and acceptance_between({}, after) is None
 
 
+def test_acceptance_from_vllm_metrics():
+    """vLLM's spec-decode counters, as vLLM 0.32's /metrics writes them (one engine, its model label)."""
+    from eagle3_jax.bench.http_client import acceptance_between, parse_prometheus
+
+    def scrape(drafts, per_position):
+        labels = 'engine="0",model_name="/m"'
+        lines = ["# TYPE vllm:spec_decode_num_drafts counter", f"vllm:spec_decode_num_drafts_total{{{labels}}} {drafts}",
+                 "# TYPE vllm:spec_decode_num_accepted_tokens counter",
+                 f"vllm:spec_decode_num_accepted_tokens_total{{{labels}}} {sum(per_position)}",
+                 "# TYPE vllm:spec_decode_num_accepted_tokens_per_pos counter"]
+        lines += [f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{{labels},position="{k}"}} {n}'
+                  for k, n in enumerate(per_position)]
+        return parse_prometheus("\n".join(lines) + "\n")
+
+    before, after = scrape(100, [60, 30, 10]), scrape(300, [200, 90, 40])  # 200 drafts: 140, 60, 30 accepted
+    acc = acceptance_between(before, after)
+    assert acc["tau"] == pytest.approx(1 + 230 / 200) and acc["num_verify_steps"] == 200
+    assert acc["per_position"] == pytest.approx([0.7, 0.3, 0.15]) and acc["source"] == "vLLM /metrics"
+    assert acceptance_between(before, before) is None
+
+
 def test_http_driver_against_a_stub_server():
     from aiohttp import web
 

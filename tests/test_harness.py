@@ -18,7 +18,8 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HARNESS = os.path.join(ROOT, "benchmarks", "harness")
 SCRIPTS = ("aa-noise-floor", "aa-ratios", "agent-soak", "auto-host-ab", "auto-steps-costed", "layers-unrolled-ab", "long-context",
-           "long-pair-ab", "long-prompt", "moe-dense-ab", "moe-small-dense-ab", "sampling-sort-ab")
+           "long-pair-ab", "long-prompt", "moe-dense-ab", "moe-small-dense-ab", "sampling-sort-ab",
+           "vllm-side-by-side")
 
 
 def run_harness(script: str, *args: str, cwd: str = ROOT, timeout: int = 600) -> subprocess.CompletedProcess:
@@ -54,7 +55,8 @@ def test_outputs_are_not_written_over(tmp_path):
     existing = tmp_path / "rows.json"
     existing.write_text("[]")
     env = dict(os.environ, PYTHONPATH=ROOT, XLA_FLAGS="")
-    for script in ("layers-unrolled-ab", "long-prompt", "moe-dense-ab", "moe-small-dense-ab", "sampling-sort-ab"):
+    for script in ("layers-unrolled-ab", "long-prompt", "moe-dense-ab", "moe-small-dense-ab", "sampling-sort-ab",
+           "vllm-side-by-side"):
         r = subprocess.run([sys.executable, os.path.join(HARNESS, f"{script}.py"), f"--json_out={existing}"],
                            capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
         assert r.returncode != 0 and "already exists" in r.stderr and "Traceback" not in r.stderr, r.stderr
