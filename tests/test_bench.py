@@ -794,3 +794,40 @@ def test_host_time_script_through_the_engine(tmp_path):
     r = subprocess.run([sys.executable, "scripts/bench_host.py", "--through_engine", "--phases"], capture_output=True,
                        text=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT, XLA_FLAGS=""), timeout=300)
     assert r.returncode == 2 and "leave them out with --through_engine" in r.stderr.strip().splitlines()[-1]
+
+
+def test_serving_path_per_iteration_from_two_scrapes():
+    from eagle3_jax.bench.serving_path import serving_path_between, serving_path_line
+
+    def scrape(iterations, step, host, deliver, loop_cpu, engine_cpu):
+        return {"eagle3_scheduler_iterations_total": iterations, "eagle3_engine_step_seconds_total": step,
+                "eagle3_scheduler_host_seconds_total": host, "eagle3_engine_deliver_seconds_total": deliver,
+                'eagle3_thread_cpu_seconds_total{thread="event_loop"}': loop_cpu,
+                'eagle3_thread_cpu_seconds_total{thread="engine"}': engine_cpu}
+
+    before, after = scrape(10, 1.0, 0.2, 0.1, 5.0, 3.0), scrape(110, 2.0, 0.5, 0.3, 6.0, 3.5)
+    path = serving_path_between(before, after, duration_s=1.5, client_cpu_s=0.4)
+    assert path["iterations"] == 100 and path["wall_ms"] == pytest.approx(15.0)
+    assert (path["engine_step_ms"], path["scheduler_host_ms"], path["device_wait_ms"], path["deliver_ms"]) == \
+        pytest.approx((10.0, 3.0, 7.0, 2.0))
+    assert path["cpu_ms"] == pytest.approx({"event_loop": 10.0, "engine": 5.0, "client": 4.0})
+    assert "device wait 7.00" in serving_path_line(path)
+    assert serving_path_between(before, before, 1.0, 0.0) is None  # no iteration ran
+    assert serving_path_between({}, {"vllm:num_requests_running": 1.0}, 1.0, 0.0) is None  # another server
+
+
+def test_thread_cpu_seconds_by_role():
+    import sys
+    import threading
+    import time
+
+    from eagle3_jax.serving.thread_cpu import thread_cpu_seconds
+
+    if not sys.platform.startswith("linux"):
+        assert thread_cpu_seconds({}) == {}
+        return
+    start = time.process_time()
+    while time.process_time() - start < 0.2:  # burn CPU on this thread
+        pass
+    seconds = thread_cpu_seconds({threading.get_native_id(): "me"})
+    assert seconds["me"] >= 0.1 and all(v >= 0 for v in seconds.values())

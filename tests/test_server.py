@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import sys
 import threading
 import time
 
@@ -325,6 +326,12 @@ def test_models_health_metrics(served):
                  "eagle3_preemptions_total", "eagle3_request_queue_depth", "eagle3_engine_healthy"):
         assert name in samples, name
     assert any(k.startswith('eagle3_http_requests_total{route="/v1/completions",status="200"}') for k in samples)
+    # where the serving path's time goes: the engine thread's steps hold the scheduler's host work
+    assert samples["eagle3_scheduler_iterations_total"] > 0 and samples["eagle3_engine_deliver_seconds_total"] > 0
+    assert samples["eagle3_engine_step_seconds_total"] >= samples["eagle3_scheduler_host_seconds_total"] > 0
+    if sys.platform.startswith("linux"):  # threads' CPU time is read from /proc
+        cpu = {role: samples[f'eagle3_thread_cpu_seconds_total{{thread="{role}"}}'] for role in ("engine", "event_loop")}
+        assert cpu["engine"] > 0 and cpu["event_loop"] >= 0
 
 
 def post_with_headers(port: int, path: str, body: dict) -> tuple[int, dict[str, str], str]:

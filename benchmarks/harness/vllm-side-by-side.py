@@ -17,7 +17,9 @@ draft tokens) in turn, one server at a time, the forms in ABBA order over rounds
 drives it at each --concurrency: random 128-token prompts, 128 tokens out, ignore_eos, greedy,
 float32, prefix caching off. Recorded per cell: output tok/s, TPOT, tau and per-position acceptance
 (each server's /metrics), the load average before and after. Before its cells each server answers
---check_prompts prompts greedily; their texts are compared with eagle3-jax's plain ones. Writes
+--check_prompts prompts greedily; their texts are compared with eagle3-jax's plain ones. eagle3-jax's
+cells also record where its serving path's time went per scheduler iteration
+(eagle3_jax/bench/serving_path.py). Writes
 --json_out after every cell (command, machine, date, cells, texts, and per cell the median ratio
 of eagle3-jax to each vLLM form over the rounds with its per-round range), and prints the table.
 """
@@ -40,6 +42,9 @@ from ab_common import ROOT, add_output_flags, check_output, write_json
 STORIES, STORIES_DRAFT = (os.path.join(ROOT, "checkpoints", n) for n in ("stories260K", "stories260K-eagle3"))
 FORMS = ("eagle3-jax", "vllm", "vllm-all-cores")
 SETTINGS = {"plain": "none", "eagle3": "chain:3:1:4"}
+# Every program of batches up to 64 stays compiled (the default 48 keeps those of up to 16: past it, programs
+# evicted mid-cell load again from the compilation cache, and the first round measures that).
+PROGRAMS = 160
 PRELOADS = ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", "lib/libiomp5.so")
 
 
@@ -81,7 +86,7 @@ def server(form: str, setting: str, pair: tuple[str, str], port: int, args, cach
     if form == "eagle3-jax":
         argv = [sys.executable, os.path.join(ROOT, "scripts", "serve.py"), f"--target={target}", "--dtype=float32",
                 "--max_seq_len=512", "--noprefix_caching", f"--port={port}", "--warmup_before_listening",
-                f"--compilation_cache_dir={cache_dir}"]
+                f"--compilation_cache_dir={cache_dir}", f"--max_compiled_programs={PROGRAMS}"]
         if setting == "eagle3":
             argv += [f"--draft={draft}", f"--spec={SETTINGS[setting]}"]
         return argv, {**env, "XLA_FLAGS": ""}
@@ -154,7 +159,7 @@ def bench_cell(base: str, target: str, setting: str, concurrency: int, out_dir: 
     acceptance = metrics.get("acceptance") or {}
     return {"throughput_tok_s": metrics["output_throughput"], "tpot_ms": metrics["tpot_ms"]["median"],
             "tau": acceptance.get("tau"), "per_position": acceptance.get("per_position"),
-            "load_before": load_before, "load_after": os.getloadavg()}
+            "serving_path": metrics.get("serving_path"), "load_before": load_before, "load_after": os.getloadavg()}
 
 
 def ratios(cells: list[dict], forms, settings, concurrencies) -> list[dict]:
@@ -214,6 +219,8 @@ def main() -> None:
         vllm_python(args.vllm_venv)
     import numpy as np
 
+    from eagle3_jax.bench.serving_path import serving_path_line
+
     work = tempfile.mkdtemp(prefix="vllm-side-by-side-")
     pair = widened_pair(work)
     cells_dir = os.path.join(work, "cells")
@@ -240,6 +247,8 @@ def main() -> None:
                         record["cells"].append(cell)
                         print(f"round {rnd} {form:15s} {setting:6s} C={c:<3d} {cell['throughput_tok_s']:8.1f} tok/s "
                               f"TPOT {cell['tpot_ms']:.2f} ms tau {cell['tau'] or 1:.2f}", flush=True)
+                        if cell["serving_path"]:
+                            print("  " + serving_path_line(cell["serving_path"]), flush=True)
                         reference = record["texts"].get("eagle3-jax/plain")
                         record["greedy_texts_equal"] = reference is not None and all(
                             t == reference for t in record["texts"].values())

@@ -11,7 +11,8 @@ an asyncio semaphore keeps at most C in flight. Each cell runs 2 x C warm-up req
 measured) before its measured ones. The server runs one speculation setting, so a run has one
 setting. tau and per-position acceptance come from the server's Prometheus `/metrics` counters,
 scraped before and after the measured requests, when it exposes them (scripts/serve.py does, and
-vLLM's spec-decode counters are read too).
+vLLM's spec-decode counters are read too), and so does where the serving path's time went per
+scheduler iteration (serving_path.py).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Callable, Sequence
 from ..runtime.extras import require
 from .metrics import RequestRecord, attach_speedups, hit_rate_between
 from .runner import RunConfig, check_lengths, make_cell, median_pass, pass_label
+from .serving_path import serving_path_between
 from .settings import SpecSetting
 from .workloads import MEASURED, WARMUP, Workload
 
@@ -294,9 +296,9 @@ def run_http_benchmark(base_url: str, setting: SpecSetting, workload: Workload, 
             measured = bodies(workload.prompts(cfg.prompts_for(c), seed, MEASURED), seed)
             passes = []
             for repeat in range(cfg.repeats):
-                before = asyncio.run(scrape_metrics(base_url))
+                before, client_cpu = asyncio.run(scrape_metrics(base_url)), time.process_time()
                 records, duration = asyncio.run(run_requests(base_url, measured, c, progress=cfg.progress, desc=tag))
-                after = asyncio.run(scrape_metrics(base_url))
+                client_cpu, after = time.process_time() - client_cpu, asyncio.run(scrape_metrics(base_url))
                 check_lengths(records, out_len, tag)
                 cell = make_cell(setting, c, seed, records, duration, num_warmups=n_warm, num_devices=num_devices,
                                  with_acceptance=False, extra={"base_url": base_url, "model": model})
@@ -309,6 +311,7 @@ def run_http_benchmark(base_url: str, setting: SpecSetting, workload: Workload, 
                     if "eagle3_host_kv_pages_total" in after:
                         cell["metrics"]["prefix_cache_host_hit_rate"] = hit_rate_between(
                             before, after, "eagle3_prefix_cache_queries_total", "eagle3_prefix_cache_host_hits_total")
+                    cell["metrics"]["serving_path"] = serving_path_between(before, after, duration, client_cpu)
                 passes.append(cell)
                 m = cell["metrics"]
                 log(f"{setting.label:>24} C={c:<4} seed={seed}{pass_label(repeat, cfg.repeats)}: "

@@ -21,6 +21,7 @@ import asyncio
 import hmac
 import logging
 import os
+import threading
 from typing import Callable, Sequence
 
 from ..parsers import OutputParsing
@@ -74,7 +75,13 @@ def make_app(engine: AsyncEngine, model_name: str, *, max_seq_len: int | None = 
     if chat_template is None:
         chat_template = ChatTemplate.from_dir(tokenizer_dir) if tokenizer_dir is not None else tok.chat_template
     state = ServerState(engine, tok, model_name, limits, chat_template, parsing)
-    metrics = ServerMetrics(engine.stats)
+    def thread_roles() -> dict[int, str]:  # called while /metrics renders, on the event loop's thread
+        roles = {threading.get_native_id(): "event_loop"}
+        if engine.thread_id is not None:
+            roles[engine.thread_id] = "engine"
+        return roles
+
+    metrics = ServerMetrics(engine.stats, thread_roles)
     app = web.Application(middlewares=[_middleware(metrics, api_key)], client_max_size=client_max_size)
     app[_STATE_KEY] = state
     routes = (("POST", "/v1/completions", completions), ("POST", "/v1/chat/completions", chat_completions),

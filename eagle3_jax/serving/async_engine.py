@@ -40,6 +40,7 @@ import dataclasses
 import logging
 import queue
 import threading
+import time
 import uuid
 from typing import Any, AsyncIterator, Callable, Sequence
 
@@ -159,6 +160,8 @@ class AsyncEngine:
         self._baseline: dict[str, Any] = {}  # the scheduler's counters at start()
         self._dead: EngineDeadError | None = None
         self._warming: WarmUpQueue | None = None  # a warm-up compiling while the engine serves
+        self.thread_id: int | None = None  # the engine thread's native id, once it runs
+        self._step_seconds = self._deliver_seconds = 0.0  # wall time in Scheduler.step() and handing outputs over
 
     # ---- lifecycle -------------------------------------------------------------------------------------
 
@@ -280,7 +283,9 @@ class AsyncEngine:
     def stats(self) -> dict[str, Any]:
         """Snapshot of `scheduler.stats()` taken by the engine thread after its last step, counted
         from `start()`, plus `request_queue_depth` (commands not yet taken by the engine thread),
-        `num_in_flight` (requests with a consumer attached) and `engine_healthy`."""
+        `num_in_flight` (requests with a consumer attached), `engine_step_seconds_total` and
+        `engine_deliver_seconds_total` (the engine thread's wall time in `Scheduler.step()` and
+        handing the steps' outputs to their event loops) and `engine_healthy`."""
         snap = dict(self._stats)
         snap["request_queue_depth"] = self._commands.qsize()
         snap["engine_healthy"] = self.is_healthy
@@ -316,6 +321,7 @@ class AsyncEngine:
     # ---- the engine thread -----------------------------------------------------------------------------
 
     def _run(self) -> None:
+        self.thread_id = threading.get_native_id()
         try:
             while True:
                 warming = self._warming is not None and not self._warming.finished
@@ -384,13 +390,17 @@ class AsyncEngine:
             logger.exception("Scheduler.abort(%r) failed", cmd.request_id)
 
     def _step(self) -> None:
+        start = time.perf_counter()
         try:
             deltas = self.scheduler.step()
         except Exception as e:
             self._on_step_failure(e)
         else:
+            stepped = time.perf_counter()
+            self._step_seconds += stepped - start
             self._failures_in_a_row = 0
             self._deliver(deltas)
+            self._deliver_seconds += time.perf_counter() - stepped
         self._stats = self._snapshot()
 
     def _deliver(self, deltas: list["RequestDelta"]) -> None:
@@ -461,4 +471,6 @@ class AsyncEngine:
     def _snapshot(self) -> dict[str, Any]:
         stats = stats_since(dict(self.scheduler.stats()), self._baseline)
         stats["num_in_flight"] = len(self._streams)
+        stats["engine_step_seconds_total"] = self._step_seconds
+        stats["engine_deliver_seconds_total"] = self._deliver_seconds
         return stats

@@ -14,7 +14,11 @@ Metric names carry the `eagle3_` prefix:
   prompt tokens looked up and found, and `eagle3_prefix_cache_requests_total`,
   `eagle3_prefix_cache_hit_requests_total`; of them, the host tier's: `eagle3_prefix_cache_host_hits_total`),
   the host tier's copies (`eagle3_host_kv_{pages,bytes}_{saved,restored}_total`,
-  `eagle3_host_kv_restore_seconds_total`), `eagle3_http_requests_total{route, status}`;
+  `eagle3_host_kv_restore_seconds_total`), where the serving path's time goes
+  (`eagle3_scheduler_iterations_total`, `eagle3_scheduler_host_seconds_total`,
+  `eagle3_scheduler_launch_seconds_total`, `eagle3_engine_step_seconds_total`,
+  `eagle3_engine_deliver_seconds_total`, `eagle3_thread_cpu_seconds_total{thread}`: thread_cpu.py),
+  `eagle3_http_requests_total{route, status}`;
 - gauges: `eagle3_num_requests_waiting`, `eagle3_num_requests_running`, `eagle3_request_queue_depth`,
   `eagle3_kv_pages_free`, `eagle3_kv_pages_total`, `eagle3_kv_page_size`, `eagle3_kv_cache_usage_ratio`,
   `eagle3_mean_accept_length`, `eagle3_spec_acceptance_rate{position="k"}` (the fraction of
@@ -30,6 +34,8 @@ from typing import Any, Callable, Iterator, Mapping
 from prometheus_client import CollectorRegistry, Counter, exposition, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from .thread_cpu import thread_cpu_seconds
 
 # generate_latest writes the classic text format 0.0.4 (every name here is a classic name); newer
 # prometheus_client releases call that content type CONTENT_TYPE_PLAIN_0_0_4, older ones LATEST.
@@ -50,6 +56,10 @@ COUNTERS: tuple[tuple[str, str, str], ...] = (
      "host_seconds_total"),
     ("eagle3_scheduler_launch_seconds", "Host time inside the step programs' launches (part of the host time).",
      "launch_seconds_total"),
+    ("eagle3_engine_step_seconds", "Wall time of the engine thread in scheduler iterations (host work and waits "
+     "for the device).", "engine_step_seconds_total"),
+    ("eagle3_engine_deliver_seconds", "Wall time of the engine thread handing the iterations' outputs to the "
+     "requests' event loops.", "engine_deliver_seconds_total"),
     ("eagle3_spec_decode_num_drafts", "Verify passes that checked draft tokens, summed over requests.",
      "num_drafts_total"),
     ("eagle3_spec_decode_num_draft_tokens", "Draft tokens proposed to verify passes.", "num_draft_tokens_total"),
@@ -142,12 +152,29 @@ class _EngineCollector(Collector):
         return engine_metrics(self._stats())
 
 
-class ServerMetrics:
-    """One server's registry: the engine's figures (read at scrape time) and HTTP answer counts."""
+class _ThreadCollector(Collector):
+    def __init__(self, roles: Callable[[], Mapping[int, str]]):
+        self._roles = roles
 
-    def __init__(self, stats: Callable[[], Mapping[str, Any]]):
+    def collect(self) -> Iterator[Metric]:
+        seconds = thread_cpu_seconds(self._roles())
+        if seconds:
+            family = CounterMetricFamily("eagle3_thread_cpu_seconds", "CPU time of the server's threads by role: "
+                                         "event_loop (HTTP, detokenizing, streaming), engine (the scheduler), xla "
+                                         "(XLA's compute threads on the CPU backend), other.", labels=["thread"])
+            for role, value in sorted(seconds.items()):
+                family.add_metric([role], value)
+            yield family
+
+
+class ServerMetrics:
+    """One server's registry: the engine's figures (read at scrape time), its threads' CPU time and HTTP
+    answer counts. `thread_roles`: the native ids of the engine and event-loop threads, by role."""
+
+    def __init__(self, stats: Callable[[], Mapping[str, Any]], thread_roles: Callable[[], Mapping[int, str]] = dict):
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_EngineCollector(stats))
+        self.registry.register(_ThreadCollector(thread_roles))
         self.http_requests = Counter("eagle3_http_requests", "HTTP requests answered, by route and status.",
                                      ["route", "status"], registry=self.registry)
 
