@@ -133,6 +133,28 @@ def _put_all(items: list[tuple[asyncio.Queue, Any]]) -> None:
         q.put_nowait(item)
 
 
+def deliver(streams: dict[str, "_Stream"], deltas: list["RequestDelta"], abort: Callable[[str], None]) -> None:
+    """Hand a step's deltas to their consumers' queues (`streams`, the engine thread's), one
+    cross-thread call per event loop; a request whose loop is closed is aborted (nobody can read it)."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestDelta]]] = {}
+    for delta in deltas:
+        stream = streams.get(delta.request_id)
+        if stream is None:
+            continue  # its consumer detached (aborted) already
+        if delta.finished:
+            del streams[delta.request_id]
+        elif not delta.token_ids:
+            continue  # nothing new for the consumer
+        by_loop.setdefault(stream.loop, []).append((stream.queue, delta))
+    for loop, items in by_loop.items():
+        if _call_on(loop, _put_all, items):
+            continue
+        for _, delta in items:
+            if not delta.finished:
+                streams.pop(delta.request_id, None)
+                abort(delta.request_id)
+
+
 class AsyncEngine:
     """Runs a `Scheduler` on one background thread and serves requests to asyncio code."""
 
@@ -399,29 +421,9 @@ class AsyncEngine:
             stepped = time.perf_counter()
             self._step_seconds += stepped - start
             self._failures_in_a_row = 0
-            self._deliver(deltas)
+            deliver(self._streams, deltas, lambda rid: self._abort_now(_Abort(rid, detach=True)))
             self._deliver_seconds += time.perf_counter() - stepped
         self._stats = self._snapshot()
-
-    def _deliver(self, deltas: list["RequestDelta"]) -> None:
-        """Hand a step's deltas to their consumers' queues, one cross-thread call per event loop."""
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestDelta]]] = {}
-        for delta in deltas:
-            stream = self._streams.get(delta.request_id)
-            if stream is None:
-                continue  # its consumer detached (aborted) already
-            if delta.finished:
-                del self._streams[delta.request_id]
-            elif not delta.token_ids:
-                continue  # nothing new for the consumer
-            by_loop.setdefault(stream.loop, []).append((stream.queue, delta))
-        for loop, items in by_loop.items():
-            if _call_on(loop, _put_all, items):
-                continue
-            for _, delta in items:  # the consumers' loop is closed: nobody can read them, free their pages
-                if not delta.finished:
-                    self._streams.pop(delta.request_id, None)
-                    self._abort_now(_Abort(delta.request_id, detach=True))
 
     def _on_step_failure(self, exc: Exception) -> None:
         self._failures_in_a_row += 1
