@@ -48,7 +48,7 @@ def tokenizer_files(folder: str | None) -> dict[str, str]:
         return {}
     if not os.path.isdir(folder):
         cli.fail(f"--tokenizer_from {folder} is not a folder; pass a model folder holding tokenizer files")
-    found = {name: os.path.join(folder, name) for name in TOKENIZER_FILES if os.path.isfile(os.path.join(folder, name))}
+    found = cli.files_in(folder, TOKENIZER_FILES)
     if not found:
         cli.fail(f"--tokenizer_from {folder} holds none of {', '.join(TOKENIZER_FILES)}")
     return found

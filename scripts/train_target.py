@@ -151,8 +151,7 @@ def main(argv: Sequence[str]) -> None:
     flat = {k: v.astype(np.float32 if k.endswith(("router", "router_bias")) else dtype) for k, v in flat.items()}
     extra = {}
     if FLAGS.tokenizer_from:
-        extra = {n: os.path.join(FLAGS.tokenizer_from, n) for n in TOKENIZER_FILES
-                 if os.path.isfile(os.path.join(FLAGS.tokenizer_from, n))}
+        extra = cli.files_in(FLAGS.tokenizer_from, TOKENIZER_FILES)
     save_hf_target(out, flat, cfg, dict(raw, torch_dtype=FLAGS.save_dtype), extra, overwrite=FLAGS.overwrite,
                    inputs=inputs)
     run_record.write_record(ckpt_dir, settings, fingerprint, finished=True)

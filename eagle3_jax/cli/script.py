@@ -237,6 +237,11 @@ def rewritten_output(flag: str, path: str | None) -> Callable[[str], None]:
     return write
 
 
+def files_in(folder: str, names: Sequence[str]) -> dict[str, str]:
+    """{name: path} of the files among `names` that `folder` holds (e.g. tokenizer files to copy)."""
+    return {name: os.path.join(folder, name) for name in names if os.path.isfile(os.path.join(folder, name))}
+
+
 def check_not_input(flag: str, path: str | None, inputs: Mapping[str, str | None]) -> None:
     """A usage error when the folder a flag names for outputs is, holds or lies in an input."""
     if path is None:
