@@ -7,6 +7,7 @@ vLLM, SGLang and `e3.load_target` all read the folder.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -57,14 +58,23 @@ def save_hf_target(out_dir: str, flat: dict[str, np.ndarray], cfg: ModelConfig, 
     """
     from safetensors.numpy import save_file
 
+    with _hf_folder(out_dir, config_json, extra_files, overwrite, inputs) as tmp:
+        save_file(hf_tensors(flat, cfg), os.path.join(tmp, "model.safetensors"))
+    return os.path.abspath(out_dir)
+
+
+@contextlib.contextmanager
+def _hf_folder(out_dir: str, config_json: dict, extra_files: dict[str, str] | None, overwrite: bool,
+               inputs: dict[str, str] | None = None):
+    """A folder swapped in at `out_dir` once the block ends, holding config.json and copies of
+    `extra_files` (name -> source path); the block writes the weights into it."""
     sources = {f"the source of {name}": os.path.dirname(os.path.abspath(src)) for name, src in (extra_files or {}).items()}
     with atomic_dir(out_dir, "HF model folder", overwrite=overwrite, inputs={**sources, **(inputs or {})}) as tmp:
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(config_json, f, indent=2, sort_keys=True)
-        save_file(hf_tensors(flat, cfg), os.path.join(tmp, "model.safetensors"))
         for name, src in (extra_files or {}).items():
             shutil.copyfile(src, os.path.join(tmp, name))
-    return os.path.abspath(out_dir)
+        yield tmp
 
 
 def _random_hf_tensors(cfg: ModelConfig, seed: int, dtype: str):
@@ -123,12 +133,7 @@ def save_random_hf_target(out_dir: str, cfg: ModelConfig, config_json: dict, ext
     measurements. Returns {"tensors": ..., "bytes": ..., "shards": ...}."""
     from safetensors.numpy import save_file
 
-    sources = {f"the source of {name}": os.path.dirname(os.path.abspath(src)) for name, src in (extra_files or {}).items()}
-    with atomic_dir(out_dir, "HF model folder", overwrite=overwrite, inputs=sources) as tmp:
-        with open(os.path.join(tmp, "config.json"), "w") as f:
-            json.dump(config_json, f, indent=2, sort_keys=True)
-        for name, src in (extra_files or {}).items():
-            shutil.copyfile(src, os.path.join(tmp, name))
+    with _hf_folder(out_dir, config_json, extra_files, overwrite) as tmp:
         shards: list[dict[str, np.ndarray]] = []
         weight_map: dict[str, int] = {}
         shard: dict[str, np.ndarray] = {}
