@@ -63,8 +63,9 @@ def generate_all(target_path: str, draft_path: str, mesh_shape: tuple[int, int, 
         sched.release_followers()
     # The prefix cache is the leader's bookkeeping: the followers run the block tables it sends.
     # With a host tier and a pool too small to keep the first turns' pages past longer requests
-    # in between, each process keeps its own host copy of them, copied as the leader says.
-    for name, kw in (("scheduler_cached", {}), ("scheduler_host_tier", dict(num_pages=20, host_kv_cache_gb=0.001))):
+    # in between, each process keeps its own host copy of them, copied as the leader says (22 pages:
+    # 10 a data shard, what the longest second turn, 17 + 10 tokens and the steps' lookahead, needs).
+    for name, kw in (("scheduler_cached", {}), ("scheduler_host_tier", dict(num_pages=22, host_kv_cache_gb=0.001))):
         cached = e3.Scheduler(target, draft, e3.SpecConfig(3, 1, 4), max_num_seqs=2, max_seq_len=64, page_size=4,
                               prefix_caching=True, **kw)
         if jax.process_index() > 0:
