@@ -151,7 +151,7 @@ def main(argv: Sequence[str]) -> None:
     import jax
 
     import eagle3_jax as e3  # imported here so that --help works without loading JAX
-    from eagle3_jax.runtime import compile_cache
+    from eagle3_jax.runtime import compile_cache, host_allocator
     from eagle3_jax.scheduler import Scheduler
     from eagle3_jax.serving import AsyncEngine, launch, make_app
     from eagle3_jax.text.tokenizer import load_tokenizer
@@ -189,6 +189,7 @@ def main(argv: Sequence[str]) -> None:
         scheduler.lead()
 
     say(str(compile_cache.status()))  # (after every check of the flags: a mistake is one line)
+    say(f"host allocator: {host_allocator.describe(FLAGS.tcmalloc)}")
     engine = AsyncEngine(scheduler, tokenizer=tok).start()
     if FLAGS.warmup and FLAGS.warmup_before_listening:
         say("warming up: compiling the prefill and decode programs of the first bursts...")

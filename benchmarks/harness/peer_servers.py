@@ -44,12 +44,14 @@ def server(form: str, setting: str, pair: tuple[str, str], port: int, vllm_venv:
     """(argv, environment) of one server form serving one setting."""
     target, draft = pair
     env = dict(os.environ)
-    if form == "eagle3-jax":
+    if form.startswith("eagle3-jax"):
         argv = [sys.executable, os.path.join(ROOT, "scripts", "serve.py"), f"--target={target}", "--dtype=float32",
                 "--max_seq_len=512", "--noprefix_caching", f"--port={port}", "--warmup_before_listening",
                 f"--compilation_cache_dir={cache_dir}", f"--max_compiled_programs={PROGRAMS}"]
         if setting == "eagle3":
             argv += [f"--draft={draft}", f"--spec={SETTINGS[setting]}"]
+        if form == "eagle3-jax-glibc":
+            argv.append("--notcmalloc")
         return argv, {**env, "XLA_FLAGS": ""}
     argv = [vllm_python(vllm_venv), "-m", "vllm.entrypoints.openai.api_server", "--model", target,
             "--dtype", "float32", "--port", str(port), "--max-model-len", "512", "--no-enable-prefix-caching",

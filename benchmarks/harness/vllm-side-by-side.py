@@ -12,7 +12,8 @@ CUDA builds of torchvision, torchaudio and torchcodec it pulls in are removed), 
 (Debian's libtcmalloc-minimal4) and its libiomp5 preloaded as vLLM's CPU guide says, when present.
 
 Per round, each server form (eagle3-jax; vLLM with its default thread binding; vLLM with its
-threads on all cores, VLLM_CPU_OMP_THREADS_BIND) serves each setting (plain; EAGLE-3, a chain of 3
+threads on all cores, VLLM_CPU_OMP_THREADS_BIND; on request, eagle3-jax-glibc: eagle3-jax on glibc's
+malloc, --notcmalloc, against the tcmalloc eagle3-jax and vLLM start with) serves each setting (plain; EAGLE-3, a chain of 3
 draft tokens) in turn, one server at a time, the forms in ABBA order over rounds; scripts/bench.py
 drives it at each --concurrency: random 128-token prompts, 128 tokens out, ignore_eos, greedy,
 float32, prefix caching off. Recorded per cell: output tok/s, TPOT, tau and per-position acceptance
@@ -39,7 +40,8 @@ from ab_common import ROOT, add_output_flags, check_output, write_json
 from peer_servers import SETTINGS, free_port, server, started, stop, vllm_python
 
 STORIES, STORIES_DRAFT = (os.path.join(ROOT, "checkpoints", n) for n in ("stories260K", "stories260K-eagle3"))
-FORMS = ("eagle3-jax", "vllm", "vllm-all-cores")
+FORMS = ("eagle3-jax", "vllm", "vllm-all-cores", "eagle3-jax-glibc")
+DEFAULT_FORMS = FORMS[:3]
 def widened_pair(folder: str) -> tuple[str, str]:
     """The stories260K pair rewritten for vLLM's CPU build into `folder` (see the docstring)."""
     from eagle3_jax.checkpoint.distinct_aux import distinct_aux_layers
@@ -105,12 +107,13 @@ def ratios(cells: list[dict], forms, settings, concurrencies) -> list[dict]:
     return out
 
 
-def table(rows: list[dict]) -> str:
-    lines = ["| setting | C | eagle3-jax tok/s | vLLM tok/s | ratio [range] | vLLM all cores tok/s | ratio [range] |",
-             "|---|---|---|---|---|---|---|"]
+def table(rows: list[dict], forms) -> str:
+    others = [f for f in forms if f != "eagle3-jax"]
+    lines = ["| setting | C | eagle3-jax tok/s | " + " | ".join(f"{f} tok/s | ratio [range]" for f in others) + " |",
+             "|---|---|---|" + "---|---|" * len(others)]
     for row in rows:
         cols = [f"{row[f]['tok_s']:.0f} | {row[f]['ratio']:.2f}x [{row[f]['range'][0]:.2f}-{row[f]['range'][1]:.2f}]"
-                if f in row else "- | -" for f in FORMS[1:]]
+                if f in row else "- | -" for f in others]
         lines.append(f"| {row['setting']} | {row['concurrency']} | {row['eagle3_jax_tok_s']:.0f} | " + " | ".join(cols) + " |")
     return "\n".join(lines)
 
@@ -119,7 +122,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--vllm_venv", default=os.path.expanduser("~/.cache/eagle3-jax/vllm-cpu-venv"),
                         help="vLLM's environment (made when missing).")
-    parser.add_argument("--forms", default=",".join(FORMS), help=f"Server forms (default: {','.join(FORMS)}).")
+    parser.add_argument("--forms", default=",".join(DEFAULT_FORMS),
+                        help=f"Server forms among {', '.join(FORMS)} (default: {','.join(DEFAULT_FORMS)}).")
     parser.add_argument("--settings", default="plain,eagle3", help="plain and / or eagle3.")
     parser.add_argument("--concurrency", default="1,4,16,64", help="Concurrencies (default: 1,4,16,64).")
     parser.add_argument("--rounds", type=int, default=2, help="Rounds, the forms' order reversed every other one.")
@@ -136,7 +140,7 @@ def main() -> None:
     if unknown or "eagle3-jax" not in forms:
         sys.exit(f"vllm-side-by-side.py: error: forms are {', '.join(FORMS)} (eagle3-jax among them), settings "
                  f"{', '.join(SETTINGS)}; got {', '.join(unknown) or args.forms}")
-    if any(f != "eagle3-jax" for f in forms):
+    if any(f.startswith("vllm") for f in forms):
         vllm_python(args.vllm_venv)
     import numpy as np
 
@@ -177,7 +181,7 @@ def main() -> None:
                         write_json(args.json_out, record)
                 finally:
                     stop(proc)
-    print(table(record["ratios"]))
+    print(table(record["ratios"], forms))
     print(f"greedy texts equal across servers and settings: {record['greedy_texts_equal']}")
 
 

@@ -57,8 +57,10 @@ def too_few_requests(num_requests: int | None, concurrency: int) -> int | None:
 
 
 def machine_info() -> dict:
-    """Platform, CPU count, Python and JAX versions, JAX backend and devices."""
+    """Platform, CPU count, Python and JAX versions, JAX backend and devices, the host allocator."""
     import jax
+
+    from ..runtime.host_allocator import describe
 
     devices = jax.devices()
     return {
@@ -71,6 +73,7 @@ def machine_info() -> dict:
         "jax_backend": jax.default_backend(),
         "jax_devices": [str(d) for d in devices],
         "device_kind": devices[0].device_kind if devices else None,
+        "host_allocator": describe(),
     }
 
 

@@ -72,12 +72,15 @@ def _invariant_runs_xla(values: dict) -> bool:
 
 
 def define_runtime_flags(distributed_help: str) -> None:
-    """Where and how the programs run: --mesh, --distributed, --compilation_cache_dir."""
+    """Where and how the programs run: --mesh, --distributed, --compilation_cache_dir, --tcmalloc."""
     flags.DEFINE_list("mesh", [], "Device mesh sizes data,tensor,expert (e.g. 1,1,8: experts over 8 devices); "
                       "empty = one device.")
     flags.DEFINE_bool("distributed", False, "Multi-host: call jax.distributed.initialize first (see BUILD.md "
                       "\"Multi-host\"). " + distributed_help)
     define_compilation_cache_flag()
+    flags.DEFINE_bool("tcmalloc", True, "On Linux, start with tcmalloc preloaded as the host allocator when it is "
+                      "installed (the script restarts itself once, saying so): with glibc's, XLA:CPU maps each step's "
+                      "large temporaries afresh and faults them in page by page (runtime/host_allocator.py).")
 
 
 def define_compilation_cache_flag() -> None:

@@ -30,6 +30,7 @@ from typing import Callable, Iterator, Mapping, Sequence
 from absl import app, flags, logging
 
 from ..checkpoint import atomic
+from ..runtime import host_allocator
 
 FLAGS = flags.FLAGS
 flags.DEFINE_bool("verbose", False, "Log at INFO (JAX, Orbax, the engine) and show the traceback of every error; "
@@ -174,6 +175,8 @@ def run(main: Callable[[list[str]], int | None]) -> None:
 
     def logged_main(argv: list[str]) -> int | None:
         configure_logging()
+        if "tcmalloc" in FLAGS:  # the scripts that run the engine (cli.flags.define_runtime_flags)
+            host_allocator.use_tcmalloc(FLAGS.tcmalloc)
         return guarded_main(argv)
 
     # SIGTERM (a scheduler's kill, `timeout`) unwinds like Ctrl-C, so a half-written output's
