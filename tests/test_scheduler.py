@@ -339,6 +339,21 @@ def test_prefill_batch_padding_is_bounded():
     assert [n for _, n in batch.prefill_rows(32)] == [1] * 3  # 4 rows x 32 would be 128 > 2 x 32
 
 
+def test_block_table_widths_step_by_half_octaves_past_16_pages():
+    """A batch's width is the smallest bucket holding its widest row: powers of two, and from 16
+    pages on 1.5x them too, so a row just past 256 slots (16-slot pages) makes the step attend over
+    384, not 512; the cap (max_pages_per_seq) is always a width."""
+    from eagle3_jax.scheduler.batch import width_bucket, width_buckets
+
+    assert width_buckets(4, 16) == [4, 8, 16]
+    assert width_buckets(4, 33) == [4, 8, 16, 24, 32, 33]
+    assert width_buckets(4, 100) == [4, 8, 16, 24, 32, 48, 64, 96, 100]
+    assert [width_bucket(n, 4, 33) for n in (1, 5, 16, 17, 24, 25, 33, 40)] == [4, 8, 16, 24, 24, 32, 33, 33]
+    for hi in range(4, 200):  # every width a batch can get is one the buckets list (warm-up compiles from it)
+        widths = width_buckets(4, hi)
+        assert widths == sorted(set(widths)) and {width_bucket(n, 4, hi) for n in range(1, hi + 1)} <= set(widths)
+
+
 def test_decoding_rows_keep_admission_order_as_requests_join_and_leave():
     """The decoding set is kept as requests finish their prefill and leave, not found by a scan:
     it stays in admission order when an older request ends a long prompt after newer short ones,

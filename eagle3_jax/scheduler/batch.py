@@ -56,6 +56,10 @@ from .slot_table import BatchRows, SlotTable
 logger = logging.getLogger(__name__)
 
 MIN_PAGES_BUCKET = 4
+# From this block-table width on (pages), widths also step through 1.5x each power of two: a decode
+# step attends over every slot of its width, and at its widest row just past a power of two a
+# doubling would make most of the step padding (at batch 64 the widest row nearly always is).
+HALF_OCTAVE_WIDTHS_FROM = 16
 MIN_CHUNK_BUCKET = 16
 PREFILL_CHUNK = 256  # prompt tokens a step prefills by default (Scheduler, Engine)
 
@@ -75,6 +79,23 @@ def buckets(lo: int, hi: int) -> list[int]:
         values.append(b)
         b *= 2
     return values + [hi]
+
+
+def width_buckets(lo: int, hi: int) -> list[int]:
+    """Every block-table width (pages) `width_bucket(n, lo, hi)` takes, ascending: the powers of two
+    from `lo`, and from HALF_OCTAVE_WIDTHS_FROM on 1.5x each of them too, capped at `hi`."""
+    values, b = [], lo
+    while b < hi:
+        values.append(b)
+        if b >= HALF_OCTAVE_WIDTHS_FROM and b + b // 2 < hi:
+            values.append(b + b // 2)
+        b *= 2
+    return values + [hi]
+
+
+def width_bucket(n: int, lo: int, hi: int) -> int:
+    """The block-table width (pages) of a batch whose widest row holds `n` pages (see width_buckets)."""
+    return next((w for w in width_buckets(lo, hi) if w >= n), hi)
 
 
 def chunk_cap(prefill_chunk: int) -> int:
@@ -434,7 +455,8 @@ class RunningBatch:
         if positions is not None and first:
             for d in range(1, self.shards):  # the spread rows' replicas
                 slots[d * per_shard: d * per_shard + first] = row_slots[spread]
-        width = bucket(max(int(self.table.num_pages[slots].max()), min_width), MIN_PAGES_BUCKET, self.max_pages_per_seq)
+        width = width_bucket(max(int(self.table.num_pages[slots].max()), min_width), MIN_PAGES_BUCKET,
+                             self.max_pages_per_seq)
         return self.table.rows(slots, width), positions
 
     def padding_batch(self, batch: int, width: int, features: BatchFeatures = GREEDY_BATCH) -> BatchRows:

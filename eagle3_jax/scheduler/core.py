@@ -27,8 +27,8 @@ two programs with the host computing each tree node's mask between them (launche
 Target and draft K/V live in page pools shared by all requests; a request owns a list of pages
 (its block table) that indexes both, and a state slot that keeps, on device, its last token and
 (with a draft) the draft's hidden state from which the next step proposes (programs.py). Batch
-size, chunk length and block-table width are bucketed to powers of two, so a few compiled
-programs serve every mix of requests. A request's chunk boundaries depend only on its own length,
+size, chunk length and block-table width are bucketed to powers of two (widths from 16 pages on
+also to 1.5x them: batch.width_buckets), so a few compiled programs serve every mix of requests. A request's chunk boundaries depend only on its own length,
 and prefill always uses the same attention form, so a request's greedy tokens do not depend on
 what runs beside it. A step's host arguments are the batch's rows of per-slot tables (slots,
 prompt lengths, sampling settings, block tables: slot_table.py), written when a request joins or
@@ -64,7 +64,7 @@ from ..structured import GrammarCache, RequestGrammar
 from ..text.stream import TextStream, output_text
 from ..text.tokenizer import Tokenizer
 from . import lockstep
-from .batch import DONE, MIN_PAGES_BUCKET, PREFILL_CHUNK, RunningBatch, ScheduledRequest, bucket
+from .batch import DONE, MIN_PAGES_BUCKET, PREFILL_CHUNK, RunningBatch, ScheduledRequest, width_bucket
 from .launches import Launch, Launcher, time_steady_steps_only
 from .metrics import SchedulerCounters
 from .programs import Executor
@@ -223,8 +223,8 @@ class Scheduler:
         self._overshoot = self.policy.reserve(True)[0] if self.overlap else 0
         self.max_pages_per_seq = pages_for(self.max_seq_len + self.lookahead + self._overshoot, self.page_size)
         # Every prompt that fits one chunk prefills at one block-table width: fewer programs.
-        self._prefill_width = bucket(pages_for(min(self.prefill_chunk, self.max_seq_len) + self.lookahead,
-                                               self.page_size), MIN_PAGES_BUCKET, self.max_pages_per_seq)
+        self._prefill_width = width_bucket(pages_for(min(self.prefill_chunk, self.max_seq_len) + self.lookahead,
+                                                     self.page_size), MIN_PAGES_BUCKET, self.max_pages_per_seq)
         shards = data_shards(target.mesh)
         num_pages = _pool_pages(num_pages, self.max_num_seqs, self.max_pages_per_seq, shards)
         self.counters = SchedulerCounters(self.policy.max_accept)

@@ -20,7 +20,7 @@ from typing import Callable, Sequence
 
 from ..sampling.sampler import GREEDY_BATCH, SAMPLED_BATCH, TRUNCATED_BATCH, BatchFeatures
 from ..spec_decode.policy import SpeculationPolicy, StepPlan
-from .batch import MIN_CHUNK_BUCKET, MIN_PAGES_BUCKET, RunningBatch, buckets, chunk_cap, prefill_fits
+from .batch import MIN_CHUNK_BUCKET, MIN_PAGES_BUCKET, RunningBatch, buckets, chunk_cap, prefill_fits, width_buckets
 from .slot_table import prefill_chunks
 
 logger = logging.getLogger(__name__)
@@ -44,7 +44,7 @@ def warmup_programs(policy: SpeculationPolicy, sampled: bool = True, *, max_num_
     (with data shards: every shard's rows bucketed alike); each for greedy batches and, when
     `sampled`, for batches with a sampled row, with and without top-k / top-p."""
     programs = []
-    widths = [w for w in buckets(MIN_PAGES_BUCKET, max_pages_per_seq) if w <= prefill_width]
+    widths = [w for w in width_buckets(MIN_PAGES_BUCKET, max_pages_per_seq) if w <= prefill_width]
     for batch in (data_shards * rows for rows in buckets(1, max_num_seqs // data_shards)):
         for features in (GREEDY_BATCH, SAMPLED_BATCH, TRUNCATED_BATCH) if sampled else (GREEDY_BATCH,):
             for chunk in buckets(MIN_CHUNK_BUCKET, chunk_cap(prefill_chunk)):
