@@ -64,13 +64,15 @@ def reference_tree(draft, feats, next_tokens, root_token, spec):
 
 
 @pytest.mark.parametrize("arch, spec", [("llama", e3.SpecConfig(3, 1, 4)), ("llama", e3.SpecConfig(3, 2, 6)),
-                                        ("llama", e3.SpecConfig(3, 3, 9)),
+                                        ("llama", e3.SpecConfig(3, 3, 9)), ("sliding", e3.SpecConfig(4, 2, 8)),
                                         pytest.param("mla", e3.SpecConfig(3, 3, 9), marks=pytest.mark.slow)],
                          ids=lambda x: x if isinstance(x, str) else f"topk{x.topk}")
 def test_expand_matches_brute_force_per_path_forwards(arch, spec):
     target = random_target(FAMILIES["llama"])
     make_config = mla_draft_config_dict if arch == "mla" else draft_config_dict
-    draft = random_draft(target, make_config(target.config, draft_vocab_size=48),
+    # sliding: a window shorter than the committed pairs, so that levels see only its end of the prefix
+    extra = dict(layer_types=["sliding_attention"], sliding_window=4) if arch == "sliding" else {}
+    draft = random_draft(target, make_config(target.config, draft_vocab_size=48, **extra),
                          d2t=np.random.default_rng(0).integers(0, 16, 48))
     b, t, n_valid = 2, 6, np.array([6, 4])
     rng = np.random.default_rng(3)
