@@ -68,7 +68,10 @@ def test_describe_says_what_runs(monkeypatch):
     monkeypatch.delenv("LD_PRELOAD")
     if sys.platform.startswith("linux"):
         assert host_allocator.describe(enabled=False) == "glibc's malloc (--notcmalloc)"
+        monkeypatch.setattr(host_allocator, "find_tcmalloc", lambda: None)
         assert "libtcmalloc-minimal4" in host_allocator.describe()
+        monkeypatch.setattr(host_allocator, "find_tcmalloc", lambda: "libtcmalloc_minimal.so.4")
+        assert "installed but was not preloaded" in host_allocator.describe()
 
 
 @pytest.mark.skipif(not INSTALLED, reason="tcmalloc is not installed on this host")

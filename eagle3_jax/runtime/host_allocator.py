@@ -68,5 +68,7 @@ def describe(enabled: bool = True) -> str:
         return "the system allocator"
     if not enabled:
         return "glibc's malloc (--notcmalloc)"
+    if find_tcmalloc() is not None:  # e.g. the library used from Python rather than through a script
+        return "glibc's malloc (tcmalloc is installed but was not preloaded when this process started)"
     return (f"glibc's malloc: tcmalloc is not installed ({INSTALL_HINT}); XLA:CPU steps fault their large "
             "temporaries in afresh")
