@@ -12,17 +12,18 @@ CUDA builds of torchvision, torchaudio and torchcodec it pulls in are removed), 
 (Debian's libtcmalloc-minimal4) and its libiomp5 preloaded as vLLM's CPU guide says, when present.
 
 Per round, each server form (eagle3-jax; vLLM with its default thread binding; vLLM with its
-threads on all cores, VLLM_CPU_OMP_THREADS_BIND; on request, eagle3-jax-glibc: eagle3-jax on glibc's
-malloc, --notcmalloc, against the tcmalloc eagle3-jax and vLLM start with) serves each setting (plain; EAGLE-3, a chain of 3
-draft tokens) in turn, one server at a time, the forms in ABBA order over rounds; scripts/bench.py
-drives it at each --concurrency: random 128-token prompts, 128 tokens out, ignore_eos, greedy,
-float32, prefix caching off. Recorded per cell: output tok/s, TPOT, tau and per-position acceptance
-(each server's /metrics), the load average before and after. Before its cells each server answers
---check_prompts prompts greedily; their texts are compared with eagle3-jax's plain ones. eagle3-jax's
-cells also record where its serving path's time went per scheduler iteration
-(eagle3_jax/bench/serving_path.py). Writes
---json_out after every cell (command, machine, date, cells, texts, and per cell the median ratio
-of eagle3-jax to each vLLM form over the rounds with its per-round range), and prints the table.
+threads on all cores, VLLM_CPU_OMP_THREADS_BIND; on request eagle3-jax-glibc, eagle3-jax on glibc's
+malloc with --notcmalloc, against the tcmalloc that eagle3-jax and vLLM start with) serves each
+setting (plain; EAGLE-3, a chain of 3 draft tokens) in turn, one server at a time, the forms in
+ABBA order over rounds; scripts/bench.py drives it at each --concurrency: random 128-token prompts
+(or --workload's real ones), 128 tokens out, ignore_eos, greedy, float32, prefix caching off.
+Recorded per cell: output tok/s, TPOT, tau and per-position acceptance (each server's /metrics),
+the load average before and after. Before its cells each server answers --check_prompts prompts
+greedily; their texts are compared with eagle3-jax's plain ones. eagle3-jax's cells also record
+where its serving path's time went per scheduler iteration (eagle3_jax/bench/serving_path.py).
+Writes --json_out after every cell (command, machine, date, cells, texts, and per cell the median
+ratio of eagle3-jax to each other form over the rounds with its per-round range), and prints the
+table.
 """
 
 import argparse
@@ -70,7 +71,8 @@ def bench_cell(base: str, target: str, setting: str, concurrency: int, out_dir: 
     """One scripts/bench.py cell against the server at `base`, with the load average around it."""
     name = f"cell-{time.time_ns()}"
     argv = [sys.executable, os.path.join(ROOT, "scripts", "bench.py"), f"--base_url={base}", f"--target={target}",
-            f"--spec={SETTINGS[setting]}", f"--concurrency={concurrency}", "--shape=1k1k", "--scale=0.125",
+            f"--spec={SETTINGS[setting]}", f"--concurrency={concurrency}", f"--workload={args.workload}",
+            "--shape=1k1k", "--scale=0.125", "--output_len=128",
             f"--num_prompts={max(args.min_prompts, args.prompts_per_concurrency * concurrency)}",
             f"--out_dir={out_dir}", f"--name={name}", "--noprogress"]
     load_before = os.getloadavg()
@@ -126,6 +128,9 @@ def main() -> None:
                         help=f"Server forms among {', '.join(FORMS)} (default: {','.join(DEFAULT_FORMS)}).")
     parser.add_argument("--settings", default="plain,eagle3", help="plain and / or eagle3.")
     parser.add_argument("--concurrency", default="1,4,16,64", help="Concurrencies (default: 1,4,16,64).")
+    parser.add_argument("--workload", default="random",
+                        help="bench.py's --workload: random (128-token random prompts) or a dataset of real prompts, "
+                             "e.g. gsm8k or mt_bench (first turns; 128 tokens out either way).")
     parser.add_argument("--rounds", type=int, default=2, help="Rounds, the forms' order reversed every other one.")
     parser.add_argument("--prompts_per_concurrency", type=int, default=6, help="Measured requests per cell: this x C ...")
     parser.add_argument("--min_prompts", type=int, default=24, help="... and at least this many.")
@@ -155,6 +160,7 @@ def main() -> None:
               "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
               "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, {platform.platform()}",
               "pair": "stories260K + its EAGLE-3 draft, heads widened 8 -> 32, the draft's feature layers [2, 3, 4]",
+              "workload": args.workload,
               "cells": [], "texts": {}}
     for rnd in range(args.rounds):
         for form in (forms if rnd % 2 == 0 else forms[::-1]):
