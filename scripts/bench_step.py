@@ -39,7 +39,13 @@ from absl import app, flags
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from eagle3_jax.cli import script as cli  # noqa: E402
-from eagle3_jax.cli.flags import check_draft_path, check_target_path, define_kernels_flag, int_list  # noqa: E402
+from eagle3_jax.cli.flags import (  # noqa: E402
+    check_draft_path,
+    check_target_path,
+    define_kernels_flag,
+    define_tcmalloc_flag,
+    int_list,
+)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("target", "checkpoints/kimi-mini", "Target model folder (HF or Orbax).")
@@ -60,6 +66,7 @@ flags.DEFINE_string("plot", None, "Write the stacked-bar picture here (PNG).")
 cli.define_overwrite_flag("--json_out and --plot")
 
 define_kernels_flag()
+define_tcmalloc_flag()
 
 
 def _sampling(values) -> list[tuple[str, dict]]:

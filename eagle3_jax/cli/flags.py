@@ -78,9 +78,15 @@ def define_runtime_flags(distributed_help: str) -> None:
     flags.DEFINE_bool("distributed", False, "Multi-host: call jax.distributed.initialize first (see BUILD.md "
                       "\"Multi-host\"). " + distributed_help)
     define_compilation_cache_flag()
+    define_tcmalloc_flag()
+
+
+def define_tcmalloc_flag() -> None:
+    """--tcmalloc: script.run restarts the script once with tcmalloc preloaded (runtime/host_allocator.py)."""
     flags.DEFINE_bool("tcmalloc", True, "On Linux, start with tcmalloc preloaded as the host allocator when it is "
-                      "installed (the script restarts itself once, saying so): with glibc's, XLA:CPU maps each step's "
-                      "large temporaries afresh and faults them in page by page (runtime/host_allocator.py).")
+                      "installed (the script restarts itself once, before loading anything): with glibc's, XLA:CPU "
+                      "maps each step's large temporaries afresh and faults them in page by page "
+                      "(runtime/host_allocator.py).")
 
 
 def define_compilation_cache_flag() -> None:
