@@ -2,10 +2,11 @@
 
 XLA:CPU takes each run's temporaries from malloc: one preallocated block per program (36 MB for
 a chain step at batch 64 and 256 slots of context) plus any large outputs. glibc hands a block
-above its mmap threshold (which rises to 32 MB at most) to `mmap` and unmaps it on free, so every step faults in
-its temporaries afresh, page by page, and the kernel zeroes them: measured on a 2-core host, a
-gather of 16 MB of draft K/V took 14 ms in the step's profile and 2 ms with tcmalloc, which keeps
-freed memory for the next step. vLLM's CPU build asks for the same preload.
+above its mmap threshold (which rises to 32 MB at most) to `mmap` and unmaps it on free, so every
+step faults its temporaries in afresh, page by page, and the kernel zeroes them. In profiles of
+that chain step on a 2-core host, the draft's K/V gather (16 MB) took 4.6-14 ms a step on glibc
+and 2 ms on tcmalloc, which keeps freed memory for the next step. vLLM's CPU build asks for the
+same preload.
 
 The allocator is chosen when the process starts, so a script re-executes itself once with
 `LD_PRELOAD` naming tcmalloc (same interpreter, arguments and process id) right after parsing its
