@@ -22,6 +22,7 @@ import types
 from typing import Sequence
 
 from ..checkpoint.atomic import atomic_output, check_output
+from ..runtime import host_allocator
 from ..runtime.extras import require
 from .metrics import mean_or_none, speedup
 
@@ -60,8 +61,6 @@ def machine_info() -> dict:
     """Platform, CPU count, Python and JAX versions, JAX backend and devices, the host allocator."""
     import jax
 
-    from ..runtime.host_allocator import describe
-
     devices = jax.devices()
     return {
         "platform": platform.platform(),
@@ -73,7 +72,7 @@ def machine_info() -> dict:
         "jax_backend": jax.default_backend(),
         "jax_devices": [str(d) for d in devices],
         "device_kind": devices[0].device_kind if devices else None,
-        "host_allocator": describe(),
+        "host_allocator": host_allocator.describe(),
     }
 
 
