@@ -14,11 +14,13 @@ import urllib.request
 
 from ab_common import ROOT
 
+from eagle3_jax.runtime.host_allocator import find_tcmalloc
+
 SETTINGS = {"plain": "none", "eagle3": "chain:3:1:4"}
 # Every program of batches up to 64 stays compiled (the default 48 keeps those of up to 16: past it, programs
 # evicted mid-cell load again from the compilation cache, and the first round measures that).
 PROGRAMS = 160
-PRELOADS = ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", "lib/libiomp5.so")
+IOMP = "lib/libiomp5.so"  # in vLLM's environment
 
 
 def vllm_python(venv: str) -> str:
@@ -58,8 +60,9 @@ def server(form: str, setting: str, pair: tuple[str, str], port: int, vllm_venv:
             "--seed", "0"]
     if setting == "eagle3":
         argv += ["--speculative-config", json.dumps({"method": "eagle3", "model": draft, "num_speculative_tokens": 3})]
-    preloads = [p if p.startswith("/") else os.path.join(vllm_venv, p) for p in PRELOADS]
-    env["LD_PRELOAD"] = ":".join(p for p in preloads if os.path.exists(p))
+    iomp = os.path.join(vllm_venv, IOMP)
+    preloads = [find_tcmalloc(), iomp if os.path.exists(iomp) else None]  # as vLLM's CPU guide says, when present
+    env["LD_PRELOAD"] = ":".join(p for p in preloads if p)
     env["VLLM_CPU_KVCACHE_SPACE"] = "1"
     if form == "vllm-all-cores":
         env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{os.cpu_count() - 1}"

@@ -43,6 +43,8 @@ from peer_servers import SETTINGS, free_port, server, started, stop, vllm_python
 STORIES, STORIES_DRAFT = (os.path.join(ROOT, "checkpoints", n) for n in ("stories260K", "stories260K-eagle3"))
 FORMS = ("eagle3-jax", "vllm", "vllm-all-cores", "eagle3-jax-glibc")
 DEFAULT_FORMS = FORMS[:3]
+
+
 def widened_pair(folder: str) -> tuple[str, str]:
     """The stories260K pair rewritten for vLLM's CPU build into `folder` (see the docstring)."""
     from eagle3_jax.checkpoint.distinct_aux import distinct_aux_layers
@@ -167,8 +169,8 @@ def main() -> None:
             for setting in settings:
                 port = free_port()
                 base, log = f"http://127.0.0.1:{port}", os.path.join(work, f"{form}-{setting}-{rnd}.log")
-                proc = started(*server(form, setting, pair, port, args.vllm_venv, os.path.join(work, "xla-cache")), base, log,
-                               args.startup_timeout)
+                argv, env = server(form, setting, pair, port, args.vllm_venv, os.path.join(work, "xla-cache"))
+                proc = started(argv, env, base, log, args.startup_timeout)
                 try:
                     if rnd == 0:
                         record["texts"][f"{form}/{setting}"] = greedy_texts(base, prompts, 64)

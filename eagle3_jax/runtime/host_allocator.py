@@ -25,9 +25,15 @@ LIBRARIES = ("tcmalloc_minimal", "tcmalloc")
 INSTALL_HINT = "apt install libtcmalloc-minimal4 (Debian / Ubuntu) or your distribution's gperftools package"
 
 
+def _preloaded_tcmalloc(environ: Mapping[str, str]) -> list[str]:
+    """The file names of the tcmalloc libraries in `environ`'s LD_PRELOAD (colon or space separated)."""
+    names = (os.path.basename(p) for p in environ.get("LD_PRELOAD", "").replace(":", " ").split())
+    return [name for name in names if "tcmalloc" in name]
+
+
 def preloaded(environ: Mapping[str, str]) -> bool:
     """Whether tcmalloc is already in `environ`'s LD_PRELOAD."""
-    return any("tcmalloc" in os.path.basename(p) for p in environ.get("LD_PRELOAD", "").replace(":", " ").split())
+    return bool(_preloaded_tcmalloc(environ))
 
 
 def find_tcmalloc(find: Callable[[str], str | None] = ctypes.util.find_library) -> str | None:
@@ -62,8 +68,8 @@ def use_tcmalloc(enabled: bool) -> None:
 def describe(enabled: bool = True) -> str:
     """The host allocator this process runs on, in words (and, when it is glibc's on Linux, how to
     get tcmalloc)."""
-    if preloaded(os.environ):
-        names = [os.path.basename(p) for p in os.environ["LD_PRELOAD"].replace(":", " ").split() if "tcmalloc" in p]
+    names = _preloaded_tcmalloc(os.environ)
+    if names:
         return f"tcmalloc ({names[0]})"
     if not sys.platform.startswith("linux"):
         return "the system allocator"

@@ -28,12 +28,13 @@ Target and draft K/V live in page pools shared by all requests; a request owns a
 (its block table) that indexes both, and a state slot that keeps, on device, its last token and
 (with a draft) the draft's hidden state from which the next step proposes (programs.py). Batch
 size, chunk length and block-table width are bucketed to powers of two (widths from 16 pages on
-also to 1.5x them: batch.width_buckets), so a few compiled programs serve every mix of requests. A request's chunk boundaries depend only on its own length,
-and prefill always uses the same attention form, so a request's greedy tokens do not depend on
-what runs beside it. A step's host arguments are the batch's rows of per-slot tables (slots,
-prompt lengths, sampling settings, block tables: slot_table.py), written when a request joins or
-gains pages and gathered by slots in one go: two arrays per program, whatever the batch. A step's
-outputs are copied to the host behind it (`Executor.prefetch`) and read after the next launch.
+also to 1.5x them: batch.width_buckets), so a few compiled programs serve every mix of requests.
+A request's chunk boundaries depend only on its own length, and prefill always uses the same
+attention form, so a request's greedy tokens do not depend on what runs beside it. A step's host
+arguments are the batch's rows of per-slot tables (slots, prompt lengths, sampling settings, block
+tables: slot_table.py), written when a request joins or gains pages and gathered by slots in one
+go: two arrays per program, whatever the batch. A step's outputs are copied to the host behind
+it (`Executor.prefetch`) and read after the next launch.
 
 Multi-host: every process must launch the same programs. Either every process drives an
 identical request stream (the steps depend only on the requests), or process 0 alone takes
