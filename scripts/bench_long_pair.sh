@@ -6,7 +6,7 @@
 #      2,048 in / 256 out and 256 in / 2,048 out (random tokens) at concurrency 1 and 2, and the agent
 #      trace (8 sessions x 4 turns of growing contexts, prefix caching) at concurrency 1 and 4
 #      (benchmarks/results/long-pair-{2048-256,256-2048,agentic}.*);
-#   3. the same two random shapes at concurrency 1, paired round by round (a pass of bench.py is too long
+#   3. the same two random shapes at concurrency 1, paired round by round, A B C C B A (a pass of bench.py is too long
 #      to resolve 5-10 % on a shared host): plain vs chain 3:1:4 vs auto (long-pair-ab-<variant>-*.json).
 # Float32, greedy, in process; run it with nothing else on the machine (the timings are the result).
 # Usage: scripts/bench_long_pair.sh [work_dir] [variant]   (default /tmp/long-pair, the plain draft)

@@ -113,8 +113,9 @@ def test_sampling_sort_ab(tmp_path):
 
 
 def test_long_pair_ab_on_the_demo_pair(tmp_path):
-    """Three rounds of two prompts on the bundled pair: every setting's greedy outputs equal (the
-    script checks), the compiling rounds left out of the ratios and said."""
+    """Three palindromic rounds of two prompts on the bundled pair: every run's greedy outputs equal
+    (the script checks), the compiling rounds left out of the ratios and said, the median ratio
+    inside its bootstrap interval."""
     out = tmp_path / "ab.json"
     run_harness("long-pair-ab", "--target=checkpoints/kimi-mini", "--draft=checkpoints/kimi-mini-eagle3",
                 "--specs=none,chain:3:1:4", "--input_len=24", "--output_len=12", "--rounds=3", "--concurrency=2",
@@ -124,6 +125,9 @@ def test_long_pair_ab_on_the_demo_pair(tmp_path):
     assert set(record["rounds_left_out"]) < {0, 1, 2}
     chain = record["summary"]["chain:3:1:4"]
     assert chain["tau"] > 1.0 and len(chain["tpot_speedup_by_round"]) == 3 - len(record["rounds_left_out"])
+    low, high = chain["e2e_speedup_interval90"]
+    assert min(chain["e2e_speedup_by_round"]) <= low <= chain["e2e_speedup_median"] <= high <= max(
+        chain["e2e_speedup_by_round"])
 
 
 @pytest.mark.slow
