@@ -55,6 +55,7 @@ class IncrementalDetokenizer:
         self._start = self._first  # the first live token; the generated ones before it are frozen
         self._frozen = ""  # text of the generated tokens before _start
         self._sent = ""  # everything push has returned
+        self._context_text = (-1, -1, "")  # (ctx, start, decode(ids[ctx:start])): fixed until a freeze
 
     @property
     def text(self) -> str:
@@ -86,7 +87,9 @@ class IncrementalDetokenizer:
         """Text of tokens [start, end), decoded after the CONTEXT tokens before `start` (after the
         whole prompt context when `start` is the first generated token)."""
         ctx = 0 if start == self._first else max(start - self.CONTEXT, 0)
-        prefix = self._tok.decode(self._ids[ctx:start])
+        if self._context_text[:2] != (ctx, start):  # the context's text, decoded once per window start
+            self._context_text = (ctx, start, self._tok.decode(self._ids[ctx:start]))
+        prefix = self._context_text[2]
         full = self._tok.decode(self._ids[ctx:end])
         return full[len(prefix):] if full.startswith(prefix) else self._tok.decode(self._ids[start:end])
 
