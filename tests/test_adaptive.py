@@ -10,7 +10,9 @@ from random_models import FAMILIES, random_draft, random_target
 
 import eagle3_jax as e3
 from eagle3_jax.cache import kv_cache
-from eagle3_jax.scheduler import Scheduler
+from eagle3_jax.cache.pages import pages_for
+from eagle3_jax.scheduler import MIN_PAGES_BUCKET, Scheduler
+from eagle3_jax.scheduler.batch import width_bucket
 from eagle3_jax.spec_decode.adaptive import AdaptiveSpeculation, AutoSpec, shape_name
 
 C1, C2, C3 = (e3.SpecConfig(k, 1, k + 1) for k in (1, 2, 3))
@@ -122,7 +124,9 @@ def test_untimed_shapes_are_measured_unless_predicted_to_lose():
     for seconds in (50.0, 40.0, 10.0, 99.0, 10.0, 10.0, 99.0):  # cold runs dropped, the median ignores outliers
         ctl.observe(C3, KEY, seconds, {"a": 0})
     assert ctl.costs.measured(C3, KEY) == 10.0
-    # At a new key, C3 is predicted (from KEY, scaled by no-spec's time here) to lose clearly.
+    assert ctl.choose(["a"], KEY) is None  # C3 lost
+    # At a new key nothing is timed: the current shape runs on, its times there the reference. C3
+    # is predicted (from KEY, scaled by no-spec's time here) to lose clearly.
     other = (16, 4)
     ctl.explore_after = 0
     assert ctl.choose(["a"], other) is None
@@ -374,11 +378,14 @@ def test_admission_judges_speculation_by_its_ratio_to_the_steps_beside_it():
 
 def test_a_shape_timed_long_ago_is_timed_again():
     """Every `refresh_every` steps at an explored key, the shape (not the current one) timed there
-    longest ago is forgotten and timed again beside the current one's steps."""
+    longest ago is forgotten and timed again beside the current one's steps, unless it lost clearly."""
+    clear = AdaptiveSpeculation(AutoSpec(menu=(None, C1, C3), refresh_every=16))
+    teach(clear, {"none": 1.0, "chain:1:1:2": 1.1, "chain:3:1:4": 1.2}, accepted=3)  # C3 2x the others' rates
+    assert [clear.choose(["a"], KEY) for _ in range(64)] == [C3] * 64 and clear.costs.measured(None, KEY) == 1.0
     ctl = AdaptiveSpeculation(AutoSpec(menu=(None, C1, C3), refresh_every=16))
-    teach(ctl, {"none": 1.0, "chain:1:1:2": 1.1, "chain:3:1:4": 1.2}, accepted=3)
+    teach(ctl, {"none": 1.0, "chain:1:1:2": 1.8, "chain:3:1:4": 3.2}, accepted=3)  # all within the margin
     for _ in range(TIMED):  # chain 1 timed again later than none
-        ctl.observe(C1, KEY, 1.1, {"a": 1})
+        ctl.observe(C1, KEY, 1.8, {"a": 1})
     choices = [ctl.choose(["a"], KEY) for _ in range(48)]
     # Step 48 (a multiple of 16 past the 32 steps before exploring) forgets none, timed longest ago:
     # it runs until timed again, then chain 3 resumes.
@@ -460,6 +467,23 @@ def test_requests_without_the_draft_decode_plainly_beside_those_with_it(mla_pair
     kinds = {key[0] for key in sched.programs._programs}
     assert {"plain_prefill", "plain_decode", "prefill", "decode"} <= kinds
     assert sched.stats()["adaptive"]["steps_without_draft"] > 0
+
+
+def test_admission_judges_a_request_at_its_own_context(mla_pair):
+    """A request admitted after a long one finished is judged at the block-table width of its own
+    mid-life (its prompt and half its expected output), not at the width the last batch ended at."""
+    target, draft = mla_pair
+    sched = Scheduler(target, draft=draft, spec=e3.SpecConfig.auto(2), max_num_seqs=1, max_seq_len=128, page_size=4)
+    adaptive, asked = sched.policy.adaptive, []
+    wants = adaptive.wants_draft
+    adaptive.wants_draft = lambda key, **kw: asked.append(key) or wants(key, **kw)
+    long_prompt = [3 + (7 * i) % 50 for i in range(80)]
+    sched.generate([long_prompt], e3.SamplingParams(max_tokens=8))
+    ended_at = sched._batch.last_decode_key[1]
+    sched.generate([[5, 6, 7]], e3.SamplingParams(max_tokens=8))
+    expected = pages_for(3 + 4 + sched._batch.lookahead, 4)  # prompt + half the 8 tokens expected
+    assert asked[0] is None and asked[1][1] == width_bucket(max(expected, MIN_PAGES_BUCKET), MIN_PAGES_BUCKET, 32)
+    assert asked[1][1] < ended_at
 
 
 def draft_kv(sched: Scheduler, prompt, steps: int):

@@ -41,7 +41,7 @@ import dataclasses
 import itertools
 import logging
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -202,9 +202,8 @@ class RunningBatch:
                 logger.info("request %s (%d prompt tokens, up to %d new) is spread over the %d data shards", req.id,
                          len(req.prompt), req.budget, self.shards)
             req.wait_for = None
-            rows = len(self.running) + 1  # judged at the batch it joins, at the last decode width
-            key = None if self.last_decode_key is None else (bucket(rows, 1, self.max_num_seqs), *self.last_decode_key[1:])
-            with_draft = self.policy.admit(key, rows, len(req.prefill_ids), req.budget - len(req.output))
+            rows = len(self.running) + 1
+            with_draft = self.policy.admit(self._key_at(rows), rows, len(req.prefill_ids), req.budget - len(req.output))
             if self.policy.uses_draft and not with_draft and req.shard != SPREAD:
                 cached = self._cached_prefix(req, False, req.shard)  # target-only pages serve it too
             self._count_hits(req, cached)
@@ -424,6 +423,22 @@ class RunningBatch:
             self.table.clear(req.slot)
             self.free_slots.append(req.slot)
         req.pages, req.computed, req.slot, req.gap = [], 0, None, 0
+
+    def _key_at(self, rows: int) -> Callable[[int], tuple] | None:
+        """For admission: the program key of the batch a request joins, of `rows` rows, once that
+        request's context holds a given number of tokens (the block table as wide as its row or the
+        widest running one). None before any decode step (no batch features known yet). Judged
+        at the request's own context, not the last step's: a request admitted after a long one
+        finished starts at its prompt's width, whatever width the last batch ended at."""
+        if self.last_decode_key is None:
+            return None
+        batch, features = bucket(rows, 1, self.max_num_seqs), self.last_decode_key[2:]
+        widest = max((int(self.table.num_pages[r.slot]) for r in self.decoders.values()), default=0)
+
+        def key_at(tokens: int) -> tuple:
+            pages = max(widest, pages_for(tokens + self.lookahead, self.page_size), MIN_PAGES_BUCKET)
+            return (batch, width_bucket(pages, MIN_PAGES_BUCKET, self.max_pages_per_seq), *features)
+        return key_at
 
     def rows_batch(self, row_slots: Sequence[int] | np.ndarray,
                    min_width: int = MIN_PAGES_BUCKET) -> tuple[BatchRows, np.ndarray | None]:

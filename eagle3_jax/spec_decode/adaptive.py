@@ -23,7 +23,9 @@ one of them. The choice maximises
   the program before it to the read of its own tokens, so host work the device did not hide counts
   too: the median of its last samples. Steps during which a program compiled, its first two
   runs at a key after that (cold), steps right after a draft catch-up and steps read after a
-  different one was launched (their time holds that launch's host work) are not timed. At a
+  different one was launched (their time holds that launch's host work) are not timed. At a key
+  where nothing is timed yet (a batch's context grew into a wider block table), the current shape
+  runs on: its times there are the reference the other shapes are predicted from. At a
   key visited more than 32 times, a shape not yet timed runs until it has 5 samples, unless
   timings at the nearest key where both it and an already-timed shape ran predict it to lose
   clearly (`skip_margin`); it then keeps that estimate. Every `refresh_every` steps at such a
@@ -57,6 +59,9 @@ timed beside it, applied to the plain step of now: the two are timed at differen
 Workloads of long prompts with short outputs
 therefore stay plain even where a speculative step pays: the draft's prefill over the prompts
 costs more than its steps save (at 8K-token prompts and 1K outputs this is where the gain goes).
+The verdict is taken at the key of the batch the request joins at its mid-life (its prompt and
+half its expected output), as step costs grow with the context: not at the width the last batch
+ended at, which after a long request finished would judge a short one by the long one's costs.
 A key without the step timings to judge uses the nearest judged key's. Nor does a request get
 the draft while the step choice at the nearest key has settled on no speculation: a request
 that never speculates would pay the draft's prefill for nothing. A step speculates only
@@ -318,8 +323,9 @@ class AdaptiveSpeculation:
 
     def wants_draft(self, key: Key | None, rows: int = 1, prompt_len: int = 0, max_tokens: int | None = None) -> bool:
         """Whether a request admitted now gets the draft (a draft prefill over its prompt, its pairs
-        stored for catch-ups), given the program key and row count of the batch it joins (key
-        None: no decode step yet), its prompt length and its token budget.
+        stored for catch-ups), given the program key of the batch it joins at the request's
+        mid-life (`AdaptivePolicy.admit`: its prompt and half its expected output; None: no decode
+        step yet), that batch's row count, its prompt length and its token budget.
 
         A verdict for the batch, not for this request alone: a step speculates only when every
         row has the draft, so requests judged one by one (a long prompt plain, a short one with
@@ -413,13 +419,13 @@ class AdaptiveSpeculation:
         if self.key_steps[key] > self.explore_after and self.key_steps[key] % auto.refresh_every == 0:
             self._refresh(key, rates)
         known = {s: r for s, r in rates.items() if r is not None}
-        best_known = max(known.values(), default=0.0)
-        if self.key_steps[key] > self.explore_after or not known:
+        if not known:  # nothing timed here yet: the current shape's times make this key's reference
+            return self.current
+        best_known = max(known.values())
+        if self.key_steps[key] > self.explore_after:
             for s in auto.menu:  # time each shape at this key, unless predicted to lose clearly
                 if self.costs.measured(s, key) is None and (rates[s] is None or rates[s] >= (1 - auto.skip_margin) * best_known):
                     return s
-        if not known:
-            return self.current
         best = max(known, key=known.__getitem__)
         if self.current in known and known[best] <= (1 + auto.hysteresis) * known[self.current]:
             return self.current
@@ -427,8 +433,13 @@ class AdaptiveSpeculation:
 
     def _refresh(self, key: Key, rates: dict[Shape, float | None]) -> None:
         """Forget the step time at `key` of the shape (not the current one) timed there longest
-        ago, so that the exploration below times it again next to the current shape's samples."""
-        timed = [s for s in self.auto.menu if s != self.current and self.costs.measured(s, key) is not None]
+        ago, so that the exploration below times it again next to the current shape's samples.
+        Only shapes within `skip_margin` of the best rate: a time off by a slow second does not
+        keep out a shape that lost clearly, and timing it again costs steps at its low rate (plain
+        steps where speculation doubles the rate)."""
+        best = max((r for r in rates.values() if r is not None), default=0.0)
+        timed = [s for s in self.auto.menu if s != self.current and self.costs.measured(s, key) is not None
+                 and rates[s] >= (1 - self.auto.skip_margin) * best]
         if timed:
             shape = min(timed, key=lambda s: self.costs.last_timed(s, key))
             self.costs.forget(shape, key)

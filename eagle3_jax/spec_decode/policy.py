@@ -17,7 +17,7 @@ for the draft to catch up on; "decode": speculation of `shape`).
 from __future__ import annotations
 
 import dataclasses
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 import numpy as np
 
@@ -83,8 +83,10 @@ class SpeculationPolicy:
         """The most slots past the committed length any step may write."""
         return max(self.reserve(True)[1], self.reserve(False)[1])
 
-    def admit(self, key: Key | None, rows: int, prompt_len: int, max_tokens: int) -> bool:
-        """Whether a request admitted now decodes with the draft."""
+    def admit(self, key_at: Callable[[int], Key] | None, rows: int, prompt_len: int, max_tokens: int) -> bool:
+        """Whether a request admitted now decodes with the draft. `key_at(tokens)`: the program key
+        of the batch it joins (`rows` rows) once its context holds `tokens` tokens (None before any
+        decode step)."""
         return self.uses_draft
 
     def plan(self, rows: Sequence[Row], key: Key) -> StepPlan:
@@ -151,7 +153,10 @@ class AdaptivePolicy(SpeculationPolicy):
         # A catch-up's writes past the stored pairs need no room (see the catch-up program).
         return self.max_accept + 1, max(step_lookahead(s) for s in self.spec.shapes)
 
-    def admit(self, key: Key | None, rows: int, prompt_len: int, max_tokens: int) -> bool:
+    def admit(self, key_at: Callable[[int], Key] | None, rows: int, prompt_len: int, max_tokens: int) -> bool:
+        # Judged at the key of the request's mid-life (its prompt and half its expected output):
+        # step costs grow with the context, so its start would flatter speculation and its end not.
+        key = None if key_at is None else key_at(round(prompt_len + self.adaptive.expected_output_len(max_tokens) / 2))
         return self.adaptive.wants_draft(key, rows=rows, prompt_len=prompt_len, max_tokens=max_tokens)
 
     def plan(self, rows: Sequence[Row], key: Key) -> StepPlan:
