@@ -109,3 +109,19 @@ def test_a_cache_written_by_another_jax_is_said(tmp_path, caplog):
         compile_cache.enable(str(cache))
     assert ["unreadable" in r.getMessage() for r in caplog.records] == [True]
     assert json.loads((cache / compile_cache.MARKER).read_text())["jax"] != "0.0.1"  # rewritten
+
+
+def test_the_marker_is_replaced_whole(tmp_path, monkeypatch):
+    """A marker write that fails half-way leaves the previous marker as it was and nothing beside it
+    (processes starting together read the old marker or the new, never a truncated one)."""
+    cache = tmp_path / "xla"
+    compile_cache.enable(str(cache))
+    before = (cache / compile_cache.MARKER).read_text()
+
+    def half_written(obj, f):
+        f.write("{")
+        raise OSError("disk full")
+    monkeypatch.setattr(compile_cache.json, "dump", half_written)
+    compile_cache.enable(str(cache))
+    assert (cache / compile_cache.MARKER).read_text() == before
+    assert not [name for name in os.listdir(cache) if name.startswith(".marker-")]

@@ -94,6 +94,20 @@ def _stale_note(directory: str, now: dict) -> str | None:
             "not be found and compile afresh beside them (delete the folder to reclaim the space)")
 
 
+def _write_marker(directory: str, now: dict) -> None:
+    """Write the marker aside and rename it into place: processes starting together on one cache
+    (scripts run side by side) read the old marker or the new one, never a half-written one."""
+    aside = None
+    try:
+        with tempfile.NamedTemporaryFile("w", dir=directory, prefix=".marker-", delete=False) as f:
+            aside = f.name
+            json.dump(now, f)
+        os.replace(aside, os.path.join(directory, MARKER))
+    except OSError:
+        if aside is not None and os.path.exists(aside):
+            os.unlink(aside)  # the marker only serves the stale-cache line: nothing else is lost
+
+
 _status = CacheStatus(None)
 
 
@@ -137,11 +151,7 @@ def _open(directory: str | None) -> CacheStatus:
                         "not be stored (free space, or point --compilation_cache_dir elsewhere)")
     for problem in problems:
         logger.warning(problem)
-    try:
-        with open(os.path.join(directory, MARKER), "w") as f:
-            json.dump(now, f)
-    except OSError:
-        pass  # the marker only serves the stale-cache line
+    _write_marker(directory, now)
     jax.config.update("jax_compilation_cache_dir", directory)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
