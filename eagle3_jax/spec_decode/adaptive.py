@@ -29,9 +29,10 @@ one of them. The choice maximises
   key visited more than 32 times, a shape not yet timed runs until it has 5 samples, unless
   timings at the nearest key where both it and an already-timed shape ran predict it to lose
   clearly (`skip_margin`); it then keeps that estimate. Every `refresh_every` steps at such a
-  key the shape timed there longest ago (not the current one) is forgotten and so timed again
-  beside the current one: a median taken once, cold or in a slow second of a shared host, does
-  not keep a shape out for good.
+  key the shape timed there longest ago (not the current one) among those within `skip_margin`
+  of the best rate is forgotten and so timed again beside the current one: a median taken once,
+  cold or in a slow second of a shared host, does not keep a close contender out for good, and a
+  shape that lost clearly is not run again at its low rate.
 
 Hysteresis: the step keeps the previous shape unless another promises more than
 `1 + hysteresis` times its rate.

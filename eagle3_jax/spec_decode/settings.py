@@ -158,8 +158,9 @@ class AutoSpec:
         steady rate, and probes of single steps kept confirming that speculation does not pay).
     probe_steps: speculative steps in a row per probe (see probe_every).
     refresh_every: every this many steps at a program key (once explored), the shape other than
-        the current one timed there longest ago is timed again, so a step time measured once (cold,
-        or in a slow second of a shared host) cannot keep a shape out for good.
+        the current one timed there longest ago, of those within `skip_margin` of the best rate, is
+        timed again, so a step time measured once (cold, or in a slow second of a shared host)
+        cannot keep a close contender out for good.
     skip_margin: a shape predicted (from other keys) below (1 - skip_margin) x the best is not tried.
     resample_every: after this many decode steps in which no running request had the draft, the
         next admitted request gets it (its acceptance is measured) whatever the prediction.
