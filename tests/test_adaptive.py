@@ -482,7 +482,8 @@ def test_admission_judges_a_request_at_its_own_context(mla_pair):
     ended_at = sched._batch.last_decode_key[1]
     sched.generate([[5, 6, 7]], e3.SamplingParams(max_tokens=8))
     expected = pages_for(3 + 4 + sched._batch.lookahead, 4)  # prompt + half the 8 tokens expected
-    assert asked[0] is None and asked[1][1] == width_bucket(max(expected, MIN_PAGES_BUCKET), MIN_PAGES_BUCKET, 32)
+    assert asked[0] is None and asked[1][1] == width_bucket(max(expected, MIN_PAGES_BUCKET), MIN_PAGES_BUCKET,
+                                                                         sched._batch.max_pages_per_seq)
     assert asked[1][1] < ended_at
 
 

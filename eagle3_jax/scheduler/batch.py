@@ -433,10 +433,10 @@ class RunningBatch:
         if self.last_decode_key is None:
             return None
         batch, features = bucket(rows, 1, self.max_num_seqs), self.last_decode_key[2:]
-        widest = max((int(self.table.num_pages[r.slot]) for r in self.decoders.values()), default=0)
+        widest = int(self.table.num_pages[self.decoding_slots()].max(initial=0))
 
         def key_at(tokens: int) -> tuple:
-            pages = max(widest, pages_for(tokens + self.lookahead, self.page_size), MIN_PAGES_BUCKET)
+            pages = max(widest, pages_for(tokens + self.lookahead, self.page_size))
             return (batch, width_bucket(pages, MIN_PAGES_BUCKET, self.max_pages_per_seq), *features)
         return key_at
 
