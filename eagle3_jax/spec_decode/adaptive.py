@@ -56,8 +56,10 @@ admissions' prefill (timed per prompt token with and without the draft, by chunk
 `step_costs.PrefillCosts`) plus its expected output (the mean length of recent finished requests, at most
 its budget) at its share of the step time of the batch it joins, plain or at the best
 speculative shape's time per expected token (as its ratio to the steps without speculation
-timed beside it, applied to the plain step of now: the two are timed at different moments).
-Workloads of long prompts with short outputs
+timed beside it, applied to the plain step of now: the two are timed at different moments),
+tokens expected at a typical request's acceptance: the mean of the last finished requests'
+own rates and the global rates (which alone, at concurrency 1 with long answers, hold just the
+end of the last request). Workloads of long prompts with short outputs
 therefore stay plain even where a speculative step pays: the draft's prefill over the prompts
 costs more than its steps save (at 8K-token prompts and 1K outputs this is where the gain goes).
 The verdict is taken at the key of the batch the request joins at its mid-life (its prompt and
@@ -134,10 +136,12 @@ class _RequestCounts:
                 rows[i] = self._row[request_ids[i]] = self._new_row()
         return rows
 
-    def forget(self, request_id: str) -> None:
+    def forget(self, request_id: str) -> int | None:
+        """Free a request's row; its counts stay readable until the row is taken again."""
         row = self._row.pop(request_id, None)
         if row is not None:
             self._free.append(row)
+        return row
 
     def _new_row(self) -> int:
         if not self._free:
@@ -152,18 +156,20 @@ class _RequestCounts:
 
 
 class Acceptance:
-    """Running acceptance estimates, global (counts over the last `window` request-steps or so) and
-    per request (counts decayed per decode step, `tick`)."""
+    """Running acceptance estimates, global (counts over the last `window` request-steps or so),
+    per request (counts decayed per decode step, `tick`) and per finished request (the last
+    `finished_window`, each as it stood when it finished: what a typical new request is expected
+    to accept)."""
 
     def __init__(self, depth: int, trees: Iterable[SpecConfig], prior_weight: float, request_decay: float,
-                 window: float = 512.0, prior_rows: float = 2.0):
+                 window: float = 512.0, prior_rows: float = 2.0, finished_window: int = 16):
         self.depth = depth
         self.prior_weight = prior_weight
         self.decay = request_decay
         # The global counts decay per request-step observed, not per step: at any concurrency they
-        # remember about `window` rows (at concurrency 1 a few dozen requests, at 48 about ten
-        # steps), so a few requests with a hard prompt cannot swing the prior of every request
-        # admitted after them (an estimate that falls too low keeps the draft from new requests,
+        # remember about `window` rows (at concurrency 1 a few dozen short requests or the end of
+        # a long one, at 48 about ten steps), so a few requests with a hard prompt cannot swing
+        # the prior of every request admitted after them (an estimate that falls too low keeps the draft from new requests,
         # and with it from the measurements that would correct it).
         self.row_decay = 1.0 - 1.0 / window
         # Optimistic until measured (as `prior_rows` rows), so every shape gets tried.
@@ -173,6 +179,8 @@ class Acceptance:
         self.tree = {shape_name(t): float(optimistic[: t.max_accept].sum()) for t in trees}
         self._tree_counts = {name: (prior_rows, prior_rows * mean) for name, mean in self.tree.items()}
         self._requests = _RequestCounts(depth, list(self.tree))
+        # Finished requests' own rates (chain positions, tree means), newest last.
+        self._finished: collections.deque = collections.deque(maxlen=finished_window)
 
     def tick(self) -> None:
         """A decode step is about to run. A request's own counts fade with every step, not only
@@ -182,7 +190,17 @@ class Acceptance:
         self._requests.tick(self.decay)
 
     def forget(self, request_id: str) -> None:
-        self._requests.forget(request_id)
+        """A request finished: its own rates, as a running request's are blended (its recent
+        counts with the global rates), join the finished requests' if it speculated."""
+        table = self._requests
+        row = table.forget(request_id)
+        if row is None:
+            return
+        w, fade = self.prior_weight, 1.0 / table.unit
+        drafted, steps = fade * table.drafted[row], fade * table.tree_steps[row]
+        trees = np.fromiter(self.tree.values(), np.float64, len(self.tree))
+        self._finished.append(((fade * table.accepted[row] + w * self.chain) / (drafted + w),
+                               (fade * table.tree_accepted[row] + w * trees) / (steps + w)))
 
     def observe(self, shape: SpecConfig, accepted: dict[str, int]) -> None:
         """One step of `shape`: draft tokens accepted per request id."""
@@ -252,11 +270,18 @@ class Acceptance:
         return np.minimum.accumulate(self.chain)
 
     def new_request_expected_tokens(self, shapes: Sequence[Shape]) -> list[float]:
-        """For each shape, the tokens one step of it is expected to emit for a request not seen yet
-        (the global rates)."""
-        chain_total = np.cumsum(self.global_chain_rates)
+        """For each shape, the tokens one step of it is expected to emit for a request not seen yet:
+        by a typical request's rates, the mean of the last finished requests' own (each as it
+        stood when the request finished) and the running global rates (weighing as one more). The global
+        rates alone remember a few hundred request-steps: at concurrency 1 with long answers
+        that is the end of the last request, and one hard prompt would judge the next request
+        (and keep the draft, and with it the measurements, from it) by its own acceptance."""
+        chain = [c for c, _ in self._finished] + [self.global_chain_rates]
+        trees = [t for _, t in self._finished] + [np.fromiter(self.tree.values(), np.float64, len(self.tree))]
+        chain_total = np.cumsum(np.minimum.accumulate(np.mean(chain, axis=0)))
+        tree = dict(zip(self.tree, np.mean(trees, axis=0)))
         return [1.0 if s is None else 1.0 + float(chain_total[s.max_accept - 1]) if is_chain(s)
-                else 1.0 + self.tree[shape_name(s)] for s in shapes]
+                else 1.0 + float(tree[shape_name(s)]) for s in shapes]
 
 
 # ---- the choice ----------------------------------------------------------------------------------------
@@ -293,6 +318,7 @@ class AdaptiveSpeculation:
         self.admitted: collections.Counter = collections.Counter()  # requests admitted with / without the draft
         # Per key: whether the step choice's last verdict there (a timed shape, not an exploration) speculates.
         self._speculates: dict[Key, bool] = {}
+        self._seconds_at: dict[Key, tuple[int, list]] = {}  # key -> (costs.version, step seconds per menu shape)
 
     def choose(self, request_ids: Sequence[str], key: Key) -> Shape:
         """The shape the next decode step of these requests (all with the draft) runs, at program key `key`."""
@@ -334,8 +360,8 @@ class AdaptiveSpeculation:
         verdict weighs a typical recent request (see `request_seconds`: the mean prompt of the
         last admissions, this one included, and the expected output at this request's budget):
         its prompt's prefill plus its output at its share of a step, plain or at the best
-        speculative shape's time per expected token for a new request (the global acceptance
-        rates). The draft is given once it promises to finish such a request sooner by the
+        speculative shape's time per expected token for a new request (a typical finished
+        request's acceptance: `Acceptance.new_request_expected_tokens`). The draft is given once it promises to finish such a request sooner by the
         hysteresis margin, and withheld once it no longer promises to finish it sooner at all,
         or once the step choice at the nearest key settled on no speculation (a request given the
         draft then pays its prefill and stored pairs and never speculates: inside the hysteresis
@@ -455,11 +481,17 @@ class AdaptiveSpeculation:
         """Expected output tokens per second of one step of each shape; None where its cost is unknown."""
         menu = self.auto.menu
         expected = self.acceptance.total_expected_tokens(menu, request_ids)
-        rates = {}
-        for shape, tokens in zip(menu, expected):
-            seconds = self.costs.estimated(shape, key, self.auto.menu)
-            rates[shape] = tokens / seconds if seconds is not None and seconds > 0 else None
-        return rates
+        return {shape: tokens / seconds if seconds is not None and seconds > 0 else None
+                for shape, tokens, seconds in zip(menu, expected, self._step_seconds(key))}
+
+    def _step_seconds(self, key: Key) -> list[float | None]:
+        """Each menu shape's step time at `key` (measured or predicted), kept until a median changes:
+        predictions read every key's times, and this runs before every decode step."""
+        version = self.costs.version
+        cached = self._seconds_at.get(key)
+        if cached is None or cached[0] != version:
+            cached = self._seconds_at[key] = version, [self.costs.estimated(s, key, self.auto.menu) for s in self.auto.menu]
+        return cached[1]
 
     def observe(self, shape: Shape, key: Key, seconds: float | None, accepted: dict[str, int],
                 plain: bool = False) -> None:

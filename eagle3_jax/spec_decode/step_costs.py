@@ -42,16 +42,20 @@ class StepCosts:
     once it has `min_samples`. The first `skip_first` samples of each are dropped: a program's
     first runs after its compile touch fresh buffers and cold caches (on a CPU they ran up to
     twice as long as later ones), and a shape timed only while it explores would keep that
-    verdict. Medians are taken when read, not per step: most steps only add a sample."""
+    verdict. Medians are taken when read, and retaken only every `retake_every` new samples of
+    an entry (a median of 31 moves little with one more), so estimates derived from them can be
+    kept until `version` changes: the choice before every decode step reads them all."""
 
-    def __init__(self, window: int = 31, min_samples: int = 5, skip_first: int = 2):
-        self.window, self.min_samples, self.skip_first = window, min_samples, skip_first
+    def __init__(self, window: int = 31, min_samples: int = 5, skip_first: int = 2, retake_every: int = 4):
+        self.window, self.min_samples, self.skip_first, self.retake_every = window, min_samples, skip_first, retake_every
         self._clock = 0  # samples observed
         self._last: dict[tuple[str, Key], int] = {}  # (name, key) -> _clock at its last sample
         self._skipped: collections.Counter = collections.Counter()
         self._samples: dict[tuple[str, Key], collections.deque] = {}
-        self._stale: set[tuple[str, Key]] = set()  # samples added since the last median
+        self._new: collections.Counter = collections.Counter()  # samples added since the last median
+        self._stale: set[tuple[str, Key]] = set()  # entries whose median is due
         self._medians: dict[str, dict[Key, float]] = collections.defaultdict(dict)  # shape name -> key -> s
+        self._version = 0  # changes whenever a median does
 
     def observe(self, shape: Shape | str, key: Key, seconds: float) -> None:
         entry = (_cost_name(shape), key)
@@ -62,7 +66,9 @@ class StepCosts:
         if samples is None:
             samples = self._samples[entry] = collections.deque(maxlen=self.window)
         samples.append(seconds)
-        self._stale.add(entry)
+        self._new[entry] += 1
+        if len(samples) == self.min_samples or self._new[entry] >= self.retake_every:
+            self._stale.add(entry)
         self._clock += 1
         self._last[entry] = self._clock
 
@@ -76,16 +82,27 @@ class StepCosts:
         for name, key in self._stale:
             samples = self._samples[name, key]
             if len(samples) >= self.min_samples:
-                self._medians[name][key] = statistics.median(samples)
+                median = statistics.median(samples)
+                self._version += median != self._medians[name].get(key)
+                self._medians[name][key] = median
+                self._new[name, key] = 0
         self._stale.clear()
         return self._medians
+
+    @property
+    def version(self) -> int:
+        """A number that changes whenever a median does (medians due are taken first)."""
+        self._seconds  # noqa: B018 (takes the medians due)
+        return self._version
 
     def forget(self, shape: Shape | str, key: Key) -> None:
         """Drop a program's samples at `key`: it counts as not timed there until timed again."""
         entry = (_cost_name(shape), key)
         self._samples.pop(entry, None)
         self._stale.discard(entry)
-        self._medians[entry[0]].pop(key, None)
+        self._new.pop(entry, None)
+        if self._medians[entry[0]].pop(key, None) is not None:
+            self._version += 1
 
     def measured(self, shape: Shape | str, key: Key) -> float | None:
         return self._seconds[_cost_name(shape)].get(key)
