@@ -169,8 +169,8 @@ class Acceptance:
         # The global counts decay per request-step observed, not per step: at any concurrency they
         # remember about `window` rows (at concurrency 1 a few dozen short requests or the end of
         # a long one, at 48 about ten steps), so a few requests with a hard prompt cannot swing
-        # the prior of every request admitted after them (an estimate that falls too low keeps the draft from new requests,
-        # and with it from the measurements that would correct it).
+        # the prior of every request admitted after them (an estimate that falls too low keeps
+        # the draft from new requests, and with it the measurements that would correct it).
         self.row_decay = 1.0 - 1.0 / window
         # Optimistic until measured (as `prior_rows` rows), so every shape gets tried.
         optimistic = 0.9 ** np.arange(1, depth + 1)
@@ -270,12 +270,12 @@ class Acceptance:
         return np.minimum.accumulate(self.chain)
 
     def new_request_expected_tokens(self, shapes: Sequence[Shape]) -> list[float]:
-        """For each shape, the tokens one step of it is expected to emit for a request not seen yet:
-        by a typical request's rates, the mean of the last finished requests' own (each as it
-        stood when the request finished) and the running global rates (weighing as one more). The global
-        rates alone remember a few hundred request-steps: at concurrency 1 with long answers
-        that is the end of the last request, and one hard prompt would judge the next request
-        (and keep the draft, and with it the measurements, from it) by its own acceptance."""
+        """For each shape, the tokens one step of it is expected to emit for a request not seen
+        yet, at a typical request's rates: the mean of the last finished requests' own (each as
+        it stood when the request finished) and the running global rates (weighing as one
+        more). The global rates alone remember a few hundred request-steps: at concurrency 1
+        with long answers that is the end of the last request, and one hard prompt would judge
+        the next request (and keep the draft, and with it the measurements, from it)."""
         chain = [c for c, _ in self._finished] + [self.global_chain_rates]
         trees = [t for _, t in self._finished] + [np.fromiter(self.tree.values(), np.float64, len(self.tree))]
         chain_total = np.cumsum(np.minimum.accumulate(np.mean(chain, axis=0)))
@@ -354,24 +354,24 @@ class AdaptiveSpeculation:
         mid-life (`AdaptivePolicy.admit`: its prompt and half its expected output; None: no decode
         step yet), that batch's row count, its prompt length and its token budget.
 
-        A verdict for the batch, not for this request alone: a step speculates only when every
-        row has the draft, so requests judged one by one (a long prompt plain, a short one with
-        the draft) would leave mixed batches that pay the draft's costs and never speculate. The
-        verdict weighs a typical recent request (see `request_seconds`: the mean prompt of the
-        last admissions, this one included, and the expected output at this request's budget):
-        its prompt's prefill plus its output at its share of a step, plain or at the best
-        speculative shape's time per expected token for a new request (a typical finished
-        request's acceptance: `Acceptance.new_request_expected_tokens`). The draft is given once it promises to finish such a request sooner by the
-        hysteresis margin, and withheld once it no longer promises to finish it sooner at all,
-        or once the step choice at the nearest key settled on no speculation (a request given the
-        draft then pays its prefill and stored pairs and never speculates: inside the hysteresis
-        band each verdict keeps what it had, so they can part there); in between the verdict stands. At a key without the step timings to judge (plain or
-        every speculative shape unknown there), the nearest judged key's per-row figures stand
-        in: a batch whose context grows into a new block-table width has not changed its mind,
-        and drafting every request admitted there would compile and time programs that lost one
-        width earlier. Yes before any key is judged. While withheld, a request gets the draft
-        anyway when no running request has had it for `resample_every` steps (its acceptance is
-        measured again).
+        A verdict for the batch, not for this request alone: a step speculates only when every row
+        has the draft, so requests judged one by one (a long prompt plain, a short one with the
+        draft) would leave mixed batches that pay the draft's costs and never speculate. The verdict
+        weighs a typical recent request (see `request_seconds`: the mean prompt of the last
+        admissions, this one included, and the expected output at this request's budget): its
+        prompt's prefill plus its output at its share of a step, plain or at the best speculative
+        shape's time per expected token for a new request (a typical finished request's acceptance:
+        `Acceptance.new_request_expected_tokens`). The draft is given once it promises to finish
+        such a request sooner by the hysteresis margin, and withheld once it no longer promises to
+        finish it sooner at all, or once the step choice at the nearest key settled on no
+        speculation (a request given the draft then pays its prefill and stored pairs and never
+        speculates: inside the hysteresis band each verdict keeps what it had, so they can part
+        there); in between the verdict stands. At a key without the step timings to judge (plain or
+        every speculative shape unknown there), the nearest judged key's per-row figures stand in: a
+        batch whose context grows into a new block-table width has not changed its mind, and
+        drafting every request admitted there would compile and time programs that lost one width
+        earlier. Yes before any key is judged. While withheld, a request gets the draft anyway when
+        no running request has had it for `resample_every` steps (its acceptance is measured again).
         """
         self.prompt_lens.append(prompt_len)
         figures = None if key is None else self._step_figures(key, max(rows, 1))
@@ -490,7 +490,8 @@ class AdaptiveSpeculation:
         version = self.costs.version
         cached = self._seconds_at.get(key)
         if cached is None or cached[0] != version:
-            cached = self._seconds_at[key] = version, [self.costs.estimated(s, key, self.auto.menu) for s in self.auto.menu]
+            seconds = [self.costs.estimated(shape, key, self.auto.menu) for shape in self.auto.menu]
+            cached = self._seconds_at[key] = version, seconds
         return cached[1]
 
     def observe(self, shape: Shape, key: Key, seconds: float | None, accepted: dict[str, int],

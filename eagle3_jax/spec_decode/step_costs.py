@@ -47,7 +47,8 @@ class StepCosts:
     kept until `version` changes: the choice before every decode step reads them all."""
 
     def __init__(self, window: int = 31, min_samples: int = 5, skip_first: int = 2, retake_every: int = 4):
-        self.window, self.min_samples, self.skip_first, self.retake_every = window, min_samples, skip_first, retake_every
+        self.window, self.min_samples, self.skip_first = window, min_samples, skip_first
+        self.retake_every = retake_every
         self._clock = 0  # samples observed
         self._last: dict[tuple[str, Key], int] = {}  # (name, key) -> _clock at its last sample
         self._skipped: collections.Counter = collections.Counter()
