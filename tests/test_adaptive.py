@@ -155,11 +155,13 @@ def test_auto_never_loses_as_the_context_grows():
                 else:
                     ctl.no_choice(False)
                     shape = None
+                # A speculative step after steps without speculation first runs a draft pass over
+                # the stored pairs (not timed); a step that stores pairs costs a little more.
                 catch_up = 0.15 + 0.009 * width if shape is not None and gap else 0.0
                 true = cost(shape, width) + catch_up + (0.02 if with_draft and shape is None else 0.0)
                 gap = gap + 1 if with_draft and shape is None else 0
                 a = 0
-                if shape is not None:
+                if shape is not None:  # a request's first few steps accept less
                     p = np.minimum(0.98, at_least[: shape.max_accept] * quality * min(1.0, 0.25 * (1 + emitted)))
                     a = int((rng.random(shape.max_accept) < p).cumprod().sum())
                 if ctl is not None:
