@@ -385,12 +385,16 @@ def test_requests_get_the_draft_only_while_speculation_pays():
         ctl.observe(None, other, 2.0, {}, plain=True)
     assert ctl.costs.predicted(C1, other, ctl.auto.menu) == pytest.approx(6.0)
     assert not ctl.wants_draft(other)
-    # After resample_every steps in which no row had the draft, one request gets it again.
+    # After resample_every steps in which no row had the draft, requests get it again: every one
+    # admitted until a step runs with every row drafted (a batch speculates only then: one
+    # drafted request beside plain ones would measure nothing), then the verdict rules again.
     for _ in range(5):
         ctl.no_choice(any_with_draft=False)
-    assert ctl.wants_draft(other) and not ctl.wants_draft(other)
+    assert ctl.wants_draft(other) and ctl.wants_draft(other)
+    ctl.choose(["a", "b"], other)
+    assert not ctl.wants_draft(other)
     stats = ctl.stats()
-    assert (stats["requests_with_draft"], stats["requests_without_draft"], stats["steps_without_draft"]) == (3, 4, 5)
+    assert (stats["requests_with_draft"], stats["requests_without_draft"], stats["steps_without_draft"]) == (4, 4, 5)
     # Cheap chains: speculation pays, every request gets the draft.
     ctl = AdaptiveSpeculation(AutoSpec.chains(2))
     teach(ctl, {"none": 1.0, "chain:1:1:2": 1.1, "chain:2:1:3": 1.2}, accepted=2)

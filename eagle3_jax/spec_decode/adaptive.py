@@ -69,9 +69,11 @@ A key without the step timings to judge uses the nearest judged key's. Nor does 
 the draft while the step choice at the nearest key has settled on no speculation: a request
 that never speculates would pay the draft's prefill for nothing. A step speculates only
 when every row has the draft (a row without it reserves KV pages for one token a step), and a
-batch in which no row has it runs the plain decode program, as if speculation were off. One
-request in a while gets the draft anyway (`resample_every`), so acceptance stays measured and
-speculation returns when the load changes.
+batch in which no row has it runs the plain decode program, as if speculation were off. Now
+and then (`resample_every`) requests get the draft anyway, so acceptance stays measured and
+speculation returns when the load changes: every request admitted until a step runs with every
+row drafted, since one drafted request beside plain ones would pay the draft's costs for its
+whole life and measure nothing.
 
 The choice never affects correctness: every shape's step is lossless, so greedy output is the
 same whatever runs (sampled output keeps the target's distribution).
@@ -312,6 +314,7 @@ class AdaptiveSpeculation:
         self.output_lens: collections.deque = collections.deque(maxlen=64)  # of recent finished requests
         self.prompt_lens: collections.deque = collections.deque(maxlen=64)  # of recent admitted requests
         self.drafting = True  # admission's verdict: new requests get the draft
+        self.resampling = False  # requests get the draft whatever the verdict until an all-draft step
         # Per key with the timings: (plain, best speculative per expected token) seconds per row of a step.
         self._judged: dict[Key, tuple[float, float]] = {}
         self.plain_steps = 0
@@ -324,6 +327,7 @@ class AdaptiveSpeculation:
         """The shape the next decode step of these requests (all with the draft) runs, at program key `key`."""
         self.acceptance.tick()
         rates = self.rates(request_ids, key)
+        self.resampling = False  # every row has the draft: this batch measures acceptance
         shape = self.current = self._choose(rates, key)
         if self.costs.measured(shape, key) is not None:
             self._speculates[key] = shape is not None
@@ -370,8 +374,9 @@ class AdaptiveSpeculation:
         every speculative shape unknown there), the nearest judged key's per-row figures stand in: a
         batch whose context grows into a new block-table width has not changed its mind, and
         drafting every request admitted there would compile and time programs that lost one width
-        earlier. Yes before any key is judged. While withheld, a request gets the draft anyway when
-        no running request has had it for `resample_every` steps (its acceptance is measured again).
+        earlier. Yes before any key is judged. While withheld, requests get the draft anyway once
+        no running request has had it for `resample_every` steps: every one admitted until a step
+        runs with every row drafted (only such a batch speculates and measures acceptance).
         """
         self.prompt_lens.append(prompt_len)
         figures = None if key is None else self._step_figures(key, max(rows, 1))
@@ -382,8 +387,8 @@ class AdaptiveSpeculation:
             else:
                 self.drafting = plain >= (1 + self.auto.hysteresis) * spec
         want = self.drafting
-        if not want and self.steps_without_draft >= self.auto.resample_every:
-            want, self.steps_without_draft = True, 0
+        if not want and (self.resampling or self.steps_without_draft >= self.auto.resample_every):
+            want, self.resampling, self.steps_without_draft = True, True, 0
         self.admitted["with_draft" if want else "without_draft"] += 1
         return want
 

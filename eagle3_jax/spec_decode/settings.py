@@ -163,7 +163,8 @@ class AutoSpec:
         cannot keep a close contender out for good.
     skip_margin: a shape predicted (from other keys) below (1 - skip_margin) x the best is not tried.
     resample_every: after this many decode steps in which no running request had the draft, the
-        next admitted request gets it (its acceptance is measured) whatever the prediction.
+        requests admitted next get it whatever the prediction, until a step runs with every row
+        drafted (only such a batch speculates and measures acceptance).
     """
 
     menu: tuple[Shape, ...]
