@@ -200,9 +200,13 @@ class Acceptance:
             return
         w, fade = self.prior_weight, 1.0 / table.unit
         drafted, steps = fade * table.drafted[row], fade * table.tree_steps[row]
-        trees = np.fromiter(self.tree.values(), np.float64, len(self.tree))
         self._finished.append(((fade * table.accepted[row] + w * self.chain) / (drafted + w),
-                               (fade * table.tree_accepted[row] + w * trees) / (steps + w)))
+                               (fade * table.tree_accepted[row] + w * self._tree_means) / (steps + w)))
+
+    @property
+    def _tree_means(self) -> np.ndarray:
+        """The global mean accepted count of each tree, in `self.tree`'s order."""
+        return np.fromiter(self.tree.values(), np.float64, len(self.tree))
 
     def observe(self, shape: SpecConfig, accepted: dict[str, int]) -> None:
         """One step of `shape`: draft tokens accepted per request id."""
@@ -279,7 +283,7 @@ class Acceptance:
         with long answers that is the end of the last request, and one hard prompt would judge
         the next request (and keep the draft, and with it the measurements, from it)."""
         chain = [c for c, _ in self._finished] + [self.global_chain_rates]
-        trees = [t for _, t in self._finished] + [np.fromiter(self.tree.values(), np.float64, len(self.tree))]
+        trees = [t for _, t in self._finished] + [self._tree_means]
         chain_total = np.cumsum(np.minimum.accumulate(np.mean(chain, axis=0)))
         tree = dict(zip(self.tree, np.mean(trees, axis=0)))
         return [1.0 if s is None else 1.0 + float(chain_total[s.max_accept - 1]) if is_chain(s)
@@ -430,8 +434,9 @@ class AdaptiveSpeculation:
         store = self.costs.measured(None, key)
         plain = self.costs.measured(PLAIN, key) or store
         shapes = self.auto.shapes
+        step_seconds = dict(zip(self.auto.menu, self._step_seconds(key)))
         spec = [seconds / tokens for shape, tokens in zip(shapes, self.acceptance.new_request_expected_tokens(shapes))
-                if (seconds := self.costs.estimated(shape, key, self.auto.menu))]
+                if (seconds := step_seconds[shape])]
         if plain and spec:
             scale = plain / store if store else 1.0
             figures = self._judged[key] = (plain / rows, scale * min(spec) / rows)
