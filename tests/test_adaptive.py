@@ -41,7 +41,8 @@ def test_auto_spec_menu_and_validation():
         with pytest.raises(ValueError, match="auto"):
             e3.SpecConfig.parse(bad)
     assert AutoSpec(menu=(C3, C3)).menu == (None, C3)  # no-spec always on the menu, repeats dropped
-    for bad in ({"menu": (None,)}, {"menu": (C1,), "hysteresis": 1.5}, {"menu": (C1,), "max_gap": 0},
+    for bad in ({"menu": (None,)}, {"menu": (C1,), "hysteresis": 1.5}, {"menu": (C1,), "shape_margin": -0.1},
+                {"menu": (C1,), "max_gap": 0},
                 {"menu": ("chain:3:1:4",)}, {"menu": (C1,), "refresh_every": 0}, {"menu": (C1,), "probe_steps": 0}):
         with pytest.raises(ValueError):
             AutoSpec(**bad)
@@ -213,6 +214,31 @@ def test_hysteresis_keeps_the_current_shape_within_the_margin():
     assert ctl.choose(["z"], KEY) is None
     ctl.acceptance.chain[:] = 0.5  # 1.5x: switch
     assert ctl.choose(["z"], KEY) == C1
+
+
+def test_speculative_shapes_trade_places_on_a_narrower_margin():
+    """Between two speculative shapes the step choice moves on `shape_margin`, not `hysteresis`:
+    trading one compiled speculative program for another costs nothing, so the wide band would
+    only keep the worse one. No speculation against speculation keeps the wide band (starting to
+    speculate costs a catch-up)."""
+    def controller(chain3_gain: float, current) -> AdaptiveSpeculation:
+        ctl = AdaptiveSpeculation(AutoSpec(menu=(None, C2, C3), hysteresis=0.1, shape_margin=0.03))
+        # Every draft token accepted: chain 2 emits 3 tokens a step (2 per second), chain 3 4.
+        teach(ctl, {"none": 1.0, "chain:2:1:3": 1.5, "chain:3:1:4": 4 / (chain3_gain * 2.0)}, accepted=3)
+        ctl.acceptance.chain[:] = 1.0
+        ctl.current = current
+        return ctl
+
+    ctl = controller(1.06, C2)
+    rates = ctl.rates(["z"], KEY)
+    assert rates[C3] / rates[C2] == pytest.approx(1.06)
+    assert ctl.choose(["z"], KEY) == C3  # inside the 10 % hysteresis, outside the 3 % margin
+    assert controller(1.02, C2).choose(["z"], KEY) == C2  # inside the margin: the current shape stays
+    ctl = controller(1.06, None)
+    ctl.acceptance.chain[:] = 0.575 / 2  # chain 2 promises 1.05x plain decoding's rate, chain 3 less
+    rates = ctl.rates(["z"], KEY)
+    assert rates[C2] / rates[None] == pytest.approx(1.05) and rates[C3] < rates[C2]
+    assert ctl.choose(["z"], KEY) is None
 
 
 def test_a_collapsed_request_stops_speculating():

@@ -35,7 +35,9 @@ one of them. The choice maximises
   shape that lost clearly is not run again at its low rate.
 
 Hysteresis: the step keeps the previous shape unless another promises more than
-`1 + hysteresis` times its rate.
+`1 + hysteresis` times its rate, when one of the two is no speculation (starting speculation
+costs a draft catch-up), or `1 + shape_margin` times (a narrower band) between two speculative
+shapes.
 
 A step without speculation runs no draft at all: it stores each row's (target feature, next
 token) pair, and the next speculative step first extends the draft cache over the stored pairs
@@ -464,7 +466,8 @@ class AdaptiveSpeculation:
                 if self.costs.measured(s, key) is None and (rates[s] is None or rates[s] >= (1 - auto.skip_margin) * best_known):
                     return s
         best = max(known, key=known.__getitem__)
-        if self.current in known and known[best] <= (1 + auto.hysteresis) * known[self.current]:
+        margin = auto.shape_margin if best is not None and self.current is not None else auto.hysteresis
+        if self.current in known and known[best] <= (1 + margin) * known[self.current]:
             return self.current
         return best
 

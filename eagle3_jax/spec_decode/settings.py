@@ -138,12 +138,17 @@ class AutoSpec:
     """Adaptive speculation over a menu of step shapes (`SpecConfig.auto(...)` builds one).
 
     menu: the shapes a step may run; None (no speculation) is always among them.
-    hysteresis: another shape must promise this much more throughput to replace the current one,
-        and speculation this much more than plain decoding for admissions to start giving new
-        requests the draft (they stop once it promises nothing).
+    hysteresis: speculation must promise this much more throughput than no speculation to replace
+        it in a step (and the reverse), and this much more than plain decoding for admissions to
+        start giving new requests the draft (they stop once it promises nothing).
         Step times leave out what speculation costs between steps (the draft's prefill,
         catch-ups), and on a busy host their medians wander by several percent: at 5% a CPU
         server near break-even drafted requests it then could not speculate for.
+    shape_margin: another speculative shape must promise this much more throughput to replace
+        the current speculative one. Smaller than `hysteresis`: trading one compiled speculative
+        program for another costs nothing (no catch-up, no draft to start or stop), so a wide band
+        only keeps a worse shape; this one keeps two shapes whose rates differ by less than their
+        timings' noise from trading places every step.
     prior_weight: how many steps of a request's own acceptance weigh as much as the global rate
         (a request's first steps often accept less than its later ones: at 2, three bad first
         steps kept a request from speculating for the rest of its 64 tokens).
@@ -169,6 +174,7 @@ class AutoSpec:
 
     menu: tuple[Shape, ...]
     hysteresis: float = 0.10
+    shape_margin: float = 0.03
     prior_weight: float = 8.0
     request_decay: float = 0.95
     max_gap: int = 16
@@ -187,8 +193,9 @@ class AutoSpec:
         if len(menu) < 2:
             raise ValueError("AutoSpec.menu needs at least one speculative shape")
         object.__setattr__(self, "menu", menu)
-        if not 0 <= self.hysteresis < 1:
-            raise ValueError(f"AutoSpec.hysteresis must be in [0, 1); got {self.hysteresis!r}")
+        for name in ("hysteresis", "shape_margin"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ValueError(f"AutoSpec.{name} must be in [0, 1); got {getattr(self, name)!r}")
         if not self.prior_weight > 0:
             raise ValueError(f"AutoSpec.prior_weight must be > 0; got {self.prior_weight!r}")
         if not 0 < self.request_decay <= 1:
