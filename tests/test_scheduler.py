@@ -242,6 +242,19 @@ def test_compiled_programs_are_bounded_and_freed(llama_pair):
     assert maps() < before + 200  # the dropped executables' mappings are gone
 
 
+def test_the_program_cache_default_follows_the_policy(llama_pair):
+    """Adaptive speculation keeps twice the programs: its menu compiles several decode programs at
+    each key it explores, and a bound just under its working set recompiles every pass."""
+    target, draft = llama_pair
+    kw = {"max_num_seqs": 2, "max_seq_len": 64}
+    assert Scheduler(target, **kw).programs.capacity == 48
+    assert Scheduler(target, draft, e3.SpecConfig(), **kw).programs.capacity == 48
+    assert Scheduler(target, draft, e3.SpecConfig.auto(3), **kw).programs.capacity == 96
+    assert Scheduler(target, draft, e3.SpecConfig.auto(3), max_compiled_programs=7, **kw).programs.capacity == 7
+    with pytest.raises(ValueError, match="max_compiled_programs"):
+        Scheduler(target, max_compiled_programs=1, **kw)
+
+
 def test_warm_up_compiles_what_a_burst_of_short_requests_runs(llama_pair):
     """After warm_up a burst of prompts of up to one chunk compiles nothing, and its tokens and
     counters are those of a scheduler that never warmed up."""

@@ -192,15 +192,23 @@ class Scheduler:
     a `data` mesh a request of `context_parallel_len` tokens or more (prompt + max tokens) is
     spread over every data shard (batch.py); default: more than a row's share of the pool.
 
+    Compiled step programs are kept up to `max_compiled_programs`, the least recently used dropped
+    past it (programs.ProgramCache); default: 48, or 96 with adaptive speculation, whose menu
+    compiles several decode programs at each key it explores.
+
     Not thread-safe: one thread calls its methods (see serving.AsyncEngine for asyncio use).
     """
 
     def __init__(self, target: Target, draft: Draft | None = None, spec: SpecConfig | AutoSpec | None = None, *,
                  max_num_seqs: int = 64, max_seq_len: int = 2048, page_size: int = 16,
-                 num_pages: int | None = None, prefill_chunk: int = PREFILL_CHUNK, max_compiled_programs: int = 48,
-                 overlap: bool = True, tokenizer: Tokenizer | None = None, max_logprobs: int = 20,
+                 num_pages: int | None = None, prefill_chunk: int = PREFILL_CHUNK,
+                 max_compiled_programs: int | None = None, overlap: bool = True, tokenizer: Tokenizer | None = None, max_logprobs: int = 20,
                  logprobs_mode: str = "raw", prefix_caching: bool = False, kv_cache_dtype: str = "auto",
                  context_parallel_len: int | None = None, host_kv_cache_gb: float = 0.0):
+        self.spec = check_speculation(target, draft, spec)
+        self.policy = policy_for(self.spec)
+        if max_compiled_programs is None:
+            max_compiled_programs = self.policy.program_cache_size
         for name, value, low in (("max_num_seqs", max_num_seqs, 1), ("max_seq_len", max_seq_len, 2),
                                  ("page_size", page_size, 1), ("prefill_chunk", prefill_chunk, 1),
                                  ("max_compiled_programs", max_compiled_programs, 2), ("max_logprobs", max_logprobs, 0)):
@@ -212,8 +220,6 @@ class Scheduler:
         self._logprob_settings = LogprobSettings(min(self.max_logprobs, target.config.vocab_size),
                                                  processed=logprobs_mode == "processed")
         self.target, self.tokenizer = target, tokenizer
-        self.spec = check_speculation(target, draft, spec)
-        self.policy = policy_for(self.spec)
         self.draft = None if draft is None else with_target_kernels(draft, target)
         self.max_num_seqs, self.max_seq_len = int(max_num_seqs), int(max_seq_len)
         self.page_size, self.prefill_chunk = int(page_size), int(prefill_chunk)

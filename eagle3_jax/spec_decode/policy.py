@@ -72,6 +72,9 @@ class SpeculationPolicy:
     max_gap = 0  # stores_pairs: pairs a request may hold before a catch-up
     spec: SpecConfig | AutoSpec | None = None  # what the user asked for
     prefill_programs: tuple[str, ...] = ("plain_prefill",)  # the prefill programs it may run
+    # The compiled programs a scheduler keeps by default (`Scheduler(max_compiled_programs=None)`):
+    # a prefill and a decode program per key, for the keys a serving mix visits.
+    program_cache_size = 48
 
     def reserve(self, with_draft: bool) -> tuple[int, int]:
         """(slots one step may commit, slots past them it may write) for a request with or without
@@ -140,6 +143,10 @@ class AdaptivePolicy(SpeculationPolicy):
 
     uses_draft = stores_pairs = True
     prefill_programs = ("prefill", "plain_prefill")
+    # Where it explores, a key holds two prefill programs and up to a decode program per menu
+    # shape, the storing one, the catch-up and the plain one: on the agent trace its working set
+    # was 53 programs, and an LRU bound just under it recompiles one or two programs each pass.
+    program_cache_size = 96
 
     def __init__(self, auto: AutoSpec):
         self.spec = auto
