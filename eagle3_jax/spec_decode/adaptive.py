@@ -11,7 +11,8 @@ one of them. The choice maximises
   token does not depend on the chain's length, so every chain length shares these rates. A tree
   has its own mean accepted count. A request's rates blend its own recent counts (decayed by
   `request_decay` per decode step, speculative or not: a window of about 20 steps) with the
-  running global rates (over the last ~512 request-steps, all requests together), weighted as
+  running global rates (over the last ~512 request-steps, all requests together; a position
+  short chains rarely reach is predicted from those before it), weighted as
   `prior_weight` steps, so a new request starts from the global estimate, a few bad first steps
   do not stop it for good, and a request whose acceptance collapses soon contributes little more
   than its one token: with no gain left in the batch, the scheduler stops speculating.
@@ -176,10 +177,11 @@ class Acceptance:
         # the prior of every request admitted after them (an estimate that falls too low keeps
         # the draft from new requests, and with it the measurements that would correct it).
         self.row_decay = 1.0 - 1.0 / window
-        # Optimistic until measured (as `prior_rows` rows), so every shape gets tried.
-        optimistic = 0.9 ** np.arange(1, depth + 1)
-        self._drafted, self._accepted = np.full(depth, prior_rows), prior_rows * optimistic
-        self.chain = optimistic.copy()  # the running global rates: _accepted / _drafted
+        # Counts per chain position, each blended with a prior worth `prior_rows` rows (`_chain_rates`).
+        self.prior_rows = prior_rows
+        self._drafted, self._accepted = np.zeros(depth), np.zeros(depth)
+        self.chain = self._chain_rates()  # the running global rates
+        optimistic = self.chain.copy()
         self.tree = {shape_name(t): float(optimistic[: t.max_accept].sum()) for t in trees}
         self._tree_counts = {name: (prior_rows, prior_rows * mean) for name, mean in self.tree.items()}
         self._requests = _RequestCounts(depth, list(self.tree))
@@ -226,9 +228,13 @@ class Acceptance:
             hit = positions < counts[:, None]  # [n, depth]: at least i + 1 draft tokens accepted (i < k)
             table.drafted[rows] += unit * (positions < k)
             table.accepted[rows] += unit * hit
-            self._drafted[:k] = fade * self._drafted[:k] + n
-            self._accepted[:k] = fade * self._accepted[:k] + hit[:, :k].sum(axis=0)
-            self.chain[:k] = self._accepted[:k] / self._drafted[:k]
+            # Every position fades, drafted or not: one that short chains never reach forgets its
+            # old counts and follows the positions before it (`_chain_rates`).
+            self._drafted = fade * self._drafted
+            self._accepted = fade * self._accepted
+            self._drafted[:k] += n
+            self._accepted[:k] += hit[:, :k].sum(axis=0)
+            self.chain = self._chain_rates()
         else:
             name = shape_name(shape)
             column = table.column[name]
@@ -238,6 +244,22 @@ class Acceptance:
             steps, total = fade * steps + n, fade * total + float(counts.sum())
             self._tree_counts[name] = steps, total
             self.tree[name] = total / steps
+
+    def _chain_rates(self) -> np.ndarray:
+        """Each chain position's global rate: its counts blended with a prior worth `prior_rows`
+        rows. Position 1's prior is optimistic (0.9), so speculation gets tried; a deeper
+        position's is the position before it times that position's own conditional rate (its
+        rate over the rate before it): draft tokens are accepted at a roughly steady conditional
+        rate along a chain, so a position that runs rarely (while short chains win) is predicted
+        from the measured ones, not kept at an optimistic or stale figure that makes a long chain
+        look better than the short one measured beside it."""
+        rates = np.empty(len(self._drafted))
+        before, conditional = 1.0, 0.9
+        for i, (drafted, accepted) in enumerate(zip(self._drafted, self._accepted)):
+            prior = before * conditional
+            rates[i] = (accepted + self.prior_rows * prior) / (drafted + self.prior_rows)
+            conditional, before = rates[i] / before, rates[i]
+        return rates
 
     def total_expected_tokens(self, shapes: Sequence[Shape], request_ids: Sequence[str]) -> list[float]:
         """For each shape, the tokens one step of it is expected to emit (bonus token included),
@@ -273,8 +295,8 @@ class Acceptance:
     @property
     def global_chain_rates(self) -> np.ndarray:
         """The global chance that at least i draft tokens are accepted, i = 1..depth. A position
-        drafted rarely (long chains seldom run) keeps an old or optimistic estimate; it cannot
-        exceed the position before it."""
+        drafted rarely (long chains seldom run) follows the positions before it (`_chain_rates`);
+        none exceeds the position before it."""
         return np.minimum.accumulate(self.chain)
 
     def new_request_expected_tokens(self, shapes: Sequence[Shape]) -> list[float]:
