@@ -495,6 +495,28 @@ def test_the_draft_must_pay_for_its_prefill_over_the_whole_request():
     assert not ctl.wants_draft(KEY, rows=64, prompt_len=100, max_tokens=100)
 
 
+def test_admission_counts_the_prefix_the_draft_would_compute_again():
+    """Pages that plain prefills cached lack the draft's KV: a session whose turns ran plain would
+    prefill its whole prefix again with the draft, and admission weighs the tokens each verdict
+    leaves to compute, not the prompt."""
+
+    def taught():
+        ctl = AdaptiveSpeculation(AutoSpec.chains(1))
+        teach(ctl, {"none": 1.0, "chain:1:1:2": 1.25}, accepted=1)  # chain 1: 2 tokens for 1.25x a step
+        for with_draft, per_token in ((True, 0.02), (False, 0.01)):
+            for _ in range(PREFILL_TIMED):
+                ctl.observe_prefill(with_draft, (4, 64), 100, 100 * per_token)
+        return ctl
+
+    figures = taught()._step_figures(KEY, 1)
+    # 5,000 prompt tokens, 4,000 cached by plain prefills, 100 out: plain 1,000 x 0.01 + 100 x 1.0
+    # = 110 s; with the draft 5,000 x 0.02 + 100 x 0.625 = 162.5 s (about).
+    assert taught().request_seconds(figures, 5000, 100, plain_prompt_len=1000) == pytest.approx((110, 162.5), rel=0.01)
+    assert not taught().wants_draft(KEY, rows=1, prompt_len=5000, max_tokens=100, cached=(0, 4000))
+    # The same prefix cached with the draft's KV: both compute 1,000 tokens (plain 110 s, draft 82.5 s).
+    assert taught().wants_draft(KEY, rows=1, prompt_len=5000, max_tokens=100, cached=(4000, 4000))
+
+
 def test_admission_judges_speculation_by_its_ratio_to_the_steps_beside_it():
     """Speculative steps are timed beside the steps that store pairs; plain steps at another time,
     when the host may run slower or faster. Admission applies the speculative/storing ratio of

@@ -119,6 +119,29 @@ def test_speculation_hit_rate_equals_plain(turns):
         assert spec[key] == plain[key], key
 
 
+def test_adaptive_admission_weighs_both_hits_and_a_drafted_turn_computes_a_plain_prefix_again(pair, turns):
+    """Pages a plain prefill cached lack the draft's KV. With `auto`, first turns admitted without
+    the draft and second turns with it: admission is told both hits (with the draft's KV: none),
+    the drafted turns compute their prefix again, and every output is plain decoding's."""
+    target, draft = pair
+    sched = Scheduler(target, draft, e3.SpecConfig.auto(3), prefix_caching=True, max_num_seqs=8, max_seq_len=160,
+                      page_size=PAGE, prefill_chunk=32)
+    adaptive, told = sched.policy.adaptive, []
+    judge = adaptive.wants_draft
+
+    def first_turns_plain(key, rows=1, prompt_len=0, max_tokens=None, cached=(0, 0)):
+        told.append(cached)
+        judge(key, rows, prompt_len, max_tokens, cached)
+        return len(told) > 4
+
+    adaptive.wants_draft = first_turns_plain
+    got, stats = _turns(sched)
+    assert got == turns(False, caching=False)[0]
+    assert told[:4] == [(0, 0)] * 4  # admitted together: nothing cached yet
+    assert all(with_draft == 0 and plain >= 9 * PAGE for with_draft, plain in told[4:])
+    assert stats["prefix_cache_hits_total"] == 0
+
+
 def test_n_choices_share_the_prompt_and_are_seeded(pair):
     sched = _scheduler(pair, True, caching=True)
     prompt = SYSTEM + [410, 411]

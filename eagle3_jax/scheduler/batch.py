@@ -203,9 +203,13 @@ class RunningBatch:
                          len(req.prompt), req.budget, self.shards)
             req.wait_for = None
             rows = len(self.running) + 1
-            with_draft = self.policy.admit(self._key_at(rows), rows, len(req.prefill_ids), req.budget - len(req.output))
-            if self.policy.uses_draft and not with_draft and req.shard != SPREAD:
-                cached = self._cached_prefix(req, False, req.shard)  # target-only pages serve it too
+            # Target-only pages serve a request without the draft too: the policy weighs both hits.
+            plain = (self._cached_prefix(req, False, req.shard) if self.policy.chooses_draft and req.shard != SPREAD
+                     else cached)
+            with_draft = self.policy.admit(self._key_at(rows), rows, len(req.prefill_ids), req.budget - len(req.output),
+                                           (len(cached) * self.page_size, len(plain) * self.page_size))
+            if not with_draft:
+                cached = plain
             self._count_hits(req, cached)
             need = pages_for(len(req.prefill_ids) + self.lookahead, self.page_size) - len(cached)
             self.waiting.popleft()

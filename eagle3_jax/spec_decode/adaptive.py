@@ -54,9 +54,11 @@ stored pairs, the catch-ups), so the draft follows only requests that may use it
 admitted while speculation is not expected to pay for it (`wants_draft`) decodes without the draft
 to its end. That judgement is one verdict for the batch (a step speculates only when every row
 has the draft, so per-request verdicts would leave mixed batches that never speculate), with
-hysteresis, and it weighs a whole typical request, not one step: the mean prompt of recent
-admissions' prefill (timed per prompt token with and without the draft, by chunk program:
-`step_costs.PrefillCosts`) plus its expected output (the mean length of recent finished requests, at most
+hysteresis, and it weighs a whole typical request, not one step: the prompt tokens recent
+admissions' prefills compute, on average, with the draft and without (the prefix cache's hits
+differ: pages a plain prefill cached lack the draft's KV, so a session's turn given the draft
+after plain ones computes its whole prefix again), each at its prefill's time per token (by chunk
+program: `step_costs.PrefillCosts`), plus its expected output (the mean length of recent finished requests, at most
 its budget) at its share of the step time of the batch it joins, plain or at the best
 speculative shape's time per expected token (as its ratio to the steps without speculation
 timed beside it, applied to the plain step of now: the two are timed at different moments),
@@ -380,18 +382,21 @@ class AdaptiveSpeculation:
             self.steps_without_draft += 1
             self.plain_steps += 1
 
-    def wants_draft(self, key: Key | None, rows: int = 1, prompt_len: int = 0, max_tokens: int | None = None) -> bool:
+    def wants_draft(self, key: Key | None, rows: int = 1, prompt_len: int = 0, max_tokens: int | None = None,
+                    cached: tuple[int, int] = (0, 0)) -> bool:
         """Whether a request admitted now gets the draft (a draft prefill over its prompt, its pairs
         stored for catch-ups), given the program key of the batch it joins at the request's
         mid-life (`AdaptivePolicy.admit`: its prompt and half its expected output; None: no decode
-        step yet), that batch's row count, its prompt length and its token budget.
+        step yet), that batch's row count, its prompt length, its token budget and the prompt
+        tokens the prefix cache holds for it with the draft and without (`cached`: pages cached by
+        plain prefills lack the draft's KV, so a request given the draft computes them again).
 
         A verdict for the batch, not for this request alone: a step speculates only when every row
         has the draft, so requests judged one by one (a long prompt plain, a short one with the
         draft) would leave mixed batches that pay the draft's costs and never speculate. The verdict
-        weighs a typical recent request (see `request_seconds`: the mean prompt of the last
-        admissions, this one included, and the expected output at this request's budget): its
-        prompt's prefill plus its output at its share of a step, plain or at the best speculative
+        weighs a typical recent request (see `request_seconds`: the mean uncached prompt of the
+        last admissions, this one included, with the draft and without, and the expected output at
+        this request's budget): its prompt's prefill plus its output at its share of a step, plain or at the best speculative
         shape's time per expected token for a new request (a typical finished request's acceptance:
         `Acceptance.new_request_expected_tokens`). The draft is given once it promises to finish
         such a request sooner by the hysteresis margin, and withheld once it no longer promises to
@@ -406,10 +411,11 @@ class AdaptiveSpeculation:
         no running request has had it for `resample_every` steps: every one admitted until a step
         runs with every row drafted (only such a batch speculates and measures acceptance).
         """
-        self.prompt_lens.append(prompt_len)
+        self.prompt_lens.append((prompt_len - cached[0], prompt_len - cached[1]))
         figures = None if key is None else self._step_figures(key, max(rows, 1))
         if figures is not None:
-            plain, spec = self.request_seconds(figures, statistics.fmean(self.prompt_lens), max_tokens)
+            with_draft, plain = np.mean(self.prompt_lens, axis=0)
+            plain, spec = self.request_seconds(figures, with_draft, max_tokens, plain_prompt_len=plain)
             if self.drafting:
                 self.drafting = plain >= spec and self._step_speculates(key) is not False
             else:
@@ -425,16 +431,18 @@ class AdaptiveSpeculation:
         nearest = min(self._speculates, key=lambda k: key_distance(k, key), default=None)
         return None if nearest is None else self._speculates[nearest]
 
-    def request_seconds(self, figures: tuple[float, float], prompt_len: float, max_tokens: int | None
-                        ) -> tuple[float, float]:
-        """A new request's expected serving time (plain, with the draft): prompt_len x prefill
-        seconds per token + expected output tokens x `figures` (step seconds per row per token,
-        plain and best speculative). While only one prefill kind is timed, both take its cost
-        (until a plain prefill is timed, the draft's prefill is taken as free)."""
+    def request_seconds(self, figures: tuple[float, float], prompt_len: float, max_tokens: int | None,
+                        plain_prompt_len: float | None = None) -> tuple[float, float]:
+        """A new request's expected serving time (plain, with the draft): the prompt tokens each
+        prefill computes (`prompt_len` with the draft, `plain_prompt_len` without, default the
+        same) x its seconds per token + expected output tokens x `figures` (step seconds per row
+        per token, plain and best speculative). While only one prefill kind is timed, both take
+        its cost (until a plain prefill is timed, the draft's prefill is taken as free)."""
         with_draft, plain = self.prefill.per_token(True), self.prefill.per_token(False)
         with_draft, plain = (with_draft or plain or 0.0), (plain or with_draft or 0.0)
+        plain_prompt_len = prompt_len if plain_prompt_len is None else plain_prompt_len
         tokens = self.expected_output_len(max_tokens)
-        return prompt_len * plain + tokens * figures[0], prompt_len * with_draft + tokens * figures[1]
+        return plain_prompt_len * plain + tokens * figures[0], prompt_len * with_draft + tokens * figures[1]
 
     def expected_output_len(self, max_tokens: int | None) -> float:
         """Tokens a new request is expected to generate: the mean of recent finished requests (its

@@ -67,6 +67,7 @@ class SpeculationPolicy:
     """The interface; see the module doc. Defaults are plain decoding's."""
 
     uses_draft = False  # the programs carry the draft's caches and state
+    chooses_draft = False  # `admit` decides per request whether it gets the draft
     stores_pairs = False  # the device state keeps (feature, token) pairs for draft catch-ups
     max_accept = 0  # most draft tokens one step may accept
     max_gap = 0  # stores_pairs: pairs a request may hold before a catch-up
@@ -86,10 +87,12 @@ class SpeculationPolicy:
         """The most slots past the committed length any step may write."""
         return max(self.reserve(True)[1], self.reserve(False)[1])
 
-    def admit(self, key_at: Callable[[int], Key] | None, rows: int, prompt_len: int, max_tokens: int) -> bool:
+    def admit(self, key_at: Callable[[int], Key] | None, rows: int, prompt_len: int, max_tokens: int,
+              cached: tuple[int, int] = (0, 0)) -> bool:
         """Whether a request admitted now decodes with the draft. `key_at(tokens)`: the program key
         of the batch it joins (`rows` rows) once its context holds `tokens` tokens (None before any
-        decode step)."""
+        decode step); `cached`: its prompt tokens the prefix cache holds with the draft's KV and
+        without (the second only where `chooses_draft`; else the first)."""
         return self.uses_draft
 
     def plan(self, rows: Sequence[Row], key: Key) -> StepPlan:
@@ -141,7 +144,7 @@ class AdaptivePolicy(SpeculationPolicy):
     """Adaptive speculation (adaptive.py) behind the policy interface, with the bookkeeping of the
     pairs a request's draft has not seen (`Row.gap`)."""
 
-    uses_draft = stores_pairs = True
+    uses_draft = stores_pairs = chooses_draft = True
     prefill_programs = ("prefill", "plain_prefill")
     # Where it explores, a key holds two prefill programs and up to a decode program per menu
     # shape, the storing one, the catch-up and the plain one: on the agent trace its working set
@@ -160,11 +163,12 @@ class AdaptivePolicy(SpeculationPolicy):
         # A catch-up's writes past the stored pairs need no room (see the catch-up program).
         return self.max_accept + 1, max(step_lookahead(s) for s in self.spec.shapes)
 
-    def admit(self, key_at: Callable[[int], Key] | None, rows: int, prompt_len: int, max_tokens: int) -> bool:
+    def admit(self, key_at: Callable[[int], Key] | None, rows: int, prompt_len: int, max_tokens: int,
+              cached: tuple[int, int] = (0, 0)) -> bool:
         # Judged at the key of the request's mid-life (its prompt and half its expected output):
         # step costs grow with the context, so its start would flatter speculation and its end not.
         key = None if key_at is None else key_at(round(prompt_len + self.adaptive.expected_output_len(max_tokens) / 2))
-        return self.adaptive.wants_draft(key, rows=rows, prompt_len=prompt_len, max_tokens=max_tokens)
+        return self.adaptive.wants_draft(key, rows=rows, prompt_len=prompt_len, max_tokens=max_tokens, cached=cached)
 
     def plan(self, rows: Sequence[Row], key: Key) -> StepPlan:
         with_draft = sum(r.with_draft for r in rows)
