@@ -202,8 +202,9 @@ class Scheduler:
     def __init__(self, target: Target, draft: Draft | None = None, spec: SpecConfig | AutoSpec | None = None, *,
                  max_num_seqs: int = 64, max_seq_len: int = 2048, page_size: int = 16,
                  num_pages: int | None = None, prefill_chunk: int = PREFILL_CHUNK,
-                 max_compiled_programs: int | None = None, overlap: bool = True, tokenizer: Tokenizer | None = None, max_logprobs: int = 20,
-                 logprobs_mode: str = "raw", prefix_caching: bool = False, kv_cache_dtype: str = "auto",
+                 max_compiled_programs: int | None = None, overlap: bool = True, tokenizer: Tokenizer | None = None,
+                 max_logprobs: int = 20, logprobs_mode: str = "raw", prefix_caching: bool = False,
+                 kv_cache_dtype: str = "auto",
                  context_parallel_len: int | None = None, host_kv_cache_gb: float = 0.0):
         self.spec = check_speculation(target, draft, spec)
         self.policy = policy_for(self.spec)
