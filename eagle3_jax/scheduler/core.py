@@ -142,6 +142,16 @@ def _check_capacity(prompt: int, budget: int, reserve: int, page_size: int, usab
                             "or raise num_pages")
 
 
+def _check_settings(lower_bounds: dict[str, tuple[object, int]], logprobs_mode: str) -> None:
+    """A ValueError naming the first setting that is not an integer of at least its bound
+    (`lower_bounds`: name -> (value, bound)), or a logprobs mode not known."""
+    for name, (value, low) in lower_bounds.items():
+        if not isinstance(value, (int, np.integer)) or value < low:
+            raise ValueError(f"{name} must be an integer >= {low}; got {value!r}")
+    if logprobs_mode not in LOGPROBS_MODES:
+        raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}; got {logprobs_mode!r}")
+
+
 def _spread_len(context_parallel_len: int | None, num_pages: int, max_num_seqs: int, page_size: int) -> int:
     """The tokens from which a request is spread over the data shards (see Scheduler)."""
     if context_parallel_len is None:
@@ -190,11 +200,9 @@ class Scheduler:
     `kv_cache_dtype`: "auto" (KV pages in the compute dtype) or "fp8" (float8 with a scale per
     token per 128 lanes, about half the bytes: kv_cache.Fp8Slots), for target and draft alike. On
     a `data` mesh a request of `context_parallel_len` tokens or more (prompt + max tokens) is
-    spread over every data shard (batch.py); default: more than a row's share of the pool.
-
-    Compiled step programs are kept up to `max_compiled_programs`, the least recently used dropped
-    past it (programs.ProgramCache); default: 48, or 96 with adaptive speculation, whose menu
-    compiles several decode programs at each key it explores.
+    spread over every data shard (batch.py); default: more than a row's share of the pool. At most
+    `max_compiled_programs` compiled step programs are kept (programs.ProgramCache); default: 48,
+    or 96 with adaptive speculation, whose menu compiles several decode programs per key.
 
     Not thread-safe: one thread calls its methods (see serving.AsyncEngine for asyncio use).
     """
@@ -204,22 +212,16 @@ class Scheduler:
                  num_pages: int | None = None, prefill_chunk: int = PREFILL_CHUNK,
                  max_compiled_programs: int | None = None, overlap: bool = True, tokenizer: Tokenizer | None = None,
                  max_logprobs: int = 20, logprobs_mode: str = "raw", prefix_caching: bool = False,
-                 kv_cache_dtype: str = "auto",
-                 context_parallel_len: int | None = None, host_kv_cache_gb: float = 0.0):
+                 kv_cache_dtype: str = "auto", context_parallel_len: int | None = None, host_kv_cache_gb: float = 0.0):
         self.spec = check_speculation(target, draft, spec)
         self.policy = policy_for(self.spec)
         if max_compiled_programs is None:
             max_compiled_programs = self.policy.program_cache_size
-        for name, value, low in (("max_num_seqs", max_num_seqs, 1), ("max_seq_len", max_seq_len, 2),
-                                 ("page_size", page_size, 1), ("prefill_chunk", prefill_chunk, 1),
-                                 ("max_compiled_programs", max_compiled_programs, 2), ("max_logprobs", max_logprobs, 0)):
-            if not isinstance(value, (int, np.integer)) or value < low:
-                raise ValueError(f"{name} must be an integer >= {low}; got {value!r}")
-        if logprobs_mode not in LOGPROBS_MODES:
-            raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}; got {logprobs_mode!r}")
+        _check_settings({"max_num_seqs": (max_num_seqs, 1), "max_seq_len": (max_seq_len, 2), "page_size": (page_size, 1),
+                         "prefill_chunk": (prefill_chunk, 1), "max_compiled_programs": (max_compiled_programs, 2),
+                         "max_logprobs": (max_logprobs, 0)}, logprobs_mode)
         self.max_logprobs = int(max_logprobs)
-        self._logprob_settings = LogprobSettings(min(self.max_logprobs, target.config.vocab_size),
-                                                 processed=logprobs_mode == "processed")
+        self._logprob_settings = LogprobSettings(min(self.max_logprobs, target.config.vocab_size), logprobs_mode == "processed")
         self.target, self.tokenizer = target, tokenizer
         self.draft = None if draft is None else with_target_kernels(draft, target)
         self.max_num_seqs, self.max_seq_len = int(max_num_seqs), int(max_seq_len)
@@ -240,9 +242,7 @@ class Scheduler:
                                    num_pages=num_pages, max_pages_per_seq=self.max_pages_per_seq,
                                    lookahead=self.lookahead, prefix_caching=bool(prefix_caching), data_shards=shards,
                                    spread_len=_spread_len(context_parallel_len, num_pages, self.max_num_seqs, page_size))
-        # The programs run the target capturing the hidden states the draft reads.
-        features = target if draft is None else target.capturing(draft.aux_layer_ids)
-        self._executor = Executor(features, self.draft, self.policy, int(num_pages), self.page_size, self.max_num_seqs,
+        self._executor = Executor(target, self.draft, self.policy, int(num_pages), self.page_size, self.max_num_seqs,
                                   int(max_compiled_programs), kv_cache_dtype)
         self.programs = self._executor.programs
         self._launcher = Launcher(self._executor, self._batch, self.policy, self.counters, self._logprob_settings,

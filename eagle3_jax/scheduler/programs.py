@@ -417,6 +417,8 @@ class Executor:
 
     def __init__(self, target: Target, draft: Draft | None, policy: SpeculationPolicy, num_pages: int,
                  page_size: int, num_slots: int, max_compiled_programs: int, kv_cache_dtype: str = "auto"):
+        # The programs run the target capturing the hidden states the draft reads.
+        target = target if draft is None else target.capturing(draft.aux_layer_ids)
         self.target, self.draft, self.kv_cache_dtype = target, draft, kv_cache_dtype
         kv_fp8 = kv_cache.resolve_kv_dtype(kv_cache_dtype, uses_fnuz("auto"))
         self.state = init_state(target, draft, policy, num_pages, page_size, num_slots, kv_fp8)
