@@ -221,7 +221,8 @@ class Scheduler:
                          "prefill_chunk": (prefill_chunk, 1), "max_compiled_programs": (max_compiled_programs, 2),
                          "max_logprobs": (max_logprobs, 0)}, logprobs_mode)
         self.max_logprobs = int(max_logprobs)
-        self._logprob_settings = LogprobSettings(min(self.max_logprobs, target.config.vocab_size), logprobs_mode == "processed")
+        self._logprob_settings = LogprobSettings(min(self.max_logprobs, target.config.vocab_size),
+                                                 processed=logprobs_mode == "processed")
         self.target, self.tokenizer = target, tokenizer
         self.draft = None if draft is None else with_target_kernels(draft, target)
         self.max_num_seqs, self.max_seq_len = int(max_num_seqs), int(max_seq_len)

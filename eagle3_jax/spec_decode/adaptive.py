@@ -182,9 +182,8 @@ class Acceptance:
         # Counts per chain position, each blended with a prior worth `prior_rows` rows (`_chain_rates`).
         self.prior_rows = prior_rows
         self._drafted, self._accepted = np.zeros(depth), np.zeros(depth)
-        self.chain = self._chain_rates()  # the running global rates
-        optimistic = self.chain.copy()
-        self.tree = {shape_name(t): float(optimistic[: t.max_accept].sum()) for t in trees}
+        self.chain = self._chain_rates()  # the running global rates, optimistic until measured
+        self.tree = {shape_name(t): float(self.chain[: t.max_accept].sum()) for t in trees}
         self._tree_counts = {name: (prior_rows, prior_rows * mean) for name, mean in self.tree.items()}
         self._requests = _RequestCounts(depth, list(self.tree))
         # Finished requests' own rates (chain positions, tree means), newest last.
@@ -396,9 +395,9 @@ class AdaptiveSpeculation:
         draft) would leave mixed batches that pay the draft's costs and never speculate. The verdict
         weighs a typical recent request (see `request_seconds`: the mean uncached prompt of the
         last admissions, this one included, with the draft and without, and the expected output at
-        this request's budget): its prompt's prefill plus its output at its share of a step, plain or at the best speculative
-        shape's time per expected token for a new request (a typical finished request's acceptance:
-        `Acceptance.new_request_expected_tokens`). The draft is given once it promises to finish
+        this request's budget): its prompt's prefill plus its output at its share of a step, plain
+        or at the best speculative shape's time per expected token for a new request (a typical
+        finished request's acceptance: `Acceptance.new_request_expected_tokens`). The draft is given once it promises to finish
         such a request sooner by the hysteresis margin, and withheld once it no longer promises to
         finish it sooner at all, or once the step choice at the nearest key settled on no
         speculation (a request given the draft then pays its prefill and stored pairs and never
