@@ -18,8 +18,8 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HARNESS = os.path.join(ROOT, "benchmarks", "harness")
 SCRIPTS = ("aa-noise-floor", "aa-ratios", "agent-soak", "auto-host-ab", "auto-steps-costed", "layers-unrolled-ab", "long-context",
-           "long-pair-ab", "long-prompt", "moe-dense-ab", "moe-small-dense-ab", "sampling-sort-ab",
-           "vllm-side-by-side")
+           "long-pair-ab", "long-prompt", "moe-dense-ab", "moe-small-dense-ab", "paged-attention-forms",
+           "sampling-sort-ab", "vllm-side-by-side")
 
 
 def run_harness(script: str, *args: str, cwd: str = ROOT, timeout: int = 600) -> subprocess.CompletedProcess:
@@ -56,8 +56,8 @@ def test_outputs_are_not_written_over(tmp_path):
     existing = tmp_path / "rows.json"
     existing.write_text("[]")
     env = dict(os.environ, PYTHONPATH=ROOT, XLA_FLAGS="")
-    for script in ("layers-unrolled-ab", "long-prompt", "moe-dense-ab", "moe-small-dense-ab", "sampling-sort-ab",
-           "vllm-side-by-side"):
+    for script in ("layers-unrolled-ab", "long-prompt", "moe-dense-ab", "moe-small-dense-ab", "paged-attention-forms",
+                   "sampling-sort-ab", "vllm-side-by-side"):
         r = subprocess.run([sys.executable, os.path.join(HARNESS, f"{script}.py"), f"--json_out={existing}"],
                            capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
         assert r.returncode != 0 and "already exists" in r.stderr and "Traceback" not in r.stderr, r.stderr
@@ -103,6 +103,17 @@ def test_layers_unrolled_ab(tmp_path):
     rows = json.loads(out.read_text())
     assert {(r["experts"], r["layers"]) for r in rows} == {(e, l) for e in ("gathered", "dense")
                                                            for l in ("stacked", "unrolled")}
+
+
+def test_paged_attention_forms(tmp_path):
+    """Every form runs and equals the engine's attention (the harness asserts it before timing)."""
+    out = tmp_path / "rows.json"
+    run_harness("paged-attention-forms", "--batch=2", "--contexts=64", "--tokens=1,4", "--rounds=3",
+                f"--json_out={out}")
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["context"], r["tokens"]) for r in rows] == [(64, 1), (64, 4)]
+    assert set(rows[0]["ms"]) == {"engine", "blocks32", "head_major_pool", "multiply_reduce", "block_diagonal",
+                                  "gather_only"}
 
 
 def test_sampling_sort_ab(tmp_path):

@@ -101,8 +101,10 @@ def forms(batch: int, context: int, tokens: int, kv_heads: int, group: int, dim:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, default=64, help="Rows (default: %(default)s).")
-    parser.add_argument("--contexts", default="256", help="Slots each row's table spans, comma-separated (default: %(default)s).")
-    parser.add_argument("--tokens", default="1,4", help="New tokens per row: 1 decode, 4 a chain-3 verify (default: %(default)s).")
+    parser.add_argument("--contexts", default="256",
+                        help="Slots each row's table spans, comma-separated (default: %(default)s).")
+    parser.add_argument("--tokens", default="1,4",
+                        help="New tokens per row: 1 decode, 4 a chain-3 verify (default: %(default)s).")
     parser.add_argument("--kv_heads", type=int, default=4, help="KV heads (default: %(default)s).")
     parser.add_argument("--group", type=int, default=2, help="Query heads per KV head (default: %(default)s).")
     parser.add_argument("--head_dim", type=int, default=32, help="Lanes per head (default: %(default)s).")
