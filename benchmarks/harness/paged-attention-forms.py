@@ -39,13 +39,12 @@ def forms(batch: int, context: int, tokens: int, kv_heads: int, group: int, dim:
     q = jnp.asarray(rng.standard_normal((batch, tokens, kv_heads, group, dim)), jnp.float32)
     high = jax.lax.Precision.HIGHEST
     causal = jnp.broadcast_to(jnp.tril(jnp.ones((tokens, tokens), bool)), (batch, tokens, tokens))
-    slots = jnp.arange(context, dtype=jnp.int32)
-    mask = kv_cache.Visible(prefix=lengths, window=causal).mask(slots)  # [B, T, S]
+    visible = kv_cache.Visible(prefix=lengths, window=causal)
+    mask = visible.mask(jnp.arange(context, dtype=jnp.int32))  # [B, T, S]
 
     def engine(size=None):
         def run(q, pk, pv):
             cache = kv_cache.paged_view(pk, pv, table, lengths)
-            visible = kv_cache.Visible(prefix=lengths, window=causal)
 
             def scores_of(k, v):
                 return jnp.einsum("btkgd,bskd->bkgts", q, k, precision=high) * dim ** -0.5
@@ -88,10 +87,10 @@ def forms(batch: int, context: int, tokens: int, kv_heads: int, group: int, dim:
     def gather_only(q, pk, pv):
         return pk[0][table].sum() + pv[0][table].sum()
 
-    head_major = (pool_k.transpose(0, 1, 3, 2, 4), pool_v.transpose(0, 1, 3, 2, 4))
+    head_major = tuple(pool.transpose(0, 1, 3, 2, 4) for pool in (pool_k, pool_v))  # [1, pages, kv, page, d]
     runs = {"engine": (engine(), (pool_k, pool_v))}
     runs.update({f"blocks{n}": (engine(n), (pool_k, pool_v)) for n in (32, 64, 128) if n < context})
-    runs.update({"head_major_pool": (head_major_pool, (head_major[0][0][None], head_major[1][0][None])),
+    runs.update({"head_major_pool": (head_major_pool, head_major),
                  "multiply_reduce": (multiply_reduce, (pool_k, pool_v)),
                  "block_diagonal": (block_diagonal, (pool_k, pool_v)),
                  "gather_only": (gather_only, (pool_k, pool_v))})
