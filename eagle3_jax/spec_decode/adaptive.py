@@ -182,6 +182,8 @@ class Acceptance:
         # Counts per chain position, each blended with a prior worth `prior_rows` rows (`_chain_rates`).
         self.prior_rows = prior_rows
         self._drafted, self._accepted = np.zeros(depth), np.zeros(depth)
+        self._positions = np.arange(depth)
+        self._reached = {k: (self._positions < k).astype(np.float64) for k in range(depth + 1)}  # drafted by a chain of k
         self.chain = self._chain_rates()  # the running global rates, optimistic until measured
         self.tree = {shape_name(t): float(self.chain[: t.max_accept].sum()) for t in trees}
         self._tree_counts = {name: (prior_rows, prior_rows * mean) for name, mean in self.tree.items()}
@@ -225,14 +227,13 @@ class Acceptance:
         if is_chain(shape):
             k = shape.max_accept
             # Whole rows (positions past k add 0): faster than indexing rows and positions at once.
-            positions = np.arange(self.depth)
-            hit = positions < counts[:, None]  # [n, depth]: at least i + 1 draft tokens accepted (i < k)
-            table.drafted[rows] += unit * (positions < k)
+            hit = self._positions < counts[:, None]  # [n, depth]: at least i + 1 draft tokens accepted (i < k)
+            table.drafted[rows] += unit * self._reached[k]
             table.accepted[rows] += unit * hit
             # Every position fades, drafted or not: one that short chains never reach forgets its
             # old counts and follows the positions before it (`_chain_rates`).
-            self._drafted = fade * self._drafted
-            self._accepted = fade * self._accepted
+            self._drafted *= fade
+            self._accepted *= fade
             self._drafted[:k] += n
             self._accepted[:k] += hit[:, :k].sum(axis=0)
             self.chain = self._chain_rates()
@@ -254,13 +255,13 @@ class Acceptance:
         rate along a chain, so a position that runs rarely (while short chains win) is predicted
         from the measured ones, not kept at an optimistic or stale figure that makes a long chain
         look better than the short one measured beside it."""
-        rates = np.empty(len(self._drafted))
+        rates = []
         before, conditional = 1.0, 0.9
-        for i, (drafted, accepted) in enumerate(zip(self._drafted, self._accepted)):
-            prior = before * conditional
-            rates[i] = (accepted + self.prior_rows * prior) / (drafted + self.prior_rows)
-            conditional, before = rates[i] / before, rates[i]
-        return rates
+        for drafted, accepted in zip(self._drafted.tolist(), self._accepted.tolist()):  # floats: no numpy scalars
+            rate = (accepted + self.prior_rows * before * conditional) / (drafted + self.prior_rows)
+            conditional, before = rate / before, rate
+            rates.append(rate)
+        return np.array(rates)
 
     def total_expected_tokens(self, shapes: Sequence[Shape], request_ids: Sequence[str]) -> list[float]:
         """For each shape, the tokens one step of it is expected to emit (bonus token included),
@@ -350,7 +351,8 @@ class AdaptiveSpeculation:
         self.admitted: collections.Counter = collections.Counter()  # requests admitted with / without the draft
         # Per key: whether the step choice's last verdict there (a timed shape, not an exploration) speculates.
         self._speculates: dict[Key, bool] = {}
-        self._seconds_at: dict[Key, tuple[int, list]] = {}  # key -> (costs.version, step seconds per menu shape)
+        # key -> (costs.version, step seconds per menu shape, the menu shapes measured there)
+        self._seconds_at: dict[Key, tuple[int, list, frozenset]] = {}
 
     def choose(self, request_ids: Sequence[str], key: Key) -> Shape:
         """The shape the next decode step of these requests (all with the draft) runs, at program key `key`."""
@@ -358,7 +360,7 @@ class AdaptiveSpeculation:
         rates = self.rates(request_ids, key)
         self.resampling = False  # every row has the draft: this batch measures acceptance
         shape = self.current = self._choose(rates, key)
-        if self.costs.measured(shape, key) is not None:
+        if shape in self._measured_at(key):
             self._speculates[key] = shape is not None
         if shape is None and not self.probe_left and self.steps_without_speculation >= self.auto.probe_every:
             self.probe_left = self.auto.probe_steps
@@ -491,8 +493,9 @@ class AdaptiveSpeculation:
             return self.current
         best_known = max(known.values())
         if self.key_steps[key] > self.explore_after:
+            measured = self._measured_at(key)
             for s in auto.menu:  # time each shape at this key, unless predicted to lose clearly
-                if self.costs.measured(s, key) is None and (rates[s] is None or rates[s] >= (1 - auto.skip_margin) * best_known):
+                if s not in measured and (rates[s] is None or rates[s] >= (1 - auto.skip_margin) * best_known):
                     return s
         best = max(known, key=known.__getitem__)
         margin = auto.shape_margin if best is not None and self.current is not None else auto.hysteresis
@@ -529,12 +532,21 @@ class AdaptiveSpeculation:
     def _step_seconds(self, key: Key) -> list[float | None]:
         """Each menu shape's step time at `key` (measured or predicted), kept until a median changes:
         predictions read every key's times, and this runs before every decode step."""
+        return self._timings_at(key)[1]
+
+    def _measured_at(self, key: Key) -> frozenset:
+        """The menu shapes measured at `key` (not predicted), kept as `_step_seconds` keeps its times."""
+        return self._timings_at(key)[2]
+
+    def _timings_at(self, key: Key) -> tuple[int, list, frozenset]:
         version = self.costs.version
         cached = self._seconds_at.get(key)
         if cached is None or cached[0] != version:
-            seconds = [self.costs.estimated(shape, key, self.auto.menu) for shape in self.auto.menu]
-            cached = self._seconds_at[key] = version, seconds
-        return cached[1]
+            menu = self.auto.menu
+            seconds = [self.costs.estimated(shape, key, menu) for shape in menu]
+            measured = frozenset(s for s in menu if self.costs.measured(s, key) is not None)
+            cached = self._seconds_at[key] = version, seconds, measured
+        return cached
 
     def observe(self, shape: Shape, key: Key, seconds: float | None, accepted: dict[str, int],
                 plain: bool = False) -> None:

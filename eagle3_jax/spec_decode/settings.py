@@ -10,6 +10,7 @@ everywhere (scripts, tables, logs): `none`, `chain:num_steps:topk:num_draft_toke
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Sequence
 
 
@@ -63,7 +64,7 @@ class SpecConfig:
         most output tokens per second (see spec_decode/adaptive.py; `options` tune it)."""
         return AutoSpec.chains(num_steps, trees, **options)
 
-    @property
+    @functools.cached_property  # read several times before every adaptive decode step
     def name(self) -> str:
         """The canonical written form, `chain:3:1:4` or `tree:5:4:16` (a tree with topk=1 is a chain)."""
         kind = "chain" if self.topk == 1 else "tree"
