@@ -273,19 +273,19 @@ class Acceptance:
         rows = table.lookup(request_ids)
         known = rows[rows >= 0]
         fade = 1.0 / table.unit  # stored counts -> counts faded to now
-        chain_total = np.zeros(self.depth)
+        chain_total = [0.0] * self.depth
         if self.depth and any(is_chain(s) for s in shapes):
-            chain_sum = (n - len(known)) * self.global_chain_rates
+            chain_sum = (n - len(known)) * self.global_chain_rates if len(known) < n else 0.0
             if len(known):
                 rates = (fade * table.accepted[known] + w * self.chain) / (fade * table.drafted[known] + w)
                 chain_sum = chain_sum + np.minimum.accumulate(rates, axis=1).sum(axis=0)
-            chain_total = np.cumsum(chain_sum)
+            chain_total = np.cumsum(chain_sum).tolist()
         totals = []
         for shape in shapes:
             if shape is None:
                 totals.append(float(n))
             elif is_chain(shape):
-                totals.append(n + float(chain_total[shape.max_accept - 1]))
+                totals.append(n + chain_total[shape.max_accept - 1])
             else:
                 name = shape_name(shape)
                 prior, column = self.tree[name], table.column[name]
