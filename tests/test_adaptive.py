@@ -206,6 +206,34 @@ def test_untimed_shapes_are_measured_unless_predicted_to_lose():
     assert ctl.costs.predicted(C3, other, ctl.auto.menu) == pytest.approx(20.0)
 
 
+def test_a_settled_choice_stands_a_few_steps_of_the_same_batch():
+    """With `settle_steps` (the scheduler's policy: 4) a choice taken by the rates at a key where
+    its shape is timed runs that many steps of the same batch before the rates are taken again;
+    another batch, another key, a probe due or an exploration due decides at once."""
+    ctl = AdaptiveSpeculation(AutoSpec(menu=(None, C1), hysteresis=0.1, probe_every=6, probe_steps=1))
+    ctl.settle_steps = 4
+    teach(ctl, {"none": 1.0, "chain:1:1:2": 1.2}, accepted=1)
+    ctl.explore_after, ctl.key_steps[KEY] = 0, 1
+    ctl.acceptance.chain[:] = 0.5  # chain 1 promises 1.25x
+    assert ctl.choose(["z"], KEY) == C1
+    ctl.acceptance.chain[:] = 0.0  # 0.83x: the choice stands three more steps, then goes
+    assert [ctl.choose(["z"], KEY) for _ in range(4)] == [C1, C1, C1, None]
+    ctl.acceptance.chain[:] = 0.5
+    assert ctl.choose(["y"], KEY) == C1  # another batch: decided at once
+    ctl.acceptance.chain[:] = 0.0
+    assert ctl.choose(["y"], (16, 4)) == C1  # another key, nothing timed there: the current shape runs on
+    assert ctl.choose(["y"], KEY) is None  # back at the timed key: decided at once
+    # Steps without speculation stand too, until a probe falls due (every 6 such steps).
+    assert [ctl.choose(["y"], KEY) for _ in range(6)] == [None] * 5 + [C1]
+    assert ctl.key_steps[KEY] == 1 + 1 + 4 + 1 + 1 + 6  # standing steps are visits of their key too
+    plain = AdaptiveSpeculation(AutoSpec(menu=(None, C1), hysteresis=0.1))  # settle_steps 1: every step decides
+    teach(plain, {"none": 1.0, "chain:1:1:2": 1.2}, accepted=1)
+    plain.acceptance.chain[:] = 0.5
+    assert plain.choose(["z"], KEY) == C1
+    plain.acceptance.chain[:] = 0.0
+    assert plain.choose(["z"], KEY) is None
+
+
 def test_hysteresis_keeps_the_current_shape_within_the_margin():
     ctl = AdaptiveSpeculation(AutoSpec(menu=(None, C1), hysteresis=0.1))
     teach(ctl, {"none": 1.0, "chain:1:1:2": 1.0}, accepted=1)

@@ -3,9 +3,9 @@ commit against the working tree's.
 
     python benchmarks/harness/auto-host-ab.py 363c411 1 16 48 > benchmarks/results/auto-host-ab.txt
 
-loads `Acceptance` from eagle3_jax/spec_decode/adaptive.py (eagle3_jax/spec/adaptive.py before the
-package was renamed) as of BEFORE_COMMIT (via `git show`) for one scheduler and the working tree's
-for another; both run `auto` with every request given the draft, on the same random 64-token
+loads `Acceptance` from eagle3_jax/spec_decode/acceptance.py (adaptive.py before it had a module of
+its own, eagle3_jax/spec/adaptive.py before the package was renamed) as of BEFORE_COMMIT (via `git
+show`) for one scheduler and the working tree's for another; both run `auto` with every request given the draft, on the same random 64-token
 prompts, in rounds interleaved with each other (2 warm-up rounds, 3 measured), and print per
 concurrency the scheduler's host seconds per iteration (`host_seconds_total`: its step() time not
 spent waiting for the device) over the iterations in which nothing compiled, and the output tokens
@@ -27,7 +27,8 @@ from ab_common import ROOT, load_pair
 
 def acceptance_at(commit: str):
     """The `Acceptance` class of eagle3_jax's adaptive module as of `commit`."""
-    for path in ("eagle3_jax/spec_decode/adaptive.py", "eagle3_jax/spec/adaptive.py"):
+    for path in ("eagle3_jax/spec_decode/acceptance.py", "eagle3_jax/spec_decode/adaptive.py",
+                 "eagle3_jax/spec/adaptive.py"):
         r = subprocess.run(["git", "show", f"{commit}:{path}"], capture_output=True, text=True, cwd=ROOT)
         if r.returncode == 0:
             break
