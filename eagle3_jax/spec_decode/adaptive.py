@@ -102,7 +102,7 @@ from .step_costs import PLAIN, Key, PrefillCosts, StepCosts, key_distance  # noq
 class AdaptiveSpeculation:
     """Host-side state of adaptive speculation for one scheduler (not thread-safe)."""
 
-    def __init__(self, auto: AutoSpec):
+    def __init__(self, auto: AutoSpec, settle_steps: int = 1):
         self.auto = auto
         chains = [s for s in auto.shapes if is_chain(s)]
         trees = [s for s in auto.shapes if not is_chain(s)]
@@ -136,18 +136,15 @@ class AdaptiveSpeculation:
         # A settled choice (a shape timed at its key, taken by the rates, not a probe) stands for
         # this many steps of the same batch at the same key before the rates are taken again,
         # unless an exploration, a refresh or a probe falls due (AdaptivePolicy: 4; 1 decides every step).
-        self.settle_steps = 1
+        self.settle_steps = settle_steps
         self._standing: tuple[Key, tuple, int] | None = None  # (key, request ids, steps it still stands)
 
     def choose(self, request_ids: Sequence[str], key: Key) -> Shape:
         """The shape the next decode step of these requests (all with the draft) runs, at program key `key`."""
         self.acceptance.tick()
         self.resampling = False  # every row has the draft: this batch measures acceptance
-        if self._stands(request_ids, key):
-            self.key_steps[key] += 1
-            shape = self.current
-        else:
-            shape = self._decide(request_ids, key)
+        self.key_steps[key] += 1
+        shape = self.current if self._stands(request_ids, key) else self._decide(request_ids, key)
         self.steps_without_speculation = 0 if shape is not None else self.steps_without_speculation + 1
         self.steps_without_draft = 0
         self.choices[shape_name(shape)] += 1
@@ -160,7 +157,7 @@ class AdaptiveSpeculation:
         settled = shape in self._measured_at(key)
         if settled:
             self._speculates[key] = shape is not None
-        if shape is None and not self.probe_left and self.steps_without_speculation >= self.auto.probe_every:
+        if self._probe_due():
             self.probe_left = self.auto.probe_steps
         if shape is None and self.probe_left:
             self.probe_left -= 1
@@ -176,13 +173,20 @@ class AdaptiveSpeculation:
         standing = self._standing
         if standing is None or standing[2] <= 0 or standing[0] != key or standing[1] != tuple(request_ids):
             return False
-        visit, auto = self.key_steps[key] + 1, self.auto
-        if visit > self.explore_after and (visit == self.explore_after + 1 or visit % auto.refresh_every == 0):
-            return False  # the key's exploration starts, or a refresh is due
-        if self.current is None and self.steps_without_speculation >= auto.probe_every:
-            return False  # a probe is due
+        if self.key_steps[key] == self.explore_after + 1 or self._refresh_due(key) or self._probe_due():
+            return False  # the key's exploration starts, or a refresh or a probe is due
         self._standing = (key, standing[1], standing[2] - 1)
         return True
+
+    def _refresh_due(self, key: Key) -> bool:
+        """Whether this visit of an explored key forgets a shape's time there (`_refresh`)."""
+        visits = self.key_steps[key]
+        return visits > self.explore_after and visits % self.auto.refresh_every == 0
+
+    def _probe_due(self) -> bool:
+        """Whether the step, settled on no speculation, starts a probe (`probe_every` such steps in a row)."""
+        return (self.current is None and not self.probe_left
+                and self.steps_without_speculation >= self.auto.probe_every)
 
     def no_choice(self, any_with_draft: bool) -> None:
         """Count a decode step that cannot speculate (a row has no draft): with rows that have the
@@ -297,8 +301,7 @@ class AdaptiveSpeculation:
 
     def _choose(self, rates: dict[Shape, float | None], key: Key) -> Shape:
         auto = self.auto
-        self.key_steps[key] += 1
-        if self.key_steps[key] > self.explore_after and self.key_steps[key] % auto.refresh_every == 0:
+        if self._refresh_due(key):
             self._refresh(key, rates)
         known = {s: r for s, r in rates.items() if r is not None}
         if not known:  # nothing timed here yet: the current shape's times make this key's reference

@@ -153,8 +153,7 @@ class AdaptivePolicy(SpeculationPolicy):
 
     def __init__(self, auto: AutoSpec):
         self.spec = auto
-        self.adaptive = AdaptiveSpeculation(auto)
-        self.adaptive.settle_steps = 4  # see AdaptiveSpeculation._stands
+        self.adaptive = AdaptiveSpeculation(auto, settle_steps=4)  # see AdaptiveSpeculation._stands
         self.max_accept = auto.max_accept
         self.max_gap = auto.max_gap
 
