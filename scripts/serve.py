@@ -102,8 +102,9 @@ flags.DEFINE_integer("prefill_chunk", 256, "Prompt tokens prefilled per schedule
                      "prompt, and the budget shared by the requests prefilling in that step.", lower_bound=1)
 flags.DEFINE_integer("max_compiled_programs", None, "Compiled step programs kept, the least recently used dropped "
                      "past it (--warmup compiles at most this many); default 48, or 96 with --spec=auto. On a CPU "
-                     "each holds hundreds of memory mappings; on an accelerator raise it so that the warm-up covers "
-                     "larger batches.", lower_bound=2)
+                     "each holds hundreds of memory mappings, and fewer are kept (said once) where more would pass "
+                     "vm.max_map_count; on an accelerator raise it so that the warm-up covers larger batches.",
+                     lower_bound=2)
 define_runtime_flags("Process 0 serves HTTP and schedules; the other processes run its steps on their devices.")
 flags.DEFINE_bool("warmup", True, "Compile the programs of bursts of up to --max_num_seqs requests of up to one "
                   "--prefill_chunk, for greedy and sampled batches (within the program cache's bound), a lone greedy "

@@ -334,6 +334,25 @@ def test_warm_up_stays_within_the_program_cache(llama_pair):
     assert "compile on first use" in str(report)
 
 
+def test_warm_up_stops_where_the_host_map_limit_leaves_no_room(llama_pair):
+    """XLA:CPU maps memory regions for each program it loads; under a vm.max_map_count that leaves
+    room for about two more programs than the first (this process's real maps), the warm-up stops
+    there rather than compile past the limit, and drops nothing it compiled."""
+    from eagle3_jax.runtime.mapped_regions import MapBudget, mapped_regions
+
+    target, _ = llama_pair
+    sched = Scheduler(target, max_num_seqs=8, max_seq_len=64)
+    queue = sched.warm_up_queue()
+    queue.compile_next(sched.warm)
+    per_program = sched.programs.regions_per_program
+    assert per_program > 0
+    sched.programs.budget = MapBudget(limit=mapped_regions() + int(2.5 * per_program), headroom=0)
+    report = queue.run(sched.warm)
+    assert report.held and 2 <= report.programs < report.wanted and len(sched.programs) == report.programs
+    assert "memory-map limit" in str(report)
+    assert sched.generate([PROMPTS[0]], e3.SamplingParams(max_tokens=4))[0].token_ids
+
+
 def test_prefill_batch_padding_is_bounded():
     """Short prompts queued before a long one do not make a prefill of (rows x longest) padded
     positions beyond twice the chunk: the long one waits for the next step."""

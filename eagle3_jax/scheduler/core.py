@@ -201,8 +201,8 @@ class Scheduler:
     token per 128 lanes, about half the bytes: kv_cache.Fp8Slots), for target and draft alike. On
     a `data` mesh a request of `context_parallel_len` tokens or more (prompt + max tokens) is
     spread over every data shard (batch.py); default: more than a row's share of the pool. At most
-    `max_compiled_programs` compiled step programs are kept (programs.ProgramCache); default: 48,
-    or 96 with adaptive speculation, whose menu compiles several decode programs per key.
+    `max_compiled_programs` compiled step programs are kept, fewer where more would pass vm.max_map_count
+    (program_cache.py); default: 48, or 96 with adaptive speculation (its menu: several decode programs a key).
 
     Not thread-safe: one thread calls its methods (see serving.AsyncEngine for asyncio use).
     """
@@ -393,8 +393,8 @@ class Scheduler:
     # ---- warm-up -------------------------------------------------------------------------------
     def warm_up(self, sampled: bool = True) -> WarmUp:
         """Compile the programs that bursts of requests of up to one prefill chunk run (warmup.py), for greedy
-        batches and (`sampled`) batches with a sampled row, smallest first, within the program cache's bound,
-        by running each once on padding rows: no request, counter or step time sees them. Call it idle."""
+        batches and (`sampled`) batches with a sampled row, smallest first, within the program cache's bound and
+        map budget, by running each once on padding rows: no request, counter or step time sees them. Call it idle."""
         return self.warm_up_queue(sampled).run(self.warm)
 
     def warm_up_queue(self, sampled: bool = True, progress: Callable[[str], None] | None = None) -> WarmUpQueue:
@@ -402,7 +402,8 @@ class Scheduler:
         wanted = warmup_programs(self.policy, sampled, max_num_seqs=self.max_num_seqs, prefill_chunk=self.prefill_chunk,
                                  prefill_width=self._prefill_width, max_pages_per_seq=self.max_pages_per_seq,
                                  data_shards=self._batch.shards)
-        return WarmUpQueue(wanted, self.programs.capacity, self.page_size, self.lookahead + self._overshoot, progress)
+        return WarmUpQueue(wanted, self.programs.capacity, self.page_size, self.lookahead + self._overshoot, progress,
+                           out_of_room=self.programs.out_of_regions)
 
     def warm(self, program: WarmProgram) -> None:
         """Compile `program` by running it once on padding rows (no request running)."""

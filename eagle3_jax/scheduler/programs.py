@@ -32,10 +32,6 @@ logprobs), compiled only when a batch has a request that asks for them.
 
 from __future__ import annotations
 
-import collections
-import functools
-import time
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -52,6 +48,7 @@ from ..spec_decode.policy import SpeculationPolicy
 from ..spec_decode.propose import DraftRoot, DraftTree, draft_extend, propose
 from ..spec_decode.settings import SpecConfig
 from ..spec_decode.step import accept_step, spec_step, verify_tree
+from .program_cache import ProgramCache
 from .slot_table import BatchRows, chunk_columns
 from .steps import plain_forward, plain_prefill, plain_sample, plain_step, spec_prefill
 
@@ -379,48 +376,6 @@ def _with_fields(state: DeviceState, fields: dict) -> DeviceState:
     return new
 
 
-class ProgramCache:
-    """Compiled step programs by shape key; beyond `capacity` the least recently used is dropped.
-
-    Why bounded: an XLA:CPU executable maps a few memory regions per kernel (hundreds per step
-    program) and a Linux process may hold about 65k (vm.max_map_count), so keeping every bucket's
-    program of a long-lived server forever can crash it. Each program is traced through its own
-    wrapper function, so JAX's tracing and compilation caches (keyed weakly on the function) let
-    go of it once it is dropped here, and its mappings are freed.
-    """
-
-    def __init__(self, capacity: int):
-        self.capacity = capacity
-        self._programs: collections.OrderedDict = collections.OrderedDict()
-        self.num_compiles = 0
-        # Host time inside the jitted calls of compiled programs: launching them (argument
-        # transfers, the runtime's launch work; on a CPU device done with the caches its programs
-        # evicted).
-        self.launch_seconds = 0.0
-
-    def __len__(self) -> int:
-        return len(self._programs)
-
-    def run(self, fn, static: tuple, key: tuple, *args):
-        """fn(*static, *args) jitted with args[DONATED] donated, compiled once per key.
-
-        Keys must pin every argument's shape.
-        """
-        program = self._programs.get(key)
-        if program is None:
-            program = jax.jit(functools.partial(fn, *static), donate_argnums=(DONATED,))
-            self.num_compiles += 1
-            self._programs[key] = program
-            while len(self._programs) > self.capacity:
-                self._programs.popitem(last=False)
-            return program(*args)
-        self._programs.move_to_end(key)
-        start = time.perf_counter()
-        outputs = program(*args)
-        self.launch_seconds += time.perf_counter() - start
-        return outputs
-
-
 class Executor:
     """The device side of one scheduler: its `DeviceState` and compiled programs."""
 
@@ -431,7 +386,7 @@ class Executor:
         self.target, self.draft, self.kv_cache_dtype = target, draft, kv_cache_dtype
         kv_fp8 = kv_cache.resolve_kv_dtype(kv_cache_dtype, uses_fnuz("auto"))
         self.state = init_state(target, draft, policy, num_pages, page_size, num_slots, kv_fp8)
-        self.programs = ProgramCache(max_compiled_programs)
+        self.programs = ProgramCache(max_compiled_programs, donated=DONATED)
         self._host_is_device = jax.tree.leaves(target.params)[0].devices().pop().platform == "cpu"
         self.host_pages: host_tier.HostPagePool | None = None
 

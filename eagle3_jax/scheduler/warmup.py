@@ -77,23 +77,27 @@ class WarmUp:
     max_batch: int  # the largest batch bucket whose programs all ran (0: none)
     max_tokens: int  # the longest sequence (prompt + output) the decode programs that ran cover
     seconds: float
+    held: bool = False  # stopped where the host's memory-map limit left no room for another program
 
     @staticmethod
     def of(wanted: Sequence[WarmProgram], ran: Sequence[WarmProgram], capacity: int, page_size: int,
-           reserved: int, seconds: float) -> "WarmUp":
+           reserved: int, seconds: float, held: bool = False) -> "WarmUp":
         """The report of running `ran`, the first of `wanted` (`reserved`: cache slots a step may
-        write past a sequence, so not covered by the widths that ran)."""
+        write past a sequence, so not covered by the widths that ran; `held`: stopped by the map limit)."""
         left = wanted[len(ran):]
         max_batch = (left[0].batch // 2 if left else max(p.batch for p in wanted)) if ran else 0
         covered = max((p.width for p in ran if p.plan is not None), default=0) * page_size
-        return WarmUp(len(ran), len(wanted), capacity, max_batch, max(0, covered - reserved), seconds)
+        return WarmUp(len(ran), len(wanted), capacity, max_batch, max(0, covered - reserved), seconds, held)
 
     def __str__(self) -> str:
         batches = "a lone request" if self.max_batch == 1 else f"batches of up to {self.max_batch} requests"
         covered = (f"{batches}, sequences of up to {self.max_tokens} tokens" if self.max_batch
                    else "not all of a lone request's")
         text = f"compiled {self.programs} programs ({covered}) in {self.seconds:.1f} s"
-        if self.programs < self.wanted:
+        if self.held:
+            text += (f"; {self.wanted - self.programs} more, for larger batches, compile on first use (the host's "
+                     f"memory-map limit holds the program cache to about {self.programs})")
+        elif self.programs < self.wanted:
             text += (f"; {self.wanted - self.programs} more, for larger batches, compile on first use (the program "
                      f"cache holds {self.capacity})")
         return text
@@ -106,7 +110,8 @@ class WarmUpQueue:
     A request that comes meanwhile is served at once, compiling on first use what it needs."""
 
     def __init__(self, wanted: Sequence[WarmProgram], capacity: int, page_size: int, reserved: int,
-                 progress: Callable[[str], None] | None = None, every_s: float = 10.0):
+                 progress: Callable[[str], None] | None = None, every_s: float = 10.0,
+                 out_of_room: Callable[[], bool] = lambda: False):
         chosen = wanted[:capacity]  # what the program cache holds, smallest batches first
         # A lone greedy request's programs lead: the first requests, and a health check's readiness.
         first = [p for p in chosen if p.batch == chosen[0].batch and p.features == GREEDY_BATCH] if chosen else []
@@ -116,6 +121,10 @@ class WarmUpQueue:
         self._progress, self._every_s = progress, every_s
         self.compiled = 0
         self.failed = False  # a program failed to compile: the rest are left to compile on first use
+        # The program cache has no room for another without dropping one (the host's map budget,
+        # program_cache.py): the rest are left to compile on first use.
+        self._out_of_room = out_of_room
+        self.held = False
         self.start = time.perf_counter()
         self._said = self.start
 
@@ -130,11 +139,11 @@ class WarmUpQueue:
 
     @property
     def finished(self) -> bool:
-        return self.failed or self.compiled >= len(self._order)
+        return self.failed or self.held or self.compiled >= len(self._order)
 
     def run(self, warm: Callable[[WarmProgram], None]) -> WarmUp:
         """Compile every program left with `warm` (a program's failure raises) -> the report."""
-        while not self.finished:
+        while not self.finished and not self._hold():
             warm(self._order[self.compiled])
             self._done()
         return self.report()
@@ -142,6 +151,8 @@ class WarmUpQueue:
     def compile_next(self, warm: Callable[[WarmProgram], None]) -> None:
         """Compile the next program with `warm`. One that fails ends the warm-up, not its caller:
         it is logged, and what is left compiles on first use."""
+        if self._hold():
+            return
         try:
             warm(self._order[self.compiled])
         except Exception:
@@ -150,6 +161,14 @@ class WarmUpQueue:
             self.failed = True
             return
         self._done()
+
+    def _hold(self) -> bool:
+        """Stop here if the program cache has no room for the next program: compiling it would
+        drop one this warm-up compiled."""
+        if not self.held and self._out_of_room():
+            self.held = True
+            self._say(f"warm-up {self.report()} (not counted in /metrics)")
+        return self.held
 
     def _done(self) -> None:
         """The next program is compiled: count it, and say how far the warm-up is now and then."""
@@ -170,4 +189,4 @@ class WarmUpQueue:
 
     def report(self) -> WarmUp:
         return WarmUp.of(self._wanted, self._order[: self.compiled], self._capacity, self._page_size, self._reserved,
-                         time.perf_counter() - self.start)
+                         time.perf_counter() - self.start, self.held)
