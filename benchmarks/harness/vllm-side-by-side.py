@@ -16,7 +16,10 @@ threads on all cores, VLLM_CPU_OMP_THREADS_BIND; on request eagle3-jax-glibc, ea
 malloc with --notcmalloc, against the tcmalloc that eagle3-jax and vLLM start with) serves each
 setting (plain; EAGLE-3, a chain of 3 draft tokens) in turn, one server at a time, the forms in
 ABBA order over rounds; scripts/bench.py drives it at each --concurrency: random 128-token prompts
-(or --workload's real ones), 128 tokens out, ignore_eos, greedy, float32, prefix caching off.
+(or --workload's real ones), 128 tokens out, ignore_eos, greedy, float32, prefix caching off,
+after 2 x C unmeasured requests (--full_warmup: as many as it measures, for real prompts, whose
+lengths reach programs eagle3-jax compiles on first use). The record carries vm.max_map_count:
+below about 150 compiled programs' worth, eagle3-jax keeps fewer and compiles again on reuse.
 Recorded per cell: output tok/s, TPOT, tau and per-position acceptance (each server's /metrics),
 the load average before and after. Before its cells each server answers --check_prompts prompts
 greedily; their texts are compared with eagle3-jax's plain ones. eagle3-jax's cells also record
@@ -72,11 +75,13 @@ def greedy_texts(base: str, prompts: list[list[int]], max_tokens: int) -> list[s
 def bench_cell(base: str, target: str, setting: str, concurrency: int, out_dir: str, args) -> dict:
     """One scripts/bench.py cell against the server at `base`, with the load average around it."""
     name = f"cell-{time.time_ns()}"
+    measured = max(args.min_prompts, args.prompts_per_concurrency * concurrency)
     argv = [sys.executable, os.path.join(ROOT, "scripts", "bench.py"), f"--base_url={base}", f"--target={target}",
             f"--spec={SETTINGS[setting]}", f"--concurrency={concurrency}", f"--workload={args.workload}",
-            "--shape=1k1k", "--scale=0.125", "--output_len=128",
-            f"--num_prompts={max(args.min_prompts, args.prompts_per_concurrency * concurrency)}",
+            "--shape=1k1k", "--scale=0.125", "--output_len=128", f"--num_prompts={measured}",
             f"--out_dir={out_dir}", f"--name={name}", "--noprogress"]
+    if args.full_warmup:
+        argv.append(f"--num_warmups={measured}")
     load_before = os.getloadavg()
     r = subprocess.run(argv, capture_output=True, text=True, env={**os.environ, "XLA_FLAGS": ""})
     if r.returncode != 0:
@@ -136,6 +141,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="Rounds, the forms' order reversed every other one.")
     parser.add_argument("--prompts_per_concurrency", type=int, default=6, help="Measured requests per cell: this x C ...")
     parser.add_argument("--min_prompts", type=int, default=24, help="... and at least this many.")
+    parser.add_argument("--full_warmup", action="store_true",
+                        help="Each cell first sends as many unmeasured requests as it measures (bench.py's default is "
+                             "2 x C): prompts of many lengths reach programs a server compiles on first use.")
     parser.add_argument("--check_prompts", type=int, default=4, help="Prompts whose greedy texts are compared.")
     parser.add_argument("--startup_timeout", type=float, default=900, help="Seconds a server may take to be healthy.")
     add_output_flags(parser, "vllm-side-by-side.json")
@@ -152,6 +160,7 @@ def main() -> None:
     import numpy as np
 
     from eagle3_jax.bench.serving_path import serving_path_line
+    from eagle3_jax.runtime.mapped_regions import map_limit
 
     work = tempfile.mkdtemp(prefix="vllm-side-by-side-")
     pair = widened_pair(work)
@@ -162,7 +171,7 @@ def main() -> None:
               "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
               "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, {platform.platform()}",
               "pair": "stories260K + its EAGLE-3 draft, heads widened 8 -> 32, the draft's feature layers [2, 3, 4]",
-              "workload": args.workload,
+              "workload": args.workload, "vm_max_map_count": map_limit(),
               "cells": [], "texts": {}}
     for rnd in range(args.rounds):
         for form in (forms if rnd % 2 == 0 else forms[::-1]):
