@@ -13,6 +13,8 @@ Shapes default to the widened stories260K target of the vLLM side-by-side at C =
 - multiply_reduce: scores and mix as elementwise products and sums (no dots, no transposed copy);
 - block_diagonal: each query head against all KV heads' lanes as one dot per row (kv_heads x the
   multiply-adds, no transposed copy), its own head's block kept;
+- rows<N>: the engine's form over N rows at a time (`lax.map`), so each chunk's gathered K/V stay in
+  the core's cache between the gather and the dots;
 - gather_only: the K and V pages gathered and summed, no attention (what any gathering form pays).
 """
 import argparse
@@ -42,8 +44,21 @@ def forms(batch: int, context: int, tokens: int, kv_heads: int, group: int, dim:
     visible = kv_cache.Visible(prefix=lengths, window=causal)
     mask = visible.mask(jnp.arange(context, dtype=jnp.int32))  # [B, T, S]
 
-    def engine(size=None):
+    def engine(size=None, rows=None):
         def run(q, pk, pv):
+            if rows is not None:
+                return row_chunks(q, pk, pv, rows)
+            return attend(q, pk, pv, table, lengths, visible)
+
+        def row_chunks(q, pk, pv, n):
+            def one(args):
+                q, table, lengths, window = args
+                return attend(q, pk, pv, table, lengths, kv_cache.Visible(prefix=lengths, window=window))
+            split = [a.reshape((batch // n, n) + a.shape[1:]) for a in (q, table, lengths, causal)]
+            out = jax.lax.map(one, split)
+            return out.reshape((batch,) + out.shape[2:])
+
+        def attend(q, pk, pv, table, lengths, visible):
             cache = kv_cache.paged_view(pk, pv, table, lengths)
 
             def scores_of(k, v):
@@ -90,6 +105,7 @@ def forms(batch: int, context: int, tokens: int, kv_heads: int, group: int, dim:
     head_major = tuple(pool.transpose(0, 1, 3, 2, 4) for pool in (pool_k, pool_v))  # [1, pages, kv, page, d]
     runs = {"engine": (engine(), (pool_k, pool_v))}
     runs.update({f"blocks{n}": (engine(n), (pool_k, pool_v)) for n in (32, 64, 128) if n < context})
+    runs.update({f"rows{n}": (engine(rows=n), (pool_k, pool_v)) for n in (8, 16) if batch % n == 0})
     runs.update({"head_major_pool": (head_major_pool, head_major),
                  "multiply_reduce": (multiply_reduce, (pool_k, pool_v)),
                  "block_diagonal": (block_diagonal, (pool_k, pool_v)),
