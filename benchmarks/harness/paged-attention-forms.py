@@ -1,6 +1,8 @@
 """One GQA layer's paged attention on XLA:CPU in the engine's form against the forms that might
 replace it, timed in one process, interleaved (each round runs the forms in turn, the next round in
-the opposite order); medians in ms.
+the opposite order); medians in ms. On tcmalloc where installed, as the engine's scripts run (--notcmalloc:
+glibc's malloc, which maps a block over 32 MB afresh every call: a whole-width gather of 32 MB or more
+then takes 2x as long).
 
     python benchmarks/harness/paged-attention-forms.py --json_out=benchmarks/results/paged-attention-forms.json
 
@@ -125,9 +127,14 @@ def main() -> None:
     parser.add_argument("--head_dim", type=int, default=32, help="Lanes per head (default: %(default)s).")
     parser.add_argument("--page_size", type=int, default=16, help="Slots per page (default: %(default)s).")
     parser.add_argument("--rounds", type=int, default=30, help="Timed rounds (default: %(default)s).")
+    parser.add_argument("--notcmalloc", action="store_true",
+                        help="Time on glibc's malloc rather than the tcmalloc the engine's scripts run on.")
     add_output_flags(parser, "paged-attention-forms.json")
     args = parser.parse_args()
     check_output(args)
+    from eagle3_jax.runtime import host_allocator
+
+    host_allocator.use_tcmalloc(not args.notcmalloc)  # as serving runs: glibc maps blocks over 32 MB afresh each call
     import numpy as np
 
     rows = []
@@ -155,7 +162,7 @@ def main() -> None:
             print(f"context {context}, {tokens} token(s): " + ", ".join(
                 f"{name} {ms:.2f} ms ({row['vs_engine'][name]:.2f}x)" for name, ms in medians.items()), flush=True)
     write_json(args.json_out, {"args": vars(args), "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-                               "rows": rows})
+                               "host_allocator": host_allocator.describe(not args.notcmalloc), "rows": rows})
 
 
 if __name__ == "__main__":
