@@ -5,7 +5,7 @@ bundled stories260K pair maps about 400, a speculative step of a larger model mo
 a process's mappings past `vm.max_map_count` (65,530 by default), and LLVM's JIT, loading the next
 program, answers the refusal by crashing the whole process (`LLVM compilation error: Cannot
 allocate memory`, then a segmentation fault). A server that keeps some 150 compiled programs on
-such a host is one compile away from it. `scheduler.programs.ProgramCache` keeps its programs
+such a host is one compile away from it. `scheduler.program_cache.ProgramCache` keeps its programs
 within the budget this module measures; on hosts without /proc (not Linux) there is none to keep.
 """
 
@@ -49,12 +49,12 @@ class MapBudget:
         limit = map_limit()
         return None if limit is None else MapBudget(limit, int(limit * HEADROOM_SHARE))
 
-    def room(self) -> int:
-        """Regions this process may still map."""
-        return self.limit - self.headroom - self.count()
+    def room(self, regions: int | None = None) -> int:
+        """Regions this process may still map, given the `regions` it maps (default: counted now)."""
+        return self.limit - self.headroom - (self.count() if regions is None else regions)
 
-    def raise_hint(self, wanted_regions: int) -> str:
-        """How to let this process map `wanted_regions` more than it does now."""
-        needed = (self.count() + wanted_regions + self.headroom) * 5 // 4
+    def raise_hint(self, wanted_regions: int, regions: int | None = None) -> str:
+        """How to let this process, mapping `regions` (default: counted now), map `wanted_regions` more."""
+        needed = ((self.count() if regions is None else regions) + wanted_regions + self.headroom) * 5 // 4
         suggested = 1 << max(needed - 1, self.limit).bit_length()
         return f"sysctl -w vm.max_map_count={suggested}"

@@ -36,6 +36,9 @@ class ProgramCache:
         self.budget = MapBudget.of_this_process() if budget is _OF_THIS_PROCESS else budget
         self.regions_per_program = 0  # the most regions one compile has mapped
         self.held_to: int | None = None  # the fewest programs the map budget held the cache to
+        # Regions the process mapped when last counted (after the latest compile or drop): each
+        # count reads /proc/self/maps, about 1 us a region (60 ms near the default limit).
+        self._regions = 0
         self._programs: collections.OrderedDict = collections.OrderedDict()
         self.num_compiles = 0
         # Host time inside the jitted calls of compiled programs: launching them (argument
@@ -52,8 +55,12 @@ class ProgramCache:
         return self.capacity if self.held_to is None else min(self.capacity, self.held_to)
 
     def out_of_regions(self) -> bool:
-        """Another program would not fit in the map budget without dropping one."""
-        return bool(self.budget and self.regions_per_program and self.budget.room() < self.regions_per_program)
+        """Another program would not fit in the map budget without dropping one, by the count taken
+        after the latest compile (the warm-up asks between its compiles)."""
+        return self._lacks_room(self._regions)
+
+    def _lacks_room(self, regions: int) -> bool:
+        return bool(self.budget and self.regions_per_program and self.budget.room(regions) < self.regions_per_program)
 
     def run(self, fn, static: tuple, key: tuple, *args):
         """fn(*static, *args) jitted with args[donated] donated, compiled once per key.
@@ -72,26 +79,30 @@ class ProgramCache:
     def _compile_and_run(self, fn, static: tuple, key: tuple, args: tuple):
         while len(self._programs) >= self.capacity:
             self._programs.popitem(last=False)
-        if self.out_of_regions():
-            self._drop_for_regions()
+        if self.budget:
+            self._regions = self.budget.count()
+            if self._lacks_room(self._regions):
+                self._drop_for_regions()
         program = jax.jit(functools.partial(fn, *static), donate_argnums=(self.donated,))
         self.num_compiles += 1
         self._programs[key] = program
-        before = self.budget.count() if self.budget else 0
         outputs = program(*args)  # compiles
         if self.budget:
-            self.regions_per_program = max(self.regions_per_program, self.budget.count() - before)
+            before, self._regions = self._regions, self.budget.count()
+            self.regions_per_program = max(self.regions_per_program, self._regions - before)
         return outputs
 
     def _drop_for_regions(self) -> None:
         """Drop the least recently used programs until another fits in the map budget."""
-        while self._programs and self.out_of_regions():
+        while self._programs and self._lacks_room(self._regions):
             self._programs.popitem(last=False)
+            self._regions = self.budget.count()
         held = len(self._programs) + 1  # with the program about to compile
         if self.held_to is None:
+            hint = self.budget.raise_hint((self.capacity - held) * self.regions_per_program, self._regions)
             logger.warning(
                 "compiled programs held to %d (max_compiled_programs %d): each maps up to %d memory regions and this "
                 "process may map %d (vm.max_map_count); the least recently used are dropped and compile again when "
                 "next used. To keep more, raise the limit: %s", held, self.capacity, self.regions_per_program,
-                self.budget.limit, self.budget.raise_hint((self.capacity - held) * self.regions_per_program))
+                self.budget.limit, hint)
         self.held_to = held if self.held_to is None else min(self.held_to, held)
