@@ -21,8 +21,9 @@ spills and fitting shared memory at every shape the engine launches, triton 3.9)
   at T = 1 (data-parallel attention) read each page once: sm_90 248 registers at two stages (one
   stage spills 276 B), gfx942 216 VGPRs, gfx950 214 at one stage (two put it into AGPRs). 128 rows
   (T = 4 there) do not fit: 128 KB of LDS on gfx942, 75-97 VGPR spills on AMD at 16 warps, and
-  more than sm_90's 128 registers a thread at 16 warps. Over FP8 pages 64 rows on NVIDIA, 32 on AMD. GQA on AMD runs 8
-  warps (4 left 14-25 SGPR spills at 64 rows).
+  more than sm_90's 128 registers a thread at 16 warps. Over FP8 pages 64 rows too (on AMD in two
+  row parts: `AttentionLaunch.row_parts`). GQA on AMD runs 8 warps (4 left 14-25 SGPR spills at 64
+  rows).
 - Pages are walked 16 slots per step (a whole 32- or 64-slot MLA page a step spills on gfx942 and
   gfx950, and a 64-slot page needs 72 KB of LDS on gfx942; at 64 rows 32 slots spill on sm_90).
 - The MoE's column tiles are 256 wide: a program re-reads its rows' activations once per column
@@ -79,12 +80,16 @@ PLATFORM_ARCH = {"rocm": "gfx942", "cuda": "sm_90"}
 @dataclasses.dataclass(frozen=True)
 class AttentionLaunch:
     """Paged prefix attention: query rows per program (power of two >= 16), KV slots per step of
-    the walk (`tile`) and Triton's knobs."""
+    the walk (`tile`) and Triton's knobs. `row_parts` (FP8 pages whose lanes fall in several scale
+    groups): the kernel's dots are batched over the groups, and Triton spreads a batched dot's warps
+    over its batch alone, so with fewer groups than warps the extra warps hold copies; the rows are
+    cut into this many parts (of 16 rows or more) that join the batch, one warp each."""
 
     block_rows: int
     num_warps: int
     num_stages: int
     block_slots: int = 16
+    row_parts: int = 1
 
     def tile(self, page_size: int, itemsize: int = 2) -> int | None:
         """KV slots per step of the walk over pages of `page_size` slots, or None where the compiled
@@ -141,11 +146,13 @@ TABLE: dict[tuple[str, str], Launch] = {
     ("gqa_attention", "sm_90"): AttentionLaunch(block_rows=64, num_warps=4, num_stages=2),
     ("gqa_attention", "sm_100"): AttentionLaunch(block_rows=64, num_warps=4, num_stages=2),
     # Over FP8 pages (decoded in registers, the scores and probabilities scaled per lane group:
-    # triton_attention.py): 64 rows at two stages on sm_90 / sm_100 (251 / 250 registers); 32 at
-    # one stage on AMD, where 64 spill at 8 warps (52-75 VGPRs) and at 16 (450+).
+    # triton_attention.py): 64 rows at two stages on sm_90 / sm_100 (250 registers); on AMD 64 rows
+    # at one stage in two row parts (MLA's 4 groups x 2 parts fill the 8 warps: gfx942 252 VGPRs,
+    # gfx950 240; in one part the 4 groups' warps each hold 64 rows and spill 45-53 VGPRs), where two
+    # parts spill on sm_90 (200 B).
     ("mla_attention_fp8", DEFAULT): AttentionLaunch(block_rows=16, num_warps=4, num_stages=1),
-    ("mla_attention_fp8", "gfx942"): AttentionLaunch(block_rows=32, num_warps=8, num_stages=1),
-    ("mla_attention_fp8", "gfx950"): AttentionLaunch(block_rows=32, num_warps=8, num_stages=1),
+    ("mla_attention_fp8", "gfx942"): AttentionLaunch(block_rows=64, num_warps=8, num_stages=1, row_parts=2),
+    ("mla_attention_fp8", "gfx950"): AttentionLaunch(block_rows=64, num_warps=8, num_stages=1, row_parts=2),
     ("mla_attention_fp8", "sm_90"): AttentionLaunch(block_rows=64, num_warps=8, num_stages=2),
     ("mla_attention_fp8", "sm_100"): AttentionLaunch(block_rows=64, num_warps=8, num_stages=2),
     ("gqa_attention_fp8", DEFAULT): AttentionLaunch(block_rows=16, num_warps=4, num_stages=1),

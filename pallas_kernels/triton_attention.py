@@ -18,9 +18,11 @@ Two kernels share the walk:
 - `paged_prefix_attention_fp8_kernel`, over FP8 pages (uint8 bits, decoded in registers, a float32
   scale per slot per group of lanes): each group's part of the scores is scaled, and for values the
   probabilities before the dot, so the decoded tile stays exact in the compute dtype; the queries,
-  keys, values and accumulator are [groups, rows, lanes] and the dots are batched over the groups.
-  (Scaling the decoded tile instead makes the compiler rebuild it in both dots' operand layouts,
-  which spills on AMD.)
+  keys, values and accumulator are [groups x row parts, rows / parts, lanes] and the dots are batched
+  over them (Triton gives each batch entry of a batched dot its own warps, so Kimi's 4 groups fill
+  8 warps only in 2 row parts: `AttentionLaunch.row_parts`, which AMD's entries use). Scaling the
+  decoded tile instead makes the compiler decode it in both dots' operand layouts, the scores' copy
+  in every warp, which spills on AMD and on sm_90.
 
 Strides are constexprs, so the compiler knows each slot's lanes start 16-byte aligned and loads
 them in vectors. Any lane width and page size: a block is the power of two >= 16 that Triton's
@@ -175,6 +177,33 @@ def _grouped_dot(a, b, GROUPS: tl.constexpr, IEEE: tl.constexpr, INTERPRETED: tl
 
 
 @triton.jit
+def _group_rows(GROUPS: tl.constexpr, SPLIT: tl.constexpr, SUB: tl.constexpr, first_row, WIDTH: tl.constexpr,
+                row_stride: tl.constexpr):
+    """Offsets of [GROUPS * SPLIT, SUB, 1]: entry (g * SPLIT + s, r) is row first_row + s * SUB + r's
+    lane group g (its first lane, g * WIDTH)."""
+    batch = tl.arange(0, GROUPS * SPLIT)
+    rows = first_row + (batch % SPLIT)[:, None] * SUB + tl.arange(0, SUB)[None, :]
+    return ((batch // SPLIT)[:, None] * WIDTH + rows * row_stride)[:, :, None]
+
+
+@triton.jit
+def _split(x, SPLIT: tl.constexpr):
+    """[GROUPS, a, b] -> [GROUPS * SPLIT, a, b]: each group once per row part."""
+    if SPLIT == 1:
+        return x
+    return tl.reshape(tl.broadcast_to(x[:, None, :, :], [x.shape[0], SPLIT, x.shape[1], x.shape[2]]),
+                      [x.shape[0] * SPLIT, x.shape[1], x.shape[2]])
+
+
+@triton.jit
+def _per_group(x, GROUPS: tl.constexpr, SPLIT: tl.constexpr):
+    """[rows, n] -> [GROUPS * SPLIT, rows / SPLIT, n]: entry (g * SPLIT + s, r) is row s * rows / SPLIT + r."""
+    sub: tl.constexpr = x.shape[0] // SPLIT
+    parts = tl.reshape(x, [1, SPLIT, sub, x.shape[1]])
+    return tl.reshape(tl.broadcast_to(parts, [GROUPS, SPLIT, sub, x.shape[1]]), [GROUPS * SPLIT, sub, x.shape[1]])
+
+
+@triton.jit
 def paged_prefix_attention_fp8_kernel(
         layer_ptr, lengths_ptr, table_ptr, q_ptr, k_ptr, ks_ptr, q2_ptr, k2_ptr, k2s_ptr, v_ptr, vs_ptr, starts_ptr,
         scale, pages_per_split, out_ptr, lse_ptr,
@@ -191,7 +220,7 @@ def paged_prefix_attention_fp8_kernel(
         PAGE: tl.constexpr, TILE: tl.constexpr, TILE_P: tl.constexpr, BLOCK_M: tl.constexpr,
         ROW_BLOCKS: tl.constexpr, KG: tl.constexpr, KW: tl.constexpr, KW_P: tl.constexpr, D2: tl.constexpr,
         D2_P: tl.constexpr, VG: tl.constexpr, VW: tl.constexpr, VW_P: tl.constexpr,
-        HAS_ROPE: tl.constexpr, SHARED_VALUE: tl.constexpr, FNUZ: tl.constexpr,
+        HAS_ROPE: tl.constexpr, SHARED_VALUE: tl.constexpr, FNUZ: tl.constexpr, SPLIT: tl.constexpr,
         SLIDING: tl.constexpr, TOKENS: tl.constexpr, IEEE: tl.constexpr, INTERPRETED: tl.constexpr):
     """Over FP8 pages: lanes in KG (keys) / VG (values) scale groups of KW / VW lanes, [groups, rows,
     lanes] tiles; *_P the power of two >= 16 a Triton block needs, the real lanes and slots a step
@@ -201,9 +230,10 @@ def paged_prefix_attention_fp8_kernel(
     # the layer's and the page's offsets in 64 bits: a pool's layer stride passes 2^31 elements
     layer, length = tl.load(layer_ptr).to(tl.int64), tl.load(lengths_ptr + b)
     rows = row_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    SUB: tl.constexpr = BLOCK_M // SPLIT
     q_lanes = tl.arange(0, KW_P)
-    q = tl.load(q_ptr + b * q_b + h * q_h + tl.arange(0, KG)[:, None, None] * KW + rows[None, :, None] * q_m
-                + q_lanes[None, None, :], mask=(q_lanes < KW)[None, None, :], other=0.0)  # [KG, BLOCK_M, KW_P]
+    q = tl.load(q_ptr + b * q_b + h * q_h + _group_rows(KG, SPLIT, SUB, row_block * BLOCK_M, KW, q_m)
+                + q_lanes[None, None, :], mask=(q_lanes < KW)[None, None, :], other=0.0)  # [KG * SPLIT, SUB, KW_P]
     if HAS_ROPE:
         rope_lanes = tl.arange(0, D2_P)
         q2 = tl.load(q2_ptr + b * q2_b + h * q2_h + rows[:, None] * q2_m + rope_lanes[None, :],
@@ -216,7 +246,7 @@ def paged_prefix_attention_fp8_kernel(
         first = tl.maximum(first, tl.min(row_start, axis=0) // TILE)
     m_i = tl.full([BLOCK_M], _NEG, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([VG, BLOCK_M, VW_P], tl.float32)
+    acc = tl.zeros([VG * SPLIT, SUB, VW_P], tl.float32)
     step = tl.arange(0, TILE_P)
     for j in range(first, last):
         page = tl.load(table_ptr + b * table_stride + j // tiles_per_page).to(tl.int64)
@@ -226,12 +256,11 @@ def paged_prefix_attention_fp8_kernel(
         real = (step < TILE) & (tl.full([TILE_P], 0, tl.int32) <= page)
         key_at, key_lanes = _grouped(k_ptr + layer * k_l + page * k_p + h * k_h, k_s, slots, KG, KW, KW_P)
         keys = tl.load(key_at, mask=key_lanes & real[None, :, None], other=0)  # [KG, TILE_P, KW_P]
-        keys = _fp8_decode(keys, FNUZ).to(q.dtype)
-        parts = _grouped_dot(q, tl.permute(keys, (0, 2, 1)), KG, IEEE, INTERPRETED)  # [KG, BLOCK_M, TILE_P]
-        key_scales = tl.load(ks_ptr + layer * ks_l + page * ks_p + h * ks_h + slots[None, None, :] * ks_s
-                             + tl.arange(0, KG)[:, None, None], mask=real[None, None, :], other=0.0)
-        parts = parts * key_scales
-        scores = tl.sum(parts, axis=0)
+        keys = _split(_fp8_decode(keys, FNUZ).to(q.dtype), SPLIT)  # [KG * SPLIT, TILE_P, KW_P]
+        parts = _grouped_dot(q, tl.permute(keys, (0, 2, 1)), KG * SPLIT, IEEE, INTERPRETED)  # [KG * SPLIT, SUB, TILE_P]
+        key_scales = _split(tl.load(ks_ptr + layer * ks_l + page * ks_p + h * ks_h + slots[None, None, :] * ks_s
+                                    + tl.arange(0, KG)[:, None, None], mask=real[None, None, :], other=0.0), SPLIT)
+        scores = tl.reshape(tl.sum(tl.reshape(parts * key_scales, [KG, SPLIT, SUB, TILE_P]), axis=0), [BLOCK_M, TILE_P])
         if HAS_ROPE:
             rope = tl.load(k2_ptr + layer * k2_l + page * k2_p + h * k2_h + rope_lanes[:, None] + slots[None, :] * k2_s,
                            mask=(rope_lanes < D2)[:, None] & real[None, :], other=0)
@@ -248,23 +277,25 @@ def paged_prefix_attention_fp8_kernel(
         p = tl.where(seen, tl.exp(scores - m_new[:, None]), 0.0)
         alpha = tl.exp(m_i - m_new)
         if SHARED_VALUE:  # MLA: the values are the latent keys, with their scales
-            values = keys
-            weights = p[None, :, :] * key_scales
+            values, value_scales = keys, key_scales
         else:
             value_at, value_lanes = _grouped(v_ptr + layer * v_l + page * v_p + h * v_h, v_s, slots, VG, VW, VW_P)
             values = tl.load(value_at, mask=value_lanes & real[None, :, None], other=0)
-            values = _fp8_decode(values, FNUZ).to(q.dtype)
-            weights = p[None, :, :] * tl.load(vs_ptr + layer * vs_l + page * vs_p + h * vs_h
-                                              + slots[None, None, :] * vs_s + tl.arange(0, VG)[:, None, None],
-                                              mask=real[None, None, :], other=0.0)
-        acc = acc * alpha[None, :, None] + _grouped_dot(weights.to(values.dtype), values, VG, IEEE, INTERPRETED)
+            values = _split(_fp8_decode(values, FNUZ).to(q.dtype), SPLIT)
+            value_scales = tl.load(vs_ptr + layer * vs_l + page * vs_p + h * vs_h + slots[None, None, :] * vs_s
+                                   + tl.arange(0, VG)[:, None, None], mask=real[None, None, :], other=0.0)
+            value_scales = _split(value_scales, SPLIT)
+        weights = _per_group(p, VG, SPLIT) * value_scales  # [VG * SPLIT, SUB, TILE_P]
+        acc = acc * _per_group(alpha[:, None], VG, SPLIT) + _grouped_dot(weights.to(values.dtype), values, VG * SPLIT,
+                                                                         IEEE, INTERPRETED)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         m_i = m_new
     seen = l_i > 0
-    out = tl.where(seen[None, :, None], acc / tl.where(seen, l_i, 1.0)[None, :, None], 0.0)
+    out = tl.where(_per_group(seen[:, None], VG, SPLIT), acc / _per_group(tl.where(seen, l_i, 1.0)[:, None], VG, SPLIT),
+                   0.0)
     out_lanes = tl.arange(0, VW_P)
-    tl.store(out_ptr + b * o_b + h * o_h + split * o_s + tl.arange(0, VG)[:, None, None] * VW
-             + rows[None, :, None] * o_m + out_lanes[None, None, :], out, mask=(out_lanes < VW)[None, None, :])
+    tl.store(out_ptr + b * o_b + h * o_h + split * o_s + _group_rows(VG, SPLIT, SUB, row_block * BLOCK_M, VW, o_m)
+             + out_lanes[None, None, :], out, mask=(out_lanes < VW)[None, None, :])
     tl.store(lse_ptr + b * lse_b + h * lse_h + split * lse_s + rows,
              tl.where(seen, m_i + tl.log(tl.where(seen, l_i, 1.0)), float("-inf")))
 
@@ -313,8 +344,11 @@ def paged_prefix_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array | 
     else:  # lanes in scale groups: the scores and probabilities scaled per group
         kg, vg = scales.k.shape[-1], (scales.k if shared_value else scales.v).shape[-1]
         kernel = paged_prefix_attention_fp8_kernel
+        split = launch.row_parts if kg > 1 else 1  # the batched dots' row parts, 16 rows or more each
+        while split > 1 and (block // split < 16 or block % split):
+            split //= 2
         widths = dict(KG=kg, KW=d // kg, KW_P=_block(d // kg), VG=vg, VW=dv // vg, VW_P=_block(dv // vg),
-                      FNUZ=bool(scales.fnuz))
+                      FNUZ=bool(scales.fnuz), SPLIT=split)
     if num_splits <= 0:  # interpreted, programs run one after another: a split only adds its overhead
         interpreting = triton_call.interpreted() if interpret is None else interpret
         num_splits = 1 if interpreting else default_splits(b, h, m, block_table.shape[1], dv, itemsize, launch, form,

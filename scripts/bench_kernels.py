@@ -73,8 +73,8 @@ flags.DEFINE_integer("num_splits", 0, "KV splits per row and head (0: the kernel
                      lower_bound=0)
 flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "Activation, pool and query dtype.")
 flags.DEFINE_list("attention_launches", [], "Attention launches to time besides the launch table's, each "
-                  "block_rows:num_warps:num_stages:block_slots (e.g. 32:8:2:32), one row each (a launch that fails "
-                  "to compile is a row with its error).")
+                  "block_rows:num_warps:num_stages:block_slots[:row_parts] (e.g. 32:8:2:32, or 64:8:1:16:2), one row "
+                  "each (a launch that fails to compile is a row with its error).")
 flags.DEFINE_list("moe_tokens", ["1", "16", "64", "256", "1024", "4096"], "MoE: tokens per step (decode batch x T, "
                   "or a prefill chunk).")
 flags.DEFINE_integer("hidden", 7168, "MoE: hidden size.", lower_bound=16)

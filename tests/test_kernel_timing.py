@@ -34,9 +34,13 @@ def test_list_flags_parse_to_positive_integers():
 def test_attention_launches_parse_and_are_checked():
     launch = at.parse_launch("32:8:2:64")
     assert (launch.block_rows, launch.num_warps, launch.num_stages, launch.block_slots) == (32, 8, 2, 64)
+    assert (launch.row_parts, at.parse_launch("64:8:1:16:2").row_parts) == (1, 2)
     with pytest.raises(ValueError, match="is not block_rows:num_warps:num_stages:block_slots"):
         at.parse_launch("32:8:2")
-    for text in ("8:4:1:16", "48:4:1:16", "32:0:1:16", "32:4:1:24"):  # rows < 16, not powers of two, no warps
+    with pytest.raises(ValueError, match="is not block_rows"):
+        at.parse_launch("64:8:1:16:2:2")
+    # rows < 16, not powers of two, no warps, row parts not a power of two
+    for text in ("8:4:1:16", "48:4:1:16", "32:0:1:16", "32:4:1:24", "64:8:1:16:3"):
         with pytest.raises(ValueError, match="needs block_rows a power of two"):
             at.parse_launch(text)
 

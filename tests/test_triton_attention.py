@@ -7,6 +7,8 @@ ISA at Kimi-K2.5's MLA shapes; and the pieces around it (splits, tiles, merges, 
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -126,6 +128,30 @@ def test_fp8_pages_equal_the_reference_over_their_dequantized_values(fnuz):
     kw = dict(scale=0.05, q2=q2, k2_pool=rb, scales=Fp8Scales(ls, k2=rs, fnuz=fnuz))
     got = paged_prefix_attention(q, lb, None, 0, table, lengths, num_splits=2, interpret=True, **kw)
     close(got, paged_prefix_attention_reference(q, lb, None, 0, table, lengths, **kw), jnp.float32)
+
+
+@interpreted
+def test_fp8_row_parts_do_not_change_the_result():
+    """MLA over FP8 pages (four scale groups) with a tile's rows in 1, 2 or 4 parts of the batched
+    dots (`AttentionLaunch.row_parts`, as AMD's entries run them): the same numbers, the reference's."""
+    rng = np.random.default_rng(9)
+    (lat, rope), table, lengths = pools_and_table(rng, 1, [512, 64], num_pages=18)
+    (lb, ls), (rb, rs) = fp8_pool(lat, False), fp8_pool(rope, False)
+    q, q2 = (jnp.asarray(rng.standard_normal((len(LENGTHS), 1, 40, w)), jnp.float32) for w in (512, 64))
+    kw = dict(scale=0.05, q2=q2, k2_pool=rb, scales=Fp8Scales(ls, k2=rs))
+    results = []
+    for parts in (1, 2, 4):  # float32 queries: 64-row tiles (40 rows padded), parts of 64, 32 and 16 rows
+        attend = functools.partial(paged_prefix_attention, q, lb, None, 0, table, lengths, num_splits=1, interpret=True,
+                                   launch=AttentionLaunch(block_rows=128, num_warps=8, num_stages=1, row_parts=parts),
+                                   **kw)
+        with triton_call.capturing([]) as launches:
+            attend()
+        assert [dict(one.constexprs)["SPLIT"] for one in launches] == [parts]
+        results.append(attend())
+    for got in results[1:]:
+        np.testing.assert_allclose(np.asarray(got[0]), np.asarray(results[0][0]), atol=1e-6)
+        np.testing.assert_allclose(np.asarray(got[1]), np.asarray(results[0][1]), atol=1e-6)
+    close(results[2], paged_prefix_attention_reference(q, lb, None, 0, table, lengths, **kw), jnp.float32)
 
 
 @interpreted

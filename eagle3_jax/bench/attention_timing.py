@@ -57,7 +57,8 @@ class AttentionShapes:
     batches: tuple[int, ...]
     tokens: tuple[int, ...]  # new tokens per row
     contexts: tuple[int, ...]  # committed prefix per row
-    launches: tuple[str, ...] = ()  # block_rows:num_warps:num_stages:block_slots, timed beside the table's
+    # block_rows:num_warps:num_stages:block_slots[:row_parts], timed beside the table's
+    launches: tuple[str, ...] = ()
     repeats: int = 20
     # what the per-device shapes stand for: "replicated" (every head, every sequence), "tensor" (the
     # heads split over the devices: Kimi-K2.5 at 8 of 64 heads on 8), "data" (the sequences split)
@@ -65,17 +66,22 @@ class AttentionShapes:
 
 
 def parse_launch(text: str) -> AttentionLaunch:
-    """An AttentionLaunch from block_rows:num_warps:num_stages:block_slots; a ValueError naming
-    --attention_launches for any other text."""
+    """An AttentionLaunch from block_rows:num_warps:num_stages:block_slots[:row_parts]; a ValueError
+    naming --attention_launches for any other text."""
     try:
-        rows, warps, stages, slots = (int(part) for part in text.split(":"))
+        rows, warps, stages, slots, *parts = (int(part) for part in text.split(":"))
+        if len(parts) > 1:
+            raise ValueError
     except ValueError:
         raise ValueError(f"--attention_launches: {text!r} is not block_rows:num_warps:num_stages:block_slots "
-                         "(four integers, e.g. 32:8:2:32)") from None
-    if min(rows, warps, stages, slots) < 1 or rows < 16 or rows & (rows - 1) or slots & (slots - 1):
-        raise ValueError(f"--attention_launches: {text!r} needs block_rows a power of two >= 16, block_slots a "
-                         "power of two and positive warps and stages")
-    return AttentionLaunch(block_rows=rows, num_warps=warps, num_stages=stages, block_slots=slots)
+                         "(four integers, e.g. 32:8:2:32, and optionally :row_parts)") from None
+    parts = parts[0] if parts else 1
+    if min(rows, warps, stages, slots, parts) < 1 or rows < 16 or rows & (rows - 1) or slots & (slots - 1) \
+            or parts & (parts - 1):
+        raise ValueError(f"--attention_launches: {text!r} needs block_rows a power of two >= 16, block_slots and "
+                         "row_parts powers of two and positive warps and stages")
+    return AttentionLaunch(block_rows=rows, num_warps=warps, num_stages=stages, block_slots=slots,
+                           row_parts=parts)
 
 
 def attention_shapes(values: Any) -> AttentionShapes:
