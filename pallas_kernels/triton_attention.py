@@ -177,30 +177,30 @@ def _grouped_dot(a, b, GROUPS: tl.constexpr, IEEE: tl.constexpr, INTERPRETED: tl
 
 
 @triton.jit
-def _group_rows(GROUPS: tl.constexpr, SPLIT: tl.constexpr, SUB: tl.constexpr, first_row, WIDTH: tl.constexpr,
+def _group_rows(GROUPS: tl.constexpr, PARTS: tl.constexpr, SUB: tl.constexpr, first_row, WIDTH: tl.constexpr,
                 row_stride: tl.constexpr):
-    """Offsets of [GROUPS * SPLIT, SUB, 1]: entry (g * SPLIT + s, r) is row first_row + s * SUB + r's
+    """Offsets of [GROUPS * PARTS, SUB, 1]: entry (g * PARTS + s, r) is row first_row + s * SUB + r's
     lane group g (its first lane, g * WIDTH)."""
-    batch = tl.arange(0, GROUPS * SPLIT)
-    rows = first_row + (batch % SPLIT)[:, None] * SUB + tl.arange(0, SUB)[None, :]
-    return ((batch // SPLIT)[:, None] * WIDTH + rows * row_stride)[:, :, None]
+    batch = tl.arange(0, GROUPS * PARTS)
+    rows = first_row + (batch % PARTS)[:, None] * SUB + tl.arange(0, SUB)[None, :]
+    return ((batch // PARTS)[:, None] * WIDTH + rows * row_stride)[:, :, None]
 
 
 @triton.jit
-def _split(x, SPLIT: tl.constexpr):
-    """[GROUPS, a, b] -> [GROUPS * SPLIT, a, b]: each group once per row part."""
-    if SPLIT == 1:
+def _each_part(x, PARTS: tl.constexpr):
+    """[GROUPS, a, b] -> [GROUPS * PARTS, a, b]: each group once per row part."""
+    if PARTS == 1:
         return x
-    return tl.reshape(tl.broadcast_to(x[:, None, :, :], [x.shape[0], SPLIT, x.shape[1], x.shape[2]]),
-                      [x.shape[0] * SPLIT, x.shape[1], x.shape[2]])
+    return tl.reshape(tl.broadcast_to(x[:, None, :, :], [x.shape[0], PARTS, x.shape[1], x.shape[2]]),
+                      [x.shape[0] * PARTS, x.shape[1], x.shape[2]])
 
 
 @triton.jit
-def _per_group(x, GROUPS: tl.constexpr, SPLIT: tl.constexpr):
-    """[rows, n] -> [GROUPS * SPLIT, rows / SPLIT, n]: entry (g * SPLIT + s, r) is row s * rows / SPLIT + r."""
-    sub: tl.constexpr = x.shape[0] // SPLIT
-    parts = tl.reshape(x, [1, SPLIT, sub, x.shape[1]])
-    return tl.reshape(tl.broadcast_to(parts, [GROUPS, SPLIT, sub, x.shape[1]]), [GROUPS * SPLIT, sub, x.shape[1]])
+def _per_group(x, GROUPS: tl.constexpr, PARTS: tl.constexpr):
+    """[rows, n] -> [GROUPS * PARTS, rows / PARTS, n]: entry (g * PARTS + s, r) is row s * rows / PARTS + r."""
+    sub: tl.constexpr = x.shape[0] // PARTS
+    pieces = tl.reshape(x, [1, PARTS, sub, x.shape[1]])
+    return tl.reshape(tl.broadcast_to(pieces, [GROUPS, PARTS, sub, x.shape[1]]), [GROUPS * PARTS, sub, x.shape[1]])
 
 
 @triton.jit
@@ -220,7 +220,7 @@ def paged_prefix_attention_fp8_kernel(
         PAGE: tl.constexpr, TILE: tl.constexpr, TILE_P: tl.constexpr, BLOCK_M: tl.constexpr,
         ROW_BLOCKS: tl.constexpr, KG: tl.constexpr, KW: tl.constexpr, KW_P: tl.constexpr, D2: tl.constexpr,
         D2_P: tl.constexpr, VG: tl.constexpr, VW: tl.constexpr, VW_P: tl.constexpr,
-        HAS_ROPE: tl.constexpr, SHARED_VALUE: tl.constexpr, FNUZ: tl.constexpr, SPLIT: tl.constexpr,
+        HAS_ROPE: tl.constexpr, SHARED_VALUE: tl.constexpr, FNUZ: tl.constexpr, PARTS: tl.constexpr,
         SLIDING: tl.constexpr, TOKENS: tl.constexpr, IEEE: tl.constexpr, INTERPRETED: tl.constexpr):
     """Over FP8 pages: lanes in KG (keys) / VG (values) scale groups of KW / VW lanes, [groups, rows,
     lanes] tiles; *_P the power of two >= 16 a Triton block needs, the real lanes and slots a step
@@ -230,10 +230,10 @@ def paged_prefix_attention_fp8_kernel(
     # the layer's and the page's offsets in 64 bits: a pool's layer stride passes 2^31 elements
     layer, length = tl.load(layer_ptr).to(tl.int64), tl.load(lengths_ptr + b)
     rows = row_block * BLOCK_M + tl.arange(0, BLOCK_M)
-    SUB: tl.constexpr = BLOCK_M // SPLIT
+    SUB: tl.constexpr = BLOCK_M // PARTS
     q_lanes = tl.arange(0, KW_P)
-    q = tl.load(q_ptr + b * q_b + h * q_h + _group_rows(KG, SPLIT, SUB, row_block * BLOCK_M, KW, q_m)
-                + q_lanes[None, None, :], mask=(q_lanes < KW)[None, None, :], other=0.0)  # [KG * SPLIT, SUB, KW_P]
+    q = tl.load(q_ptr + b * q_b + h * q_h + _group_rows(KG, PARTS, SUB, row_block * BLOCK_M, KW, q_m)
+                + q_lanes[None, None, :], mask=(q_lanes < KW)[None, None, :], other=0.0)  # [KG * PARTS, SUB, KW_P]
     if HAS_ROPE:
         rope_lanes = tl.arange(0, D2_P)
         q2 = tl.load(q2_ptr + b * q2_b + h * q2_h + rows[:, None] * q2_m + rope_lanes[None, :],
@@ -246,7 +246,7 @@ def paged_prefix_attention_fp8_kernel(
         first = tl.maximum(first, tl.min(row_start, axis=0) // TILE)
     m_i = tl.full([BLOCK_M], _NEG, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([VG * SPLIT, SUB, VW_P], tl.float32)
+    acc = tl.zeros([VG * PARTS, SUB, VW_P], tl.float32)
     step = tl.arange(0, TILE_P)
     for j in range(first, last):
         page = tl.load(table_ptr + b * table_stride + j // tiles_per_page).to(tl.int64)
@@ -256,11 +256,11 @@ def paged_prefix_attention_fp8_kernel(
         real = (step < TILE) & (tl.full([TILE_P], 0, tl.int32) <= page)
         key_at, key_lanes = _grouped(k_ptr + layer * k_l + page * k_p + h * k_h, k_s, slots, KG, KW, KW_P)
         keys = tl.load(key_at, mask=key_lanes & real[None, :, None], other=0)  # [KG, TILE_P, KW_P]
-        keys = _split(_fp8_decode(keys, FNUZ).to(q.dtype), SPLIT)  # [KG * SPLIT, TILE_P, KW_P]
-        parts = _grouped_dot(q, tl.permute(keys, (0, 2, 1)), KG * SPLIT, IEEE, INTERPRETED)  # [KG * SPLIT, SUB, TILE_P]
-        key_scales = _split(tl.load(ks_ptr + layer * ks_l + page * ks_p + h * ks_h + slots[None, None, :] * ks_s
-                                    + tl.arange(0, KG)[:, None, None], mask=real[None, None, :], other=0.0), SPLIT)
-        scores = tl.reshape(tl.sum(tl.reshape(parts * key_scales, [KG, SPLIT, SUB, TILE_P]), axis=0), [BLOCK_M, TILE_P])
+        keys = _each_part(_fp8_decode(keys, FNUZ).to(q.dtype), PARTS)  # [KG * PARTS, TILE_P, KW_P]
+        partial = _grouped_dot(q, tl.permute(keys, (0, 2, 1)), KG * PARTS, IEEE, INTERPRETED)  # [KG * PARTS, SUB, TILE_P]
+        key_scales = _each_part(tl.load(ks_ptr + layer * ks_l + page * ks_p + h * ks_h + slots[None, None, :] * ks_s
+                                    + tl.arange(0, KG)[:, None, None], mask=real[None, None, :], other=0.0), PARTS)
+        scores = tl.reshape(tl.sum(tl.reshape(partial * key_scales, [KG, PARTS, SUB, TILE_P]), axis=0), [BLOCK_M, TILE_P])
         if HAS_ROPE:
             rope = tl.load(k2_ptr + layer * k2_l + page * k2_p + h * k2_h + rope_lanes[:, None] + slots[None, :] * k2_s,
                            mask=(rope_lanes < D2)[:, None] & real[None, :], other=0)
@@ -281,20 +281,20 @@ def paged_prefix_attention_fp8_kernel(
         else:
             value_at, value_lanes = _grouped(v_ptr + layer * v_l + page * v_p + h * v_h, v_s, slots, VG, VW, VW_P)
             values = tl.load(value_at, mask=value_lanes & real[None, :, None], other=0)
-            values = _split(_fp8_decode(values, FNUZ).to(q.dtype), SPLIT)
+            values = _each_part(_fp8_decode(values, FNUZ).to(q.dtype), PARTS)
             value_scales = tl.load(vs_ptr + layer * vs_l + page * vs_p + h * vs_h + slots[None, None, :] * vs_s
                                    + tl.arange(0, VG)[:, None, None], mask=real[None, None, :], other=0.0)
-            value_scales = _split(value_scales, SPLIT)
-        weights = _per_group(p, VG, SPLIT) * value_scales  # [VG * SPLIT, SUB, TILE_P]
-        acc = acc * _per_group(alpha[:, None], VG, SPLIT) + _grouped_dot(weights.to(values.dtype), values, VG * SPLIT,
+            value_scales = _each_part(value_scales, PARTS)
+        weights = _per_group(p, VG, PARTS) * value_scales  # [VG * PARTS, SUB, TILE_P]
+        acc = acc * _per_group(alpha[:, None], VG, PARTS) + _grouped_dot(weights.to(values.dtype), values, VG * PARTS,
                                                                          IEEE, INTERPRETED)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         m_i = m_new
     seen = l_i > 0
-    out = tl.where(_per_group(seen[:, None], VG, SPLIT), acc / _per_group(tl.where(seen, l_i, 1.0)[:, None], VG, SPLIT),
+    out = tl.where(_per_group(seen[:, None], VG, PARTS), acc / _per_group(tl.where(seen, l_i, 1.0)[:, None], VG, PARTS),
                    0.0)
     out_lanes = tl.arange(0, VW_P)
-    tl.store(out_ptr + b * o_b + h * o_h + split * o_s + _group_rows(VG, SPLIT, SUB, row_block * BLOCK_M, VW, o_m)
+    tl.store(out_ptr + b * o_b + h * o_h + split * o_s + _group_rows(VG, PARTS, SUB, row_block * BLOCK_M, VW, o_m)
              + out_lanes[None, None, :], out, mask=(out_lanes < VW)[None, None, :])
     tl.store(lse_ptr + b * lse_b + h * lse_h + split * lse_s + rows,
              tl.where(seen, m_i + tl.log(tl.where(seen, l_i, 1.0)), float("-inf")))
@@ -344,11 +344,11 @@ def paged_prefix_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array | 
     else:  # lanes in scale groups: the scores and probabilities scaled per group
         kg, vg = scales.k.shape[-1], (scales.k if shared_value else scales.v).shape[-1]
         kernel = paged_prefix_attention_fp8_kernel
-        split = launch.row_parts if kg > 1 else 1  # the batched dots' row parts, 16 rows or more each
-        while split > 1 and (block // split < 16 or block % split):
-            split //= 2
+        parts = launch.row_parts if kg > 1 else 1  # the batched dots' row parts, 16 rows or more each
+        while parts > 1 and (block // parts < 16 or block % parts):
+            parts //= 2
         widths = dict(KG=kg, KW=d // kg, KW_P=_block(d // kg), VG=vg, VW=dv // vg, VW_P=_block(dv // vg),
-                      FNUZ=bool(scales.fnuz), SPLIT=split)
+                      FNUZ=bool(scales.fnuz), PARTS=parts)
     if num_splits <= 0:  # interpreted, programs run one after another: a split only adds its overhead
         interpreting = triton_call.interpreted() if interpret is None else interpret
         num_splits = 1 if interpreting else default_splits(b, h, m, block_table.shape[1], dv, itemsize, launch, form,

@@ -146,7 +146,7 @@ def test_fp8_row_parts_do_not_change_the_result():
                                    **kw)
         with triton_call.capturing([]) as launches:
             attend()
-        assert [dict(one.constexprs)["SPLIT"] for one in launches] == [parts]
+        assert [dict(one.constexprs)["PARTS"] for one in launches] == [parts]
         results.append(attend())
     for got in results[1:]:
         np.testing.assert_allclose(np.asarray(got[0]), np.asarray(results[0][0]), atol=1e-6)
