@@ -28,7 +28,8 @@ Strides are constexprs, so the compiler knows each slot's lanes start 16-byte al
 them in vectors. Any lane width and page size: a block is the power of two >= 16 that Triton's
 shapes and dots need, the real lanes and slots masked within it (Kimi's 512 + 64 lanes and pages of
 16 or 64 slots fill their blocks; a small test model's 8-lane heads over 4-slot pages run the same
-code).
+code); FP8 pages' scale groups likewise padded to a power of two (384-lane heads: 3 of 4). MLA's
+rope key is scaled as one group (64 lanes in every model served; a wider one is refused).
 """
 
 from __future__ import annotations
@@ -156,13 +157,27 @@ def paged_prefix_attention_kernel(
 
 
 @triton.jit
-def _grouped(base, slot_stride, slots, GROUPS: tl.constexpr, WIDTH: tl.constexpr, LANES: tl.constexpr):
-    """Pointers to `slots` x GROUPS x LANES lanes of a page (WIDTH of them real), as [GROUPS,
-    slots, LANES], and the mask of the real ones."""
-    lanes = tl.arange(0, LANES)
-    pointers = (base + tl.arange(0, GROUPS)[:, None, None] * WIDTH + slots[None, :, None] * slot_stride
-                + lanes[None, None, :])
-    return pointers, (lanes < WIDTH)[None, None, :]
+def _grouped(base, slot_stride, slots, GROUPS: tl.constexpr, GROUPS_P: tl.constexpr, WIDTH: tl.constexpr,
+             LANES: tl.constexpr):
+    """Pointers to `slots` x GROUPS x LANES lanes of a page (WIDTH of them real), as [GROUPS_P,
+    slots, LANES] (GROUPS padded to a power of two), and the mask of the real ones."""
+    groups, lanes = tl.arange(0, GROUPS_P), tl.arange(0, LANES)
+    pointers = base + groups[:, None, None] * WIDTH + slots[None, :, None] * slot_stride + lanes[None, None, :]
+    return pointers, (groups < GROUPS)[:, None, None] & (lanes < WIDTH)[None, None, :]
+
+
+@triton.jit
+def _real_groups(GROUPS: tl.constexpr, GROUPS_P: tl.constexpr, PARTS: tl.constexpr):
+    """[GROUPS_P * PARTS, 1, 1]: whether entry g * PARTS + s of a batch is a real group's."""
+    return ((tl.arange(0, GROUPS_P * PARTS) // PARTS) < GROUPS)[:, None, None]
+
+
+@triton.jit
+def _scales(base, slot_stride, slots, real, GROUPS: tl.constexpr, GROUPS_P: tl.constexpr):
+    """The `slots`' float32 scales of a page, [GROUPS_P, 1, slots] (0 where a group or slot is not real)."""
+    groups = tl.arange(0, GROUPS_P)
+    return tl.load(base + slots[None, None, :] * slot_stride + groups[:, None, None],
+                   mask=(groups < GROUPS)[:, None, None] & real[None, None, :], other=0.0)
 
 
 @triton.jit
@@ -218,13 +233,15 @@ def paged_prefix_attention_fp8_kernel(
         o_b: tl.constexpr, o_h: tl.constexpr, o_s: tl.constexpr, o_m: tl.constexpr,
         lse_b: tl.constexpr, lse_h: tl.constexpr, lse_s: tl.constexpr,
         PAGE: tl.constexpr, TILE: tl.constexpr, TILE_P: tl.constexpr, BLOCK_M: tl.constexpr,
-        ROW_BLOCKS: tl.constexpr, KG: tl.constexpr, KW: tl.constexpr, KW_P: tl.constexpr, D2: tl.constexpr,
-        D2_P: tl.constexpr, VG: tl.constexpr, VW: tl.constexpr, VW_P: tl.constexpr,
+        ROW_BLOCKS: tl.constexpr, KG: tl.constexpr, KG_P: tl.constexpr, KW: tl.constexpr, KW_P: tl.constexpr,
+        D2: tl.constexpr, D2_P: tl.constexpr, VG: tl.constexpr, VG_P: tl.constexpr, VW: tl.constexpr,
+        VW_P: tl.constexpr,
         HAS_ROPE: tl.constexpr, SHARED_VALUE: tl.constexpr, FNUZ: tl.constexpr, PARTS: tl.constexpr,
         SLIDING: tl.constexpr, TOKENS: tl.constexpr, IEEE: tl.constexpr, INTERPRETED: tl.constexpr):
-    """Over FP8 pages: lanes in KG (keys) / VG (values) scale groups of KW / VW lanes, [groups, rows,
-    lanes] tiles; *_P the power of two >= 16 a Triton block needs, the real lanes and slots a step
-    (TILE) masked within it."""
+    """Over FP8 pages: lanes in KG (keys) / VG (values) scale groups of KW / VW lanes, [groups x
+    PARTS, rows / PARTS, lanes] tiles; KG_P / VG_P the groups padded to a power of two, KW_P / VW_P /
+    D2_P the power of two >= 16 a Triton block needs, the real groups, lanes and slots a step (TILE)
+    masked within them."""
     b, split = tl.program_id(1), tl.program_id(2)
     h, row_block = tl.program_id(0) // ROW_BLOCKS, tl.program_id(0) % ROW_BLOCKS
     # the layer's and the page's offsets in 64 bits: a pool's layer stride passes 2^31 elements
@@ -232,8 +249,9 @@ def paged_prefix_attention_fp8_kernel(
     rows = row_block * BLOCK_M + tl.arange(0, BLOCK_M)
     SUB: tl.constexpr = BLOCK_M // PARTS
     q_lanes = tl.arange(0, KW_P)
-    q = tl.load(q_ptr + b * q_b + h * q_h + _group_rows(KG, PARTS, SUB, row_block * BLOCK_M, KW, q_m)
-                + q_lanes[None, None, :], mask=(q_lanes < KW)[None, None, :], other=0.0)  # [KG * PARTS, SUB, KW_P]
+    q = tl.load(q_ptr + b * q_b + h * q_h + _group_rows(KG_P, PARTS, SUB, row_block * BLOCK_M, KW, q_m)
+                + q_lanes[None, None, :], mask=_real_groups(KG, KG_P, PARTS) & (q_lanes < KW)[None, None, :],
+                other=0.0)  # [KG_P * PARTS, SUB, KW_P]
     if HAS_ROPE:
         rope_lanes = tl.arange(0, D2_P)
         q2 = tl.load(q2_ptr + b * q2_b + h * q2_h + rows[:, None] * q2_m + rope_lanes[None, :],
@@ -246,7 +264,7 @@ def paged_prefix_attention_fp8_kernel(
         first = tl.maximum(first, tl.min(row_start, axis=0) // TILE)
     m_i = tl.full([BLOCK_M], _NEG, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([VG * PARTS, SUB, VW_P], tl.float32)
+    acc = tl.zeros([VG_P * PARTS, SUB, VW_P], tl.float32)
     step = tl.arange(0, TILE_P)
     for j in range(first, last):
         page = tl.load(table_ptr + b * table_stride + j // tiles_per_page).to(tl.int64)
@@ -254,13 +272,14 @@ def paged_prefix_attention_fp8_kernel(
         # the step's real slots, on a page this device holds (compared as a block: Triton's
         # interpreter cannot mask by a block and-ed with a scalar condition)
         real = (step < TILE) & (tl.full([TILE_P], 0, tl.int32) <= page)
-        key_at, key_lanes = _grouped(k_ptr + layer * k_l + page * k_p + h * k_h, k_s, slots, KG, KW, KW_P)
-        keys = tl.load(key_at, mask=key_lanes & real[None, :, None], other=0)  # [KG, TILE_P, KW_P]
-        keys = _each_part(_fp8_decode(keys, FNUZ).to(q.dtype), PARTS)  # [KG * PARTS, TILE_P, KW_P]
-        partial = _grouped_dot(q, tl.permute(keys, (0, 2, 1)), KG * PARTS, IEEE, INTERPRETED)  # [KG * PARTS, SUB, TILE_P]
-        key_scales = _each_part(tl.load(ks_ptr + layer * ks_l + page * ks_p + h * ks_h + slots[None, None, :] * ks_s
-                                    + tl.arange(0, KG)[:, None, None], mask=real[None, None, :], other=0.0), PARTS)
-        scores = tl.reshape(tl.sum(tl.reshape(partial * key_scales, [KG, PARTS, SUB, TILE_P]), axis=0), [BLOCK_M, TILE_P])
+        key_at, key_lanes = _grouped(k_ptr + layer * k_l + page * k_p + h * k_h, k_s, slots, KG, KG_P, KW, KW_P)
+        keys = tl.load(key_at, mask=key_lanes & real[None, :, None], other=0)  # [KG_P, TILE_P, KW_P]
+        keys = _each_part(_fp8_decode(keys, FNUZ).to(q.dtype), PARTS)  # [KG_P * PARTS, TILE_P, KW_P]
+        partial = _grouped_dot(q, tl.permute(keys, (0, 2, 1)), KG_P * PARTS, IEEE, INTERPRETED)  # [.., SUB, TILE_P]
+        key_scales = _each_part(_scales(ks_ptr + layer * ks_l + page * ks_p + h * ks_h, ks_s, slots, real, KG, KG_P),
+                                PARTS)
+        scores = tl.reshape(tl.sum(tl.reshape(partial * key_scales, [KG_P, PARTS, SUB, TILE_P]), axis=0),
+                            [BLOCK_M, TILE_P])
         if HAS_ROPE:
             rope = tl.load(k2_ptr + layer * k2_l + page * k2_p + h * k2_h + rope_lanes[:, None] + slots[None, :] * k2_s,
                            mask=(rope_lanes < D2)[:, None] & real[None, :], other=0)
@@ -279,30 +298,34 @@ def paged_prefix_attention_fp8_kernel(
         if SHARED_VALUE:  # MLA: the values are the latent keys, with their scales
             values, value_scales = keys, key_scales
         else:
-            value_at, value_lanes = _grouped(v_ptr + layer * v_l + page * v_p + h * v_h, v_s, slots, VG, VW, VW_P)
+            value_at, value_lanes = _grouped(v_ptr + layer * v_l + page * v_p + h * v_h, v_s, slots, VG, VG_P, VW, VW_P)
             values = tl.load(value_at, mask=value_lanes & real[None, :, None], other=0)
             values = _each_part(_fp8_decode(values, FNUZ).to(q.dtype), PARTS)
-            value_scales = tl.load(vs_ptr + layer * vs_l + page * vs_p + h * vs_h + slots[None, None, :] * vs_s
-                                   + tl.arange(0, VG)[:, None, None], mask=real[None, None, :], other=0.0)
-            value_scales = _each_part(value_scales, PARTS)
-        weights = _per_group(p, VG, PARTS) * value_scales  # [VG * PARTS, SUB, TILE_P]
-        acc = acc * _per_group(alpha[:, None], VG, PARTS) + _grouped_dot(weights.to(values.dtype), values, VG * PARTS,
-                                                                         IEEE, INTERPRETED)
+            value_scales = _each_part(_scales(vs_ptr + layer * vs_l + page * vs_p + h * vs_h, vs_s, slots, real, VG,
+                                              VG_P), PARTS)
+        weights = _per_group(p, VG_P, PARTS) * value_scales  # [VG_P * PARTS, SUB, TILE_P]
+        acc = acc * _per_group(alpha[:, None], VG_P, PARTS) + _grouped_dot(weights.to(values.dtype), values,
+                                                                           VG_P * PARTS, IEEE, INTERPRETED)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         m_i = m_new
     seen = l_i > 0
-    out = tl.where(_per_group(seen[:, None], VG, PARTS), acc / _per_group(tl.where(seen, l_i, 1.0)[:, None], VG, PARTS),
-                   0.0)
+    out = tl.where(_per_group(seen[:, None], VG_P, PARTS),
+                   acc / _per_group(tl.where(seen, l_i, 1.0)[:, None], VG_P, PARTS), 0.0)
     out_lanes = tl.arange(0, VW_P)
-    tl.store(out_ptr + b * o_b + h * o_h + split * o_s + _group_rows(VG, PARTS, SUB, row_block * BLOCK_M, VW, o_m)
-             + out_lanes[None, None, :], out, mask=(out_lanes < VW)[None, None, :])
+    tl.store(out_ptr + b * o_b + h * o_h + split * o_s + _group_rows(VG_P, PARTS, SUB, row_block * BLOCK_M, VW, o_m)
+             + out_lanes[None, None, :], out, mask=_real_groups(VG, VG_P, PARTS) & (out_lanes < VW)[None, None, :])
     tl.store(lse_ptr + b * lse_b + h * lse_h + split * lse_s + rows,
              tl.where(seen, m_i + tl.log(tl.where(seen, l_i, 1.0)), float("-inf")))
 
 
+def _pow2(n: int) -> int:
+    """The power of two >= n."""
+    return 1 << (max(n, 1) - 1).bit_length()
+
+
 def _block(width: int) -> int:
     """The power of two >= 16 a Triton block of `width` real elements takes."""
-    return max(16, 1 << (max(width, 1) - 1).bit_length())
+    return max(16, _pow2(width))
 
 
 def paged_prefix_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array | None, layer, block_table: jax.Array,
@@ -344,11 +367,14 @@ def paged_prefix_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array | 
     else:  # lanes in scale groups: the scores and probabilities scaled per group
         kg, vg = scales.k.shape[-1], (scales.k if shared_value else scales.v).shape[-1]
         kernel = paged_prefix_attention_fp8_kernel
+        if scales.k2 is not None and scales.k2.shape[-1] != 1:
+            raise ValueError(f"the FP8 attention kernel scales a rope key of {q2.shape[-1]} lanes as one group; "
+                             f"its pool has {scales.k2.shape[-1]} scale groups")
         parts = launch.row_parts if kg > 1 else 1  # the batched dots' row parts, 16 rows or more each
         while parts > 1 and (block // parts < 16 or block % parts):
             parts //= 2
-        widths = dict(KG=kg, KW=d // kg, KW_P=_block(d // kg), VG=vg, VW=dv // vg, VW_P=_block(dv // vg),
-                      FNUZ=bool(scales.fnuz), PARTS=parts)
+        widths = dict(KG=kg, KG_P=_pow2(kg), KW=d // kg, KW_P=_block(d // kg), VG=vg, VG_P=_pow2(vg), VW=dv // vg,
+                      VW_P=_block(dv // vg), FNUZ=bool(scales.fnuz), PARTS=parts)
     if num_splits <= 0:  # interpreted, programs run one after another: a split only adds its overhead
         interpreting = triton_call.interpreted() if interpret is None else interpret
         num_splits = 1 if interpreting else default_splits(b, h, m, block_table.shape[1], dv, itemsize, launch, form,

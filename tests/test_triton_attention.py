@@ -131,6 +131,31 @@ def test_fp8_pages_equal_the_reference_over_their_dequantized_values(fnuz):
 
 
 @interpreted
+def test_fp8_pages_in_three_scale_groups():
+    """GQA heads 384 wide over FP8 pages: three scale groups, padded to four in the kernel's batched
+    dots and masked; equal to the reference."""
+    rng = np.random.default_rng(13)
+    (k, v), table, lengths = pools_and_table(rng, 1, [384, 384], num_pages=18)
+    (kb, ks), (vb, vs) = fp8_pool(k, False), fp8_pool(v, False)
+    assert ks.shape[-1] == 3
+    q = jnp.asarray(rng.standard_normal((len(LENGTHS), 1, 2, 384)), jnp.float32)
+    kw = dict(scale=384 ** -0.5, scales=Fp8Scales(ks, vs))
+    got = paged_prefix_attention(q, kb, vb, 1, table, lengths, num_splits=2, interpret=True, **kw)
+    close(got, paged_prefix_attention_reference(q, kb, vb, 1, table, lengths, **kw), jnp.float32)
+
+
+def test_fp8_rope_key_in_several_scale_groups_is_refused():
+    """The kernel scales MLA's rope key as one group (64 lanes in every model it serves): a wider one
+    with several scale groups is refused, not misread."""
+    bits = jnp.zeros((1, 4, 16, 1, 256), jnp.uint8)
+    kw = dict(scale=0.1, q2=jnp.zeros((1, 1, 16, 256)), k2_pool=bits, interpret=True,
+              scales=Fp8Scales(jnp.ones((1, 4, 16, 1, 1)), k2=jnp.ones((1, 4, 16, 1, 2))))
+    with pytest.raises(ValueError, match="rope key of 256 lanes as one group; its pool has 2 scale groups"):
+        paged_prefix_attention(jnp.zeros((1, 1, 16, 64)), bits[..., :64], None, 0, jnp.zeros((1, 4), jnp.int32),
+                               jnp.ones((1,), jnp.int32), **kw)
+
+
+@interpreted
 def test_fp8_row_parts_do_not_change_the_result():
     """MLA over FP8 pages (four scale groups) with a tile's rows in 1, 2 or 4 parts of the batched
     dots (`AttentionLaunch.row_parts`, as AMD's entries run them): the same numbers, the reference's."""
