@@ -146,7 +146,7 @@ TABLE: dict[tuple[str, str], Launch] = {
     ("gqa_attention", "sm_90"): AttentionLaunch(block_rows=64, num_warps=4, num_stages=2),
     ("gqa_attention", "sm_100"): AttentionLaunch(block_rows=64, num_warps=4, num_stages=2),
     # Over FP8 pages (decoded in registers, the scores and probabilities scaled per lane group:
-    # triton_attention.py): 64 rows at two stages on sm_90 / sm_100 (253-255 registers); on AMD 64
+    # triton_attention.py): 64 rows at two stages on sm_90 / sm_100 (250-251 registers); on AMD 64
     # rows at one stage in two row parts (MLA's 4 groups x 2 parts fill the 8 warps: gfx942 252
     # VGPRs, gfx950 240-244; in one part the 4 groups' warps each hold 64 rows and spill 45-53
     # VGPRs), where two parts spill on sm_90 (200 B).

@@ -197,7 +197,9 @@ def _group_rows(GROUPS: tl.constexpr, PARTS: tl.constexpr, SUB: tl.constexpr, fi
     """Offsets of [GROUPS * PARTS, SUB, 1]: entry (g * PARTS + s, r) is row first_row + s * SUB + r's
     lane group g (its first lane, g * WIDTH)."""
     batch = tl.arange(0, GROUPS * PARTS)
-    rows = first_row + (batch % PARTS)[:, None] * SUB + tl.arange(0, SUB)[None, :]
+    rows = first_row + tl.arange(0, SUB)[None, :]
+    if PARTS > 1:
+        rows += (batch % PARTS)[:, None] * SUB
     return ((batch // PARTS)[:, None] * WIDTH + rows * row_stride)[:, :, None]
 
 
@@ -212,10 +214,15 @@ def _each_part(x, PARTS: tl.constexpr):
 
 @triton.jit
 def _per_group(x, GROUPS: tl.constexpr, PARTS: tl.constexpr):
-    """[rows, n] -> [GROUPS * PARTS, rows / PARTS, n]: entry (g * PARTS + s, r) is row s * rows / PARTS + r."""
-    sub: tl.constexpr = x.shape[0] // PARTS
-    pieces = tl.reshape(x, [1, PARTS, sub, x.shape[1]])
-    return tl.reshape(tl.broadcast_to(pieces, [GROUPS, PARTS, sub, x.shape[1]]), [GROUPS * PARTS, sub, x.shape[1]])
+    """[rows, n] -> [GROUPS * PARTS, rows / PARTS, n]: entry (g * PARTS + s, r) is row s * rows / PARTS + r
+    (one part: [1, rows, n], which broadcasts over the groups)."""
+    if PARTS == 1:
+        out = x[None, :, :]
+    else:
+        sub: tl.constexpr = x.shape[0] // PARTS
+        pieces = tl.reshape(x, [1, PARTS, sub, x.shape[1]])
+        out = tl.reshape(tl.broadcast_to(pieces, [GROUPS, PARTS, sub, x.shape[1]]), [GROUPS * PARTS, sub, x.shape[1]])
+    return out
 
 
 @triton.jit
@@ -278,8 +285,11 @@ def paged_prefix_attention_fp8_kernel(
         partial = _grouped_dot(q, tl.permute(keys, (0, 2, 1)), KG_P * PARTS, IEEE, INTERPRETED)  # [.., SUB, TILE_P]
         key_scales = _each_part(_scales(ks_ptr + layer * ks_l + page * ks_p + h * ks_h, ks_s, slots, real, KG, KG_P),
                                 PARTS)
-        scores = tl.reshape(tl.sum(tl.reshape(partial * key_scales, [KG_P, PARTS, SUB, TILE_P]), axis=0),
-                            [BLOCK_M, TILE_P])
+        if PARTS == 1:
+            scores = tl.sum(partial * key_scales, axis=0)
+        else:
+            scores = tl.reshape(tl.sum(tl.reshape(partial * key_scales, [KG_P, PARTS, SUB, TILE_P]), axis=0),
+                                [BLOCK_M, TILE_P])
         if HAS_ROPE:
             rope = tl.load(k2_ptr + layer * k2_l + page * k2_p + h * k2_h + rope_lanes[:, None] + slots[None, :] * k2_s,
                            mask=(rope_lanes < D2)[:, None] & real[None, :], other=0)
