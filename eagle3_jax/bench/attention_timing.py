@@ -69,13 +69,13 @@ def parse_launch(text: str) -> AttentionLaunch:
     """An AttentionLaunch from block_rows:num_warps:num_stages:block_slots[:row_parts]; a ValueError
     naming --attention_launches for any other text."""
     try:
-        rows, warps, stages, slots, *parts = (int(part) for part in text.split(":"))
-        if len(parts) > 1:
-            raise ValueError
+        values = [int(part) for part in text.split(":")]
     except ValueError:
+        values = []
+    if len(values) not in (4, 5):
         raise ValueError(f"--attention_launches: {text!r} is not block_rows:num_warps:num_stages:block_slots "
-                         "(four integers, e.g. 32:8:2:32, and optionally :row_parts)") from None
-    parts = parts[0] if parts else 1
+                         "(four integers, e.g. 32:8:2:32, and optionally :row_parts)")
+    rows, warps, stages, slots, parts = values + [1] * (5 - len(values))
     if min(rows, warps, stages, slots, parts) < 1 or rows < 16 or rows & (rows - 1) or slots & (slots - 1) \
             or parts & (parts - 1):
         raise ValueError(f"--attention_launches: {text!r} needs block_rows a power of two >= 16, block_slots and "
